@@ -1,0 +1,355 @@
+//! The resolved configuration: every value decided (`"auto"` replaced, defaults applied,
+//! deprecated keys mapped, batch sizes derived and checked against the world size).
+//! This is the only configuration type the engine reads.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// ZeRO stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum ZeroStage {
+    /// Plain data parallelism.
+    Stage0,
+    /// Optimizer state partitioned.
+    Stage1,
+    /// Optimizer state and gradients partitioned.
+    Stage2,
+    /// Optimizer state, gradients and parameters partitioned.
+    Stage3,
+}
+
+impl ZeroStage {
+    /// The stage number, 0 to 3.
+    pub fn number(self) -> u8 {
+        match self {
+            ZeroStage::Stage0 => 0,
+            ZeroStage::Stage1 => 1,
+            ZeroStage::Stage2 => 2,
+            ZeroStage::Stage3 => 3,
+        }
+    }
+}
+
+/// Where offloaded state lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum OffloadTarget {
+    /// Not offloaded.
+    None,
+    /// Host memory.
+    Cpu,
+    /// NVMe files under this directory.
+    Nvme(PathBuf),
+}
+
+/// `offload_param` / `offload_optimizer`, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Offload {
+    /// Where the state lives.
+    pub target: OffloadTarget,
+    /// Page-lock host buffers.
+    pub pin_memory: bool,
+    /// Swap buffers in the pool.
+    pub buffer_count: usize,
+    /// Elements per swap buffer.
+    pub buffer_size: usize,
+    /// Elements kept in host memory at most (parameters offloaded to NVMe).
+    pub max_in_cpu: usize,
+    /// Prefetch reads ahead of use.
+    pub pipeline_read: bool,
+    /// Write back behind use.
+    pub pipeline_write: bool,
+    /// Initialise optimizer state directly in its offload location.
+    pub fast_init: bool,
+    /// Fraction of the optimizer state offloaded (1.0 = all).
+    pub ratio: f64,
+}
+
+/// `zero_optimization`, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ZeroConfig {
+    /// The stage.
+    pub stage: ZeroStage,
+    /// Overlap gradient reduction and parameter gathering with compute.
+    pub overlap_comm: bool,
+    /// Copy gradients into a contiguous buffer as they are produced.
+    pub contiguous_gradients: bool,
+    /// Use reduce-scatter rather than all-reduce for gradients (stages 1-2).
+    pub reduce_scatter: bool,
+    /// Elements per gradient-reduction bucket.
+    pub reduce_bucket_size: usize,
+    /// Gather updated partitions with all-gather (stage 1-2).
+    pub allgather_partitions: bool,
+    /// Elements per all-gather bucket.
+    pub allgather_bucket_size: usize,
+    /// Elements per optimizer-step tile.
+    pub sub_group_size: usize,
+    /// Elements prefetched ahead (stage 3).
+    pub prefetch_bucket_size: usize,
+    /// Parameters with fewer elements stay resident (stage 3).
+    pub param_persistence_threshold: usize,
+    /// Maximum elements gathered at once (stage 3).
+    pub max_live_parameters: usize,
+    /// Do not release a parameter that will be reused within this many elements (stage 3).
+    pub max_reuse_distance: usize,
+    /// Gather full 16-bit weights when saving a model (stage 3).
+    pub gather_16bit_weights_on_model_save: bool,
+    /// Round-robin gradient partition assignment.
+    pub round_robin_gradients: bool,
+    /// Secondary (hierarchical) partition size; 1 = off.
+    pub hpz_partition_size: usize,
+    /// Parameter offload (stage 3 only).
+    pub offload_param: Offload,
+    /// Optimizer-state offload.
+    pub offload_optimizer: Offload,
+}
+
+/// Dynamic or static loss scaling for fp16.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub enum LossScaling {
+    /// A fixed scale.
+    Static(f64),
+    /// DeepSpeed's dynamic loss scaler.
+    Dynamic {
+        /// Initial scale is `2^initial_scale_power`.
+        initial_scale_power: u32,
+        /// Clean iterations before the scale doubles.
+        loss_scale_window: u64,
+        /// Overflows tolerated before the scale halves.
+        hysteresis: u32,
+        /// Refill hysteresis on every clean step.
+        consecutive_hysteresis: bool,
+        /// Floor for the scale.
+        min_loss_scale: f64,
+    },
+}
+
+/// Compute precision.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub enum Precision {
+    /// Everything f32.
+    F32,
+    /// bf16 parameter copies and communication, f32 master weights; no loss scaling.
+    Bf16,
+    /// fp16 parameter copies and communication, f32 master weights, with loss scaling.
+    Fp16(LossScaling),
+}
+
+/// Optimizer, resolved (DeepSpeed's `"Adam"` with `adam_w_mode: true` is AdamW).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub enum OptimizerConfig {
+    /// Adam with L2 or decoupled (AdamW) weight decay.
+    Adam {
+        /// Learning rate.
+        lr: f64,
+        /// (beta1, beta2).
+        betas: (f64, f64),
+        /// Epsilon.
+        eps: f64,
+        /// Weight decay.
+        weight_decay: f64,
+        /// Decoupled weight decay (AdamW) rather than L2.
+        adam_w_mode: bool,
+        /// Apply bias correction.
+        bias_correction: bool,
+    },
+    /// SGD with momentum.
+    Sgd {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum.
+        momentum: f64,
+        /// Dampening.
+        dampening: f64,
+        /// Weight decay (L2).
+        weight_decay: f64,
+        /// Nesterov momentum.
+        nesterov: bool,
+    },
+    /// Lion.
+    Lion {
+        /// Learning rate.
+        lr: f64,
+        /// (beta1, beta2).
+        betas: (f64, f64),
+        /// Decoupled weight decay.
+        weight_decay: f64,
+    },
+}
+
+impl OptimizerConfig {
+    /// The base learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            OptimizerConfig::Adam { lr, .. }
+            | OptimizerConfig::Sgd { lr, .. }
+            | OptimizerConfig::Lion { lr, .. } => *lr,
+        }
+    }
+}
+
+/// LR schedule, resolved, with DeepSpeed's parameter names.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub enum SchedulerConfig {
+    /// Warm up from `warmup_min_lr` to `warmup_max_lr`, then hold.
+    WarmupLR {
+        /// Start of warmup.
+        warmup_min_lr: f64,
+        /// End of warmup.
+        warmup_max_lr: f64,
+        /// Warmup steps.
+        warmup_num_steps: u64,
+        /// `"log"` or `"linear"`.
+        warmup_type: WarmupType,
+    },
+    /// Warmup, then linear decay to zero at `total_num_steps`.
+    WarmupDecayLR {
+        /// Total steps.
+        total_num_steps: u64,
+        /// Start of warmup.
+        warmup_min_lr: f64,
+        /// End of warmup.
+        warmup_max_lr: f64,
+        /// Warmup steps.
+        warmup_num_steps: u64,
+        /// `"log"` or `"linear"`.
+        warmup_type: WarmupType,
+    },
+    /// Warmup as a ratio of the optimizer's lr, then cosine decay.
+    WarmupCosineLR {
+        /// Total steps.
+        total_num_steps: u64,
+        /// Warmup starts at `warmup_min_ratio * lr`.
+        warmup_min_ratio: f64,
+        /// Warmup steps.
+        warmup_num_steps: u64,
+        /// Cosine ends at `cos_min_ratio * lr`.
+        cos_min_ratio: f64,
+        /// `"log"` or `"linear"`.
+        warmup_type: WarmupType,
+    },
+    /// The 1-cycle policy (learning rate and momentum).
+    OneCycle {
+        /// Lowest lr of the cycle.
+        cycle_min_lr: f64,
+        /// Highest lr of the cycle.
+        cycle_max_lr: f64,
+        /// Decay rate after the cycle.
+        decay_lr_rate: f64,
+        /// Steps of the rising half.
+        cycle_first_step_size: u64,
+        /// Steps of the falling half (defaults to the first).
+        cycle_second_step_size: u64,
+        /// Step interval of the rising half.
+        cycle_first_stair_count: u64,
+        /// Step interval of the falling half.
+        cycle_second_stair_count: u64,
+        /// Decay interval after the cycle.
+        decay_step_size: u64,
+        /// Cycle momentum too.
+        cycle_momentum: bool,
+        /// Lowest momentum.
+        cycle_min_mom: f64,
+        /// Highest momentum.
+        cycle_max_mom: f64,
+        /// Momentum decay rate after the cycle.
+        decay_mom_rate: f64,
+    },
+}
+
+/// Warmup curve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum WarmupType {
+    /// Logarithmic (DeepSpeed's default).
+    Log,
+    /// Linear.
+    Linear,
+}
+
+/// `activation_checkpointing`, resolved. Present means the engine checkpoints unit inputs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ActivationCheckpointing {
+    /// Partition checkpointed activations across ranks.
+    pub partition_activations: bool,
+    /// Keep checkpointed activations in host memory.
+    pub cpu_checkpointing: bool,
+    /// Copy checkpoints into one contiguous buffer.
+    pub contiguous_memory_optimization: bool,
+    /// Number of checkpoints; `None` checkpoints every unit.
+    pub number_checkpoints: Option<usize>,
+    /// Synchronise at checkpoint boundaries.
+    pub synchronize_checkpoint_boundary: bool,
+    /// Time forward and recompute.
+    pub profile: bool,
+}
+
+/// `aio`, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AioConfig {
+    /// Bytes per I/O request.
+    pub block_size: usize,
+    /// Requests in flight.
+    pub queue_depth: usize,
+    /// Threads (or rings) per operation.
+    pub intra_op_parallelism: usize,
+    /// Submit requests one at a time.
+    pub single_submit: bool,
+    /// Overlap submission and completion.
+    pub overlap_events: bool,
+}
+
+/// Communicator backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum CommBackend {
+    /// Ranks as threads in one process (the default).
+    Local,
+    /// MPI across processes.
+    Mpi,
+    /// NCCL on GPUs.
+    Nccl,
+}
+
+/// `comms` (ferrozero's own section), resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CommsConfig {
+    /// Backend.
+    pub backend: CommBackend,
+    /// Every collective fails after this long without progress.
+    pub timeout: Duration,
+}
+
+/// The whole resolved configuration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResolvedConfig {
+    /// Global batch in samples.
+    pub train_batch_size: usize,
+    /// Samples per rank per micro-step.
+    pub train_micro_batch_size_per_gpu: usize,
+    /// Micro-steps per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Data-parallel world size the batch rule was checked against.
+    pub world_size: usize,
+    /// Clip the global gradient norm to this; 0 disables.
+    pub gradient_clipping: f64,
+    /// Log every this many steps.
+    pub steps_per_print: usize,
+    /// Time forward, backward, reduction and step separately.
+    pub wall_clock_breakdown: bool,
+    /// Seed for parameter init and dropout.
+    pub seed: u64,
+    /// ZeRO settings.
+    pub zero: ZeroConfig,
+    /// Precision and loss scaling.
+    pub precision: Precision,
+    /// Optimizer.
+    pub optimizer: OptimizerConfig,
+    /// LR schedule, if any.
+    pub scheduler: Option<SchedulerConfig>,
+    /// Activation checkpointing, if enabled.
+    pub activation_checkpointing: Option<ActivationCheckpointing>,
+    /// Async I/O for NVMe offload.
+    pub aio: AioConfig,
+    /// Communicator.
+    pub comms: CommsConfig,
+}

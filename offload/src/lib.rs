@@ -1,0 +1,10 @@
+//! ferrozero's byte movers: the CPU optimizer kernels (Adam/AdamW, SGD, Lion), page-locked
+//! buffer pools, the NVMe tensor store and the swap pipelines.
+//!
+//! Invariant: this crate knows nothing about models, ZeRO stages or configs; the engine
+//! decides what moves when, this crate moves it.
+
+pub mod error;
+pub mod optim;
+
+pub use error::{Error, Result};

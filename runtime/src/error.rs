@@ -1,0 +1,71 @@
+//! The runtime's one error type, with structured fields so callers can match on causes.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Two tensors or buffers that must agree in shape or length do not.
+    #[error("shape mismatch in {op}: expected {expected}, got {got}")]
+    Shape {
+        /// The operation that checked.
+        op: &'static str,
+        /// What it needed.
+        expected: String,
+        /// What it got.
+        got: String,
+    },
+    /// A collective failed: a peer died, timed out, or called a different collective.
+    #[error("collective {op} failed on rank {rank} (peer {peer:?}) after {elapsed:?}: {reason}")]
+    Comm {
+        /// The collective, e.g. `all_reduce`.
+        op: &'static str,
+        /// The rank reporting the error.
+        rank: usize,
+        /// The peer at fault, when known.
+        peer: Option<usize>,
+        /// Time spent in the collective before it failed.
+        elapsed: Duration,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The configuration cannot be honoured for this model or world.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// An invalid argument to a runtime API.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// A capability that this build or machine lacks (CUDA without a GPU, MPI not compiled in).
+    #[error("unavailable: {what}: {why}")]
+    Unavailable {
+        /// The capability.
+        what: &'static str,
+        /// Why it is missing, in one line.
+        why: String,
+    },
+    /// Training diverged in a way the engine must not hide (loss scale at its minimum).
+    #[error("training stopped: {0}")]
+    Training(String),
+    /// Reading or writing a model or checkpoint file failed.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// An I/O error with context.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// An error from the offload crate.
+    #[error(transparent)]
+    Offload(#[from] ferrozero_offload::Error),
+}
+
+/// The runtime's result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,5 @@
+//! Neural-network building blocks: the `Module` contract, layers and models.
+
+pub mod module;
+
+pub use module::{Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Saved, Unit, IGNORE_INDEX};

@@ -1,0 +1,217 @@
+//! The `Module` contract: what a layer or a user's own block must provide so that the engine
+//! can partition, gather, run and differentiate it.
+//!
+//! A module never owns its weights. It declares [`ParamSpec`]s; the engine lays them out in
+//! one flat buffer per unit (declaration order, no padding between parameters), gathers that
+//! buffer when ZeRO-3 needs it, and passes slices as [`Params`]. Backward *accumulates* (+=)
+//! into [`Grads`], which the engine zeroes at the start of each micro-step.
+//!
+//! Forward stores what backward needs in the unit's [`Saved`] slot. With activation
+//! checkpointing the engine drops that slot after forward and runs forward again (same
+//! [`Ctx`], same RNG seed) just before backward, so forward must be deterministic given
+//! its inputs and `ctx.rng_seed`.
+
+use std::any::Any;
+
+use crate::tensor::Tensor;
+use crate::Result;
+
+/// Target value that contributes no loss (as in PyTorch's cross-entropy).
+pub const IGNORE_INDEX: i32 = -100;
+
+/// How a parameter is initialised; the engine draws from a seeded RNG so that every world
+/// size and stage starts from the same values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+    /// Normal(0, std).
+    Normal {
+        /// Standard deviation.
+        std: f32,
+    },
+    /// Uniform(-bound, bound).
+    Uniform {
+        /// Half-width.
+        bound: f32,
+    },
+}
+
+/// A parameter a module needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSpec {
+    /// Name, relative to the unit (models use Hugging Face names in full, e.g.
+    /// `transformer.h.0.attn.c_attn.weight`).
+    pub name: String,
+    /// Shape, row-major.
+    pub shape: Vec<usize>,
+    /// Initialiser.
+    pub init: Init,
+}
+
+impl ParamSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Read-only views of a unit's parameters, in [`Module::param_specs`] order followed by the
+/// shared (tied) parameters the unit uses, in [`Unit::uses_shared`] order.
+pub struct Params<'a> {
+    slices: Vec<&'a [f32]>,
+}
+
+impl<'a> Params<'a> {
+    /// Views in declaration order.
+    pub fn new(slices: Vec<&'a [f32]>) -> Self {
+        Self { slices }
+    }
+    /// The i-th parameter.
+    pub fn get(&self, i: usize) -> &'a [f32] {
+        self.slices[i]
+    }
+    /// Number of parameters.
+    pub fn len(&self) -> usize {
+        self.slices.len()
+    }
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.slices.is_empty()
+    }
+}
+
+/// Gradient accumulators, in the same order as [`Params`]. Backward adds into them.
+pub struct Grads<'a> {
+    slices: Vec<&'a mut [f32]>,
+}
+
+impl<'a> Grads<'a> {
+    /// Views in declaration order.
+    pub fn new(slices: Vec<&'a mut [f32]>) -> Self {
+        Self { slices }
+    }
+    /// The i-th gradient accumulator.
+    pub fn get_mut(&mut self, i: usize) -> &mut [f32] {
+        self.slices[i]
+    }
+    /// Number of gradients.
+    pub fn len(&self) -> usize {
+        self.slices.len()
+    }
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.slices.is_empty()
+    }
+}
+
+/// What a module keeps between forward and backward; the size feeds the memory ledger.
+pub trait SavedState: Any + Send {
+    /// Bytes held.
+    fn bytes(&self) -> usize;
+    /// Upcast for downcasting in backward.
+    fn into_any(self: Box<Self>) -> Box<dyn Any>;
+}
+
+/// A unit's saved-activation slot.
+pub type Saved = Option<Box<dyn SavedState>>;
+
+/// One micro-batch of token data, shared by all units of a forward pass.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Rows in the micro-batch.
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Input token ids, `batch * seq`, row-major.
+    pub tokens: Vec<u32>,
+    /// Target ids, `batch * seq`; [`IGNORE_INDEX`] contributes no loss.
+    pub targets: Vec<i32>,
+}
+
+impl Batch {
+    /// Targets that contribute to the loss.
+    pub fn valid_targets(&self) -> usize {
+        self.targets.iter().filter(|&&t| t != IGNORE_INDEX).count()
+    }
+}
+
+/// Per-call context: the batch, the mode, the RNG seed for dropout, and the saved slot.
+pub struct Ctx<'a> {
+    /// The micro-batch being processed.
+    pub batch: &'a Batch,
+    /// Training (dropout on, state saved) or evaluation.
+    pub training: bool,
+    /// Seed for this (step, micro-step, rank, unit); dropout masks derive from it.
+    pub rng_seed: u64,
+    /// The unit's saved state: forward fills it, backward takes it.
+    pub saved: &'a mut Saved,
+}
+
+/// A layer or block with explicit forward and backward.
+///
+/// Data flow between the units of a [`Model`]: the first unit receives an empty tensor and
+/// reads `ctx.batch.tokens`; each later unit receives its predecessor's output; the last unit
+/// reads `ctx.batch.targets` and returns a one-element tensor holding the **sum** of the
+/// token losses (ignored targets excluded). Backward of the last unit receives a one-element
+/// `grad_output` = d(objective)/d(loss sum), which the engine sets to
+/// `loss_scale / valid targets in the global batch`.
+pub trait Module: Send + Sync {
+    /// The parameters this module needs, in layout order.
+    fn param_specs(&self) -> Vec<ParamSpec>;
+
+    /// Computes the output and, when `ctx.training`, stores what backward needs in `ctx.saved`.
+    fn forward(&self, ctx: &mut Ctx<'_>, params: &Params<'_>, input: &Tensor) -> Result<Tensor>;
+
+    /// Accumulates parameter gradients into `grads` and returns the gradient of the input
+    /// (an empty tensor for the first unit). Consumes `ctx.saved`.
+    fn backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        params: &Params<'_>,
+        grads: &mut Grads<'_>,
+        grad_output: &Tensor,
+    ) -> Result<Tensor>;
+
+    /// Bytes of saved activations for one micro-batch of `batch` rows of `seq` tokens
+    /// (used by the estimator; must match what forward actually saves).
+    fn saved_bytes(&self, batch: usize, seq: usize) -> usize;
+
+    /// Bytes of this module's output for one micro-batch (the unit boundary activation).
+    fn output_bytes(&self, batch: usize, seq: usize) -> usize;
+}
+
+/// A unit: the granularity at which ZeRO-3 gathers and releases parameters (FSDP's wrap unit).
+pub struct Unit {
+    /// Display name, e.g. `h.3`.
+    pub name: String,
+    /// The computation.
+    pub module: Box<dyn Module>,
+    /// Indices into [`Model::shared`] of the tied parameters this unit also reads, appended
+    /// after its own parameters in [`Params`] and [`Grads`].
+    pub uses_shared: Vec<usize>,
+}
+
+/// A model: an ordered list of units plus parameters shared between units (GPT-2's token
+/// embedding is read by the first unit and by the LM head in the last).
+pub struct Model {
+    /// Tied parameters, owned by the engine in their own flat buffer.
+    pub shared: Vec<ParamSpec>,
+    /// Units in execution order.
+    pub units: Vec<Unit>,
+}
+
+impl Model {
+    /// Total parameter count (shared parameters counted once).
+    pub fn num_params(&self) -> usize {
+        let own: usize = self
+            .units
+            .iter()
+            .flat_map(|u| u.module.param_specs())
+            .map(|p| p.numel())
+            .sum();
+        own + self.shared.iter().map(ParamSpec::numel).sum::<usize>()
+    }
+}

@@ -1,0 +1,58 @@
+//! The `ferrozero` command-line tool: validate configs, inspect schemas, launch ranks,
+//! benchmark the hot paths, estimate memory and manage checkpoints.
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// ferrozero: ZeRO training in Rust.
+#[derive(Parser)]
+#[command(name = "ferrozero", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate one or more config files (exit 0 valid, 1 invalid, 2 unreadable).
+    Validate(cli::validate::Args),
+    /// Print the JSON Schema of the config format.
+    Schema(cli::schema::Args),
+    /// Show or convert configs.
+    Config(cli::config::Args),
+    /// Start N ranks of a program (torchrun-style).
+    Launch(cli::launch::Args),
+    /// Benchmarks of the hot paths.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Collective bandwidth, nccl-tests style.
+    Comm(cli::bench_comm::Args),
+    /// CPU optimizer step throughput.
+    Adam(cli::bench_adam::Args),
+    /// NVMe swap read/write bandwidth.
+    Swap(cli::bench_swap::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Validate(a) => cli::validate::run(a),
+        Command::Schema(a) => cli::schema::run(a),
+        Command::Config(a) => cli::config::run(a),
+        Command::Launch(a) => cli::launch::run(a),
+        Command::Bench { which } => match which {
+            BenchCommand::Comm(a) => cli::bench_comm::run(a),
+            BenchCommand::Adam(a) => cli::bench_adam::run(a),
+            BenchCommand::Swap(a) => cli::bench_swap::run(a),
+        },
+    }
+}
