@@ -2,4 +2,6 @@
 
 pub mod module;
 
-pub use module::{Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Saved, Unit, IGNORE_INDEX};
+pub use module::{
+    Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Saved, Unit, IGNORE_INDEX,
+};

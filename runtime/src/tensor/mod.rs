@@ -51,12 +51,18 @@ impl Tensor {
     /// A zero-filled tensor.
     pub fn zeros(shape: Vec<usize>) -> Self {
         let n = shape.iter().product();
-        Self { shape, data: vec![0.0; n] }
+        Self {
+            shape,
+            data: vec![0.0; n],
+        }
     }
 
     /// A one-element tensor.
     pub fn scalar(v: f32) -> Self {
-        Self { shape: vec![1], data: vec![v] }
+        Self {
+            shape: vec![1],
+            data: vec![v],
+        }
     }
 
     /// Number of elements.
