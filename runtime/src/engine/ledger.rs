@@ -1,0 +1,168 @@
+//! The per-rank memory ledger: every buffer the engine allocates is counted by location and
+//! category, with current and peak bytes.
+//!
+//! On a CPU-only run "device" means the working set that would sit in GPU memory, so a user
+//! can rehearse a GPU memory budget on a CPU machine.
+
+use serde::Serialize;
+
+/// Where bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum Location {
+    /// Accelerator memory (on CPU runs: the working set).
+    Device,
+    /// Host memory holding offloaded state.
+    Host,
+    /// NVMe swap files.
+    Nvme,
+}
+
+/// What the bytes are for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum Category {
+    /// Low-precision (or f32) parameter copies used by compute.
+    Parameters,
+    /// Gradient accumulators.
+    Gradients,
+    /// fp32 master weights and optimizer moments.
+    OptimizerState,
+    /// Saved activations and unit boundary tensors.
+    Activations,
+    /// Gradient-reduction and all-gather staging buffers.
+    CommBuffers,
+    /// Gathered (ZeRO-3) and converted working copies of a unit's parameters.
+    Prefetch,
+}
+
+impl Category {
+    /// Every category, in report order.
+    pub const ALL: [Category; 6] = [
+        Category::Parameters,
+        Category::Gradients,
+        Category::OptimizerState,
+        Category::Activations,
+        Category::CommBuffers,
+        Category::Prefetch,
+    ];
+}
+
+const LOCS: usize = 3;
+const CATS: usize = 6;
+
+fn loc_index(l: Location) -> usize {
+    match l {
+        Location::Device => 0,
+        Location::Host => 1,
+        Location::Nvme => 2,
+    }
+}
+
+fn cat_index(c: Category) -> usize {
+    Category::ALL.iter().position(|&x| x == c).unwrap_or(0)
+}
+
+/// Current and peak bytes per (location, category), plus peak totals per location.
+#[derive(Debug, Clone, Default)]
+pub struct Ledger {
+    current: [[u64; CATS]; LOCS],
+    peak: [[u64; CATS]; LOCS],
+    total: [u64; LOCS],
+    peak_total: [u64; LOCS],
+}
+
+/// A snapshot of the ledger for reports and logs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LedgerReport {
+    /// Peak total bytes on the device.
+    pub peak_device_bytes: u64,
+    /// Peak total bytes in host memory (offloaded state).
+    pub peak_host_bytes: u64,
+    /// Peak total bytes on NVMe.
+    pub peak_nvme_bytes: u64,
+    /// Current total bytes on the device.
+    pub current_device_bytes: u64,
+    /// Peak bytes per category on the device, in [`Category::ALL`] order.
+    pub peak_device_by_category: Vec<(Category, u64)>,
+    /// Peak bytes per category in host memory.
+    pub peak_host_by_category: Vec<(Category, u64)>,
+}
+
+impl Ledger {
+    /// Counts an allocation.
+    pub fn alloc(&mut self, loc: Location, cat: Category, bytes: u64) {
+        let (l, c) = (loc_index(loc), cat_index(cat));
+        self.current[l][c] += bytes;
+        self.total[l] += bytes;
+        self.peak[l][c] = self.peak[l][c].max(self.current[l][c]);
+        self.peak_total[l] = self.peak_total[l].max(self.total[l]);
+    }
+
+    /// Counts a release; releasing more than is held is a bookkeeping bug, clamped to zero.
+    pub fn free(&mut self, loc: Location, cat: Category, bytes: u64) {
+        let (l, c) = (loc_index(loc), cat_index(cat));
+        debug_assert!(
+            self.current[l][c] >= bytes,
+            "ledger underflow {loc:?} {cat:?}"
+        );
+        let b = bytes.min(self.current[l][c]);
+        self.current[l][c] -= b;
+        self.total[l] -= b;
+    }
+
+    /// Current bytes in one cell.
+    pub fn current(&self, loc: Location, cat: Category) -> u64 {
+        self.current[loc_index(loc)][cat_index(cat)]
+    }
+
+    /// Peak bytes in one cell.
+    pub fn peak(&self, loc: Location, cat: Category) -> u64 {
+        self.peak[loc_index(loc)][cat_index(cat)]
+    }
+
+    /// Peak total bytes at a location.
+    pub fn peak_total(&self, loc: Location) -> u64 {
+        self.peak_total[loc_index(loc)]
+    }
+
+    /// Current total bytes at a location.
+    pub fn current_total(&self, loc: Location) -> u64 {
+        self.total[loc_index(loc)]
+    }
+
+    /// A snapshot.
+    pub fn report(&self) -> LedgerReport {
+        let by = |loc| {
+            Category::ALL
+                .iter()
+                .map(|&c| (c, self.peak(loc, c)))
+                .collect()
+        };
+        LedgerReport {
+            peak_device_bytes: self.peak_total(Location::Device),
+            peak_host_bytes: self.peak_total(Location::Host),
+            peak_nvme_bytes: self.peak_total(Location::Nvme),
+            current_device_bytes: self.current_total(Location::Device),
+            peak_device_by_category: by(Location::Device),
+            peak_host_by_category: by(Location::Host),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peaks_track_the_high_water_mark() {
+        let mut l = Ledger::default();
+        l.alloc(Location::Device, Category::Parameters, 100);
+        l.alloc(Location::Device, Category::Prefetch, 50);
+        l.free(Location::Device, Category::Prefetch, 50);
+        l.alloc(Location::Device, Category::Activations, 30);
+        assert_eq!(l.peak_total(Location::Device), 150);
+        assert_eq!(l.current_total(Location::Device), 130);
+        assert_eq!(l.peak(Location::Device, Category::Prefetch), 50);
+        assert_eq!(l.current(Location::Device, Category::Prefetch), 0);
+        assert_eq!(l.peak_total(Location::Host), 0);
+    }
+}
