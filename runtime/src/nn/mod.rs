@@ -1,5 +1,6 @@
 //! Neural-network building blocks: the `Module` contract, layers and models.
 
+pub mod init;
 pub mod module;
 
 pub use module::{

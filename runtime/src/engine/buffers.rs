@@ -1,0 +1,190 @@
+//! Flat buffers in the storage dtype (f32, bf16 or f16) and their conversions.
+//!
+//! Parameters and gradients live in the precision's storage dtype; compute always reads f32.
+//! Rounding goes through `half`'s slice conversions (round to nearest even), which are fast
+//! and identical on every code path, so a value rounds the same way in every stage.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::comm::{BufMut, BufRef};
+use crate::tensor::DType;
+
+/// An owned flat buffer in one storage dtype.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LpBuf {
+    /// f32 storage.
+    F32(Vec<f32>),
+    /// bf16 storage.
+    Bf16(Vec<bf16>),
+    /// f16 storage.
+    F16(Vec<f16>),
+}
+
+impl LpBuf {
+    /// A zero-filled buffer.
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        match dtype {
+            DType::F32 => LpBuf::F32(vec![0.0; len]),
+            DType::Bf16 => LpBuf::Bf16(vec![bf16::ZERO; len]),
+            DType::F16 => LpBuf::F16(vec![f16::ZERO; len]),
+        }
+    }
+
+    /// Element count.
+    pub fn len(&self) -> usize {
+        match self {
+            LpBuf::F32(v) => v.len(),
+            LpBuf::Bf16(v) => v.len(),
+            LpBuf::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            LpBuf::F32(_) => DType::F32,
+            LpBuf::Bf16(_) => DType::Bf16,
+            LpBuf::F16(_) => DType::F16,
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        (self.len() * self.dtype().size()) as u64
+    }
+
+    /// A read-only communication view of `range`.
+    pub fn as_ref_range(&self, range: std::ops::Range<usize>) -> BufRef<'_> {
+        match self {
+            LpBuf::F32(v) => BufRef::F32(&v[range]),
+            LpBuf::Bf16(v) => BufRef::Bf16(&v[range]),
+            LpBuf::F16(v) => BufRef::F16(&v[range]),
+        }
+    }
+
+    /// A mutable communication view of `range`.
+    pub fn as_mut_range(&mut self, range: std::ops::Range<usize>) -> BufMut<'_> {
+        match self {
+            LpBuf::F32(v) => BufMut::F32(&mut v[range]),
+            LpBuf::Bf16(v) => BufMut::Bf16(&mut v[range]),
+            LpBuf::F16(v) => BufMut::F16(&mut v[range]),
+        }
+    }
+
+    /// Writes `src` (f32) into `self[offset..]`, rounding to the storage dtype.
+    pub fn store_f32(&mut self, offset: usize, src: &[f32]) {
+        let r = offset..offset + src.len();
+        match self {
+            LpBuf::F32(v) => v[r].copy_from_slice(src),
+            LpBuf::Bf16(v) => v[r].convert_from_f32_slice(src),
+            LpBuf::F16(v) => v[r].convert_from_f32_slice(src),
+        }
+    }
+
+    /// Reads `self[offset..offset + dst.len()]` into `dst` as f32.
+    pub fn load_f32(&self, offset: usize, dst: &mut [f32]) {
+        let r = offset..offset + dst.len();
+        match self {
+            LpBuf::F32(v) => dst.copy_from_slice(&v[r]),
+            LpBuf::Bf16(v) => v[r].convert_to_f32_slice(dst),
+            LpBuf::F16(v) => v[r].convert_to_f32_slice(dst),
+        }
+    }
+
+    /// Adds the first `n` elements of `src` (same dtype) into `self[offset..offset + n]`, in
+    /// f32 and rounded once per element.
+    pub fn accumulate(&mut self, offset: usize, src: &LpBuf, n: usize, scratch: &mut Vec<f32>) {
+        match (self, src) {
+            (LpBuf::F32(d), LpBuf::F32(s)) => {
+                for (a, b) in d[offset..offset + n].iter_mut().zip(&s[..n]) {
+                    *a += *b;
+                }
+            }
+            (d, s) => {
+                scratch.resize(2 * n, 0.0);
+                let (acc, add) = scratch.split_at_mut(n);
+                d.load_f32(offset, acc);
+                s.load_f32(0, add);
+                for (a, b) in acc.iter_mut().zip(add.iter()) {
+                    *a += *b;
+                }
+                d.store_f32(offset, acc);
+            }
+        }
+    }
+
+    /// Sets every element to zero.
+    pub fn fill_zero(&mut self) {
+        match self {
+            LpBuf::F32(v) => v.fill(0.0),
+            LpBuf::Bf16(v) => v.fill(bf16::ZERO),
+            LpBuf::F16(v) => v.fill(f16::ZERO),
+        }
+    }
+
+    /// Whether any element of `range` is infinite or NaN.
+    pub fn has_non_finite(&self, range: std::ops::Range<usize>) -> bool {
+        match self {
+            LpBuf::F32(v) => v[range].iter().any(|x| !x.is_finite()),
+            // Exponent bits all ones means Inf or NaN.
+            LpBuf::Bf16(v) => v[range]
+                .reinterpret_cast()
+                .iter()
+                .any(|b: &u16| b & 0x7f80 == 0x7f80),
+            LpBuf::F16(v) => v[range]
+                .reinterpret_cast()
+                .iter()
+                .any(|b: &u16| b & 0x7c00 == 0x7c00),
+        }
+    }
+
+    /// Sum of squares of `range`, accumulated in f64 in index order.
+    pub fn sum_squares(&self, range: std::ops::Range<usize>, scratch: &mut Vec<f32>) -> f64 {
+        let n = range.len();
+        scratch.resize(n, 0.0);
+        self.load_f32(range.start, &mut scratch[..n]);
+        scratch[..n].iter().map(|&x| (x as f64) * (x as f64)).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_trip_and_accumulate() {
+        let mut b = LpBuf::zeros(DType::Bf16, 4);
+        b.store_f32(0, &[1.0, 2.5, -3.0, 1e-3]);
+        let mut out = [0.0; 4];
+        b.load_f32(0, &mut out);
+        assert_eq!(out[..3], [1.0, 2.5, -3.0]);
+        let add = LpBuf::Bf16(vec![bf16::from_f32(1.0); 2]);
+        let mut scratch = Vec::new();
+        b.accumulate(1, &add, 2, &mut scratch);
+        b.load_f32(0, &mut out);
+        assert_eq!(out[..3], [1.0, 3.5, -2.0]);
+    }
+
+    #[test]
+    fn detects_non_finite_in_every_dtype() {
+        for dt in [DType::F32, DType::Bf16, DType::F16] {
+            let mut b = LpBuf::zeros(dt, 3);
+            assert!(!b.has_non_finite(0..3));
+            b.store_f32(1, &[f32::INFINITY]);
+            assert!(b.has_non_finite(0..3), "{dt:?}");
+            assert!(!b.has_non_finite(2..3));
+            b.store_f32(2, &[f32::NAN]);
+            assert!(b.has_non_finite(2..3), "{dt:?}");
+        }
+        // f16 overflows to Inf above 65504, which is what fp16 loss scaling must catch.
+        let mut h = LpBuf::zeros(DType::F16, 1);
+        h.store_f32(0, &[1e6]);
+        assert!(h.has_non_finite(0..1));
+    }
+}

@@ -1,0 +1,129 @@
+//! Building an engine's parameter groups: layout, deterministic initialisation, and the
+//! placement of each buffer (full or shard, device or host) that the stage and the offload
+//! settings decide.
+
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig};
+
+use super::buffers::LpBuf;
+use super::group::{Group, ParamStore};
+use super::ledger::{Category, Ledger, Location};
+use super::partition::GroupLayout;
+use super::stage::{Extent, Stage};
+use crate::nn::{init, ParamSpec};
+use crate::tensor::DType;
+
+/// The storage dtype of parameters and gradients for a precision.
+pub fn storage_dtype(p: &Precision) -> DType {
+    match p {
+        Precision::F32 => DType::F32,
+        Precision::Bf16 => DType::Bf16,
+        Precision::Fp16(_) => DType::F16,
+    }
+}
+
+/// Where the optimizer state lives.
+pub fn optimizer_location(cfg: &ResolvedConfig) -> Location {
+    match cfg.zero.offload_optimizer.target {
+        OffloadTarget::None => Location::Device,
+        OffloadTarget::Cpu => Location::Host,
+        OffloadTarget::Nvme(_) => Location::Nvme,
+    }
+}
+
+/// Where sharded parameters live between uses (stage 3 parameter offload).
+pub fn param_location(cfg: &ResolvedConfig) -> Location {
+    match cfg.zero.offload_param.target {
+        OffloadTarget::None => Location::Device,
+        OffloadTarget::Cpu => Location::Host,
+        OffloadTarget::Nvme(_) => Location::Nvme,
+    }
+}
+
+/// What every group of one engine shares.
+pub struct GroupPlan<'a> {
+    /// The stage.
+    pub stage: &'a dyn Stage,
+    /// The resolved config.
+    pub cfg: &'a ResolvedConfig,
+    /// Ranks.
+    pub world: usize,
+    /// This rank.
+    pub rank: usize,
+    /// Optimizer moments per element.
+    pub moments: usize,
+}
+
+impl GroupPlan<'_> {
+    /// Parameter extent of a group: stage 3 keeps groups under the persistence threshold whole.
+    fn param_extent(&self, numel: usize) -> Extent {
+        match self.stage.params() {
+            Extent::Shard if numel < self.cfg.zero.param_persistence_threshold => Extent::Full,
+            e => e,
+        }
+    }
+
+    /// Lays out, initialises and places one group.
+    pub fn build(&self, specs: &[ParamSpec], ledger: &mut Ledger) -> Group {
+        let dtype = storage_dtype(&self.cfg.precision);
+        let layout = GroupLayout::new(specs, self.world);
+        let mut full = vec![0.0f32; layout.padded()];
+        for (slot, spec) in layout.slots.iter().zip(specs) {
+            init::fill(
+                &spec.init,
+                init::param_seed(self.cfg.seed, &spec.name),
+                &mut full[slot.range()],
+            );
+        }
+        let store = |r: std::ops::Range<usize>| {
+            let mut b = LpBuf::zeros(dtype, r.len());
+            b.store_f32(0, &full[r]);
+            b
+        };
+        let params = match self.param_extent(layout.numel) {
+            Extent::Full => ParamStore::Replicated(store(0..layout.padded())),
+            Extent::Shard => ParamStore::Partitioned {
+                shard: store(layout.shard_range(self.rank)),
+                gathered: None,
+            },
+        };
+        let param_bytes = match &params {
+            ParamStore::Replicated(b) | ParamStore::Partitioned { shard: b, .. } => b.bytes(),
+        };
+        let param_loc = if matches!(params, ParamStore::Partitioned { .. }) {
+            param_location(self.cfg)
+        } else {
+            Location::Device
+        };
+        ledger.alloc(param_loc, Category::Parameters, param_bytes);
+
+        let owned = self.stage.optimizer().range(&layout, self.rank);
+        let master = (dtype != DType::F32).then(|| full[owned.clone()].to_vec());
+        let grad_range = self.stage.grads().range(&layout, self.rank);
+        let grad = LpBuf::zeros(dtype, grad_range.len());
+        ledger.alloc(Location::Device, Category::Gradients, grad.bytes());
+        let m = vec![0.0; owned.len()];
+        let v = if self.moments > 1 {
+            vec![0.0; owned.len()]
+        } else {
+            Vec::new()
+        };
+        let opt_bytes = ((master.as_ref().map_or(0, Vec::len) + m.len() + v.len()) * 4) as u64;
+        ledger.alloc(
+            optimizer_location(self.cfg),
+            Category::OptimizerState,
+            opt_bytes,
+        );
+        Group {
+            layout,
+            params,
+            work: None,
+            grad,
+            grad_offset: grad_range.start,
+            micro: None,
+            master,
+            m,
+            v,
+            owned,
+        }
+    }
+}

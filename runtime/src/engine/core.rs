@@ -1,0 +1,471 @@
+//! The engine: owns the model's parameter groups and runs forward, backward and the
+//! optimizer step through the stage's strategy.
+
+use std::time::Instant;
+
+use ferrozero_config::resolved::ResolvedConfig;
+
+use super::build::{optimizer_location, GroupPlan};
+use super::group::{compute_view, Group};
+use super::ledger::{Category, Ledger, Location};
+use super::loss_scale::LossScaler;
+use super::optimizer::Optimizer;
+use super::report::Timings;
+use super::schedule::Schedule;
+use super::stage::{self, Stage};
+use crate::comm::Communicator;
+use crate::nn::{Batch, Ctx, Grads, Model, Params, Saved};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// A ZeRO training engine for one rank.
+pub struct Engine {
+    pub(super) cfg: ResolvedConfig,
+    pub(super) model: Model,
+    pub(super) comm: Box<dyn Communicator>,
+    pub(super) stage: Box<dyn Stage>,
+    /// One group per unit, then the shared group (if the model has shared parameters).
+    pub(super) groups: Vec<Group>,
+    pub(super) optimizer: Optimizer,
+    pub(super) schedule: Schedule,
+    pub(super) scaler: LossScaler,
+    pub(super) ledger: Ledger,
+    saved: Vec<Saved>,
+    saved_bytes: Vec<u64>,
+    ckpt_inputs: Vec<Option<Tensor>>,
+    /// Optimizer steps taken (skipped ones included).
+    pub(super) steps: u64,
+    /// Micro-steps since the last optimizer step.
+    pub(super) micro: usize,
+    pub(super) loss_sum: f64,
+    pub(super) tokens: u64,
+    last_batch: Option<Batch>,
+    pub(super) timings: Timings,
+}
+
+impl Engine {
+    /// Builds an engine for `model` on this rank of `comm` with a resolved config.
+    pub fn new(model: Model, cfg: ResolvedConfig, comm: Box<dyn Communicator>) -> Result<Self> {
+        if cfg.world_size != comm.world_size() {
+            return Err(Error::Config(format!(
+                "config was resolved for world size {} but the communicator has {} ranks",
+                cfg.world_size,
+                comm.world_size()
+            )));
+        }
+        let stage = stage::for_stage(cfg.zero.stage);
+        let optimizer = Optimizer::new(cfg.optimizer.clone());
+        let mut ledger = Ledger::default();
+        let plan = GroupPlan {
+            stage: stage.as_ref(),
+            cfg: &cfg,
+            world: comm.world_size(),
+            rank: comm.rank(),
+            moments: optimizer.moments(),
+        };
+        let mut groups: Vec<Group> = model
+            .units
+            .iter()
+            .map(|u| plan.build(&u.module.param_specs(), &mut ledger))
+            .collect();
+        if !model.shared.is_empty() {
+            groups.push(plan.build(&model.shared, &mut ledger));
+        }
+        let n = model.units.len();
+        let scaler = LossScaler::from_config(match &cfg.precision {
+            ferrozero_config::resolved::Precision::Fp16(s) => Some(s),
+            _ => None,
+        });
+        let schedule = Schedule::new(&cfg.optimizer, cfg.scheduler.clone());
+        tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
+        Ok(Self {
+            cfg,
+            model,
+            comm,
+            stage,
+            groups,
+            optimizer,
+            schedule,
+            scaler,
+            ledger,
+            saved: (0..n).map(|_| None).collect(),
+            saved_bytes: vec![0; n],
+            ckpt_inputs: vec![None; n],
+            steps: 0,
+            micro: 0,
+            loss_sum: 0.0,
+            tokens: 0,
+            last_batch: None,
+            timings: Timings::default(),
+        })
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.cfg
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Ranks in the data-parallel group.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// The memory ledger.
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn global_steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub(super) fn shared_index(&self) -> Option<usize> {
+        (!self.model.shared.is_empty()).then_some(self.model.units.len())
+    }
+
+    fn unit_seed(&self, unit: usize) -> u64 {
+        let mix = |h: u64, x: u64| (h ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+        let h = mix(self.cfg.seed, self.steps);
+        let h = mix(h, self.micro as u64);
+        let h = mix(h, self.comm.rank() as u64);
+        mix(h, unit as u64)
+    }
+
+    fn checkpointing(&self) -> bool {
+        self.cfg.activation_checkpointing.is_some()
+    }
+
+    fn gather_unit(&mut self, unit: usize) -> Result<()> {
+        let t = Instant::now();
+        let bucket = self.cfg.zero.allgather_bucket_size;
+        self.stage.gather(
+            &mut self.groups[unit],
+            self.comm.as_ref(),
+            bucket,
+            &mut self.ledger,
+        )?;
+        if let Some(s) = self
+            .shared_index()
+            .filter(|_| !self.model.units[unit].uses_shared.is_empty())
+        {
+            self.stage.gather(
+                &mut self.groups[s],
+                self.comm.as_ref(),
+                bucket,
+                &mut self.ledger,
+            )?;
+        }
+        self.timings.gather += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn release_unit(&mut self, unit: usize) {
+        self.stage.release(&mut self.groups[unit], &mut self.ledger);
+        if let Some(s) = self
+            .shared_index()
+            .filter(|_| !self.model.units[unit].uses_shared.is_empty())
+        {
+            self.stage.release(&mut self.groups[s], &mut self.ledger);
+        }
+    }
+
+    /// Runs one unit's forward with its parameters gathered; fills `saved[unit]` when training.
+    fn run_unit_forward(
+        &mut self,
+        unit: usize,
+        batch: &Batch,
+        input: &Tensor,
+        training: bool,
+    ) -> Result<Tensor> {
+        let seed = self.unit_seed(unit);
+        let shared = self.shared_index();
+        let Self {
+            model,
+            groups,
+            saved,
+            ..
+        } = self;
+        let u = &model.units[unit];
+        let params = unit_params(groups, unit, &u.uses_shared, shared)?;
+        let mut ctx = Ctx {
+            batch,
+            training,
+            rng_seed: seed,
+            saved: &mut saved[unit],
+        };
+        u.module.forward(&mut ctx, &params, input)
+    }
+
+    fn track_saved(&mut self, unit: usize) {
+        let b = self.saved[unit].as_ref().map_or(0, |s| s.bytes() as u64);
+        self.ledger
+            .alloc(Location::Device, Category::Activations, b);
+        self.saved_bytes[unit] = b;
+    }
+
+    fn untrack_saved(&mut self, unit: usize) {
+        let b = std::mem::take(&mut self.saved_bytes[unit]);
+        self.ledger.free(Location::Device, Category::Activations, b);
+    }
+
+    fn ckpt_location(&self) -> Location {
+        match &self.cfg.activation_checkpointing {
+            Some(a) if a.cpu_checkpointing => Location::Host,
+            _ => Location::Device,
+        }
+    }
+
+    /// Forward over every unit; returns the sum of token losses of this micro-batch.
+    pub(super) fn forward_pass(&mut self, batch: &Batch, training: bool) -> Result<f64> {
+        let t = Instant::now();
+        let mut x = Tensor::default();
+        for unit in 0..self.model.units.len() {
+            self.gather_unit(unit)?;
+            let out = self.run_unit_forward(unit, batch, &x, training);
+            self.release_unit(unit);
+            let out = out?;
+            if training {
+                if self.checkpointing() {
+                    self.saved[unit] = None;
+                    self.ledger.alloc(
+                        self.ckpt_location(),
+                        Category::Activations,
+                        x.bytes() as u64,
+                    );
+                    self.ckpt_inputs[unit] = Some(std::mem::take(&mut x));
+                } else {
+                    self.track_saved(unit);
+                }
+            }
+            x = out;
+        }
+        self.timings.forward += t.elapsed().as_secs_f64();
+        if x.numel() != 1 {
+            return Err(Error::Shape {
+                op: "model output",
+                expected: "[1] loss sum".into(),
+                got: format!("{:?}", x.shape),
+            });
+        }
+        Ok(x.data[0] as f64)
+    }
+
+    /// Backward over every unit in reverse; `loss_grad` = d(objective)/d(loss sum).
+    pub(super) fn backward_pass(&mut self, batch: &Batch, loss_grad: f32) -> Result<()> {
+        let t = Instant::now();
+        let mut grad = Tensor::scalar(loss_grad);
+        let shared = self.shared_index();
+        let first_shared_user = self
+            .model
+            .units
+            .iter()
+            .position(|u| !u.uses_shared.is_empty());
+        for unit in (0..self.model.units.len()).rev() {
+            self.gather_unit(unit)?;
+            let r = self.unit_backward(unit, batch, &grad);
+            self.release_unit(unit);
+            grad = r?;
+            self.reduce_group(unit)?;
+            if let (Some(s), Some(first)) = (shared, first_shared_user) {
+                if first == unit {
+                    self.reduce_group(s)?;
+                }
+            }
+        }
+        self.timings.backward += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn unit_backward(&mut self, unit: usize, batch: &Batch, grad: &Tensor) -> Result<Tensor> {
+        if let Some(input) = self.ckpt_inputs[unit].take() {
+            self.ledger.free(
+                self.ckpt_location(),
+                Category::Activations,
+                input.bytes() as u64,
+            );
+            self.run_unit_forward(unit, batch, &input, true)?;
+            self.track_saved(unit);
+        }
+        let seed = self.unit_seed(unit);
+        let shared = self.shared_index();
+        let uses_shared = !self.model.units[unit].uses_shared.is_empty();
+        self.groups[unit].ensure_micro(&mut self.ledger);
+        if let Some(s) = shared.filter(|_| uses_shared) {
+            self.groups[s].ensure_micro(&mut self.ledger);
+        }
+        let Self {
+            model,
+            groups,
+            saved,
+            ..
+        } = self;
+        let u = &model.units[unit];
+        let (params, mut grads) = unit_params_and_grads(groups, unit, &u.uses_shared, shared)?;
+        let mut ctx = Ctx {
+            batch,
+            training: true,
+            rng_seed: seed,
+            saved: &mut saved[unit],
+        };
+        let out = u.module.backward(&mut ctx, &params, &mut grads, grad);
+        drop(grads);
+        self.saved[unit] = None;
+        self.untrack_saved(unit);
+        out
+    }
+
+    fn reduce_group(&mut self, g: usize) -> Result<()> {
+        let t = Instant::now();
+        if let Some(micro) = self.groups[g].take_micro(&mut self.ledger) {
+            let bucket = self.cfg.zero.reduce_bucket_size;
+            self.stage.reduce(
+                &mut self.groups[g],
+                micro,
+                self.comm.as_ref(),
+                bucket,
+                &mut self.ledger,
+            )?;
+        }
+        self.timings.reduce += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Forward of one micro-batch in training mode (DeepSpeed's `engine(batch)`); returns the
+    /// micro-batch's mean token loss on this rank. Call [`Engine::backward`] next.
+    pub fn forward(&mut self, batch: &Batch) -> Result<f64> {
+        let sum = self.forward_pass(batch, true)?;
+        self.loss_sum += sum;
+        self.tokens += batch.valid_targets() as u64;
+        self.last_batch = Some(batch.clone());
+        Ok(sum / batch.valid_targets().max(1) as f64)
+    }
+
+    /// Backward of the last forward, with DeepSpeed's scaling: the micro-batch mean loss,
+    /// divided by the accumulation steps and averaged over ranks.
+    pub fn backward(&mut self) -> Result<()> {
+        let batch = self
+            .last_batch
+            .take()
+            .ok_or_else(|| Error::Invalid("backward() without a preceding forward()".into()))?;
+        let denom =
+            batch.valid_targets().max(1) * self.cfg.gradient_accumulation_steps * self.world_size();
+        let grad = (self.scaler.scale() / denom as f64) as f32;
+        self.backward_pass(&batch, grad)?;
+        self.micro += 1;
+        Ok(())
+    }
+
+    /// Whether the next [`Engine::step`] will update parameters (accumulation boundary).
+    pub fn is_gradient_accumulation_boundary(&self) -> bool {
+        self.micro >= self.cfg.gradient_accumulation_steps
+    }
+}
+
+fn compute_slice<'a>(g: &'a Group, what: &str) -> Result<&'a [f32]> {
+    g.compute_params().ok_or_else(|| {
+        Error::Invalid(format!(
+            "parameters of {what} used before they were gathered"
+        ))
+    })
+}
+
+/// Parameter views for a unit: its own slots, then the shared slots it uses.
+fn unit_params<'a>(
+    groups: &'a [Group],
+    unit: usize,
+    uses: &[usize],
+    shared: Option<usize>,
+) -> Result<Params<'a>> {
+    let own = compute_slice(&groups[unit], "a unit")?;
+    let mut v: Vec<&[f32]> = groups[unit]
+        .layout
+        .slots
+        .iter()
+        .map(|s| &own[s.range()])
+        .collect();
+    if let Some(s) = shared.filter(|_| !uses.is_empty()) {
+        let sh = compute_slice(&groups[s], "the shared group")?;
+        v.extend(uses.iter().map(|&i| &sh[groups[s].layout.slots[i].range()]));
+    }
+    Ok(Params::new(v))
+}
+
+/// Parameter and gradient views for a unit's backward.
+fn unit_params_and_grads<'a>(
+    groups: &'a mut [Group],
+    unit: usize,
+    uses: &[usize],
+    shared: Option<usize>,
+) -> Result<(Params<'a>, Grads<'a>)> {
+    let (head, tail) = groups.split_at_mut(shared.unwrap_or(groups.len()).max(unit + 1));
+    let Group {
+        layout,
+        params,
+        work,
+        micro,
+        ..
+    } = &mut head[unit];
+    let own_params = compute_view(params, work)
+        .ok_or_else(|| Error::Invalid("unit parameters not gathered".into()))?;
+    let own_micro = micro
+        .as_deref_mut()
+        .ok_or_else(|| Error::Invalid("no gradient buffer".into()))?;
+    let mut p: Vec<&[f32]> = layout
+        .slots
+        .iter()
+        .map(|s| &own_params[s.range()])
+        .collect();
+    let mut g: Vec<&mut [f32]> = split_slots(own_micro, layout.slots.iter().map(|s| s.range()));
+    if let (Some(_), false) = (shared, uses.is_empty()) {
+        let Group {
+            layout,
+            params,
+            work,
+            micro,
+            ..
+        } = &mut tail[0];
+        let sp = compute_view(params, work)
+            .ok_or_else(|| Error::Invalid("shared parameters not gathered".into()))?;
+        p.extend(uses.iter().map(|&i| &sp[layout.slots[i].range()]));
+        let sm = micro
+            .as_deref_mut()
+            .ok_or_else(|| Error::Invalid("no shared gradient buffer".into()))?;
+        let mut all = split_slots(sm, layout.slots.iter().map(|s| s.range()));
+        let mut picked: Vec<Option<&mut [f32]>> = all.drain(..).map(Some).collect();
+        for &i in uses {
+            g.push(picked[i].take().ok_or_else(|| {
+                Error::Invalid(format!("shared parameter {i} used twice by one unit"))
+            })?);
+        }
+    }
+    Ok((Params::new(p), Grads::new(g)))
+}
+
+/// Splits a flat buffer into disjoint mutable slices for consecutive, ordered ranges.
+fn split_slots<'a>(
+    buf: &'a mut [f32],
+    ranges: impl Iterator<Item = std::ops::Range<usize>>,
+) -> Vec<&'a mut [f32]> {
+    let mut rest = buf;
+    let mut consumed = 0;
+    let mut out = Vec::new();
+    for r in ranges {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - consumed);
+        let (slot, tail) = tail.split_at_mut(r.len());
+        out.push(slot);
+        rest = tail;
+        consumed = r.end;
+    }
+    out
+}

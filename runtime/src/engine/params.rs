@@ -1,0 +1,146 @@
+//! Reading and writing the model's parameters by name, whatever the stage: the fp32 values
+//! (master weights in mixed precision) are all-gathered shard by shard, so the result is the
+//! same on every rank and in every stage.
+
+use std::collections::HashMap;
+
+use super::core::Engine;
+use super::group::{Group, ParamStore};
+use crate::comm::{BufMut, BufRef};
+use crate::{Error, Result};
+
+/// A parameter's name, shape and fp32 values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamedTensor {
+    /// Hugging Face-style name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values, row-major.
+    pub data: Vec<f32>,
+}
+
+/// This rank's shard range of the fp32 values (master, or f32 parameters).
+fn shard_values(g: &Group, rank: usize) -> Vec<f32> {
+    let r = g.layout.shard_range(rank);
+    if let Some(m) = &g.master {
+        let off = r.start - g.owned.start;
+        return m[off..off + r.len()].to_vec();
+    }
+    let mut out = vec![0.0; r.len()];
+    match &g.params {
+        ParamStore::Replicated(b) => b.load_f32(r.start, &mut out),
+        ParamStore::Partitioned { shard, .. } => shard.load_f32(0, &mut out),
+    }
+    out
+}
+
+impl Engine {
+    /// Every parameter's fp32 value (collective: every rank must call it).
+    pub fn parameters(&self) -> Result<Vec<NamedTensor>> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let mut out = Vec::new();
+        for g in &self.groups {
+            let shard = shard_values(g, rank);
+            let mut full = vec![0.0f32; g.layout.shard_len * world];
+            self.comm
+                .all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
+            for s in &g.layout.slots {
+                out.push(NamedTensor {
+                    name: s.name.clone(),
+                    shape: s.shape.clone(),
+                    data: full[s.range()].to_vec(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sets parameters by name from full fp32 values (every rank passes the same values).
+    /// Names not in the model are an error; parameters not named keep their values.
+    pub fn set_parameters(&mut self, values: &[NamedTensor]) -> Result<()> {
+        let mut index = HashMap::new();
+        for (gi, g) in self.groups.iter().enumerate() {
+            for (si, s) in g.layout.slots.iter().enumerate() {
+                index.insert(s.name.as_str(), (gi, si));
+            }
+        }
+        let mut plan = Vec::new();
+        for v in values {
+            let &(gi, si) = index.get(v.name.as_str()).ok_or_else(|| {
+                Error::Invalid(format!("model has no parameter named {}", v.name))
+            })?;
+            let slot = &self.groups[gi].layout.slots[si];
+            if slot.shape != v.shape || v.data.len() != slot.numel {
+                return Err(Error::Shape {
+                    op: "set_parameters",
+                    expected: format!("{} {:?}", v.name, slot.shape),
+                    got: format!("{:?}", v.shape),
+                });
+            }
+            plan.push((gi, slot.offset, v));
+        }
+        let rank = self.rank();
+        for (gi, offset, v) in plan {
+            write_values(&mut self.groups[gi], rank, offset, &v.data);
+        }
+        Ok(())
+    }
+}
+
+/// Writes full-buffer values at `offset` into whatever this rank stores: the replicated
+/// parameters, its parameter shard and its master range.
+fn write_values(g: &mut Group, rank: usize, offset: usize, data: &[f32]) {
+    let span = offset..offset + data.len();
+    let clip = |r: std::ops::Range<usize>| span.start.max(r.start)..span.end.min(r.end);
+    match &mut g.params {
+        ParamStore::Replicated(b) => b.store_f32(offset, data),
+        ParamStore::Partitioned { shard, .. } => {
+            let r = clip(g.layout.shard_range(rank));
+            if !r.is_empty() {
+                let base = g.layout.shard_range(rank).start;
+                shard.store_f32(r.start - base, &data[r.start - offset..r.end - offset]);
+            }
+        }
+    }
+    if let Some(m) = &mut g.master {
+        let r = clip(g.owned.clone());
+        if !r.is_empty() {
+            let base = g.owned.start;
+            m[r.start - base..r.end - base]
+                .copy_from_slice(&data[r.start - offset..r.end - offset]);
+        }
+    }
+}
+
+/// This rank's shard of one group's accumulated gradient (the same range in every stage).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GradShard {
+    /// Names of the group's parameters, in layout order.
+    pub params: Vec<String>,
+    /// The shard's range in the group's padded flat buffer.
+    pub range: std::ops::Range<usize>,
+    /// Accumulated gradient values (still multiplied by the loss scale).
+    pub data: Vec<f32>,
+}
+
+impl Engine {
+    /// This rank's shard of every group's accumulated gradient, groups in unit order then the
+    /// shared group. Read it between `backward` and `step`.
+    pub fn gradient_shards(&self) -> Vec<GradShard> {
+        let rank = self.rank();
+        self.groups
+            .iter()
+            .map(|g| {
+                let r = g.layout.shard_range(rank);
+                let mut data = vec![0.0; r.len()];
+                g.grad.load_f32(r.start - g.grad_offset, &mut data);
+                GradShard {
+                    params: g.layout.slots.iter().map(|s| s.name.clone()).collect(),
+                    range: r,
+                    data,
+                }
+            })
+            .collect()
+    }
+}

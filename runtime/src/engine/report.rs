@@ -1,0 +1,43 @@
+//! What one optimizer step reports.
+
+use serde::Serialize;
+
+use super::ledger::LedgerReport;
+
+/// Wall-clock time per phase of one step, in seconds (filled when `wall_clock_breakdown` is on).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Timings {
+    /// Forward passes (including stage-3 gathers).
+    pub forward: f64,
+    /// Backward passes (including recomputation).
+    pub backward: f64,
+    /// Gradient reduction.
+    pub reduce: f64,
+    /// Parameter gathering (stage 3) and publishing (stages 1-2).
+    pub gather: f64,
+    /// Optimizer step.
+    pub optimizer: f64,
+}
+
+/// The outcome of one optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepReport {
+    /// Optimizer steps taken so far, including this one (skipped steps count).
+    pub step: u64,
+    /// Mean loss over every target token of the global batch, before the update.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Loss scale in force for this step's backward.
+    pub loss_scale: f64,
+    /// Whether the update was skipped because gradients overflowed.
+    pub skipped: bool,
+    /// Global gradient norm before clipping (unscaled); NaN when the step overflowed.
+    pub grad_norm: f64,
+    /// Target tokens in the global batch.
+    pub tokens: u64,
+    /// Per-phase timings.
+    pub timings: Timings,
+    /// This rank's memory ledger.
+    pub memory: LedgerReport,
+}

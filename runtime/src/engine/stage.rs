@@ -1,0 +1,315 @@
+//! ZeRO stages: one type per stage behind one trait.
+//!
+//! A stage decides three things and nothing else: whether parameters, gradients and optimizer
+//! state are held in full or as this rank's shard. The communication that follows from those
+//! choices (all-reduce vs reduce-scatter of gradients, all-gather of updated shards, gather
+//! and release of parameters around each unit) is written once, in the trait's provided
+//! methods, so all stages share the same arithmetic and stay bitwise comparable.
+
+use std::ops::Range;
+
+use ferrozero_config::resolved::ZeroStage;
+
+use super::buffers::LpBuf;
+use super::group::{Group, ParamStore};
+use super::ledger::{Category, Ledger, Location};
+use super::partition::{chunks, GroupLayout};
+use crate::comm::{Communicator, ReduceOp};
+use crate::tensor::DType;
+use crate::Result;
+
+/// Whether a rank holds a whole buffer or only its shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extent {
+    /// The whole padded buffer.
+    Full,
+    /// This rank's contiguous shard.
+    Shard,
+}
+
+impl Extent {
+    /// The padded range covered on `rank`.
+    pub fn range(self, layout: &GroupLayout, rank: usize) -> Range<usize> {
+        match self {
+            Extent::Full => 0..layout.padded(),
+            Extent::Shard => layout.shard_range(rank),
+        }
+    }
+}
+
+/// The behaviour of a ZeRO stage.
+pub trait Stage: Send + Sync {
+    /// Which stage this is.
+    fn stage(&self) -> ZeroStage;
+    /// Parameters held in full or sharded between steps.
+    fn params(&self) -> Extent;
+    /// Gradient accumulators held in full or sharded.
+    fn grads(&self) -> Extent;
+    /// Optimizer state (and the range this rank updates) in full or sharded.
+    fn optimizer(&self) -> Extent;
+
+    /// Makes the group's full parameters available for compute (stage 3 all-gathers).
+    fn gather(
+        &self,
+        g: &mut Group,
+        comm: &dyn Communicator,
+        bucket: usize,
+        ledger: &mut Ledger,
+    ) -> Result<()> {
+        if let ParamStore::Partitioned {
+            shard,
+            gathered: gathered @ None,
+        } = &mut g.params
+        {
+            let mut full = LpBuf::zeros(shard.dtype(), g.layout.padded());
+            ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
+            all_gather_chunked(comm, shard, 0, &mut full, &g.layout, bucket, ledger)?;
+            *gathered = Some(full);
+        }
+        g.ensure_work(ledger);
+        Ok(())
+    }
+
+    /// Releases what `gather` made (the f32 copy always; the gathered buffer in stage 3).
+    fn release(&self, g: &mut Group, ledger: &mut Ledger) {
+        g.drop_work(ledger);
+        if let ParamStore::Partitioned { gathered, .. } = &mut g.params {
+            if let Some(full) = gathered.take() {
+                ledger.free(Location::Device, Category::Prefetch, full.bytes());
+            }
+        }
+    }
+
+    /// Reduces the group's local micro-step gradient across ranks (rank-order sums) and adds
+    /// the result into the accumulator.
+    fn reduce(
+        &self,
+        g: &mut Group,
+        micro: Vec<f32>,
+        comm: &dyn Communicator,
+        bucket: usize,
+        ledger: &mut Ledger,
+    ) -> Result<()> {
+        let mut buf = to_storage(micro, g.grad.dtype());
+        ledger.alloc(Location::Device, Category::CommBuffers, buf.bytes());
+        let mut scratch = Vec::new();
+        let result = match self.grads() {
+            Extent::Full => {
+                for c in chunks(buf.len(), bucket) {
+                    comm.all_reduce(buf.as_mut_range(c), ReduceOp::Sum)?;
+                }
+                g.grad.accumulate(0, &buf, buf.len(), &mut scratch);
+                Ok(())
+            }
+            Extent::Shard => reduce_scatter_into(comm, &buf, g, bucket, &mut scratch, ledger),
+        };
+        ledger.free(Location::Device, Category::CommBuffers, buf.bytes());
+        result
+    }
+
+    /// After the optimizer updated this rank's range: makes every rank's replicated
+    /// parameters current again (stages 1-2 all-gather the updated shards).
+    fn publish(
+        &self,
+        g: &mut Group,
+        comm: &dyn Communicator,
+        bucket: usize,
+        ledger: &mut Ledger,
+    ) -> Result<()> {
+        if self.optimizer() != Extent::Shard {
+            return Ok(());
+        }
+        if let ParamStore::Replicated(full) = &mut g.params {
+            let own = g.layout.shard_range(comm.rank());
+            let shard = slice_copy(full, own.clone());
+            ledger.alloc(Location::Device, Category::CommBuffers, shard.bytes());
+            let r = all_gather_chunked(comm, &shard, 0, full, &g.layout, bucket, ledger);
+            ledger.free(Location::Device, Category::CommBuffers, shard.bytes());
+            r?;
+        }
+        Ok(())
+    }
+}
+
+/// The stage type for a configured stage.
+pub fn for_stage(stage: ZeroStage) -> Box<dyn Stage> {
+    match stage {
+        ZeroStage::Stage0 => Box::new(Stage0),
+        ZeroStage::Stage1 => Box::new(Stage1),
+        ZeroStage::Stage2 => Box::new(Stage2),
+        ZeroStage::Stage3 => Box::new(Stage3),
+    }
+}
+
+/// Stage 0: plain data parallelism; gradients all-reduced, everything replicated.
+pub struct Stage0;
+/// Stage 1: optimizer state sharded; updated shards all-gathered.
+pub struct Stage1;
+/// Stage 2: gradients reduce-scattered into shards as well.
+pub struct Stage2;
+/// Stage 3: parameters sharded too; gathered around each unit's forward and backward.
+pub struct Stage3;
+
+macro_rules! stage {
+    ($t:ty, $s:expr, $p:expr, $g:expr, $o:expr) => {
+        impl Stage for $t {
+            fn stage(&self) -> ZeroStage {
+                $s
+            }
+            fn params(&self) -> Extent {
+                $p
+            }
+            fn grads(&self) -> Extent {
+                $g
+            }
+            fn optimizer(&self) -> Extent {
+                $o
+            }
+        }
+    };
+}
+
+stage!(
+    Stage0,
+    ZeroStage::Stage0,
+    Extent::Full,
+    Extent::Full,
+    Extent::Full
+);
+stage!(
+    Stage1,
+    ZeroStage::Stage1,
+    Extent::Full,
+    Extent::Full,
+    Extent::Shard
+);
+stage!(
+    Stage2,
+    ZeroStage::Stage2,
+    Extent::Full,
+    Extent::Shard,
+    Extent::Shard
+);
+stage!(
+    Stage3,
+    ZeroStage::Stage3,
+    Extent::Shard,
+    Extent::Shard,
+    Extent::Shard
+);
+
+fn to_storage(v: Vec<f32>, dtype: DType) -> LpBuf {
+    if dtype == DType::F32 {
+        return LpBuf::F32(v);
+    }
+    let mut b = LpBuf::zeros(dtype, v.len());
+    b.store_f32(0, &v);
+    b
+}
+
+fn slice_copy(b: &LpBuf, r: Range<usize>) -> LpBuf {
+    match b {
+        LpBuf::F32(v) => LpBuf::F32(v[r].to_vec()),
+        LpBuf::Bf16(v) => LpBuf::Bf16(v[r].to_vec()),
+        LpBuf::F16(v) => LpBuf::F16(v[r].to_vec()),
+    }
+}
+
+/// Elements per rank in one communication chunk for a bucket of `bucket` elements in total.
+fn per_rank_chunk(bucket: usize, world: usize) -> usize {
+    (bucket / world.max(1)).max(1)
+}
+
+/// Reduce-scatters `buf` (padded, every rank's full gradient) into the group's shard
+/// accumulator, `bucket` elements of input at a time.
+fn reduce_scatter_into(
+    comm: &dyn Communicator,
+    buf: &LpBuf,
+    g: &mut Group,
+    bucket: usize,
+    scratch: &mut Vec<f32>,
+    ledger: &mut Ledger,
+) -> Result<()> {
+    let (world, s) = (g.layout.world_size, g.layout.shard_len);
+    let k = per_rank_chunk(bucket, world);
+    if k >= s {
+        let mut out = LpBuf::zeros(buf.dtype(), s);
+        comm.reduce_scatter(
+            buf.as_ref_range(0..buf.len()),
+            out.as_mut_range(0..s),
+            ReduceOp::Sum,
+        )?;
+        g.grad.accumulate(0, &out, s, scratch);
+        return Ok(());
+    }
+    let mut input = LpBuf::zeros(buf.dtype(), k * world);
+    let mut out = LpBuf::zeros(buf.dtype(), k);
+    ledger.alloc(
+        Location::Device,
+        Category::CommBuffers,
+        input.bytes() + out.bytes(),
+    );
+    for c in chunks(s, k) {
+        let n = c.len();
+        for r in 0..world {
+            copy_range(buf, r * s + c.start, &mut input, r * n, n);
+        }
+        comm.reduce_scatter(
+            input.as_ref_range(0..n * world),
+            out.as_mut_range(0..n),
+            ReduceOp::Sum,
+        )?;
+        g.grad.accumulate(c.start, &out, n, scratch);
+    }
+    ledger.free(
+        Location::Device,
+        Category::CommBuffers,
+        input.bytes() + out.bytes(),
+    );
+    Ok(())
+}
+
+/// All-gathers `src[src_off..src_off + shard_len]` from every rank into `full` (padded),
+/// `bucket` elements of output at a time.
+fn all_gather_chunked(
+    comm: &dyn Communicator,
+    src: &LpBuf,
+    src_off: usize,
+    full: &mut LpBuf,
+    layout: &GroupLayout,
+    bucket: usize,
+    ledger: &mut Ledger,
+) -> Result<()> {
+    let (world, s) = (layout.world_size, layout.shard_len);
+    let k = per_rank_chunk(bucket, world);
+    if k >= s {
+        return comm.all_gather(
+            src.as_ref_range(src_off..src_off + s),
+            full.as_mut_range(0..s * world),
+        );
+    }
+    let mut out = LpBuf::zeros(src.dtype(), k * world);
+    ledger.alloc(Location::Device, Category::CommBuffers, out.bytes());
+    for c in chunks(s, k) {
+        let n = c.len();
+        comm.all_gather(
+            src.as_ref_range(src_off + c.start..src_off + c.end),
+            out.as_mut_range(0..n * world),
+        )?;
+        for r in 0..world {
+            copy_range(&out, r * n, full, r * s + c.start, n);
+        }
+    }
+    ledger.free(Location::Device, Category::CommBuffers, out.bytes());
+    Ok(())
+}
+
+fn copy_range(src: &LpBuf, so: usize, dst: &mut LpBuf, d_off: usize, n: usize) {
+    match (src, dst) {
+        (LpBuf::F32(a), LpBuf::F32(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
+        (LpBuf::Bf16(a), LpBuf::Bf16(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
+        (LpBuf::F16(a), LpBuf::F16(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
+        // Buffers of one group always share the storage dtype.
+        _ => unreachable!("copy_range between different dtypes"),
+    }
+}

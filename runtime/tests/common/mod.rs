@@ -1,0 +1,94 @@
+//! Shared test helpers: a hand-built resolved config and the toy model.
+
+#![allow(dead_code)]
+
+pub mod toy;
+
+use std::time::Duration;
+
+use ferrozero_config::resolved::*;
+
+/// A resolved config for tests: AdamW, no scheduler, clipping on, f32 unless told.
+pub fn config(
+    stage: ZeroStage,
+    world: usize,
+    micro: usize,
+    gas: usize,
+    precision: Precision,
+) -> ResolvedConfig {
+    let off = Offload {
+        target: OffloadTarget::None,
+        pin_memory: false,
+        buffer_count: 4,
+        buffer_size: 100_000_000,
+        max_in_cpu: 1_000_000_000,
+        pipeline_read: false,
+        pipeline_write: false,
+        fast_init: false,
+        ratio: 1.0,
+    };
+    ResolvedConfig {
+        train_batch_size: micro * gas * world,
+        train_micro_batch_size_per_gpu: micro,
+        gradient_accumulation_steps: gas,
+        world_size: world,
+        gradient_clipping: 1.0,
+        steps_per_print: 10,
+        wall_clock_breakdown: false,
+        seed: 1234,
+        zero: ZeroConfig {
+            stage,
+            overlap_comm: false,
+            contiguous_gradients: true,
+            reduce_scatter: true,
+            // Small buckets so chunked communication paths run too.
+            reduce_bucket_size: 40,
+            allgather_partitions: true,
+            allgather_bucket_size: 24,
+            sub_group_size: 17,
+            prefetch_bucket_size: 1000,
+            param_persistence_threshold: 0,
+            max_live_parameters: 1_000_000,
+            max_reuse_distance: 1_000_000,
+            gather_16bit_weights_on_model_save: false,
+            round_robin_gradients: false,
+            hpz_partition_size: 1,
+            offload_param: off.clone(),
+            offload_optimizer: off,
+        },
+        precision,
+        optimizer: OptimizerConfig::Adam {
+            lr: 3e-2,
+            betas: (0.9, 0.95),
+            eps: 1e-8,
+            weight_decay: 0.1,
+            adam_w_mode: true,
+            bias_correction: true,
+        },
+        scheduler: None,
+        activation_checkpointing: None,
+        aio: AioConfig {
+            block_size: 1 << 20,
+            queue_depth: 8,
+            intra_op_parallelism: 1,
+            single_submit: false,
+            overlap_events: true,
+        },
+        comms: CommsConfig {
+            backend: CommBackend::Local,
+            timeout: Duration::from_secs(30),
+        },
+    }
+}
+
+/// Activation checkpointing on every unit.
+pub fn checkpointing(cpu: bool) -> ActivationCheckpointing {
+    ActivationCheckpointing {
+        partition_activations: false,
+        cpu_checkpointing: cpu,
+        contiguous_memory_optimization: false,
+        number_checkpoints: None,
+        synchronize_checkpoint_boundary: false,
+        profile: false,
+    }
+}

@@ -1,0 +1,287 @@
+//! A small, fully explicit model for engine tests: a tied embedding, residual tanh layers and
+//! a tied softmax head. Small enough to reason about, odd-sized so padding is exercised.
+
+#![allow(dead_code)]
+
+use std::any::Any;
+
+use ferrozero_runtime::nn::module::SavedState;
+use ferrozero_runtime::nn::{
+    Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit, IGNORE_INDEX,
+};
+use ferrozero_runtime::tensor::Tensor;
+use ferrozero_runtime::{Error, Result};
+
+struct Keep(Vec<Vec<f32>>);
+
+impl SavedState for Keep {
+    fn bytes(&self) -> usize {
+        self.0.iter().map(|v| v.len() * 4).sum()
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+fn take(ctx: &mut Ctx<'_>) -> Result<Vec<Vec<f32>>> {
+    let s = ctx
+        .saved
+        .take()
+        .ok_or_else(|| Error::Invalid("backward without saved state".into()))?;
+    Ok(s.into_any()
+        .downcast::<Keep>()
+        .map_err(|_| Error::Invalid("wrong saved state".into()))?
+        .0)
+}
+
+/// x[b,t] = wte[token] + pos[t]; `wte` is shared (index 0).
+pub struct Embed {
+    pub vocab: usize,
+    pub dim: usize,
+    pub seq: usize,
+}
+
+impl Module for Embed {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        vec![ParamSpec {
+            name: "pos".into(),
+            shape: vec![self.seq, self.dim],
+            init: Init::Normal { std: 0.1 },
+        }]
+    }
+    fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, _input: &Tensor) -> Result<Tensor> {
+        let (pos, wte, d) = (p.get(0), p.get(1), self.dim);
+        let n = ctx.batch.tokens.len();
+        let mut x = vec![0.0; n * d];
+        for (i, &tok) in ctx.batch.tokens.iter().enumerate() {
+            let t = i % ctx.batch.seq;
+            for j in 0..d {
+                x[i * d + j] = wte[tok as usize * d + j] + pos[t * d + j];
+            }
+        }
+        if ctx.training {
+            *ctx.saved = Some(Box::new(Keep(vec![])));
+        }
+        Tensor::new(vec![n, d], x)
+    }
+    fn backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        _p: &Params<'_>,
+        g: &mut Grads<'_>,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        take(ctx)?;
+        let d = self.dim;
+        for (i, &tok) in ctx.batch.tokens.iter().enumerate() {
+            let t = i % ctx.batch.seq;
+            for j in 0..d {
+                g.get_mut(0)[t * d + j] += dy.data[i * d + j];
+                g.get_mut(1)[tok as usize * d + j] += dy.data[i * d + j];
+            }
+        }
+        Ok(Tensor::default())
+    }
+    fn saved_bytes(&self, _b: usize, _s: usize) -> usize {
+        0
+    }
+    fn output_bytes(&self, b: usize, s: usize) -> usize {
+        b * s * self.dim * 4
+    }
+}
+
+/// y = x + tanh(x W + b).
+pub struct Residual {
+    pub name: String,
+    pub dim: usize,
+}
+
+impl Module for Residual {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        vec![
+            ParamSpec {
+                name: format!("{}.w", self.name),
+                shape: vec![self.dim, self.dim],
+                init: Init::Normal { std: 0.3 },
+            },
+            ParamSpec {
+                name: format!("{}.b", self.name),
+                shape: vec![self.dim],
+                init: Init::Zeros,
+            },
+        ]
+    }
+    fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let (w, b, d) = (p.get(0), p.get(1), self.dim);
+        let n = x.numel() / d;
+        let mut h = vec![0.0; n * d];
+        for r in 0..n {
+            for j in 0..d {
+                let mut acc = b[j];
+                for k in 0..d {
+                    acc += x.data[r * d + k] * w[k * d + j];
+                }
+                h[r * d + j] = acc.tanh();
+            }
+        }
+        let y: Vec<f32> = x.data.iter().zip(&h).map(|(a, b)| a + b).collect();
+        if ctx.training {
+            *ctx.saved = Some(Box::new(Keep(vec![x.data.clone(), h])));
+        }
+        Tensor::new(x.shape.clone(), y)
+    }
+    fn backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        g: &mut Grads<'_>,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let s = take(ctx)?;
+        let (x, h, w, d) = (&s[0], &s[1], p.get(0), self.dim);
+        let n = x.len() / d;
+        let mut dx = dy.data.clone();
+        for r in 0..n {
+            for j in 0..d {
+                let dz = dy.data[r * d + j] * (1.0 - h[r * d + j] * h[r * d + j]);
+                g.get_mut(1)[j] += dz;
+                for k in 0..d {
+                    g.get_mut(0)[k * d + j] += x[r * d + k] * dz;
+                    dx[r * d + k] += dz * w[k * d + j];
+                }
+            }
+        }
+        Tensor::new(dy.shape.clone(), dx)
+    }
+    fn saved_bytes(&self, b: usize, s: usize) -> usize {
+        2 * b * s * self.dim * 4
+    }
+    fn output_bytes(&self, b: usize, s: usize) -> usize {
+        b * s * self.dim * 4
+    }
+}
+
+/// logits = y wte^T (wte shared, index 0 after no own params); returns the summed token CE.
+pub struct Head {
+    pub vocab: usize,
+    pub dim: usize,
+}
+
+impl Module for Head {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        vec![]
+    }
+    fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, y: &Tensor) -> Result<Tensor> {
+        let (wte, v, d) = (p.get(0), self.vocab, self.dim);
+        let n = y.numel() / d;
+        let mut probs = vec![0.0; n * v];
+        let mut loss = 0.0f32;
+        for r in 0..n {
+            let row = &mut probs[r * v..(r + 1) * v];
+            for (c, out) in row.iter_mut().enumerate() {
+                *out = (0..d).map(|k| y.data[r * d + k] * wte[c * d + k]).sum();
+            }
+            let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let z: f32 = row.iter().map(|l| (l - m).exp()).sum();
+            let t = ctx.batch.targets[r];
+            if t != IGNORE_INDEX {
+                loss += m + z.ln() - row[t as usize];
+            }
+            for l in row.iter_mut() {
+                *l = (*l - m).exp() / z;
+            }
+        }
+        if ctx.training {
+            *ctx.saved = Some(Box::new(Keep(vec![y.data.clone(), probs])));
+        }
+        Ok(Tensor::scalar(loss))
+    }
+    fn backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        g: &mut Grads<'_>,
+        dl: &Tensor,
+    ) -> Result<Tensor> {
+        let s = take(ctx)?;
+        let (y, probs, wte, v, d) = (&s[0], &s[1], p.get(0), self.vocab, self.dim);
+        let n = y.len() / d;
+        let mut dy = vec![0.0; n * d];
+        for r in 0..n {
+            let t = ctx.batch.targets[r];
+            if t == IGNORE_INDEX {
+                continue;
+            }
+            for c in 0..v {
+                let dlogit =
+                    (probs[r * v + c] - if c as i32 == t { 1.0 } else { 0.0 }) * dl.data[0];
+                for k in 0..d {
+                    dy[r * d + k] += dlogit * wte[c * d + k];
+                    g.get_mut(0)[c * d + k] += dlogit * y[r * d + k];
+                }
+            }
+        }
+        Tensor::new(vec![n, d], dy)
+    }
+    fn saved_bytes(&self, b: usize, s: usize) -> usize {
+        b * s * (self.dim + self.vocab) * 4
+    }
+    fn output_bytes(&self, _b: usize, _s: usize) -> usize {
+        4
+    }
+}
+
+/// The toy model: embed, `layers` residual units, head; `wte` tied.
+pub fn model(vocab: usize, dim: usize, seq: usize, layers: usize) -> Model {
+    let mut units = vec![Unit {
+        name: "embed".into(),
+        module: Box::new(Embed { vocab, dim, seq }),
+        uses_shared: vec![0],
+    }];
+    for i in 0..layers {
+        units.push(Unit {
+            name: format!("h.{i}"),
+            module: Box::new(Residual {
+                name: format!("h.{i}"),
+                dim,
+            }),
+            uses_shared: vec![],
+        });
+    }
+    units.push(Unit {
+        name: "head".into(),
+        module: Box::new(Head { vocab, dim }),
+        uses_shared: vec![0],
+    });
+    Model {
+        shared: vec![ParamSpec {
+            name: "wte".into(),
+            shape: vec![vocab, dim],
+            init: Init::Normal { std: 0.5 },
+        }],
+        units,
+    }
+}
+
+/// A deterministic batch: `rows` rows of `seq` tokens starting at row `first`.
+pub fn batch(vocab: usize, seq: usize, first: usize, rows: usize) -> Batch {
+    let tok = |r: usize, t: usize| ((r * 7 + t * 3 + (r * t) % 5) % vocab) as u32;
+    let mut tokens = Vec::new();
+    let mut targets = Vec::new();
+    for r in first..first + rows {
+        for t in 0..seq {
+            tokens.push(tok(r, t));
+            targets.push(if (r + t) % 11 == 3 {
+                IGNORE_INDEX
+            } else {
+                tok(r, t + 1) as i32
+            });
+        }
+    }
+    Batch {
+        batch: rows,
+        seq,
+        tokens,
+        targets,
+    }
+}

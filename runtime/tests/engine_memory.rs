@@ -1,0 +1,84 @@
+//! The ledger's model-state bytes per rank follow the ZeRO formulas (mixed precision:
+//! stage 0: 16 B/param, 1: 4 + 12/N, 2: 2 + 14/N, 3: 16/N), and offload moves exactly the
+//! optimizer state off the device.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{config, toy};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ZeroStage};
+use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::ledger::{Category, Location};
+use ferrozero_runtime::engine::Engine;
+
+const V: usize = 97;
+const D: usize = 64;
+const T: usize = 8;
+const L: usize = 4;
+
+fn model_state_bytes(stage: ZeroStage, world: usize, offload: bool) -> (f64, f64, usize) {
+    let mut cfg = config(stage, world, 1, 1, Precision::Bf16);
+    if offload {
+        cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    }
+    let out = run_ranks(world, Duration::from_secs(30), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(toy::model(V, D, T, L), cfg.clone(), comm)?;
+        e.train_batch(&[toy::batch(V, T, rank, 1)])?;
+        let l = e.ledger();
+        let dev: u64 = [
+            Category::Parameters,
+            Category::Gradients,
+            Category::OptimizerState,
+        ]
+        .iter()
+        .map(|&c| l.peak(Location::Device, c))
+        .sum();
+        Ok((
+            dev as f64,
+            l.peak(Location::Host, Category::OptimizerState) as f64,
+            e.model().num_params(),
+        ))
+    })
+    .unwrap();
+    out[0]
+}
+
+#[test]
+fn model_states_match_the_zero_formulas() {
+    for world in [1, 2, 4] {
+        let n = world as f64;
+        for (stage, per_param) in [
+            (ZeroStage::Stage0, 16.0),
+            (ZeroStage::Stage1, 4.0 + 12.0 / n),
+            (ZeroStage::Stage2, 2.0 + 14.0 / n),
+            (ZeroStage::Stage3, 16.0 / n),
+        ] {
+            let (dev, host, params) = model_state_bytes(stage, world, false);
+            let want = per_param * params as f64;
+            assert!(
+                (dev - want).abs() / want < 0.02,
+                "{stage:?} world {world}: ledger {dev} formula {want}"
+            );
+            assert_eq!(host, 0.0);
+        }
+    }
+}
+
+#[test]
+fn optimizer_offload_moves_12_bytes_per_param_to_the_host() {
+    for stage in [ZeroStage::Stage1, ZeroStage::Stage3] {
+        let (dev_on, _, _) = model_state_bytes(stage, 2, false);
+        let (dev_off, host_off, params) = model_state_bytes(stage, 2, true);
+        let moved = 12.0 / 2.0 * params as f64;
+        assert!(
+            (dev_on - dev_off - moved).abs() / moved < 0.02,
+            "{stage:?}: {dev_on} -> {dev_off}"
+        );
+        assert!(
+            (host_off - moved).abs() / moved < 0.02,
+            "{stage:?}: host {host_off}"
+        );
+    }
+}
