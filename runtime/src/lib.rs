@@ -4,6 +4,7 @@
 //! Invariant: layers never own weights; the engine owns every parameter, gradient and
 //! optimizer byte in flat per-unit buffers and hands layers slices of them.
 
+pub mod backend;
 pub mod comm;
 pub mod engine;
 pub mod error;

@@ -1,27 +1,34 @@
-//! Placeholder replaced by the compute core's deterministic initialisers at merge.
+//! Deterministic parameter initialisation: each element is a pure function of
+//! `(seed, index)` (a counter-based generator), so every thread count, shard layout and
+//! world size produces the same values.
+
+use rayon::prelude::*;
 
 use super::Init;
+use crate::backend::rng;
+
+const CHUNK: usize = 64 * 1024;
 
 /// Fills `out` according to `init`, deterministically from `seed`.
 pub fn fill(init: &Init, seed: u64, out: &mut [f32]) {
-    let mut s = seed;
-    for v in out.iter_mut() {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let u = (s >> 40) as f32 / (1u64 << 24) as f32;
-        *v = match *init {
-            Init::Zeros => 0.0,
-            Init::Ones => 1.0,
-            Init::Normal { std } => (u - 0.5) * 3.46 * std,
-            Init::Uniform { bound } => (u * 2.0 - 1.0) * bound,
-        };
-    }
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let base = (c * CHUNK) as u64;
+            for (i, v) in chunk.iter_mut().enumerate() {
+                let idx = base + i as u64;
+                *v = match *init {
+                    Init::Zeros => 0.0,
+                    Init::Ones => 1.0,
+                    Init::Normal { std } => (rng::normal(seed, idx) * f64::from(std)) as f32,
+                    Init::Uniform { bound } => (rng::uniform_f32(seed, idx) * 2.0 - 1.0) * bound,
+                };
+            }
+        });
 }
 
-/// The seed for one parameter.
+/// The seed for one parameter: a mix of the global seed and the parameter's full name, so
+/// a parameter's values do not depend on where it sits in a unit or a shard.
 pub fn param_seed(global_seed: u64, name: &str) -> u64 {
-    name.bytes().fold(global_seed ^ 0xcbf29ce484222325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100000001b3)
-    })
+    rng::derive(global_seed, rng::hash_str(name))
 }

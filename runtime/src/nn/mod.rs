@@ -1,8 +1,60 @@
 //! Neural-network building blocks: the `Module` contract, layers and models.
 
+pub mod gpt2;
+pub mod gradcheck;
 pub mod init;
+pub mod linear;
+pub mod llama;
 pub mod module;
+pub(crate) mod saved;
+pub mod weights;
 
 pub use module::{
     Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Saved, Unit, IGNORE_INDEX,
 };
+
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// Checks that `t` holds `rows` rows of `width`; returns `rows`.
+pub(crate) fn check_rows(op: &'static str, t: &Tensor, rows: usize, width: usize) -> Result<usize> {
+    if t.numel() != rows * width || t.shape.last().copied().unwrap_or(0) != width {
+        return Err(Error::Shape {
+            op,
+            expected: format!("{rows} rows of width {width}"),
+            got: format!("shape {:?}", t.shape),
+        });
+    }
+    Ok(rows)
+}
+
+/// Checks a batch's consistency and that its sequence fits the position table.
+pub(crate) fn check_tokens(b: &Batch, max_positions: usize) -> Result<()> {
+    let n = b.batch * b.seq;
+    if b.tokens.len() != n || b.targets.len() != n {
+        return Err(Error::Shape {
+            op: "batch",
+            expected: format!("{n} tokens and targets ({} x {})", b.batch, b.seq),
+            got: format!("{} tokens, {} targets", b.tokens.len(), b.targets.len()),
+        });
+    }
+    if b.seq > max_positions {
+        return Err(Error::Invalid(format!(
+            "sequence length {} exceeds the model's {max_positions} positions",
+            b.seq
+        )));
+    }
+    Ok(())
+}
+
+/// The scalar d(objective)/d(loss sum) from a loss unit's one-element `grad_output`.
+pub(crate) fn loss_grad(grad_output: &Tensor) -> Result<f32> {
+    match grad_output.data.as_slice() {
+        [g] => Ok(*g),
+        _ => Err(Error::Shape {
+            op: "loss backward",
+            expected: "a one-element grad_output".into(),
+            got: format!("shape {:?}", grad_output.shape),
+        }),
+    }
+}

@@ -97,6 +97,18 @@ impl<'a> Grads<'a> {
     pub fn get_mut(&mut self, i: usize) -> &mut [f32] {
         self.slices[i]
     }
+    /// Two distinct accumulators at once (e.g. a norm's weight and bias); `i != j`.
+    pub fn pair_mut(&mut self, i: usize, j: usize) -> (&mut [f32], &mut [f32]) {
+        assert_ne!(i, j, "Grads::pair_mut needs two distinct indices");
+        let (lo, hi) = (i.min(j), i.max(j));
+        let (head, tail) = self.slices.split_at_mut(hi);
+        let (a, b) = (&mut *head[lo], &mut *tail[0]);
+        if i < j {
+            (a, b)
+        } else {
+            (b, a)
+        }
+    }
     /// Number of gradients.
     pub fn len(&self) -> usize {
         self.slices.len()

@@ -1,0 +1,320 @@
+//! Causal scaled dot-product attention with grouped-query heads, and rotary embeddings.
+//!
+//! One rayon task per (sequence, key/value head): the query heads of a group run in that
+//! task, so the group's dK/dV accumulate without races, and each per-head product is a
+//! single-threaded gemm on strided views (no transposition copies).
+
+use rayon::prelude::*;
+
+use super::{gemm_raw, CpuBackend, SendPtr, StridedMat};
+use crate::backend::{Accumulate, AttentionGrads, AttentionOps, AttentionShape, Rotation, RowView};
+use crate::{Error, Result};
+
+fn check_view(name: &str, len: usize, s: &AttentionShape, v: RowView, heads: usize) -> Result<()> {
+    let rows = s.batch * s.seq;
+    let need = if rows == 0 {
+        0
+    } else {
+        (rows - 1) * v.stride + v.offset + heads * s.head_dim
+    };
+    if len >= need && v.offset + heads * s.head_dim <= v.stride {
+        return Ok(());
+    }
+    Err(Error::Shape {
+        op: "attention",
+        expected: format!(
+            "{name}: {rows} rows of stride {} holding {heads} heads of {} at offset {}",
+            v.stride, s.head_dim, v.offset
+        ),
+        got: format!("{len} elements"),
+    })
+}
+
+fn check_shape(s: &AttentionShape) -> Result<()> {
+    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || s.head_dim == 0 {
+        return Err(Error::Invalid(format!(
+            "attention needs kv_heads dividing q_heads and head_dim > 0, got {} q heads, {} kv heads, head_dim {}",
+            s.q_heads, s.kv_heads, s.head_dim
+        )));
+    }
+    Ok(())
+}
+
+/// Head `h` of sequence `b` in view `v`, as a `[seq, head_dim]` strided matrix.
+fn head(base: *const f32, v: RowView, s: &AttentionShape, b: usize, h: usize) -> StridedMat {
+    let off = b * s.seq * v.stride + v.offset + h * s.head_dim;
+    StridedMat {
+        ptr: base.wrapping_add(off),
+        rs: v.stride as isize,
+        cs: 1,
+    }
+}
+
+/// The same head, transposed (`[head_dim, seq]`).
+fn head_t(base: *const f32, v: RowView, s: &AttentionShape, b: usize, h: usize) -> StridedMat {
+    let m = head(base, v, s, b, h);
+    StridedMat {
+        ptr: m.ptr,
+        rs: m.cs,
+        cs: m.rs,
+    }
+}
+
+fn square(ptr: *const f32, t: usize) -> StridedMat {
+    StridedMat {
+        ptr,
+        rs: t as isize,
+        cs: 1,
+    }
+}
+
+/// Scales, masks and softmaxes each row of a `[t, t]` score block in place.
+fn causal_softmax(p: &mut [f32], t: usize, scale: f32) {
+    for (i, row) in p.chunks_mut(t).enumerate() {
+        let (live, masked) = row.split_at_mut(i + 1);
+        let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
+        let mut sum = 0.0f32;
+        for v in live.iter_mut() {
+            *v = (*v * scale - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        live.iter_mut().for_each(|v| *v *= inv);
+        masked.fill(0.0);
+    }
+}
+
+impl AttentionOps for CpuBackend {
+    fn attention_forward(
+        &self,
+        s: AttentionShape,
+        q: (&[f32], RowView),
+        k: (&[f32], RowView),
+        v: (&[f32], RowView),
+        probs: &mut [f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        check_shape(&s)?;
+        check_view("q", q.0.len(), &s, q.1, s.q_heads)?;
+        check_view("k", k.0.len(), &s, k.1, s.kv_heads)?;
+        check_view("v", v.0.len(), &s, v.1, s.kv_heads)?;
+        let (t, hq, d) = (s.seq, s.q_heads, s.head_dim);
+        let ov = RowView {
+            stride: hq * d,
+            offset: 0,
+        };
+        check_view("out", out.len(), &s, ov, hq)?;
+        let tt = t * t;
+        if probs.len() != s.batch * hq * tt {
+            return Err(Error::Shape {
+                op: "attention",
+                expected: format!("probs of {} elements", s.batch * hq * tt),
+                got: format!("{}", probs.len()),
+            });
+        }
+        let scale = 1.0 / (d as f32).sqrt();
+        let group = hq / s.kv_heads;
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        probs
+            .par_chunks_mut(group * tt)
+            .enumerate()
+            .for_each(|(task, pg)| {
+                let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
+                let out_ptr = out_ptr;
+                for (g, p) in pg.chunks_mut(tt).enumerate() {
+                    let h = kvh * group + g;
+                    // SAFETY: views were bounds-checked; this task alone writes head h of
+                    // sequence b in `out` and its own probs block.
+                    unsafe {
+                        gemm_raw(
+                            t,
+                            t,
+                            d,
+                            square(p.as_ptr(), t),
+                            head(q.0.as_ptr(), q.1, &s, b, h),
+                            head_t(k.0.as_ptr(), k.1, &s, b, kvh),
+                            Accumulate::Overwrite,
+                            1,
+                        );
+                    }
+                    causal_softmax(p, t, scale);
+                    let o = head(out_ptr.0, ov, &s, b, h);
+                    // SAFETY: as above.
+                    unsafe {
+                        gemm_raw(
+                            t,
+                            d,
+                            t,
+                            o,
+                            square(p.as_ptr(), t),
+                            head(v.0.as_ptr(), v.1, &s, b, kvh),
+                            Accumulate::Overwrite,
+                            1,
+                        );
+                    }
+                }
+            });
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        s: AttentionShape,
+        q: (&[f32], RowView),
+        k: (&[f32], RowView),
+        v: (&[f32], RowView),
+        probs: &[f32],
+        dout: &[f32],
+        grads: AttentionGrads<'_>,
+    ) -> Result<()> {
+        check_shape(&s)?;
+        let (t, hq, d) = (s.seq, s.q_heads, s.head_dim);
+        let ov = RowView {
+            stride: hq * d,
+            offset: 0,
+        };
+        check_view("dout", dout.len(), &s, ov, hq)?;
+        let (dq, dk, dv) = match grads {
+            AttentionGrads::Fused(buf) => {
+                for (n, view, heads) in [
+                    ("dq", q.1, hq),
+                    ("dk", k.1, s.kv_heads),
+                    ("dv", v.1, s.kv_heads),
+                ] {
+                    check_view(n, buf.len(), &s, view, heads)?;
+                }
+                let p = SendPtr(buf.as_mut_ptr());
+                (p, p, p)
+            }
+            AttentionGrads::Split { dq, dk, dv } => {
+                check_view("dq", dq.len(), &s, q.1, hq)?;
+                check_view("dk", dk.len(), &s, k.1, s.kv_heads)?;
+                check_view("dv", dv.len(), &s, v.1, s.kv_heads)?;
+                (
+                    SendPtr(dq.as_mut_ptr()),
+                    SendPtr(dk.as_mut_ptr()),
+                    SendPtr(dv.as_mut_ptr()),
+                )
+            }
+        };
+        let tt = t * t;
+        let scale = 1.0 / (d as f32).sqrt();
+        let group = hq / s.kv_heads;
+        (0..s.batch * s.kv_heads).into_par_iter().for_each(|task| {
+            let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
+            let (dq, dk, dv) = (dq, dk, dv);
+            let mut dp = vec![0.0f32; tt];
+            for g in 0..group {
+                let h = kvh * group + g;
+                let p = &probs[(b * hq + h) * tt..][..tt];
+                let acc = if g == 0 {
+                    Accumulate::Overwrite
+                } else {
+                    Accumulate::Add
+                };
+                let pt = StridedMat {
+                    ptr: p.as_ptr(),
+                    rs: 1,
+                    cs: t as isize,
+                };
+                let do_h = head(dout.as_ptr(), ov, &s, b, h);
+                // SAFETY: bounds checked above; this task alone writes head h of dQ and
+                // kv head kvh of dK/dV for sequence b.
+                unsafe {
+                    gemm_raw(t, d, t, head(dv.0, v.1, &s, b, kvh), pt, do_h, acc, 1);
+                    gemm_raw(
+                        t,
+                        t,
+                        d,
+                        square(dp.as_ptr(), t),
+                        do_h,
+                        head_t(v.0.as_ptr(), v.1, &s, b, kvh),
+                        Accumulate::Overwrite,
+                        1,
+                    );
+                }
+                for (prow, dprow) in p.chunks(t).zip(dp.chunks_mut(t)) {
+                    let dot: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
+                    for (x, &pv) in dprow.iter_mut().zip(prow) {
+                        *x = pv * (*x - dot) * scale;
+                    }
+                }
+                let ds = square(dp.as_ptr(), t);
+                let ds_t = StridedMat {
+                    ptr: dp.as_ptr(),
+                    rs: 1,
+                    cs: t as isize,
+                };
+                // SAFETY: as above.
+                unsafe {
+                    gemm_raw(
+                        t,
+                        d,
+                        t,
+                        head(dq.0, q.1, &s, b, h),
+                        ds,
+                        head(k.0.as_ptr(), k.1, &s, b, kvh),
+                        Accumulate::Overwrite,
+                        1,
+                    );
+                    gemm_raw(
+                        t,
+                        d,
+                        t,
+                        head(dk.0, k.1, &s, b, kvh),
+                        ds_t,
+                        head(q.0.as_ptr(), q.1, &s, b, h),
+                        acc,
+                        1,
+                    );
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        theta: f32,
+        dir: Rotation,
+    ) {
+        let half = head_dim / 2;
+        let sign = match dir {
+            Rotation::Forward => 1.0f64,
+            Rotation::Inverse => -1.0,
+        };
+        // cos/sin per (position, frequency), computed once in f64 like HF's float32 tables
+        // rounded from exact values.
+        let table: Vec<(f32, f32)> = (0..seq)
+            .flat_map(|pos| {
+                (0..half).map(move |i| {
+                    let inv = (theta as f64).powf(-((2 * i) as f64) / head_dim as f64);
+                    let a = pos as f64 * inv;
+                    (a.cos() as f32, (sign * a.sin()) as f32)
+                })
+            })
+            .collect();
+        let row = heads * head_dim;
+        x.par_chunks_mut(row)
+            .enumerate()
+            .take(batch * seq)
+            .for_each(|(r, xr)| {
+                let pos = r % seq;
+                let cs = &table[pos * half..][..half];
+                for hd in xr.chunks_mut(head_dim) {
+                    let (lo, hi) = hd.split_at_mut(half);
+                    for i in 0..half {
+                        let (c, s) = cs[i];
+                        let (a, b) = (lo[i], hi[i]);
+                        lo[i] = a * c - b * s;
+                        hi[i] = b * c + a * s;
+                    }
+                }
+            });
+    }
+}

@@ -1,0 +1,190 @@
+//! A GPT-2-style decoder with Hugging Face parameter names and layouts.
+//!
+//! Units: `embed` (reads tokens; owns `transformer.wpe.weight` `[n_positions, n_embd]` and
+//! reads the shared `transformer.wte.weight` `[vocab_size, n_embd]`), one `h.{i}` per block,
+//! and `head` (`transformer.ln_f` + LM head tied to `wte` + summed cross-entropy).
+//!
+//! Block `h.{i}` declares, in this order (`C = n_embd`), under `transformer.h.{i}.`:
+//! `ln_1.weight [C]`, `ln_1.bias [C]`, `attn.c_attn.weight [C, 3C]`, `attn.c_attn.bias [3C]`,
+//! `attn.c_proj.weight [C, C]`, `attn.c_proj.bias [C]`, `ln_2.weight [C]`, `ln_2.bias [C]`,
+//! `mlp.c_fc.weight [C, 4C]`, `mlp.c_fc.bias [4C]`, `mlp.c_proj.weight [4C, C]`,
+//! `mlp.c_proj.bias [C]`. GPT-2's `Conv1D` stores weights as `[in, out]` (so `y = x · W`,
+//! no transposition), exactly as in Hugging Face checkpoints; the LM head multiplies by
+//! `wteᵀ`. `c_attn`'s output columns are q, k, v in thirds, each split into heads of
+//! `C / n_head` columns.
+//!
+//! Dropout (`resid_pdrop`, `embd_pdrop`) applies after the embedding sum and on each
+//! residual branch; masks derive from `ctx.rng_seed` only. Attention-probability dropout
+//! is not implemented, so a nonzero `attn_pdrop` is rejected by [`Gpt2Config::validate`].
+
+mod block;
+mod ends;
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+pub use block::Block;
+pub use ends::{Embed, Head};
+
+use crate::backend::{self, Backend};
+use crate::nn::{Init, Model, ParamSpec, Unit};
+use crate::{Error, Result};
+
+/// GPT-2 hyper-parameters, field names as in Hugging Face's `GPT2Config` (`config.json`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Gpt2Config {
+    /// Blocks.
+    pub n_layer: usize,
+    /// Attention heads per block.
+    pub n_head: usize,
+    /// Model width.
+    pub n_embd: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Longest sequence (rows of `wpe`).
+    pub n_positions: usize,
+    /// LayerNorm epsilon.
+    #[serde(default = "default_ln_eps")]
+    pub layer_norm_epsilon: f32,
+    /// Residual dropout probability.
+    #[serde(default)]
+    pub resid_pdrop: f32,
+    /// Embedding dropout probability.
+    #[serde(default)]
+    pub embd_pdrop: f32,
+    /// Attention-probability dropout (must be 0 here).
+    #[serde(default)]
+    pub attn_pdrop: f32,
+    /// Std of the normal initialiser.
+    #[serde(default = "default_init_range")]
+    pub initializer_range: f32,
+}
+
+fn default_ln_eps() -> f32 {
+    1e-5
+}
+fn default_init_range() -> f32 {
+    0.02
+}
+
+impl Gpt2Config {
+    /// A named preset: `tiny` (tests), `bench-15m` (6 layers, width 384, 6 heads, vocab
+    /// 4096, 128 positions) or `gpt2-124m` (the original GPT-2 small).
+    pub fn preset(name: &str) -> Result<Self> {
+        let (n_layer, n_head, n_embd, vocab_size, n_positions) = match name {
+            "tiny" => (2, 2, 16, 64, 32),
+            "bench-15m" => (6, 6, 384, 4096, 128),
+            "gpt2-124m" => (12, 12, 768, 50257, 1024),
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown GPT-2 preset `{other}` (known: tiny, bench-15m, gpt2-124m)"
+                )))
+            }
+        };
+        Ok(Self {
+            n_layer,
+            n_head,
+            n_embd,
+            vocab_size,
+            n_positions,
+            layer_norm_epsilon: 1e-5,
+            resid_pdrop: 0.0,
+            embd_pdrop: 0.0,
+            attn_pdrop: 0.0,
+            initializer_range: 0.02,
+        })
+    }
+
+    /// Parses a Hugging Face `config.json` (unknown keys are ignored, as `transformers` does).
+    pub fn from_json(text: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text)
+            .map_err(|e| Error::Config(format!("GPT-2 config.json: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a `config.json` file.
+    pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::from_json(&text)
+    }
+
+    /// Checks that the sizes are usable.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(format!("GPT-2 config: {m}")));
+        if self.n_layer == 0 || self.n_head == 0 || self.n_embd == 0 || self.vocab_size == 0 {
+            return bad("n_layer, n_head, n_embd and vocab_size must be positive".into());
+        }
+        if self.n_embd % self.n_head != 0 {
+            return bad(format!(
+                "n_embd {} is not a multiple of n_head {}",
+                self.n_embd, self.n_head
+            ));
+        }
+        if self.n_positions == 0 {
+            return bad("n_positions must be positive".into());
+        }
+        for (name, p) in [
+            ("resid_pdrop", self.resid_pdrop),
+            ("embd_pdrop", self.embd_pdrop),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return bad(format!("{name} = {p} is outside [0, 1)"));
+            }
+        }
+        if self.attn_pdrop != 0.0 {
+            return bad(format!(
+                "attn_pdrop = {} is not supported (only 0)",
+                self.attn_pdrop
+            ));
+        }
+        Ok(())
+    }
+
+    /// Head width.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+}
+
+/// Builds the model on the CPU backend.
+pub fn build(cfg: &Gpt2Config) -> Result<Model> {
+    build_on(cfg, backend::cpu())
+}
+
+/// Builds the model on a given backend.
+pub fn build_on(cfg: &Gpt2Config, be: Arc<dyn Backend>) -> Result<Model> {
+    cfg.validate()?;
+    let wte = ParamSpec {
+        name: "transformer.wte.weight".into(),
+        shape: vec![cfg.vocab_size, cfg.n_embd],
+        init: Init::Normal {
+            std: cfg.initializer_range,
+        },
+    };
+    let mut units = vec![Unit {
+        name: "embed".into(),
+        module: Box::new(Embed::new(cfg.clone(), be.clone())),
+        uses_shared: vec![0],
+    }];
+    for i in 0..cfg.n_layer {
+        units.push(Unit {
+            name: format!("h.{i}"),
+            module: Box::new(Block::new(cfg.clone(), i, be.clone())),
+            uses_shared: vec![],
+        });
+    }
+    units.push(Unit {
+        name: "head".into(),
+        module: Box::new(Head::new(cfg.clone(), be)),
+        uses_shared: vec![0],
+    });
+    Ok(Model {
+        shared: vec![wte],
+        units,
+    })
+}

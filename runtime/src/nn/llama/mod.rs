@@ -1,0 +1,198 @@
+//! A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) with Hugging Face
+//! parameter names and layouts.
+//!
+//! Units: `embed` (`model.embed_tokens.weight [vocab, H]`), one `layers.{i}` per block, and
+//! `head` (`model.norm.weight [H]` + `lm_head.weight [vocab, H]` + summed cross-entropy).
+//! With `tie_word_embeddings` the embedding table is a shared parameter read by `embed` and
+//! `head`, and no `lm_head.weight` exists (as in Hugging Face).
+//!
+//! Block `layers.{i}` declares, under `model.layers.{i}.` (`H` hidden, `I` intermediate,
+//! `D` head dim, `Hq`/`Hkv` heads): `self_attn.q_proj.weight [Hq·D, H]`,
+//! `self_attn.k_proj.weight [Hkv·D, H]`, `self_attn.v_proj.weight [Hkv·D, H]`,
+//! `self_attn.o_proj.weight [H, Hq·D]`, `mlp.gate_proj.weight [I, H]`,
+//! `mlp.up_proj.weight [I, H]`, `mlp.down_proj.weight [H, I]`, `input_layernorm.weight [H]`,
+//! `post_attention_layernorm.weight [H]`. All are `nn.Linear` weights stored `[out, in]`
+//! (`y = x · Wᵀ`), exactly as in Hugging Face checkpoints. RoPE follows Hugging Face's
+//! rotate-half convention (dimension `i` pairs with `i + D/2`).
+
+mod block;
+mod ends;
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+pub use block::Block;
+pub use ends::{Embed, Head};
+
+use crate::backend::{self, Backend};
+use crate::nn::{Init, Model, ParamSpec, Unit};
+use crate::{Error, Result};
+
+/// Llama hyper-parameters, field names as in Hugging Face's `LlamaConfig` (`config.json`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct LlamaConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (defaults to the query heads).
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// RMSNorm epsilon.
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    #[serde(default = "default_theta")]
+    pub rope_theta: f32,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+    /// Whether the LM head reuses the embedding table.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Std of the normal initialiser.
+    #[serde(default = "default_init_range")]
+    pub initializer_range: f32,
+}
+
+fn default_eps() -> f32 {
+    1e-6
+}
+fn default_theta() -> f32 {
+    10000.0
+}
+fn default_init_range() -> f32 {
+    0.02
+}
+
+impl LlamaConfig {
+    /// A named preset: `tiny` (tests, GQA with 4 query and 2 kv heads), `llama-7b`, `llama-13b`.
+    pub fn preset(name: &str) -> Result<Self> {
+        let (h, i, l, q, kv, v, pos) = match name {
+            "tiny" => (32, 64, 2, 4, 2, 64, 64),
+            "llama-7b" => (4096, 11008, 32, 32, 32, 32000, 4096),
+            "llama-13b" => (5120, 13824, 40, 40, 40, 32000, 4096),
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown Llama preset `{other}` (known: tiny, llama-7b, llama-13b)"
+                )))
+            }
+        };
+        Ok(Self {
+            hidden_size: h,
+            intermediate_size: i,
+            num_hidden_layers: l,
+            num_attention_heads: q,
+            num_key_value_heads: Some(kv),
+            rms_norm_eps: if name == "tiny" { 1e-6 } else { 1e-5 },
+            rope_theta: 10000.0,
+            vocab_size: v,
+            max_position_embeddings: pos,
+            tie_word_embeddings: false,
+            initializer_range: 0.02,
+        })
+    }
+
+    /// Parses a Hugging Face `config.json` (unknown keys are ignored, as `transformers` does).
+    pub fn from_json(text: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text)
+            .map_err(|e| Error::Config(format!("Llama config.json: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a `config.json` file.
+    pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::from_json(&text)
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Head width.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads.max(1)
+    }
+
+    /// Checks that the sizes are usable.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(format!("Llama config: {m}")));
+        let sizes = [
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_hidden_layers,
+        ];
+        if sizes.contains(&0) || self.num_attention_heads == 0 || self.vocab_size == 0 {
+            return bad("sizes, layer and head counts must be positive".into());
+        }
+        if self.hidden_size % self.num_attention_heads != 0 || self.head_dim() % 2 != 0 {
+            return bad(format!(
+                "hidden_size {} must split into {} heads of even width",
+                self.hidden_size, self.num_attention_heads
+            ));
+        }
+        let kv = self.kv_heads();
+        if kv == 0 || self.num_attention_heads % kv != 0 {
+            return bad(format!(
+                "num_key_value_heads {kv} must divide num_attention_heads {}",
+                self.num_attention_heads
+            ));
+        }
+        if self.max_position_embeddings == 0 || !(self.rope_theta > 0.0) {
+            return bad("max_position_embeddings and rope_theta must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// Builds the model on the CPU backend.
+pub fn build(cfg: &LlamaConfig) -> Result<Model> {
+    build_on(cfg, backend::cpu())
+}
+
+/// Builds the model on a given backend.
+pub fn build_on(cfg: &LlamaConfig, be: Arc<dyn Backend>) -> Result<Model> {
+    cfg.validate()?;
+    let table = ParamSpec {
+        name: "model.embed_tokens.weight".into(),
+        shape: vec![cfg.vocab_size, cfg.hidden_size],
+        init: Init::Normal {
+            std: cfg.initializer_range,
+        },
+    };
+    let (shared, uses) = if cfg.tie_word_embeddings {
+        (vec![table], vec![0])
+    } else {
+        (vec![], vec![])
+    };
+    let mut units = vec![Unit {
+        name: "embed".into(),
+        module: Box::new(Embed::new(cfg.clone(), be.clone())),
+        uses_shared: uses.clone(),
+    }];
+    for i in 0..cfg.num_hidden_layers {
+        units.push(Unit {
+            name: format!("layers.{i}"),
+            module: Box::new(Block::new(cfg.clone(), i, be.clone())),
+            uses_shared: vec![],
+        });
+    }
+    units.push(Unit {
+        name: "head".into(),
+        module: Box::new(Head::new(cfg.clone(), be)),
+        uses_shared: uses,
+    });
+    Ok(Model { shared, units })
+}

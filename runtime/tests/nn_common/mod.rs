@@ -1,0 +1,186 @@
+//! Helpers shared by the `nn_*` integration tests: engine-like ownership of a model's
+//! parameters and a plain forward/backward driver over its units.
+#![allow(dead_code)]
+
+use ferrozero_runtime::nn::{init, Batch, Ctx, Grads, Model, Params, Saved, IGNORE_INDEX};
+use ferrozero_runtime::tensor::Tensor;
+use ferrozero_runtime::Result;
+
+/// Flat per-parameter buffers, as the engine would own them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weights {
+    /// Per unit, per own parameter.
+    pub units: Vec<Vec<Vec<f32>>>,
+    /// Shared parameters.
+    pub shared: Vec<Vec<f32>>,
+}
+
+impl Weights {
+    /// Zero-filled buffers matching `model`.
+    pub fn zeros(model: &Model) -> Self {
+        let units = model
+            .units
+            .iter()
+            .map(|u| {
+                u.module
+                    .param_specs()
+                    .iter()
+                    .map(|s| vec![0.0; s.numel()])
+                    .collect()
+            })
+            .collect();
+        let shared = model.shared.iter().map(|s| vec![0.0; s.numel()]).collect();
+        Self { units, shared }
+    }
+
+    /// Deterministic initialisation from `seed`, as the engine does it.
+    pub fn init(model: &Model, seed: u64) -> Self {
+        let mut w = Self::zeros(model);
+        for (u, unit) in model.units.iter().enumerate() {
+            for (i, spec) in unit.module.param_specs().iter().enumerate() {
+                init::fill(
+                    &spec.init,
+                    init::param_seed(seed, &spec.name),
+                    &mut w.units[u][i],
+                );
+            }
+        }
+        for (i, spec) in model.shared.iter().enumerate() {
+            init::fill(
+                &spec.init,
+                init::param_seed(seed, &spec.name),
+                &mut w.shared[i],
+            );
+        }
+        w
+    }
+
+    /// Every (name, buffer) pair: units in order, then shared.
+    pub fn named<'a>(&'a self, model: &Model) -> Vec<(String, &'a [f32])> {
+        let mut out = Vec::new();
+        for (u, unit) in model.units.iter().enumerate() {
+            for (i, spec) in unit.module.param_specs().iter().enumerate() {
+                out.push((spec.name.clone(), self.units[u][i].as_slice()));
+            }
+        }
+        for (i, spec) in model.shared.iter().enumerate() {
+            out.push((spec.name.clone(), self.shared[i].as_slice()));
+        }
+        out
+    }
+
+    /// Unit `u`'s parameters followed by the shared ones it uses (the `Params` order).
+    pub fn unit_vecs(&self, model: &Model, u: usize) -> Vec<Vec<f32>> {
+        let mut v = self.units[u].clone();
+        v.extend(
+            model.units[u]
+                .uses_shared
+                .iter()
+                .map(|&s| self.shared[s].clone()),
+        );
+        v
+    }
+}
+
+/// Result of one micro-step.
+pub struct Step {
+    /// Summed loss.
+    pub loss: f32,
+    /// Gradients of the loss sum.
+    pub grads: Weights,
+    /// Saved bytes per unit, as reported by the saved state.
+    pub saved: Vec<usize>,
+    /// Output bytes per unit.
+    pub outputs: Vec<usize>,
+}
+
+/// Forward through every unit in training mode, then backward with d(obj)/d(loss) = `g`.
+pub fn step(model: &Model, w: &Weights, batch: &Batch, seed: u64, g: f32) -> Result<Step> {
+    let n = model.units.len();
+    let mut slots: Vec<Saved> = (0..n).map(|_| None).collect();
+    let mut x = Tensor::default();
+    let mut outputs = Vec::new();
+    for (u, unit) in model.units.iter().enumerate() {
+        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
+        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
+        let mut ctx = Ctx {
+            batch,
+            training: true,
+            rng_seed: seed + u as u64,
+            saved: &mut slots[u],
+        };
+        x = unit.module.forward(&mut ctx, &Params::new(p), &x)?;
+        outputs.push(x.bytes());
+    }
+    let loss = x.data[0];
+    let saved = slots
+        .iter()
+        .map(|s| s.as_ref().map_or(0, |s| s.bytes()))
+        .collect();
+    let mut grads = Weights::zeros(model);
+    let mut gy = Tensor::scalar(g);
+    for (u, unit) in model.units.iter().enumerate().rev() {
+        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
+        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
+        let mut own: Vec<&mut [f32]> = grads.units[u].iter_mut().map(Vec::as_mut_slice).collect();
+        let mut shared: Vec<Option<&mut Vec<f32>>> = grads.shared.iter_mut().map(Some).collect();
+        for &s in &unit.uses_shared {
+            own.push(
+                shared[s]
+                    .take()
+                    .expect("a shared parameter used twice by one unit"),
+            );
+        }
+        let mut ctx = Ctx {
+            batch,
+            training: true,
+            rng_seed: seed + u as u64,
+            saved: &mut slots[u],
+        };
+        gy = unit
+            .module
+            .backward(&mut ctx, &Params::new(p), &mut Grads::new(own), &gy)?;
+    }
+    Ok(Step {
+        loss,
+        grads,
+        saved,
+        outputs,
+    })
+}
+
+/// A deterministic batch with a few ignored targets.
+pub fn batch(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
+    let mut s = seed;
+    let mut next = || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as usize
+    };
+    let tokens = (0..b * t).map(|_| (next() % vocab) as u32).collect();
+    let targets = (0..b * t)
+        .map(|i| {
+            if i % 5 == 3 {
+                IGNORE_INDEX
+            } else {
+                (next() % vocab) as i32
+            }
+        })
+        .collect();
+    Batch {
+        batch: b,
+        seq: t,
+        tokens,
+        targets,
+    }
+}
+
+/// A random tensor (uniform in [-1, 1)) from a seed.
+pub fn random(shape: Vec<usize>, seed: u64) -> Tensor {
+    let n = shape.iter().product();
+    let data = (0..n)
+        .map(|i| ferrozero_runtime::backend::rng::uniform_f32(seed, i as u64) * 2.0 - 1.0)
+        .collect();
+    Tensor::new(shape, data).expect("shape and data agree")
+}

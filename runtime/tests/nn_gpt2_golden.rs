@@ -1,0 +1,116 @@
+//! A tiny GPT-2 against PyTorch (float64 reference): logits, summed loss and every
+//! parameter gradient. Fixture and generator: `tests/fixtures/gen_gpt2_golden.py`.
+
+mod nn_common;
+
+use std::path::Path;
+
+use ferrozero_runtime::nn::gpt2::{self, Gpt2Config, Head};
+use ferrozero_runtime::nn::weights::{self, Naming};
+use ferrozero_runtime::nn::{Batch, Ctx, Params, Saved};
+use ferrozero_runtime::tensor::Tensor;
+use nn_common::{step, Weights};
+
+fn fixture() -> Vec<weights::NamedTensor> {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2_tiny_golden.safetensors");
+    weights::load(&path, Naming::Exact).expect("fixture loads")
+}
+
+fn get<'a>(f: &'a [weights::NamedTensor], name: &str) -> &'a [f32] {
+    &f.iter()
+        .find(|t| t.name == name)
+        .unwrap_or_else(|| panic!("fixture lacks {name}"))
+        .data
+}
+
+fn config() -> Gpt2Config {
+    Gpt2Config::from_json(
+        r#"{"n_layer": 2, "n_head": 3, "n_embd": 24, "vocab_size": 53, "n_positions": 16,
+            "layer_norm_epsilon": 1e-5, "model_type": "gpt2", "activation_function": "gelu_new"}"#,
+    )
+    .expect("valid config")
+}
+
+fn assert_close(name: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{name}[{i}]: got {g}, want {w} (scale {scale})"
+        );
+    }
+}
+
+fn load_model() -> (
+    ferrozero_runtime::nn::Model,
+    Weights,
+    Batch,
+    Vec<weights::NamedTensor>,
+) {
+    let f = fixture();
+    let model = gpt2::build(&config()).expect("model builds");
+    let mut w = Weights::zeros(&model);
+    for (u, unit) in model.units.iter().enumerate() {
+        for (i, spec) in unit.module.param_specs().iter().enumerate() {
+            w.units[u][i].copy_from_slice(get(&f, &spec.name));
+        }
+    }
+    w.shared[0].copy_from_slice(get(&f, "transformer.wte.weight"));
+    let tokens = get(&f, "golden.tokens").iter().map(|&v| v as u32).collect();
+    let targets = get(&f, "golden.targets")
+        .iter()
+        .map(|&v| v as i32)
+        .collect();
+    let batch = Batch {
+        batch: 2,
+        seq: 9,
+        tokens,
+        targets,
+    };
+    (model, w, batch, f)
+}
+
+#[test]
+fn loss_and_every_gradient_match_pytorch() {
+    let (model, w, batch, f) = load_model();
+    let out = step(&model, &w, &batch, 0, 1.0).expect("step runs");
+    let want = get(&f, "golden.loss")[0];
+    assert!(
+        (out.loss - want).abs() <= 1e-4 * want.abs(),
+        "loss {} vs {want}",
+        out.loss
+    );
+    for (name, g) in out.grads.named(&model) {
+        assert_close(&name, g, get(&f, &format!("grad.{name}")), 2e-4);
+    }
+}
+
+#[test]
+fn logits_match_pytorch() {
+    let (model, w, batch, f) = load_model();
+    let mut x = Tensor::default();
+    let last = model.units.len() - 1;
+    for (u, unit) in model.units[..last].iter().enumerate() {
+        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
+        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
+        let mut saved: Saved = None;
+        let mut ctx = Ctx {
+            batch: &batch,
+            training: false,
+            rng_seed: 0,
+            saved: &mut saved,
+        };
+        x = unit
+            .module
+            .forward(&mut ctx, &Params::new(p), &x)
+            .expect("forward");
+        assert!(saved.is_none(), "evaluation mode must not save activations");
+    }
+    let head = Head::new(config(), ferrozero_runtime::backend::cpu());
+    let p = Params::new(vec![&w.units[last][0], &w.units[last][1], &w.shared[0]]);
+    let logits = head.logits(&p, &x).expect("logits");
+    assert_eq!(logits.shape, vec![18, 53]);
+    assert_close("logits", &logits.data, get(&f, "golden.logits"), 1e-5);
+}
