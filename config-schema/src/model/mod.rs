@@ -1,0 +1,270 @@
+//! The typed configuration as written by the user (defaults applied, `"auto"` kept), and the
+//! walk that reads it from the spanned tree.
+
+mod auto;
+mod offload;
+mod optimizer;
+mod precision;
+mod runtime;
+mod scheduler;
+mod zero;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use schemars::JsonSchema;
+use serde::Serialize;
+
+pub use auto::AutoOr;
+pub use offload::{OffloadDevice, OffloadSection};
+pub use optimizer::{Optimizer, OptimizerParams, OptimizerType};
+pub use precision::{Bf16, Fp16};
+pub use runtime::{ActivationCheckpointingSection, Aio, Backend, Comms};
+pub use scheduler::{Scheduler, SchedulerParams, SchedulerType, WarmupKind};
+pub use zero::ZeroOptimization;
+
+use crate::parse::Node;
+use crate::reader::{auto_or, to_f64, to_str, to_uint, Cx, Support, TableReader};
+
+/// A ferrozero / DeepSpeed configuration file, typed.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(
+    title = "ferrozero configuration",
+    description = "DeepSpeed-compatible training configuration for ferrozero (TOML or JSON)."
+)]
+pub struct Config {
+    /// JSON Schema reference for editors; ignored.
+    #[serde(rename = "$schema", skip_serializing_if = "Option::is_none")]
+    pub schema: Option<String>,
+    /// Global batch in samples (= micro × accumulation × world size).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_batch_size: Option<AutoOr<u64>>,
+    /// Samples per rank per micro-step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_micro_batch_size_per_gpu: Option<AutoOr<u64>>,
+    /// Micro-steps per optimizer step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gradient_accumulation_steps: Option<AutoOr<u64>>,
+    /// Clip the global gradient norm to this; 0 disables (default 1.0).
+    pub gradient_clipping: AutoOr<f64>,
+    /// Log every this many steps.
+    pub steps_per_print: u64,
+    /// Time forward, backward, reduction and step separately.
+    pub wall_clock_breakdown: bool,
+    /// Seed for parameter init and dropout (ferrozero's own key).
+    pub seed: u64,
+    /// ZeRO settings.
+    pub zero_optimization: ZeroOptimization,
+    /// fp16 mixed precision.
+    pub fp16: Fp16,
+    /// bf16 mixed precision (alias `bfloat16`).
+    pub bf16: Bf16,
+    /// The optimizer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<Optimizer>,
+    /// The learning-rate schedule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scheduler: Option<Scheduler>,
+    /// Activation checkpointing; present means on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing: Option<ActivationCheckpointingSection>,
+    /// Async I/O for NVMe offload.
+    pub aio: Aio,
+    /// The communicator (ferrozero's own section).
+    pub comms: Comms,
+    /// Where each key came from, so that resolution errors point into the file too.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub(crate) source: Arc<SourceMap>,
+}
+
+/// The text a config was read from and the value span of each key read.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct SourceMap {
+    pub origin: String,
+    pub text: String,
+    pub spans: HashMap<String, Range<usize>>,
+}
+
+/// ferrozero's default seed.
+pub const DEFAULT_SEED: u64 = 42;
+
+const TOP_SUPPORT: &[(&str, Support)] = &[
+    (
+        "tensorboard",
+        Support::Ignored("a monitor; it cannot change training results"),
+    ),
+    (
+        "wandb",
+        Support::Ignored("a monitor; it cannot change training results"),
+    ),
+    (
+        "csv_monitor",
+        Support::Ignored("a monitor; it cannot change training results"),
+    ),
+    (
+        "comet",
+        Support::Ignored("a monitor; it cannot change training results"),
+    ),
+    (
+        "flops_profiler",
+        Support::Ignored("a profiler; it cannot change training results"),
+    ),
+    (
+        "comms_logger",
+        Support::Ignored("a profiler; it cannot change training results"),
+    ),
+    (
+        "memory_breakdown",
+        Support::Ignored("a profiler; it cannot change training results"),
+    ),
+    ("dump_state", Support::Ignored("debug output only")),
+    (
+        "zero_allow_untested_optimizer",
+        Support::Ignored("every ferrozero optimizer works with every stage"),
+    ),
+    (
+        "zero_force_ds_cpu_optimizer",
+        Support::Ignored("ferrozero always uses its own CPU optimizer"),
+    ),
+    (
+        "checkpoint",
+        Support::Ignored("checkpoint layout options; ferrozero's checkpoints always reshard"),
+    ),
+    ("nebula", Support::Ignored("checkpoint service; not used")),
+    (
+        "autotuning",
+        Support::Ignored("ferrozero does not autotune; the given values are used"),
+    ),
+    (
+        "compile",
+        Support::Ignored("torch.compile does not apply to ferrozero"),
+    ),
+    (
+        "dataloader_drop_last",
+        Support::Ignored("ferrozero does not build data loaders"),
+    ),
+    (
+        "elasticity",
+        Support::Refused("elastic batch sizes change the effective batch"),
+    ),
+    (
+        "compression_training",
+        Support::Refused("compression changes the trained model"),
+    ),
+    (
+        "quantize_training",
+        Support::Refused("quantization changes the trained model"),
+    ),
+    (
+        "sparse_attention",
+        Support::Refused("sparse attention changes the model"),
+    ),
+    (
+        "pipeline",
+        Support::Refused("pipeline parallelism is not implemented"),
+    ),
+    (
+        "tensor_parallel",
+        Support::Refused("tensor parallelism is not implemented"),
+    ),
+    (
+        "hybrid_engine",
+        Support::Refused("the RLHF hybrid engine is not implemented"),
+    ),
+    (
+        "curriculum_learning",
+        Support::Refused("curriculum learning changes the data order"),
+    ),
+    (
+        "data_efficiency",
+        Support::Refused("data sampling/routing changes training"),
+    ),
+    (
+        "progressive_layer_drop",
+        Support::Refused("layer drop changes training"),
+    ),
+    (
+        "eigenvalue",
+        Support::Refused("eigenvalue-based scheduling changes training"),
+    ),
+    (
+        "amp",
+        Support::Refused("NVIDIA Apex AMP is not supported; use fp16 or bf16"),
+    ),
+    ("torch_autocast", Support::Refused("use fp16 or bf16")),
+    (
+        "sparse_gradients",
+        Support::Refused("sparse gradients are not implemented"),
+    ),
+    (
+        "communication_data_type",
+        Support::Refused("gradients are reduced in the parameter precision"),
+    ),
+    (
+        "gradient_accumulation_dtype",
+        Support::Refused("gradients are accumulated in f32"),
+    ),
+    (
+        "prescale_gradients",
+        Support::Refused("changes the gradient averaging order"),
+    ),
+    (
+        "gradient_predivide_factor",
+        Support::Refused("changes the gradient averaging order"),
+    ),
+    ("fp8", Support::Refused("fp8 training is not implemented")),
+    (
+        "moe",
+        Support::Refused("mixture-of-experts parallelism is not implemented"),
+    ),
+];
+
+/// Reads the whole document into a [`Config`], reporting problems into `cx`.
+pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
+    let mut t = TableReader::new(cx, "", root)?;
+    let batch = |cx: &mut Cx<'_>, p: &str, n: &Node| auto_or(cx, p, n, to_uint);
+    let f = |cx: &mut Cx<'_>, p: &str, n: &Node| auto_or(cx, p, n, to_f64);
+    let config = Config {
+        schema: t.get(cx, "$schema", &[], |cx, p, n| {
+            to_str(cx, p, n).map(str::to_string)
+        }),
+        train_batch_size: t.get(cx, "train_batch_size", &[], batch),
+        train_micro_batch_size_per_gpu: t.get(cx, "train_micro_batch_size_per_gpu", &[], batch),
+        gradient_accumulation_steps: t.get(cx, "gradient_accumulation_steps", &[], batch),
+        gradient_clipping: t
+            .get(cx, "gradient_clipping", &[], f)
+            .unwrap_or(AutoOr::Value(1.0)),
+        steps_per_print: t.uint(cx, "steps_per_print", 10),
+        wall_clock_breakdown: t.bool(cx, "wall_clock_breakdown", false),
+        seed: t.uint(cx, "seed", DEFAULT_SEED),
+        zero_optimization: t
+            .get(cx, "zero_optimization", &[], |cx, p, n| {
+                Some(zero::read_zero(cx, p, n))
+            })
+            .unwrap_or_default(),
+        fp16: t
+            .get(cx, "fp16", &[], precision::read_fp16)
+            .unwrap_or_default(),
+        bf16: t
+            .get(cx, "bf16", &["bfloat16"], precision::read_bf16)
+            .unwrap_or_default(),
+        optimizer: t.get(cx, "optimizer", &[], optimizer::read_optimizer),
+        scheduler: t.get(cx, "scheduler", &[], scheduler::read_scheduler),
+        activation_checkpointing: t.get(
+            cx,
+            "activation_checkpointing",
+            &[],
+            runtime::read_activation,
+        ),
+        aio: t.get(cx, "aio", &[], runtime::read_aio).unwrap_or_default(),
+        comms: t
+            .get(cx, "comms", &[], runtime::read_comms)
+            .unwrap_or_default(),
+        source: Arc::default(),
+    };
+    t.finish(cx, TOP_SUPPORT);
+    Some(config)
+}

@@ -1,0 +1,103 @@
+//! `offload_param` and `offload_optimizer`.
+
+use std::path::PathBuf;
+
+use schemars::JsonSchema;
+use serde::Serialize;
+
+use crate::parse::Node;
+use crate::reader::{to_choice, to_f64, to_str, to_uint, Cx, Support, TableReader};
+
+/// Where offloaded state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum OffloadDevice {
+    /// Not offloaded.
+    #[default]
+    None,
+    /// Host memory.
+    Cpu,
+    /// NVMe files under `nvme_path`.
+    Nvme,
+}
+
+/// `offload_param` / `offload_optimizer` (DeepSpeed accepts the union of keys in both; the
+/// ones that do not apply to a section are ignored there, as in DeepSpeed).
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadSection {
+    /// `none`, `cpu` or `nvme`.
+    pub device: OffloadDevice,
+    /// Directory for NVMe swap files (required with `device = "nvme"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme_path: Option<PathBuf>,
+    /// Page-lock host buffers.
+    pub pin_memory: bool,
+    /// Swap buffers in the pool; unset = DeepSpeed's default (5 for parameters, 4 for optimizer state).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub buffer_count: Option<u64>,
+    /// Elements per parameter swap buffer.
+    pub buffer_size: u64,
+    /// Elements of parameters kept in host memory at most (parameters on NVMe).
+    pub max_in_cpu: u64,
+    /// Prefetch optimizer state reads ahead of use.
+    pub pipeline_read: bool,
+    /// Write optimizer state back behind use.
+    pub pipeline_write: bool,
+    /// Initialise optimizer state directly in its offload location.
+    pub fast_init: bool,
+    /// Fraction of optimizer state offloaded (stage 3 only below 1.0).
+    pub ratio: f64,
+}
+
+impl Default for OffloadSection {
+    fn default() -> Self {
+        OffloadSection {
+            device: OffloadDevice::None,
+            nvme_path: None,
+            pin_memory: false,
+            buffer_count: None,
+            buffer_size: 100_000_000,
+            max_in_cpu: 1_000_000_000,
+            pipeline_read: false,
+            pipeline_write: false,
+            fast_init: false,
+            ratio: 1.0,
+        }
+    }
+}
+
+const DEVICES: &[(&str, OffloadDevice)] = &[
+    ("none", OffloadDevice::None),
+    ("cpu", OffloadDevice::Cpu),
+    ("nvme", OffloadDevice::Nvme),
+];
+
+const SUPPORT: &[(&str, Support)] = &[(
+    "pipeline",
+    Support::Ignored("deprecated in DeepSpeed; use `pipeline_read` and `pipeline_write`"),
+)];
+
+/// Reads one offload section.
+pub(crate) fn read_offload(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<OffloadSection> {
+    let mut t = TableReader::new(cx, path, node)?;
+    let d = OffloadSection::default();
+    let s = OffloadSection {
+        device: t
+            .get(cx, "device", &[], |cx, p, n| to_choice(cx, p, n, DEVICES))
+            .unwrap_or(d.device),
+        nvme_path: t.get(cx, "nvme_path", &[], |cx, p, n| {
+            to_str(cx, p, n).map(PathBuf::from)
+        }),
+        pin_memory: t.bool(cx, "pin_memory", d.pin_memory),
+        buffer_count: t.get(cx, "buffer_count", &[], to_uint),
+        buffer_size: t.uint(cx, "buffer_size", d.buffer_size),
+        max_in_cpu: t.uint(cx, "max_in_cpu", d.max_in_cpu),
+        pipeline_read: t.bool(cx, "pipeline_read", d.pipeline_read),
+        pipeline_write: t.bool(cx, "pipeline_write", d.pipeline_write),
+        fast_init: t.bool(cx, "fast_init", d.fast_init),
+        ratio: t.get(cx, "ratio", &[], to_f64).unwrap_or(d.ratio),
+    };
+    t.finish(cx, SUPPORT);
+    Some(s)
+}

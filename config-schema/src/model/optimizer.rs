@@ -1,0 +1,259 @@
+//! `optimizer` {type, params}: Adam, AdamW, SGD and Lion with DeepSpeed's parameter names.
+
+use schemars::JsonSchema;
+use serde::Serialize;
+
+use super::auto::AutoOr;
+use crate::diagnostic::DiagnosticKind;
+use crate::parse::{Kind, Node};
+use crate::reader::{auto_or, to_bool, to_choice, to_f64, Cx, Report, Support, TableReader};
+
+/// Optimizer type, matched case-insensitively as DeepSpeed does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
+pub enum OptimizerType {
+    /// Adam; decoupled weight decay (AdamW) unless `adam_w_mode = false`.
+    Adam,
+    /// AdamW.
+    AdamW,
+    /// SGD with momentum.
+    #[serde(rename = "SGD")]
+    Sgd,
+    /// Lion.
+    Lion,
+}
+
+/// `optimizer`.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Optimizer {
+    /// Which optimizer.
+    #[serde(rename = "type")]
+    pub kind: OptimizerType,
+    /// Its parameters; unset ones take the optimizer's defaults.
+    #[serde(default)]
+    pub params: OptimizerParams,
+}
+
+/// `optimizer.params`; which keys apply depends on the type.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerParams {
+    /// Learning rate (all types).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr: Option<AutoOr<f64>>,
+    /// (beta1, beta2) (Adam, AdamW, Lion).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub betas: Option<AutoOr<[f64; 2]>>,
+    /// Epsilon (Adam, AdamW).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eps: Option<AutoOr<f64>>,
+    /// Weight decay (all types).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<AutoOr<f64>>,
+    /// Decoupled weight decay for `Adam` (default true).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adam_w_mode: Option<bool>,
+    /// Bias correction (Adam, AdamW; default true).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bias_correction: Option<bool>,
+    /// Momentum (SGD).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub momentum: Option<f64>,
+    /// Dampening (SGD).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dampening: Option<f64>,
+    /// Nesterov momentum (SGD).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nesterov: Option<bool>,
+}
+
+const TYPES: &[(&str, OptimizerType)] = &[
+    ("Adam", OptimizerType::Adam),
+    ("AdamW", OptimizerType::AdamW),
+    ("SGD", OptimizerType::Sgd),
+    ("Lion", OptimizerType::Lion),
+];
+
+/// DeepSpeed optimizer types ferrozero refuses rather than silently replacing.
+const REFUSED_TYPES: &[&str] = &[
+    "OneBitAdam",
+    "ZeroOneAdam",
+    "OneBitLamb",
+    "Lamb",
+    "Adagrad",
+    "Muon",
+    "MuAdam",
+    "MuAdamW",
+    "MuSGD",
+];
+
+const PARAM_SUPPORT: &[(&str, Support)] = &[
+    (
+        "torch_adam",
+        Support::Ignored("ferrozero has one Adam kernel"),
+    ),
+    ("fused", Support::Ignored("ferrozero has one Adam kernel")),
+    (
+        "max_grad_norm",
+        Support::Refused("DeepSpeed rejects it too: set the top-level `gradient_clipping`"),
+    ),
+];
+
+/// Reads `optimizer`.
+pub(crate) fn read_optimizer(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Optimizer> {
+    let mut t = TableReader::new(cx, path, node)?;
+    let kind = t.get(cx, "type", &[], read_type);
+    let params = match t.take(cx, "params", &[]) {
+        Some(e) => read_params(cx, &t.key_path("params"), &e.value, kind),
+        None => Some(OptimizerParams::default()),
+    };
+    if !has_key(node, "type") {
+        cx.error(Report {
+            kind: DiagnosticKind::InvalidValue,
+            path,
+            span: &t.span,
+            message: "`type` is required".into(),
+            help: Some("valid types: \"Adam\", \"AdamW\", \"SGD\", \"Lion\"".into()),
+        });
+    }
+    t.finish(cx, &[]);
+    Some(Optimizer {
+        kind: kind?,
+        params: params?,
+    })
+}
+
+fn has_key(node: &Node, key: &str) -> bool {
+    matches!(&node.kind, Kind::Table(es) if es.iter().any(|e| e.key == key))
+}
+
+fn read_type(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<OptimizerType> {
+    if let Kind::Str(s) = &node.kind {
+        if let Some(name) = REFUSED_TYPES.iter().find(|n| n.eq_ignore_ascii_case(s)) {
+            cx.error(Report {
+                kind: DiagnosticKind::Unsupported,
+                path,
+                span: &node.span,
+                message: format!("optimizer \"{name}\" is not supported by ferrozero"),
+                help: Some("use \"Adam\", \"AdamW\", \"SGD\" or \"Lion\"".into()),
+            });
+            return None;
+        }
+    }
+    to_choice(cx, path, node, TYPES)
+}
+
+fn applies(key: &str, kind: OptimizerType) -> bool {
+    use OptimizerType::*;
+    match key {
+        "lr" | "weight_decay" => true,
+        "betas" => kind != Sgd,
+        "eps" | "bias_correction" | "amsgrad" => matches!(kind, Adam | AdamW),
+        "adam_w_mode" => matches!(kind, Adam | AdamW),
+        _ => kind == Sgd,
+    }
+}
+
+fn read_params(
+    cx: &mut Cx<'_>,
+    path: &str,
+    node: &Node,
+    kind: Option<OptimizerType>,
+) -> Option<OptimizerParams> {
+    let mut t = TableReader::new(cx, path, node)?;
+    let f = |cx: &mut Cx<'_>, p: &str, n: &Node| auto_or(cx, p, n, to_f64);
+    let p = OptimizerParams {
+        lr: t.get(cx, "lr", &[], f),
+        betas: t.get(cx, "betas", &[], |cx, p, n| auto_or(cx, p, n, read_betas)),
+        eps: t.get(cx, "eps", &[], f),
+        weight_decay: t.get(cx, "weight_decay", &[], f),
+        adam_w_mode: t.get(cx, "adam_w_mode", &[], to_bool),
+        bias_correction: t.get(cx, "bias_correction", &[], to_bool),
+        momentum: t.get(cx, "momentum", &[], to_f64),
+        dampening: t.get(cx, "dampening", &[], to_f64),
+        nesterov: t.get(cx, "nesterov", &[], to_bool),
+    };
+    if let Some(amsgrad) = t.get(cx, "amsgrad", &[], to_bool) {
+        if amsgrad {
+            let span = cx
+                .span_of(&format!("{path}.amsgrad"))
+                .unwrap_or(t.span.clone());
+            cx.error(Report {
+                kind: DiagnosticKind::Unsupported,
+                path: &format!("{path}.amsgrad"),
+                span: &span,
+                message: "AMSGrad is not supported by ferrozero".into(),
+                help: Some("remove `amsgrad` or set it to false".into()),
+            });
+        }
+    }
+    if let Some(kind) = kind {
+        check_applicable(cx, path, kind, &p);
+    }
+    t.finish(cx, PARAM_SUPPORT);
+    Some(p)
+}
+
+fn check_applicable(cx: &mut Cx<'_>, path: &str, kind: OptimizerType, p: &OptimizerParams) {
+    let set = [
+        ("betas", p.betas.is_some()),
+        ("eps", p.eps.is_some()),
+        ("adam_w_mode", p.adam_w_mode.is_some()),
+        ("bias_correction", p.bias_correction.is_some()),
+        ("momentum", p.momentum.is_some()),
+        ("dampening", p.dampening.is_some()),
+        ("nesterov", p.nesterov.is_some()),
+    ];
+    for (key, present) in set {
+        let key_path = format!("{path}.{key}");
+        let Some(span) = cx
+            .span_of(&key_path)
+            .filter(|_| present && !applies(key, kind))
+        else {
+            continue;
+        };
+        cx.error(Report {
+            kind: DiagnosticKind::InvalidValue,
+            path: &key_path,
+            span: &span,
+            message: format!("`{key}` is not a parameter of {kind:?}"),
+            help: Some("remove it, or change `optimizer.type`".into()),
+        });
+    }
+    if kind == OptimizerType::AdamW && p.adam_w_mode == Some(false) {
+        let key_path = format!("{path}.adam_w_mode");
+        let span = cx.span_of(&key_path).unwrap_or_default();
+        cx.error(Report {
+            kind: DiagnosticKind::Conflict,
+            path: &key_path,
+            span: &span,
+            message: "type \"AdamW\" with `adam_w_mode = false` is contradictory".into(),
+            help: Some(
+                "for L2-regularised Adam write type = \"Adam\" with adam_w_mode = false".into(),
+            ),
+        });
+    }
+}
+
+fn read_betas(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<[f64; 2]> {
+    let Kind::Array(items) = &node.kind else {
+        cx.wrong_type(path, node, "an array of two numbers");
+        return None;
+    };
+    if items.len() != 2 {
+        cx.error(Report {
+            kind: DiagnosticKind::InvalidValue,
+            path,
+            span: &node.span,
+            message: format!(
+                "expected two numbers [beta1, beta2], found {} values",
+                items.len()
+            ),
+            help: None,
+        });
+        return None;
+    }
+    let b1 = to_f64(cx, &format!("{path}[0]"), &items[0]);
+    let b2 = to_f64(cx, &format!("{path}[1]"), &items[1]);
+    Some([b1?, b2?])
+}

@@ -1,0 +1,179 @@
+//! `activation_checkpointing`, `aio` and ferrozero's own `comms` section.
+
+use schemars::JsonSchema;
+use serde::Serialize;
+
+use crate::diagnostic::DiagnosticKind;
+use crate::parse::Node;
+use crate::reader::{to_choice, to_uint, Cx, Report, Support, TableReader};
+
+/// `activation_checkpointing`; present means the engine checkpoints unit inputs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ActivationCheckpointingSection {
+    /// Partition checkpointed activations across ranks.
+    pub partition_activations: bool,
+    /// Keep checkpointed activations in host memory.
+    pub cpu_checkpointing: bool,
+    /// Copy checkpoints into one contiguous buffer.
+    pub contiguous_memory_optimization: bool,
+    /// Number of checkpoints; unset checkpoints every unit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub number_checkpoints: Option<u64>,
+    /// Synchronise at checkpoint boundaries.
+    pub synchronize_checkpoint_boundary: bool,
+    /// Time forward and recompute.
+    pub profile: bool,
+}
+
+/// `aio`: asynchronous I/O for NVMe offload.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Aio {
+    /// Bytes per I/O request.
+    pub block_size: u64,
+    /// Requests in flight.
+    pub queue_depth: u64,
+    /// Threads (or rings) per operation; DeepSpeed's older name is `thread_count`.
+    pub intra_op_parallelism: u64,
+    /// Submit requests one at a time.
+    pub single_submit: bool,
+    /// Overlap submission and completion.
+    pub overlap_events: bool,
+}
+
+impl Default for Aio {
+    fn default() -> Self {
+        Aio {
+            block_size: 1_048_576,
+            queue_depth: 8,
+            intra_op_parallelism: 1,
+            single_submit: false,
+            overlap_events: true,
+        }
+    }
+}
+
+/// Communicator backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Ranks as threads in one process.
+    #[default]
+    Local,
+    /// MPI across processes.
+    Mpi,
+    /// NCCL on GPUs.
+    Nccl,
+}
+
+/// `comms` (ferrozero's own section).
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Comms {
+    /// `local` (default), `mpi` or `nccl`.
+    pub backend: Backend,
+    /// Seconds after which a collective without progress fails.
+    pub timeout: u64,
+}
+
+impl Default for Comms {
+    fn default() -> Self {
+        Comms {
+            backend: Backend::Local,
+            timeout: 300,
+        }
+    }
+}
+
+/// Reads `activation_checkpointing`.
+pub(crate) fn read_activation(
+    cx: &mut Cx<'_>,
+    path: &str,
+    node: &Node,
+) -> Option<ActivationCheckpointingSection> {
+    let mut t = TableReader::new(cx, path, node)?;
+    let a = ActivationCheckpointingSection {
+        partition_activations: t.bool(cx, "partition_activations", false),
+        cpu_checkpointing: t.bool(cx, "cpu_checkpointing", false),
+        contiguous_memory_optimization: t.bool(cx, "contiguous_memory_optimization", false),
+        number_checkpoints: t.get(cx, "number_checkpoints", &[], to_uint),
+        synchronize_checkpoint_boundary: t.bool(cx, "synchronize_checkpoint_boundary", false),
+        profile: t.bool(cx, "profile", false),
+    };
+    t.finish(cx, &[]);
+    Some(a)
+}
+
+const AIO_SUPPORT: &[(&str, Support)] = &[(
+    "use_gds",
+    Support::Ignored("GPUDirect Storage is not used; reads go through host memory"),
+)];
+
+/// Reads `aio`; `thread_count` maps to `intra_op_parallelism` with a warning.
+pub(crate) fn read_aio(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Aio> {
+    let mut t = TableReader::new(cx, path, node)?;
+    let d = Aio::default();
+    let old = t.take(cx, "thread_count", &[]);
+    let new = t.get(cx, "intra_op_parallelism", &[], to_uint);
+    let old_value = old.and_then(|e| to_uint(cx, &t.key_path("thread_count"), &e.value));
+    if let Some(e) = old {
+        let path = t.key_path("thread_count");
+        let (severity_both, message) = if new.is_some() {
+            (
+                true,
+                "deprecated `thread_count` given together with `intra_op_parallelism`",
+            )
+        } else {
+            (
+                false,
+                "`thread_count` is deprecated; read as `intra_op_parallelism`",
+            )
+        };
+        let r = Report {
+            kind: if severity_both {
+                DiagnosticKind::Conflict
+            } else {
+                DiagnosticKind::Deprecated
+            },
+            path: &path,
+            span: &e.key_span,
+            message: message.into(),
+            help: Some("write `intra_op_parallelism` instead".into()),
+        };
+        if severity_both {
+            cx.error(r);
+        } else {
+            cx.warn(r);
+        }
+    }
+    let a = Aio {
+        block_size: t.uint(cx, "block_size", d.block_size),
+        queue_depth: t.uint(cx, "queue_depth", d.queue_depth),
+        intra_op_parallelism: new.or(old_value).unwrap_or(d.intra_op_parallelism),
+        single_submit: t.bool(cx, "single_submit", d.single_submit),
+        overlap_events: t.bool(cx, "overlap_events", d.overlap_events),
+    };
+    t.finish(cx, AIO_SUPPORT);
+    Some(a)
+}
+
+const BACKENDS: &[(&str, Backend)] = &[
+    ("local", Backend::Local),
+    ("mpi", Backend::Mpi),
+    ("nccl", Backend::Nccl),
+];
+
+/// Reads `comms`.
+pub(crate) fn read_comms(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Comms> {
+    let mut t = TableReader::new(cx, path, node)?;
+    let d = Comms::default();
+    let c = Comms {
+        backend: t
+            .get(cx, "backend", &[], |cx, p, n| to_choice(cx, p, n, BACKENDS))
+            .unwrap_or(d.backend),
+        timeout: t.uint(cx, "timeout", d.timeout),
+    };
+    t.finish(cx, &[]);
+    Some(c)
+}

@@ -1,0 +1,343 @@
+//! `zero_optimization` with DeepSpeed's key names, aliases, deprecated keys and v0.19 defaults.
+
+use schemars::JsonSchema;
+use serde::Serialize;
+
+use super::auto::AutoOr;
+use super::offload::{read_offload, OffloadDevice, OffloadSection};
+use crate::diagnostic::DiagnosticKind;
+use crate::parse::Node;
+use crate::reader::{auto_or, to_bool, to_uint, Cx, Report, Support, TableReader};
+
+/// `zero_optimization`.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ZeroOptimization {
+    /// ZeRO stage: 0 (plain data parallelism) to 3 (parameters partitioned too).
+    #[schemars(range(min = 0, max = 3))]
+    pub stage: u8,
+    /// Copy gradients into a contiguous buffer as they are produced.
+    pub contiguous_gradients: bool,
+    /// Overlap reduction with compute; unset means DeepSpeed's default (true only at stage 3).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overlap_comm: Option<bool>,
+    /// Reduce gradients with reduce-scatter rather than all-reduce (stages 1-2).
+    pub reduce_scatter: bool,
+    /// Elements per gradient-reduction bucket; `"auto"` = hidden_size².
+    pub reduce_bucket_size: AutoOr<u64>,
+    /// Gather updated partitions with all-gather (stages 1-2).
+    pub allgather_partitions: bool,
+    /// Elements per all-gather bucket.
+    pub allgather_bucket_size: u64,
+    /// Elements per optimizer-step tile.
+    pub sub_group_size: u64,
+    /// Elements prefetched ahead (stage 3); alias `prefetch_bucket_size`; `"auto"` = 0.9 × hidden_size².
+    pub stage3_prefetch_bucket_size: AutoOr<u64>,
+    /// Parameters this small stay resident (stage 3); alias `param_persistence_threshold`;
+    /// `"auto"` = 10 × hidden_size.
+    pub stage3_param_persistence_threshold: AutoOr<u64>,
+    /// Maximum elements gathered at once (stage 3); alias `max_live_parameters`.
+    pub stage3_max_live_parameters: u64,
+    /// Keep a parameter reused within this many elements (stage 3); alias `max_reuse_distance`.
+    pub stage3_max_reuse_distance: u64,
+    /// Gather full 16-bit weights when saving (stage 3); alias
+    /// `gather_16bit_weights_on_model_save`, deprecated `stage3_gather_fp16_weights_on_model_save`.
+    pub stage3_gather_16bit_weights_on_model_save: bool,
+    /// Round-robin gradient partition assignment.
+    pub round_robin_gradients: bool,
+    /// Secondary (hierarchical) partition size (ZeRO++ hpZ); 1 = off.
+    pub zero_hpz_partition_size: u64,
+    /// Parameter offload (stage 3 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload_param: Option<OffloadSection>,
+    /// Optimizer-state offload.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload_optimizer: Option<OffloadSection>,
+}
+
+impl Default for ZeroOptimization {
+    fn default() -> Self {
+        ZeroOptimization {
+            stage: 0,
+            contiguous_gradients: true,
+            overlap_comm: None,
+            reduce_scatter: true,
+            reduce_bucket_size: AutoOr::Value(500_000_000),
+            allgather_partitions: true,
+            allgather_bucket_size: 500_000_000,
+            sub_group_size: 1_000_000_000,
+            stage3_prefetch_bucket_size: AutoOr::Value(50_000_000),
+            stage3_param_persistence_threshold: AutoOr::Value(100_000),
+            stage3_max_live_parameters: 1_000_000_000,
+            stage3_max_reuse_distance: 1_000_000_000,
+            stage3_gather_16bit_weights_on_model_save: false,
+            round_robin_gradients: false,
+            zero_hpz_partition_size: 1,
+            offload_param: None,
+            offload_optimizer: None,
+        }
+    }
+}
+
+const SUPPORT: &[(&str, Support)] = &[
+    (
+        "elastic_checkpoint",
+        Support::Ignored("ferrozero checkpoints always reload at any world size"),
+    ),
+    (
+        "load_from_fp32_weights",
+        Support::Ignored("ferrozero always reloads from fp32 master weights"),
+    ),
+    (
+        "ignore_unused_parameters",
+        Support::Ignored("unused parameters get zero gradients"),
+    ),
+    (
+        "legacy_stage1",
+        Support::Ignored("there is one stage-1 implementation"),
+    ),
+    (
+        "memory_efficient_linear",
+        Support::Ignored("a memory optimisation only"),
+    ),
+    ("log_trace_cache_warnings", Support::Ignored("logging only")),
+    (
+        "stage3_model_persistence_threshold",
+        Support::Ignored("memory tuning only"),
+    ),
+    (
+        "model_persistence_threshold",
+        Support::Ignored("memory tuning only"),
+    ),
+    (
+        "zero_quantized_weights",
+        Support::Refused("ZeRO++ quantized weights change numerics"),
+    ),
+    (
+        "zero_quantized_gradients",
+        Support::Refused("ZeRO++ quantized gradients change numerics"),
+    ),
+    (
+        "zero_quantized_nontrainable_weights",
+        Support::Refused("quantized weights change numerics"),
+    ),
+    (
+        "zeropp_loco_param",
+        Support::Refused("LoCo error feedback changes numerics"),
+    ),
+    (
+        "mics_shard_size",
+        Support::Refused("MiCS sharding is not implemented"),
+    ),
+    (
+        "mics_hierarchical_params_gather",
+        Support::Refused("MiCS sharding is not implemented"),
+    ),
+    (
+        "use_multi_rank_bucket_allreduce",
+        Support::Ignored("a communication schedule only"),
+    ),
+];
+
+/// Reads `zero_optimization`; the deprecated boolean form maps to stage 1 or 0.
+pub(crate) fn read_zero(cx: &mut Cx<'_>, path: &str, node: &Node) -> ZeroOptimization {
+    if let crate::parse::Kind::Bool(on) = node.kind {
+        cx.warn(Report {
+            kind: DiagnosticKind::Deprecated,
+            path,
+            span: &node.span,
+            message: format!(
+                "the boolean form is deprecated; read as stage {}",
+                u8::from(on)
+            ),
+            help: Some(format!(
+                "write `[zero_optimization]` with `stage = {}`",
+                u8::from(on)
+            )),
+        });
+        return ZeroOptimization {
+            stage: u8::from(on),
+            ..ZeroOptimization::default()
+        };
+    }
+    let Some(mut t) = TableReader::new(cx, path, node) else {
+        return ZeroOptimization::default();
+    };
+    let z = read_fields(cx, &mut t);
+    t.finish(cx, SUPPORT);
+    z
+}
+
+fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
+    let d = ZeroOptimization::default();
+    let auto_uint = |cx: &mut Cx<'_>, p: &str, n: &Node| auto_or(cx, p, n, to_uint);
+    let stage = t.get(cx, "stage", &[], read_stage).unwrap_or(d.stage);
+    let mut z = ZeroOptimization {
+        stage,
+        contiguous_gradients: t.bool(cx, "contiguous_gradients", d.contiguous_gradients),
+        overlap_comm: t.get(cx, "overlap_comm", &[], to_bool),
+        reduce_scatter: t.bool(cx, "reduce_scatter", d.reduce_scatter),
+        reduce_bucket_size: t
+            .get(cx, "reduce_bucket_size", &[], auto_uint)
+            .unwrap_or(d.reduce_bucket_size),
+        allgather_partitions: t.bool(cx, "allgather_partitions", d.allgather_partitions),
+        allgather_bucket_size: t.uint(cx, "allgather_bucket_size", d.allgather_bucket_size),
+        sub_group_size: t.uint(cx, "sub_group_size", d.sub_group_size),
+        stage3_prefetch_bucket_size: t
+            .get(
+                cx,
+                "stage3_prefetch_bucket_size",
+                &["prefetch_bucket_size"],
+                auto_uint,
+            )
+            .unwrap_or(d.stage3_prefetch_bucket_size),
+        stage3_param_persistence_threshold: t
+            .get(
+                cx,
+                "stage3_param_persistence_threshold",
+                &["param_persistence_threshold"],
+                auto_uint,
+            )
+            .unwrap_or(d.stage3_param_persistence_threshold),
+        stage3_max_live_parameters: t
+            .get(
+                cx,
+                "stage3_max_live_parameters",
+                &["max_live_parameters"],
+                to_uint,
+            )
+            .unwrap_or(d.stage3_max_live_parameters),
+        stage3_max_reuse_distance: t
+            .get(
+                cx,
+                "stage3_max_reuse_distance",
+                &["max_reuse_distance"],
+                to_uint,
+            )
+            .unwrap_or(d.stage3_max_reuse_distance),
+        stage3_gather_16bit_weights_on_model_save: read_gather_16bit(cx, t),
+        round_robin_gradients: t.bool(cx, "round_robin_gradients", d.round_robin_gradients),
+        zero_hpz_partition_size: t.uint(cx, "zero_hpz_partition_size", d.zero_hpz_partition_size),
+        offload_param: t.get(cx, "offload_param", &[], |cx, p, n| read_offload(cx, p, n)),
+        offload_optimizer: t.get(cx, "offload_optimizer", &[], |cx, p, n| {
+            read_offload(cx, p, n)
+        }),
+    };
+    map_cpu_offload(cx, t, &mut z);
+    z
+}
+
+fn read_stage(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<u8> {
+    let n = to_uint(cx, path, node)?;
+    if n > 3 {
+        cx.error(Report {
+            kind: DiagnosticKind::InvalidValue,
+            path,
+            span: &node.span,
+            message: format!("ZeRO stage must be 0, 1, 2 or 3, found {n}"),
+            help: None,
+        });
+        return None;
+    }
+    Some(n as u8)
+}
+
+fn read_gather_16bit(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> bool {
+    let new = t.get(
+        cx,
+        "stage3_gather_16bit_weights_on_model_save",
+        &["gather_16bit_weights_on_model_save"],
+        to_bool,
+    );
+    let old_key = "stage3_gather_fp16_weights_on_model_save";
+    let old = t.take(cx, old_key, &[]);
+    match (new, old) {
+        (_, None) => new.unwrap_or(false),
+        (new, Some(e)) => {
+            let path = t.key_path(old_key);
+            let value = to_bool(cx, &path, &e.value);
+            deprecated(
+                cx,
+                t,
+                old_key,
+                &e.key_span,
+                "stage3_gather_16bit_weights_on_model_save",
+                new.is_some(),
+            );
+            new.or(value).unwrap_or(false)
+        }
+    }
+}
+
+/// Reports a deprecated key: a warning when alone, an error next to its replacement.
+fn deprecated(
+    cx: &mut Cx<'_>,
+    t: &TableReader<'_>,
+    old: &str,
+    span: &std::ops::Range<usize>,
+    new: &str,
+    both: bool,
+) {
+    let path = t.key_path(old);
+    if both {
+        cx.error(Report {
+            kind: DiagnosticKind::Conflict,
+            path: &path,
+            span,
+            message: format!("deprecated `{old}` given together with its replacement `{new}`"),
+            help: Some(format!("remove `{old}`")),
+        });
+    } else {
+        cx.warn(Report {
+            kind: DiagnosticKind::Deprecated,
+            path: &path,
+            span,
+            message: format!("`{old}` is deprecated; read as `{new}`"),
+            help: Some(format!("write `{new}` instead")),
+        });
+    }
+}
+
+/// DeepSpeed's pre-0.5 `cpu_offload*` keys map onto the offload sections.
+fn map_cpu_offload(cx: &mut Cx<'_>, t: &mut TableReader<'_>, z: &mut ZeroOptimization) {
+    let pin = t.take(cx, "cpu_offload_use_pin_memory", &[]);
+    let pin_value =
+        pin.and_then(|e| to_bool(cx, &t.key_path("cpu_offload_use_pin_memory"), &e.value));
+    for (old, new) in [
+        ("cpu_offload", "offload_optimizer"),
+        ("cpu_offload_param", "offload_param"),
+    ] {
+        let Some(e) = t.take(cx, old, &[]) else {
+            continue;
+        };
+        let on = to_bool(cx, &t.key_path(old), &e.value);
+        let slot = if old == "cpu_offload" {
+            &mut z.offload_optimizer
+        } else {
+            &mut z.offload_param
+        };
+        let replacement = format!("{new}.device = \"cpu\"");
+        deprecated(cx, t, old, &e.key_span, &replacement, slot.is_some());
+        if slot.is_none() && on == Some(true) {
+            *slot = Some(OffloadSection {
+                device: OffloadDevice::Cpu,
+                pin_memory: pin_value.unwrap_or(false),
+                ..OffloadSection::default()
+            });
+        }
+    }
+    if let Some(e) = pin {
+        let explicit = z.offload_optimizer.is_some() || z.offload_param.is_some();
+        let from_old =
+            t.value_span("cpu_offload").is_some() || t.value_span("cpu_offload_param").is_some();
+        let both = explicit && !from_old;
+        deprecated(
+            cx,
+            t,
+            "cpu_offload_use_pin_memory",
+            &e.key_span,
+            "offload_*.pin_memory",
+            both,
+        );
+    }
+}

@@ -1,0 +1,233 @@
+//! Turning a [`Config`] into the engine's [`ResolvedConfig`]: `"auto"` replaced (Hugging Face's
+//! rules), stage-dependent defaults applied, and the batch rule checked at the real world size.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::diagnostic::{Diagnostic, DiagnosticKind, LineIndex, Severity};
+use crate::error::LoadError;
+use crate::model::{AutoOr, Config, OffloadDevice, OffloadSection};
+use crate::resolved::*;
+
+mod batch;
+mod parts;
+
+/// What resolution needs to know about the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolveContext {
+    /// Data-parallel world size.
+    pub world_size: usize,
+    /// The model's hidden size, for `"auto"` bucket sizes.
+    pub hidden_size: Option<usize>,
+    /// The micro-batch to use where `train_micro_batch_size_per_gpu` is `"auto"`.
+    pub micro_batch_hint: Option<usize>,
+}
+
+impl ResolveContext {
+    /// A context with only the world size known.
+    pub fn new(world_size: usize) -> Self {
+        ResolveContext {
+            world_size,
+            hidden_size: None,
+            micro_batch_hint: None,
+        }
+    }
+}
+
+/// One value decided during resolution (an `"auto"` or a context-dependent default), for logs
+/// and `ferrozero config show --resolved`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Decision {
+    /// Dotted key path.
+    pub path: String,
+    /// The value chosen.
+    pub value: String,
+    /// Why.
+    pub rule: String,
+}
+
+/// A resolved configuration with the decisions that produced it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Resolution {
+    /// The configuration the engine reads.
+    pub config: ResolvedConfig,
+    /// Every `"auto"` and derived value, with the rule used.
+    pub decisions: Vec<Decision>,
+}
+
+/// Collects decisions and errors during one resolution.
+pub(crate) struct Resolver<'c> {
+    pub config: &'c Config,
+    pub ctx: ResolveContext,
+    index: LineIndex<'c>,
+    pub errors: Vec<Diagnostic>,
+    pub decisions: Vec<Decision>,
+}
+
+impl<'c> Resolver<'c> {
+    pub(crate) fn decide(&mut self, path: &str, value: impl std::fmt::Display, rule: &str) {
+        self.decisions.push(Decision {
+            path: path.into(),
+            value: value.to_string(),
+            rule: rule.into(),
+        });
+    }
+
+    pub(crate) fn fail(
+        &mut self,
+        kind: DiagnosticKind,
+        path: &str,
+        message: String,
+        help: Option<String>,
+        notes: Vec<String>,
+    ) {
+        let spans = &self.config.source.spans;
+        let mut p = path;
+        let span = loop {
+            if let Some(s) = spans.get(p) {
+                break Some(s.clone());
+            }
+            match p.rfind('.') {
+                Some(i) => p = &p[..i],
+                None => break None,
+            }
+        };
+        let location = if self.config.source.text.is_empty() {
+            None
+        } else {
+            span.map(|s| self.index.locate(&s))
+        };
+        self.errors.push(Diagnostic {
+            severity: Severity::Error,
+            kind,
+            path: path.into(),
+            message,
+            help,
+            notes,
+            location,
+            related: vec![],
+        });
+    }
+
+    /// An `"auto"` that needs something the context does not have.
+    pub(crate) fn missing(&mut self, path: &str, what: &str) {
+        self.fail(
+            DiagnosticKind::Auto,
+            path,
+            format!("\"auto\" cannot be resolved: {what}"),
+            Some(format!("write a value for `{path}`")),
+            vec![],
+        );
+    }
+}
+
+fn to_usize(v: u64) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
+}
+
+impl Config {
+    /// Resolves every `"auto"` and default for a run; all failures are reported together.
+    pub fn resolve(&self, ctx: &ResolveContext) -> Result<ResolvedConfig, LoadError> {
+        self.resolve_explained(ctx).map(|r| r.config)
+    }
+
+    /// Like [`Config::resolve`], also returning each decision taken, for logging.
+    pub fn resolve_explained(&self, ctx: &ResolveContext) -> Result<Resolution, LoadError> {
+        let mut r = Resolver {
+            config: self,
+            ctx: *ctx,
+            index: LineIndex::new(&self.source.text, &self.source.origin),
+            errors: Vec::new(),
+            decisions: Vec::new(),
+        };
+        let (train, micro, gas) = batch::resolve_batch(&mut r);
+        let gradient_clipping = match self.gradient_clipping {
+            AutoOr::Value(v) => v,
+            AutoOr::Auto => {
+                r.decide(
+                    "gradient_clipping",
+                    1.0,
+                    "\"auto\": Hugging Face's default max_grad_norm",
+                );
+                1.0
+            }
+        };
+        let zero = parts::zero(&mut r);
+        let precision = parts::precision(&mut r);
+        let optimizer = parts::optimizer(&mut r);
+        let scheduler = optimizer
+            .as_ref()
+            .and_then(|o| parts::scheduler(&mut r, o.lr()));
+        if !r.errors.is_empty() {
+            return Err(LoadError::Invalid {
+                origin: self.source.origin.clone(),
+                diagnostics: r.errors,
+            });
+        }
+        let config = ResolvedConfig {
+            train_batch_size: train,
+            train_micro_batch_size_per_gpu: micro,
+            gradient_accumulation_steps: gas,
+            world_size: ctx.world_size,
+            gradient_clipping,
+            steps_per_print: to_usize(self.steps_per_print),
+            wall_clock_breakdown: self.wall_clock_breakdown,
+            seed: self.seed,
+            zero,
+            precision,
+            optimizer: optimizer.expect("a missing optimizer is reported as an error"),
+            scheduler,
+            activation_checkpointing: self.activation_checkpointing.as_ref().map(|a| {
+                ActivationCheckpointing {
+                    partition_activations: a.partition_activations,
+                    cpu_checkpointing: a.cpu_checkpointing,
+                    contiguous_memory_optimization: a.contiguous_memory_optimization,
+                    number_checkpoints: a.number_checkpoints.map(to_usize),
+                    synchronize_checkpoint_boundary: a.synchronize_checkpoint_boundary,
+                    profile: a.profile,
+                }
+            }),
+            aio: AioConfig {
+                block_size: to_usize(self.aio.block_size),
+                queue_depth: to_usize(self.aio.queue_depth),
+                intra_op_parallelism: to_usize(self.aio.intra_op_parallelism),
+                single_submit: self.aio.single_submit,
+                overlap_events: self.aio.overlap_events,
+            },
+            comms: CommsConfig {
+                backend: match self.comms.backend {
+                    crate::model::Backend::Local => CommBackend::Local,
+                    crate::model::Backend::Mpi => CommBackend::Mpi,
+                    crate::model::Backend::Nccl => CommBackend::Nccl,
+                },
+                timeout: Duration::from_secs(self.comms.timeout),
+            },
+        };
+        Ok(Resolution {
+            config,
+            decisions: r.decisions,
+        })
+    }
+}
+
+/// Resolves an offload section; `default_buffers` differs between parameters and optimizer state.
+pub(crate) fn offload(section: Option<&OffloadSection>, default_buffers: u64) -> Offload {
+    let d = OffloadSection::default();
+    let s = section.unwrap_or(&d);
+    Offload {
+        target: match (s.device, &s.nvme_path) {
+            (OffloadDevice::None, _) => OffloadTarget::None,
+            (OffloadDevice::Cpu, _) => OffloadTarget::Cpu,
+            (OffloadDevice::Nvme, path) => OffloadTarget::Nvme(path.clone().unwrap_or_default()),
+        },
+        pin_memory: s.pin_memory,
+        buffer_count: to_usize(s.buffer_count.unwrap_or(default_buffers)),
+        buffer_size: to_usize(s.buffer_size),
+        max_in_cpu: to_usize(s.max_in_cpu),
+        pipeline_read: s.pipeline_read,
+        pipeline_write: s.pipeline_write,
+        fast_init: s.fast_init,
+        ratio: s.ratio,
+    }
+}
