@@ -140,3 +140,4 @@ macro_rules! buf_from {
 buf_from!(f32, F32);
 buf_from!(bf16, Bf16);
 buf_from!(f16, F16);
+pub mod bench;
