@@ -118,3 +118,28 @@ pub trait Communicator: Send {
     /// ordered by `key` then by rank. Used for hierarchical partitioning.
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>>;
 }
+
+pub mod local;
+pub mod reference;
+
+/// Buffers convert from slices of their element types, so generic code can stay generic.
+macro_rules! buf_from {
+    ($t:ty, $v:ident) => {
+        impl<'a> From<&'a mut [$t]> for BufMut<'a> {
+            fn from(b: &'a mut [$t]) -> Self {
+                BufMut::$v(b)
+            }
+        }
+        impl<'a> From<&'a [$t]> for BufRef<'a> {
+            fn from(b: &'a [$t]) -> Self {
+                BufRef::$v(b)
+            }
+        }
+    };
+}
+buf_from!(f32, F32);
+buf_from!(bf16, Bf16);
+buf_from!(f16, F16);
+pub mod bench;
+pub mod store;
+pub mod worker;

@@ -1,0 +1,173 @@
+//! What each rank announces when it enters a collective, and the cross-rank check of those
+//! announcements that turns a mismatch into an error on every rank instead of corruption.
+
+use crate::comm::ReduceOp;
+use crate::tensor::DType;
+
+/// The collective a rank entered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    /// `all_reduce`.
+    AllReduce,
+    /// `reduce_scatter`.
+    ReduceScatter,
+    /// `all_gather`.
+    AllGather,
+    /// `broadcast`.
+    Broadcast,
+    /// `barrier`.
+    Barrier,
+    /// `duplicate`.
+    Duplicate,
+    /// `split`.
+    Split,
+}
+
+impl OpKind {
+    /// The name used in errors.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllGather => "all_gather",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Barrier => "barrier",
+            OpKind::Duplicate => "duplicate",
+            OpKind::Split => "split",
+        }
+    }
+}
+
+/// One rank's announcement. Buffer addresses are kept as integers so that the descriptor
+/// table can sit in the shared state; they are only dereferenced during the data phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Desc {
+    /// Collective sequence number on this rank (0-based).
+    pub seq: u64,
+    /// The collective.
+    pub op: OpKind,
+    /// Reduction operator, for reductions.
+    pub reduce: Option<ReduceOp>,
+    /// Input (or in-place) buffer dtype and length.
+    pub dtype: DType,
+    /// Input (or in-place) length in elements.
+    pub len_in: usize,
+    /// Output buffer dtype (equals `dtype` for in-place collectives).
+    pub dtype_out: DType,
+    /// Output length in elements (equals `len_in` for in-place collectives).
+    pub len_out: usize,
+    /// Broadcast root, split color.
+    pub root: usize,
+    /// Split key.
+    pub key: usize,
+    /// Input buffer address.
+    pub src: usize,
+    /// Output buffer address.
+    pub dst: usize,
+}
+
+impl Desc {
+    /// A descriptor for a collective without buffers.
+    pub(crate) fn bare(seq: u64, op: OpKind) -> Self {
+        Self {
+            seq,
+            op,
+            reduce: None,
+            dtype: DType::F32,
+            len_in: 0,
+            dtype_out: DType::F32,
+            len_out: 0,
+            root: 0,
+            key: 0,
+            src: 0,
+            dst: 0,
+        }
+    }
+
+    /// The fields every rank must agree on, for comparison and messages.
+    fn signature(&self) -> String {
+        let mut s = format!("{} #{} ({:?}", self.op.name(), self.seq, self.dtype);
+        match self.op {
+            OpKind::AllReduce => s += &format!(", {} elements, {:?}", self.len_in, self.reduce),
+            OpKind::ReduceScatter | OpKind::AllGather => {
+                s += &format!(", {} -> {} elements", self.len_in, self.len_out)
+            }
+            OpKind::Broadcast => s += &format!(", {} elements, root {}", self.len_in, self.root),
+            _ => {}
+        }
+        s + ")"
+    }
+}
+
+/// Why the descriptors of one collective do not fit together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Mismatch {
+    /// The first rank at fault.
+    pub rank: usize,
+    /// What is wrong, in one sentence.
+    pub reason: String,
+}
+
+/// Checks one rank's own arguments (lengths that must relate, dtypes that must agree).
+fn check_own(d: &Desc, n: usize) -> Option<String> {
+    let expected_out = match d.op {
+        OpKind::ReduceScatter => d.len_in.checked_div(n).filter(|m| m * n == d.len_in),
+        OpKind::AllGather => d.len_in.checked_mul(n),
+        _ => Some(d.len_out),
+    };
+    if d.dtype != d.dtype_out {
+        return Some(format!(
+            "{} input is {:?} but output is {:?}",
+            d.op.name(),
+            d.dtype,
+            d.dtype_out
+        ));
+    }
+    if expected_out != Some(d.len_out) {
+        return Some(format!(
+            "{} needs output length = input length {} for world size {n}, got input {} and output {}",
+            d.op.name(),
+            if d.op == OpKind::AllGather { "* world size" } else { "/ world size" },
+            d.len_in,
+            d.len_out
+        ));
+    }
+    if d.op == OpKind::Broadcast && d.root >= n {
+        return Some(format!(
+            "broadcast root {} is not a rank of a {n}-rank group",
+            d.root
+        ));
+    }
+    None
+}
+
+/// Checks that every rank announced the same collective with fitting arguments. Buffer
+/// addresses and split colors/keys legitimately differ between ranks.
+pub(crate) fn verify(descs: &[Desc]) -> Result<(), Mismatch> {
+    let n = descs.len();
+    for (rank, d) in descs.iter().enumerate() {
+        if let Some(reason) = check_own(d, n) {
+            return Err(Mismatch { rank, reason });
+        }
+    }
+    let first = &descs[0];
+    let same = |d: &Desc| {
+        d.seq == first.seq
+            && d.op == first.op
+            && d.reduce == first.reduce
+            && d.dtype == first.dtype
+            && d.len_in == first.len_in
+            && (d.op != OpKind::Broadcast || d.root == first.root)
+    };
+    match descs.iter().position(|d| !same(d)) {
+        None => Ok(()),
+        Some(rank) => Err(Mismatch {
+            rank,
+            reason: format!(
+                "rank {rank} called {} while rank 0 called {}",
+                descs[rank].signature(),
+                first.signature()
+            ),
+        }),
+    }
+}

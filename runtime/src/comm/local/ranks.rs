@@ -1,0 +1,85 @@
+//! [`run_ranks`]: one thread per rank, results in rank order, the root cause of a failure
+//! surfaced rather than its echoes on the other ranks.
+
+use std::any::Any;
+use std::time::Duration;
+
+use super::LocalComm;
+use crate::comm::Communicator;
+use crate::{Error, Result};
+
+/// Runs `f` on `world_size` threads, each with its own rank of a fresh [`LocalComm`] group,
+/// and returns the results in rank order.
+///
+/// A rank that panics leaves the group (its communicator is dropped while unwinding), so its
+/// peers' collectives fail instead of hanging. When ranks fail, the error returned is the
+/// root cause: a panic first, then an error that is not a collective failure (the others'
+/// collective errors are echoes of it), then the lowest rank's collective error.
+pub fn run_ranks<T, F>(world_size: usize, timeout: Duration, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Box<dyn Communicator>) -> Result<T> + Sync,
+{
+    if world_size == 0 {
+        return Err(Error::Invalid("run_ranks needs at least one rank".into()));
+    }
+    let comms = LocalComm::group(world_size, timeout);
+    let outcomes: Vec<std::thread::Result<Result<T>>> = std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                std::thread::Builder::new()
+                    .name(format!("fz-rank-{rank}"))
+                    .spawn_scoped(s, move || f(Box::new(comm)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h {
+                Ok(h) => h.join(),
+                Err(e) => Ok(Err(Error::Io {
+                    context: "spawning a rank thread".into(),
+                    source: e,
+                })),
+            })
+            .collect()
+    });
+    collect(outcomes)
+}
+
+/// Results in rank order, or the most telling failure.
+fn collect<T>(outcomes: Vec<std::thread::Result<Result<T>>>) -> Result<Vec<T>> {
+    let mut panic = None;
+    let mut own = None;
+    let mut echo = None;
+    let mut ok = Vec::with_capacity(outcomes.len());
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        match o {
+            Err(p) => {
+                let msg = panic_message(p.as_ref());
+                panic.get_or_insert(Error::Invalid(format!("rank {rank} panicked: {msg}")));
+            }
+            Ok(Err(e @ Error::Comm { .. })) => {
+                echo.get_or_insert(e);
+            }
+            Ok(Err(e)) => {
+                own.get_or_insert(e);
+            }
+            Ok(Ok(v)) => ok.push(v),
+        }
+    }
+    match panic.or(own).or(echo) {
+        Some(e) => Err(e),
+        None => Ok(ok),
+    }
+}
+
+/// The message of a panic payload (`&str` or `String`), or a placeholder.
+fn panic_message(p: &(dyn Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}

@@ -1,0 +1,173 @@
+//! A TCP key/value rendezvous store, the bootstrap channel of multi-process jobs (torch's
+//! `TCPStore`): rank 0 serves on `MASTER_ADDR:MASTER_PORT`, every rank connects, and ranks
+//! exchange small values such as the NCCL unique id with `set`, `get`, `wait` and `add`.
+//!
+//! Wire format, little-endian: a request is an opcode byte, a length-prefixed key and an
+//! operand (a length-prefixed value for `set`, a timeout in ms for `wait`, an i64 for `add`);
+//! a reply is a status byte and, for found values, a length-prefixed value or an i64.
+
+mod server;
+mod wire;
+
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub use server::StoreServer;
+use wire::{read_u8, read_value, write_request, Request, Status};
+
+use crate::{Error, Result};
+
+/// A connection to a rendezvous store.
+#[derive(Debug)]
+pub struct TcpStore {
+    conn: Mutex<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
+    timeout: Duration,
+    addr: SocketAddr,
+}
+
+/// Reads an environment variable that the launcher sets.
+fn env_var(name: &str) -> Result<String> {
+    std::env::var(name).map_err(|_| {
+        Error::Config(format!(
+            "environment variable {name} is not set (start ranks with `ferrozero launch`)"
+        ))
+    })
+}
+
+fn io_err(context: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io { context, source }
+}
+
+/// Resolves `host:port` to its first address.
+pub fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(io_err(format!("resolving {host}:{port}")))?
+        .next()
+        .ok_or_else(|| Error::Config(format!("{host}:{port} resolves to no address")))
+}
+
+impl TcpStore {
+    /// Connects to the store of a launched job: rank 0 (`RANK`) starts the server on
+    /// `MASTER_ADDR:MASTER_PORT` first. The server lives as long as the returned handle.
+    pub fn from_env(timeout: Duration) -> Result<(TcpStore, Option<StoreServer>)> {
+        let rank: usize = env_var("RANK")?
+            .parse()
+            .map_err(|_| Error::Config("RANK is not a number".into()))?;
+        let port: u16 = env_var("MASTER_PORT")?
+            .parse()
+            .map_err(|_| Error::Config("MASTER_PORT is not a port number".into()))?;
+        let addr = resolve(&env_var("MASTER_ADDR")?, port)?;
+        let server = if rank == 0 {
+            Some(StoreServer::bind(addr)?)
+        } else {
+            None
+        };
+        Ok((TcpStore::connect(addr, timeout)?, server))
+    }
+
+    /// Connects to a store at `addr`, retrying until `timeout` while the server starts.
+    /// Every later request fails after `timeout` too.
+    pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStore> {
+        let start = Instant::now();
+        let stream = loop {
+            match TcpStream::connect_timeout(&addr, timeout.max(Duration::from_millis(1))) {
+                Ok(s) => break s,
+                Err(e) if start.elapsed() >= timeout => {
+                    return Err(io_err(format!(
+                        "connecting to the rendezvous store at {addr} (gave up after {timeout:?})"
+                    ))(e))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        stream
+            .set_nodelay(true)
+            .map_err(io_err("configuring the store socket".into()))?;
+        let reader = stream
+            .try_clone()
+            .map_err(io_err("cloning the store socket".into()))?;
+        Ok(TcpStore {
+            conn: Mutex::new((BufReader::new(reader), BufWriter::new(stream))),
+            timeout,
+            addr,
+        })
+    }
+
+    /// The server's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Sends `req` and reads the status byte, then `read_rest` on the same connection.
+    fn call<T>(
+        &self,
+        req: Request<'_>,
+        wait: Duration,
+        read_rest: impl FnOnce(Status, &mut BufReader<TcpStream>) -> std::io::Result<T>,
+    ) -> Result<T> {
+        let what = format!("store {} {:?} at {}", req.name(), req.key(), self.addr);
+        let mut guard = self
+            .conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (reader, writer) = &mut *guard;
+        // The server answers a `wait` only when the key appears or its own timer fires, so
+        // the socket allows for that wait plus a margin.
+        let limit = wait + self.timeout;
+        reader
+            .get_ref()
+            .set_read_timeout(Some(limit))
+            .map_err(io_err(what.clone()))?;
+        let io = (|| {
+            write_request(writer, &req)?;
+            writer.flush()?;
+            let status = Status::from_byte(read_u8(reader)?)?;
+            read_rest(status, reader)
+        })();
+        io.map_err(io_err(what))
+    }
+
+    /// Sets `key` to `value`, waking every rank waiting for it.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.call(Request::Set(key, value), Duration::ZERO, |_, _| Ok(()))
+    }
+
+    /// The value of `key`, if set.
+    pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        self.call(Request::Get(key), Duration::ZERO, |s, r| match s {
+            Status::Found => read_value(r).map(Some),
+            _ => Ok(None),
+        })
+    }
+
+    /// Waits until `key` is set (at most the store's timeout) and returns its value.
+    pub fn wait(&self, key: &str) -> Result<Vec<u8>> {
+        let start = Instant::now();
+        let found = self.call(
+            Request::Wait(key, self.timeout),
+            self.timeout,
+            |s, r| match s {
+                Status::Found => read_value(r).map(Some),
+                _ => Ok(None),
+            },
+        )?;
+        found.ok_or_else(|| Error::Io {
+            context: format!("store wait for {key:?} at {}", self.addr),
+            source: std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no rank set it within {:?}", start.elapsed()),
+            ),
+        })
+    }
+
+    /// Adds `delta` to the integer counter `key` (created at 0) and returns the new value:
+    /// the building block of barriers and rank assignment.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.call(Request::Add(key, delta), Duration::ZERO, |_, r| {
+            wire::read_i64(r)
+        })
+    }
+}
