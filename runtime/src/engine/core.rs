@@ -146,7 +146,7 @@ impl Engine {
         self.cfg.activation_checkpointing.is_some()
     }
 
-    fn gather_unit(&mut self, unit: usize) -> Result<()> {
+    pub(super) fn gather_unit(&mut self, unit: usize) -> Result<()> {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
         self.stage.gather(
@@ -170,7 +170,7 @@ impl Engine {
         Ok(())
     }
 
-    fn release_unit(&mut self, unit: usize) {
+    pub(super) fn release_unit(&mut self, unit: usize) {
         self.stage.release(&mut self.groups[unit], &mut self.ledger);
         if let Some(s) = self
             .shared_index()
@@ -181,7 +181,7 @@ impl Engine {
     }
 
     /// Runs one unit's forward with its parameters gathered; fills `saved[unit]` when training.
-    fn run_unit_forward(
+    pub(super) fn run_unit_forward(
         &mut self,
         unit: usize,
         batch: &Batch,
@@ -381,7 +381,7 @@ fn compute_slice<'a>(g: &'a Group, what: &str) -> Result<&'a [f32]> {
 }
 
 /// Parameter views for a unit: its own slots, then the shared slots it uses.
-fn unit_params<'a>(
+pub(super) fn unit_params<'a>(
     groups: &'a [Group],
     unit: usize,
     uses: &[usize],

@@ -7,7 +7,9 @@
 pub mod buffers;
 mod build;
 mod core;
+mod eval;
 pub mod group;
+mod init;
 pub mod ledger;
 pub mod loss_scale;
 pub mod optimizer;
@@ -20,5 +22,7 @@ mod step;
 
 pub use self::core::Engine;
 pub use build::storage_dtype;
+pub use eval::Evaluation;
+pub use init::{default_config_path, initialize, EngineBuilder};
 pub use params::{GradShard, NamedTensor};
 pub use report::{StepReport, Timings};

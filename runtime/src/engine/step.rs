@@ -118,9 +118,9 @@ impl Engine {
         Ok(())
     }
 
-    /// Sum of a scalar over ranks, exact for integers below 2^48: split into two f32 parts
-    /// whose rank-order sums stay exact.
-    pub(super) fn sum_across_ranks(&self, x: f64) -> Result<f64> {
+    /// Sum of a scalar over ranks (collective), exact for integers below 2^48: split into two
+    /// f32 parts whose rank-order sums stay exact.
+    pub fn sum_across_ranks(&self, x: f64) -> Result<f64> {
         let hi = (x / 16_777_216.0).floor();
         let lo = x - hi * 16_777_216.0;
         let mut v = [hi as f32, lo as f32];
@@ -159,6 +159,13 @@ impl Engine {
         let mut v = [local as f32];
         self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)?;
         Ok((v[0] as f64).sqrt())
+    }
+
+    /// Maximum of a value over ranks (collective; f32 precision, for reports).
+    pub fn max_across_ranks(&self, x: f64) -> Result<f64> {
+        let mut v = [x as f32];
+        self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Max)?;
+        Ok(v[0] as f64)
     }
 
     /// Peak device bytes on this rank so far.

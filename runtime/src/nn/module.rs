@@ -193,6 +193,33 @@ pub trait Module: Send + Sync {
 
     /// Bytes of this module's output for one micro-batch (the unit boundary activation).
     fn output_bytes(&self, batch: usize, seq: usize) -> usize;
+
+    /// Evaluation hook for a model's last unit: the arg-max token at every position of the
+    /// batch (teacher-forced), so the engine can report accuracy. `None`: not a prediction head.
+    fn predict(
+        &self,
+        _ctx: &mut Ctx<'_>,
+        _params: &Params<'_>,
+        _input: &Tensor,
+    ) -> Result<Option<Vec<u32>>> {
+        Ok(None)
+    }
+}
+
+/// Arg-max over the last dimension of `[rows, width]` logits (ties take the first index).
+pub fn argmax_rows(logits: &[f32], width: usize) -> Vec<u32> {
+    logits
+        .chunks(width.max(1))
+        .map(|row| {
+            let mut best = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        })
+        .collect()
 }
 
 /// A unit: the granularity at which ZeRO-3 gathers and releases parameters (FSDP's wrap unit).

@@ -222,4 +222,17 @@ impl Module for Head {
     fn output_bytes(&self, _batch: usize, _seq: usize) -> usize {
         4
     }
+
+    fn predict(
+        &self,
+        _ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        input: &Tensor,
+    ) -> Result<Option<Vec<u32>>> {
+        let logits = self.logits(p, input)?;
+        Ok(Some(crate::nn::module::argmax_rows(
+            &logits.data,
+            self.cfg.vocab_size,
+        )))
+    }
 }

@@ -157,6 +157,29 @@ impl Module for Head {
         Ok(Tensor::scalar(loss as f32))
     }
 
+    fn predict(
+        &self,
+        _ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        input: &Tensor,
+    ) -> Result<Option<Vec<u32>>> {
+        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, &*self.be);
+        let n = input.numel() / h.max(1);
+        check_rows("llama head predict", input, n, h)?;
+        let (mut rstd, mut normed) = (vec![0.0; n], vec![0.0; n * h]);
+        be.rmsnorm_forward(
+            &input.data,
+            p.get(0),
+            self.cfg.rms_norm_eps,
+            &mut normed,
+            &mut rstd,
+        );
+        let mut logits = vec![0.0; n * v];
+        self.lm()
+            .forward(be, &normed, p.get(1), None, &mut logits)?;
+        Ok(Some(crate::nn::module::argmax_rows(&logits, v)))
+    }
+
     fn backward(
         &self,
         ctx: &mut Ctx<'_>,

@@ -1,0 +1,165 @@
+//! `initialize`: from a model and a config file to a ready engine on this rank, with the
+//! config's `"auto"` values resolved against the real world size and model, and a one-screen
+//! summary logged by rank 0.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ferrozero_config::{Config, ResolveContext};
+
+use super::core::Engine;
+use super::ledger::{Category, Location};
+use crate::comm::local::LocalComm;
+use crate::comm::Communicator;
+use crate::nn::Model;
+use crate::{Error, Result};
+
+/// Builds an engine step by step: `EngineBuilder::new(model).config_file(path)?.build()`.
+pub struct EngineBuilder {
+    model: Model,
+    config: Option<Config>,
+    comm: Option<Box<dyn Communicator>>,
+    hidden_size: Option<usize>,
+    micro_batch_hint: Option<usize>,
+}
+
+impl EngineBuilder {
+    /// Starts from a model.
+    pub fn new(model: Model) -> Self {
+        Self {
+            model,
+            config: None,
+            comm: None,
+            hidden_size: None,
+            micro_batch_hint: None,
+        }
+    }
+
+    /// Loads and validates a config file (TOML or DeepSpeed JSON); every problem is reported
+    /// at once, rustc-style.
+    pub fn config_file(mut self, path: impl AsRef<Path>) -> Result<Self> {
+        let loaded =
+            ferrozero_config::load(path.as_ref()).map_err(|e| Error::Config(e.to_string()))?;
+        for w in &loaded.warnings {
+            tracing::warn!("{}", w.render(ferrozero_config::RenderStyle::Plain));
+        }
+        self.config = Some(loaded.config);
+        Ok(self)
+    }
+
+    /// Uses an already-parsed config.
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// The communicator for this rank (default: a single local rank).
+    pub fn comm(mut self, comm: Box<dyn Communicator>) -> Self {
+        self.comm = Some(comm);
+        self
+    }
+
+    /// The model's hidden size, for `"auto"` bucket sizes (Hugging Face's rules).
+    pub fn hidden_size(mut self, h: usize) -> Self {
+        self.hidden_size = Some(h);
+        self
+    }
+
+    /// The micro-batch to use where the config says `"auto"`.
+    pub fn micro_batch(mut self, b: usize) -> Self {
+        self.micro_batch_hint = Some(b);
+        self
+    }
+
+    /// Resolves the config for the communicator's world and builds the engine.
+    pub fn build(self) -> Result<Engine> {
+        let config = self
+            .config
+            .ok_or_else(|| Error::Config("no config given (use config_file or config)".into()))?;
+        let comm = match self.comm {
+            Some(c) => c,
+            None => single_rank(&config)?,
+        };
+        let ctx = ResolveContext {
+            world_size: comm.world_size(),
+            hidden_size: self.hidden_size,
+            micro_batch_hint: self.micro_batch_hint,
+        };
+        let resolution = config
+            .resolve_explained(&ctx)
+            .map_err(|e| Error::Config(e.to_string()))?;
+        if comm.rank() == 0 {
+            for d in &resolution.decisions {
+                tracing::info!("config: {} = {} ({})", d.path, d.value, d.rule);
+            }
+        }
+        let engine = Engine::new(self.model, resolution.config, comm)?;
+        if engine.rank() == 0 {
+            tracing::info!("{}", engine.summary());
+        }
+        Ok(engine)
+    }
+}
+
+/// The default communicator: one local rank, unless the environment describes a multi-process
+/// job, which needs a backend that crosses processes.
+fn single_rank(_config: &Config) -> Result<Box<dyn Communicator>> {
+    let world: usize = std::env::var("WORLD_SIZE")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(1);
+    if world > 1 {
+        return Err(Error::Unavailable {
+            what: "multi-process communicator",
+            why: format!(
+                "WORLD_SIZE={world} but no communicator was given; pass one with EngineBuilder::comm \
+                 (MPI: build with --features mpi), or run ranks in one process with comm::local::run_ranks"
+            ),
+        });
+    }
+    let mut group = LocalComm::group(1, Duration::from_secs(300));
+    Ok(Box::new(group.remove(0)))
+}
+
+/// Loads `config` and builds an engine for `model` on a single local rank (or fails with a
+/// clear message when the environment describes a multi-process job without a communicator).
+pub fn initialize(model: Model, config: impl AsRef<Path>) -> Result<Engine> {
+    EngineBuilder::new(model).config_file(config)?.build()
+}
+
+/// A config path from the command line or the default preset.
+pub fn default_config_path() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../configs/default.toml"
+    ))
+}
+
+impl Engine {
+    /// A one-screen summary: stage, precision, world, parameters, bytes per rank by category.
+    pub fn summary(&self) -> String {
+        let l = &self.ledger;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let mut s = format!(
+            "ZeRO stage {} | {:?} | world size {} | {} parameters | micro-batch {} x accumulation {} = {} per step\n",
+            self.cfg.zero.stage.number(),
+            self.cfg.precision,
+            self.world_size(),
+            self.model.num_params(),
+            self.cfg.train_micro_batch_size_per_gpu,
+            self.cfg.gradient_accumulation_steps,
+            self.cfg.train_batch_size,
+        );
+        for loc in [Location::Device, Location::Host, Location::Nvme] {
+            let parts: Vec<String> = Category::ALL
+                .iter()
+                .filter(|&&c| l.current(loc, c) > 0)
+                .map(|&c| format!("{c:?} {:.1} MiB", mib(l.current(loc, c))))
+                .collect();
+            if !parts.is_empty() {
+                s.push_str(&format!("  {loc:?} per rank: {}\n", parts.join(", ")));
+            }
+        }
+        s
+    }
+}
