@@ -7,18 +7,8 @@ use std::collections::HashMap;
 use super::core::Engine;
 use super::group::{Group, ParamStore};
 use crate::comm::{BufMut, BufRef};
+pub use crate::nn::weights::NamedTensor;
 use crate::{Error, Result};
-
-/// A parameter's name, shape and fp32 values.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NamedTensor {
-    /// Hugging Face-style name.
-    pub name: String,
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// Values, row-major.
-    pub data: Vec<f32>,
-}
 
 /// This rank's shard range of the fp32 values (master, or f32 parameters).
 fn shard_values(g: &Group, rank: usize) -> Vec<f32> {
