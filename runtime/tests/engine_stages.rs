@@ -52,8 +52,11 @@ fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
 
 fn check_stages_identical(world: usize, precision: Precision, ckpt: bool) {
     let mut reference = None;
-    for stage in STAGES {
+    for (stage, overlap) in STAGES.iter().flat_map(|&s| [(s, false), (s, true)]) {
         let mut cfg = config(stage, world, 2, 2, precision.clone());
+        cfg.zero.overlap_comm = overlap;
+        // Alternate the reuse rule so stage 3 runs both with and without keeping units gathered.
+        cfg.zero.max_reuse_distance = if overlap { 1_000_000 } else { 0 };
         if ckpt {
             cfg.activation_checkpointing = Some(common::checkpointing(false));
         }

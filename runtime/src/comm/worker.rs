@@ -6,40 +6,11 @@
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 
-use half::{bf16, f16};
-
-use super::{BufMut, BufRef, Communicator, ReduceOp};
+use super::{Communicator, ReduceOp};
 use crate::{Error, Result};
 
-/// An owned buffer of a communicable dtype.
-#[derive(Debug, Clone, PartialEq)]
-pub enum OwnedBuf {
-    /// f32 elements.
-    F32(Vec<f32>),
-    /// bf16 elements.
-    Bf16(Vec<bf16>),
-    /// f16 elements.
-    F16(Vec<f16>),
-}
-
-impl OwnedBuf {
-    /// A mutable view.
-    pub fn as_mut(&mut self) -> BufMut<'_> {
-        match self {
-            OwnedBuf::F32(v) => BufMut::F32(v),
-            OwnedBuf::Bf16(v) => BufMut::Bf16(v),
-            OwnedBuf::F16(v) => BufMut::F16(v),
-        }
-    }
-    /// A read-only view.
-    pub fn as_ref(&self) -> BufRef<'_> {
-        match self {
-            OwnedBuf::F32(v) => BufRef::F32(v),
-            OwnedBuf::Bf16(v) => BufRef::Bf16(v),
-            OwnedBuf::F16(v) => BufRef::F16(v),
-        }
-    }
-}
+/// An owned buffer of a communicable dtype (the engine's flat buffer type).
+pub use crate::tensor::FlatBuf as OwnedBuf;
 
 type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
 
@@ -125,8 +96,9 @@ impl CommWorker {
         self.world_size
     }
 
-    /// Queues `f` and returns the handle to its result.
-    fn submit<T: Send + 'static>(
+    /// Queues any sequence of collectives as one job (`op` names it in errors) and returns
+    /// the handle to its result; the engine uses it to run a bucketed reduction as a unit.
+    pub fn submit<T: Send + 'static>(
         &self,
         op: &'static str,
         f: impl FnOnce(&dyn Communicator) -> Result<T> + Send + 'static,

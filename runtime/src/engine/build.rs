@@ -4,13 +4,13 @@
 
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig};
 
-use super::buffers::LpBuf;
 use super::group::{Group, ParamStore};
 use super::ledger::{Category, Ledger, Location};
 use super::partition::GroupLayout;
 use super::stage::{Extent, Stage};
 use crate::nn::{init, ParamSpec};
 use crate::tensor::DType;
+use crate::tensor::FlatBuf;
 
 /// The storage dtype of parameters and gradients for a precision.
 pub fn storage_dtype(p: &Precision) -> DType {
@@ -75,7 +75,7 @@ impl GroupPlan<'_> {
             );
         }
         let store = |r: std::ops::Range<usize>| {
-            let mut b = LpBuf::zeros(dtype, r.len());
+            let mut b = FlatBuf::zeros(dtype, r.len());
             b.store_f32(0, &full[r]);
             b
         };
@@ -99,7 +99,7 @@ impl GroupPlan<'_> {
         let owned = self.stage.optimizer().range(&layout, self.rank);
         let master = (dtype != DType::F32).then(|| full[owned.clone()].to_vec());
         let grad_range = self.stage.grads().range(&layout, self.rank);
-        let grad = LpBuf::zeros(dtype, grad_range.len());
+        let grad = FlatBuf::zeros(dtype, grad_range.len());
         ledger.alloc(Location::Device, Category::Gradients, grad.bytes());
         let m = vec![0.0; owned.len()];
         let v = if self.moments > 1 {

@@ -10,6 +10,7 @@ use super::group::{compute_view, Group};
 use super::ledger::{Category, Ledger, Location};
 use super::loss_scale::LossScaler;
 use super::optimizer::Optimizer;
+use super::overlap::CommOverlap;
 use super::report::Timings;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
@@ -41,6 +42,8 @@ pub struct Engine {
     pub(super) tokens: u64,
     last_batch: Option<Batch>,
     pub(super) timings: Timings,
+    /// The communication worker when `overlap_comm` is on.
+    pub(super) overlap: Option<CommOverlap>,
 }
 
 impl Engine {
@@ -77,6 +80,11 @@ impl Engine {
             _ => None,
         });
         let schedule = Schedule::new(&cfg.optimizer, cfg.scheduler.clone());
+        let overlap = if cfg.zero.overlap_comm && comm.world_size() > 1 {
+            Some(CommOverlap::new(comm.as_ref())?)
+        } else {
+            None
+        };
         tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
         Ok(Self {
             cfg,
@@ -97,6 +105,7 @@ impl Engine {
             tokens: 0,
             last_batch: None,
             timings: Timings::default(),
+            overlap,
         })
     }
 
@@ -149,6 +158,7 @@ impl Engine {
     pub(super) fn gather_unit(&mut self, unit: usize) -> Result<()> {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
+        self.take_prefetched(unit)?;
         self.stage.gather(
             &mut self.groups[unit],
             self.comm.as_ref(),
@@ -168,6 +178,20 @@ impl Engine {
         }
         self.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// Stage 3's `max_reuse_distance`: a unit whose parameters are used again (in its
+    /// backward) within that many gathered elements stays gathered after forward.
+    fn reused_soon(&self, unit: usize) -> bool {
+        let later: usize = self.groups[unit + 1..self.model.units.len()]
+            .iter()
+            .map(|g| g.layout.padded())
+            .sum();
+        let partitioned = matches!(
+            self.groups[unit].params,
+            super::group::ParamStore::Partitioned { .. }
+        );
+        partitioned && 2 * later <= self.cfg.zero.max_reuse_distance
     }
 
     pub(super) fn release_unit(&mut self, unit: usize) {
@@ -230,10 +254,16 @@ impl Engine {
     pub(super) fn forward_pass(&mut self, batch: &Batch, training: bool) -> Result<f64> {
         let t = Instant::now();
         let mut x = Tensor::default();
-        for unit in 0..self.model.units.len() {
+        let n = self.model.units.len();
+        for unit in 0..n {
             self.gather_unit(unit)?;
+            if unit + 1 < n {
+                self.prefetch(unit + 1);
+            }
             let out = self.run_unit_forward(unit, batch, &x, training);
-            self.release_unit(unit);
+            if !(training && out.is_ok() && self.reused_soon(unit)) {
+                self.release_unit(unit);
+            }
             let out = out?;
             if training {
                 if self.checkpointing() {
@@ -273,6 +303,9 @@ impl Engine {
             .position(|u| !u.uses_shared.is_empty());
         for unit in (0..self.model.units.len()).rev() {
             self.gather_unit(unit)?;
+            if unit > 0 {
+                self.prefetch(unit - 1);
+            }
             let r = self.unit_backward(unit, batch, &grad);
             self.release_unit(unit);
             grad = r?;
@@ -283,6 +316,7 @@ impl Engine {
                 }
             }
         }
+        self.finish_reductions()?;
         self.timings.backward += t.elapsed().as_secs_f64();
         Ok(())
     }
@@ -323,22 +357,6 @@ impl Engine {
         self.saved[unit] = None;
         self.untrack_saved(unit);
         out
-    }
-
-    fn reduce_group(&mut self, g: usize) -> Result<()> {
-        let t = Instant::now();
-        if let Some(micro) = self.groups[g].take_micro(&mut self.ledger) {
-            let bucket = self.cfg.zero.reduce_bucket_size;
-            self.stage.reduce(
-                &mut self.groups[g],
-                micro,
-                self.comm.as_ref(),
-                bucket,
-                &mut self.ledger,
-            )?;
-        }
-        self.timings.reduce += t.elapsed().as_secs_f64();
-        Ok(())
     }
 
     /// Forward of one micro-batch in training mode (DeepSpeed's `engine(batch)`); returns the

@@ -6,22 +6,22 @@
 
 use std::ops::Range;
 
-use super::buffers::LpBuf;
 use super::ledger::{Category, Ledger, Location};
 use super::partition::GroupLayout;
 use crate::tensor::DType;
+use crate::tensor::FlatBuf;
 
 /// Parameter storage: replicated on every rank, or partitioned with a transient full copy.
 #[derive(Debug)]
 pub enum ParamStore {
     /// Every rank holds the full padded buffer (stages 0-2).
-    Replicated(LpBuf),
+    Replicated(FlatBuf),
     /// Each rank holds its shard; `gathered` holds the full buffer while a unit runs (stage 3).
     Partitioned {
         /// This rank's shard.
-        shard: LpBuf,
+        shard: FlatBuf,
         /// The all-gathered full buffer, present between gather and release.
-        gathered: Option<LpBuf>,
+        gathered: Option<FlatBuf>,
     },
 }
 
@@ -35,7 +35,7 @@ pub struct Group {
     /// f32 copy of the full parameters for compute, when the storage dtype is not f32.
     pub work: Option<Vec<f32>>,
     /// Gradient accumulator in the storage dtype (full or shard, by stage).
-    pub grad: LpBuf,
+    pub grad: FlatBuf,
     /// Offset of `grad[0]` in the padded buffer (0 for full, the shard start for shards).
     pub grad_offset: usize,
     /// This micro-step's local gradient (padded, f32), alive from first to last use in backward.
@@ -52,7 +52,7 @@ pub struct Group {
 
 impl Group {
     /// Full parameters in the storage dtype, if present (replicated, or gathered).
-    pub fn full_params(&self) -> Option<&LpBuf> {
+    pub fn full_params(&self) -> Option<&FlatBuf> {
         match &self.params {
             ParamStore::Replicated(b) => Some(b),
             ParamStore::Partitioned { gathered, .. } => gathered.as_ref(),
@@ -113,14 +113,14 @@ pub fn owned_params<'a>(
     params: &'a mut ParamStore,
     master: &'a mut Option<Vec<f32>>,
     owned: &Range<usize>,
-) -> (&'a mut [f32], Option<(&'a mut LpBuf, usize)>) {
+) -> (&'a mut [f32], Option<(&'a mut FlatBuf, usize)>) {
     let (lp, lp_offset) = match params {
         ParamStore::Replicated(b) => (b, owned.start),
         ParamStore::Partitioned { shard, .. } => (shard, 0),
     };
     match (master, lp) {
         (Some(master), lp) => (master.as_mut_slice(), Some((lp, lp_offset))),
-        (None, LpBuf::F32(v)) => (&mut v[lp_offset..lp_offset + owned.len()], None),
+        (None, FlatBuf::F32(v)) => (&mut v[lp_offset..lp_offset + owned.len()], None),
         // Construction gives every non-f32 group master weights.
         (None, _) => unreachable!("low-precision parameters without master weights"),
     }
@@ -133,7 +133,7 @@ pub fn compute_view<'a>(params: &'a ParamStore, work: &'a Option<Vec<f32>>) -> O
         ParamStore::Partitioned { gathered, .. } => gathered.as_ref()?,
     };
     match full {
-        LpBuf::F32(v) => Some(v),
+        FlatBuf::F32(v) => Some(v),
         _ => work.as_deref(),
     }
 }

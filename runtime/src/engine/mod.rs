@@ -4,7 +4,6 @@
 //! accumulated in micro-step order, in every stage; the gradient norm sums each rank's shard
 //! range in every stage. That is what makes stages 0-3 bitwise identical for one world size.
 
-pub mod buffers;
 mod build;
 mod core;
 mod eval;
@@ -13,6 +12,7 @@ mod init;
 pub mod ledger;
 pub mod loss_scale;
 pub mod optimizer;
+mod overlap;
 pub mod params;
 pub mod partition;
 pub mod report;

@@ -5,9 +5,9 @@
 use ferrozero_config::resolved::OptimizerConfig;
 use ferrozero_offload::optim::{self, AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
 
-use super::buffers::LpBuf;
 use super::group::{owned_params, Group};
 use super::partition::chunks;
+use crate::tensor::FlatBuf;
 use crate::Result;
 
 /// Per-step values that the schedule decides.
@@ -65,7 +65,7 @@ impl Optimizer {
         let g_base = owned.start - *grad_offset;
         for t in chunks(owned.len(), tile) {
             let grads: &[f32] = match &*grad {
-                LpBuf::F32(gv) => &gv[g_base + t.start..g_base + t.end],
+                FlatBuf::F32(gv) => &gv[g_base + t.start..g_base + t.end],
                 other => {
                     scratch.resize(t.len(), 0.0);
                     other.load_f32(g_base + t.start, &mut scratch[..t.len()]);
@@ -74,13 +74,13 @@ impl Optimizer {
             };
             let lp_out = match &mut lp {
                 None => LowPrecision::None,
-                Some((LpBuf::Bf16(b), off)) => {
+                Some((FlatBuf::Bf16(b), off)) => {
                     LowPrecision::Bf16(&mut b[*off + t.start..*off + t.end])
                 }
-                Some((LpBuf::F16(b), off)) => {
+                Some((FlatBuf::F16(b), off)) => {
                     LowPrecision::F16(&mut b[*off + t.start..*off + t.end])
                 }
-                Some((LpBuf::F32(b), off)) => {
+                Some((FlatBuf::F32(b), off)) => {
                     // f32 storage with master weights does not occur; keep them equal anyway.
                     b[*off + t.start..*off + t.end].copy_from_slice(&p[t.clone()]);
                     LowPrecision::None

@@ -10,12 +10,12 @@ use std::ops::Range;
 
 use ferrozero_config::resolved::ZeroStage;
 
-use super::buffers::LpBuf;
 use super::group::{Group, ParamStore};
 use super::ledger::{Category, Ledger, Location};
 use super::partition::{chunks, GroupLayout};
 use crate::comm::{Communicator, ReduceOp};
 use crate::tensor::DType;
+use crate::tensor::FlatBuf;
 use crate::Result;
 
 /// Whether a rank holds a whole buffer or only its shard.
@@ -61,9 +61,8 @@ pub trait Stage: Send + Sync {
             gathered: gathered @ None,
         } = &mut g.params
         {
-            let mut full = LpBuf::zeros(shard.dtype(), g.layout.padded());
+            let full = gather_shards(shard, g.layout.world_size, g.layout.shard_len, comm, bucket)?;
             ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
-            all_gather_chunked(comm, shard, 0, &mut full, &g.layout, bucket, ledger)?;
             *gathered = Some(full);
         }
         g.ensure_work(ledger);
@@ -78,33 +77,6 @@ pub trait Stage: Send + Sync {
                 ledger.free(Location::Device, Category::Prefetch, full.bytes());
             }
         }
-    }
-
-    /// Reduces the group's local micro-step gradient across ranks (rank-order sums) and adds
-    /// the result into the accumulator.
-    fn reduce(
-        &self,
-        g: &mut Group,
-        micro: Vec<f32>,
-        comm: &dyn Communicator,
-        bucket: usize,
-        ledger: &mut Ledger,
-    ) -> Result<()> {
-        let mut buf = to_storage(micro, g.grad.dtype());
-        ledger.alloc(Location::Device, Category::CommBuffers, buf.bytes());
-        let mut scratch = Vec::new();
-        let result = match self.grads() {
-            Extent::Full => {
-                for c in chunks(buf.len(), bucket) {
-                    comm.all_reduce(buf.as_mut_range(c), ReduceOp::Sum)?;
-                }
-                g.grad.accumulate(0, &buf, buf.len(), &mut scratch);
-                Ok(())
-            }
-            Extent::Shard => reduce_scatter_into(comm, &buf, g, bucket, &mut scratch, ledger),
-        };
-        ledger.free(Location::Device, Category::CommBuffers, buf.bytes());
-        result
     }
 
     /// After the optimizer updated this rank's range: makes every rank's replicated
@@ -123,7 +95,14 @@ pub trait Stage: Send + Sync {
             let own = g.layout.shard_range(comm.rank());
             let shard = slice_copy(full, own.clone());
             ledger.alloc(Location::Device, Category::CommBuffers, shard.bytes());
-            let r = all_gather_chunked(comm, &shard, 0, full, &g.layout, bucket, ledger);
+            let r = all_gather_chunked(
+                comm,
+                &shard,
+                full,
+                g.layout.world_size,
+                g.layout.shard_len,
+                bucket,
+            );
             ledger.free(Location::Device, Category::CommBuffers, shard.bytes());
             r?;
         }
@@ -198,20 +177,21 @@ stage!(
     Extent::Shard
 );
 
-fn to_storage(v: Vec<f32>, dtype: DType) -> LpBuf {
+/// A micro-step gradient in the storage dtype (f32 moves without a copy).
+pub fn to_storage(v: Vec<f32>, dtype: DType) -> FlatBuf {
     if dtype == DType::F32 {
-        return LpBuf::F32(v);
+        return FlatBuf::F32(v);
     }
-    let mut b = LpBuf::zeros(dtype, v.len());
+    let mut b = FlatBuf::zeros(dtype, v.len());
     b.store_f32(0, &v);
     b
 }
 
-fn slice_copy(b: &LpBuf, r: Range<usize>) -> LpBuf {
+fn slice_copy(b: &FlatBuf, r: Range<usize>) -> FlatBuf {
     match b {
-        LpBuf::F32(v) => LpBuf::F32(v[r].to_vec()),
-        LpBuf::Bf16(v) => LpBuf::Bf16(v[r].to_vec()),
-        LpBuf::F16(v) => LpBuf::F16(v[r].to_vec()),
+        FlatBuf::F32(v) => FlatBuf::F32(v[r].to_vec()),
+        FlatBuf::Bf16(v) => FlatBuf::Bf16(v[r].to_vec()),
+        FlatBuf::F16(v) => FlatBuf::F16(v[r].to_vec()),
     }
 }
 
@@ -220,95 +200,88 @@ fn per_rank_chunk(bucket: usize, world: usize) -> usize {
     (bucket / world.max(1)).max(1)
 }
 
-/// Reduce-scatters `buf` (padded, every rank's full gradient) into the group's shard
-/// accumulator, `bucket` elements of input at a time.
-fn reduce_scatter_into(
+/// Reduces every rank's padded micro-step gradient `buf` with rank-order sums, `bucket`
+/// elements of input at a time: the whole sum (`Full`) or this rank's shard of it (`Shard`).
+/// Pure over owned buffers, so it runs inline or on the communication worker alike.
+pub fn reduce_gradient(
+    extent: Extent,
+    mut buf: FlatBuf,
+    world: usize,
+    shard_len: usize,
     comm: &dyn Communicator,
-    buf: &LpBuf,
-    g: &mut Group,
     bucket: usize,
-    scratch: &mut Vec<f32>,
-    ledger: &mut Ledger,
-) -> Result<()> {
-    let (world, s) = (g.layout.world_size, g.layout.shard_len);
+) -> Result<FlatBuf> {
+    if extent == Extent::Full {
+        for c in chunks(buf.len(), bucket) {
+            comm.all_reduce(buf.as_mut_range(c), ReduceOp::Sum)?;
+        }
+        return Ok(buf);
+    }
+    let s = shard_len;
+    let mut out = FlatBuf::zeros(buf.dtype(), s);
     let k = per_rank_chunk(bucket, world);
     if k >= s {
-        let mut out = LpBuf::zeros(buf.dtype(), s);
-        comm.reduce_scatter(
-            buf.as_ref_range(0..buf.len()),
-            out.as_mut_range(0..s),
-            ReduceOp::Sum,
-        )?;
-        g.grad.accumulate(0, &out, s, scratch);
-        return Ok(());
+        comm.reduce_scatter(buf.as_ref(), out.as_mut(), ReduceOp::Sum)?;
+        return Ok(out);
     }
-    let mut input = LpBuf::zeros(buf.dtype(), k * world);
-    let mut out = LpBuf::zeros(buf.dtype(), k);
-    ledger.alloc(
-        Location::Device,
-        Category::CommBuffers,
-        input.bytes() + out.bytes(),
-    );
+    let mut input = FlatBuf::zeros(buf.dtype(), k * world);
     for c in chunks(s, k) {
         let n = c.len();
         for r in 0..world {
-            copy_range(buf, r * s + c.start, &mut input, r * n, n);
+            copy_range(&buf, r * s + c.start, &mut input, r * n, n);
         }
         comm.reduce_scatter(
             input.as_ref_range(0..n * world),
-            out.as_mut_range(0..n),
+            out.as_mut_range(c),
             ReduceOp::Sum,
         )?;
-        g.grad.accumulate(c.start, &out, n, scratch);
     }
-    ledger.free(
-        Location::Device,
-        Category::CommBuffers,
-        input.bytes() + out.bytes(),
-    );
-    Ok(())
+    Ok(out)
 }
 
-/// All-gathers `src[src_off..src_off + shard_len]` from every rank into `full` (padded),
-/// `bucket` elements of output at a time.
+/// All-gathers every rank's shard into one full padded buffer, `bucket` elements of output
+/// at a time.
+pub fn gather_shards(
+    shard: &FlatBuf,
+    world: usize,
+    shard_len: usize,
+    comm: &dyn Communicator,
+    bucket: usize,
+) -> Result<FlatBuf> {
+    let mut full = FlatBuf::zeros(shard.dtype(), shard_len * world);
+    all_gather_chunked(comm, shard, &mut full, world, shard_len, bucket)?;
+    Ok(full)
+}
+
+/// All-gathers `src` (one shard) from every rank into `full` (padded).
 fn all_gather_chunked(
     comm: &dyn Communicator,
-    src: &LpBuf,
-    src_off: usize,
-    full: &mut LpBuf,
-    layout: &GroupLayout,
+    src: &FlatBuf,
+    full: &mut FlatBuf,
+    world: usize,
+    s: usize,
     bucket: usize,
-    ledger: &mut Ledger,
 ) -> Result<()> {
-    let (world, s) = (layout.world_size, layout.shard_len);
     let k = per_rank_chunk(bucket, world);
     if k >= s {
-        return comm.all_gather(
-            src.as_ref_range(src_off..src_off + s),
-            full.as_mut_range(0..s * world),
-        );
+        return comm.all_gather(src.as_ref_range(0..s), full.as_mut_range(0..s * world));
     }
-    let mut out = LpBuf::zeros(src.dtype(), k * world);
-    ledger.alloc(Location::Device, Category::CommBuffers, out.bytes());
+    let mut out = FlatBuf::zeros(src.dtype(), k * world);
     for c in chunks(s, k) {
         let n = c.len();
-        comm.all_gather(
-            src.as_ref_range(src_off + c.start..src_off + c.end),
-            out.as_mut_range(0..n * world),
-        )?;
+        comm.all_gather(src.as_ref_range(c.clone()), out.as_mut_range(0..n * world))?;
         for r in 0..world {
             copy_range(&out, r * n, full, r * s + c.start, n);
         }
     }
-    ledger.free(Location::Device, Category::CommBuffers, out.bytes());
     Ok(())
 }
 
-fn copy_range(src: &LpBuf, so: usize, dst: &mut LpBuf, d_off: usize, n: usize) {
+fn copy_range(src: &FlatBuf, so: usize, dst: &mut FlatBuf, d_off: usize, n: usize) {
     match (src, dst) {
-        (LpBuf::F32(a), LpBuf::F32(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
-        (LpBuf::Bf16(a), LpBuf::Bf16(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
-        (LpBuf::F16(a), LpBuf::F16(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
+        (FlatBuf::F32(a), FlatBuf::F32(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
+        (FlatBuf::Bf16(a), FlatBuf::Bf16(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
+        (FlatBuf::F16(a), FlatBuf::F16(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
         // Buffers of one group always share the storage dtype.
         _ => unreachable!("copy_range between different dtypes"),
     }

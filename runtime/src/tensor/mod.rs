@@ -4,6 +4,10 @@
 //! Activations are always f32 on the CPU path: mixed precision changes how parameters are
 //! stored and communicated (bf16/f16 copies), while matmuls accumulate in f32.
 
+mod flat;
+
+pub use flat::FlatBuf;
+
 /// Storage dtype of a flat buffer (parameters, gradients, communication).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DType {

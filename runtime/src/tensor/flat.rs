@@ -1,4 +1,5 @@
-//! Flat buffers in the storage dtype (f32, bf16 or f16) and their conversions.
+//! Flat buffers in a storage dtype (f32, bf16 or f16) and their conversions: the engine's
+//! parameter and gradient storage and the communication worker's owned buffers.
 //!
 //! Parameters and gradients live in the precision's storage dtype; compute always reads f32.
 //! Rounding goes through `half`'s slice conversions (round to nearest even), which are fast
@@ -7,12 +8,12 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use super::DType;
 use crate::comm::{BufMut, BufRef};
-use crate::tensor::DType;
 
 /// An owned flat buffer in one storage dtype.
 #[derive(Debug, Clone, PartialEq)]
-pub enum LpBuf {
+pub enum FlatBuf {
     /// f32 storage.
     F32(Vec<f32>),
     /// bf16 storage.
@@ -21,22 +22,22 @@ pub enum LpBuf {
     F16(Vec<f16>),
 }
 
-impl LpBuf {
+impl FlatBuf {
     /// A zero-filled buffer.
     pub fn zeros(dtype: DType, len: usize) -> Self {
         match dtype {
-            DType::F32 => LpBuf::F32(vec![0.0; len]),
-            DType::Bf16 => LpBuf::Bf16(vec![bf16::ZERO; len]),
-            DType::F16 => LpBuf::F16(vec![f16::ZERO; len]),
+            DType::F32 => FlatBuf::F32(vec![0.0; len]),
+            DType::Bf16 => FlatBuf::Bf16(vec![bf16::ZERO; len]),
+            DType::F16 => FlatBuf::F16(vec![f16::ZERO; len]),
         }
     }
 
     /// Element count.
     pub fn len(&self) -> usize {
         match self {
-            LpBuf::F32(v) => v.len(),
-            LpBuf::Bf16(v) => v.len(),
-            LpBuf::F16(v) => v.len(),
+            FlatBuf::F32(v) => v.len(),
+            FlatBuf::Bf16(v) => v.len(),
+            FlatBuf::F16(v) => v.len(),
         }
     }
 
@@ -48,9 +49,9 @@ impl LpBuf {
     /// The dtype.
     pub fn dtype(&self) -> DType {
         match self {
-            LpBuf::F32(_) => DType::F32,
-            LpBuf::Bf16(_) => DType::Bf16,
-            LpBuf::F16(_) => DType::F16,
+            FlatBuf::F32(_) => DType::F32,
+            FlatBuf::Bf16(_) => DType::Bf16,
+            FlatBuf::F16(_) => DType::F16,
         }
     }
 
@@ -59,21 +60,32 @@ impl LpBuf {
         (self.len() * self.dtype().size()) as u64
     }
 
+    /// A read-only communication view of the whole buffer.
+    pub fn as_ref(&self) -> BufRef<'_> {
+        self.as_ref_range(0..self.len())
+    }
+
+    /// A mutable communication view of the whole buffer.
+    pub fn as_mut(&mut self) -> BufMut<'_> {
+        let n = self.len();
+        self.as_mut_range(0..n)
+    }
+
     /// A read-only communication view of `range`.
     pub fn as_ref_range(&self, range: std::ops::Range<usize>) -> BufRef<'_> {
         match self {
-            LpBuf::F32(v) => BufRef::F32(&v[range]),
-            LpBuf::Bf16(v) => BufRef::Bf16(&v[range]),
-            LpBuf::F16(v) => BufRef::F16(&v[range]),
+            FlatBuf::F32(v) => BufRef::F32(&v[range]),
+            FlatBuf::Bf16(v) => BufRef::Bf16(&v[range]),
+            FlatBuf::F16(v) => BufRef::F16(&v[range]),
         }
     }
 
     /// A mutable communication view of `range`.
     pub fn as_mut_range(&mut self, range: std::ops::Range<usize>) -> BufMut<'_> {
         match self {
-            LpBuf::F32(v) => BufMut::F32(&mut v[range]),
-            LpBuf::Bf16(v) => BufMut::Bf16(&mut v[range]),
-            LpBuf::F16(v) => BufMut::F16(&mut v[range]),
+            FlatBuf::F32(v) => BufMut::F32(&mut v[range]),
+            FlatBuf::Bf16(v) => BufMut::Bf16(&mut v[range]),
+            FlatBuf::F16(v) => BufMut::F16(&mut v[range]),
         }
     }
 
@@ -81,9 +93,9 @@ impl LpBuf {
     pub fn store_f32(&mut self, offset: usize, src: &[f32]) {
         let r = offset..offset + src.len();
         match self {
-            LpBuf::F32(v) => v[r].copy_from_slice(src),
-            LpBuf::Bf16(v) => v[r].convert_from_f32_slice(src),
-            LpBuf::F16(v) => v[r].convert_from_f32_slice(src),
+            FlatBuf::F32(v) => v[r].copy_from_slice(src),
+            FlatBuf::Bf16(v) => v[r].convert_from_f32_slice(src),
+            FlatBuf::F16(v) => v[r].convert_from_f32_slice(src),
         }
     }
 
@@ -91,17 +103,17 @@ impl LpBuf {
     pub fn load_f32(&self, offset: usize, dst: &mut [f32]) {
         let r = offset..offset + dst.len();
         match self {
-            LpBuf::F32(v) => dst.copy_from_slice(&v[r]),
-            LpBuf::Bf16(v) => v[r].convert_to_f32_slice(dst),
-            LpBuf::F16(v) => v[r].convert_to_f32_slice(dst),
+            FlatBuf::F32(v) => dst.copy_from_slice(&v[r]),
+            FlatBuf::Bf16(v) => v[r].convert_to_f32_slice(dst),
+            FlatBuf::F16(v) => v[r].convert_to_f32_slice(dst),
         }
     }
 
     /// Adds the first `n` elements of `src` (same dtype) into `self[offset..offset + n]`, in
     /// f32 and rounded once per element.
-    pub fn accumulate(&mut self, offset: usize, src: &LpBuf, n: usize, scratch: &mut Vec<f32>) {
+    pub fn accumulate(&mut self, offset: usize, src: &FlatBuf, n: usize, scratch: &mut Vec<f32>) {
         match (self, src) {
-            (LpBuf::F32(d), LpBuf::F32(s)) => {
+            (FlatBuf::F32(d), FlatBuf::F32(s)) => {
                 for (a, b) in d[offset..offset + n].iter_mut().zip(&s[..n]) {
                     *a += *b;
                 }
@@ -122,22 +134,22 @@ impl LpBuf {
     /// Sets every element to zero.
     pub fn fill_zero(&mut self) {
         match self {
-            LpBuf::F32(v) => v.fill(0.0),
-            LpBuf::Bf16(v) => v.fill(bf16::ZERO),
-            LpBuf::F16(v) => v.fill(f16::ZERO),
+            FlatBuf::F32(v) => v.fill(0.0),
+            FlatBuf::Bf16(v) => v.fill(bf16::ZERO),
+            FlatBuf::F16(v) => v.fill(f16::ZERO),
         }
     }
 
     /// Whether any element of `range` is infinite or NaN.
     pub fn has_non_finite(&self, range: std::ops::Range<usize>) -> bool {
         match self {
-            LpBuf::F32(v) => v[range].iter().any(|x| !x.is_finite()),
+            FlatBuf::F32(v) => v[range].iter().any(|x| !x.is_finite()),
             // Exponent bits all ones means Inf or NaN.
-            LpBuf::Bf16(v) => v[range]
+            FlatBuf::Bf16(v) => v[range]
                 .reinterpret_cast()
                 .iter()
                 .any(|b: &u16| b & 0x7f80 == 0x7f80),
-            LpBuf::F16(v) => v[range]
+            FlatBuf::F16(v) => v[range]
                 .reinterpret_cast()
                 .iter()
                 .any(|b: &u16| b & 0x7c00 == 0x7c00),
@@ -159,12 +171,12 @@ mod tests {
 
     #[test]
     fn bf16_round_trip_and_accumulate() {
-        let mut b = LpBuf::zeros(DType::Bf16, 4);
+        let mut b = FlatBuf::zeros(DType::Bf16, 4);
         b.store_f32(0, &[1.0, 2.5, -3.0, 1e-3]);
         let mut out = [0.0; 4];
         b.load_f32(0, &mut out);
         assert_eq!(out[..3], [1.0, 2.5, -3.0]);
-        let add = LpBuf::Bf16(vec![bf16::from_f32(1.0); 2]);
+        let add = FlatBuf::Bf16(vec![bf16::from_f32(1.0); 2]);
         let mut scratch = Vec::new();
         b.accumulate(1, &add, 2, &mut scratch);
         b.load_f32(0, &mut out);
@@ -174,7 +186,7 @@ mod tests {
     #[test]
     fn detects_non_finite_in_every_dtype() {
         for dt in [DType::F32, DType::Bf16, DType::F16] {
-            let mut b = LpBuf::zeros(dt, 3);
+            let mut b = FlatBuf::zeros(dt, 3);
             assert!(!b.has_non_finite(0..3));
             b.store_f32(1, &[f32::INFINITY]);
             assert!(b.has_non_finite(0..3), "{dt:?}");
@@ -183,7 +195,7 @@ mod tests {
             assert!(b.has_non_finite(2..3), "{dt:?}");
         }
         // f16 overflows to Inf above 65504, which is what fp16 loss scaling must catch.
-        let mut h = LpBuf::zeros(DType::F16, 1);
+        let mut h = FlatBuf::zeros(DType::F16, 1);
         h.store_f32(0, &[1e6]);
         assert!(h.has_non_finite(0..1));
     }

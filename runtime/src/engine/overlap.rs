@@ -1,0 +1,144 @@
+//! Gradient reduction and stage-3 parameter gathering, inline or overlapped with compute
+//! (`overlap_comm`): the same pure functions ([`reduce_gradient`], [`gather_shards`]) run on
+//! this thread or on a [`CommWorker`] over a duplicate communicator, so overlap changes when
+//! bytes move, never the arithmetic.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use super::core::Engine;
+use super::group::ParamStore;
+use super::ledger::{Category, Location};
+use super::stage::{gather_shards, reduce_gradient, to_storage};
+use crate::comm::worker::{CommWorker, Pending};
+use crate::tensor::FlatBuf;
+use crate::Result;
+
+/// The communication worker and what is in flight on it.
+pub(super) struct CommOverlap {
+    worker: CommWorker,
+    /// Reductions in submission order: (group, bytes counted in the ledger, result).
+    reductions: VecDeque<(usize, u64, Pending<FlatBuf>)>,
+    /// Stage-3 gathers started ahead of use, by group.
+    prefetched: HashMap<usize, Pending<FlatBuf>>,
+}
+
+impl CommOverlap {
+    /// A worker over a duplicate of the engine's communicator (a collective call).
+    pub(super) fn new(comm: &dyn crate::comm::Communicator) -> Result<Self> {
+        Ok(Self {
+            worker: CommWorker::duplicate_of(comm)?,
+            reductions: VecDeque::new(),
+            prefetched: HashMap::new(),
+        })
+    }
+}
+
+impl Engine {
+    /// Reduces group `g`'s micro-step gradient across ranks and accumulates it (overlapped:
+    /// queued on the worker, accumulated in [`Engine::finish_reductions`]).
+    pub(super) fn reduce_group(&mut self, g: usize) -> Result<()> {
+        let t = Instant::now();
+        let Some(micro) = self.groups[g].take_micro(&mut self.ledger) else {
+            return Ok(());
+        };
+        let buf = to_storage(micro, self.groups[g].grad.dtype());
+        let bytes = buf.bytes();
+        self.ledger
+            .alloc(Location::Device, Category::CommBuffers, bytes);
+        let (extent, world, s) = (
+            self.stage.grads(),
+            self.world_size(),
+            self.groups[g].layout.shard_len,
+        );
+        let bucket = self.cfg.zero.reduce_bucket_size;
+        match &mut self.overlap {
+            Some(o) => {
+                let p = o.worker.submit("reduce_gradient", move |c| {
+                    reduce_gradient(extent, buf, world, s, c, bucket)
+                });
+                o.reductions.push_back((g, bytes, p));
+            }
+            None => {
+                let red = reduce_gradient(extent, buf, world, s, self.comm.as_ref(), bucket);
+                self.ledger
+                    .free(Location::Device, Category::CommBuffers, bytes);
+                self.accumulate(g, red?);
+            }
+        }
+        self.timings.reduce += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn accumulate(&mut self, g: usize, reduced: FlatBuf) {
+        let mut scratch = Vec::new();
+        let n = reduced.len();
+        self.groups[g].grad.accumulate(0, &reduced, n, &mut scratch);
+    }
+
+    /// Waits for every queued reduction and accumulates the results in submission order.
+    pub(super) fn finish_reductions(&mut self) -> Result<()> {
+        let t = Instant::now();
+        while let Some((g, bytes, p)) = self.overlap.as_mut().and_then(|o| o.reductions.pop_front())
+        {
+            let red = p.wait();
+            self.ledger
+                .free(Location::Device, Category::CommBuffers, bytes);
+            self.accumulate(g, red?);
+        }
+        self.timings.reduce += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Starts gathering group `g` on the worker (stage 3, overlap on), if it is partitioned,
+    /// not gathered or in flight yet, and fits `stage3_prefetch_bucket_size` and
+    /// `stage3_max_live_parameters` next to what is live now.
+    pub(super) fn prefetch(&mut self, g: usize) {
+        let live: usize = self
+            .groups
+            .iter()
+            .filter(|x| x.full_params().is_some())
+            .map(|x| x.layout.padded())
+            .sum();
+        let (prefetch_limit, live_limit) = (
+            self.cfg.zero.prefetch_bucket_size,
+            self.cfg.zero.max_live_parameters,
+        );
+        let bucket = self.cfg.zero.allgather_bucket_size;
+        let Some(o) = &mut self.overlap else { return };
+        let grp = &self.groups[g];
+        let ParamStore::Partitioned {
+            shard,
+            gathered: None,
+        } = &grp.params
+        else {
+            return;
+        };
+        let n = grp.layout.padded();
+        if o.prefetched.contains_key(&g) || n > prefetch_limit || live + n > live_limit {
+            return;
+        }
+        let (shard, world, s) = (shard.clone(), grp.layout.world_size, grp.layout.shard_len);
+        self.ledger.alloc(
+            Location::Device,
+            Category::Prefetch,
+            (n * shard.dtype().size()) as u64,
+        );
+        let p = o.worker.submit("prefetch_gather", move |c| {
+            gather_shards(&shard, world, s, c, bucket)
+        });
+        o.prefetched.insert(g, p);
+    }
+
+    /// Installs a prefetched gather of group `g`, if one is in flight.
+    pub(super) fn take_prefetched(&mut self, g: usize) -> Result<()> {
+        let Some(p) = self.overlap.as_mut().and_then(|o| o.prefetched.remove(&g)) else {
+            return Ok(());
+        };
+        let full = p.wait()?;
+        if let ParamStore::Partitioned { gathered, .. } = &mut self.groups[g].params {
+            *gathered = Some(full);
+        }
+        Ok(())
+    }
+}
