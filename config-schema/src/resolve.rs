@@ -132,6 +132,23 @@ impl Config {
         self.resolve_explained(ctx).map(|r| r.config)
     }
 
+    /// Checks only the batch-size rule at `world_size` (what `ferrozero validate --world-size`
+    /// reports); nothing is checked when the micro-batch is `"auto"`, as it needs the caller.
+    pub fn check_batch_size(&self, world_size: usize) -> Vec<Diagnostic> {
+        if self.train_micro_batch_size_per_gpu == Some(AutoOr::Auto) {
+            return Vec::new();
+        }
+        let mut r = Resolver {
+            config: self,
+            ctx: ResolveContext::new(world_size),
+            index: LineIndex::new(&self.source.text, &self.source.origin),
+            errors: Vec::new(),
+            decisions: Vec::new(),
+        };
+        batch::resolve_batch(&mut r);
+        r.errors
+    }
+
     /// Like [`Config::resolve`], also returning each decision taken, for logging.
     pub fn resolve_explained(&self, ctx: &ResolveContext) -> Result<Resolution, LoadError> {
         let mut r = Resolver {

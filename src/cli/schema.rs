@@ -1,4 +1,5 @@
-//! `ferrozero schema` (not built yet: answers with a clear error).
+//! `ferrozero schema`: print the JSON Schema of the config format (the one committed as
+//! `configs/ferrozero.schema.json`).
 
 use std::process::ExitCode;
 
@@ -8,5 +9,6 @@ pub struct Args {}
 
 /// Runs the subcommand.
 pub fn run(_args: Args) -> ExitCode {
-    super::unavailable("schema")
+    print!("{}", ferrozero_config::json_schema());
+    ExitCode::SUCCESS
 }
