@@ -20,11 +20,21 @@ struct Args {
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { preset: "bench-15m".into(), batch: 8, seq: 128, steps: 10, warmup: 2, threads: 2 };
+    let mut a = Args {
+        preset: "bench-15m".into(),
+        batch: 8,
+        seq: 128,
+        steps: 10,
+        warmup: 2,
+        threads: 2,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let val = it.next().ok_or(format!("{flag} needs a value"))?;
-        let num = || val.parse::<usize>().map_err(|e| format!("{flag} {val}: {e}"));
+        let num = || {
+            val.parse::<usize>()
+                .map_err(|e| format!("{flag} {val}: {e}"))
+        };
         match flag.as_str() {
             "--preset" => a.preset = val.clone(),
             "--batch" => a.batch = num()?,
@@ -53,18 +63,32 @@ fn buffers(model: &Model, fill: bool) -> Buffers {
         v
     };
     Buffers {
-        units: model.units.iter().map(|u| u.module.param_specs().iter().map(make).collect()).collect(),
+        units: model
+            .units
+            .iter()
+            .map(|u| u.module.param_specs().iter().map(make).collect())
+            .collect(),
         shared: model.shared.iter().map(make).collect(),
     }
 }
 
-fn step(model: &Model, w: &Buffers, g: &mut Buffers, batch: &Batch) -> ferrozero_runtime::Result<f32> {
+fn step(
+    model: &Model,
+    w: &Buffers,
+    g: &mut Buffers,
+    batch: &Batch,
+) -> ferrozero_runtime::Result<f32> {
     let mut slots: Vec<Saved> = model.units.iter().map(|_| None).collect();
     let mut x = Tensor::default();
     for (u, unit) in model.units.iter().enumerate() {
         let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
         p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
-        let mut ctx = Ctx { batch, training: true, rng_seed: u as u64, saved: &mut slots[u] };
+        let mut ctx = Ctx {
+            batch,
+            training: true,
+            rng_seed: u as u64,
+            saved: &mut slots[u],
+        };
         x = unit.module.forward(&mut ctx, &Params::new(p), &x)?;
     }
     let loss = x.data[0] / batch.valid_targets() as f32;
@@ -78,8 +102,15 @@ fn step(model: &Model, w: &Buffers, g: &mut Buffers, batch: &Batch) -> ferrozero
         for _ in &unit.uses_shared {
             own.extend(shared.next().map(Vec::as_mut_slice));
         }
-        let mut ctx = Ctx { batch, training: true, rng_seed: u as u64, saved: &mut slots[u] };
-        gy = unit.module.backward(&mut ctx, &Params::new(p), &mut Grads::new(own), &gy)?;
+        let mut ctx = Ctx {
+            batch,
+            training: true,
+            rng_seed: u as u64,
+            saved: &mut slots[u],
+        };
+        gy = unit
+            .module
+            .backward(&mut ctx, &Params::new(p), &mut Grads::new(own), &gy)?;
     }
     Ok(loss)
 }
@@ -97,10 +128,22 @@ fn main() {
     let w = buffers(&model, true);
     let mut g = buffers(&model, false);
     let n = args.batch * args.seq;
-    let tokens: Vec<u32> = (0..n).map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32).collect();
-    let targets = (0..n).map(|i| ((i * 104_729 + 5) % cfg.vocab_size) as i32).collect();
-    let batch = Batch { batch: args.batch, seq: args.seq, tokens, targets };
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(args.threads).build().expect("thread pool");
+    let tokens: Vec<u32> = (0..n)
+        .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32)
+        .collect();
+    let targets = (0..n)
+        .map(|i| ((i * 104_729 + 5) % cfg.vocab_size) as i32)
+        .collect();
+    let batch = Batch {
+        batch: args.batch,
+        seq: args.seq,
+        tokens,
+        targets,
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(args.threads)
+        .build()
+        .expect("thread pool");
     let mut times = Vec::new();
     let mut loss = 0.0;
     pool.install(|| {
@@ -114,7 +157,11 @@ fn main() {
     });
     let total: f64 = times.iter().sum();
     times.sort_by(f64::total_cmp);
-    let saved: usize = model.units.iter().map(|u| u.module.saved_bytes(args.batch, args.seq)).sum();
+    let saved: usize = model
+        .units
+        .iter()
+        .map(|u| u.module.saved_bytes(args.batch, args.seq))
+        .sum();
     println!(
         "{{\"bench\": \"ferrozero_fwd_bwd\", \"preset\": \"{}\", \"params\": {}, \"threads\": {}, \"micro_batch\": {}, \"seq\": {}, \"steps\": {}, \"tokens_per_s\": {:.1}, \"step_s_median\": {:.4}, \"loss\": {:.4}, \"saved_activation_bytes\": {}}}",
         args.preset, model.num_params(), args.threads, args.batch, args.seq, args.steps,

@@ -73,7 +73,8 @@ fn causal_softmax(p: &mut [f32], t: usize, scale: f32) {
     for (i, row) in p.chunks_mut(t).enumerate() {
         let (live, masked) = row.split_at_mut(i + 1);
         let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
-        live.iter_mut().for_each(|v| *v = math::exp(*v * scale - max));
+        live.iter_mut()
+            .for_each(|v| *v = math::exp(*v * scale - max));
         let sum: f32 = live.iter().sum();
         let inv = 1.0 / sum;
         live.iter_mut().for_each(|v| *v *= inv);
