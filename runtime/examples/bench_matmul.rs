@@ -22,17 +22,28 @@ fn main() {
     let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
     let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
     let mut c = vec![0.0f32; m * n];
-    let s = MatmulShape { m, n, k, ta: Transpose::No, tb: Transpose::No };
+    let s = MatmulShape {
+        m,
+        n,
+        k,
+        ta: Transpose::No,
+        tb: Transpose::No,
+    };
     let be = backend::cpu();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("pool");
     let reps = 20;
     let secs = pool.install(|| {
         for _ in 0..3 {
-            be.matmul(s, &a, &b, &mut c, Accumulate::Overwrite).expect("shapes agree");
+            be.matmul(s, &a, &b, &mut c, Accumulate::Overwrite)
+                .expect("shapes agree");
         }
         let t0 = Instant::now();
         for _ in 0..reps {
-            be.matmul(s, &a, &b, &mut c, Accumulate::Overwrite).expect("shapes agree");
+            be.matmul(s, &a, &b, &mut c, Accumulate::Overwrite)
+                .expect("shapes agree");
         }
         t0.elapsed().as_secs_f64() / reps as f64
     });

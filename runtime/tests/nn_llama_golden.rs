@@ -11,12 +11,16 @@ use ferrozero_runtime::nn::Batch;
 use nn_common::{step, Weights};
 
 fn get<'a>(f: &'a [weights::NamedTensor], name: &str) -> &'a [f32] {
-    &f.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("fixture lacks {name}")).data
+    &f.iter()
+        .find(|t| t.name == name)
+        .unwrap_or_else(|| panic!("fixture lacks {name}"))
+        .data
 }
 
 #[test]
 fn llama_loss_and_every_gradient_match_pytorch() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny_golden.safetensors");
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny_golden.safetensors");
     let f = weights::load(&path, Naming::Exact).expect("fixture loads");
     let cfg = LlamaConfig::from_json(
         r#"{"hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 2,
@@ -33,16 +37,31 @@ fn llama_loss_and_every_gradient_match_pytorch() {
         }
     }
     let tokens = get(&f, "golden.tokens").iter().map(|&v| v as u32).collect();
-    let targets = get(&f, "golden.targets").iter().map(|&v| v as i32).collect();
-    let batch = Batch { batch: 2, seq: 7, tokens, targets };
+    let targets = get(&f, "golden.targets")
+        .iter()
+        .map(|&v| v as i32)
+        .collect();
+    let batch = Batch {
+        batch: 2,
+        seq: 7,
+        tokens,
+        targets,
+    };
     let out = step(&model, &w, &batch, 0, 1.0).expect("step runs");
     let want = get(&f, "golden.loss")[0];
-    assert!((out.loss - want).abs() <= 1e-4 * want.abs(), "loss {} vs {want}", out.loss);
+    assert!(
+        (out.loss - want).abs() <= 1e-4 * want.abs(),
+        "loss {} vs {want}",
+        out.loss
+    );
     for (name, g) in out.grads.named(&model) {
         let want = get(&f, &format!("grad.{name}"));
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
         for (i, (a, b)) in g.iter().zip(want).enumerate() {
-            assert!((a - b).abs() <= 2e-4 * scale, "{name}[{i}]: got {a}, want {b} (scale {scale})");
+            assert!(
+                (a - b).abs() <= 2e-4 * scale,
+                "{name}[{i}]: got {a}, want {b} (scale {scale})"
+            );
         }
     }
 }
