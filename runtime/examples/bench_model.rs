@@ -115,6 +115,17 @@ fn step(
     Ok(loss)
 }
 
+/// CPU seconds (user + system) used by this process so far, from `/proc/self/stat`; on a
+/// shared, oversubscribed machine this tracks work better than wall time. `None` off Linux.
+fn process_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
 fn main() {
     let args = parse().unwrap_or_else(|e| {
         eprintln!("bench_model: {e}");
@@ -146,8 +157,12 @@ fn main() {
         .expect("thread pool");
     let mut times = Vec::new();
     let mut loss = 0.0;
+    let mut cpu0 = None;
     pool.install(|| {
         for i in 0..args.warmup + args.steps {
+            if i == args.warmup {
+                cpu0 = process_cpu_s();
+            }
             let t0 = Instant::now();
             loss = step(&model, &w, &mut g, &batch).expect("step runs");
             if i >= args.warmup {
@@ -155,6 +170,10 @@ fn main() {
             }
         }
     });
+    let cpu = match (cpu0, process_cpu_s()) {
+        (Some(a), Some(b)) => format!("{:.3}", (b - a) / args.steps as f64),
+        _ => "null".into(),
+    };
     let total: f64 = times.iter().sum();
     times.sort_by(f64::total_cmp);
     let saved: usize = model
@@ -163,8 +182,8 @@ fn main() {
         .map(|u| u.module.saved_bytes(args.batch, args.seq))
         .sum();
     println!(
-        "{{\"bench\": \"ferrozero_fwd_bwd\", \"preset\": \"{}\", \"params\": {}, \"threads\": {}, \"micro_batch\": {}, \"seq\": {}, \"steps\": {}, \"tokens_per_s\": {:.1}, \"step_s_median\": {:.4}, \"loss\": {:.4}, \"saved_activation_bytes\": {}}}",
+        "{{\"bench\": \"ferrozero_fwd_bwd\", \"preset\": \"{}\", \"params\": {}, \"threads\": {}, \"micro_batch\": {}, \"seq\": {}, \"steps\": {}, \"tokens_per_s\": {:.1}, \"step_s_median\": {:.4}, \"loss\": {:.4}, \"saved_activation_bytes\": {}, \"cpu_s_per_step\": {}}}",
         args.preset, model.num_params(), args.threads, args.batch, args.seq, args.steps,
-        (n * times.len()) as f64 / total, times[times.len() / 2], loss, saved
+        (n * times.len()) as f64 / total, times[times.len() / 2], loss, saved, cpu
     );
 }
