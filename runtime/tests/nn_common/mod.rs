@@ -83,6 +83,7 @@ impl Weights {
 }
 
 /// Result of one micro-step.
+#[derive(Debug)]
 pub struct Step {
     /// Summed loss.
     pub loss: f32,

@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::{gemm_raw, CpuBackend, SendPtr, StridedMat};
+use super::{gemm_raw, math, CpuBackend, SendPtr, StridedMat};
 use crate::backend::{Accumulate, AttentionGrads, AttentionOps, AttentionShape, Rotation, RowView};
 use crate::{Error, Result};
 
@@ -73,11 +73,9 @@ fn causal_softmax(p: &mut [f32], t: usize, scale: f32) {
     for (i, row) in p.chunks_mut(t).enumerate() {
         let (live, masked) = row.split_at_mut(i + 1);
         let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
-        let mut sum = 0.0f32;
-        for v in live.iter_mut() {
-            *v = (*v * scale - max).exp();
-            sum += *v;
-        }
+        live.iter_mut()
+            .for_each(|v| *v = math::exp(*v * scale - max));
+        let sum: f32 = live.iter().sum();
         let inv = 1.0 / sum;
         live.iter_mut().for_each(|v| *v *= inv);
         masked.fill(0.0);
@@ -120,7 +118,6 @@ impl AttentionOps for CpuBackend {
             .enumerate()
             .for_each(|(task, pg)| {
                 let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
-                let out_ptr = out_ptr;
                 for (g, p) in pg.chunks_mut(tt).enumerate() {
                     let h = kvh * group + g;
                     // SAFETY: views were bounds-checked; this task alone writes head h of
@@ -138,7 +135,7 @@ impl AttentionOps for CpuBackend {
                         );
                     }
                     causal_softmax(p, t, scale);
-                    let o = head(out_ptr.0, ov, &s, b, h);
+                    let o = head(out_ptr.get(), ov, &s, b, h);
                     // SAFETY: as above.
                     unsafe {
                         gemm_raw(
@@ -202,7 +199,6 @@ impl AttentionOps for CpuBackend {
         let group = hq / s.kv_heads;
         (0..s.batch * s.kv_heads).into_par_iter().for_each(|task| {
             let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
-            let (dq, dk, dv) = (dq, dk, dv);
             let mut dp = vec![0.0f32; tt];
             for g in 0..group {
                 let h = kvh * group + g;
@@ -221,7 +217,7 @@ impl AttentionOps for CpuBackend {
                 // SAFETY: bounds checked above; this task alone writes head h of dQ and
                 // kv head kvh of dK/dV for sequence b.
                 unsafe {
-                    gemm_raw(t, d, t, head(dv.0, v.1, &s, b, kvh), pt, do_h, acc, 1);
+                    gemm_raw(t, d, t, head(dv.get(), v.1, &s, b, kvh), pt, do_h, acc, 1);
                     gemm_raw(
                         t,
                         t,
@@ -251,7 +247,7 @@ impl AttentionOps for CpuBackend {
                         t,
                         d,
                         t,
-                        head(dq.0, q.1, &s, b, h),
+                        head(dq.get(), q.1, &s, b, h),
                         ds,
                         head(k.0.as_ptr(), k.1, &s, b, kvh),
                         Accumulate::Overwrite,
@@ -261,7 +257,7 @@ impl AttentionOps for CpuBackend {
                         t,
                         d,
                         t,
-                        head(dk.0, k.1, &s, b, kvh),
+                        head(dk.get(), k.1, &s, b, kvh),
                         ds_t,
                         head(q.0.as_ptr(), q.1, &s, b, h),
                         acc,

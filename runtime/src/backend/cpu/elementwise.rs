@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::CpuBackend;
+use super::{math, CpuBackend};
 use crate::backend::rng;
 use crate::backend::ElementwiseOps;
 
@@ -12,20 +12,20 @@ const GELU_C: f32 = 0.044_715;
 
 #[inline]
 fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh())
+    0.5 * x * (1.0 + math::tanh(SQRT_2_OVER_PI * (x + GELU_C * x * x * x)))
 }
 
 #[inline]
 fn gelu_grad(x: f32) -> f32 {
     let u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
-    let t = u.tanh();
+    let t = math::tanh(u);
     let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x);
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
 }
 
 #[inline]
 fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + math::exp(-x))
 }
 
 impl ElementwiseOps for CpuBackend {

@@ -2,6 +2,7 @@
 
 mod attention;
 mod elementwise;
+mod math;
 mod matmul;
 mod norm;
 mod token;
@@ -29,6 +30,13 @@ fn rows_per_task(dim: usize) -> usize {
 /// A raw pointer that may cross threads; users guarantee disjoint writes.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
+impl SendPtr {
+    /// The pointer; a method (not field access) so closures capture the whole `Send` wrapper.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 // SAFETY: only used to write provably disjoint regions from different rayon tasks.
 unsafe impl Send for SendPtr {}
 // SAFETY: as above.

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::CpuBackend;
+use super::{math, CpuBackend};
 use crate::backend::{Accumulate, TokenOps};
 use crate::nn::IGNORE_INDEX;
 use crate::{Error, Result};
@@ -67,11 +67,9 @@ impl TokenOps for CpuBackend {
                 } else {
                     row[t as usize] - max
                 };
-                let mut sum = 0.0f32;
-                for v in row.iter_mut() {
-                    *v = (*v - max).exp();
-                    sum += *v;
-                }
+                // Separate passes: the exp loop vectorises, the ordered sum cannot.
+                row.iter_mut().for_each(|v| *v = math::exp(*v - max));
+                let sum: f32 = row.iter().sum();
                 let inv = 1.0 / sum;
                 let loss = if t == IGNORE_INDEX {
                     0.0

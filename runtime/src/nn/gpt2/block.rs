@@ -27,6 +27,11 @@ pub struct Block {
 }
 
 impl Block {
+    /// Element counts of the views this unit needs, in `Params` order.
+    fn lens(&self) -> Vec<usize> {
+        crate::nn::spec_lens(&self.param_specs())
+    }
+
     /// Block `index` of a model with `cfg`.
     pub fn new(cfg: Gpt2Config, index: usize, be: Arc<dyn Backend>) -> Self {
         Self {
@@ -106,6 +111,7 @@ impl Module for Block {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
+        crate::nn::check_views(&self.prefix, p, None, &self.lens())?;
         let (c, be) = (self.cfg.n_embd, &*self.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("gpt2 block", input, b * t, c)?;
@@ -189,6 +195,7 @@ impl Module for Block {
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
+        crate::nn::check_views(&self.prefix, p, Some(gr), &self.lens())?;
         let s = take::<BlockSaved>(ctx.saved, &self.prefix)?;
         let (c, be) = (self.cfg.n_embd, &*self.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);

@@ -30,6 +30,14 @@ pub struct Embed {
 }
 
 impl Embed {
+    /// Element counts of the views this unit needs, in `Params` order.
+    fn lens(&self) -> Vec<usize> {
+        vec![
+            self.cfg.n_positions * self.cfg.n_embd,
+            self.cfg.vocab_size * self.cfg.n_embd,
+        ]
+    }
+
     /// The embedding unit for `cfg`.
     pub fn new(cfg: Gpt2Config, be: Arc<dyn Backend>) -> Self {
         Self { cfg, be }
@@ -52,6 +60,7 @@ impl Module for Embed {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, _input: &Tensor) -> Result<Tensor> {
+        crate::nn::check_views("embed", p, None, &self.lens())?;
         let (b, t, c) = (ctx.batch.batch, ctx.batch.seq, self.cfg.n_embd);
         check_tokens(ctx.batch, self.cfg.n_positions)?;
         let mut out = vec![0.0; b * t * c];
@@ -79,10 +88,11 @@ impl Module for Embed {
     fn backward(
         &self,
         ctx: &mut Ctx<'_>,
-        _p: &Params<'_>,
+        p: &Params<'_>,
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
+        crate::nn::check_views("embed", p, Some(gr), &self.lens())?;
         take::<EmbedSaved>(ctx.saved, "embed")?;
         let (b, t, c) = (ctx.batch.batch, ctx.batch.seq, self.cfg.n_embd);
         check_rows("gpt2 embed backward", grad_output, b * t, c)?;
@@ -114,6 +124,15 @@ pub struct Head {
 }
 
 impl Head {
+    /// Element counts of the views this unit needs, in `Params` order.
+    fn lens(&self) -> Vec<usize> {
+        vec![
+            self.cfg.n_embd,
+            self.cfg.n_embd,
+            self.cfg.vocab_size * self.cfg.n_embd,
+        ]
+    }
+
     /// The head unit for `cfg`.
     pub fn new(cfg: Gpt2Config, be: Arc<dyn Backend>) -> Self {
         Self { cfg, be }
@@ -168,6 +187,7 @@ impl Module for Head {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
+        crate::nn::check_views("head", p, None, &self.lens())?;
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         check_tokens(ctx.batch, usize::MAX)?;
         check_rows("gpt2 head", input, b * t, self.cfg.n_embd)?;
@@ -196,6 +216,7 @@ impl Module for Head {
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
+        crate::nn::check_views("head", p, Some(gr), &self.lens())?;
         let s = take::<HeadSaved>(ctx.saved, "head")?;
         let g = crate::nn::loss_grad(grad_output)?;
         let (c, v, be) = (self.cfg.n_embd, self.cfg.vocab_size, &*self.be);

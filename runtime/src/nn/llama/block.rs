@@ -35,6 +35,11 @@ pub struct Block {
 }
 
 impl Block {
+    /// Element counts of the views this unit needs, in `Params` order.
+    fn lens(&self) -> Vec<usize> {
+        crate::nn::spec_lens(&self.param_specs())
+    }
+
     /// Block `index` of a model with `cfg`.
     pub fn new(cfg: LlamaConfig, index: usize, be: Arc<dyn Backend>) -> Self {
         Self {
@@ -104,6 +109,7 @@ impl Module for Block {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
+        crate::nn::check_views(&self.prefix, p, None, &self.lens())?;
         let (hd, im, be) = (self.cfg.hidden_size, self.cfg.intermediate_size, &*self.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("llama block", input, b * t, hd)?;
@@ -168,6 +174,7 @@ impl Module for Block {
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
+        crate::nn::check_views(&self.prefix, p, Some(gr), &self.lens())?;
         let s = take::<BlockSaved>(ctx.saved, &self.prefix)?;
         let (hd, im, be) = (self.cfg.hidden_size, self.cfg.intermediate_size, &*self.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);

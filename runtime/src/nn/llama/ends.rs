@@ -38,6 +38,11 @@ pub struct Embed {
 }
 
 impl Embed {
+    /// Element counts of the views this unit needs, in `Params` order.
+    fn lens(&self) -> Vec<usize> {
+        vec![self.cfg.vocab_size * self.cfg.hidden_size]
+    }
+
     /// The embedding unit for `cfg`.
     pub fn new(cfg: LlamaConfig, be: Arc<dyn Backend>) -> Self {
         Self { cfg, be }
@@ -54,6 +59,7 @@ impl Module for Embed {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, _input: &Tensor) -> Result<Tensor> {
+        crate::nn::check_views("embed", p, None, &self.lens())?;
         let (b, t, h) = (ctx.batch.batch, ctx.batch.seq, self.cfg.hidden_size);
         check_tokens(ctx.batch, self.cfg.max_position_embeddings)?;
         let mut out = vec![0.0; b * t * h];
@@ -73,10 +79,11 @@ impl Module for Embed {
     fn backward(
         &self,
         ctx: &mut Ctx<'_>,
-        _p: &Params<'_>,
+        p: &Params<'_>,
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
+        crate::nn::check_views("embed", p, Some(gr), &self.lens())?;
         take::<EmbedSaved>(ctx.saved, "embed")?;
         let (b, t, h) = (ctx.batch.batch, ctx.batch.seq, self.cfg.hidden_size);
         check_rows("llama embed backward", grad_output, b * t, h)?;
@@ -101,6 +108,14 @@ pub struct Head {
 }
 
 impl Head {
+    /// Element counts of the views this unit needs, in `Params` order.
+    fn lens(&self) -> Vec<usize> {
+        vec![
+            self.cfg.hidden_size,
+            self.cfg.vocab_size * self.cfg.hidden_size,
+        ]
+    }
+
     /// The head unit for `cfg`.
     pub fn new(cfg: LlamaConfig, be: Arc<dyn Backend>) -> Self {
         Self { cfg, be }
@@ -131,6 +146,7 @@ impl Module for Head {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
+        crate::nn::check_views("head", p, None, &self.lens())?;
         let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, &*self.be);
         check_tokens(ctx.batch, usize::MAX)?;
         let n = check_rows("llama head", input, ctx.batch.batch * ctx.batch.seq, h)?;
@@ -187,6 +203,7 @@ impl Module for Head {
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
+        crate::nn::check_views("head", p, Some(gr), &self.lens())?;
         let s = take::<HeadSaved>(ctx.saved, "head")?;
         let g = crate::nn::loss_grad(grad_output)?;
         let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, &*self.be);

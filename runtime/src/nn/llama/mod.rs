@@ -150,7 +150,7 @@ impl LlamaConfig {
                 self.num_attention_heads
             ));
         }
-        if self.max_position_embeddings == 0 || !(self.rope_theta > 0.0) {
+        if self.max_position_embeddings == 0 || self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return bad("max_position_embeddings and rope_theta must be positive".into());
         }
         Ok(())

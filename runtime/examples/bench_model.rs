@@ -1,0 +1,189 @@
+//! Forward + backward throughput of a GPT-2-style model on the CPU backend, printed as one
+//! JSON line (compare with `/tmp/fz-bench/run_gpt.sh single`, PyTorch eager, same shapes).
+//!
+//! `cargo run --release -p ferrozero-runtime --example bench_model -- [--preset bench-15m]
+//!  [--batch 8] [--seq 128] [--steps 10] [--warmup 2] [--threads 2]`
+
+use std::time::Instant;
+
+use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
+use ferrozero_runtime::nn::{init, Batch, Ctx, Grads, Model, Params, Saved};
+use ferrozero_runtime::tensor::Tensor;
+
+struct Args {
+    preset: String,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    warmup: usize,
+    threads: usize,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        preset: "bench-15m".into(),
+        batch: 8,
+        seq: 128,
+        steps: 10,
+        warmup: 2,
+        threads: 2,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let val = it.next().ok_or(format!("{flag} needs a value"))?;
+        let num = || {
+            val.parse::<usize>()
+                .map_err(|e| format!("{flag} {val}: {e}"))
+        };
+        match flag.as_str() {
+            "--preset" => a.preset = val.clone(),
+            "--batch" => a.batch = num()?,
+            "--seq" => a.seq = num()?,
+            "--steps" => a.steps = num()?.max(1),
+            "--warmup" => a.warmup = num()?,
+            "--threads" => a.threads = num()?.max(1),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    Ok(a)
+}
+
+/// Engine-like parameter and gradient buffers: per unit, per parameter, plus shared.
+struct Buffers {
+    units: Vec<Vec<Vec<f32>>>,
+    shared: Vec<Vec<f32>>,
+}
+
+fn buffers(model: &Model, fill: bool) -> Buffers {
+    let make = |spec: &ferrozero_runtime::nn::ParamSpec| {
+        let mut v = vec![0.0; spec.numel()];
+        if fill {
+            init::fill(&spec.init, init::param_seed(0, &spec.name), &mut v);
+        }
+        v
+    };
+    Buffers {
+        units: model
+            .units
+            .iter()
+            .map(|u| u.module.param_specs().iter().map(make).collect())
+            .collect(),
+        shared: model.shared.iter().map(make).collect(),
+    }
+}
+
+fn step(
+    model: &Model,
+    w: &Buffers,
+    g: &mut Buffers,
+    batch: &Batch,
+) -> ferrozero_runtime::Result<f32> {
+    let mut slots: Vec<Saved> = model.units.iter().map(|_| None).collect();
+    let mut x = Tensor::default();
+    for (u, unit) in model.units.iter().enumerate() {
+        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
+        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
+        let mut ctx = Ctx {
+            batch,
+            training: true,
+            rng_seed: u as u64,
+            saved: &mut slots[u],
+        };
+        x = unit.module.forward(&mut ctx, &Params::new(p), &x)?;
+    }
+    let loss = x.data[0] / batch.valid_targets() as f32;
+    let mut gy = Tensor::scalar(1.0 / batch.valid_targets() as f32);
+    for (u, unit) in model.units.iter().enumerate().rev() {
+        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
+        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
+        let mut own: Vec<&mut [f32]> = g.units[u].iter_mut().map(Vec::as_mut_slice).collect();
+        // Only the first and last units use the (single) shared table, never both at once.
+        let mut shared = g.shared.iter_mut();
+        for _ in &unit.uses_shared {
+            own.extend(shared.next().map(Vec::as_mut_slice));
+        }
+        let mut ctx = Ctx {
+            batch,
+            training: true,
+            rng_seed: u as u64,
+            saved: &mut slots[u],
+        };
+        gy = unit
+            .module
+            .backward(&mut ctx, &Params::new(p), &mut Grads::new(own), &gy)?;
+    }
+    Ok(loss)
+}
+
+/// CPU seconds (user + system) used by this process so far, from `/proc/self/stat`; on a
+/// shared, oversubscribed machine this tracks work better than wall time. `None` off Linux.
+fn process_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
+fn main() {
+    let args = parse().unwrap_or_else(|e| {
+        eprintln!("bench_model: {e}");
+        std::process::exit(2);
+    });
+    let cfg = Gpt2Config::preset(&args.preset).unwrap_or_else(|e| {
+        eprintln!("bench_model: {e}");
+        std::process::exit(2);
+    });
+    let model = gpt2::build(&cfg).expect("preset is valid");
+    let w = buffers(&model, true);
+    let mut g = buffers(&model, false);
+    let n = args.batch * args.seq;
+    let tokens: Vec<u32> = (0..n)
+        .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32)
+        .collect();
+    let targets = (0..n)
+        .map(|i| ((i * 104_729 + 5) % cfg.vocab_size) as i32)
+        .collect();
+    let batch = Batch {
+        batch: args.batch,
+        seq: args.seq,
+        tokens,
+        targets,
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(args.threads)
+        .build()
+        .expect("thread pool");
+    let mut times = Vec::new();
+    let mut loss = 0.0;
+    let mut cpu0 = None;
+    pool.install(|| {
+        for i in 0..args.warmup + args.steps {
+            if i == args.warmup {
+                cpu0 = process_cpu_s();
+            }
+            let t0 = Instant::now();
+            loss = step(&model, &w, &mut g, &batch).expect("step runs");
+            if i >= args.warmup {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+    });
+    let cpu = match (cpu0, process_cpu_s()) {
+        (Some(a), Some(b)) => format!("{:.3}", (b - a) / args.steps as f64),
+        _ => "null".into(),
+    };
+    let total: f64 = times.iter().sum();
+    times.sort_by(f64::total_cmp);
+    let saved: usize = model
+        .units
+        .iter()
+        .map(|u| u.module.saved_bytes(args.batch, args.seq))
+        .sum();
+    println!(
+        "{{\"bench\": \"ferrozero_fwd_bwd\", \"preset\": \"{}\", \"params\": {}, \"threads\": {}, \"micro_batch\": {}, \"seq\": {}, \"steps\": {}, \"tokens_per_s\": {:.1}, \"step_s_median\": {:.4}, \"loss\": {:.4}, \"saved_activation_bytes\": {}, \"cpu_s_per_step\": {}}}",
+        args.preset, model.num_params(), args.threads, args.batch, args.seq, args.steps,
+        (n * times.len()) as f64 / total, times[times.len() / 2], loss, saved, cpu
+    );
+}

@@ -1,0 +1,251 @@
+//! Every layer's backward against central finite differences (via the public gradcheck),
+//! on odd sizes that are not multiples of any SIMD width, plus kernel-level checks.
+
+mod nn_common;
+
+use ferrozero_runtime::backend::{self, Accumulate, MatmulShape, Rotation, Transpose};
+use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
+use ferrozero_runtime::nn::gradcheck::{self, Options};
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
+use ferrozero_runtime::nn::{Model, IGNORE_INDEX};
+use ferrozero_runtime::tensor::Tensor;
+use nn_common::{batch, random, Weights};
+
+fn odd_gpt2(dropout: f32) -> Gpt2Config {
+    let mut c = Gpt2Config::preset("tiny").unwrap();
+    (c.n_layer, c.n_head, c.n_embd, c.vocab_size, c.n_positions) = (1, 3, 15, 37, 11);
+    (c.resid_pdrop, c.embd_pdrop) = (dropout, dropout);
+    c
+}
+
+fn odd_llama(tied: bool) -> LlamaConfig {
+    let mut c = LlamaConfig::preset("tiny").unwrap();
+    (c.hidden_size, c.intermediate_size, c.num_hidden_layers) = (18, 37, 1);
+    (c.num_attention_heads, c.num_key_value_heads, c.vocab_size) = (3, Some(1), 29);
+    c.tie_word_embeddings = tied;
+    c
+}
+
+/// Gradchecks every unit of `model`, feeding each unit a random input of the right shape.
+fn check_model(model: &Model, width: usize, seed: u64) {
+    let b = batch(2, 7, vocab_of(model), seed);
+    let w = {
+        let mut w = Weights::init(model, seed);
+        // Larger weights than the 0.02 default so every path carries signal.
+        for v in w.units.iter_mut().flatten().chain(w.shared.iter_mut()) {
+            for (i, x) in v.iter_mut().enumerate() {
+                *x += 0.3 * (backend::rng::uniform_f32(seed ^ 99, i as u64) - 0.5);
+            }
+        }
+        w
+    };
+    for (u, unit) in model.units.iter().enumerate() {
+        let input = if u == 0 {
+            Tensor::default()
+        } else {
+            random(vec![2, 7, width], seed + u as u64)
+        };
+        let mut params = w.unit_vecs(model, u);
+        let opts = Options {
+            max_per_tensor: 40,
+            ..Options::default()
+        };
+        let report =
+            gradcheck::check(unit.module.as_ref(), &b, &mut params, &input, &opts).unwrap();
+        assert!(report.passed(), "unit {}:\n{report}", unit.name);
+        let expected = params.len() + usize::from(u != 0);
+        assert_eq!(
+            report.tensors.len(),
+            expected,
+            "every tensor checked in {}",
+            unit.name
+        );
+        assert!(report.tensors.iter().all(|t| t.checked > 0));
+    }
+}
+
+fn vocab_of(model: &Model) -> usize {
+    let head = model.units.last().unwrap();
+    let specs = head.module.param_specs();
+    specs
+        .iter()
+        .chain(&model.shared)
+        .map(|s| s.shape[0])
+        .max()
+        .unwrap()
+}
+
+#[test]
+fn gpt2_units_match_finite_differences() {
+    check_model(&gpt2::build(&odd_gpt2(0.0)).unwrap(), 15, 1);
+}
+
+#[test]
+fn gpt2_units_with_dropout_match_finite_differences() {
+    check_model(&gpt2::build(&odd_gpt2(0.3)).unwrap(), 15, 2);
+}
+
+#[test]
+fn llama_units_match_finite_differences() {
+    check_model(&llama::build(&odd_llama(false)).unwrap(), 18, 3);
+    check_model(&llama::build(&odd_llama(true)).unwrap(), 18, 4);
+}
+
+#[test]
+fn gradcheck_catches_a_wrong_backward() {
+    // A module whose backward is off by a factor must fail the check.
+    use ferrozero_runtime::nn::{Ctx, Grads, Module, ParamSpec, Params};
+    struct Scale;
+    impl Module for Scale {
+        fn param_specs(&self) -> Vec<ParamSpec> {
+            vec![]
+        }
+        fn forward(
+            &self,
+            _c: &mut Ctx<'_>,
+            _p: &Params<'_>,
+            x: &Tensor,
+        ) -> ferrozero_runtime::Result<Tensor> {
+            Tensor::new(x.shape.clone(), x.data.iter().map(|v| v * v).collect())
+        }
+        fn backward(
+            &self,
+            _c: &mut Ctx<'_>,
+            _p: &Params<'_>,
+            _g: &mut Grads<'_>,
+            gy: &Tensor,
+        ) -> ferrozero_runtime::Result<Tensor> {
+            Ok(gy.clone()) // wrong: ignores d(x²)/dx = 2x
+        }
+        fn saved_bytes(&self, _: usize, _: usize) -> usize {
+            0
+        }
+        fn output_bytes(&self, b: usize, s: usize) -> usize {
+            b * s * 4
+        }
+    }
+    let b = batch(1, 5, 7, 0);
+    let r = gradcheck::check(
+        &Scale,
+        &b,
+        &mut [],
+        &random(vec![1, 5, 3], 5),
+        &Options::default(),
+    )
+    .unwrap();
+    assert!(!r.passed());
+    assert_eq!(r.tensors[0].name, "input");
+}
+
+fn naive(s: MatmulShape, a: &[f32], b: &[f32]) -> Vec<f64> {
+    let mut c = vec![0.0f64; s.m * s.n];
+    for i in 0..s.m {
+        for j in 0..s.n {
+            for p in 0..s.k {
+                let av = if s.ta == Transpose::No {
+                    a[i * s.k + p]
+                } else {
+                    a[p * s.m + i]
+                };
+                let bv = if s.tb == Transpose::No {
+                    b[p * s.n + j]
+                } else {
+                    b[j * s.k + p]
+                };
+                c[i * s.n + j] += f64::from(av) * f64::from(bv);
+            }
+        }
+    }
+    c
+}
+
+#[test]
+fn matmul_matches_naive_for_all_layouts_and_odd_sizes() {
+    let be = backend::cpu();
+    for (m, n, k) in [(1, 1, 1), (7, 13, 5), (33, 17, 65), (130, 67, 129)] {
+        for ta in [Transpose::No, Transpose::Yes] {
+            for tb in [Transpose::No, Transpose::Yes] {
+                let s = MatmulShape { m, n, k, ta, tb };
+                let a = random(vec![m * k], 1).data;
+                let b = random(vec![k * n], 2).data;
+                let mut c = vec![0.5f32; m * n];
+                be.matmul(s, &a, &b, &mut c, Accumulate::Add).unwrap();
+                for (got, want) in c.iter().zip(naive(s, &a, &b)) {
+                    assert!(
+                        (f64::from(*got) - want - 0.5).abs() < 1e-4 * (k as f64),
+                        "{s:?}"
+                    );
+                }
+            }
+        }
+    }
+    let s = MatmulShape {
+        m: 2,
+        n: 2,
+        k: 3,
+        ta: Transpose::No,
+        tb: Transpose::No,
+    };
+    assert!(be
+        .matmul(
+            s,
+            &[0.0; 5],
+            &[0.0; 6],
+            &mut [0.0; 4],
+            Accumulate::Overwrite
+        )
+        .is_err());
+}
+
+#[test]
+fn cross_entropy_sums_valid_rows_and_is_stable() {
+    let be = backend::cpu();
+    // Huge logits would overflow a naive exp.
+    let mut logits = vec![1000.0, 0.0, -1000.0, 3.0, 1.0, 2.0, 5.0, 5.0, 5.0];
+    let targets = [1, IGNORE_INDEX, 2];
+    let loss = be.cross_entropy_forward(&mut logits, 3, &targets).unwrap();
+    let want = 1000.0 + 3f64.ln();
+    assert!((loss - want).abs() < 1e-3, "{loss} vs {want}");
+    be.cross_entropy_backward(&mut logits, 3, &targets, 2.0);
+    assert_eq!(
+        &logits[3..6],
+        &[0.0, 0.0, 0.0],
+        "ignored row has no gradient"
+    );
+    assert!((logits[1] + 2.0).abs() < 1e-6 && (logits[0] - 2.0).abs() < 1e-6);
+    let err = be
+        .cross_entropy_forward(&mut [0.0; 3], 3, &[3])
+        .unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+}
+
+#[test]
+fn rope_inverse_undoes_forward_and_preserves_norms() {
+    let be = backend::cpu();
+    let x = random(vec![2 * 5 * 3 * 6], 9).data;
+    let mut y = x.clone();
+    be.rope(&mut y, 2, 5, 3, 6, 10000.0, Rotation::Forward);
+    assert_ne!(x, y);
+    let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+    assert!((norm(&x) - norm(&y)).abs() < 1e-3);
+    be.rope(&mut y, 2, 5, 3, 6, 10000.0, Rotation::Inverse);
+    x.iter()
+        .zip(&y)
+        .for_each(|(a, b)| assert!((a - b).abs() < 1e-5));
+}
+
+#[test]
+fn dropout_is_seeded_scaled_and_near_its_rate() {
+    let be = backend::cpu();
+    let mut a = vec![1.0f32; 100_003];
+    let mut b = a.clone();
+    be.dropout(5, 0.25, &mut a);
+    be.dropout(5, 0.25, &mut b);
+    assert_eq!(a, b, "same seed, same mask");
+    let zeros = a.iter().filter(|&&v| v == 0.0).count() as f64 / a.len() as f64;
+    assert!((zeros - 0.25).abs() < 0.01, "drop rate {zeros}");
+    assert!(a.iter().all(|&v| v == 0.0 || (v - 4.0 / 3.0).abs() < 1e-6));
+    let mut c = vec![1.0f32; 100_003];
+    be.dropout(6, 0.25, &mut c);
+    assert_ne!(a, c, "another seed, another mask");
+}
