@@ -1,12 +1,141 @@
-//! `ferrozero bench comm` (not built yet: answers with a clear error).
+//! `ferrozero bench comm`: collective bandwidth, nccl-tests style, on the `local` backend
+//! (ranks as threads) or over MPI (run under `mpirun`, builds with the `mpi` feature).
 
 use std::process::ExitCode;
+use std::time::Duration;
+
+use ferrozero_runtime::comm::bench::{self, BenchOp, BenchRow};
+use ferrozero_runtime::comm::local::run_ranks;
+
+/// Communicator backend to measure.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Backend {
+    /// Ranks as threads of this process.
+    Local,
+    /// One rank per MPI process (start with `mpirun -n N ferrozero bench comm --backend mpi`).
+    Mpi,
+}
 
 /// Arguments.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Ranks (local backend; MPI takes the world size from mpirun).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    backend: Backend,
+    /// One JSON object per row instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Smallest size (bytes; K, M, G suffixes are powers of 1024).
+    #[arg(long, default_value = "1K", value_parser = parse_size)]
+    min_bytes: usize,
+    /// Largest size.
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    max_bytes: usize,
+    /// Seconds before a stuck collective is reported.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+}
+
+/// Parses `4096`, `4K`, `64M`, `1G`.
+fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 1usize << 10),
+        Some((i, 'M' | 'm')) => (&t[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&t[..i], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 4096, 64K, 256M)"))?;
+    n.checked_mul(mult)
+        .filter(|v| *v > 0)
+        .ok_or_else(|| format!("{s:?} is not a positive size that fits in memory"))
+}
 
 /// Runs the subcommand.
-pub fn run(_args: Args) -> ExitCode {
-    super::unavailable("bench comm")
+pub fn run(args: Args) -> ExitCode {
+    if args.min_bytes > args.max_bytes {
+        eprintln!("error: --min-bytes is larger than --max-bytes");
+        return ExitCode::from(2);
+    }
+    let sizes = bench::sizes(args.min_bytes, args.max_bytes);
+    let timeout = Duration::from_secs(args.timeout_secs);
+    let result = match args.backend {
+        Backend::Local => local(args.ranks, timeout, &sizes),
+        Backend::Mpi => mpi(timeout, &sizes),
+    };
+    match result {
+        Ok(Some(rows)) => {
+            print(&rows, args.json);
+            ExitCode::SUCCESS
+        }
+        Ok(None) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn local(
+    ranks: usize,
+    timeout: Duration,
+    sizes: &[usize],
+) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+    let mut all = run_ranks(ranks, timeout, |c| bench::run(&*c, &BenchOp::ALL, sizes))?;
+    Ok(Some(all.swap_remove(0)))
+}
+
+/// Runs on every MPI process; only rank 0 returns rows to print.
+#[cfg(feature = "mpi")]
+fn mpi(timeout: Duration, sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+    use ferrozero_runtime::comm::mpi::MpiComm;
+    use ferrozero_runtime::comm::Communicator;
+    let comm = MpiComm::world(timeout)?;
+    let rows = bench::run(&comm, &BenchOp::ALL, sizes)?;
+    Ok((comm.rank() == 0).then_some(rows))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi(_timeout: Duration, _sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+    Err(ferrozero_runtime::Error::Unavailable {
+        what: "the MPI backend",
+        why: "this ferrozero was built without the `mpi` feature (cargo build --features mpi)"
+            .into(),
+    })
+}
+
+fn print(rows: &[BenchRow], json: bool) {
+    if json {
+        for r in rows {
+            // Serializing plain numbers and a unit enum cannot fail.
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        }
+        return;
+    }
+    if let Some(r) = rows.first() {
+        println!("# ferrozero bench comm: {} ranks, f32, sum", r.ranks);
+    }
+    println!(
+        "#{:>15} {:>12} {:>12} {:>9} {:>9}",
+        "op", "size", "time", "algbw", "busbw"
+    );
+    println!(
+        "#{:>15} {:>12} {:>12} {:>9} {:>9}",
+        "", "(B)", "(us)", "(GB/s)", "(GB/s)"
+    );
+    for r in rows {
+        println!(
+            "{:>16} {:>12} {:>12.1} {:>9.2} {:>9.2}",
+            r.op.name(),
+            r.bytes,
+            r.time_us,
+            r.algbw_gbps,
+            r.busbw_gbps
+        );
+    }
 }

@@ -141,5 +141,8 @@ buf_from!(f32, F32);
 buf_from!(bf16, Bf16);
 buf_from!(f16, F16);
 pub mod bench;
+pub mod launch;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod store;
 pub mod worker;

@@ -8,7 +8,7 @@
 //! staging copy and no heap allocation per call. The reduction order never depends on thread
 //! timing, so results are reproducible bit for bit.
 
-mod desc;
+pub(crate) mod desc;
 mod group;
 pub(crate) mod kernels;
 mod ops;

@@ -1,0 +1,192 @@
+//! `ferrozero launch` end to end over loopback: two ranks rendezvous through the TCP store
+//! (the path the NCCL backend will take) and verify each other's values; a failing rank
+//! stops the others well within their timeout; output is prefixed with the rank.
+//!
+//! The ranks are this test binary itself, re-entered through the ignored `rank_main` test
+//! with `FZ_LAUNCH_TEST_MODE` set, so no extra binary has to be built.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use ferrozero_runtime::comm::store::TcpStore;
+
+const MODE: &str = "FZ_LAUNCH_TEST_MODE";
+
+/// A free loopback port (bound then released; the launch binds it again right after).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn launch(nproc: usize, mode: &str) -> (Output, Duration) {
+    let me = std::env::current_exe().unwrap();
+    let start = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+        .args(["launch", "--nproc-per-node", &nproc.to_string()])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &free_port().to_string(),
+        ])
+        .args(["--grace-secs", "5", "--"])
+        .arg(me)
+        .args([
+            "--ignored",
+            "--exact",
+            "rank_main",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(MODE, mode)
+        .output()
+        .expect("ferrozero runs");
+    (out, start.elapsed())
+}
+
+/// The rank program: exchanges values through the store, or fails on purpose.
+#[test]
+#[ignore = "entry point of the launched ranks, run by the tests below"]
+fn rank_main() {
+    let Ok(mode) = std::env::var(MODE) else {
+        return;
+    };
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    let world: usize = std::env::var("WORLD_SIZE").unwrap().parse().unwrap();
+    assert_eq!(std::env::var("LOCAL_RANK").unwrap(), rank.to_string());
+    assert_eq!(
+        std::env::var("LOCAL_WORLD_SIZE").unwrap(),
+        world.to_string()
+    );
+    let (store, _server) = TcpStore::from_env(Duration::from_secs(60)).expect("store");
+    store
+        .set(
+            &format!("value/{rank}"),
+            format!("{}", rank * 1000 + 7).as_bytes(),
+        )
+        .unwrap();
+    let seen: Vec<String> = (0..world)
+        .map(|k| String::from_utf8(store.wait(&format!("value/{k}")).unwrap()).unwrap())
+        .collect();
+    for (k, v) in seen.iter().enumerate() {
+        assert_eq!(*v, format!("{}", k * 1000 + 7), "value of rank {k}");
+    }
+    // A fresh line: the test harness has printed "test rank_main ... " without one.
+    println!("\nstore_check ok: rank {rank} of {world} saw {seen:?}");
+    if mode == "fail" {
+        if rank == 1 {
+            eprintln!("rank 1 fails on purpose");
+            std::process::exit(3);
+        }
+        // The others block on a key nobody sets, far longer than the test allows.
+        let _ = store.wait("never");
+        println!("rank {rank} was not stopped");
+    }
+    // Keep the server (rank 0) alive until every rank has read what it needs.
+    store.add("done", 1).unwrap();
+    while store.get("done").unwrap() != Some((world as i64).to_le_bytes().to_vec()) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn two_ranks_rendezvous_through_the_store_and_verify_values() {
+    let (out, _) = launch(2, "exchange");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    for r in 0..2 {
+        let line = format!("[rank {r}] store_check ok: rank {r} of 2 saw [\"7\", \"1007\"]");
+        assert!(stdout.contains(&line), "missing {line:?} in:\n{stdout}");
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_is_named() {
+    let (out, elapsed) = launch(3, "fail");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("[rank 1] rank 1 fails on purpose"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("rank 1 failed (exit status: 3); stopped ranks [0, 2]"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("was not stopped"), "{stdout}");
+    // The survivors would wait 60 s on the store; SIGTERM ends them at once.
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["launch", "--nproc-per-node", "0", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--nproc-per-node must be at least 1"));
+    let out = run(&["launch", "--nnodes", "2", "--node-rank", "2", "--", "true"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--node-rank 2 is not below --nnodes 2"));
+    let out = run(&["launch", "--", "/nonexistent/program"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("starting rank 0"));
+    let out = run(&["launch", "--nproc-per-node", "2", "--", "false"]);
+    assert_eq!(out.status.code(), Some(1));
+}
+
+#[test]
+fn sigterm_to_the_launcher_is_forwarded_to_every_rank() {
+    let start = Instant::now();
+    let child = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--grace-secs",
+            "20",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "trap 'echo got TERM; kill $!; exit 0' TERM; sleep 60 & wait",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Give the ranks time to install their trap.
+    std::thread::sleep(Duration::from_millis(500));
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Both ranks ran their TERM trap (so the signal reached them, well before the 20 s grace).
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!("[rank {r}] got TERM")),
+            "{stdout}\n{stderr}"
+        );
+    }
+    assert_eq!(out.status.code(), Some(128 + 15), "{stderr}");
+    assert!(stderr.contains("interrupted by signal 15"), "{stderr}");
+    assert!(start.elapsed() < Duration::from_secs(15));
+}
