@@ -4,6 +4,7 @@
 //! Invariant: this crate knows nothing about models, ZeRO stages or configs; the engine
 //! decides what moves when, this crate moves it.
 
+pub mod bench;
 pub mod error;
 pub mod optim;
 
