@@ -7,5 +7,8 @@
 pub mod bench;
 pub mod error;
 pub mod optim;
+pub mod pool;
+pub mod preflight;
+pub mod sys;
 
 pub use error::{Error, Result};
