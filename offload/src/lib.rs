@@ -9,6 +9,7 @@ pub mod error;
 pub mod optim;
 pub mod pool;
 pub mod preflight;
+pub mod store;
 pub mod sys;
 
 pub use error::{Error, Result};

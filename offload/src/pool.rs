@@ -254,6 +254,30 @@ impl Drop for PooledBuffer {
     }
 }
 
+impl AsRef<[u8]> for HostBuffer {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl AsMut<[u8]> for HostBuffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+impl AsRef<[u8]> for PooledBuffer {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl AsMut<[u8]> for PooledBuffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

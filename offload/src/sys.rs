@@ -93,5 +93,8 @@ pub fn free_space(path: &Path) -> Result<u64> {
     }
     // SAFETY: statvfs returned 0, so the struct is initialised.
     let st = unsafe { st.assume_init() };
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    // The field types are narrower on 32-bit targets.
+    #[allow(clippy::unnecessary_cast)]
+    let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+    Ok(free)
 }
