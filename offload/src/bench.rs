@@ -98,3 +98,94 @@ pub fn adam(params: usize, threads: usize, dtype: AdamDtype, steps: u32) -> Resu
         },
     })
 }
+
+/// Direction of a swap benchmark result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwapOp {
+    /// Memory to file.
+    Write,
+    /// File to memory (checksums verified).
+    Read,
+}
+
+impl SwapOp {
+    /// `read` or `write`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SwapOp::Write => "write",
+            SwapOp::Read => "read",
+        }
+    }
+}
+
+/// One swap benchmark result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SwapBench {
+    /// Direction.
+    pub op: SwapOp,
+    /// Bytes per operation.
+    pub bytes: usize,
+    /// Median over the loops, in GB/s (10^9 bytes per second).
+    pub gbps: f64,
+    /// Best loop, in GB/s.
+    pub best_gbps: f64,
+    /// The engine that ran.
+    pub engine: crate::store::Engine,
+    /// Whether the I/O bypassed the page cache.
+    pub direct: bool,
+}
+
+/// Writes then reads one tensor of `bytes` bytes `loops` times through an [`NvmeStore`] in a
+/// scratch directory under `path` (removed afterwards), from page-aligned host memory.
+///
+/// [`NvmeStore`]: crate::store::NvmeStore
+pub fn swap(
+    path: &std::path::Path,
+    bytes: usize,
+    settings: &crate::store::AioSettings,
+    loops: u32,
+) -> Result<Vec<SwapBench>> {
+    use crate::pool::{HostBuffer, Pinning};
+    if bytes == 0 || loops == 0 {
+        return Err(Error::Invalid {
+            op: "bench swap",
+            detail: format!("bytes ({bytes}) and loops ({loops}) must be positive"),
+        });
+    }
+    let dir = path.join(format!("ferrozero-bench-swap-{}", std::process::id()));
+    let store = crate::store::NvmeStore::open(&dir, settings)?;
+    let mut src = HostBuffer::new(bytes, Pinning::Pageable)?;
+    for (i, b) in src.iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(131) ^ (i >> 12) as u8;
+    }
+    let mut dst = HostBuffer::new(bytes, Pinning::Pageable)?;
+    let (mut w, mut r) = (Vec::new(), Vec::new());
+    for _ in 0..loops {
+        let t0 = Instant::now();
+        store.write("bench", &src[..bytes])?;
+        w.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+        let t0 = Instant::now();
+        store.read("bench", &mut dst[..bytes])?;
+        r.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    if src[..bytes] != dst[..bytes] {
+        return Err(Error::Resource(
+            "bench swap read back different bytes".into(),
+        ));
+    }
+    let result = |op, mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        SwapBench {
+            op,
+            bytes,
+            gbps: v[v.len() / 2],
+            best_gbps: v[v.len() - 1],
+            engine: store.engine(),
+            direct: store.is_direct(),
+        }
+    };
+    let out = vec![result(SwapOp::Write, w), result(SwapOp::Read, r)];
+    drop(store);
+    let _ = std::fs::remove_dir(&dir);
+    Ok(out)
+}
