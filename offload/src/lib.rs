@@ -7,9 +7,11 @@
 pub mod bench;
 pub mod error;
 pub mod optim;
+pub mod pipeline;
 pub mod pool;
 pub mod preflight;
 pub mod store;
 pub mod sys;
+pub mod tiled;
 
 pub use error::{Error, Result};
