@@ -37,6 +37,14 @@ pub enum Error {
         /// What was wrong.
         reason: String,
     },
+    /// An argument is out of range (the message says which and why).
+    #[error("invalid argument to {op}: {detail}")]
+    Invalid {
+        /// The operation.
+        op: &'static str,
+        /// What was wrong.
+        detail: String,
+    },
     /// The machine cannot hold what the configuration asks for.
     #[error("resource: {0}")]
     Resource(String),

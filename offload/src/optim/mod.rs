@@ -8,10 +8,21 @@
 //! `grad_scale` multiplies every gradient before use: the engine folds loss-scale removal and
 //! gradient clipping into it so the gradient buffer is read once. When `lp_out` is given, the
 //! updated parameter is also written as a bf16/f16 copy in the same pass.
+//!
+//! The public kernels split large slices into tiles run on the current rayon pool and run
+//! each tile through a loop compiled for AVX-512, AVX2 and baseline x86-64, chosen at run
+//! time (`multiversion`). The loops use only IEEE-exact operations (separate mul and add,
+//! `sqrt`, division), so every version equals [`reference`] bit for bit.
+
+mod kernels;
+mod tiles;
+
+pub mod reference;
 
 use half::{bf16, f16};
 
 use crate::{Error, Result};
+use tiles::{AdamTile, LionTile, SgdTile};
 
 /// Optional low-precision copy of the updated parameters, written in the same pass.
 pub enum LowPrecision<'a> {
@@ -21,16 +32,6 @@ pub enum LowPrecision<'a> {
     Bf16(&'a mut [bf16]),
     /// Round to f16 (nearest even).
     F16(&'a mut [f16]),
-}
-
-impl LowPrecision<'_> {
-    fn len(&self) -> Option<usize> {
-        match self {
-            LowPrecision::None => None,
-            LowPrecision::Bf16(b) => Some(b.len()),
-            LowPrecision::F16(b) => Some(b.len()),
-        }
-    }
 }
 
 /// How Adam applies weight decay.
@@ -89,6 +90,31 @@ pub struct LionHyper {
     pub weight_decay: f32,
 }
 
+impl<'a> LowPrecision<'a> {
+    fn len(&self) -> Option<usize> {
+        match self {
+            LowPrecision::None => None,
+            LowPrecision::Bf16(b) => Some(b.len()),
+            LowPrecision::F16(b) => Some(b.len()),
+        }
+    }
+
+    /// Splits at `mid` (the caller checked the length).
+    fn split_at(self, mid: usize) -> (LowPrecision<'a>, LowPrecision<'a>) {
+        match self {
+            LowPrecision::None => (LowPrecision::None, LowPrecision::None),
+            LowPrecision::Bf16(b) => {
+                let (l, r) = b.split_at_mut(mid);
+                (LowPrecision::Bf16(l), LowPrecision::Bf16(r))
+            }
+            LowPrecision::F16(b) => {
+                let (l, r) = b.split_at_mut(mid);
+                (LowPrecision::F16(l), LowPrecision::F16(r))
+            }
+        }
+    }
+}
+
 fn check(op: &'static str, n: usize, others: &[usize], lp: &LowPrecision<'_>) -> Result<()> {
     let bad = others.iter().any(|&l| l != n) || lp.len().is_some_and(|l| l != n);
     if bad {
@@ -103,12 +129,23 @@ fn check(op: &'static str, n: usize, others: &[usize], lp: &LowPrecision<'_>) ->
     Ok(())
 }
 
-fn write_lp(lp: &mut LowPrecision<'_>, i: usize, p: f32) {
-    match lp {
-        LowPrecision::None => {}
-        LowPrecision::Bf16(b) => b[i] = bf16::from_f32(p),
-        LowPrecision::F16(b) => b[i] = f16::from_f32(p),
+/// Adam's step size `lr / (1 - beta1^t)` and `sqrt(1 - beta2^t)`, shared by the reference and
+/// the fast kernels so both start from the same bits.
+fn adam_terms(hp: &AdamHyper, step: u64) -> Result<(f32, f32)> {
+    if !hp.bias_correction {
+        return Ok((hp.lr, 1.0));
     }
+    if step == 0 {
+        return Err(Error::Invalid {
+            op: "adam_step",
+            detail: "step is 1-based; step 0 divides by zero in the bias correction".into(),
+        });
+    }
+    // beta^t underflows to 0 long before i32::MAX steps, so saturating is exact.
+    let t = i32::try_from(step).unwrap_or(i32::MAX);
+    let bc1 = 1.0 - hp.beta1.powi(t);
+    let bc2 = 1.0 - hp.beta2.powi(t);
+    Ok((hp.lr / bc1, bc2.sqrt()))
 }
 
 /// One Adam/AdamW step at `step` (1-based) over a slice.
@@ -121,7 +158,7 @@ pub fn adam_step(
     grads: &[f32],
     m: &mut [f32],
     v: &mut [f32],
-    mut lp_out: LowPrecision<'_>,
+    lp_out: LowPrecision<'_>,
 ) -> Result<()> {
     check(
         "adam_step",
@@ -129,30 +166,16 @@ pub fn adam_step(
         &[grads.len(), m.len(), v.len()],
         &lp_out,
     )?;
-    let (bc1, bc2) = if hp.bias_correction {
-        let t = step as i32;
-        (1.0 - hp.beta1.powi(t), 1.0 - hp.beta2.powi(t))
-    } else {
-        (1.0, 1.0)
+    let (step_size, bc2_sqrt) = adam_terms(hp, step)?;
+    let k = kernels::AdamConsts::new(hp, grad_scale, step_size, bc2_sqrt);
+    let tile = AdamTile {
+        p: params,
+        g: grads,
+        m,
+        v,
+        lp: lp_out,
     };
-    let step_size = hp.lr / bc1;
-    let bc2_sqrt = bc2.sqrt();
-    for i in 0..params.len() {
-        let mut g = grads[i] * grad_scale;
-        let mut p = params[i];
-        match hp.decay {
-            WeightDecay::L2 => g += hp.weight_decay * p,
-            WeightDecay::Decoupled => p -= hp.lr * hp.weight_decay * p,
-        }
-        let mi = hp.beta1 * m[i] + (1.0 - hp.beta1) * g;
-        let vi = hp.beta2 * v[i] + (1.0 - hp.beta2) * g * g;
-        let denom = vi.sqrt() / bc2_sqrt + hp.eps;
-        p -= step_size * mi / denom;
-        m[i] = mi;
-        v[i] = vi;
-        params[i] = p;
-        write_lp(&mut lp_out, i, p);
-    }
+    tiles::run(tile, &|t: AdamTile<'_>| kernels::adam(&k, t));
     Ok(())
 }
 
@@ -165,7 +188,7 @@ pub fn sgd_step(
     params: &mut [f32],
     grads: &[f32],
     momentum: &mut [f32],
-    mut lp_out: LowPrecision<'_>,
+    lp_out: LowPrecision<'_>,
 ) -> Result<()> {
     check(
         "sgd_step",
@@ -173,20 +196,14 @@ pub fn sgd_step(
         &[grads.len(), momentum.len()],
         &lp_out,
     )?;
-    for i in 0..params.len() {
-        let mut g = grads[i] * grad_scale + hp.weight_decay * params[i];
-        if hp.momentum != 0.0 {
-            let b = if step <= 1 {
-                g
-            } else {
-                hp.momentum * momentum[i] + (1.0 - hp.dampening) * g
-            };
-            momentum[i] = b;
-            g = if hp.nesterov { g + hp.momentum * b } else { b };
-        }
-        params[i] -= hp.lr * g;
-        write_lp(&mut lp_out, i, params[i]);
-    }
+    let k = kernels::SgdConsts::new(hp, step, grad_scale);
+    let tile = SgdTile {
+        p: params,
+        g: grads,
+        b: momentum,
+        lp: lp_out,
+    };
+    tiles::run(tile, &|t: SgdTile<'_>| kernels::sgd(&k, t));
     Ok(())
 }
 
@@ -197,25 +214,16 @@ pub fn lion_step(
     params: &mut [f32],
     grads: &[f32],
     m: &mut [f32],
-    mut lp_out: LowPrecision<'_>,
+    lp_out: LowPrecision<'_>,
 ) -> Result<()> {
     check("lion_step", params.len(), &[grads.len(), m.len()], &lp_out)?;
-    for i in 0..params.len() {
-        let g = grads[i] * grad_scale;
-        let mut p = params[i];
-        p -= hp.lr * hp.weight_decay * p;
-        let c = hp.beta1 * m[i] + (1.0 - hp.beta1) * g;
-        let sign = if c > 0.0 {
-            1.0
-        } else if c < 0.0 {
-            -1.0
-        } else {
-            0.0
-        };
-        p -= hp.lr * sign;
-        m[i] = hp.beta2 * m[i] + (1.0 - hp.beta2) * g;
-        params[i] = p;
-        write_lp(&mut lp_out, i, p);
-    }
+    let k = kernels::LionConsts::new(hp, grad_scale);
+    let tile = LionTile {
+        p: params,
+        g: grads,
+        m,
+        lp: lp_out,
+    };
+    tiles::run(tile, &|t: LionTile<'_>| kernels::lion(&k, t));
     Ok(())
 }

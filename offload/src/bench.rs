@@ -1,0 +1,191 @@
+//! Measurement helpers behind `ferrozero bench adam` and `ferrozero bench swap`, kept here so
+//! the CLI stays a thin argument parser and the timed code is the crate's own.
+
+use std::time::Instant;
+
+use half::bf16;
+
+use crate::optim::{self, AdamHyper, LowPrecision, WeightDecay};
+use crate::{Error, Result};
+
+/// Which parameter copy the Adam benchmark writes besides the f32 master.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdamDtype {
+    /// f32 master only: 28 bytes per parameter moved (read p, g, m, v; write p, m, v).
+    F32,
+    /// f32 master plus a fused bf16 copy: 30 bytes per parameter.
+    Bf16,
+}
+
+/// One Adam benchmark result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamBench {
+    /// Parameters per step.
+    pub params: usize,
+    /// Rayon threads.
+    pub threads: usize,
+    /// Timed steps.
+    pub steps: u32,
+    /// Best step's throughput (parameters per second).
+    pub params_per_s: f64,
+    /// Median step's throughput.
+    pub median_params_per_s: f64,
+    /// Bytes moved per parameter, for the roofline comparison.
+    pub bytes_per_param: u32,
+}
+
+/// Times `steps` AdamW steps (after one warm-up step) over `params` parameters on a pool of
+/// `threads` threads.
+pub fn adam(params: usize, threads: usize, dtype: AdamDtype, steps: u32) -> Result<AdamBench> {
+    if params == 0 || threads == 0 || steps == 0 {
+        return Err(Error::Invalid {
+            op: "bench adam",
+            detail: format!(
+                "params ({params}), threads ({threads}) and steps ({steps}) must be positive"
+            ),
+        });
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| Error::Resource(format!("cannot start {threads} threads: {e}")))?;
+    let hp = AdamHyper {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        decay: WeightDecay::Decoupled,
+        bias_correction: true,
+    };
+    let mut p: Vec<f32> = (0..params)
+        .map(|i| (i % 1000) as f32 * 1e-3 - 0.5)
+        .collect();
+    let g: Vec<f32> = (0..params)
+        .map(|i| (i % 997) as f32 * 1e-4 - 0.05)
+        .collect();
+    let (mut m, mut v) = (vec![0.0f32; params], vec![0.0f32; params]);
+    let mut lp = match dtype {
+        AdamDtype::F32 => Vec::new(),
+        AdamDtype::Bf16 => vec![bf16::ZERO; params],
+    };
+    let mut times = Vec::with_capacity(steps as usize);
+    pool.install(|| -> Result<()> {
+        for step in 0..=u64::from(steps) {
+            let out = match dtype {
+                AdamDtype::F32 => LowPrecision::None,
+                AdamDtype::Bf16 => LowPrecision::Bf16(&mut lp),
+            };
+            let t0 = Instant::now();
+            optim::adam_step(&hp, step + 1, 1.0, &mut p, &g, &mut m, &mut v, out)?;
+            if step > 0 {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok(())
+    })?;
+    times.sort_by(f64::total_cmp);
+    let rate = |t: f64| params as f64 / t;
+    Ok(AdamBench {
+        params,
+        threads,
+        steps,
+        params_per_s: rate(times[0]),
+        median_params_per_s: rate(times[times.len() / 2]),
+        bytes_per_param: match dtype {
+            AdamDtype::F32 => 28,
+            AdamDtype::Bf16 => 30,
+        },
+    })
+}
+
+/// Direction of a swap benchmark result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwapOp {
+    /// Memory to file.
+    Write,
+    /// File to memory (checksums verified).
+    Read,
+}
+
+impl SwapOp {
+    /// `read` or `write`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SwapOp::Write => "write",
+            SwapOp::Read => "read",
+        }
+    }
+}
+
+/// One swap benchmark result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SwapBench {
+    /// Direction.
+    pub op: SwapOp,
+    /// Bytes per operation.
+    pub bytes: usize,
+    /// Median over the loops, in GB/s (10^9 bytes per second).
+    pub gbps: f64,
+    /// Best loop, in GB/s.
+    pub best_gbps: f64,
+    /// The engine that ran.
+    pub engine: crate::store::Engine,
+    /// Whether the I/O bypassed the page cache.
+    pub direct: bool,
+}
+
+/// Writes then reads one tensor of `bytes` bytes `loops` times through an [`NvmeStore`] in a
+/// scratch directory under `path` (removed afterwards), from page-aligned host memory.
+///
+/// [`NvmeStore`]: crate::store::NvmeStore
+pub fn swap(
+    path: &std::path::Path,
+    bytes: usize,
+    settings: &crate::store::AioSettings,
+    loops: u32,
+) -> Result<Vec<SwapBench>> {
+    use crate::pool::{HostBuffer, Pinning};
+    if bytes == 0 || loops == 0 {
+        return Err(Error::Invalid {
+            op: "bench swap",
+            detail: format!("bytes ({bytes}) and loops ({loops}) must be positive"),
+        });
+    }
+    let dir = path.join(format!("ferrozero-bench-swap-{}", std::process::id()));
+    let store = crate::store::NvmeStore::open(&dir, settings)?;
+    let mut src = HostBuffer::new(bytes, Pinning::Pageable)?;
+    for (i, b) in src.iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(131) ^ (i >> 12) as u8;
+    }
+    let mut dst = HostBuffer::new(bytes, Pinning::Pageable)?;
+    let (mut w, mut r) = (Vec::new(), Vec::new());
+    for _ in 0..loops {
+        let t0 = Instant::now();
+        store.write("bench", &src[..bytes])?;
+        w.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+        let t0 = Instant::now();
+        store.read("bench", &mut dst[..bytes])?;
+        r.push(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    if src[..bytes] != dst[..bytes] {
+        return Err(Error::Resource(
+            "bench swap read back different bytes".into(),
+        ));
+    }
+    let result = |op, mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        SwapBench {
+            op,
+            bytes,
+            gbps: v[v.len() / 2],
+            best_gbps: v[v.len() - 1],
+            engine: store.engine(),
+            direct: store.is_direct(),
+        }
+    };
+    let out = vec![result(SwapOp::Write, w), result(SwapOp::Read, r)];
+    drop(store);
+    let _ = std::fs::remove_dir(&dir);
+    Ok(out)
+}

@@ -1,0 +1,329 @@
+//! Host buffer pools: `count` buffers of `size` bytes, allocated once, page-aligned (so they
+//! satisfy O_DIRECT's 4096-byte alignment) and, when asked, locked in RAM.
+//!
+//! Buffers are lent with [`BufferPool::acquire`] (blocking while all are out, which is what
+//! bounds the swap pipelines) and come back when the [`PooledBuffer`] drops. Nothing is
+//! allocated per step.
+
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use crate::sys::{self, human, MemlockLimit};
+use crate::{Error, Result};
+
+/// Alignment of every buffer: O_DIRECT needs the logical block size, at most one page.
+pub const ALIGN: usize = 4096;
+
+/// Whether pool memory is locked in RAM (DeepSpeed's `pin_memory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pinning {
+    /// mlock'ed: never swapped out, safe for DMA.
+    Locked,
+    /// Ordinary (still page-aligned) memory.
+    Pageable,
+}
+
+/// One page-aligned anonymous mapping, optionally locked; unmapped on drop.
+pub struct HostBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is uniquely owned; access goes through &/&mut like a Box<[u8]>.
+unsafe impl Send for HostBuffer {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    /// Maps `len` bytes (rounded up to [`ALIGN`]), zeroed, and locks them if asked.
+    pub fn new(len: usize, pinning: Pinning) -> Result<HostBuffer> {
+        let len = len.max(1).next_multiple_of(ALIGN);
+        // SAFETY: an anonymous private mapping with no address hint has no preconditions.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            return Err(Error::Resource(format!(
+                "cannot map {} of host memory: {e}",
+                human(len as u64)
+            )));
+        }
+        let buf = HostBuffer {
+            ptr: NonNull::new(ptr.cast()).expect("mmap never returns null on success"),
+            len,
+        };
+        if pinning == Pinning::Locked {
+            // SAFETY: the range is exactly our mapping.
+            if unsafe { libc::mlock(ptr, len) } != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(lock_error(len as u64, sys::memlock_limit(), &e));
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Size in bytes (a multiple of [`ALIGN`]).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: buffers hold at least one page.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+/// The refusal for a failed mlock, naming the limit and what to change.
+pub(crate) fn lock_error(need: u64, limit: MemlockLimit, cause: &dyn std::fmt::Display) -> Error {
+    Error::Resource(format!(
+        "cannot lock {} of host memory (pin_memory = true): {cause}; RLIMIT_MEMLOCK is {limit}. \
+         Raise the limit (`ulimit -l`, systemd LimitMEMLOCK=, docker --ulimit memlock=-1) to at \
+         least {need} bytes, or set pin_memory = false",
+        human(need)
+    ))
+}
+
+impl Deref for HostBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` readable bytes owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for HostBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping (which also unlocks it).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+struct Shared {
+    free: Mutex<Vec<HostBuffer>>,
+    returned: Condvar,
+    count: usize,
+    size: usize,
+    pinning: Pinning,
+}
+
+/// A fixed set of equally sized host buffers shared between threads.
+#[derive(Clone)]
+pub struct BufferPool {
+    shared: Arc<Shared>,
+}
+
+impl BufferPool {
+    /// Allocates `count` buffers of `size` bytes (rounded up to [`ALIGN`]). With
+    /// [`Pinning::Locked`] the whole pool is checked against `RLIMIT_MEMLOCK` first, so an
+    /// impossible pool is refused up front with the numbers rather than half-built.
+    pub fn new(count: usize, size: usize, pinning: Pinning) -> Result<BufferPool> {
+        if count == 0 || size == 0 {
+            return Err(Error::Invalid {
+                op: "BufferPool::new",
+                detail: format!("buffer_count ({count}) and buffer_size ({size}) must be positive"),
+            });
+        }
+        let size = size.next_multiple_of(ALIGN);
+        let total = (count as u64).saturating_mul(size as u64);
+        if pinning == Pinning::Locked {
+            check_lock_budget(total, sys::memlock_limit())?;
+        }
+        let free = (0..count)
+            .map(|_| HostBuffer::new(size, pinning))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = Shared {
+            free: Mutex::new(free),
+            returned: Condvar::new(),
+            count,
+            size,
+            pinning,
+        };
+        Ok(BufferPool {
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// Bytes per buffer.
+    pub fn buffer_size(&self) -> usize {
+        self.shared.size
+    }
+
+    /// Buffers in the pool.
+    pub fn buffer_count(&self) -> usize {
+        self.shared.count
+    }
+
+    /// Whether the buffers are locked.
+    pub fn pinning(&self) -> Pinning {
+        self.shared.pinning
+    }
+
+    /// Buffers not lent out right now.
+    pub fn available(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Borrows a buffer, waiting while all are lent out.
+    pub fn acquire(&self) -> PooledBuffer {
+        let mut free = self.lock();
+        loop {
+            if let Some(buf) = free.pop() {
+                return self.lend(buf);
+            }
+            free = self
+                .shared
+                .returned
+                .wait(free)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Borrows a buffer if one is free now.
+    pub fn try_acquire(&self) -> Option<PooledBuffer> {
+        let buf = self.lock().pop()?;
+        Some(self.lend(buf))
+    }
+
+    fn lend(&self, buf: HostBuffer) -> PooledBuffer {
+        PooledBuffer {
+            buf: Some(buf),
+            pool: self.shared.clone(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<HostBuffer>> {
+        // A panic while holding the lock cannot leave the Vec inconsistent: push/pop only.
+        self.shared.free.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Refuses a locked allocation of `need` bytes that the limit cannot hold.
+pub(crate) fn check_lock_budget(need: u64, limit: MemlockLimit) -> Result<()> {
+    match limit {
+        MemlockLimit::Bytes(l) if need > l => Err(lock_error(
+            need,
+            limit,
+            &"the pool exceeds the locked-memory limit",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A buffer borrowed from a [`BufferPool`]; returns itself on drop.
+pub struct PooledBuffer {
+    buf: Option<HostBuffer>,
+    pool: Arc<Shared>,
+}
+
+impl Deref for PooledBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.buf.as_deref().expect("present until drop")
+    }
+}
+
+impl DerefMut for PooledBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.buf.as_deref_mut().expect("present until drop")
+    }
+}
+
+impl Drop for PooledBuffer {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            let mut free = self.pool.free.lock().unwrap_or_else(|p| p.into_inner());
+            free.push(buf);
+            self.pool.returned.notify_one();
+        }
+    }
+}
+
+impl AsRef<[u8]> for HostBuffer {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl AsMut<[u8]> for HostBuffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+impl AsRef<[u8]> for PooledBuffer {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl AsMut<[u8]> for PooledBuffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_aligned_reused_and_bounded() {
+        let pool = BufferPool::new(2, 5000, Pinning::Locked).unwrap();
+        assert_eq!(pool.buffer_size(), 8192);
+        let mut a = pool.acquire();
+        let b = pool.acquire();
+        assert_eq!(a.as_ptr() as usize % ALIGN, 0);
+        assert_eq!(b.as_ptr() as usize % ALIGN, 0);
+        assert!(pool.try_acquire().is_none(), "pool must be bounded");
+        a[0] = 7;
+        let addr = a.as_ptr();
+        drop(a);
+        let again = pool.acquire();
+        assert_eq!(
+            again.as_ptr(),
+            addr,
+            "a returned buffer is reused, not reallocated"
+        );
+        assert_eq!(pool.available(), 0);
+    }
+
+    #[test]
+    fn acquire_waits_for_a_return() {
+        let pool = BufferPool::new(1, 4096, Pinning::Pageable).unwrap();
+        let held = pool.acquire();
+        let p2 = pool.clone();
+        let t = std::thread::spawn(move || p2.acquire().len());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        drop(held);
+        assert_eq!(t.join().unwrap(), 4096);
+    }
+
+    #[test]
+    fn over_limit_lock_is_refused_with_the_numbers() {
+        let e = check_lock_budget(64 << 20, MemlockLimit::Bytes(8 << 20)).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("RLIMIT_MEMLOCK is 8388608 bytes"), "{msg}");
+        assert!(
+            msg.contains("67108864 bytes") && msg.contains("pin_memory = false"),
+            "{msg}"
+        );
+        assert!(check_lock_budget(64 << 20, MemlockLimit::Unlimited).is_ok());
+        assert!(BufferPool::new(0, 4096, Pinning::Pageable).is_err());
+    }
+}
