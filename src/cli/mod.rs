@@ -7,9 +7,3 @@ pub mod config;
 pub mod launch;
 pub mod schema;
 pub mod validate;
-
-/// Prints an error for a subcommand that this build cannot serve and returns exit code 2.
-pub fn unavailable(what: &str) -> std::process::ExitCode {
-    eprintln!("error: `ferrozero {what}` is not available in this build yet");
-    std::process::ExitCode::from(2)
-}
