@@ -11,6 +11,7 @@ use super::stage::{Extent, Stage};
 use crate::nn::{init, ParamSpec};
 use crate::tensor::DType;
 use crate::tensor::FlatBuf;
+use ferrozero_offload::tiled::NvmeAdam;
 
 /// The storage dtype of parameters and gradients for a precision.
 pub fn storage_dtype(p: &Precision) -> DType {
@@ -51,6 +52,8 @@ pub struct GroupPlan<'a> {
     pub rank: usize,
     /// Optimizer moments per element.
     pub moments: usize,
+    /// The NVMe store when optimizer state lives there.
+    pub nvme: Option<&'a super::nvme::NvmeOffload>,
 }
 
 impl GroupPlan<'_> {
@@ -62,8 +65,13 @@ impl GroupPlan<'_> {
         }
     }
 
-    /// Lays out, initialises and places one group.
-    pub fn build(&self, specs: &[ParamSpec], ledger: &mut Ledger) -> Group {
+    /// Lays out, initialises and places one group (`index` names its swap files).
+    pub fn build(
+        &self,
+        index: usize,
+        specs: &[ParamSpec],
+        ledger: &mut Ledger,
+    ) -> crate::Result<Group> {
         let dtype = storage_dtype(&self.cfg.precision);
         let layout = GroupLayout::new(specs, self.world);
         let mut full = vec![0.0f32; layout.padded()];
@@ -97,7 +105,22 @@ impl GroupPlan<'_> {
         ledger.alloc(param_loc, Category::Parameters, param_bytes);
 
         let owned = self.stage.optimizer().range(&layout, self.rank);
-        let master = (dtype != DType::F32).then(|| full[owned.clone()].to_vec());
+        let (master, nvme_adam) = match self.nvme {
+            Some(n) => {
+                let a = NvmeAdam::create(
+                    &n.store,
+                    &n.pool,
+                    &format!("g{index}"),
+                    &full[owned.clone()],
+                    n.tile,
+                )?;
+                (None, Some(a))
+            }
+            None => (
+                (dtype != DType::F32).then(|| full[owned.clone()].to_vec()),
+                None,
+            ),
+        };
         let grad_range = self.stage.grads().range(&layout, self.rank);
         let grad = FlatBuf::zeros(dtype, grad_range.len());
         ledger.alloc(Location::Device, Category::Gradients, grad.bytes());
@@ -113,7 +136,7 @@ impl GroupPlan<'_> {
             Category::OptimizerState,
             opt_bytes,
         );
-        Group {
+        Ok(Group {
             layout,
             params,
             work: None,
@@ -124,6 +147,7 @@ impl GroupPlan<'_> {
             m,
             v,
             owned,
-        }
+            nvme_adam,
+        })
     }
 }

@@ -9,6 +9,7 @@ use super::build::{optimizer_location, GroupPlan};
 use super::group::{compute_view, Group};
 use super::ledger::{Category, Ledger, Location};
 use super::loss_scale::LossScaler;
+use super::nvme::NvmeOffload;
 use super::optimizer::Optimizer;
 use super::overlap::CommOverlap;
 use super::report::Timings;
@@ -44,6 +45,8 @@ pub struct Engine {
     pub(super) timings: Timings,
     /// The communication worker when `overlap_comm` is on.
     pub(super) overlap: Option<CommOverlap>,
+    /// The NVMe store when optimizer state lives there.
+    pub(super) nvme: Option<NvmeOffload>,
 }
 
 impl Engine {
@@ -56,24 +59,39 @@ impl Engine {
                 comm.world_size()
             )));
         }
+        if let ferrozero_config::resolved::OffloadTarget::Nvme(_) = cfg.zero.offload_param.target {
+            return Err(Error::Unavailable {
+                what: "offload_param.device = \"nvme\"",
+                why: "parameter swapping is not wired into the engine yet; use device = \"cpu\" (optimizer state \
+                      can go to NVMe)"
+                    .into(),
+            });
+        }
         let stage = stage::for_stage(cfg.zero.stage);
         let optimizer = Optimizer::new(cfg.optimizer.clone());
         let mut ledger = Ledger::default();
+        let nvme = open_nvme(&cfg, &model, stage.as_ref(), comm.as_ref())?;
+        if let Some(n) = &nvme {
+            ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
+        }
         let plan = GroupPlan {
             stage: stage.as_ref(),
             cfg: &cfg,
             world: comm.world_size(),
             rank: comm.rank(),
             moments: optimizer.moments(),
+            nvme: nvme.as_ref(),
         };
-        let mut groups: Vec<Group> = model
-            .units
-            .iter()
-            .map(|u| plan.build(&u.module.param_specs(), &mut ledger))
-            .collect();
+        let mut specs: Vec<Vec<crate::nn::ParamSpec>> =
+            model.units.iter().map(|u| u.module.param_specs()).collect();
         if !model.shared.is_empty() {
-            groups.push(plan.build(&model.shared, &mut ledger));
+            specs.push(model.shared.clone());
         }
+        let groups = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| plan.build(i, s, &mut ledger))
+            .collect::<Result<Vec<Group>>>()?;
         let n = model.units.len();
         let scaler = LossScaler::from_config(match &cfg.precision {
             ferrozero_config::resolved::Precision::Fp16(s) => Some(s),
@@ -106,6 +124,7 @@ impl Engine {
             last_batch: None,
             timings: Timings::default(),
             overlap,
+            nvme,
         })
     }
 
@@ -486,4 +505,33 @@ fn split_slots<'a>(
         consumed = r.end;
     }
     out
+}
+
+/// Opens the rank's NVMe store when `offload_optimizer.device = "nvme"`.
+fn open_nvme(
+    cfg: &ResolvedConfig,
+    model: &Model,
+    stage: &dyn Stage,
+    comm: &dyn Communicator,
+) -> Result<Option<NvmeOffload>> {
+    let ferrozero_config::resolved::OffloadTarget::Nvme(dir) = &cfg.zero.offload_optimizer.target
+    else {
+        return Ok(None);
+    };
+    let world = comm.world_size();
+    let layouts = model
+        .units
+        .iter()
+        .map(|u| u.module.param_specs())
+        .chain(std::iter::once(model.shared.clone()));
+    let largest = layouts
+        .map(|s| {
+            stage
+                .optimizer()
+                .range(&super::partition::GroupLayout::new(&s, world), comm.rank())
+                .len()
+        })
+        .max()
+        .unwrap_or(1);
+    NvmeOffload::open(cfg, dir, comm.rank(), largest).map(Some)
 }

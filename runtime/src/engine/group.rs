@@ -48,6 +48,9 @@ pub struct Group {
     pub v: Vec<f32>,
     /// The padded range this rank's optimizer updates.
     pub owned: Range<usize>,
+    /// Master weights and moments on NVMe (`offload_optimizer.device = "nvme"`); then
+    /// `master`, `m` and `v` are empty.
+    pub nvme_adam: Option<ferrozero_offload::tiled::NvmeAdam>,
 }
 
 impl Group {

@@ -11,6 +11,7 @@ pub mod group;
 mod init;
 pub mod ledger;
 pub mod loss_scale;
+pub mod nvme;
 pub mod optimizer;
 mod overlap;
 pub mod params;

@@ -1,14 +1,15 @@
 //! The engine's optimizer driver: runs the CPU kernels of `ferrozero-offload` over each
 //! group's owned range in `sub_group_size` tiles, writing the low-precision copy in the same
-//! pass.
+//! pass; NVMe-resident state goes through the offload crate's pipelined tile driver.
 
 use ferrozero_config::resolved::OptimizerConfig;
 use ferrozero_offload::optim::{self, AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
 
-use super::group::{owned_params, Group};
+use super::group::{owned_params, Group, ParamStore};
+use super::nvme::NvmeOffload;
 use super::partition::chunks;
 use crate::tensor::FlatBuf;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Per-step values that the schedule decides.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,8 +50,12 @@ impl Optimizer {
         g: &mut Group,
         sv: &StepValues,
         tile: usize,
+        nvme: Option<&NvmeOffload>,
         scratch: &mut Vec<f32>,
     ) -> Result<()> {
+        if let (Some(_), Some(n)) = (&g.nvme_adam, nvme) {
+            return self.step_nvme(g, n, sv, scratch);
+        }
         let Group {
             params,
             master,
@@ -99,6 +104,84 @@ impl Optimizer {
         Ok(())
     }
 
+    /// The step for a group whose master weights and moments live on NVMe: the gradient of
+    /// the owned range in f32, the tile driver, the low-precision copy written in place.
+    fn step_nvme(
+        &self,
+        g: &mut Group,
+        n: &NvmeOffload,
+        sv: &StepValues,
+        scratch: &mut Vec<f32>,
+    ) -> Result<()> {
+        let hp = self.adam_hyper(sv)?;
+        let Group {
+            nvme_adam: Some(state),
+            params,
+            grad,
+            grad_offset,
+            owned,
+            ..
+        } = g
+        else {
+            return Ok(());
+        };
+        scratch.resize(owned.len(), 0.0);
+        grad.load_f32(owned.start - *grad_offset, &mut scratch[..owned.len()]);
+        let (lp, off) = match params {
+            ParamStore::Replicated(b) => (b, owned.start),
+            ParamStore::Partitioned { shard, .. } => (shard, 0),
+        };
+        let r = off..off + owned.len();
+        let out = match lp {
+            FlatBuf::Bf16(b) => LowPrecision::Bf16(&mut b[r]),
+            FlatBuf::F16(b) => LowPrecision::F16(&mut b[r]),
+            FlatBuf::F32(_) => {
+                return Err(Error::Config(
+                    "NVMe optimizer state needs bf16 or fp16 parameters".into(),
+                ))
+            }
+        };
+        state.adam_step(
+            &n.store,
+            &n.pool,
+            &hp,
+            sv.step,
+            sv.grad_scale,
+            &scratch[..owned.len()],
+            out,
+        )?;
+        Ok(())
+    }
+
+    fn adam_hyper(&self, sv: &StepValues) -> Result<AdamHyper> {
+        let OptimizerConfig::Adam {
+            betas,
+            eps,
+            weight_decay,
+            adam_w_mode,
+            bias_correction,
+            ..
+        } = self.cfg
+        else {
+            return Err(Error::Config(
+                "NVMe optimizer state needs Adam or AdamW".into(),
+            ));
+        };
+        Ok(AdamHyper {
+            lr: sv.lr as f32,
+            beta1: sv.beta1.unwrap_or(betas.0) as f32,
+            beta2: betas.1 as f32,
+            eps: eps as f32,
+            weight_decay: weight_decay as f32,
+            decay: if adam_w_mode {
+                WeightDecay::Decoupled
+            } else {
+                WeightDecay::L2
+            },
+            bias_correction,
+        })
+    }
+
     fn kernel(
         &self,
         sv: &StepValues,
@@ -109,28 +192,17 @@ impl Optimizer {
         lp: LowPrecision<'_>,
     ) -> Result<()> {
         match self.cfg {
-            OptimizerConfig::Adam {
-                betas,
-                eps,
-                weight_decay,
-                adam_w_mode,
-                bias_correction,
-                ..
-            } => {
-                let hp = AdamHyper {
-                    lr: sv.lr as f32,
-                    beta1: sv.beta1.unwrap_or(betas.0) as f32,
-                    beta2: betas.1 as f32,
-                    eps: eps as f32,
-                    weight_decay: weight_decay as f32,
-                    decay: if adam_w_mode {
-                        WeightDecay::Decoupled
-                    } else {
-                        WeightDecay::L2
-                    },
-                    bias_correction,
-                };
-                optim::adam_step(&hp, sv.step, sv.grad_scale, p, g, m, v, lp)?;
+            OptimizerConfig::Adam { .. } => {
+                optim::adam_step(
+                    &self.adam_hyper(sv)?,
+                    sv.step,
+                    sv.grad_scale,
+                    p,
+                    g,
+                    m,
+                    v,
+                    lp,
+                )?;
             }
             OptimizerConfig::Sgd {
                 momentum,

@@ -6,23 +6,30 @@ use std::collections::HashMap;
 
 use super::core::Engine;
 use super::group::{Group, ParamStore};
+use super::nvme::NvmeOffload;
 use crate::comm::{BufMut, BufRef};
 pub use crate::nn::weights::NamedTensor;
 use crate::{Error, Result};
 
 /// This rank's shard range of the fp32 values (master, or f32 parameters).
-fn shard_values(g: &Group, rank: usize) -> Vec<f32> {
+fn shard_values(g: &Group, rank: usize, nvme: Option<&NvmeOffload>) -> Result<Vec<f32>> {
     let r = g.layout.shard_range(rank);
+    if let (Some(state), Some(n)) = (&g.nvme_adam, nvme) {
+        let mut owned = vec![0.0; g.owned.len()];
+        state.read_params(&n.store, &n.pool, &mut owned)?;
+        let off = r.start - g.owned.start;
+        return Ok(owned[off..off + r.len()].to_vec());
+    }
     if let Some(m) = &g.master {
         let off = r.start - g.owned.start;
-        return m[off..off + r.len()].to_vec();
+        return Ok(m[off..off + r.len()].to_vec());
     }
     let mut out = vec![0.0; r.len()];
     match &g.params {
         ParamStore::Replicated(b) => b.load_f32(r.start, &mut out),
         ParamStore::Partitioned { shard, .. } => shard.load_f32(0, &mut out),
     }
-    out
+    Ok(out)
 }
 
 impl Engine {
@@ -31,7 +38,7 @@ impl Engine {
         let (rank, world) = (self.rank(), self.world_size());
         let mut out = Vec::new();
         for g in &self.groups {
-            let shard = shard_values(g, rank);
+            let shard = shard_values(g, rank, self.nvme.as_ref())?;
             let mut full = vec![0.0f32; g.layout.shard_len * world];
             self.comm
                 .all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
@@ -69,6 +76,13 @@ impl Engine {
                 });
             }
             plan.push((gi, slot.offset, v));
+        }
+        if self.groups.iter().any(|g| g.nvme_adam.is_some()) {
+            return Err(Error::Invalid(
+                "set_parameters with optimizer state on NVMe: load weights before enabling NVMe offload, \
+                 or resume from a checkpoint"
+                    .into(),
+            ));
         }
         let rank = self.rank();
         for (gi, offset, v) in plan {

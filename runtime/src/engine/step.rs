@@ -105,7 +105,8 @@ impl Engine {
         let tile = self.cfg.zero.sub_group_size.max(1);
         let mut scratch = Vec::new();
         for g in &mut self.groups {
-            self.optimizer.step_group(g, sv, tile, &mut scratch)?;
+            self.optimizer
+                .step_group(g, sv, tile, self.nvme.as_ref(), &mut scratch)?;
         }
         self.timings.optimizer += t.elapsed().as_secs_f64();
         let t = Instant::now();
