@@ -192,7 +192,7 @@ fn default_preset_is_the_examples_default() {
             r.gradient_accumulation_steps,
             r.train_batch_size
         ),
-        (ZeroStage::Stage2, 8, 1, 16)
+        (ZeroStage::Stage2, 32, 1, 64)
     );
     assert_eq!(r.precision, Precision::F32);
     assert!(
