@@ -367,3 +367,45 @@ fn blocked_attention_matches_a_naive_reference_across_row_blocks() {
         }
     }
 }
+
+#[test]
+fn half_precision_operands_accumulate_in_f32() {
+    use backend::Operand;
+    use half::{bf16, f16};
+    let be = backend::cpu();
+    let s = MatmulShape {
+        m: 9,
+        n: 11,
+        k: 300,
+        ta: Transpose::No,
+        tb: Transpose::Yes,
+    };
+    let a = random(vec![9 * 300], 1).data;
+    let b = random(vec![11 * 300], 2).data;
+    let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+    let b16: Vec<f16> = b.iter().map(|&v| f16::from_f32(v)).collect();
+    let mut c = vec![0.0; 99];
+    be.matmul_mixed(
+        s,
+        Operand::Bf16(&a16),
+        Operand::F16(&b16),
+        &mut c,
+        Accumulate::Overwrite,
+    )
+    .unwrap();
+    let wa: Vec<f32> = a16.iter().map(|v| v.to_f32()).collect();
+    let wb: Vec<f32> = b16.iter().map(|v| v.to_f32()).collect();
+    for (got, want) in c.iter().zip(naive(s, &wa, &wb)) {
+        // f32 accumulation of exact products: far tighter than bf16's 3 significant digits.
+        assert!((f64::from(*got) - want).abs() < 1e-4, "{got} vs {want}");
+    }
+    assert!(be
+        .matmul_mixed(
+            s,
+            Operand::F32(&a[1..]),
+            Operand::F16(&b16),
+            &mut c,
+            Accumulate::Add
+        )
+        .is_err());
+}
