@@ -3,7 +3,7 @@
 //! for a one-element loss output), accumulated in f64.
 //!
 //! Users run it on their own modules:
-//! ```ignore
+//! ```text
 //! let report = gradcheck::check(&my_block, &batch, &mut params, &input, &Options::default())?;
 //! assert!(report.passed(), "{report}");
 //! ```
