@@ -249,3 +249,163 @@ fn dropout_is_seeded_scaled_and_near_its_rate() {
     be.dropout(6, 0.25, &mut c);
     assert_ne!(a, c, "another seed, another mask");
 }
+
+/// Plain f64 causal GQA attention: returns O and, for upstream gradient `dout`, dQ, dK, dV.
+#[allow(clippy::type_complexity)]
+fn naive_attention(
+    sh: &backend::AttentionShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dout: &[f32],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (t, d, hq, hk) = (sh.seq, sh.head_dim, sh.q_heads, sh.kv_heads);
+    let (qw, kw) = (hq * d, hk * d);
+    let mut o = vec![0.0; sh.batch * t * qw];
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0; o.len()],
+        vec![0.0; sh.batch * t * kw],
+        vec![0.0; sh.batch * t * kw],
+    );
+    let scale = 1.0 / (d as f64).sqrt();
+    for b in 0..sh.batch {
+        for h in 0..hq {
+            let kh = h / (hq / hk);
+            let qi = |i: usize, c: usize| (b * t + i) * qw + h * d + c;
+            let ki = |j: usize, c: usize| (b * t + j) * kw + kh * d + c;
+            for i in 0..t {
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..d)
+                            .map(|c| f64::from(q[qi(i, c)]) * f64::from(k[ki(j, c)]))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                let p: Vec<f64> = s.iter().map(|x| (x - m).exp() / z).collect();
+                let dp: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..d)
+                            .map(|c| f64::from(dout[qi(i, c)]) * f64::from(v[ki(j, c)]))
+                            .sum()
+                    })
+                    .collect();
+                let dot: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for j in 0..=i {
+                    let ds = p[j] * (dp[j] - dot) * scale;
+                    for c in 0..d {
+                        o[qi(i, c)] += p[j] * f64::from(v[ki(j, c)]);
+                        dv[ki(j, c)] += p[j] * f64::from(dout[qi(i, c)]);
+                        dq[qi(i, c)] += ds * f64::from(k[ki(j, c)]);
+                        dk[ki(j, c)] += ds * f64::from(q[qi(i, c)]);
+                    }
+                }
+            }
+        }
+    }
+    (o, dq, dk, dv)
+}
+
+#[test]
+fn blocked_attention_matches_a_naive_reference_across_row_blocks() {
+    use backend::{AttentionGrads, AttentionShape, RowView};
+    let be = backend::cpu();
+    // seq 71 spans three row blocks with a ragged last one; 6 query heads share 2 kv heads.
+    let sh = AttentionShape {
+        batch: 2,
+        seq: 71,
+        q_heads: 6,
+        kv_heads: 2,
+        head_dim: 5,
+    };
+    let (n, qw, kw) = (2 * 71, 30, 10);
+    let (q, k, v) = (
+        random(vec![n * qw], 1).data,
+        random(vec![n * kw], 2).data,
+        random(vec![n * kw], 3).data,
+    );
+    let dout = random(vec![n * qw], 4).data;
+    let view = |stride| RowView { stride, offset: 0 };
+    let mut probs = vec![0.0; 2 * 6 * 71 * 71];
+    let mut o = vec![0.0; n * qw];
+    be.attention_forward(
+        sh,
+        (&q, view(qw)),
+        (&k, view(kw)),
+        (&v, view(kw)),
+        &mut probs,
+        &mut o,
+    )
+    .unwrap();
+    let (mut dq, mut dk, mut dv) = (vec![9.0; n * qw], vec![9.0; n * kw], vec![9.0; n * kw]);
+    let grads = AttentionGrads::Split {
+        dq: &mut dq,
+        dk: &mut dk,
+        dv: &mut dv,
+    };
+    be.attention_backward(
+        sh,
+        (&q, view(qw)),
+        (&k, view(kw)),
+        (&v, view(kw)),
+        &probs,
+        &dout,
+        grads,
+    )
+    .unwrap();
+    let (ro, rdq, rdk, rdv) = naive_attention(&sh, &q, &k, &v, &dout);
+    for (name, got, want) in [
+        ("o", &o, &ro),
+        ("dq", &dq, &rdq),
+        ("dk", &dk, &rdk),
+        ("dv", &dv, &rdv),
+    ] {
+        for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+            assert!((f64::from(*g) - w).abs() < 1e-4, "{name}[{i}]: {g} vs {w}");
+        }
+    }
+}
+
+#[test]
+fn half_precision_operands_accumulate_in_f32() {
+    use backend::Operand;
+    use half::{bf16, f16};
+    let be = backend::cpu();
+    let s = MatmulShape {
+        m: 9,
+        n: 11,
+        k: 300,
+        ta: Transpose::No,
+        tb: Transpose::Yes,
+    };
+    let a = random(vec![9 * 300], 1).data;
+    let b = random(vec![11 * 300], 2).data;
+    let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+    let b16: Vec<f16> = b.iter().map(|&v| f16::from_f32(v)).collect();
+    let mut c = vec![0.0; 99];
+    be.matmul_mixed(
+        s,
+        Operand::Bf16(&a16),
+        Operand::F16(&b16),
+        &mut c,
+        Accumulate::Overwrite,
+    )
+    .unwrap();
+    let wa: Vec<f32> = a16.iter().map(|v| v.to_f32()).collect();
+    let wb: Vec<f32> = b16.iter().map(|v| v.to_f32()).collect();
+    for (got, want) in c.iter().zip(naive(s, &wa, &wb)) {
+        // f32 accumulation of exact products: far tighter than bf16's 3 significant digits.
+        assert!((f64::from(*got) - want).abs() < 1e-4, "{got} vs {want}");
+    }
+    assert!(be
+        .matmul_mixed(
+            s,
+            Operand::F32(&a[1..]),
+            Operand::F16(&b16),
+            &mut c,
+            Accumulate::Add
+        )
+        .is_err());
+}

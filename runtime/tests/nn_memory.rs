@@ -81,10 +81,10 @@ fn init_is_deterministic_thread_independent_and_has_the_right_moments() {
 fn forward_and_backward_are_bitwise_identical_across_thread_counts() {
     // Large enough that gemm takes its multi-threaded path (m·n·k above 2^18).
     let mut cfg = Gpt2Config::preset("tiny").unwrap();
-    (cfg.n_embd, cfg.n_head, cfg.vocab_size) = (64, 4, 256);
+    (cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_positions) = (64, 4, 256, 64);
     let model = gpt2::build(&cfg).unwrap();
     let w = Weights::init(&model, 3);
-    let b = batch(4, 32, 256, 2);
+    let b = batch(4, 45, 256, 2);
     let one = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()

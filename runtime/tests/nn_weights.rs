@@ -10,10 +10,24 @@ use ferrozero_runtime::nn::weights::{self, Naming};
 use ferrozero_runtime::tensor::DType;
 use nn_common::Weights;
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("fz-nn-weights-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A per-test scratch directory, removed when the guard drops (tests run in parallel).
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("fz-nn-weights-{}-{test}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn save_model(
@@ -39,11 +53,12 @@ fn save_model(
 
 #[test]
 fn f32_round_trip_is_bit_identical_for_both_families() {
+    let dir = Scratch::new("f32_round_trip_is_bit_identical_for_both_families");
     let gpt = gpt2::build(&Gpt2Config::preset("tiny").unwrap()).unwrap();
     let lla = llama::build(&LlamaConfig::preset("tiny").unwrap()).unwrap();
     for (i, model) in [gpt, lla].iter().enumerate() {
         let w = Weights::init(model, 11);
-        let path = tmp(&format!("model{i}.safetensors"));
+        let path = dir.path(&format!("model{i}.safetensors"));
         save_model(&path, model, &w, DType::F32);
         let loaded = weights::load(&path, Naming::Exact).unwrap();
         for (name, data) in w.named(model) {
@@ -63,9 +78,10 @@ fn f32_round_trip_is_bit_identical_for_both_families() {
 
 #[test]
 fn half_precision_files_reload_and_resave_identically() {
+    let dir = Scratch::new("half_precision_files_reload_and_resave_identically");
     let data: Vec<f32> = (0..1001).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
     for dtype in [DType::Bf16, DType::F16] {
-        let (a, b) = (tmp("h1.safetensors"), tmp("h2.safetensors"));
+        let (a, b) = (dir.path("h1.safetensors"), dir.path("h2.safetensors"));
         weights::save(&a, &[("x", &[7, 11, 13], &data)], dtype).unwrap();
         let first = weights::load(&a, Naming::Exact).unwrap();
         assert_eq!(first[0].shape, vec![7, 11, 13]);
@@ -133,7 +149,8 @@ fn hugging_face_names_and_layouts() {
 
 #[test]
 fn gpt2_names_without_prefix_are_accepted_and_extras_ignored() {
-    let path = tmp("legacy.safetensors");
+    let dir = Scratch::new("gpt2_names_without_prefix_are_accepted_and_extras_ignored");
+    let path = dir.path("legacy.safetensors");
     let w = [1.0f32, 2.0, 3.0, 4.0];
     weights::save(
         &path,
@@ -163,7 +180,8 @@ fn gpt2_names_without_prefix_are_accepted_and_extras_ignored() {
 
 #[test]
 fn bad_files_and_lists_give_clear_errors() {
-    let path = tmp("bad.safetensors");
+    let dir = Scratch::new("bad_files_and_lists_give_clear_errors");
+    let path = dir.path("bad.safetensors");
     let e = weights::save(&path, &[("a", &[3], &[1.0, 2.0])], DType::F32).unwrap_err();
     assert!(e.to_string().contains("3 elements"), "{e}");
     let e = weights::save(
@@ -181,5 +199,5 @@ fn bad_files_and_lists_give_clear_errors() {
     assert!(e.to_string().contains("has shape [2]"), "{e}");
     std::fs::write(&path, b"not a safetensors file").unwrap();
     assert!(weights::load(&path, Naming::Exact).is_err());
-    assert!(weights::load(&tmp("absent.safetensors"), Naming::Exact).is_err());
+    assert!(weights::load(&dir.path("absent.safetensors"), Naming::Exact).is_err());
 }

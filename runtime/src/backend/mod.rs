@@ -53,6 +53,43 @@ pub struct MatmulShape {
     pub tb: Transpose,
 }
 
+/// A matrix operand in one of the storage dtypes (e.g. a bf16 parameter copy).
+#[derive(Debug, Clone, Copy)]
+pub enum Operand<'a> {
+    /// Single precision.
+    F32(&'a [f32]),
+    /// bfloat16.
+    Bf16(&'a [half::bf16]),
+    /// IEEE half.
+    F16(&'a [half::f16]),
+}
+
+impl Operand<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Operand::F32(s) => s.len(),
+            Operand::Bf16(s) => s.len(),
+            Operand::F16(s) => s.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values widened to f32 (exact: every bf16/f16 value is an f32).
+    pub fn to_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+        use half::slice::HalfFloatSliceExt;
+        match self {
+            Operand::F32(s) => std::borrow::Cow::Borrowed(s),
+            Operand::Bf16(s) => std::borrow::Cow::Owned(s.to_f32_vec()),
+            Operand::F16(s) => std::borrow::Cow::Owned(s.to_f32_vec()),
+        }
+    }
+}
+
 /// Dense matrix products with f32 accumulation.
 pub trait MatmulOps {
     /// `C (=|+=) op(A) · op(B)`; checks slice lengths against the shape.
@@ -64,6 +101,20 @@ pub trait MatmulOps {
         c: &mut [f32],
         acc: Accumulate,
     ) -> Result<()>;
+
+    /// [`MatmulOps::matmul`] with bf16/f16/f32 inputs, accumulated and written in f32. The
+    /// default widens half-precision inputs once (exactly) and runs the f32 product; a
+    /// device with native half-precision kernels overrides it.
+    fn matmul_mixed(
+        &self,
+        shape: MatmulShape,
+        a: Operand<'_>,
+        b: Operand<'_>,
+        c: &mut [f32],
+        acc: Accumulate,
+    ) -> Result<()> {
+        self.matmul(shape, &a.to_f32(), &b.to_f32(), c, acc)
+    }
 }
 
 /// Pointwise operations and dropout.

@@ -3,7 +3,7 @@
 //! for a one-element loss output), accumulated in f64.
 //!
 //! Users run it on their own modules:
-//! ```ignore
+//! ```text
 //! let report = gradcheck::check(&my_block, &batch, &mut params, &input, &Options::default())?;
 //! assert!(report.passed(), "{report}");
 //! ```
@@ -166,6 +166,13 @@ pub fn check(
         let mut g = Grads::new(grads.iter_mut().map(Vec::as_mut_slice).collect());
         module.backward(&mut ctx, &p, &mut g, &grad_out)?
     };
+    if input.numel() > 0 && dx.numel() != input.numel() {
+        return Err(Error::Shape {
+            op: "gradcheck",
+            expected: format!("an input gradient of {} elements", input.numel()),
+            got: format!("{}", dx.numel()),
+        });
+    }
     let probe = Probe {
         module,
         batch,

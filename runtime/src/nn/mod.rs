@@ -89,3 +89,22 @@ pub(crate) fn check_views(
 pub(crate) fn spec_lens(specs: &[ParamSpec]) -> Vec<usize> {
     specs.iter().map(ParamSpec::numel).collect()
 }
+
+/// Backward must see the batch forward saw: the saved input of `saved_len` elements must
+/// hold `batch * seq` rows of `width`.
+pub(crate) fn check_same_batch(
+    unit: &str,
+    saved_len: usize,
+    b: &Batch,
+    width: usize,
+) -> Result<()> {
+    if saved_len == b.batch * b.seq * width && b.targets.len() == b.batch * b.seq {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "{unit}: backward got a {}x{} batch but forward saved {} rows",
+        b.batch,
+        b.seq,
+        saved_len / width.max(1)
+    )))
+}

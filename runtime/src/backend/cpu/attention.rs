@@ -68,6 +68,50 @@ fn square(ptr: *const f32, t: usize) -> StridedMat {
     }
 }
 
+/// Query rows per block of the causal products: block `[r0, r1)` only needs keys `[0, r1)`,
+/// which skips most of the masked upper triangle.
+const ROW_BLOCK: usize = 32;
+
+fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(ROW_BLOCK)
+        .map(move |r0| (r0, (r0 + ROW_BLOCK).min(t)))
+}
+
+/// The view starting `r0` rows further down.
+fn rows(m: StridedMat, r0: usize) -> StridedMat {
+    StridedMat {
+        ptr: m.ptr.wrapping_offset(r0 as isize * m.rs),
+        ..m
+    }
+}
+
+/// Zeroes a `[t, d]` row-strided head view.
+///
+/// # Safety
+/// The view must be valid for writes of `t` rows of `d` contiguous elements.
+unsafe fn zero_head(m: StridedMat, t: usize, d: usize) {
+    for r in 0..t {
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            std::ptr::write_bytes(m.ptr.wrapping_offset(r as isize * m.rs) as *mut f32, 0, d)
+        };
+    }
+}
+
+/// Turns `dP` into `dS = P ∘ (dP - rowsum(dP ∘ P)) · scale` in place, zeroing the masked
+/// part (whose dP entries were never computed or are not needed).
+fn softmax_backward(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
+    for (i, (prow, dprow)) in p.chunks(t).zip(dp.chunks_mut(t)).enumerate() {
+        let (live, masked) = dprow.split_at_mut(i + 1);
+        let dot: f32 = prow[..=i].iter().zip(live.iter()).map(|(a, b)| a * b).sum();
+        for (x, &pv) in live.iter_mut().zip(prow) {
+            *x = pv * (*x - dot) * scale;
+        }
+        masked.fill(0.0);
+    }
+}
+
 /// Scales, masks and softmaxes each row of a `[t, t]` score block in place.
 fn causal_softmax(p: &mut [f32], t: usize, scale: f32) {
     for (i, row) in p.chunks_mut(t).enumerate() {
@@ -120,34 +164,47 @@ impl AttentionOps for CpuBackend {
                 let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
                 for (g, p) in pg.chunks_mut(tt).enumerate() {
                     let h = kvh * group + g;
+                    let (qh, kt) = (
+                        head(q.0.as_ptr(), q.1, &s, b, h),
+                        head_t(k.0.as_ptr(), k.1, &s, b, kvh),
+                    );
+                    let (vh, o) = (
+                        head(v.0.as_ptr(), v.1, &s, b, kvh),
+                        head(out_ptr.get(), ov, &s, b, h),
+                    );
                     // SAFETY: views were bounds-checked; this task alone writes head h of
                     // sequence b in `out` and its own probs block.
                     unsafe {
-                        gemm_raw(
-                            t,
-                            t,
-                            d,
-                            square(p.as_ptr(), t),
-                            head(q.0.as_ptr(), q.1, &s, b, h),
-                            head_t(k.0.as_ptr(), k.1, &s, b, kvh),
-                            Accumulate::Overwrite,
-                            1,
-                        );
+                        for (r0, r1) in row_blocks(t) {
+                            let pr = rows(square(p.as_ptr(), t), r0);
+                            gemm_raw(
+                                r1 - r0,
+                                r1,
+                                d,
+                                pr,
+                                rows(qh, r0),
+                                kt,
+                                Accumulate::Overwrite,
+                                1,
+                            );
+                        }
                     }
                     causal_softmax(p, t, scale);
-                    let o = head(out_ptr.get(), ov, &s, b, h);
                     // SAFETY: as above.
                     unsafe {
-                        gemm_raw(
-                            t,
-                            d,
-                            t,
-                            o,
-                            square(p.as_ptr(), t),
-                            head(v.0.as_ptr(), v.1, &s, b, kvh),
-                            Accumulate::Overwrite,
-                            1,
-                        );
+                        for (r0, r1) in row_blocks(t) {
+                            let pr = rows(square(p.as_ptr(), t), r0);
+                            gemm_raw(
+                                r1 - r0,
+                                d,
+                                r1,
+                                rows(o, r0),
+                                pr,
+                                vh,
+                                Accumulate::Overwrite,
+                                1,
+                            );
+                        }
                     }
                 }
             });
@@ -200,69 +257,61 @@ impl AttentionOps for CpuBackend {
         (0..s.batch * s.kv_heads).into_par_iter().for_each(|task| {
             let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
             let mut dp = vec![0.0f32; tt];
+            let (dkh, dvh) = (
+                head(dk.get(), k.1, &s, b, kvh),
+                head(dv.get(), v.1, &s, b, kvh),
+            );
+            // SAFETY: bounds checked above; this task alone writes kv head kvh of dK/dV and
+            // the group's heads of dQ for sequence b.
+            unsafe {
+                zero_head(dkh, t, d);
+                zero_head(dvh, t, d);
+            }
+            let (kh, vt) = (
+                head(k.0.as_ptr(), k.1, &s, b, kvh),
+                head_t(v.0.as_ptr(), v.1, &s, b, kvh),
+            );
             for g in 0..group {
                 let h = kvh * group + g;
                 let p = &probs[(b * hq + h) * tt..][..tt];
-                let acc = if g == 0 {
-                    Accumulate::Overwrite
-                } else {
-                    Accumulate::Add
-                };
-                let pt = StridedMat {
-                    ptr: p.as_ptr(),
-                    rs: 1,
-                    cs: t as isize,
-                };
                 let do_h = head(dout.as_ptr(), ov, &s, b, h);
-                // SAFETY: bounds checked above; this task alone writes head h of dQ and
-                // kv head kvh of dK/dV for sequence b.
-                unsafe {
-                    gemm_raw(t, d, t, head(dv.get(), v.1, &s, b, kvh), pt, do_h, acc, 1);
-                    gemm_raw(
-                        t,
-                        t,
-                        d,
-                        square(dp.as_ptr(), t),
-                        do_h,
-                        head_t(v.0.as_ptr(), v.1, &s, b, kvh),
-                        Accumulate::Overwrite,
-                        1,
-                    );
-                }
-                for (prow, dprow) in p.chunks(t).zip(dp.chunks_mut(t)) {
-                    let dot: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
-                    for (x, &pv) in dprow.iter_mut().zip(prow) {
-                        *x = pv * (*x - dot) * scale;
-                    }
-                }
-                let ds = square(dp.as_ptr(), t);
-                let ds_t = StridedMat {
-                    ptr: dp.as_ptr(),
-                    rs: 1,
-                    cs: t as isize,
-                };
+                let qh = head(q.0.as_ptr(), q.1, &s, b, h);
                 // SAFETY: as above.
                 unsafe {
-                    gemm_raw(
-                        t,
-                        d,
-                        t,
-                        head(dq.get(), q.1, &s, b, h),
-                        ds,
-                        head(k.0.as_ptr(), k.1, &s, b, kvh),
-                        Accumulate::Overwrite,
-                        1,
-                    );
-                    gemm_raw(
-                        t,
-                        d,
-                        t,
-                        head(dk.get(), k.1, &s, b, kvh),
-                        ds_t,
-                        head(q.0.as_ptr(), q.1, &s, b, h),
-                        acc,
-                        1,
-                    );
+                    for (r0, r1) in row_blocks(t) {
+                        let pt = StridedMat {
+                            ptr: p.as_ptr().wrapping_add(r0 * t),
+                            rs: 1,
+                            cs: t as isize,
+                        };
+                        gemm_raw(r1, d, r1 - r0, dvh, pt, rows(do_h, r0), Accumulate::Add, 1);
+                        let dpr = rows(square(dp.as_ptr(), t), r0);
+                        gemm_raw(
+                            r1 - r0,
+                            r1,
+                            d,
+                            dpr,
+                            rows(do_h, r0),
+                            vt,
+                            Accumulate::Overwrite,
+                            1,
+                        );
+                    }
+                }
+                softmax_backward(p, &mut dp, t, scale);
+                // SAFETY: as above.
+                unsafe {
+                    for (r0, r1) in row_blocks(t) {
+                        let dsr = rows(square(dp.as_ptr(), t), r0);
+                        let dqh = rows(head(dq.get(), q.1, &s, b, h), r0);
+                        gemm_raw(r1 - r0, d, r1, dqh, dsr, kh, Accumulate::Overwrite, 1);
+                        let dst = StridedMat {
+                            ptr: dp.as_ptr().wrapping_add(r0 * t),
+                            rs: 1,
+                            cs: t as isize,
+                        };
+                        gemm_raw(r1, d, r1 - r0, dkh, dst, rows(qh, r0), Accumulate::Add, 1);
+                    }
                 }
             }
         });
@@ -279,38 +328,6 @@ impl AttentionOps for CpuBackend {
         theta: f32,
         dir: Rotation,
     ) {
-        let half = head_dim / 2;
-        let sign = match dir {
-            Rotation::Forward => 1.0f64,
-            Rotation::Inverse => -1.0,
-        };
-        // cos/sin per (position, frequency), computed once in f64 like HF's float32 tables
-        // rounded from exact values.
-        let table: Vec<(f32, f32)> = (0..seq)
-            .flat_map(|pos| {
-                (0..half).map(move |i| {
-                    let inv = (theta as f64).powf(-((2 * i) as f64) / head_dim as f64);
-                    let a = pos as f64 * inv;
-                    (a.cos() as f32, (sign * a.sin()) as f32)
-                })
-            })
-            .collect();
-        let row = heads * head_dim;
-        x.par_chunks_mut(row)
-            .enumerate()
-            .take(batch * seq)
-            .for_each(|(r, xr)| {
-                let pos = r % seq;
-                let cs = &table[pos * half..][..half];
-                for hd in xr.chunks_mut(head_dim) {
-                    let (lo, hi) = hd.split_at_mut(half);
-                    for i in 0..half {
-                        let (c, s) = cs[i];
-                        let (a, b) = (lo[i], hi[i]);
-                        lo[i] = a * c - b * s;
-                        hi[i] = b * c + a * s;
-                    }
-                }
-            });
+        super::rope::apply(x, batch, seq, heads, head_dim, theta, dir);
     }
 }

@@ -5,6 +5,7 @@ mod elementwise;
 mod math;
 mod matmul;
 mod norm;
+mod rope;
 mod token;
 
 use super::Backend;

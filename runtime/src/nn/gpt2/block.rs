@@ -200,6 +200,7 @@ impl Module for Block {
         let (c, be) = (self.cfg.n_embd, &*self.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("gpt2 block backward", grad_output, b * t, c)?;
+        crate::nn::check_same_batch(&self.prefix, s.x.len(), ctx.batch, c)?;
         // MLP branch.
         let mut dm = grad_output.data.clone();
         self.drop(ctx.rng_seed, SITE_MLP, &mut dm);

@@ -220,6 +220,7 @@ impl Module for Head {
         let s = take::<HeadSaved>(ctx.saved, "head")?;
         let g = crate::nn::loss_grad(grad_output)?;
         let (c, v, be) = (self.cfg.n_embd, self.cfg.vocab_size, &*self.be);
+        crate::nn::check_same_batch("head", s.x.len(), ctx.batch, c)?;
         let n = s.x.len() / c;
         let mut dlogits = s.probs;
         be.cross_entropy_backward(&mut dlogits, v, &ctx.batch.targets, g);

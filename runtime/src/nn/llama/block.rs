@@ -179,6 +179,7 @@ impl Module for Block {
         let (hd, im, be) = (self.cfg.hidden_size, self.cfg.intermediate_size, &*self.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("llama block backward", grad_output, b * t, hd)?;
+        crate::nn::check_same_batch(&self.prefix, s.x.len(), ctx.batch, hd)?;
         let (qw, kvw) = self.widths();
         let dout = &grad_output.data;
         // MLP branch.

@@ -207,6 +207,7 @@ impl Module for Head {
         let s = take::<HeadSaved>(ctx.saved, "head")?;
         let g = crate::nn::loss_grad(grad_output)?;
         let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, &*self.be);
+        crate::nn::check_same_batch("head", s.x.len(), ctx.batch, h)?;
         let n = s.x.len() / h;
         let mut dlogits = s.probs;
         be.cross_entropy_backward(&mut dlogits, v, &ctx.batch.targets, g);
