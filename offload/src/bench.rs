@@ -192,3 +192,36 @@ pub fn swap(
     let _ = std::fs::remove_dir(&dir);
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{AioSettings, EngineChoice};
+
+    #[test]
+    fn adam_bench_measures_and_refuses_nonsense() {
+        let r = adam(100_000, 2, AdamDtype::Bf16, 2).unwrap();
+        assert_eq!((r.params, r.threads, r.bytes_per_param), (100_000, 2, 30));
+        assert!(r.params_per_s > 0.0 && r.best_params_per_s >= r.params_per_s);
+        assert!(adam(0, 1, AdamDtype::F32, 1).is_err());
+        assert!(adam(10, 0, AdamDtype::F32, 1).is_err());
+    }
+
+    #[test]
+    fn swap_bench_reports_both_directions_and_cleans_up() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = AioSettings {
+            block_size: 64 << 10,
+            engine: EngineChoice::Threads,
+            ..AioSettings::default()
+        };
+        let r = swap(tmp.path(), 1 << 20, &s, 2).unwrap();
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].op, r[1].op), (SwapOp::Write, SwapOp::Read));
+        assert!(r
+            .iter()
+            .all(|x| x.gbps > 0.0 && x.engine.name() == "threads"));
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+        assert!(swap(tmp.path(), 0, &s, 1).is_err());
+    }
+}
