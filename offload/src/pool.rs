@@ -303,6 +303,27 @@ mod tests {
         assert_eq!(pool.available(), 0);
     }
 
+    fn locked_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmLck:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn locked_pools_are_really_locked_and_pageable_ones_are_not() {
+        // Other tests here lock (and free) at most 16 KiB meanwhile, hence the margin.
+        let before = locked_kib();
+        let locked = BufferPool::new(4, 256 << 10, Pinning::Locked).unwrap();
+        assert!(
+            locked_kib() + 64 >= before + 1024,
+            "1 MiB pool not in VmLck"
+        );
+        assert_eq!(locked.pinning(), Pinning::Locked);
+        let plain = BufferPool::new(4, 256 << 10, Pinning::Pageable).unwrap();
+        assert_eq!(plain.buffer_count(), 4);
+        assert_eq!(plain.pinning(), Pinning::Pageable);
+    }
+
     #[test]
     fn acquire_waits_for_a_return() {
         let pool = BufferPool::new(1, 4096, Pinning::Pageable).unwrap();
