@@ -270,3 +270,26 @@ fn a_full_disk_is_an_io_error_naming_file_and_tensor() {
         assert_eq!(back, pattern(300_000, 1));
     }
 }
+
+#[test]
+fn the_engine_is_chosen_at_start_and_reported_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = NvmeStore::open(&tmp.path().join("a"), &settings(EngineChoice::Auto)).unwrap();
+    match store.engine() {
+        Engine::IoUring => assert!(store.engine_note().is_none()),
+        Engine::Threads => {
+            let note = store.engine_note().expect("a fallback says why");
+            eprintln!("io_uring unavailable here: {note}");
+            let e = NvmeStore::open(&tmp.path().join("b"), &settings(EngineChoice::IoUring)).err();
+            assert!(e
+                .expect("io_uring demanded")
+                .to_string()
+                .contains("io_uring"));
+        }
+    }
+    assert_eq!(Engine::IoUring.name(), "io_uring");
+    assert_eq!(Engine::Threads.name(), "threads");
+    let threads = NvmeStore::open(&tmp.path().join("c"), &settings(EngineChoice::Threads)).unwrap();
+    assert_eq!(threads.engine(), Engine::Threads);
+    assert!(threads.engine_note().is_none(), "chosen, not a fallback");
+}

@@ -5,6 +5,10 @@
 //! scalar branch would) and a branch-free bf16 rounding. Only IEEE-exact operations appear:
 //! separate mul and add (Rust never contracts them into FMA), `sqrt` and division, so every
 //! compiled version equals `reference` bit for bit.
+//!
+//! `multiversion` only takes the AVX-512 build on CPUs with the Ice Lake / Zen 4 feature set
+//! (it adds those features to any avx512 target), so CPUs that downclock under AVX-512
+//! (Skylake-X) run the AVX2 build.
 
 use half::slice::HalfFloatSliceExt;
 use multiversion::multiversion;

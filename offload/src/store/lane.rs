@@ -172,7 +172,10 @@ impl Lane {
                 next += 1;
                 inflight += 1;
                 if t.submit == Submit::Single {
-                    ring.submit().map_err(|e| t.io_error("submit", off, e))?;
+                    if let Err(e) = ring.submit() {
+                        // Stop issuing; the wait below submits what is queued and drains it.
+                        failure = Some((next - 1, t.io_error("submit", off, e)));
+                    }
                 }
             }
             if inflight == 0 {
@@ -183,9 +186,15 @@ impl Lane {
                 Overlap::Sequential => inflight,
             };
             if let Err(e) = ring.submit_and_wait(want) {
-                if e.kind() == std::io::ErrorKind::Interrupted {
+                let again = matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+                );
+                if again {
                     continue;
                 }
+                // io_uring_enter itself failed with a non-transient error (EBADF, EFAULT:
+                // a broken ring, not an I/O error); nothing more can be reaped from it.
                 return Err(t.io_error("wait", ((first + next) * bs) as u64, e));
             }
             let done: Vec<(usize, i32)> = ring

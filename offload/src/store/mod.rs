@@ -56,6 +56,10 @@ struct Inner {
 }
 
 /// A directory of swap files owned by this process for its lifetime.
+///
+/// Operations on different keys may run concurrently (from any thread and the async forms);
+/// the caller orders operations on one key (a read racing a rewrite of the same key is a
+/// caller bug, though the checksums make it an error rather than garbage).
 pub struct NvmeStore {
     inner: Arc<Inner>,
     workers: asynch::Workers,

@@ -5,12 +5,16 @@
 //! bounds the swap pipelines) and come back when the [`PooledBuffer`] drops. Nothing is
 //! allocated per step.
 
+mod host;
+
 use std::ops::{Deref, DerefMut};
-use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use crate::sys::{self, human, MemlockLimit};
+pub use host::HostBuffer;
+
+use crate::sys::{self, MemlockLimit};
 use crate::{Error, Result};
+use host::lock_error;
 
 /// Alignment of every buffer: O_DIRECT needs the logical block size, at most one page.
 pub const ALIGN: usize = 4096;
@@ -22,96 +26,6 @@ pub enum Pinning {
     Locked,
     /// Ordinary (still page-aligned) memory.
     Pageable,
-}
-
-/// One page-aligned anonymous mapping, optionally locked; unmapped on drop.
-pub struct HostBuffer {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the mapping is uniquely owned; access goes through &/&mut like a Box<[u8]>.
-unsafe impl Send for HostBuffer {}
-// SAFETY: shared access only hands out `&[u8]`.
-unsafe impl Sync for HostBuffer {}
-
-impl HostBuffer {
-    /// Maps `len` bytes (rounded up to [`ALIGN`]), zeroed, and locks them if asked.
-    pub fn new(len: usize, pinning: Pinning) -> Result<HostBuffer> {
-        let len = len.max(1).next_multiple_of(ALIGN);
-        // SAFETY: an anonymous private mapping with no address hint has no preconditions.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error();
-            return Err(Error::Resource(format!(
-                "cannot map {} of host memory: {e}",
-                human(len as u64)
-            )));
-        }
-        let buf = HostBuffer {
-            ptr: NonNull::new(ptr.cast()).expect("mmap never returns null on success"),
-            len,
-        };
-        if pinning == Pinning::Locked {
-            // SAFETY: the range is exactly our mapping.
-            if unsafe { libc::mlock(ptr, len) } != 0 {
-                let e = std::io::Error::last_os_error();
-                return Err(lock_error(len as u64, sys::memlock_limit(), &e));
-            }
-        }
-        Ok(buf)
-    }
-
-    /// Size in bytes (a multiple of [`ALIGN`]).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: buffers hold at least one page.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-}
-
-/// The refusal for a failed mlock, naming the limit and what to change.
-pub(crate) fn lock_error(need: u64, limit: MemlockLimit, cause: &dyn std::fmt::Display) -> Error {
-    Error::Resource(format!(
-        "cannot lock {} of host memory (pin_memory = true): {cause}; RLIMIT_MEMLOCK is {limit}. \
-         Raise the limit (`ulimit -l`, systemd LimitMEMLOCK=, docker --ulimit memlock=-1) to at \
-         least {need} bytes, or set pin_memory = false",
-        human(need)
-    ))
-}
-
-impl Deref for HostBuffer {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: the mapping is `len` readable bytes owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl DerefMut for HostBuffer {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and &mut self gives exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for HostBuffer {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping (which also unlocks it).
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
-    }
 }
 
 struct Shared {
@@ -254,18 +168,6 @@ impl Drop for PooledBuffer {
     }
 }
 
-impl AsRef<[u8]> for HostBuffer {
-    fn as_ref(&self) -> &[u8] {
-        self
-    }
-}
-
-impl AsMut<[u8]> for HostBuffer {
-    fn as_mut(&mut self) -> &mut [u8] {
-        self
-    }
-}
-
 impl AsRef<[u8]> for PooledBuffer {
     fn as_ref(&self) -> &[u8] {
         self
@@ -301,6 +203,27 @@ mod tests {
             "a returned buffer is reused, not reallocated"
         );
         assert_eq!(pool.available(), 0);
+    }
+
+    fn locked_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmLck:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn locked_pools_are_really_locked_and_pageable_ones_are_not() {
+        // Other tests here lock (and free) at most 16 KiB meanwhile, hence the margin.
+        let before = locked_kib();
+        let locked = BufferPool::new(4, 256 << 10, Pinning::Locked).unwrap();
+        assert!(
+            locked_kib() + 64 >= before + 1024,
+            "1 MiB pool not in VmLck"
+        );
+        assert_eq!(locked.pinning(), Pinning::Locked);
+        let plain = BufferPool::new(4, 256 << 10, Pinning::Pageable).unwrap();
+        assert_eq!(plain.buffer_count(), 4);
+        assert_eq!(plain.pinning(), Pinning::Pageable);
     }
 
     #[test]
