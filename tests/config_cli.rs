@@ -5,11 +5,17 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn ferrozero(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrozero")).args(args).output().expect("run ferrozero")
+    Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+        .args(args)
+        .output()
+        .expect("run ferrozero")
 }
 
 fn repo(path: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path).display().to_string()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(path)
+        .display()
+        .to_string()
 }
 
 fn scratch(name: &str, text: &str) -> PathBuf {
@@ -29,8 +35,16 @@ fn exit_codes_valid_invalid_unreadable() {
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("typo_top_level.json:3:3"), "{stderr}");
-    assert!(stderr.contains("help: did you mean `gradient_clipping`?"), "{stderr}");
-    assert_eq!(ferrozero(&["validate", &valid, "/nonexistent/ds.json"]).status.code(), Some(2));
+    assert!(
+        stderr.contains("help: did you mean `gradient_clipping`?"),
+        "{stderr}"
+    );
+    assert_eq!(
+        ferrozero(&["validate", &valid, "/nonexistent/ds.json"])
+            .status
+            .code(),
+        Some(2)
+    );
     let yaml = scratch("ds.yaml", "stage: 3\n");
     let out = ferrozero(&["validate", yaml.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
@@ -44,7 +58,10 @@ fn json_report_has_positions() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let d = &report[0]["diagnostics"][0];
     assert_eq!(report[0]["status"], "invalid");
-    assert_eq!((d["path"].as_str(), d["line"].as_u64(), d["column"].as_u64()), (Some("bf16.enabled"), Some(7), Some(16)));
+    assert_eq!(
+        (d["path"].as_str(), d["line"].as_u64(), d["column"].as_u64()),
+        (Some("bf16.enabled"), Some(7), Some(16))
+    );
     assert_eq!(d["kind"], "conflict");
 }
 
@@ -61,29 +78,70 @@ fn schema_subcommand_prints_the_committed_schema() {
 fn convert_json_to_toml_round_trips() {
     let src = repo("tests/fixtures/configs/valid/hf_zero3_auto.json");
     let out = ferrozero(&["config", "convert", &src, "--to", "toml"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let toml_text = String::from_utf8(out.stdout).unwrap();
-    let converted = ferrozero_config::parse(&toml_text, ferrozero_config::Format::Toml, "converted.toml").unwrap();
+    let converted =
+        ferrozero_config::parse(&toml_text, ferrozero_config::Format::Toml, "converted.toml")
+            .unwrap();
     let original = ferrozero_config::load(Path::new(&src)).unwrap();
-    assert_eq!(converted.config.zero_optimization, original.config.zero_optimization);
+    assert_eq!(
+        converted.config.zero_optimization,
+        original.config.zero_optimization
+    );
     assert_eq!(converted.config.optimizer, original.config.optimizer);
-    assert_eq!(converted.config.train_batch_size, original.config.train_batch_size);
-    let back = ferrozero(&["config", "convert", scratch("c.toml", &toml_text).to_str().unwrap(), "--to", "json"]);
+    assert_eq!(
+        converted.config.train_batch_size,
+        original.config.train_batch_size
+    );
+    let back = ferrozero(&[
+        "config",
+        "convert",
+        scratch("c.toml", &toml_text).to_str().unwrap(),
+        "--to",
+        "json",
+    ]);
     assert!(back.status.success());
-    let json = ferrozero_config::parse(&String::from_utf8(back.stdout).unwrap(), ferrozero_config::Format::Json, "c.json").unwrap();
+    let json = ferrozero_config::parse(
+        &String::from_utf8(back.stdout).unwrap(),
+        ferrozero_config::Format::Json,
+        "c.json",
+    )
+    .unwrap();
     assert_eq!(json.config.fp16, original.config.fp16);
 }
 
 #[test]
 fn show_resolved_lists_decisions() {
     let src = repo("tests/fixtures/configs/valid/native_zero3.toml");
-    let out = ferrozero(&["config", "show", &src, "--resolved", "--world-size", "2", "--hidden-size", "100", "--format", "json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = ferrozero(&[
+        "config",
+        "show",
+        &src,
+        "--resolved",
+        "--world-size",
+        "2",
+        "--hidden-size",
+        "100",
+        "--format",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let resolved: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(resolved["zero"]["prefetch_bucket_size"], 9000);
     assert_eq!(resolved["train_batch_size"], 4);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("resolved zero_optimization.stage3_prefetch_bucket_size = 9000"), "{stderr}");
+    assert!(
+        stderr.contains("resolved zero_optimization.stage3_prefetch_bucket_size = 9000"),
+        "{stderr}"
+    );
     let missing = ferrozero(&["config", "show", &src, "--resolved", "--world-size", "2"]);
     assert_eq!(missing.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("hidden size is not known"));
@@ -91,25 +149,57 @@ fn show_resolved_lists_decisions() {
 
 #[test]
 fn presets_validate_and_point_to_the_schema() {
-    let presets = ["default", "zero1", "zero2", "zero3", "zero3_offload_cpu", "zero3_offload_nvme", "fp16_dynamic_scale"];
+    let presets = [
+        "default",
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero3_offload_cpu",
+        "zero3_offload_nvme",
+        "fp16_dynamic_scale",
+    ];
     for name in presets {
         let path = repo(&format!("configs/{name}.toml"));
         let text = std::fs::read_to_string(&path).unwrap();
-        assert_eq!(text.lines().next(), Some("#:schema ./ferrozero.schema.json"), "{name}");
+        assert_eq!(
+            text.lines().next(),
+            Some("#:schema ./ferrozero.schema.json"),
+            "{name}"
+        );
         let loaded = ferrozero_config::load(Path::new(&path)).unwrap_or_else(|e| panic!("{e}"));
         assert!(loaded.warnings.is_empty(), "{name}: {:?}", loaded.warnings);
-        loaded.config.resolve(&ferrozero_config::ResolveContext::new(2)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        loaded
+            .config
+            .resolve(&ferrozero_config::ResolveContext::new(2))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
 
 #[test]
 fn default_preset_is_the_examples_default() {
     use ferrozero_config::resolved::*;
-    let c = ferrozero_config::load(Path::new(&repo("configs/default.toml"))).unwrap().config;
+    let c = ferrozero_config::load(Path::new(&repo("configs/default.toml")))
+        .unwrap()
+        .config;
     assert_eq!(c.train_batch_size, None);
-    let r = c.resolve(&ferrozero_config::ResolveContext::new(2)).unwrap();
-    assert_eq!((r.zero.stage, r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps, r.train_batch_size), (ZeroStage::Stage2, 8, 1, 16));
+    let r = c
+        .resolve(&ferrozero_config::ResolveContext::new(2))
+        .unwrap();
+    assert_eq!(
+        (
+            r.zero.stage,
+            r.train_micro_batch_size_per_gpu,
+            r.gradient_accumulation_steps,
+            r.train_batch_size
+        ),
+        (ZeroStage::Stage2, 8, 1, 16)
+    );
     assert_eq!(r.precision, Precision::F32);
-    assert!(matches!(r.optimizer, OptimizerConfig::Adam { lr, adam_w_mode: true, .. } if lr == 3e-3));
-    assert!(matches!(r.scheduler, Some(SchedulerConfig::WarmupLR { .. })));
+    assert!(
+        matches!(r.optimizer, OptimizerConfig::Adam { lr, adam_w_mode: true, .. } if lr == 3e-3)
+    );
+    assert!(matches!(
+        r.scheduler,
+        Some(SchedulerConfig::WarmupLR { .. })
+    ));
 }

@@ -25,45 +25,117 @@ fn validate(file: &Path, extra: &[&str]) -> (i32, Vec<(String, String)>) {
         .as_array()
         .expect("diagnostics")
         .iter()
-        .map(|d| (d["severity"].as_str().unwrap().to_string(), d["path"].as_str().unwrap().to_string()))
+        .map(|d| {
+            (
+                d["severity"].as_str().unwrap().to_string(),
+                d["path"].as_str().unwrap().to_string(),
+            )
+        })
         .collect();
     (out.status.code().expect("exit code"), diags)
 }
 
 /// Expected findings: (file under fixtures, severity, key path that must be reported).
 const EXPECTED: &[(&str, &str, &str)] = &[
-    ("warn/deprecated_cpu_offload.json", "warning", "zero_optimization.cpu_offload"),
-    ("warn/deprecated_gather_fp16.json", "warning", "zero_optimization.stage3_gather_fp16_weights_on_model_save"),
-    ("warn/deprecated_thread_count.json", "warning", "aio.thread_count"),
+    (
+        "warn/deprecated_cpu_offload.json",
+        "warning",
+        "zero_optimization.cpu_offload",
+    ),
+    (
+        "warn/deprecated_gather_fp16.json",
+        "warning",
+        "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+    ),
+    (
+        "warn/deprecated_thread_count.json",
+        "warning",
+        "aio.thread_count",
+    ),
     ("warn/flops_profiler.json", "warning", "flops_profiler"),
     ("warn/hf_with_tensorboard.json", "warning", "tensorboard"),
-    ("warn/untested_optimizer_flag.json", "warning", "zero_allow_untested_optimizer"),
+    (
+        "warn/untested_optimizer_flag.json",
+        "warning",
+        "zero_allow_untested_optimizer",
+    ),
     ("warn/wandb_csv_monitor.json", "warning", "csv_monitor"),
     ("warn/zero_bool_form.json", "warning", "zero_optimization"),
-    ("invalid/batch_not_divisible.json", "error", "train_batch_size"),
-    ("invalid/compression_training.json", "error", "compression_training"),
+    (
+        "invalid/batch_not_divisible.json",
+        "error",
+        "train_batch_size",
+    ),
+    (
+        "invalid/compression_training.json",
+        "error",
+        "compression_training",
+    ),
     ("invalid/fp16_and_bf16.json", "error", "bf16.enabled"),
     ("invalid/loss_scale_range.json", "error", "fp16.hysteresis"),
-    ("invalid/max_grad_norm_in_optimizer.json", "error", "optimizer.params.max_grad_norm"),
-    ("invalid/nvme_without_path.json", "error", "zero_optimization.offload_optimizer.device"),
-    ("invalid/offload_param_stage2.json", "error", "zero_optimization.offload_param.device"),
-    ("invalid/old_and_new_together.json", "error", "zero_optimization.stage3_gather_fp16_weights_on_model_save"),
+    (
+        "invalid/max_grad_norm_in_optimizer.json",
+        "error",
+        "optimizer.params.max_grad_norm",
+    ),
+    (
+        "invalid/nvme_without_path.json",
+        "error",
+        "zero_optimization.offload_optimizer.device",
+    ),
+    (
+        "invalid/offload_param_stage2.json",
+        "error",
+        "zero_optimization.offload_param.device",
+    ),
+    (
+        "invalid/old_and_new_together.json",
+        "error",
+        "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+    ),
     ("invalid/onebit_adam.json", "error", "optimizer.type"),
-    ("invalid/ratio_below_stage3.json", "error", "zero_optimization.offload_optimizer.ratio"),
-    ("invalid/string_numbers.json", "error", "wall_clock_breakdown"),
-    ("invalid/toml_typo_section.toml", "error", "zero_optimisation"),
+    (
+        "invalid/ratio_below_stage3.json",
+        "error",
+        "zero_optimization.offload_optimizer.ratio",
+    ),
+    (
+        "invalid/string_numbers.json",
+        "error",
+        "wall_clock_breakdown",
+    ),
+    (
+        "invalid/toml_typo_section.toml",
+        "error",
+        "zero_optimisation",
+    ),
     ("invalid/trailing_comma.json", "error", ""),
-    ("invalid/typo_nvme_path.json", "error", "zero_optimization.offload_param.nvme_pth"),
+    (
+        "invalid/typo_nvme_path.json",
+        "error",
+        "zero_optimization.offload_param.nvme_pth",
+    ),
     ("invalid/typo_top_level.json", "error", "gradient_clippin"),
-    ("invalid/warmup_longer_than_total.json", "error", "scheduler.params.warmup_num_steps"),
-    ("invalid/zero_bucket.json", "error", "zero_optimization.reduce_bucket_size"),
+    (
+        "invalid/warmup_longer_than_total.json",
+        "error",
+        "scheduler.params.warmup_num_steps",
+    ),
+    (
+        "invalid/zero_bucket.json",
+        "error",
+        "zero_optimization.reduce_bucket_size",
+    ),
 ];
 
 #[test]
 fn corpus_has_the_expected_outcome_for_every_file() {
     let mut seen = 0;
     for group in ["valid", "warn", "invalid"] {
-        let mut files: Vec<_> = std::fs::read_dir(fixtures().join(group)).unwrap().map(|e| e.unwrap().path()).collect();
+        let mut files: Vec<_> = std::fs::read_dir(fixtures().join(group))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
         files.sort();
         for file in files {
             seen += 1;
@@ -76,7 +148,10 @@ fn corpus_has_the_expected_outcome_for_every_file() {
                     diags.iter().any(|(s, p)| s == sev && p == path),
                     "{name}: expected a {sev} at `{path}`, got {diags:?}"
                 ),
-                None => assert!(group == "valid" && diags.is_empty(), "{name}: no expectation listed, got {diags:?}"),
+                None => assert!(
+                    group == "valid" && diags.is_empty(),
+                    "{name}: no expectation listed, got {diags:?}"
+                ),
             }
         }
     }
@@ -89,5 +164,8 @@ fn world_size_enables_the_batch_rule() {
     assert_eq!(validate(&file, &["--world-size", "4"]).0, 0);
     let (code, diags) = validate(&file, &["--world-size", "3"]);
     assert_eq!(code, 1);
-    assert_eq!(diags, vec![("error".to_string(), "train_batch_size".to_string())]);
+    assert_eq!(
+        diags,
+        vec![("error".to_string(), "train_batch_size".to_string())]
+    );
 }

@@ -15,6 +15,9 @@ pub(crate) struct Cx<'s> {
     pub diags: Vec<Diagnostic>,
     /// Value span of every key read, by canonical dotted path, for cross-field rules.
     pub spans: HashMap<String, Range<usize>>,
+    /// Edit-distance suggestions left to compute: each costs O(len²) per candidate, and a
+    /// generated file with tens of thousands of bad keys must still be answered at once.
+    suggestions_left: usize,
 }
 
 /// Arguments of one diagnostic; built with struct syntax at call sites to keep them readable.
@@ -32,6 +35,7 @@ impl<'s> Cx<'s> {
             index: LineIndex::new(src, origin),
             diags: Vec::new(),
             spans: HashMap::new(),
+            suggestions_left: 1000,
         }
     }
 
@@ -137,9 +141,7 @@ pub(crate) fn to_uint(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<u64> {
             cx.invalid(path, node, format!("must not be negative, found {n}"), None);
             None
         }
-        Kind::Float(f) if f.is_finite() && f.fract() == 0.0 && f >= 0.0 && f < 1.8e19 => {
-            Some(f as u64)
-        }
+        Kind::Float(f) if f.fract() == 0.0 && (0.0..1.8e19).contains(&f) => Some(f as u64),
         Kind::Float(f) if f.is_finite() && f.fract() == 0.0 && f < 0.0 => {
             cx.invalid(path, node, format!("must not be negative, found {f}"), None);
             None
@@ -405,14 +407,19 @@ impl<'n> TableReader<'n> {
     }
 
     fn unknown(&self, cx: &mut Cx<'_>, path: &str, e: &Entry) {
-        let help = match nearest(&e.key, &self.known) {
-            Some(k) => format!("did you mean `{k}`?"),
-            None if self.known.is_empty() => "this table takes no keys".to_string(),
-            None => {
-                let mut keys = self.known.clone();
-                keys.sort_unstable();
-                keys.dedup();
-                format!("valid keys here: {}", keys.join(", "))
+        let help = if cx.suggestions_left == 0 {
+            "see `ferrozero schema` for the valid keys".to_string()
+        } else {
+            cx.suggestions_left -= 1;
+            match nearest(&e.key, &self.known) {
+                Some(k) => format!("did you mean `{k}`?"),
+                None if self.known.is_empty() => "this table takes no keys".to_string(),
+                None => {
+                    let mut keys = self.known.clone();
+                    keys.sort_unstable();
+                    keys.dedup();
+                    format!("valid keys here: {}", keys.join(", "))
+                }
             }
         };
         cx.error(Report {

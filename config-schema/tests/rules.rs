@@ -22,7 +22,14 @@ fn json_diags(src: &str) -> Vec<Diagnostic> {
 
 /// Finds the diagnostic at `path` and checks severity, kind, position and message.
 #[track_caller]
-fn expect(ds: &[Diagnostic], sev: Severity, kind: DiagnosticKind, path: &str, pos: (usize, usize), msg: &str) -> Diagnostic {
+fn expect(
+    ds: &[Diagnostic],
+    sev: Severity,
+    kind: DiagnosticKind,
+    path: &str,
+    pos: (usize, usize),
+    msg: &str,
+) -> Diagnostic {
     let d = ds
         .iter()
         .find(|d| d.path == path && d.kind == kind)
@@ -30,7 +37,11 @@ fn expect(ds: &[Diagnostic], sev: Severity, kind: DiagnosticKind, path: &str, po
     assert_eq!(d.severity, sev, "{d:#?}");
     let loc = d.location.as_ref().expect("a location");
     assert_eq!((loc.line, loc.column), pos, "{d}");
-    assert!(d.message.contains(msg), "message {:?} lacks {msg:?}", d.message);
+    assert!(
+        d.message.contains(msg),
+        "message {:?} lacks {msg:?}",
+        d.message
+    );
     d.clone()
 }
 
@@ -43,18 +54,53 @@ fn minimal_config_is_valid() {
 fn unknown_keys_at_every_level_suggest_the_nearest() {
     let src = "train_micro_batch_size_per_gpu = 2\nsteps_per_prnt = 5\n[zero_optimization]\nstage = 3\n[zero_optimization.offload_param]\ndevice = \"nvme\"\nnvme_pth = \"/x\"\n[aio]\nqueue_dept = 4\n[activation_checkpointing]\nprofil = true\n";
     let ds = diags(src);
-    let d = expect(&ds, Severity::Error, DiagnosticKind::UnknownKey, "steps_per_prnt", (2, 1), "unknown key");
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::UnknownKey,
+        "steps_per_prnt",
+        (2, 1),
+        "unknown key",
+    );
     assert_eq!(d.help.as_deref(), Some("did you mean `steps_per_print`?"));
-    let d = expect(&ds, Severity::Error, DiagnosticKind::UnknownKey, "zero_optimization.offload_param.nvme_pth", (7, 1), "nvme_pth");
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::UnknownKey,
+        "zero_optimization.offload_param.nvme_pth",
+        (7, 1),
+        "nvme_pth",
+    );
     assert!(d.help.unwrap().contains("nvme_path"));
-    expect(&ds, Severity::Error, DiagnosticKind::UnknownKey, "aio.queue_dept", (9, 1), "queue_dept");
-    expect(&ds, Severity::Error, DiagnosticKind::UnknownKey, "activation_checkpointing.profil", (11, 1), "profil");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::UnknownKey,
+        "aio.queue_dept",
+        (9, 1),
+        "queue_dept",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::UnknownKey,
+        "activation_checkpointing.profil",
+        (11, 1),
+        "profil",
+    );
 }
 
 #[test]
 fn unknown_key_far_from_any_lists_the_valid_ones() {
     let ds = diags("[comms]\nzzzzzzzzzz = 1\n");
-    let d = expect(&ds, Severity::Error, DiagnosticKind::UnknownKey, "comms.zzzzzzzzzz", (2, 1), "unknown");
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::UnknownKey,
+        "comms.zzzzzzzzzz",
+        (2, 1),
+        "unknown",
+    );
     assert!(d.help.unwrap().contains("backend, timeout"));
 }
 
@@ -62,14 +108,35 @@ fn unknown_key_far_from_any_lists_the_valid_ones() {
 fn monitors_warn_and_result_changing_sections_are_refused() {
     let src = format!("{BASE}[tensorboard]\nenabled = true\n[compression_training]\nx = 1\n");
     let ds = diags(&src);
-    expect(&ds, Severity::Warning, DiagnosticKind::Unsupported, "tensorboard", (2, 2), "ignored");
-    expect(&ds, Severity::Error, DiagnosticKind::Unsupported, "compression_training", (4, 2), "not supported");
+    expect(
+        &ds,
+        Severity::Warning,
+        DiagnosticKind::Unsupported,
+        "tensorboard",
+        (2, 2),
+        "ignored",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::Unsupported,
+        "compression_training",
+        (4, 2),
+        "not supported",
+    );
 }
 
 #[test]
 fn one_bit_optimizers_are_refused() {
     let ds = diags(&format!("{BASE}[optimizer]\ntype = \"OneBitAdam\"\n"));
-    expect(&ds, Severity::Error, DiagnosticKind::Unsupported, "optimizer.type", (3, 8), "OneBitAdam");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::Unsupported,
+        "optimizer.type",
+        (3, 8),
+        "OneBitAdam",
+    );
 }
 
 #[test]
@@ -77,11 +144,35 @@ fn deprecated_keys_map_with_a_warning() {
     let src = format!("{BASE}[zero_optimization]\nstage = 3\ncpu_offload = true\nstage3_gather_fp16_weights_on_model_save = true\n[aio]\nthread_count = 4\n");
     let loaded = parse(&src, Format::Toml, "t.toml").expect("valid with warnings");
     let ds = &loaded.warnings;
-    expect(ds, Severity::Warning, DiagnosticKind::Deprecated, "zero_optimization.cpu_offload", (4, 1), "deprecated");
-    expect(ds, Severity::Warning, DiagnosticKind::Deprecated, "zero_optimization.stage3_gather_fp16_weights_on_model_save", (5, 1), "deprecated");
-    expect(ds, Severity::Warning, DiagnosticKind::Deprecated, "aio.thread_count", (7, 1), "deprecated");
+    expect(
+        ds,
+        Severity::Warning,
+        DiagnosticKind::Deprecated,
+        "zero_optimization.cpu_offload",
+        (4, 1),
+        "deprecated",
+    );
+    expect(
+        ds,
+        Severity::Warning,
+        DiagnosticKind::Deprecated,
+        "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+        (5, 1),
+        "deprecated",
+    );
+    expect(
+        ds,
+        Severity::Warning,
+        DiagnosticKind::Deprecated,
+        "aio.thread_count",
+        (7, 1),
+        "deprecated",
+    );
     let z = &loaded.config.zero_optimization;
-    assert_eq!(z.offload_optimizer.as_ref().map(|o| o.device), Some(ferrozero_config::OffloadDevice::Cpu));
+    assert_eq!(
+        z.offload_optimizer.as_ref().map(|o| o.device),
+        Some(ferrozero_config::OffloadDevice::Cpu)
+    );
     assert!(z.stage3_gather_16bit_weights_on_model_save);
     assert_eq!(loaded.config.aio.intra_op_parallelism, 4);
 }
@@ -89,53 +180,148 @@ fn deprecated_keys_map_with_a_warning() {
 #[test]
 fn deprecated_key_next_to_its_replacement_is_an_error() {
     let src = format!("{BASE}[zero_optimization]\nstage = 3\ncpu_offload = true\noffload_optimizer = {{ device = \"cpu\" }}\n");
-    expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "zero_optimization.cpu_offload", (4, 1), "together");
+    expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "zero_optimization.cpu_offload",
+        (4, 1),
+        "together",
+    );
     let src = format!("{BASE}[aio]\nthread_count = 2\nintra_op_parallelism = 2\n");
-    expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "aio.thread_count", (3, 1), "together");
+    expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "aio.thread_count",
+        (3, 1),
+        "together",
+    );
 }
 
 #[test]
 fn short_aliases_are_accepted_and_clash_with_the_long_name() {
     let src = format!("{BASE}[zero_optimization]\nstage = 3\nprefetch_bucket_size = 7\nparam_persistence_threshold = 8\nmax_live_parameters = 9\nmax_reuse_distance = 10\ngather_16bit_weights_on_model_save = true\n");
-    let c = parse(&src, Format::Toml, "t").unwrap().config.zero_optimization;
-    assert_eq!(c.stage3_prefetch_bucket_size, ferrozero_config::AutoOr::Value(7));
-    assert_eq!(c.stage3_param_persistence_threshold, ferrozero_config::AutoOr::Value(8));
-    assert_eq!((c.stage3_max_live_parameters, c.stage3_max_reuse_distance), (9, 10));
+    let c = parse(&src, Format::Toml, "t")
+        .unwrap()
+        .config
+        .zero_optimization;
+    assert_eq!(
+        c.stage3_prefetch_bucket_size,
+        ferrozero_config::AutoOr::Value(7)
+    );
+    assert_eq!(
+        c.stage3_param_persistence_threshold,
+        ferrozero_config::AutoOr::Value(8)
+    );
+    assert_eq!(
+        (c.stage3_max_live_parameters, c.stage3_max_reuse_distance),
+        (9, 10)
+    );
     assert!(c.stage3_gather_16bit_weights_on_model_save);
     let src = format!("{BASE}[zero_optimization]\nstage = 3\nmax_live_parameters = 9\nstage3_max_live_parameters = 9\n");
-    expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "zero_optimization.stage3_max_live_parameters", (5, 1), "same setting");
+    expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "zero_optimization.stage3_max_live_parameters",
+        (5, 1),
+        "same setting",
+    );
 }
 
 #[test]
 fn bfloat16_alias_and_clash() {
-    let c = parse(&format!("{BASE}[bfloat16]\nenabled = true\n"), Format::Toml, "t").unwrap().config;
+    let c = parse(
+        &format!("{BASE}[bfloat16]\nenabled = true\n"),
+        Format::Toml,
+        "t",
+    )
+    .unwrap()
+    .config;
     assert_eq!(c.bf16.enabled, ferrozero_config::AutoOr::Value(true));
-    let ds = json_diags(r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "bfloat16": {"enabled": true}}"#);
-    expect(&ds, Severity::Error, DiagnosticKind::Conflict, "bfloat16", (1, 52), "same setting");
+    let ds = json_diags(
+        r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "bfloat16": {"enabled": true}}"#,
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "bfloat16",
+        (1, 52),
+        "same setting",
+    );
 }
 
 #[test]
 fn wrong_types_name_the_expected_type_and_hint_at_quotes() {
     let src = "train_micro_batch_size_per_gpu = \"8\"\nwall_clock_breakdown = \"true\"\ngradient_clipping = [1]\n[zero_optimization]\nstage = 2.5\n";
     let ds = diags(src);
-    let d = expect(&ds, Severity::Error, DiagnosticKind::WrongType, "train_micro_batch_size_per_gpu", (1, 34), "expected an integer, found a string");
-    assert_eq!(d.help.as_deref(), Some("remove the quotes: write 8 instead of \"8\""));
-    let d = expect(&ds, Severity::Error, DiagnosticKind::WrongType, "wall_clock_breakdown", (2, 24), "expected a boolean");
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::WrongType,
+        "train_micro_batch_size_per_gpu",
+        (1, 34),
+        "expected an integer, found a string",
+    );
+    assert_eq!(
+        d.help.as_deref(),
+        Some("remove the quotes: write 8 instead of \"8\"")
+    );
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::WrongType,
+        "wall_clock_breakdown",
+        (2, 24),
+        "expected a boolean",
+    );
     assert!(d.help.unwrap().contains("write true"));
-    expect(&ds, Severity::Error, DiagnosticKind::WrongType, "gradient_clipping", (3, 21), "expected a number, found an array");
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "zero_optimization.stage", (5, 9), "whole number");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::WrongType,
+        "gradient_clipping",
+        (3, 21),
+        "expected a number, found an array",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "zero_optimization.stage",
+        (5, 9),
+        "whole number",
+    );
 }
 
 #[test]
 fn integral_floats_are_integers_as_in_deepspeed_json() {
-    let c = parse(r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}"#, Format::Json, "t").unwrap().config;
-    assert_eq!(c.zero_optimization.reduce_bucket_size, ferrozero_config::AutoOr::Value(500_000_000));
+    let c = parse(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}"#,
+        Format::Json,
+        "t",
+    )
+    .unwrap()
+    .config;
+    assert_eq!(
+        c.zero_optimization.reduce_bucket_size,
+        ferrozero_config::AutoOr::Value(500_000_000)
+    );
 }
 
 #[test]
 fn fp16_and_bf16_together_point_at_both() {
     let src = format!("{BASE}[fp16]\nenabled = true\n[bf16]\nenabled = true\n");
-    let d = expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "bf16.enabled", (5, 11), "both");
+    let d = expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "bf16.enabled",
+        (5, 11),
+        "both",
+    );
     assert_eq!(d.related[0].0.line, 3);
     assert!(d.notes[0].contains("fp16.enabled = true"));
 }
@@ -143,42 +329,120 @@ fn fp16_and_bf16_together_point_at_both() {
 #[test]
 fn offload_param_below_stage_3() {
     let src = format!("{BASE}[zero_optimization]\nstage = 2\n[zero_optimization.offload_param]\ndevice = \"cpu\"\n");
-    let d = expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "zero_optimization.offload_param.device", (5, 10), "stage 3");
+    let d = expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "zero_optimization.offload_param.device",
+        (5, 10),
+        "stage 3",
+    );
     assert!(d.notes[0].contains("stage = 2"));
 }
 
 #[test]
 fn partial_optimizer_offload_below_stage_3() {
     let src = format!("{BASE}[zero_optimization]\nstage = 2\noffload_optimizer = {{ device = \"cpu\", ratio = 0.3 }}\n");
-    let d = expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "zero_optimization.offload_optimizer.ratio", (4, 47), "ratio < 1");
+    let d = expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "zero_optimization.offload_optimizer.ratio",
+        (4, 47),
+        "ratio < 1",
+    );
     assert!(d.notes[0].contains("ratio = 0.3"));
 }
 
 #[test]
 fn nvme_without_path() {
     let src = format!("{BASE}[zero_optimization]\nstage = 3\n[zero_optimization.offload_optimizer]\ndevice = \"nvme\"\n");
-    expect(&diags(&src), Severity::Error, DiagnosticKind::InvalidValue, "zero_optimization.offload_optimizer.device", (5, 10), "nvme_path");
+    expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "zero_optimization.offload_optimizer.device",
+        (5, 10),
+        "nvme_path",
+    );
 }
 
 #[test]
 fn zero_and_negative_bucket_sizes() {
     let src = format!("{BASE}[zero_optimization]\nstage = 2\nreduce_bucket_size = 0\nallgather_bucket_size = -5\n");
     let ds = diags(&src);
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "zero_optimization.reduce_bucket_size", (4, 22), "at least 1");
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "zero_optimization.allgather_bucket_size", (5, 25), "negative");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "zero_optimization.reduce_bucket_size",
+        (4, 22),
+        "at least 1",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "zero_optimization.allgather_bucket_size",
+        (5, 25),
+        "negative",
+    );
 }
 
 #[test]
 fn loss_scale_parameters_out_of_range() {
     let src = format!("{BASE}[fp16]\nenabled = true\nloss_scale = -1\ninitial_scale_power = 70\nloss_scale_window = 0\nhysteresis = 0\nmin_loss_scale = 0\n");
     let ds = diags(&src);
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "fp16.loss_scale", (4, 14), "found -1");
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "fp16.initial_scale_power", (5, 23), "at most 63");
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "fp16.loss_scale_window", (6, 21), "at least 1");
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "fp16.hysteresis", (7, 14), "at least 1");
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "fp16.min_loss_scale", (8, 18), "positive");
-    let src = format!("{BASE}[fp16]\nenabled = true\ninitial_scale_power = 4\nmin_loss_scale = 32\n");
-    let d = expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "fp16.min_loss_scale", (5, 18), "above");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "fp16.loss_scale",
+        (4, 14),
+        "found -1",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "fp16.initial_scale_power",
+        (5, 23),
+        "at most 63",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "fp16.loss_scale_window",
+        (6, 21),
+        "at least 1",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "fp16.hysteresis",
+        (7, 14),
+        "at least 1",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "fp16.min_loss_scale",
+        (8, 18),
+        "positive",
+    );
+    let src =
+        format!("{BASE}[fp16]\nenabled = true\ninitial_scale_power = 4\nmin_loss_scale = 32\n");
+    let d = expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "fp16.min_loss_scale",
+        (5, 18),
+        "above",
+    );
     assert!(d.notes[0].contains("min_loss_scale = 32, initial_scale_power = 4"));
 }
 
@@ -186,19 +450,54 @@ fn loss_scale_parameters_out_of_range() {
 fn schedules_that_cannot_work() {
     let src = format!("{BASE}[scheduler]\ntype = \"WarmupDecayLR\"\n[scheduler.params]\nwarmup_num_steps = 500\ntotal_num_steps = 100\nwarmup_min_lr = 0.1\nwarmup_max_lr = 0.01\n");
     let ds = diags(&src);
-    let d = expect(&ds, Severity::Error, DiagnosticKind::Conflict, "scheduler.params.warmup_num_steps", (5, 20), "longer");
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "scheduler.params.warmup_num_steps",
+        (5, 20),
+        "longer",
+    );
     assert!(d.notes[0].contains("warmup_num_steps = 500, total_num_steps = 100"));
-    expect(&ds, Severity::Error, DiagnosticKind::Conflict, "scheduler.params.warmup_min_lr", (7, 17), "above");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "scheduler.params.warmup_min_lr",
+        (7, 17),
+        "above",
+    );
     let src = format!("{BASE}[scheduler]\ntype = \"OneCycle\"\nparams = {{ cycle_min_lr = 1.0, cycle_max_lr = 0.1 }}\n");
-    expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "scheduler.params.cycle_min_lr", (4, 27), "above");
+    expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "scheduler.params.cycle_min_lr",
+        (4, 27),
+        "above",
+    );
     let src = format!("{BASE}[scheduler]\ntype = \"WarmupCosineLR\"\n");
-    expect(&diags(&src), Severity::Error, DiagnosticKind::InvalidValue, "scheduler.params", (2, 1), "total_num_steps");
+    expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "scheduler.params",
+        (2, 1),
+        "total_num_steps",
+    );
 }
 
 #[test]
 fn batch_sizes_that_no_world_size_fits() {
     let src = "train_batch_size = 30\ntrain_micro_batch_size_per_gpu = 4\ngradient_accumulation_steps = 2\n";
-    let d = expect(&diags(src), Severity::Error, DiagnosticKind::BatchSize, "train_batch_size", (1, 20), "multiple");
+    let d = expect(
+        &diags(src),
+        Severity::Error,
+        DiagnosticKind::BatchSize,
+        "train_batch_size",
+        (1, 20),
+        "multiple",
+    );
     assert!(d.notes[0].contains("train_batch_size = 30, train_micro_batch_size_per_gpu = 4, gradient_accumulation_steps = 2"));
 }
 
@@ -206,19 +505,54 @@ fn batch_sizes_that_no_world_size_fits() {
 fn optimizer_parameters_that_do_not_apply() {
     let src = format!("{BASE}[optimizer]\ntype = \"SGD\"\nparams = {{ lr = 0.1, betas = [0.9, 0.99], max_grad_norm = 1.0 }}\n");
     let ds = diags(&src);
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "optimizer.params.betas", (4, 30), "not a parameter of Sgd");
-    expect(&ds, Severity::Error, DiagnosticKind::Unsupported, "optimizer.params.max_grad_norm", (4, 43), "not supported");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "optimizer.params.betas",
+        (4, 30),
+        "not a parameter of Sgd",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::Unsupported,
+        "optimizer.params.max_grad_norm",
+        (4, 43),
+        "not supported",
+    );
     let src = format!("{BASE}[optimizer]\ntype = \"AdamW\"\nparams = {{ adam_w_mode = false }}\n");
-    expect(&diags(&src), Severity::Error, DiagnosticKind::Conflict, "optimizer.params.adam_w_mode", (4, 26), "contradictory");
+    expect(
+        &diags(&src),
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "optimizer.params.adam_w_mode",
+        (4, 26),
+        "contradictory",
+    );
 }
 
 #[test]
 fn enum_values_suggest_the_nearest() {
     let src = format!("{BASE}[zero_optimization]\nstage = 3\noffload_param = {{ device = \"nvm\" }}\n[comms]\nbackend = \"ncll\"\n");
     let ds = diags(&src);
-    let d = expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "zero_optimization.offload_param.device", (4, 28), "unknown value");
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "zero_optimization.offload_param.device",
+        (4, 28),
+        "unknown value",
+    );
     assert_eq!(d.help.as_deref(), Some("did you mean \"nvme\"?"));
-    expect(&ds, Severity::Error, DiagnosticKind::InvalidValue, "comms.backend", (6, 11), "ncll");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "comms.backend",
+        (6, 11),
+        "ncll",
+    );
 }
 
 #[test]
@@ -228,13 +562,23 @@ fn syntax_errors_have_positions_in_both_formats() {
     assert_eq!(ds[0].location.as_ref().unwrap().line, 1);
     let ds = json_diags("{\n  \"train_batch_size\": 8,\n}\n");
     let loc = ds[0].location.as_ref().unwrap();
-    assert_eq!((ds[0].kind, loc.line, loc.column), (DiagnosticKind::Syntax, 3, 1));
+    assert_eq!(
+        (ds[0].kind, loc.line, loc.column),
+        (DiagnosticKind::Syntax, 3, 1)
+    );
 }
 
 #[test]
 fn json_duplicate_keys_are_errors() {
     let ds = json_diags("{\"train_batch_size\": 8,\n \"train_batch_size\": 16}");
-    expect(&ds, Severity::Error, DiagnosticKind::Conflict, "train_batch_size", (2, 2), "duplicate");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::Conflict,
+        "train_batch_size",
+        (2, 2),
+        "duplicate",
+    );
 }
 
 #[test]
@@ -244,13 +588,23 @@ fn every_error_is_reported_not_only_the_first() {
     assert_eq!(err.errors().count(), 5, "{err}");
     let text = err.to_string();
     assert!(text.contains("--> t.toml:5:9"), "{text}");
-    assert!(text.contains("t.toml: invalid (5 errors, 0 warnings)"), "{text}");
+    assert!(
+        text.contains("t.toml: invalid (5 errors, 0 warnings)"),
+        "{text}"
+    );
 }
 
 #[test]
 fn stage_specific_keys_at_the_wrong_stage_warn() {
     let src = format!("{BASE}[zero_optimization]\nstage = 1\nstage3_max_live_parameters = 5\n");
-    expect(&diags(&src), Severity::Warning, DiagnosticKind::InvalidValue, "zero_optimization.stage3_max_live_parameters", (4, 30), "no effect");
+    expect(
+        &diags(&src),
+        Severity::Warning,
+        DiagnosticKind::InvalidValue,
+        "zero_optimization.stage3_max_live_parameters",
+        (4, 30),
+        "no effect",
+    );
 }
 
 #[test]
@@ -262,5 +616,12 @@ fn auto_is_accepted_only_where_deepspeed_accepts_it() {
       "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}"#;
     assert!(json_diags(ok).is_empty(), "{:#?}", json_diags(ok));
     let ds = json_diags(r#"{"train_batch_size": 8, "steps_per_print": "auto"}"#);
-    expect(&ds, Severity::Error, DiagnosticKind::WrongType, "steps_per_print", (1, 44), "expected an integer");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::WrongType,
+        "steps_per_print",
+        (1, 44),
+        "expected an integer",
+    );
 }
