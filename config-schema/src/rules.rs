@@ -254,32 +254,65 @@ fn check_offload(cx: &mut Cx<'_>, path: &str, o: &OffloadSection) {
 /// Keys that only mean something at another stage are accepted with a warning, since
 /// DeepSpeed accepts them and configs are often shared across stages.
 fn stage_mismatch_warnings(cx: &mut Cx<'_>, c: &Config) {
-    let stage = c.zero_optimization.stage;
-    let stage3_only = [
-        "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold",
-        "stage3_max_live_parameters",
-        "stage3_max_reuse_distance",
-        "stage3_gather_16bit_weights_on_model_save",
-        "sub_group_size",
-    ];
-    let keys: &[&str] = if stage < 3 {
-        &stage3_only
-    } else {
-        &[
+    let z = &c.zero_optimization;
+    let d = crate::model::ZeroOptimization::default();
+    // (key, applies at stage 3 only, set to something other than the default)
+    let keys = [
+        (
+            "stage3_prefetch_bucket_size",
+            true,
+            z.stage3_prefetch_bucket_size != d.stage3_prefetch_bucket_size,
+        ),
+        (
+            "stage3_param_persistence_threshold",
+            true,
+            z.stage3_param_persistence_threshold != d.stage3_param_persistence_threshold,
+        ),
+        (
+            "stage3_max_live_parameters",
+            true,
+            z.stage3_max_live_parameters != d.stage3_max_live_parameters,
+        ),
+        (
+            "stage3_max_reuse_distance",
+            true,
+            z.stage3_max_reuse_distance != d.stage3_max_reuse_distance,
+        ),
+        (
+            "stage3_gather_16bit_weights_on_model_save",
+            true,
+            z.stage3_gather_16bit_weights_on_model_save
+                != d.stage3_gather_16bit_weights_on_model_save,
+        ),
+        ("sub_group_size", true, z.sub_group_size != d.sub_group_size),
+        (
             "allgather_partitions",
+            false,
+            z.allgather_partitions != d.allgather_partitions,
+        ),
+        (
             "allgather_bucket_size",
+            false,
+            z.allgather_bucket_size != d.allgather_bucket_size,
+        ),
+        (
             "reduce_scatter",
-        ]
-    };
-    for key in keys {
+            false,
+            z.reduce_scatter != d.reduce_scatter,
+        ),
+    ];
+    // A default value spelled out (as `config convert` writes) changes nothing either way.
+    for (key, stage3_only, changed) in keys {
         let path = format!("zero_optimization.{key}");
-        if let Some(span) = cx.span_of(&path) {
+        let span = cx
+            .span_of(&path)
+            .filter(|_| changed && stage3_only == (z.stage < 3));
+        if let Some(span) = span {
             cx.warn(Report {
                 kind: DiagnosticKind::InvalidValue,
                 path: &path,
                 span: &span,
-                message: format!("has no effect at ZeRO stage {stage}"),
+                message: format!("has no effect at ZeRO stage {}", z.stage),
                 help: None,
             });
         }

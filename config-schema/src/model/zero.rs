@@ -11,7 +11,7 @@ use crate::reader::{auto_or, to_bool, to_uint, Cx, Report, Support, TableReader}
 
 /// `zero_optimization`.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct ZeroOptimization {
     /// ZeRO stage: 0 (plain data parallelism) to 3 (parameters partitioned too).
     #[schemars(range(min = 0, max = 3))]
