@@ -2,6 +2,7 @@
 //! table reader that knows which keys were asked for, so every leftover key is reported with
 //! its nearest valid spelling.
 
+mod homes;
 mod table;
 mod values;
 

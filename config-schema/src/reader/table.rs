@@ -163,8 +163,14 @@ impl<'n> TableReader<'n> {
             "see `ferrozero schema` for the valid keys".to_string()
         } else {
             cx.suggestions_left -= 1;
+            let homes = super::homes::homes_of(&e.key, path);
             match nearest(&e.key, &self.known) {
                 Some(k) => format!("did you mean `{k}`?"),
+                None if !homes.is_empty() => format!(
+                    "`{}` belongs in another table: `{}`",
+                    e.key,
+                    homes.join("`, `")
+                ),
                 None if self.known.is_empty() => "this table takes no keys".to_string(),
                 None => {
                     let mut keys = self.known.clone();
