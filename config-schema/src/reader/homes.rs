@@ -49,10 +49,7 @@ fn walk(
         } else {
             format!("{path}.{key}")
         };
-        index
-            .entry(key.clone())
-            .or_insert_with(Vec::new)
-            .push(full.clone());
+        index.entry(key.clone()).or_default().push(full.clone());
         walk(root, sub, &full, index, depth + 1);
     }
 }
