@@ -52,7 +52,7 @@ fn mutate(seed: &str, edits: &[(usize, u8, u8)]) -> String {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn random_text_never_panics(s in "\\PC{0,200}") {
