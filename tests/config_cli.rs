@@ -237,3 +237,31 @@ fn converted_configs_load_without_warnings() {
     let loaded = ferrozero_config::parse(&json, ferrozero_config::Format::Json, "c.json").unwrap();
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
 }
+
+#[test]
+fn show_resolved_encodes_every_preset_in_both_formats() {
+    for name in ["default", "zero3_offload_nvme", "fp16_dynamic_scale"] {
+        let path = repo(&format!("configs/{name}.toml"));
+        for format in ["toml", "json"] {
+            let out = ferrozero(&[
+                "config",
+                "show",
+                &path,
+                "--resolved",
+                "--world-size",
+                "2",
+                "--format",
+                format,
+            ]);
+            assert!(
+                out.status.success(),
+                "{name} {format}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                String::from_utf8_lossy(&out.stdout).contains("world_size"),
+                "{name} {format}"
+            );
+        }
+    }
+}
