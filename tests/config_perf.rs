@@ -1,6 +1,6 @@
 //! `ferrozero validate` on 1 MB configs answers in well under a second: a valid one (a real
-//! config padded with comments and a long table of monitor settings) and an invalid one with
-//! tens of thousands of errors.
+//! config padded with comments and a long table of monitor settings), and invalid ones with
+//! tens of thousands of errors, indented and minified onto one line.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -53,11 +53,24 @@ fn invalid_json() -> String {
     s
 }
 
+/// DeepSpeed configs are often written by `json.dumps` without indentation: one long line.
+fn invalid_minified_json() -> String {
+    let mut s = String::from("{\"train_batch_size\":8,\"zero_optimization\":{\"stage\":3");
+    let mut i = 0;
+    while s.len() < MB {
+        s.push_str(&format!(",\"stage3_unknown_key_{i}\":{i}"));
+        i += 1;
+    }
+    s.push_str("}}");
+    s
+}
+
 #[test]
 fn one_megabyte_configs_validate_in_well_under_a_second() {
     let valid = write("big_valid.toml", &valid_toml());
     let invalid = write("big_invalid.json", &invalid_json());
-    for (path, expected) in [(&valid, 0), (&invalid, 1)] {
+    let minified = write("big_minified.json", &invalid_minified_json());
+    for (path, expected) in [(&valid, 0), (&invalid, 1), (&minified, 1)] {
         for format in ["human", "json"] {
             let (code, elapsed) = time_validate(path, format);
             let size = std::fs::metadata(path).unwrap().len();
