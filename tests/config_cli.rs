@@ -111,7 +111,7 @@ fn convert_json_to_toml_round_trips() {
         "c.json",
     )
     .unwrap();
-    assert_eq!(json.config.fp16, original.config.fp16);
+    assert_eq!(json.config, original.config);
 }
 
 #[test]
@@ -202,4 +202,66 @@ fn default_preset_is_the_examples_default() {
         r.scheduler,
         Some(SchedulerConfig::WarmupLR { .. })
     ));
+}
+
+#[test]
+fn every_valid_config_round_trips_through_toml_and_json() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files: Vec<_> = std::fs::read_dir(dir.join("tests/fixtures/configs/valid"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.extend(
+        std::fs::read_dir(dir.join("tests/fixtures/configs/warn"))
+            .unwrap()
+            .map(|e| e.unwrap().path()),
+    );
+    for f in files {
+        let original = ferrozero_config::load(&f).unwrap().config;
+        let as_toml = toml::to_string_pretty(&original).unwrap();
+        let as_json = serde_json::to_string(&original).unwrap();
+        let from_toml = ferrozero_config::parse(&as_toml, ferrozero_config::Format::Toml, "t")
+            .unwrap_or_else(|e| panic!("{}: {e}\n{as_toml}", f.display()));
+        let from_json = ferrozero_config::parse(&as_json, ferrozero_config::Format::Json, "j")
+            .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        assert_eq!(from_toml.config, original, "{}", f.display());
+        assert_eq!(from_json.config, original, "{}", f.display());
+    }
+}
+
+#[test]
+fn converted_configs_load_without_warnings() {
+    let src = repo("configs/zero2.toml");
+    let out = ferrozero(&["config", "convert", &src, "--to", "json"]);
+    let json = String::from_utf8(out.stdout).unwrap();
+    let loaded = ferrozero_config::parse(&json, ferrozero_config::Format::Json, "c.json").unwrap();
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+}
+
+#[test]
+fn show_resolved_encodes_every_preset_in_both_formats() {
+    for name in ["default", "zero3_offload_nvme", "fp16_dynamic_scale"] {
+        let path = repo(&format!("configs/{name}.toml"));
+        for format in ["toml", "json"] {
+            let out = ferrozero(&[
+                "config",
+                "show",
+                &path,
+                "--resolved",
+                "--world-size",
+                "2",
+                "--format",
+                format,
+            ]);
+            assert!(
+                out.status.success(),
+                "{name} {format}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                String::from_utf8_lossy(&out.stdout).contains("world_size"),
+                "{name} {format}"
+            );
+        }
+    }
 }

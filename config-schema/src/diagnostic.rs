@@ -1,10 +1,13 @@
 //! Diagnostics: what went wrong, where (file:line:col with the source line), and how to fix it,
 //! rendered like rustc's through `annotate-snippets`.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Range;
+use std::sync::Arc;
 
-use annotate_snippets::{AnnotationKind, Group, Level, Renderer, Snippet};
+use annotate_snippets::{AnnotationKind, Group, Level, Origin, Renderer, Snippet};
 use serde::Serialize;
 
 /// How serious a diagnostic is.
@@ -50,9 +53,10 @@ pub struct Location {
     pub line: usize,
     /// 1-based column, in characters.
     pub column: usize,
-    /// The text of the line (without its newline).
+    /// The text of the line (without its newline), shared by every diagnostic on that line:
+    /// a minified JSON file is one line of megabytes.
     #[serde(skip)]
-    pub line_text: String,
+    pub line_text: Arc<str>,
     /// Byte range of the offending text within `line_text`.
     #[serde(skip)]
     pub span_in_line: Range<usize>,
@@ -113,12 +117,27 @@ impl Diagnostic {
         } else {
             format!("`{}`: {}", self.path, self.message)
         };
-        let mut group = Group::with_title(level.primary_title(title.as_str()));
+        let mut places: Vec<(&Location, AnnotationKind, &str)> = Vec::new();
         if let Some(loc) = &self.location {
-            group = group.element(snippet(loc, AnnotationKind::Primary, ""));
+            places.push((loc, AnnotationKind::Primary, ""));
         }
         for (loc, label) in &self.related {
-            group = group.element(snippet(loc, AnnotationKind::Context, label));
+            places.push((loc, AnnotationKind::Context, label.as_str()));
+        }
+        let mut group = Group::with_title(level.primary_title(title.as_str()));
+        for (loc, kind, label) in places {
+            group = if loc.line_text.len() > LONG_LINE {
+                // Rendering a megabyte-long (minified JSON) line per diagnostic takes seconds,
+                // and a window would make the renderer count columns from the window: state the
+                // position alone.
+                group.element(
+                    Origin::path(loc.origin.as_str())
+                        .line(loc.line)
+                        .char_column(loc.column),
+                )
+            } else {
+                group.element(snippet(loc, kind, label))
+            };
         }
         let mut report: Vec<Group<'_>> = vec![group];
         for note in &self.notes {
@@ -135,6 +154,9 @@ impl Diagnostic {
     }
 }
 
+/// Lines longer than this are not quoted in rendered diagnostics.
+const LONG_LINE: usize = 400;
+
 fn snippet<'a>(
     loc: &'a Location,
     kind: AnnotationKind,
@@ -146,7 +168,7 @@ fn snippet<'a>(
     } else {
         annotation.label(label)
     };
-    Snippet::source(loc.line_text.as_str())
+    Snippet::source(&*loc.line_text)
         .line_start(loc.line)
         .path(loc.origin.as_str())
         .annotation(annotation)
@@ -164,6 +186,8 @@ pub(crate) struct LineIndex<'s> {
     src: &'s str,
     origin: &'s str,
     starts: Vec<usize>,
+    /// Lines handed out so far, so that diagnostics on one line share its text.
+    lines: RefCell<HashMap<usize, (Arc<str>, bool)>>,
 }
 
 impl<'s> LineIndex<'s> {
@@ -175,6 +199,7 @@ impl<'s> LineIndex<'s> {
             src,
             origin,
             starts,
+            lines: RefCell::new(HashMap::new()),
         }
     }
 
@@ -192,13 +217,31 @@ impl<'s> LineIndex<'s> {
         let col_byte = col_byte.min(line_text.len());
         let end = span.end.clamp(start, line_start + line_text.len()) - line_start;
         let end = floor_boundary(line_text, end.max(col_byte));
+        let (line_text, ascii) = self.shared_line(line0, line_text);
+        let column = if ascii {
+            col_byte + 1
+        } else {
+            line_text[..col_byte].chars().count() + 1
+        };
         Location {
             origin: self.origin.to_string(),
             line: line0 + 1,
-            column: line_text[..col_byte].chars().count() + 1,
-            line_text: line_text.to_string(),
+            column,
+            line_text,
             span_in_line: col_byte..end,
         }
+    }
+}
+
+impl LineIndex<'_> {
+    /// The shared text of a line and whether it is ASCII (then columns are byte offsets, which
+    /// keeps thousands of diagnostics on one long line linear).
+    fn shared_line(&self, line0: usize, text: &str) -> (Arc<str>, bool) {
+        self.lines
+            .borrow_mut()
+            .entry(line0)
+            .or_insert_with(|| (Arc::from(text), text.is_ascii()))
+            .clone()
     }
 }
 
@@ -219,7 +262,7 @@ mod tests {
         let idx = LineIndex::new(src, "f.toml");
         let loc = idx.locate(&(src.find('"').unwrap()..src.len()));
         assert_eq!((loc.line, loc.column), (2, 5));
-        assert_eq!(loc.line_text, "é = \"x\"");
+        assert_eq!(&*loc.line_text, "é = \"x\"");
         assert_eq!(&loc.line_text[loc.span_in_line.clone()], "\"x\"");
         let end = idx.locate(&(src.len()..src.len()));
         assert_eq!((end.line, end.column), (3, 5));

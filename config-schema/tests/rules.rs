@@ -625,3 +625,44 @@ fn auto_is_accepted_only_where_deepspeed_accepts_it() {
         "expected an integer",
     );
 }
+
+#[test]
+fn keys_in_the_wrong_table_name_the_right_one() {
+    let ds = diags("train_batch_size = 8\nstage = 3\n[zero_optimization]\nqueue_depth = 4\n");
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::UnknownKey,
+        "stage",
+        (2, 1),
+        "unknown key",
+    );
+    assert_eq!(
+        d.help.as_deref(),
+        Some("`stage` belongs in another table: `zero_optimization.stage`")
+    );
+    let d = expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::UnknownKey,
+        "zero_optimization.queue_depth",
+        (4, 1),
+        "unknown key",
+    );
+    assert_eq!(
+        d.help.as_deref(),
+        Some("`queue_depth` belongs in another table: `aio.queue_depth`")
+    );
+}
+
+#[test]
+fn long_lines_render_the_exact_position_without_quoting_the_line() {
+    let padding = format!("\"$schema\": \"{}\", ", "x".repeat(600));
+    let src = format!("{{{padding}\"train_batch_size\": 8, \"stepz_per_print\": 1}}");
+    let err = parse(&src, Format::Json, "min.json").unwrap_err();
+    let col = src.find("\"stepz").unwrap() + 1;
+    let text = err.to_string();
+    assert!(text.contains(&format!("--> min.json:1:{col}")), "{text}");
+    assert!(!text.contains("xxxxxxxxxx"), "{text}");
+    assert!(text.contains("did you mean `steps_per_print`?"), "{text}");
+}

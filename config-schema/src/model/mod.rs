@@ -29,7 +29,7 @@ use crate::reader::{auto_or, to_f64, to_str, to_uint, Cx, Support, TableReader};
 
 /// A ferrozero / DeepSpeed configuration file, typed.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 #[schemars(
     title = "ferrozero configuration",
     description = "DeepSpeed-compatible training configuration for ferrozero (TOML or JSON)."
@@ -81,11 +81,50 @@ pub struct Config {
 }
 
 /// The text a config was read from and the value span of each key read.
-#[derive(Debug, Default, PartialEq)]
+#[derive(Default)]
 pub(crate) struct SourceMap {
     pub origin: String,
     pub text: String,
     pub spans: HashMap<String, Range<usize>>,
+}
+
+/// Provenance is not part of a config's value: the same settings read from two files are equal.
+impl PartialEq for SourceMap {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+/// The source text can be megabytes; debug output names the origin only.
+impl std::fmt::Debug for SourceMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SourceMap({:?})", self.origin)
+    }
+}
+
+impl Default for Config {
+    /// The config an empty file produces.
+    fn default() -> Self {
+        Config {
+            schema: None,
+            train_batch_size: None,
+            train_micro_batch_size_per_gpu: None,
+            gradient_accumulation_steps: None,
+            gradient_clipping: AutoOr::Value(1.0),
+            steps_per_print: 10,
+            wall_clock_breakdown: false,
+            seed: DEFAULT_SEED,
+            zero_optimization: ZeroOptimization::default(),
+            fp16: Fp16::default(),
+            bf16: Bf16::default(),
+            optimizer: None,
+            scheduler: None,
+            activation_checkpointing: None,
+            aio: Aio::default(),
+            comms: Comms::default(),
+            source: Arc::default(),
+        }
+    }
 }
 
 /// ferrozero's default seed.
@@ -227,6 +266,7 @@ pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
     let mut t = TableReader::new(cx, "", root)?;
     let batch = |cx: &mut Cx<'_>, p: &str, n: &Node| auto_or(cx, p, n, to_uint);
     let f = |cx: &mut Cx<'_>, p: &str, n: &Node| auto_or(cx, p, n, to_f64);
+    let d = Config::default();
     let config = Config {
         schema: t.get(cx, "$schema", &[], |cx, p, n| {
             to_str(cx, p, n).map(str::to_string)
@@ -237,9 +277,9 @@ pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
         gradient_clipping: t
             .get(cx, "gradient_clipping", &[], f)
             .unwrap_or(AutoOr::Value(1.0)),
-        steps_per_print: t.uint(cx, "steps_per_print", 10),
+        steps_per_print: t.uint(cx, "steps_per_print", d.steps_per_print),
         wall_clock_breakdown: t.bool(cx, "wall_clock_breakdown", false),
-        seed: t.uint(cx, "seed", DEFAULT_SEED),
+        seed: t.uint(cx, "seed", d.seed),
         zero_optimization: t
             .get(cx, "zero_optimization", &[], |cx, p, n| {
                 Some(zero::read_zero(cx, p, n))

@@ -24,7 +24,7 @@ pub enum OffloadDevice {
 /// `offload_param` / `offload_optimizer` (DeepSpeed accepts the union of keys in both; the
 /// ones that do not apply to a section are ignored there, as in DeepSpeed).
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct OffloadSection {
     /// `none`, `cpu` or `nvme`.
     pub device: OffloadDevice,

@@ -9,7 +9,7 @@ use crate::reader::{auto_or, to_bool, to_f64, Cx, Support, TableReader};
 
 /// `fp16`.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct Fp16 {
     /// fp16 mixed precision; `"auto"` resolves to off unless the caller asks for it.
     pub enabled: AutoOr<bool>,
@@ -47,7 +47,7 @@ impl Default for Fp16 {
 
 /// `bf16` (DeepSpeed also reads it as `bfloat16`).
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct Bf16 {
     /// bf16 mixed precision; `"auto"` resolves to off unless the caller asks for it.
     pub enabled: AutoOr<bool>,

@@ -9,7 +9,7 @@ use crate::reader::{to_choice, to_uint, Cx, Report, Support, TableReader};
 
 /// `activation_checkpointing`; present means the engine checkpoints unit inputs.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct ActivationCheckpointingSection {
     /// Partition checkpointed activations across ranks.
     pub partition_activations: bool,
@@ -28,7 +28,7 @@ pub struct ActivationCheckpointingSection {
 
 /// `aio`: asynchronous I/O for NVMe offload.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct Aio {
     /// Bytes per I/O request.
     pub block_size: u64,
@@ -69,7 +69,7 @@ pub enum Backend {
 
 /// `comms` (ferrozero's own section).
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct Comms {
     /// `local` (default), `mpi` or `nccl`.
     pub backend: Backend,

@@ -11,7 +11,7 @@ use crate::reader::{auto_or, to_bool, to_uint, Cx, Report, Support, TableReader}
 
 /// `zero_optimization`.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct ZeroOptimization {
     /// ZeRO stage: 0 (plain data parallelism) to 3 (parameters partitioned too).
     #[schemars(range(min = 0, max = 3))]
@@ -218,7 +218,7 @@ fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
         stage3_gather_16bit_weights_on_model_save: read_gather_16bit(cx, t),
         round_robin_gradients: t.bool(cx, "round_robin_gradients", d.round_robin_gradients),
         zero_hpz_partition_size: t.uint(cx, "zero_hpz_partition_size", d.zero_hpz_partition_size),
-        offload_param: t.get(cx, "offload_param", &[], |cx, p, n| read_offload(cx, p, n)),
+        offload_param: t.get(cx, "offload_param", &[], read_offload),
         offload_optimizer: t.get(cx, "offload_optimizer", &[], |cx, p, n| {
             read_offload(cx, p, n)
         }),
