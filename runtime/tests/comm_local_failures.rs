@@ -10,6 +10,8 @@ use ferrozero_runtime::comm::{BufMut, BufRef, Communicator, ReduceOp};
 use ferrozero_runtime::Error;
 
 const TIMEOUT: Duration = Duration::from_millis(400);
+/// Scheduling slack on a loaded 2-core machine.
+const SLACK: Duration = Duration::from_secs(3);
 
 /// Asserts that `e` is a collective error for `op` naming `peer`, raised within the
 /// timeout (plus scheduling slack).
@@ -100,7 +102,7 @@ fn a_rank_that_stops_answering_times_out_every_other_rank() {
     let start = Instant::now();
     let err = run_ranks(3, TIMEOUT, |c: Box<dyn Communicator>| {
         if c.rank() == 1 {
-            std::thread::sleep(TIMEOUT * 3);
+            std::thread::sleep(TIMEOUT * 5);
         }
         let mut v = vec![c.rank() as f32; 1000];
         c.all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)
@@ -108,8 +110,12 @@ fn a_rank_that_stops_answering_times_out_every_other_rank() {
     let elapsed = start.elapsed();
     let e = err.expect_err("rank 1 is too slow");
     // The detecting ranks report rank 1; rank 1 itself reports who gave up on it.
-    assert_names(&e, "all_reduce", 1, TIMEOUT * 3);
-    assert!(elapsed < TIMEOUT * 6, "{elapsed:?}");
+    assert_names(&e, "all_reduce", 1, TIMEOUT + SLACK);
+    assert!(
+        matches!(e, Error::Comm { elapsed, .. } if elapsed >= TIMEOUT),
+        "{e}"
+    );
+    assert!(elapsed < TIMEOUT * 5 + SLACK, "{elapsed:?}");
 }
 
 #[test]
@@ -135,7 +141,12 @@ fn every_rank_reports_a_timeout_within_the_limit() {
     });
     for r in outcomes.into_iter().flatten() {
         let e = r.expect_err("rank 3 never came");
-        assert_names(&e, "all_gather", 3, TIMEOUT * 2);
+        assert_names(&e, "all_gather", 3, TIMEOUT + SLACK);
+        // Not earlier than the timeout either: a slow peer gets its full allowance.
+        assert!(
+            matches!(e, Error::Comm { elapsed, .. } if elapsed >= TIMEOUT),
+            "{e}"
+        );
     }
 }
 

@@ -139,3 +139,19 @@ fn print(rows: &[BenchRow], json: bool) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes_and_reject_garbage() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("1K"), Ok(1024));
+        assert_eq!(parse_size("256M"), Ok(256 << 20));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        for bad in ["", "0", "K", "1X", "-1", "99999999999999999999G"] {
+            assert!(parse_size(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -133,7 +133,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
 }
 
 /// Polls the ranks until all succeeded, one failed, or a signal arrived.
-fn supervise(ranks: &mut Vec<(usize, Child)>, grace: Duration) -> Result<LaunchOutcome> {
+fn supervise(ranks: &mut [(usize, Child)], grace: Duration) -> Result<LaunchOutcome> {
     let mut running: Vec<bool> = vec![true; ranks.len()];
     loop {
         if let Some(sig) = signals::take() {
