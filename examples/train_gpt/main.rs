@@ -60,6 +60,10 @@ pub struct Args {
     /// Log from every rank, prefixed, instead of rank 0 only.
     #[arg(long)]
     pub log_all_ranks: bool,
+    /// Print one JSON line at the end for benchmarks: tokens/s over the steps after the first
+    /// two (warm-up), peak ledger bytes per rank and the process's peak RSS.
+    #[arg(long)]
+    pub bench_json: bool,
     /// No progress bar (logs a line every `steps_per_print` steps instead).
     #[arg(long)]
     pub no_progress: bool,

@@ -174,6 +174,7 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows) -> Result<(), BoxErr
     let every = engine.config().steps_per_print.max(1) as u64;
     let start = Instant::now();
     let mut tokens_total = 0u64;
+    let (mut warm_tokens, mut warm_secs) = (0.0, 0.0);
     for step in 0..args.steps {
         let batches = micro_batches(engine, rows, step);
         let t = Instant::now();
@@ -182,6 +183,10 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows) -> Result<(), BoxErr
         let input_tokens =
             engine.sum_across_ranks(batches.iter().map(|b| (b.batch * b.seq) as f64).sum())?;
         tokens_total += input_tokens as u64;
+        if step >= 2 {
+            warm_tokens += input_tokens;
+            warm_secs += dt;
+        }
         let tps = input_tokens / dt.max(1e-9);
         let peak_dev = engine.max_across_ranks(r.memory.peak_device_bytes as f64)?;
         let peak_host = engine.max_across_ranks(r.memory.peak_host_bytes as f64)?;
@@ -207,6 +212,20 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows) -> Result<(), BoxErr
     }
     if let Some(b) = bar {
         b.finish();
+    }
+    let peak_dev = engine.max_across_ranks(engine.ledger().peak_total(ferrozero::runtime::engine::ledger::Location::Device) as f64)?;
+    if lead && args.bench_json {
+        let cfg = engine.config();
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "ferrozero_gpt_train", "stage": cfg.zero.stage.number(), "ranks": engine.world_size(),
+                "offload_optimizer": format!("{:?}", cfg.zero.offload_optimizer.target),
+                "params": engine.model().num_params(), "steps": args.steps,
+                "tokens_per_s": warm_tokens / warm_secs.max(1e-9),
+                "peak_device_bytes_per_rank": peak_dev as u64, "process_vmhwm_mib": vmhwm_mib(),
+            })
+        );
     }
     if lead {
         let secs = start.elapsed().as_secs_f64();
@@ -306,4 +325,12 @@ fn save(engine: &Engine, dir: &std::path::Path) -> ferrozero::runtime::Result<()
         tracing::info!("saved {} parameters to {}", params.len(), path.display());
     }
     Ok(())
+}
+
+/// The process's peak resident set (VmHWM) in MiB; NaN where /proc is unavailable.
+fn vmhwm_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .map_or(f64::NAN, |kb| kb / 1024.0)
 }

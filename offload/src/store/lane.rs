@@ -69,7 +69,7 @@ fn span(len: usize, block: usize, i: usize, base: *const u8) -> (std::ops::Range
     let start = i * block;
     let end = (start + block).min(len);
     // SAFETY: start <= len, so the pointer stays inside (or one past) the caller's slice.
-    let aligned = unsafe { base.add(start) } as usize % ALIGN == 0;
+    let aligned = (unsafe { base.add(start) } as usize).is_multiple_of(ALIGN);
     (start..end, aligned && end - start == block)
 }
 
