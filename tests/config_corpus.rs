@@ -62,6 +62,11 @@ const EXPECTED: &[(&str, &str, &str)] = &[
     ("warn/wandb_csv_monitor.json", "warning", "csv_monitor"),
     ("warn/zero_bool_form.json", "warning", "zero_optimization"),
     (
+        "warn/template_number_checkpoints_false.json",
+        "warning",
+        "activation_checkpointing.number_checkpoints",
+    ),
+    (
         "invalid/batch_not_divisible.json",
         "error",
         "train_batch_size",

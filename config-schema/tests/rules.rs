@@ -666,3 +666,33 @@ fn long_lines_render_the_exact_position_without_quoting_the_line() {
     assert!(!text.contains("xxxxxxxxxx"), "{text}");
     assert!(text.contains("did you mean `steps_per_print`?"), "{text}");
 }
+
+#[test]
+fn number_checkpoints_accepts_the_template_shapes() {
+    let ok = json_diags(
+        r#"{"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": null}}"#,
+    );
+    assert!(ok.is_empty(), "{ok:?}");
+    let ds = json_diags(
+        r#"{"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": false}}"#,
+    );
+    expect(
+        &ds,
+        Severity::Warning,
+        DiagnosticKind::InvalidValue,
+        "activation_checkpointing.number_checkpoints",
+        (1, 76),
+        "read as unset",
+    );
+    let ds = json_diags(
+        r#"{"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": true}}"#,
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::WrongType,
+        "activation_checkpointing.number_checkpoints",
+        (1, 76),
+        "expected an integer",
+    );
+}

@@ -97,12 +97,33 @@ pub(crate) fn read_activation(
         partition_activations: t.bool(cx, "partition_activations", false),
         cpu_checkpointing: t.bool(cx, "cpu_checkpointing", false),
         contiguous_memory_optimization: t.bool(cx, "contiguous_memory_optimization", false),
-        number_checkpoints: t.get(cx, "number_checkpoints", &[], to_uint),
+        number_checkpoints: t
+            .get(cx, "number_checkpoints", &[], read_number_checkpoints)
+            .flatten(),
         synchronize_checkpoint_boundary: t.bool(cx, "synchronize_checkpoint_boundary", false),
         profile: t.bool(cx, "profile", false),
     };
     t.finish(cx, &[]);
     Some(a)
+}
+
+/// `null` means unset (DeepSpeed's default); `false` appears in widely copied templates and is
+/// read as unset with a warning.
+fn read_number_checkpoints(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Option<u64>> {
+    match node.kind {
+        crate::parse::Kind::Null => Some(None),
+        crate::parse::Kind::Bool(false) => {
+            cx.warn(Report {
+                kind: DiagnosticKind::InvalidValue,
+                path,
+                span: &node.span,
+                message: "`false` is not a number of checkpoints; read as unset".into(),
+                help: Some("remove the key to checkpoint every unit".into()),
+            });
+            Some(None)
+        }
+        _ => to_uint(cx, path, node).map(Some),
+    }
 }
 
 const AIO_SUPPORT: &[(&str, Support)] = &[(
