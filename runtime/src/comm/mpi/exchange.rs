@@ -129,13 +129,18 @@ impl MpiComm {
         start: Instant,
         mut req: Request<'static, D, StaticScope>,
     ) -> Result<()> {
-        let mut spins = 0u32;
+        // Open MPI's nonblocking collectives advance only inside MPI calls, so the request
+        // is tested continuously (yielding the core between tests) and only a long wait
+        // falls back to short sleeps.
+        let patient = Duration::from_millis(200);
+        let waiting = Instant::now();
         loop {
             match req.test() {
                 Ok(_) => return Ok(()),
                 Err(r) => req = r,
             }
-            if start.elapsed() >= self.timeout {
+            let now = Instant::now();
+            if now.duration_since(start) >= self.timeout {
                 std::mem::forget(req);
                 let reason = format!(
                     "no progress within {:?}: a peer died, stopped answering or called fewer \
@@ -145,11 +150,10 @@ impl MpiComm {
                 self.break_with(&reason);
                 return Err(self.error(op.name(), None, start, reason));
             }
-            spins += 1;
-            if spins < 1000 {
+            if now.duration_since(waiting) < patient {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(Duration::from_micros(100));
+                std::thread::sleep(Duration::from_micros(200));
             }
         }
     }
