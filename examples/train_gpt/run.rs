@@ -32,7 +32,7 @@ fn data(args: &Args) -> Result<Data, String> {
             train: Arc::new(train),
             heldout: Some(Addition {
                 digits: args.digits,
-                seed: args.seed ^ 0x5eed_0f_c0ffee,
+                seed: args.seed ^ 0x5eed_0fc0_ffee,
             }),
         });
     };
@@ -213,7 +213,11 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows) -> Result<(), BoxErr
     if let Some(b) = bar {
         b.finish();
     }
-    let peak_dev = engine.max_across_ranks(engine.ledger().peak_total(ferrozero::runtime::engine::ledger::Location::Device) as f64)?;
+    let peak_dev = engine.max_across_ranks(
+        engine
+            .ledger()
+            .peak_total(ferrozero::runtime::engine::ledger::Location::Device) as f64,
+    )?;
     if lead && args.bench_json {
         let cfg = engine.config();
         println!(
@@ -331,6 +335,10 @@ fn save(engine: &Engine, dir: &std::path::Path) -> ferrozero::runtime::Result<()
 fn vmhwm_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }

@@ -71,7 +71,10 @@ impl AioSettings {
                 detail,
             })
         };
-        if self.block_size == 0 || !self.block_size.is_multiple_of(4096) || self.block_size > 1 << 30 {
+        if self.block_size == 0
+            || !self.block_size.is_multiple_of(4096)
+            || self.block_size > 1 << 30
+        {
             return bad(format!(
                 "aio.block_size {} must be a positive multiple of 4096 (O_DIRECT) up to 1 GiB",
                 self.block_size

@@ -490,10 +490,10 @@ fn unit_params_and_grads<'a>(
 }
 
 /// Splits a flat buffer into disjoint mutable slices for consecutive, ordered ranges.
-fn split_slots<'a>(
-    buf: &'a mut [f32],
+fn split_slots(
+    buf: &mut [f32],
     ranges: impl Iterator<Item = std::ops::Range<usize>>,
-) -> Vec<&'a mut [f32]> {
+) -> Vec<&mut [f32]> {
     let mut rest = buf;
     let mut consumed = 0;
     let mut out = Vec::new();

@@ -31,7 +31,7 @@ fn check_view(name: &str, len: usize, s: &AttentionShape, v: RowView, heads: usi
 }
 
 fn check_shape(s: &AttentionShape) -> Result<()> {
-    if s.kv_heads == 0 || s.q_heads % s.kv_heads != 0 || s.head_dim == 0 {
+    if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) || s.head_dim == 0 {
         return Err(Error::Invalid(format!(
             "attention needs kv_heads dividing q_heads and head_dim > 0, got {} q heads, {} kv heads, head_dim {}",
             s.q_heads, s.kv_heads, s.head_dim

@@ -119,7 +119,7 @@ impl Gpt2Config {
         if self.n_layer == 0 || self.n_head == 0 || self.n_embd == 0 || self.vocab_size == 0 {
             return bad("n_layer, n_head, n_embd and vocab_size must be positive".into());
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return bad(format!(
                 "n_embd {} is not a multiple of n_head {}",
                 self.n_embd, self.n_head

@@ -137,14 +137,16 @@ impl LlamaConfig {
         if sizes.contains(&0) || self.num_attention_heads == 0 || self.vocab_size == 0 {
             return bad("sizes, layer and head counts must be positive".into());
         }
-        if self.hidden_size % self.num_attention_heads != 0 || self.head_dim() % 2 != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads)
+            || !self.head_dim().is_multiple_of(2)
+        {
             return bad(format!(
                 "hidden_size {} must split into {} heads of even width",
                 self.hidden_size, self.num_attention_heads
             ));
         }
         let kv = self.kv_heads();
-        if kv == 0 || self.num_attention_heads % kv != 0 {
+        if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
             return bad(format!(
                 "num_key_value_heads {kv} must divide num_attention_heads {}",
                 self.num_attention_heads
