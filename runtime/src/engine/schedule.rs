@@ -23,6 +23,15 @@ fn warmup_gamma(k: u64, steps: u64, kind: WarmupType) -> f64 {
     }
 }
 
+/// The warmup gamma during the first `steps` steps, `after()` from then on.
+fn warmup_then(k: u64, steps: u64, kind: WarmupType, after: impl FnOnce() -> f64) -> f64 {
+    if k < steps {
+        warmup_gamma(k, steps, kind)
+    } else {
+        after()
+    }
+}
+
 impl Schedule {
     /// The schedule for an optimizer config and an optional scheduler.
     pub fn new(opt: &OptimizerConfig, cfg: Option<SchedulerConfig>) -> Self {
@@ -42,11 +51,7 @@ impl Schedule {
                 warmup_num_steps,
                 warmup_type,
             }) => {
-                let g = if k < *warmup_num_steps {
-                    warmup_gamma(k, *warmup_num_steps, *warmup_type)
-                } else {
-                    1.0
-                };
+                let g = warmup_then(k, *warmup_num_steps, *warmup_type, || 1.0);
                 warmup_min_lr + (warmup_max_lr - warmup_min_lr) * g
             }
             Some(SchedulerConfig::WarmupDecayLR {
@@ -56,13 +61,11 @@ impl Schedule {
                 warmup_num_steps,
                 warmup_type,
             }) => {
-                let g = if k < *warmup_num_steps {
-                    warmup_gamma(k, *warmup_num_steps, *warmup_type)
-                } else {
+                let g = warmup_then(k, *warmup_num_steps, *warmup_type, || {
                     let left = *total_num_steps as f64 - k as f64;
                     let span = (*total_num_steps as f64 - *warmup_num_steps as f64).max(1.0);
                     (left / span).max(0.0)
-                };
+                });
                 warmup_min_lr + (warmup_max_lr - warmup_min_lr) * g
             }
             Some(SchedulerConfig::WarmupCosineLR {
