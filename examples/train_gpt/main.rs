@@ -40,7 +40,7 @@ pub struct Args {
     #[arg(long, default_value_t = 3)]
     pub digits: u32,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 1500)]
     pub steps: u64,
     /// Seed for the data order (the config's `seed` initialises the model).
     #[arg(long, default_value_t = 0)]
