@@ -6,6 +6,7 @@
 
 pub mod buffers;
 mod build;
+pub mod checkpoint;
 mod core;
 pub mod group;
 pub mod ledger;
