@@ -17,6 +17,7 @@ use ferrozero_runtime::engine::Engine;
 const V: usize = 11;
 const SEQ: usize = 4;
 const ENV: &str = "FERROZERO_CKPT_CRASH_DIR";
+const READY: &str = "FERROZERO_CKPT_CRASH_READY";
 const TRIALS: usize = 60;
 
 fn new_engine(comm: Box<dyn ferrozero_runtime::comm::Communicator>) -> Engine {
@@ -37,6 +38,11 @@ fn crash_child_saves_forever() {
         let mut e = new_engine(comm);
         if dir.join("latest").exists() {
             e.load_checkpoint(dir, &Tag::Latest)?;
+        }
+        if rank == 0 {
+            if let Some(ready) = std::env::var_os(READY) {
+                std::fs::write(ready, b"1").unwrap();
+            }
         }
         loop {
             let s = e.global_steps() as usize;
@@ -70,19 +76,29 @@ fn kill_9_at_random_points_never_breaks_latest() {
     let dir = tempfile::tempdir().unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut rng = fastrand::Rng::with_seed(7);
-    let (mut last, mut published) = (0u64, 0usize);
+    let ready = tempfile::tempdir().unwrap();
+    let ready = ready.path().join("ready");
+    let (mut last, mut published, mut mid_save) = (0u64, 0usize, 0usize);
     let t0 = Instant::now();
     for trial in 0..TRIALS {
+        let _ = std::fs::remove_file(&ready);
         let mut child = Command::new(&exe)
             .args(["crash_child_saves_forever", "--exact", "--test-threads=1"])
             .env(ENV, dir.path())
+            .env(READY, &ready)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_micros(rng.u64(1_000..120_000)));
+        // Kill inside the train-and-save loop, not during process start-up.
+        let wait = Instant::now();
+        while !ready.exists() && wait.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_micros(rng.u64(0..150_000)));
         child.kill().unwrap();
         child.wait().unwrap();
+        mid_save += usize::from(has_temp_dir(dir.path()));
         if let Some(step) = check_latest(dir.path()) {
             assert!(
                 step >= last,
@@ -98,8 +114,17 @@ fn kill_9_at_random_points_never_breaks_latest() {
         "only {published} trials had a checkpoint"
     );
     assert!(last > 0);
+    assert!(mid_save > 0, "no kill landed inside a save");
     eprintln!(
-        "{TRIALS} kills in {:?}; latest reached step {last}",
+        "{TRIALS} kills in {:?} ({mid_save} inside a save); latest reached step {last}",
         t0.elapsed()
     );
+}
+
+/// Whether a save was interrupted: its temporary directory is still there.
+fn has_temp_dir(dir: &Path) -> bool {
+    std::fs::read_dir(dir).unwrap().any(|e| {
+        let name = e.unwrap().file_name();
+        name.to_string_lossy().starts_with(".tmp-")
+    })
 }
