@@ -126,3 +126,20 @@ fn consolidating_a_corrupt_checkpoint_fails_and_leaves_no_output() {
     );
     assert!(!out.exists());
 }
+
+/// Writes a larger checkpoint (48 units of 1M parameters, 2 ranks, bf16 + master + Adam)
+/// into `$FERROZERO_CKPT_BIG_DIR` for measuring `ferrozero checkpoint consolidate`'s peak
+/// memory by hand; does nothing without the variable.
+#[test]
+fn write_a_large_checkpoint_for_measurement() {
+    let Some(dir) = std::env::var_os("FERROZERO_CKPT_BIG_DIR") else {
+        return;
+    };
+    let cfg = config(ZeroStage::Stage3, 2, 1, 1, Precision::Bf16);
+    run_ranks(2, Duration::from_secs(600), |comm| {
+        let e = Engine::new(toy::model(1024, 1024, 4, 48), cfg.clone(), comm)?;
+        e.save_checkpoint(&dir, "big", 0)?;
+        Ok(())
+    })
+    .unwrap();
+}

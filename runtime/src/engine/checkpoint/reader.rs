@@ -1,9 +1,9 @@
 //! Reading a saved checkpoint by group, kind and element range, whatever world size wrote it:
 //! a range of the unpadded buffer is assembled from the shard files that cover it.
 
-use std::sync::OnceLock;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use half::{bf16, f16};
 use safetensors::Dtype;
