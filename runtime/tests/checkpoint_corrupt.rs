@@ -148,6 +148,24 @@ fn a_missing_tensor_and_a_wrong_shape_are_named() {
         err.contains("rank-00001") && err.contains("missing tensor group.0.exp_avg"),
         "{err}"
     );
+
+    // A layout that disagrees with the file: every tensor's shape is checked on read.
+    let meta_path = dir.path().join("t/meta.json");
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
+    let sl = meta["groups"][0]["shard_len"].as_u64().unwrap();
+    meta["groups"][0]["shard_len"] = (sl + 16).into();
+    std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
+    let r = CheckpointReader::open(dir.path(), &Tag::Latest).unwrap();
+    let err = r
+        .read_f32(0, TensorKind::Master, 0..gm.numel)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rank-00000")
+            && err.contains(&format!("shape [{sl}], expected [{}]", sl + 16)),
+        "{err}"
+    );
 }
 
 #[test]

@@ -89,14 +89,15 @@ fn check(cfg: ResolvedConfig, what: &str) {
 }
 
 #[test]
-fn resume_is_bit_exact_in_every_stage_and_offload_mode_fp16() {
+fn resume_is_bit_exact_in_every_stage_and_offload_target_fp16() {
     for stage in [
         ZeroStage::Stage0,
         ZeroStage::Stage1,
         ZeroStage::Stage2,
         ZeroStage::Stage3,
     ] {
-        for offload in [OffloadTarget::None, OffloadTarget::Cpu] {
+        let nvme = OffloadTarget::Nvme(std::env::temp_dir());
+        for offload in [OffloadTarget::None, OffloadTarget::Cpu, nvme] {
             let mut cfg = config(stage, WORLD, 2, 2, fp16());
             cfg.zero.offload_optimizer.target = offload.clone();
             if stage == ZeroStage::Stage3 {

@@ -148,6 +148,12 @@ impl ShardFile {
             )));
         }
         let size = dtype.bitsize() / 8;
+        if t.data_offsets.1.checked_sub(t.data_offsets.0) != Some(len * size) {
+            return Err(self.bad(format!(
+                "tensor {name} spans bytes {:?}, not {} elements of {dtype:?}",
+                t.data_offsets, len
+            )));
+        }
         if range.end > len {
             return Err(self.bad(format!("read of {range:?} past tensor {name} of {len}")));
         }
