@@ -188,3 +188,88 @@ fn text(r: &CheckpointReader, files: &[serde_json::Value], tensors: usize, total
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use ferrozero_config::{Format, ResolveContext};
+    use ferrozero_runtime::comm::local::run_ranks;
+    use ferrozero_runtime::engine::Engine;
+    use ferrozero_runtime::nn::gpt2;
+
+    use super::*;
+
+    /// A tiny GPT-2 checkpoint saved by 2 ranks at stage 2.
+    fn save(dir: &Path) {
+        let src = r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                      "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}"#;
+        let loaded = ferrozero_config::parse(src, Format::Json, "test.json").unwrap();
+        let cfg = loaded.config.resolve(&ResolveContext::new(2)).unwrap();
+        run_ranks(2, Duration::from_secs(30), |comm| {
+            let model = gpt2::build(&gpt2::Gpt2Config::preset("tiny")?)?;
+            Engine::new(model, cfg.clone(), comm)?.save_checkpoint(dir, "t", 5)?;
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    fn code(c: ExitCode) -> String {
+        format!("{c:?}")
+    }
+
+    #[test]
+    fn inspect_passes_a_good_checkpoint_and_flags_a_corrupt_one() {
+        let dir = tempfile_dir();
+        save(&dir);
+        assert_eq!(
+            code(inspect(&dir, &Tag::Latest, true).unwrap()),
+            code(ExitCode::SUCCESS)
+        );
+        assert_eq!(
+            code(inspect(&dir, &Tag::Latest, false).unwrap()),
+            code(ExitCode::SUCCESS)
+        );
+        let file = dir.join("t/rank-00001.safetensors");
+        let mut b = std::fs::read(&file).unwrap();
+        let last = b.len() - 1;
+        b[last] ^= 4;
+        std::fs::write(&file, b).unwrap();
+        assert_eq!(
+            code(inspect(&dir, &Tag::Latest, false).unwrap()),
+            code(ExitCode::from(1))
+        );
+        let missing = inspect(&dir, &Tag::Named("nope".into()), false).unwrap_err();
+        assert!(missing.contains("nope"), "{missing}");
+        let out = dir.join("m.safetensors");
+        let r = consolidate(&dir, &Tag::Latest, &out, OutputDType::Bf16).unwrap_err();
+        assert!(r.to_string().contains("rank-00001"), "{r}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn consolidate_writes_every_parameter() {
+        let dir = tempfile_dir();
+        save(&dir);
+        let out = dir.join("model.safetensors");
+        let r = consolidate(&dir, &Tag::Latest, &out, OutputDType::F32).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.len(), r.tensors);
+        assert!(
+            st.names().iter().any(|n| n.contains("wte")),
+            "{:?}",
+            st.names()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn tempfile_dir() -> std::path::PathBuf {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let d = std::env::temp_dir().join(format!("ferrozero-cli-ckpt-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+}
