@@ -224,3 +224,22 @@ fn saving_an_existing_tag_replaces_it_atomically() {
         .collect();
     assert_eq!(names.len(), 2, "leftovers: {names:?}");
 }
+
+#[test]
+fn an_unwritable_directory_fails_on_every_rank_without_hanging() {
+    let dir = tempfile::tempdir().unwrap();
+    let not_a_dir = dir.path().join("file");
+    std::fs::write(&not_a_dir, b"x").unwrap();
+    let errs = run_ranks(3, Duration::from_secs(30), |comm| {
+        let e = engine(comm, 8);
+        Ok(e.save_checkpoint(&not_a_dir, "t", 0)
+            .unwrap_err()
+            .to_string())
+    })
+    .unwrap();
+    assert!(errs[0].contains("file"), "{errs:?}");
+    assert!(
+        errs[1..].iter().all(|e| e.contains("rank 0 failed")),
+        "{errs:?}"
+    );
+}

@@ -122,9 +122,15 @@ fn kill_9_at_random_points_never_breaks_latest() {
 }
 
 /// Whether a save was interrupted: its temporary directory is still there.
+/// At most one can exist: each save clears those of crashed ones.
 fn has_temp_dir(dir: &Path) -> bool {
-    std::fs::read_dir(dir).unwrap().any(|e| {
-        let name = e.unwrap().file_name();
-        name.to_string_lossy().starts_with(".tmp-")
-    })
+    let temps = std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().starts_with(".tmp-")
+        })
+        .count();
+    assert!(temps <= 1, "{temps} temporary directories left behind");
+    temps == 1
 }

@@ -221,11 +221,16 @@ impl Engine {
     }
 }
 
-/// Creates `dir` and an empty `tmp` in it, removing a stale `tmp` left by a crash.
+/// Creates `dir` and an empty `tmp` in it, removing temporary directories that crashed
+/// saves left behind (saves into one directory are sequential, so none is live).
 fn fresh_dir(dir: &Path, tmp: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| fsio::io_err("create directory", dir, e))?;
-    if tmp.exists() {
-        std::fs::remove_dir_all(tmp).map_err(|e| fsio::io_err("remove stale", tmp, e))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| fsio::io_err("list", dir, e))?;
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(".tmp-") {
+            let stale = entry.path();
+            std::fs::remove_dir_all(&stale).map_err(|e| fsio::io_err("remove stale", &stale, e))?;
+        }
     }
     std::fs::create_dir(tmp).map_err(|e| fsio::io_err("create", tmp, e))?;
     fsio::sync_dir(dir)
