@@ -10,6 +10,7 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
 use super::fsio::{self, io_err};
+use super::meta::CheckpointMeta;
 use super::reader::CheckpointReader;
 use super::Tag;
 use crate::{Error, Result};
@@ -65,6 +66,29 @@ pub fn consolidate(
     let reader = CheckpointReader::open(dir, tag)?;
     reader.verify_all()?;
     let meta = reader.meta();
+    let (header, tensors, data_bytes) = header(meta, dtype)?;
+    let tmp = out.with_extension("safetensors.partial");
+    if let Err(e) = write_file(&reader, &header, dtype, &tmp) {
+        // Best effort: the partial file is useless, and the error says what failed.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, out).map_err(|e| io_err("rename into place", out, e))?;
+    fsio::sync_dir(
+        out.parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new(".")),
+    )?;
+    Ok(ConsolidateReport {
+        tensors,
+        elements: meta.parameter_count(),
+        bytes: 8 + header.len() as u64 + data_bytes as u64,
+    })
+}
+
+/// The safetensors header (padded) for every parameter in layout order, the tensor count and
+/// the data bytes that follow it.
+fn header(meta: &CheckpointMeta, dtype: OutputDType) -> Result<(Vec<u8>, usize, usize)> {
     let size = dtype.st().bitsize() / 8;
     let mut infos = Vec::new();
     let mut offset = 0;
@@ -94,13 +118,23 @@ pub fn consolidate(
     // safetensors aligns the data start to 8 bytes with trailing spaces.
     header.resize(header.len().next_multiple_of(8), b' ');
 
-    let tmp = out.with_extension("safetensors.partial");
-    let file = File::create(&tmp).map_err(|e| io_err("create", &tmp, e))?;
+    Ok((header, tensors, offset))
+}
+
+/// Writes header and data to `tmp` and fsyncs it.
+fn write_file(
+    reader: &CheckpointReader,
+    header: &[u8],
+    dtype: OutputDType,
+    tmp: &Path,
+) -> Result<()> {
+    let meta = reader.meta();
+    let file = File::create(tmp).map_err(|e| io_err("create", tmp, e))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
     let write =
-        |w: &mut BufWriter<File>, b: &[u8]| w.write_all(b).map_err(|e| io_err("write", &tmp, e));
+        |w: &mut BufWriter<File>, b: &[u8]| w.write_all(b).map_err(|e| io_err("write", tmp, e));
     write(&mut w, &(header.len() as u64).to_le_bytes())?;
-    write(&mut w, &header)?;
+    write(&mut w, header)?;
     let mut buf = Vec::new();
     for (gi, g) in meta.groups.iter().enumerate() {
         for s in &g.slots {
@@ -111,17 +145,7 @@ pub fn consolidate(
     }
     let file = w
         .into_inner()
-        .map_err(|e| io_err("write", &tmp, e.into_error()))?;
-    file.sync_all().map_err(|e| io_err("fsync", &tmp, e))?;
-    std::fs::rename(&tmp, out).map_err(|e| io_err("rename into place", out, e))?;
-    fsio::sync_dir(
-        out.parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new(".")),
-    )?;
-    Ok(ConsolidateReport {
-        tensors,
-        elements: meta.parameter_count(),
-        bytes: 8 + header.len() as u64 + offset as u64,
-    })
+        .map_err(|e| io_err("write", tmp, e.into_error()))?;
+    file.sync_all().map_err(|e| io_err("fsync", tmp, e))?;
+    Ok(())
 }
