@@ -138,7 +138,19 @@ fn write_a_large_checkpoint_for_measurement() {
     let cfg = config(ZeroStage::Stage3, 2, 1, 1, Precision::Bf16);
     run_ranks(2, Duration::from_secs(600), |comm| {
         let e = Engine::new(toy::model(1024, 1024, 4, 48), cfg.clone(), comm)?;
+        let t = std::time::Instant::now();
         e.save_checkpoint(&dir, "big", 0)?;
+        eprintln!("rank {} saved in {:?}", e.rank(), t.elapsed());
+        Ok(())
+    })
+    .unwrap();
+    // Load at another world size and stage, re-sharding every group.
+    let cfg3 = config(ZeroStage::Stage1, 3, 1, 1, Precision::Bf16);
+    run_ranks(3, Duration::from_secs(600), |comm| {
+        let mut e = Engine::new(toy::model(1024, 1024, 4, 48), cfg3.clone(), comm)?;
+        let t = std::time::Instant::now();
+        e.load_checkpoint(&dir, &Tag::Latest)?;
+        eprintln!("rank {} loaded at world 3 in {:?}", e.rank(), t.elapsed());
         Ok(())
     })
     .unwrap();
