@@ -25,6 +25,8 @@ enum Command {
     Config(cli::config::Args),
     /// Start N ranks of a program (torchrun-style).
     Launch(cli::launch::Args),
+    /// Inspect or consolidate a sharded checkpoint.
+    Checkpoint(cli::checkpoint::Args),
     /// Benchmarks of the hot paths.
     Bench {
         #[command(subcommand)]
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         Command::Schema(a) => cli::schema::run(a),
         Command::Config(a) => cli::config::run(a),
         Command::Launch(a) => cli::launch::run(a),
+        Command::Checkpoint(a) => cli::checkpoint::run(a),
         Command::Bench { which } => match which {
             BenchCommand::Comm(a) => cli::bench_comm::run(a),
             BenchCommand::Adam(a) => cli::bench_adam::run(a),

@@ -3,6 +3,7 @@
 pub mod bench_adam;
 pub mod bench_comm;
 pub mod bench_swap;
+pub mod checkpoint;
 pub mod config;
 pub mod launch;
 pub mod schema;

@@ -20,7 +20,7 @@ pub struct ScaleDecision {
 }
 
 /// A loss scaler: none (1.0), static, or dynamic.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum LossScaler {
     /// No scaling (f32 and bf16): overflow still skips the step.
     None,
@@ -31,7 +31,7 @@ pub enum LossScaler {
 }
 
 /// State of the dynamic scaler.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DynamicScaler {
     scale: f64,
     min_scale: f64,

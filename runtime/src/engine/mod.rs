@@ -5,6 +5,7 @@
 //! range in every stage. That is what makes stages 0-3 bitwise identical for one world size.
 
 mod build;
+pub mod checkpoint;
 mod core;
 mod eval;
 pub mod group;

@@ -1,0 +1,217 @@
+//! `Engine::load_checkpoint`: restores every rank's state from a checkpoint saved at any
+//! world size and stage, one group at a time, re-sharding by this engine's own layout.
+
+use std::ops::Range;
+use std::path::Path;
+
+use super::meta::{GroupMeta, TensorKind};
+use super::reader::CheckpointReader;
+use super::{LoadedCheckpoint, Tag};
+use crate::engine::buffers::LpBuf;
+use crate::engine::core::Engine;
+use crate::engine::group::{Group, ParamStore};
+use crate::engine::loss_scale::LossScaler;
+use crate::{Error, Result};
+
+impl Engine {
+    /// Loads checkpoint `tag` of `dir` into this engine (collective: every rank calls it).
+    /// Parameters, master weights, optimizer moments, the step counter, the loss scaler and
+    /// the seed are restored, so training continues as if it had never stopped; the saved
+    /// world size and stage may differ from this engine's. Shard files are verified against
+    /// their checksums first (each rank verifies a share of them).
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        tag: &Tag,
+    ) -> Result<LoadedCheckpoint> {
+        if self.micro != 0 {
+            return Err(Error::Invalid(
+                "load_checkpoint in the middle of gradient accumulation".into(),
+            ));
+        }
+        let reader = CheckpointReader::open(dir.as_ref(), tag);
+        let reader = self.agree(reader)?;
+        let checked = self
+            .verify_share(&reader)
+            .and_then(|()| self.check_compatible(&reader));
+        self.agree(checked)?;
+        let restored = self.restore(&reader);
+        self.agree(restored)?;
+        let m = reader.meta();
+        Ok(LoadedCheckpoint {
+            tag: m.tag.clone(),
+            step: m.step,
+            data_position: m.data_position,
+            saved_world_size: m.world_size,
+        })
+    }
+
+    fn verify_share(&self, reader: &CheckpointReader) -> Result<()> {
+        let (rank, world) = (self.rank(), self.world_size());
+        (0..reader.meta().world_size)
+            .filter(|q| q % world == rank)
+            .try_for_each(|q| reader.verify_file(q))
+    }
+
+    fn check_compatible(&self, reader: &CheckpointReader) -> Result<()> {
+        let m = reader.meta();
+        let path = reader.tag_dir().display().to_string();
+        let bad = |reason: String| {
+            Err(Error::File {
+                path: path.clone(),
+                reason,
+            })
+        };
+        if m.groups.len() != self.groups.len() {
+            return bad(format!(
+                "holds {} parameter groups, this model has {}",
+                m.groups.len(),
+                self.groups.len()
+            ));
+        }
+        for (gi, (saved, g)) in m.groups.iter().zip(&self.groups).enumerate() {
+            let mine = GroupMeta::from_layout(&g.layout);
+            if saved.slots != mine.slots {
+                let diff = saved.slots.iter().zip(&mine.slots).find(|(a, b)| a != b);
+                return bad(match diff {
+                    Some((a, b)) => format!(
+                        "group {gi}: saved parameter {} {:?} where the model has {} {:?}",
+                        a.name, a.shape, b.name, b.shape
+                    ),
+                    None => format!(
+                        "group {gi}: {} parameters saved, the model has {}",
+                        saved.slots.len(),
+                        mine.slots.len()
+                    ),
+                });
+            }
+        }
+        if m.moments < self.optimizer.moments() {
+            return bad(format!(
+                "holds {} optimizer moments per element; this optimizer needs {}",
+                m.moments,
+                self.optimizer.moments()
+            ));
+        }
+        Ok(())
+    }
+
+    fn restore(&mut self, reader: &CheckpointReader) -> Result<()> {
+        let rank = self.rank();
+        for (gi, g) in self.groups.iter_mut().enumerate() {
+            restore_group(reader, gi, g, rank)?;
+            if g.work.is_some() {
+                refresh_work(g);
+            }
+        }
+        let m = reader.meta();
+        self.steps = m.step;
+        self.micro = 0;
+        self.loss_sum = 0.0;
+        self.tokens = 0;
+        // Dropout masks derive from the seed; resuming with another seed would diverge.
+        self.cfg.seed = m.seed;
+        if same_kind(&self.scaler, &m.scaler) {
+            self.scaler = m.scaler.clone();
+        } else {
+            tracing::warn!(
+                saved = ?m.scaler,
+                "the checkpoint's loss scaler does not match this precision; starting afresh"
+            );
+        }
+        Ok(())
+    }
+}
+
+fn refresh_work(g: &mut Group) {
+    let Group { params, work, .. } = g;
+    let full = match params {
+        ParamStore::Replicated(b) => Some(&*b),
+        ParamStore::Partitioned { gathered, .. } => gathered.as_ref(),
+    };
+    if let (Some(full), Some(w)) = (full, work.as_mut()) {
+        full.load_f32(0, w);
+    }
+}
+
+/// The part of the padded range `r` that holds real elements.
+fn real(r: &Range<usize>, numel: usize) -> Range<usize> {
+    r.start.min(numel)..r.end.min(numel)
+}
+
+fn restore_group(reader: &CheckpointReader, gi: usize, g: &mut Group, rank: usize) -> Result<()> {
+    let numel = g.layout.numel;
+    let shard = g.layout.shard_range(rank);
+    match &mut g.params {
+        ParamStore::Replicated(b) => fill_params(reader, gi, b, 0..g.layout.padded(), numel)?,
+        ParamStore::Partitioned { shard: b, gathered } => {
+            *gathered = None;
+            fill_params(reader, gi, b, shard, numel)?;
+        }
+    }
+    let owned = g.owned.clone();
+    if let Some(master) = &mut g.master {
+        fill_f32(master, &owned, numel, |r| reader.read_values(gi, r))?;
+    }
+    fill_f32(&mut g.m, &owned, numel, |r| {
+        reader.read_f32(gi, TensorKind::M, r)
+    })?;
+    if !g.v.is_empty() {
+        fill_f32(&mut g.v, &owned, numel, |r| {
+            reader.read_f32(gi, TensorKind::V, r)
+        })?;
+    }
+    g.grad.fill_zero();
+    Ok(())
+}
+
+/// Fills `dst` (covering padded range `range`) with saved values; padding becomes zero.
+fn fill_f32(
+    dst: &mut [f32],
+    range: &Range<usize>,
+    numel: usize,
+    read: impl Fn(Range<usize>) -> Result<Vec<f32>>,
+) -> Result<()> {
+    dst.fill(0.0);
+    let r = real(range, numel);
+    if !r.is_empty() {
+        let vals = read(r.clone())?;
+        dst[r.start - range.start..r.end - range.start].copy_from_slice(&vals);
+    }
+    Ok(())
+}
+
+/// Fills the parameter buffer covering padded `range`: the saved bits when the dtype
+/// matches (bit-exact resume), else the saved fp32 values rounded to this dtype.
+fn fill_params(
+    reader: &CheckpointReader,
+    gi: usize,
+    b: &mut LpBuf,
+    range: Range<usize>,
+    numel: usize,
+) -> Result<()> {
+    b.fill_zero();
+    let r = real(&range, numel);
+    if r.is_empty() {
+        return Ok(());
+    }
+    let at = r.start - range.start;
+    if reader.kind_dtype(TensorKind::Params) != b.dtype() {
+        let vals = reader.read_values(gi, r)?;
+        b.store_f32(at, &vals);
+        return Ok(());
+    }
+    let bytes = reader.read_raw(gi, TensorKind::Params, r.clone())?;
+    let n = r.len();
+    match b {
+        LpBuf::F32(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
+        LpBuf::Bf16(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
+        LpBuf::F16(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
+    }
+    Ok(())
+}
+
+/// Whether a scaler state came from the same kind of scaler.
+fn same_kind(a: &LossScaler, b: &LossScaler) -> bool {
+    std::mem::discriminant(a) == std::mem::discriminant(b)
+}

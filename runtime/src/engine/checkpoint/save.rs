@@ -1,0 +1,237 @@
+//! `Engine::save_checkpoint`: every rank writes its shard file into a temporary directory,
+//! rank 0 adds the metadata, publishes the directory by rename and then moves `latest`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use super::fsio;
+use super::meta::{
+    dtype_name, rank_file_name, CheckpointMeta, FileMeta, GroupMeta, TensorKind, FORMAT,
+    LATEST_FILE, META_FILE, VERSION,
+};
+use super::reader::st_dtype;
+use super::shard_file::{self, RawTensor};
+use crate::comm::{BufMut, BufRef, ReduceOp};
+use crate::engine::buffers::LpBuf;
+use crate::engine::core::Engine;
+use crate::engine::group::{Group, ParamStore};
+use crate::tensor::DType;
+use crate::{Error, Result};
+
+/// Checks that a tag is a plain, portable directory name.
+pub fn check_tag(tag: &str) -> Result<()> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if tag.is_empty() || tag.starts_with('.') || tag == LATEST_FILE || !tag.chars().all(ok_char) {
+        return Err(Error::Invalid(format!(
+            "checkpoint tag {tag:?} must be a non-empty name of letters, digits, '.', '_' or \
+             '-', not starting with '.' and not \"{LATEST_FILE}\""
+        )));
+    }
+    Ok(())
+}
+
+fn lp_bytes(b: &LpBuf, r: std::ops::Range<usize>) -> &[u8] {
+    match b {
+        LpBuf::F32(v) => bytemuck::cast_slice(&v[r]),
+        LpBuf::Bf16(v) => bytemuck::cast_slice(&v[r]),
+        LpBuf::F16(v) => bytemuck::cast_slice(&v[r]),
+    }
+}
+
+/// The tensors of group `gi` for `rank`'s canonical shard, borrowed from the engine.
+fn group_tensors<'a>(
+    gi: usize,
+    g: &'a Group,
+    rank: usize,
+    out: &mut Vec<(String, RawTensor<'a>)>,
+) -> Result<()> {
+    let sr = g.layout.shard_range(rank);
+    let n = sr.len();
+    let params = match &g.params {
+        ParamStore::Replicated(b) => lp_bytes(b, sr.clone()),
+        ParamStore::Partitioned { shard, .. } => lp_bytes(shard, 0..shard.len()),
+    };
+    let dtype = match &g.params {
+        ParamStore::Replicated(b) | ParamStore::Partitioned { shard: b, .. } => b.dtype(),
+    };
+    let one = |dtype: DType, bytes: &'a [u8]| RawTensor {
+        dtype: st_dtype(dtype),
+        shape: [n],
+        bytes,
+    };
+    out.push((TensorKind::Params.tensor_name(gi), one(dtype, params)));
+    if sr.start < g.owned.start || sr.end > g.owned.end {
+        return Err(Error::Invalid(format!(
+            "group {gi}: optimizer range {:?} does not cover shard {sr:?}",
+            g.owned
+        )));
+    }
+    let local = sr.start - g.owned.start..sr.end - g.owned.start;
+    let f32s = |v: &'a [f32]| one(DType::F32, bytemuck::cast_slice(&v[local.clone()]));
+    if let Some(m) = &g.master {
+        out.push((TensorKind::Master.tensor_name(gi), f32s(m)));
+    }
+    if !g.m.is_empty() {
+        out.push((TensorKind::M.tensor_name(gi), f32s(&g.m)));
+    }
+    if !g.v.is_empty() {
+        out.push((TensorKind::V.tensor_name(gi), f32s(&g.v)));
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// Saves a checkpoint as `dir/tag` and points `dir/latest` at it (collective: every rank
+    /// calls it). `data_position` is handed back by [`Engine::load_checkpoint`]. An existing
+    /// tag is replaced atomically. Call it at an accumulation boundary.
+    pub fn save_checkpoint(
+        &self,
+        dir: impl AsRef<Path>,
+        tag: &str,
+        data_position: u64,
+    ) -> Result<PathBuf> {
+        let dir = dir.as_ref();
+        check_tag(tag)?;
+        if self.micro != 0 {
+            return Err(Error::Invalid(
+                "save_checkpoint in the middle of gradient accumulation; save after step()".into(),
+            ));
+        }
+        let tmp = dir.join(format!(".tmp-{tag}"));
+        let dst = dir.join(tag);
+        let rank = self.rank();
+        self.agree(if rank == 0 {
+            fresh_dir(dir, &tmp)
+        } else {
+            Ok(())
+        })?;
+        let mine = self.write_rank_file(&tmp);
+        let mine = self.agree(mine)?;
+        let files = self.gather_file_meta(mine)?;
+        let publish = if rank == 0 {
+            self.write_meta(&tmp, tag, data_position, files)
+                .and_then(|()| fsio::publish_dir(&tmp, &dst))
+                .and_then(|()| fsio::replace_file(&dir.join(LATEST_FILE), tag.as_bytes()))
+        } else {
+            Ok(())
+        };
+        self.agree(publish)?;
+        Ok(dst)
+    }
+
+    fn write_rank_file(&self, tmp: &Path) -> Result<FileMeta> {
+        let rank = self.rank();
+        let mut tensors = Vec::new();
+        for (gi, g) in self.groups.iter().enumerate() {
+            group_tensors(gi, g, rank, &mut tensors)?;
+        }
+        let info = HashMap::from([
+            ("format".to_string(), FORMAT.to_string()),
+            ("rank".to_string(), rank.to_string()),
+        ]);
+        let name = rank_file_name(rank);
+        let path = tmp.join(&name);
+        shard_file::write(&path, &tensors, info)?;
+        let (bytes, crc32c) = fsio::file_crc(&path)?;
+        Ok(FileMeta {
+            name,
+            bytes,
+            crc32c,
+        })
+    }
+
+    /// Every rank's file size and checksum, on every rank. Values travel as 16-bit pieces in
+    /// f32, which the collectives carry exactly.
+    fn gather_file_meta(&self, mine: FileMeta) -> Result<Vec<FileMeta>> {
+        let pieces = |x: u64| (0..4).map(move |i| ((x >> (16 * i)) & 0xffff) as f32);
+        let local: Vec<f32> = pieces(mine.bytes)
+            .chain(pieces(mine.crc32c as u64))
+            .collect();
+        let mut all = vec![0.0f32; local.len() * self.world_size()];
+        self.comm
+            .all_gather(BufRef::F32(&local), BufMut::F32(&mut all))?;
+        let join = |p: &[f32]| {
+            p.iter()
+                .enumerate()
+                .fold(0u64, |acc, (i, &x)| acc | ((x as u64) << (16 * i)))
+        };
+        Ok(all
+            .chunks_exact(8)
+            .enumerate()
+            .map(|(q, c)| FileMeta {
+                name: rank_file_name(q),
+                bytes: join(&c[..4]),
+                crc32c: join(&c[4..]) as u32,
+            })
+            .collect())
+    }
+
+    fn write_meta(&self, tmp: &Path, tag: &str, pos: u64, files: Vec<FileMeta>) -> Result<()> {
+        let dtype = match &self.groups.first().map(|g| &g.params) {
+            Some(ParamStore::Replicated(b) | ParamStore::Partitioned { shard: b, .. }) => b.dtype(),
+            None => DType::F32,
+        };
+        let meta = CheckpointMeta {
+            format: FORMAT.into(),
+            version: VERSION,
+            tag: tag.into(),
+            step: self.steps,
+            data_position: pos,
+            world_size: self.world_size(),
+            stage: self.cfg.zero.stage.number(),
+            param_dtype: dtype_name(dtype).into(),
+            has_master: self.groups.iter().any(|g| g.master.is_some()),
+            moments: self.optimizer.moments(),
+            seed: self.cfg.seed,
+            scaler: self.scaler.clone(),
+            next_lr: self.schedule.lr_at(self.steps),
+            config: serde_json::to_value(&self.cfg)
+                .map_err(|e| Error::Invalid(format!("config does not serialise: {e}")))?,
+            groups: self
+                .groups
+                .iter()
+                .map(|g| GroupMeta::from_layout(&g.layout))
+                .collect(),
+            files,
+        };
+        let json = serde_json::to_vec_pretty(&meta)
+            .map_err(|e| Error::Invalid(format!("metadata does not serialise: {e}")))?;
+        fsio::write_durable(&tmp.join(META_FILE), &json)?;
+        fsio::sync_dir(tmp)
+    }
+
+    /// Makes every rank fail when any rank failed, so no rank waits at a later collective for
+    /// a peer that gave up.
+    pub(super) fn agree<T>(&self, local: Result<T>) -> Result<T> {
+        let mut flag = [if local.is_err() {
+            1.0f32 + self.rank() as f32
+        } else {
+            0.0
+        }];
+        self.comm
+            .all_reduce(BufMut::F32(&mut flag), ReduceOp::Max)?;
+        match local {
+            Err(e) => Err(e),
+            Ok(_) if flag[0] > 0.0 => Err(Error::Invalid(format!(
+                "checkpoint aborted: rank {} failed (see its error)",
+                flag[0] as usize - 1
+            ))),
+            Ok(v) => Ok(v),
+        }
+    }
+}
+
+/// Creates `dir` and an empty `tmp` in it, removing temporary directories that crashed
+/// saves left behind (saves into one directory are sequential, so none is live).
+fn fresh_dir(dir: &Path, tmp: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| fsio::io_err("create directory", dir, e))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| fsio::io_err("list", dir, e))?;
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(".tmp-") {
+            let stale = entry.path();
+            std::fs::remove_dir_all(&stale).map_err(|e| fsio::io_err("remove stale", &stale, e))?;
+        }
+    }
+    std::fs::create_dir(tmp).map_err(|e| fsio::io_err("create", tmp, e))?;
+    fsio::sync_dir(dir)
+}
