@@ -7,6 +7,7 @@
 pub mod buffers;
 mod build;
 mod core;
+pub mod estimate;
 pub mod group;
 pub mod ledger;
 pub mod loss_scale;
