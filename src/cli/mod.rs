@@ -4,7 +4,9 @@ pub mod bench_adam;
 pub mod bench_comm;
 pub mod bench_swap;
 pub mod config;
+pub mod estimate;
 pub mod launch;
+pub mod report;
 pub mod schema;
 pub mod validate;
 

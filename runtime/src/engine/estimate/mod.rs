@@ -8,6 +8,7 @@
 //! estimate` give the same answer.
 
 mod replay;
+pub mod shape;
 pub mod suggest;
 
 use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
