@@ -360,3 +360,40 @@ fn accel_lines() -> Vec<Line> {
     );
     vec![mpi, cuda, nccl, backend]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_missing_capability_says_why() {
+        let all: Vec<Line> = [
+            build_lines(),
+            cpu_lines(),
+            storage_lines(&[PathBuf::from("/nonexistent-ferrozero-path")]),
+            accel_lines(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        assert!(all.len() >= 12);
+        for l in &all {
+            assert!(!l.detail.is_empty(), "{}", l.name);
+            // A missing capability comes with its reason.
+            assert!(l.ok || l.detail.len() > 30, "{}: `{}`", l.name, l.detail);
+            assert!(!l.detail.contains('\n'), "{}: one line", l.name);
+        }
+        // A path that does not exist is reported, not a panic.
+        assert!(all
+            .iter()
+            .any(|l| !l.ok && l.detail.contains("nonexistent")));
+    }
+
+    #[test]
+    fn host_facts_are_read() {
+        assert!(ram_bytes().unwrap() > 1 << 26);
+        assert!(fs_name(0xEF53) == "ext4" && fs_name(1) == "other");
+        assert!(loadable(&["libdefinitely-not-here.so.9"]).is_err());
+        assert!(loadable(&["libc.so.6"]).is_ok());
+    }
+}
