@@ -26,7 +26,7 @@ enum Command {
     /// Start N ranks of a program (torchrun-style).
     Launch(cli::launch::Args),
     /// Per-rank peak memory for a model, config and world size, with a verdict.
-    Estimate(cli::estimate::Args),
+    Estimate(Box<cli::estimate::Args>),
     /// What this machine and build can do (like ds_report).
     Report(cli::report::Args),
     /// Benchmarks of the hot paths.
@@ -53,7 +53,7 @@ fn main() -> ExitCode {
         Command::Schema(a) => cli::schema::run(a),
         Command::Config(a) => cli::config::run(a),
         Command::Launch(a) => cli::launch::run(a),
-        Command::Estimate(a) => cli::estimate::run(a),
+        Command::Estimate(a) => cli::estimate::run(*a),
         Command::Report(a) => cli::report::run(a),
         Command::Bench { which } => match which {
             BenchCommand::Comm(a) => cli::bench_comm::run(a),

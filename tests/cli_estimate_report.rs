@@ -37,7 +37,7 @@ fn estimate_json_has_per_rank_totals_and_categories() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let r = &v["per_rank"];
     let dev = r["device_bytes"].as_u64().unwrap();
-    assert!(dev > 1 << 30 && dev < 80_000_000_000, "{dev}");
+    assert!((1 << 30..80_000_000_000).contains(&dev), "{dev}");
     assert_eq!(r["host_bytes"].as_u64(), Some(0));
     assert_eq!(r["nvme_bytes"].as_u64(), Some(0));
     let params = r["categories"]["device"]["parameters"].as_u64().unwrap();

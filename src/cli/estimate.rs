@@ -201,7 +201,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         }
     };
     let b = n * mult;
-    if !b.is_finite() || b < 0.0 || b > u64::MAX as f64 {
+    if !(0.0..=u64::MAX as f64).contains(&b) {
         return Err(format!("`{s}` is out of range"));
     }
     Ok(b as u64)
