@@ -64,7 +64,11 @@ fn measure(which: Which, cfg: &ResolvedConfig) -> (u64, u64, u64) {
 
 fn close(est: u64, got: u64) -> bool {
     let (a, b) = (est as f64, got as f64);
-    (a - b).abs() <= 0.05 * b.max(1.0)
+    let dev = (a - b).abs() / b.max(1.0);
+    if dev > 0.0 {
+        eprintln!("estimate {est} vs ledger {got}: {:.3}% off", dev * 100.0);
+    }
+    dev <= 0.05
 }
 
 #[derive(Clone, Copy, Debug)]

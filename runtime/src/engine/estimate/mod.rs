@@ -73,8 +73,8 @@ pub struct Estimate {
     /// Pinned staging buffers for NVMe swaps (see `swap_buffers`). The engine's ledger does
     /// not count these yet; they are included in `pinned_host_bytes`.
     pub swap_buffer_bytes: u64,
-    /// Peak device activation bytes with the config's checkpointing choice reversed and kept,
-    /// so a user sees what checkpointing buys.
+    /// Peak activation bytes in both checkpointing modes (one of them is the config's), so a
+    /// user sees what checkpointing buys.
     pub activations: ActivationFigures,
 }
 
