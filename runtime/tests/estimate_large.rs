@@ -149,3 +149,28 @@ fn combined_changes_when_no_single_one_fits_and_none_when_nothing_does() {
     };
     assert!(suggest(&shape.model, &cfg, 4, 4096, tiny).is_none());
 }
+
+#[test]
+fn preflight_passes_what_fits_and_explains_what_does_not() {
+    let shape = preset("llama-7b").unwrap();
+    let mut cfg = config(ZeroStage::Stage0, 8, 1, 1, Precision::Bf16);
+    big_buckets(&mut cfg);
+    let roomy = Budget {
+        device_bytes: 1024 * GIB,
+        host_bytes: 1024 * GIB,
+    };
+    let e =
+        ferrozero_runtime::engine::estimate::preflight(&shape.model, &cfg, 1, 256, roomy).unwrap();
+    assert!(e.device.peak_bytes > 100 * GIB);
+    let small = Budget {
+        device_bytes: 40 * GIB,
+        host_bytes: 64 * GIB,
+    };
+    let err = ferrozero_runtime::engine::estimate::preflight(&shape.model, &cfg, 1, 256, small)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("per rank") && err.contains("zero_optimization.stage"),
+        "{err}"
+    );
+}

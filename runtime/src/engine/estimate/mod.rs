@@ -18,7 +18,7 @@ use super::ledger::{Category, Ledger, Location};
 use super::optimizer::Optimizer;
 use crate::nn::Model;
 
-pub use suggest::{suggest, Budget, Change, Suggestion};
+pub use suggest::{preflight, suggest, Budget, Change, Suggestion};
 
 /// Peak bytes at one location: the peak of the total, and each category's own peak.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

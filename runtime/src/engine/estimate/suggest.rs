@@ -206,3 +206,35 @@ fn simplify(changes: &[Change]) -> Vec<Change> {
         .map(|(_, c)| c.clone())
         .collect()
 }
+
+/// The pre-flight check: the estimate when it fits `budget`, otherwise a configuration error
+/// that gives the shortfall and the cheapest change that fits (or says that none does).
+pub fn preflight(
+    model: &Model,
+    cfg: &ResolvedConfig,
+    micro_batch: usize,
+    seq: usize,
+    budget: Budget,
+) -> crate::Result<Estimate> {
+    let e = estimate(model, cfg, micro_batch, seq);
+    if budget.fits(&e) {
+        return Ok(e);
+    }
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let mut msg = format!(
+        "this run needs {:.2} GiB of device and {:.2} GiB of host memory per rank, but the \
+         budget is {:.2} GiB and {:.2} GiB",
+        gib(e.device.peak_bytes),
+        gib(e.host_total_bytes()),
+        gib(budget.device_bytes),
+        gib(budget.host_bytes)
+    );
+    match suggest(model, cfg, micro_batch, seq, budget) {
+        Some(s) => {
+            let changes: Vec<String> = s.changes.iter().map(|c| c.to_string()).collect();
+            msg.push_str(&format!("; it fits if you {}", changes.join(", then ")));
+        }
+        None => msg.push_str("; no change of stage, offload, checkpointing or micro-batch fits"),
+    }
+    Err(crate::Error::Config(msg))
+}
