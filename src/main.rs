@@ -27,6 +27,10 @@ enum Command {
     Launch(cli::launch::Args),
     /// Inspect or consolidate a sharded checkpoint.
     Checkpoint(cli::checkpoint::Args),
+    /// Per-rank peak memory for a model, config and world size, with a verdict.
+    Estimate(Box<cli::estimate::Args>),
+    /// What this machine and build can do (like ds_report).
+    Report(cli::report::Args),
     /// Benchmarks of the hot paths.
     Bench {
         #[command(subcommand)]
@@ -52,6 +56,8 @@ fn main() -> ExitCode {
         Command::Config(a) => cli::config::run(a),
         Command::Launch(a) => cli::launch::run(a),
         Command::Checkpoint(a) => cli::checkpoint::run(a),
+        Command::Estimate(a) => cli::estimate::run(*a),
+        Command::Report(a) => cli::report::run(a),
         Command::Bench { which } => match which {
             BenchCommand::Comm(a) => cli::bench_comm::run(a),
             BenchCommand::Adam(a) => cli::bench_adam::run(a),

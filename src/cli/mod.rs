@@ -5,6 +5,8 @@ pub mod bench_comm;
 pub mod bench_swap;
 pub mod checkpoint;
 pub mod config;
+pub mod estimate;
 pub mod launch;
+pub mod report;
 pub mod schema;
 pub mod validate;

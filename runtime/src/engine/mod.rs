@@ -8,6 +8,7 @@ mod build;
 pub mod checkpoint;
 mod core;
 mod eval;
+pub mod estimate;
 pub mod group;
 mod init;
 pub mod ledger;

@@ -1,0 +1,192 @@
+//! The memory estimator: per-rank peak bytes by location and ledger category for a model, a
+//! resolved config, a micro-batch and a sequence length, computed without allocating a
+//! single parameter (so it answers for 7B and 13B models on a laptop).
+//!
+//! It replays the engine's buffer lifetimes (see [`replay`]) rather than applying closed
+//! formulas, so activations, communication staging and working copies are counted exactly as
+//! the engine's ledger counts them, and the engine's pre-flight check and `ferrozero
+//! estimate` give the same answer.
+
+mod replay;
+pub mod shape;
+pub mod suggest;
+
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
+use serde::Serialize;
+
+use super::ledger::{Category, Ledger, Location};
+use super::optimizer::Optimizer;
+use crate::nn::Model;
+
+pub use suggest::{preflight, suggest, Budget, Change, Suggestion};
+
+/// Peak bytes at one location: the peak of the total, and each category's own peak.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Placement {
+    /// Peak of the location's total (what must fit), as the ledger's `peak_total`.
+    pub peak_bytes: u64,
+    /// Each category's peak, in [`Category::ALL`] order. Peaks of different categories need
+    /// not coincide, so these may sum to more than `peak_bytes`.
+    pub by_category: Vec<(Category, u64)>,
+}
+
+impl Placement {
+    fn from_ledger(l: &Ledger, loc: Location) -> Self {
+        Placement {
+            peak_bytes: l.peak_total(loc),
+            by_category: Category::ALL.iter().map(|&c| (c, l.peak(loc, c))).collect(),
+        }
+    }
+
+    /// The peak of one category.
+    pub fn category(&self, c: Category) -> u64 {
+        self.by_category
+            .iter()
+            .find(|(k, _)| *k == c)
+            .map_or(0, |&(_, b)| b)
+    }
+}
+
+/// Per-rank memory estimate for one configuration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Estimate {
+    /// Parameters in the model (shared ones counted once).
+    pub num_params: u64,
+    /// Data-parallel ranks.
+    pub world_size: usize,
+    /// ZeRO stage, 0 to 3.
+    pub stage: u8,
+    /// Rows per micro-batch.
+    pub micro_batch: usize,
+    /// Tokens per row.
+    pub seq_len: usize,
+    /// Device memory (on CPU runs: the working set that would live on the GPU).
+    pub device: Placement,
+    /// Host memory the engine's ledger counts (offloaded state, CPU-checkpointed activations).
+    pub host: Placement,
+    /// NVMe swap files.
+    pub nvme: Placement,
+    /// Host bytes that are page-locked: offloaded state with `pin_memory`, plus swap buffers.
+    pub pinned_host_bytes: u64,
+    /// Host bytes that are ordinary pageable memory.
+    pub other_host_bytes: u64,
+    /// Pinned staging buffers for NVMe swaps (see `swap_buffers`). The engine's ledger does
+    /// not count these yet; they are included in `pinned_host_bytes`.
+    pub swap_buffer_bytes: u64,
+    /// Peak activation bytes in both checkpointing modes (one of them is the config's), so a
+    /// user sees what checkpointing buys.
+    pub activations: ActivationFigures,
+}
+
+/// Peak activation bytes (device plus host) in both checkpointing modes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ActivationFigures {
+    /// Every unit's saved state kept from forward to backward.
+    pub without_checkpointing: u64,
+    /// Unit inputs kept; one unit's saved state alive during its recompute and backward.
+    pub with_checkpointing: u64,
+}
+
+impl Estimate {
+    /// Peak host bytes including swap buffers: what the host must really provide per rank.
+    pub fn host_total_bytes(&self) -> u64 {
+        self.host.peak_bytes + self.swap_buffer_bytes
+    }
+}
+
+/// Replays one step and returns the resulting ledger.
+fn replay_ledger(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: usize) -> Ledger {
+    let moments = Optimizer::new(cfg.optimizer.clone()).moments();
+    let mut r = replay::Replay::build(model, cfg, moments);
+    r.forward(micro_batch, seq);
+    r.backward(micro_batch, seq);
+    r.step();
+    r.ledger().clone()
+}
+
+fn activation_peak(l: &Ledger) -> u64 {
+    l.peak(Location::Device, Category::Activations) + l.peak(Location::Host, Category::Activations)
+}
+
+/// Estimates per-rank peak memory for training `model` under `cfg` with micro-batches of
+/// `micro_batch` rows of `seq` tokens. Allocates nothing model-sized.
+pub fn estimate(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: usize) -> Estimate {
+    let ledger = replay_ledger(model, cfg, micro_batch, seq);
+    let mut flipped = cfg.clone();
+    flipped.activation_checkpointing = match &cfg.activation_checkpointing {
+        Some(_) => None,
+        None => Some(default_checkpointing()),
+    };
+    let other = activation_peak(&replay_ledger(model, &flipped, micro_batch, seq));
+    let this = activation_peak(&ledger);
+    let activations = match cfg.activation_checkpointing {
+        Some(_) => ActivationFigures {
+            without_checkpointing: other,
+            with_checkpointing: this,
+        },
+        None => ActivationFigures {
+            without_checkpointing: this,
+            with_checkpointing: other,
+        },
+    };
+    let host = Placement::from_ledger(&ledger, Location::Host);
+    let swap_buffer_bytes = swap_buffers(cfg);
+    let pinned = pinned_state(cfg, &host) + swap_buffer_bytes;
+    let other_host = host.peak_bytes.saturating_sub(pinned_state(cfg, &host));
+    Estimate {
+        num_params: model.num_params() as u64,
+        world_size: cfg.world_size,
+        stage: cfg.zero.stage.number(),
+        micro_batch,
+        seq_len: seq,
+        device: Placement::from_ledger(&ledger, Location::Device),
+        host,
+        nvme: Placement::from_ledger(&ledger, Location::Nvme),
+        pinned_host_bytes: pinned,
+        other_host_bytes: other_host,
+        swap_buffer_bytes,
+        activations,
+    }
+}
+
+/// Checkpointing on every unit, activations kept on the device.
+pub fn default_checkpointing() -> ferrozero_config::resolved::ActivationCheckpointing {
+    ferrozero_config::resolved::ActivationCheckpointing {
+        partition_activations: false,
+        cpu_checkpointing: false,
+        contiguous_memory_optimization: false,
+        number_checkpoints: None,
+        synchronize_checkpoint_boundary: false,
+        profile: false,
+    }
+}
+
+/// Host-resident model state that `pin_memory` page-locks.
+fn pinned_state(cfg: &ResolvedConfig, host: &Placement) -> u64 {
+    let z = &cfg.zero;
+    let mut b = 0;
+    if z.offload_param.pin_memory && z.offload_param.target == OffloadTarget::Cpu {
+        b += host.category(Category::Parameters);
+    }
+    if z.offload_optimizer.pin_memory && z.offload_optimizer.target == OffloadTarget::Cpu {
+        b += host.category(Category::OptimizerState);
+    }
+    b
+}
+
+/// Pinned staging for the sections swapped to NVMe, sized as DeepSpeed sizes them: the
+/// parameter swapper holds `buffer_count` buffers of `buffer_size` elements in the storage
+/// dtype; the optimizer swapper holds `buffer_count` sub-groups of f32 state.
+fn swap_buffers(cfg: &ResolvedConfig) -> u64 {
+    let z = &cfg.zero;
+    let nvme = |o: &ferrozero_config::resolved::Offload| matches!(o.target, OffloadTarget::Nvme(_));
+    let mut b = 0u64;
+    if nvme(&z.offload_param) {
+        let elem = super::build::storage_dtype(&cfg.precision).size() as u64;
+        b += z.offload_param.buffer_count as u64 * z.offload_param.buffer_size as u64 * elem;
+    }
+    if nvme(&z.offload_optimizer) {
+        b += z.offload_optimizer.buffer_count as u64 * z.sub_group_size as u64 * 4;
+    }
+    b
+}

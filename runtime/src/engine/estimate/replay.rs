@@ -1,0 +1,302 @@
+//! Replays one training step's buffer lifetimes on a [`Ledger`] without allocating anything.
+//!
+//! Invariant: every `alloc`/`free` here mirrors one in the engine (`build.rs`, `group.rs`,
+//! `stage.rs`, `core.rs`, `step.rs`), in the same order and with the same sizes, so the
+//! replayed peaks are the peaks the engine's ledger will measure. Sizes come from the shared
+//! layout arithmetic ([`GroupLayout`]) and [`crate::nn::Module::saved_bytes`]; the
+//! `estimate_*` tests run the engine beside this replay to keep the two in step.
+
+use ferrozero_config::resolved::{ActivationCheckpointing, ResolvedConfig};
+
+use crate::engine::build::{optimizer_location, param_location, storage_dtype};
+use crate::engine::ledger::{Category, Ledger, Location};
+use crate::engine::partition::GroupLayout;
+use crate::engine::stage::{self, Extent, Stage};
+use crate::nn::Model;
+use crate::tensor::DType;
+
+/// What one group's buffers look like on one rank, sizes only.
+struct GroupShape {
+    layout: GroupLayout,
+    /// The parameter extent after the persistence threshold (stage 3 keeps small groups whole).
+    params: Extent,
+}
+
+/// The replay state: sizes that do not change during a step, and the ledger being driven.
+pub(super) struct Replay<'a> {
+    model: &'a Model,
+    cfg: &'a ResolvedConfig,
+    stage: Box<dyn Stage>,
+    dtype: DType,
+    groups: Vec<GroupShape>,
+    ledger: Ledger,
+    micro_alive: Vec<bool>,
+}
+
+/// Elements per rank in one communication chunk (as `stage::per_rank_chunk`).
+fn per_rank_chunk(bucket: usize, world: usize) -> usize {
+    (bucket / world.max(1)).max(1)
+}
+
+impl<'a> Replay<'a> {
+    /// Lays out every group of `model` for `cfg`'s world size and counts the model states.
+    pub(super) fn build(model: &'a Model, cfg: &'a ResolvedConfig, moments: usize) -> Self {
+        let stage = stage::for_stage(cfg.zero.stage);
+        let world = cfg.world_size.max(1);
+        let mut specs: Vec<_> = model.units.iter().map(|u| u.module.param_specs()).collect();
+        if !model.shared.is_empty() {
+            specs.push(model.shared.clone());
+        }
+        let groups = specs
+            .iter()
+            .map(|s| {
+                let layout = GroupLayout::new(s, world);
+                // Mirrors `GroupPlan::param_extent`.
+                let params = match stage.params() {
+                    Extent::Shard if layout.numel < cfg.zero.param_persistence_threshold => {
+                        Extent::Full
+                    }
+                    e => e,
+                };
+                GroupShape { layout, params }
+            })
+            .collect::<Vec<_>>();
+        let n = groups.len();
+        let mut r = Replay {
+            model,
+            cfg,
+            stage,
+            dtype: storage_dtype(&cfg.precision),
+            groups,
+            ledger: Ledger::default(),
+            micro_alive: vec![false; n],
+        };
+        for g in 0..n {
+            r.build_group(g, moments);
+        }
+        r
+    }
+
+    fn lp(&self, elems: usize) -> u64 {
+        (elems * self.dtype.size()) as u64
+    }
+
+    fn build_group(&mut self, g: usize, moments: usize) {
+        let (layout, params) = (&self.groups[g].layout, self.groups[g].params);
+        let param_elems = params.range(layout, 0).len();
+        let param_loc = match params {
+            Extent::Shard => param_location(self.cfg),
+            Extent::Full => Location::Device,
+        };
+        let grad_elems = self.stage.grads().range(layout, 0).len();
+        let owned = self.stage.optimizer().range(layout, 0).len();
+        let master = if self.dtype == DType::F32 { 0 } else { owned };
+        let opt_bytes = ((master + owned * moments) * 4) as u64;
+        let (pb, gb) = (self.lp(param_elems), self.lp(grad_elems));
+        self.ledger.alloc(param_loc, Category::Parameters, pb);
+        self.ledger.alloc(Location::Device, Category::Gradients, gb);
+        let opt_loc = optimizer_location(self.cfg);
+        self.ledger
+            .alloc(opt_loc, Category::OptimizerState, opt_bytes);
+    }
+
+    fn shared_index(&self) -> Option<usize> {
+        (!self.model.shared.is_empty()).then_some(self.model.units.len())
+    }
+
+    fn uses_shared(&self, unit: usize) -> Option<usize> {
+        self.shared_index()
+            .filter(|_| !self.model.units[unit].uses_shared.is_empty())
+    }
+
+    /// The buffers `Stage::gather` makes for one group: the gathered copy (sharded
+    /// parameters), all-gather staging, and the f32 working copy (low precision).
+    fn gather_group(&mut self, g: usize) {
+        let layout = &self.groups[g].layout;
+        let padded = layout.padded();
+        if self.groups[g].params == Extent::Shard {
+            let (world, s) = (layout.world_size, layout.shard_len);
+            let full = self.lp(padded);
+            self.ledger
+                .alloc(Location::Device, Category::Prefetch, full);
+            let k = per_rank_chunk(self.cfg.zero.allgather_bucket_size, world);
+            if k < s {
+                let staging = self.lp(k * world);
+                self.ledger
+                    .alloc(Location::Device, Category::CommBuffers, staging);
+                self.ledger
+                    .free(Location::Device, Category::CommBuffers, staging);
+            }
+        }
+        if self.dtype != DType::F32 {
+            let work = (padded * 4) as u64;
+            self.ledger
+                .alloc(Location::Device, Category::Prefetch, work);
+        }
+    }
+
+    fn release_group(&mut self, g: usize) {
+        let padded = self.groups[g].layout.padded();
+        if self.dtype != DType::F32 {
+            let work = (padded * 4) as u64;
+            self.ledger.free(Location::Device, Category::Prefetch, work);
+        }
+        if self.groups[g].params == Extent::Shard {
+            let full = self.lp(padded);
+            self.ledger.free(Location::Device, Category::Prefetch, full);
+        }
+    }
+
+    fn gather_unit(&mut self, unit: usize) {
+        self.gather_group(unit);
+        if let Some(s) = self.uses_shared(unit) {
+            self.gather_group(s);
+        }
+    }
+
+    fn release_unit(&mut self, unit: usize) {
+        self.release_group(unit);
+        if let Some(s) = self.uses_shared(unit) {
+            self.release_group(s);
+        }
+    }
+
+    fn checkpointing(&self) -> Option<&ActivationCheckpointing> {
+        self.cfg.activation_checkpointing.as_ref()
+    }
+
+    fn ckpt_location(&self) -> Location {
+        match self.checkpointing() {
+            Some(a) if a.cpu_checkpointing => Location::Host,
+            _ => Location::Device,
+        }
+    }
+
+    /// Bytes of a unit's input tensor: its predecessor's output (the first unit gets none).
+    fn input_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
+        match unit {
+            0 => 0,
+            u => self.model.units[u - 1].module.output_bytes(mb, seq) as u64,
+        }
+    }
+
+    fn saved_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
+        self.model.units[unit].module.saved_bytes(mb, seq) as u64
+    }
+
+    /// One training forward over every unit.
+    pub(super) fn forward(&mut self, mb: usize, seq: usize) {
+        for unit in 0..self.model.units.len() {
+            self.gather_unit(unit);
+            self.release_unit(unit);
+            if self.checkpointing().is_some() {
+                let b = self.input_bytes(unit, mb, seq);
+                self.ledger
+                    .alloc(self.ckpt_location(), Category::Activations, b);
+            } else {
+                let b = self.saved_bytes(unit, mb, seq);
+                self.ledger
+                    .alloc(Location::Device, Category::Activations, b);
+            }
+        }
+    }
+
+    fn ensure_micro(&mut self, g: usize) {
+        if !self.micro_alive[g] {
+            self.micro_alive[g] = true;
+            let b = (self.groups[g].layout.padded() * 4) as u64;
+            self.ledger
+                .alloc(Location::Device, Category::CommBuffers, b);
+        }
+    }
+
+    /// `take_micro` then `Stage::reduce`: the storage-dtype copy and reduce-scatter staging.
+    fn reduce_group(&mut self, g: usize) {
+        if !std::mem::take(&mut self.micro_alive[g]) {
+            return;
+        }
+        let layout = &self.groups[g].layout;
+        let (padded, world, s) = (layout.padded(), layout.world_size, layout.shard_len);
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, (padded * 4) as u64);
+        let buf = self.lp(padded);
+        self.ledger
+            .alloc(Location::Device, Category::CommBuffers, buf);
+        let k = per_rank_chunk(self.cfg.zero.reduce_bucket_size, world);
+        if self.stage.grads() == Extent::Shard && k < s {
+            let staging = self.lp(k * world + k);
+            self.ledger
+                .alloc(Location::Device, Category::CommBuffers, staging);
+            self.ledger
+                .free(Location::Device, Category::CommBuffers, staging);
+        }
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, buf);
+    }
+
+    /// One backward over every unit in reverse, with recompute under checkpointing.
+    pub(super) fn backward(&mut self, mb: usize, seq: usize) {
+        let first_shared_user = self
+            .model
+            .units
+            .iter()
+            .position(|u| !u.uses_shared.is_empty());
+        for unit in (0..self.model.units.len()).rev() {
+            self.gather_unit(unit);
+            let saved = self.saved_bytes(unit, mb, seq);
+            if self.checkpointing().is_some() {
+                let b = self.input_bytes(unit, mb, seq);
+                self.ledger
+                    .free(self.ckpt_location(), Category::Activations, b);
+                self.ledger
+                    .alloc(Location::Device, Category::Activations, saved);
+            }
+            self.ensure_micro(unit);
+            if let Some(s) = self.uses_shared(unit) {
+                self.ensure_micro(s);
+            }
+            self.ledger
+                .free(Location::Device, Category::Activations, saved);
+            self.release_unit(unit);
+            self.reduce_group(unit);
+            if let (Some(s), Some(first)) = (self.shared_index(), first_shared_user) {
+                if first == unit {
+                    self.reduce_group(s);
+                }
+            }
+        }
+    }
+
+    /// The optimizer boundary: stages that shard the optimizer over replicated parameters
+    /// all-gather the updated shards (`Stage::publish`).
+    pub(super) fn step(&mut self) {
+        if self.stage.optimizer() != Extent::Shard {
+            return;
+        }
+        for g in 0..self.groups.len() {
+            if self.groups[g].params != Extent::Full {
+                continue;
+            }
+            let layout = &self.groups[g].layout;
+            let (world, s) = (layout.world_size, layout.shard_len);
+            let shard = self.lp(s);
+            self.ledger
+                .alloc(Location::Device, Category::CommBuffers, shard);
+            let k = per_rank_chunk(self.cfg.zero.allgather_bucket_size, world);
+            if k < s {
+                let staging = self.lp(k * world);
+                self.ledger
+                    .alloc(Location::Device, Category::CommBuffers, staging);
+                self.ledger
+                    .free(Location::Device, Category::CommBuffers, staging);
+            }
+            self.ledger
+                .free(Location::Device, Category::CommBuffers, shard);
+        }
+    }
+
+    /// The ledger after the replay.
+    pub(super) fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+}

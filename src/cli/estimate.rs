@@ -1,0 +1,450 @@
+//! `ferrozero estimate`: per-rank peak memory for a model, a config and a world size, with a
+//! verdict against the device size and this host's RAM, and the cheapest change that fits
+//! when it does not. The figures come from the same estimator the engine's pre-flight uses.
+//!
+//! Exit codes: 0 fits, 1 does not fit, 2 bad input.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::{parse, Format, ResolveContext};
+use ferrozero_runtime::engine::estimate::shape::{self, ModelShape};
+use ferrozero_runtime::engine::estimate::{estimate, suggest, Budget, Estimate, Placement};
+use ferrozero_runtime::engine::ledger::Category;
+use serde_json::{json, Value};
+
+/// Arguments.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model preset: gpt2-124m, bench-15m, tiny-gpt2, llama-7b, llama-13b, tiny-llama.
+    #[arg(long, conflicts_with_all = ["model_config", "params"])]
+    model: Option<String>,
+    /// A Hugging Face config.json (GPT-2 or Llama-shaped).
+    #[arg(long, conflicts_with = "params")]
+    model_config: Option<PathBuf>,
+    /// Parameter count of a Llama-shaped model, e.g. 7e9 (with --layers and --hidden).
+    #[arg(long, requires_all = ["layers", "hidden"])]
+    params: Option<f64>,
+    /// Layers (with --params).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Width (with --params).
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Vocabulary size (with --params).
+    #[arg(long, default_value_t = 32000)]
+    vocab: usize,
+    /// A ferrozero TOML or DeepSpeed JSON config (default: bf16, AdamW, stage 0).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override the config's ZeRO stage.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
+    stage: Option<u8>,
+    /// Nodes.
+    #[arg(long, default_value_t = 1)]
+    nodes: usize,
+    /// GPUs (ranks) per node.
+    #[arg(long, default_value_t = 1)]
+    gpus_per_node: usize,
+    /// Rows per micro-batch (default: the config's train_micro_batch_size_per_gpu).
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// Tokens per row (default: the model's longest sequence).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Device memory per GPU: 40GB (10^9), 40GiB (2^30), or bytes.
+    #[arg(long, default_value = "40GB")]
+    device_memory: String,
+    /// Host memory per node (default: this machine's RAM), same units.
+    #[arg(long)]
+    host_memory: Option<String>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs the subcommand.
+pub fn run(args: Args) -> ExitCode {
+    match plan(&args) {
+        Ok(p) => report(&args, &p),
+        Err(msg) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Everything the report needs, decided from the arguments.
+struct Plan {
+    shape: ModelShape,
+    cfg: ResolvedConfig,
+    micro: usize,
+    seq: usize,
+    budget: Budget,
+    host_ram: u64,
+    est: Estimate,
+}
+
+fn plan(args: &Args) -> Result<Plan, String> {
+    let shape = model(args)?;
+    if args.nodes == 0 || args.gpus_per_node == 0 {
+        return Err("--nodes and --gpus-per-node must be at least 1".into());
+    }
+    let world = args.nodes * args.gpus_per_node;
+    let cfg = config(args, world, shape.hidden)?;
+    let micro = args
+        .micro_batch
+        .unwrap_or(cfg.train_micro_batch_size_per_gpu);
+    let seq = args.seq_len.unwrap_or(shape.max_seq);
+    if micro == 0 || seq == 0 {
+        return Err("--micro-batch and --seq-len must be at least 1".into());
+    }
+    if seq > shape.max_seq {
+        return Err(format!(
+            "--seq-len {seq} exceeds the model's longest sequence {}",
+            shape.max_seq
+        ));
+    }
+    let device = parse_size(&args.device_memory)?;
+    let host_ram = match &args.host_memory {
+        Some(s) => parse_size(s)?,
+        None => super::report::ram_bytes()
+            .ok_or("cannot read this host's RAM from /proc/meminfo; pass --host-memory")?,
+    };
+    let budget = Budget {
+        device_bytes: device,
+        host_bytes: host_ram / args.gpus_per_node as u64,
+    };
+    let est = estimate(&shape.model, &cfg, micro, seq);
+    Ok(Plan {
+        shape,
+        cfg,
+        micro,
+        seq,
+        budget,
+        host_ram,
+        est,
+    })
+}
+
+fn model(args: &Args) -> Result<ModelShape, String> {
+    let r = match (&args.model, &args.model_config, args.params) {
+        (Some(name), _, _) => shape::preset(name),
+        (_, Some(path), _) => shape::hf_config(path),
+        (_, _, Some(p)) => shape::from_size(
+            p,
+            args.layers.unwrap_or(0),
+            args.hidden.unwrap_or(0),
+            args.vocab,
+            args.seq_len.unwrap_or(4096),
+        ),
+        _ => return Err("name a model: --model, --model-config or --params".into()),
+    };
+    r.map_err(|e| e.to_string())
+}
+
+const DEFAULT_CONFIG: &str = r#"{
+  "train_micro_batch_size_per_gpu": 1,
+  "bf16": {"enabled": true},
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+  "zero_optimization": {"stage": 0}
+}"#;
+
+fn config(args: &Args, world: usize, hidden: usize) -> Result<ResolvedConfig, String> {
+    let loaded = match &args.config {
+        Some(p) => ferrozero_config::load(p),
+        None => parse(DEFAULT_CONFIG, Format::Json, "built-in default"),
+    }
+    .map_err(|e| e.to_string())?;
+    let ctx = ResolveContext {
+        world_size: world,
+        hidden_size: Some(hidden),
+        micro_batch_hint: args.micro_batch,
+    };
+    let mut cfg = loaded.config.resolve(&ctx).map_err(|e| e.to_string())?;
+    if let Some(s) = args.stage {
+        cfg.zero.stage = match s {
+            0 => ZeroStage::Stage0,
+            1 => ZeroStage::Stage1,
+            2 => ZeroStage::Stage2,
+            _ => ZeroStage::Stage3,
+        };
+    }
+    Ok(cfg)
+}
+
+/// Parses `40GB`, `40 GiB`, `512MiB`, `1.5TB` or a plain byte count.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e' || c == 'E'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 40GB, 40GiB, 1073741824)"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024f64.powi(2),
+        "gib" => 1024f64.powi(3),
+        "tib" => 1024f64.powi(4),
+        u => {
+            return Err(format!(
+                "unknown size unit `{u}` in `{s}` (use GB, GiB, ...)"
+            ))
+        }
+    };
+    let b = n * mult;
+    if !(0.0..=u64::MAX as f64).contains(&b) {
+        return Err(format!("`{s}` is out of range"));
+    }
+    Ok(b as u64)
+}
+
+/// Bytes as GiB with two decimals (MiB below 1 GiB).
+pub fn human(b: u64) -> String {
+    let g = b as f64 / 1024f64.powi(3);
+    if g >= 1.0 {
+        format!("{g:.2} GiB")
+    } else {
+        format!("{:.1} MiB", b as f64 / 1024f64.powi(2))
+    }
+}
+
+fn cat_name(c: Category) -> &'static str {
+    match c {
+        Category::Parameters => "parameters",
+        Category::Gradients => "gradients",
+        Category::OptimizerState => "optimizer_state",
+        Category::Activations => "activations",
+        Category::CommBuffers => "comm_buffers",
+        Category::Prefetch => "prefetch",
+    }
+}
+
+fn placement_json(p: &Placement) -> Value {
+    let m: serde_json::Map<String, Value> = p
+        .by_category
+        .iter()
+        .map(|&(c, b)| (cat_name(c).to_string(), json!(b)))
+        .collect();
+    Value::Object(m)
+}
+
+fn offload_name(t: &OffloadTarget) -> String {
+    match t {
+        OffloadTarget::None => "none".into(),
+        OffloadTarget::Cpu => "cpu".into(),
+        OffloadTarget::Nvme(p) => format!("nvme ({})", p.display()),
+    }
+}
+
+fn precision_name(p: &Precision) -> &'static str {
+    match p {
+        Precision::F32 => "f32",
+        Precision::Bf16 => "bf16",
+        Precision::Fp16(_) => "fp16",
+    }
+}
+
+fn report(args: &Args, p: &Plan) -> ExitCode {
+    let fits = p.budget.fits(&p.est);
+    let sug = (!fits).then(|| suggest(&p.shape.model, &p.cfg, p.micro, p.seq, p.budget));
+    if args.json {
+        println!("{}", json_report(p, fits, &sug));
+    } else {
+        print_table(args, p, fits, &sug);
+    }
+    if fits {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn json_report(p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) -> Value {
+    let e = &p.est;
+    let suggestion = match sug {
+        Some(Some(s)) => json!({
+            "changes": s.changes.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+            "device_bytes": s.estimate.device.peak_bytes,
+            "host_bytes": s.estimate.host_total_bytes(),
+        }),
+        Some(None) => json!("nothing in the candidate list fits"),
+        None => Value::Null,
+    };
+    json!({
+        "model": p.shape.description,
+        "num_params": e.num_params,
+        "world_size": e.world_size,
+        "stage": e.stage,
+        "precision": precision_name(&p.cfg.precision),
+        "micro_batch": e.micro_batch,
+        "seq_len": e.seq_len,
+        "per_rank": {
+            "device_bytes": e.device.peak_bytes,
+            "host_bytes": e.host.peak_bytes,
+            "nvme_bytes": e.nvme.peak_bytes,
+            "pinned_host_bytes": e.pinned_host_bytes,
+            "other_host_bytes": e.other_host_bytes,
+            "swap_buffer_bytes": e.swap_buffer_bytes,
+            "categories": {
+                "device": placement_json(&e.device),
+                "host": placement_json(&e.host),
+                "nvme": placement_json(&e.nvme),
+            },
+            "activations": {
+                "without_checkpointing": e.activations.without_checkpointing,
+                "with_checkpointing": e.activations.with_checkpointing,
+            },
+        },
+        "budget": {
+            "device_bytes": p.budget.device_bytes,
+            "host_bytes_per_rank": p.budget.host_bytes,
+            "host_ram_bytes": p.host_ram,
+        },
+        "fits": fits,
+        "suggestion": suggestion,
+    })
+}
+
+fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) {
+    let (e, z) = (&p.est, &p.cfg.zero);
+    println!(
+        "model: {} ({:.3} B params), micro-batch {} x {} tokens",
+        p.shape.description,
+        e.num_params as f64 / 1e9,
+        e.micro_batch,
+        e.seq_len
+    );
+    println!(
+        "world: {} node(s) x {} GPU(s) = {} ranks; ZeRO stage {}, {}, optimizer offload {}, \
+         param offload {}, activation checkpointing {}",
+        args.nodes,
+        args.gpus_per_node,
+        e.world_size,
+        e.stage,
+        precision_name(&p.cfg.precision),
+        offload_name(&z.offload_optimizer.target),
+        offload_name(&z.offload_param.target),
+        match &p.cfg.activation_checkpointing {
+            None => "off",
+            Some(a) if a.cpu_checkpointing => "on (CPU)",
+            Some(_) => "on",
+        }
+    );
+    println!(
+        "\nper rank (peaks) {:>14} {:>14} {:>14}",
+        "device", "host", "nvme"
+    );
+    for c in Category::ALL {
+        println!(
+            "  {:<15} {:>14} {:>14} {:>14}",
+            cat_name(c),
+            human(e.device.category(c)),
+            human(e.host.category(c)),
+            human(e.nvme.category(c))
+        );
+    }
+    println!(
+        "  {:<15} {:>14} {:>14} {:>14}",
+        "peak total",
+        human(e.device.peak_bytes),
+        human(e.host.peak_bytes),
+        human(e.nvme.peak_bytes)
+    );
+    println!(
+        "\nhost: pinned {} (swap buffers {}), other {}",
+        human(e.pinned_host_bytes),
+        human(e.swap_buffer_bytes),
+        human(e.other_host_bytes)
+    );
+    println!(
+        "activations: {} without checkpointing, {} with",
+        human(e.activations.without_checkpointing),
+        human(e.activations.with_checkpointing)
+    );
+    print_verdict(args, p, fits, sug);
+}
+
+fn print_verdict(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) {
+    let e = &p.est;
+    let dev_ok = e.device.peak_bytes <= p.budget.device_bytes;
+    println!(
+        "\ndevice: {} of {} per GPU: {}",
+        human(e.device.peak_bytes),
+        human(p.budget.device_bytes),
+        if dev_ok { "fits" } else { "DOES NOT FIT" }
+    );
+    let node_host = e.host_total_bytes() * args.gpus_per_node as u64;
+    println!(
+        "host: {} per node ({} ranks) of {} RAM: {}",
+        human(node_host),
+        args.gpus_per_node,
+        human(p.host_ram),
+        if node_host <= p.host_ram {
+            "fits"
+        } else {
+            "DOES NOT FIT"
+        }
+    );
+    if let Some(limit) = super::report::memlock_limit() {
+        let pinned = e.pinned_host_bytes * args.gpus_per_node as u64;
+        if pinned > limit {
+            println!(
+                "warning: {} of pinned host memory per node exceeds RLIMIT_MEMLOCK ({}); \
+                 raise it (ulimit -l) or set pin_memory = false",
+                human(pinned),
+                human(limit)
+            );
+        }
+    }
+    match sug {
+        None if fits => println!("verdict: fits"),
+        Some(Some(s)) => {
+            println!("verdict: does not fit; cheapest change that fits:");
+            for c in &s.changes {
+                println!("  - {c}");
+            }
+            println!(
+                "  then: device {}, host {} per rank",
+                human(s.estimate.device.peak_bytes),
+                human(s.estimate.host_total_bytes())
+            );
+        }
+        _ => println!(
+            "verdict: does not fit, and no combination of checkpointing, stage 3, offload and \
+             micro-batch 1 fits: add GPUs or nodes"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_in_both_unit_families() {
+        assert_eq!(parse_size("40GB").unwrap(), 40_000_000_000);
+        assert_eq!(parse_size("40 GiB").unwrap(), 40 << 30);
+        assert_eq!(parse_size("1.5TB").unwrap(), 1_500_000_000_000);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        for bad in ["", "GB", "40XB", "-1GB", "1e400GB"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn default_config_resolves() {
+        let loaded = parse(DEFAULT_CONFIG, Format::Json, "default").unwrap();
+        let cfg = loaded.config.resolve(&ResolveContext::new(8)).unwrap();
+        assert_eq!(cfg.world_size, 8);
+        assert_eq!(cfg.precision, Precision::Bf16);
+    }
+}

@@ -1,0 +1,147 @@
+//! `ferrozero estimate` and `ferrozero report` run as a user runs them: exit codes, the JSON
+//! shape the docs promise, and clear errors for bad input.
+
+use std::process::Command;
+
+fn ferrozero(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+        .args(args)
+        .output()
+        .expect("run ferrozero");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn estimate_json_has_per_rank_totals_and_categories() {
+    let (code, out, err) = ferrozero(&[
+        "estimate",
+        "--model",
+        "llama-7b",
+        "--gpus-per-node",
+        "8",
+        "--stage",
+        "3",
+        "--seq-len",
+        "512",
+        "--device-memory",
+        "80GB",
+        "--host-memory",
+        "512GB",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let r = &v["per_rank"];
+    let dev = r["device_bytes"].as_u64().unwrap();
+    assert!((1 << 30..80_000_000_000).contains(&dev), "{dev}");
+    assert_eq!(r["host_bytes"].as_u64(), Some(0));
+    assert_eq!(r["nvme_bytes"].as_u64(), Some(0));
+    let params = r["categories"]["device"]["parameters"].as_u64().unwrap();
+    // Stage 3 over 8 ranks, bf16: 2 B/param / 8.
+    let n = v["num_params"].as_u64().unwrap();
+    assert!((params as f64 - n as f64 / 4.0).abs() / (n as f64 / 4.0) < 0.01);
+    assert_eq!(v["fits"], true);
+    assert!(v["suggestion"].is_null());
+}
+
+#[test]
+fn estimate_that_does_not_fit_exits_1_with_a_suggestion() {
+    let (code, out, _) = ferrozero(&[
+        "estimate",
+        "--params",
+        "7e9",
+        "--layers",
+        "32",
+        "--hidden",
+        "4096",
+        "--gpus-per-node",
+        "8",
+        "--seq-len",
+        "1024",
+        "--device-memory",
+        "40GiB",
+        "--host-memory",
+        "1TB",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("DOES NOT FIT"), "{out}");
+    assert!(out.contains("cheapest change that fits"), "{out}");
+}
+
+#[test]
+fn estimate_reads_hf_config_json() {
+    let dir = std::env::temp_dir().join(format!("fz-est-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.json");
+    std::fs::write(
+        &path,
+        r#"{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64,
+            "vocab_size": 100, "n_positions": 64}"#,
+    )
+    .unwrap();
+    let (code, out, err) = ferrozero(&[
+        "estimate",
+        "--model-config",
+        path.to_str().unwrap(),
+        "--json",
+        "--host-memory",
+        "1GB",
+    ]);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["seq_len"], 64);
+}
+
+#[test]
+fn estimate_rejects_bad_input_with_exit_2() {
+    for args in [
+        &["estimate", "--model", "gpt5"][..],
+        &["estimate", "--model", "gpt2-124m", "--seq-len", "5000"],
+        &[
+            "estimate",
+            "--model",
+            "gpt2-124m",
+            "--device-memory",
+            "lots",
+        ],
+        &["estimate", "--model", "gpt2-124m", "--micro-batch", "0"],
+        &[
+            "estimate",
+            "--model",
+            "gpt2-124m",
+            "--config",
+            "/nonexistent/ds.json",
+        ],
+        &["estimate"],
+    ] {
+        let (code, _, err) = ferrozero(args);
+        assert_eq!(code, 2, "{args:?}");
+        assert!(err.starts_with("error:"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn report_runs_and_explains_what_is_missing() {
+    let (code, out, err) = ferrozero(&["report"]);
+    assert_eq!(code, 0, "{err}");
+    for want in [
+        "simd",
+        "cores",
+        "ram",
+        "locked memory",
+        "io_uring",
+        "mpi",
+        "cuda driver",
+        "nccl",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in\n{out}");
+    }
+    for l in out.lines().filter(|l| l.starts_with("[--]")) {
+        assert!(l.len() > 40, "a missing capability without a reason: {l}");
+    }
+}
