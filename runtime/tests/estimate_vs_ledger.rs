@@ -158,7 +158,17 @@ fn sweep(which: Which, precisions: &[Precision]) {
                     for ckpt in [Ckpt::Off, Ckpt::Device, Ckpt::Cpu] {
                         let cfg = make_config(stage, world, p.clone(), offload, ckpt);
                         check(which, &cfg, &mut failures);
-                        runs += 1;
+                        // The comm worker (queued reductions, stage-3 prefetch) and the
+                        // opposite stage-3 reuse rule must be replayed exactly too.
+                        let mut overlapped = cfg.clone();
+                        overlapped.zero.overlap_comm = true;
+                        overlapped.zero.max_reuse_distance = if cfg.zero.max_reuse_distance == 0 {
+                            1 << 30
+                        } else {
+                            0
+                        };
+                        check(which, &overlapped, &mut failures);
+                        runs += 2;
                     }
                 }
             }

@@ -7,8 +7,8 @@
 mod build;
 pub mod checkpoint;
 mod core;
-mod eval;
 pub mod estimate;
+mod eval;
 pub mod group;
 mod init;
 pub mod ledger;

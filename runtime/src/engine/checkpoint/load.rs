@@ -7,10 +7,10 @@ use std::path::Path;
 use super::meta::{GroupMeta, TensorKind};
 use super::reader::CheckpointReader;
 use super::{LoadedCheckpoint, Tag};
-use crate::engine::buffers::LpBuf;
 use crate::engine::core::Engine;
 use crate::engine::group::{Group, ParamStore};
 use crate::engine::loss_scale::LossScaler;
+use crate::tensor::FlatBuf;
 use crate::{Error, Result};
 
 impl Engine {
@@ -24,6 +24,7 @@ impl Engine {
         dir: impl AsRef<Path>,
         tag: &Tag,
     ) -> Result<LoadedCheckpoint> {
+        self.refuse_nvme_state("load_checkpoint")?;
         if self.micro != 0 {
             return Err(Error::Invalid(
                 "load_checkpoint in the middle of gradient accumulation".into(),
@@ -186,7 +187,7 @@ fn fill_f32(
 fn fill_params(
     reader: &CheckpointReader,
     gi: usize,
-    b: &mut LpBuf,
+    b: &mut FlatBuf,
     range: Range<usize>,
     numel: usize,
 ) -> Result<()> {
@@ -204,9 +205,9 @@ fn fill_params(
     let bytes = reader.read_raw(gi, TensorKind::Params, r.clone())?;
     let n = r.len();
     match b {
-        LpBuf::F32(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
-        LpBuf::Bf16(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
-        LpBuf::F16(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
+        FlatBuf::F32(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
+        FlatBuf::Bf16(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
+        FlatBuf::F16(v) => bytemuck::cast_slice_mut(&mut v[at..at + n]).copy_from_slice(&bytes),
     }
     Ok(())
 }

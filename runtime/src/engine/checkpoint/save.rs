@@ -12,10 +12,10 @@ use super::meta::{
 use super::reader::st_dtype;
 use super::shard_file::{self, RawTensor};
 use crate::comm::{BufMut, BufRef, ReduceOp};
-use crate::engine::buffers::LpBuf;
 use crate::engine::core::Engine;
 use crate::engine::group::{Group, ParamStore};
 use crate::tensor::DType;
+use crate::tensor::FlatBuf;
 use crate::{Error, Result};
 
 /// Checks that a tag is a plain, portable directory name.
@@ -30,11 +30,11 @@ pub fn check_tag(tag: &str) -> Result<()> {
     Ok(())
 }
 
-fn lp_bytes(b: &LpBuf, r: std::ops::Range<usize>) -> &[u8] {
+fn lp_bytes(b: &FlatBuf, r: std::ops::Range<usize>) -> &[u8] {
     match b {
-        LpBuf::F32(v) => bytemuck::cast_slice(&v[r]),
-        LpBuf::Bf16(v) => bytemuck::cast_slice(&v[r]),
-        LpBuf::F16(v) => bytemuck::cast_slice(&v[r]),
+        FlatBuf::F32(v) => bytemuck::cast_slice(&v[r]),
+        FlatBuf::Bf16(v) => bytemuck::cast_slice(&v[r]),
+        FlatBuf::F16(v) => bytemuck::cast_slice(&v[r]),
     }
 }
 
@@ -92,6 +92,7 @@ impl Engine {
     ) -> Result<PathBuf> {
         let dir = dir.as_ref();
         check_tag(tag)?;
+        self.refuse_nvme_state("save_checkpoint")?;
         if self.micro != 0 {
             return Err(Error::Invalid(
                 "save_checkpoint in the middle of gradient accumulation; save after step()".into(),

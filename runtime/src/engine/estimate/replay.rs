@@ -31,11 +31,12 @@ pub(super) struct Replay<'a> {
     groups: Vec<GroupShape>,
     ledger: Ledger,
     micro_alive: Vec<bool>,
-}
-
-/// Elements per rank in one communication chunk (as `stage::per_rank_chunk`).
-fn per_rank_chunk(bucket: usize, world: usize) -> usize {
-    (bucket / world.max(1)).max(1)
+    /// Stage-3 groups whose gathered copy exists (gathered, prefetched or kept for reuse).
+    gathered: Vec<bool>,
+    /// Groups whose f32 working copy exists.
+    work: Vec<bool>,
+    /// Storage-dtype reduction buffers queued on the comm worker (`overlap_comm`).
+    queued: Vec<u64>,
 }
 
 impl<'a> Replay<'a> {
@@ -70,6 +71,9 @@ impl<'a> Replay<'a> {
             groups,
             ledger: Ledger::default(),
             micro_alive: vec![false; n],
+            gathered: vec![false; n],
+            work: vec![false; n],
+            queued: Vec::new(),
         };
         for g in 0..n {
             r.build_group(g, moments);
@@ -110,41 +114,67 @@ impl<'a> Replay<'a> {
     }
 
     /// The buffers `Stage::gather` makes for one group: the gathered copy (sharded
-    /// parameters), all-gather staging, and the f32 working copy (low precision).
+    /// parameters, unless prefetched or kept) and the f32 working copy (low precision).
     fn gather_group(&mut self, g: usize) {
-        let layout = &self.groups[g].layout;
-        let padded = layout.padded();
-        if self.groups[g].params == Extent::Shard {
-            let (world, s) = (layout.world_size, layout.shard_len);
+        let padded = self.groups[g].layout.padded();
+        if self.groups[g].params == Extent::Shard && !self.gathered[g] {
+            self.gathered[g] = true;
             let full = self.lp(padded);
             self.ledger
                 .alloc(Location::Device, Category::Prefetch, full);
-            let k = per_rank_chunk(self.cfg.zero.allgather_bucket_size, world);
-            if k < s {
-                let staging = self.lp(k * world);
-                self.ledger
-                    .alloc(Location::Device, Category::CommBuffers, staging);
-                self.ledger
-                    .free(Location::Device, Category::CommBuffers, staging);
-            }
         }
-        if self.dtype != DType::F32 {
-            let work = (padded * 4) as u64;
+        if self.dtype != DType::F32 && !self.work[g] {
+            self.work[g] = true;
             self.ledger
-                .alloc(Location::Device, Category::Prefetch, work);
+                .alloc(Location::Device, Category::Prefetch, (padded * 4) as u64);
         }
     }
 
     fn release_group(&mut self, g: usize) {
         let padded = self.groups[g].layout.padded();
-        if self.dtype != DType::F32 {
-            let work = (padded * 4) as u64;
-            self.ledger.free(Location::Device, Category::Prefetch, work);
+        if std::mem::take(&mut self.work[g]) {
+            self.ledger
+                .free(Location::Device, Category::Prefetch, (padded * 4) as u64);
         }
-        if self.groups[g].params == Extent::Shard {
+        if self.groups[g].params == Extent::Shard && std::mem::take(&mut self.gathered[g]) {
             let full = self.lp(padded);
             self.ledger.free(Location::Device, Category::Prefetch, full);
         }
+    }
+
+    /// `Engine::prefetch`: with the comm worker, a sharded group is gathered ahead of use
+    /// when it fits the prefetch bucket and the live-parameter limit.
+    fn prefetch(&mut self, g: usize) {
+        if !(self.cfg.zero.overlap_comm && self.cfg.world_size > 1) {
+            return;
+        }
+        let live: usize = (0..self.groups.len())
+            .filter(|&i| self.groups[i].params == Extent::Full || self.gathered[i])
+            .map(|i| self.groups[i].layout.padded())
+            .sum();
+        let n = self.groups[g].layout.padded();
+        let z = &self.cfg.zero;
+        if self.groups[g].params != Extent::Shard
+            || self.gathered[g]
+            || n > z.prefetch_bucket_size
+            || live + n > z.max_live_parameters
+        {
+            return;
+        }
+        self.gathered[g] = true;
+        let full = self.lp(n);
+        self.ledger
+            .alloc(Location::Device, Category::Prefetch, full);
+    }
+
+    /// `Engine::reused_soon`: stage 3 keeps a unit gathered between its forward and
+    /// backward when the parameters gathered in between stay within `max_reuse_distance`.
+    fn reused_soon(&self, unit: usize) -> bool {
+        let later: usize = self.groups[unit + 1..self.model.units.len()]
+            .iter()
+            .map(|g| g.layout.padded())
+            .sum();
+        self.groups[unit].params == Extent::Shard && 2 * later <= self.cfg.zero.max_reuse_distance
     }
 
     fn gather_unit(&mut self, unit: usize) {
@@ -186,9 +216,15 @@ impl<'a> Replay<'a> {
 
     /// One training forward over every unit.
     pub(super) fn forward(&mut self, mb: usize, seq: usize) {
-        for unit in 0..self.model.units.len() {
+        let n = self.model.units.len();
+        for unit in 0..n {
             self.gather_unit(unit);
-            self.release_unit(unit);
+            if unit + 1 < n {
+                self.prefetch(unit + 1);
+            }
+            if !self.reused_soon(unit) {
+                self.release_unit(unit);
+            }
             if self.checkpointing().is_some() {
                 let b = self.input_bytes(unit, mb, seq);
                 self.ledger
@@ -215,23 +251,18 @@ impl<'a> Replay<'a> {
         if !std::mem::take(&mut self.micro_alive[g]) {
             return;
         }
-        let layout = &self.groups[g].layout;
-        let (padded, world, s) = (layout.padded(), layout.world_size, layout.shard_len);
+        let padded = self.groups[g].layout.padded();
         self.ledger
             .free(Location::Device, Category::CommBuffers, (padded * 4) as u64);
         let buf = self.lp(padded);
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, buf);
-        let k = per_rank_chunk(self.cfg.zero.reduce_bucket_size, world);
-        if self.stage.grads() == Extent::Shard && k < s {
-            let staging = self.lp(k * world + k);
+        if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
+            self.queued.push(buf);
+        } else {
             self.ledger
-                .alloc(Location::Device, Category::CommBuffers, staging);
-            self.ledger
-                .free(Location::Device, Category::CommBuffers, staging);
+                .free(Location::Device, Category::CommBuffers, buf);
         }
-        self.ledger
-            .free(Location::Device, Category::CommBuffers, buf);
     }
 
     /// One backward over every unit in reverse, with recompute under checkpointing.
@@ -243,6 +274,9 @@ impl<'a> Replay<'a> {
             .position(|u| !u.uses_shared.is_empty());
         for unit in (0..self.model.units.len()).rev() {
             self.gather_unit(unit);
+            if unit > 0 {
+                self.prefetch(unit - 1);
+            }
             let saved = self.saved_bytes(unit, mb, seq);
             if self.checkpointing().is_some() {
                 let b = self.input_bytes(unit, mb, seq);
@@ -265,6 +299,9 @@ impl<'a> Replay<'a> {
                 }
             }
         }
+        for b in std::mem::take(&mut self.queued) {
+            self.ledger.free(Location::Device, Category::CommBuffers, b);
+        }
     }
 
     /// The optimizer boundary: stages that shard the optimizer over replicated parameters
@@ -277,19 +314,9 @@ impl<'a> Replay<'a> {
             if self.groups[g].params != Extent::Full {
                 continue;
             }
-            let layout = &self.groups[g].layout;
-            let (world, s) = (layout.world_size, layout.shard_len);
-            let shard = self.lp(s);
+            let shard = self.lp(self.groups[g].layout.shard_len);
             self.ledger
                 .alloc(Location::Device, Category::CommBuffers, shard);
-            let k = per_rank_chunk(self.cfg.zero.allgather_bucket_size, world);
-            if k < s {
-                let staging = self.lp(k * world);
-                self.ledger
-                    .alloc(Location::Device, Category::CommBuffers, staging);
-                self.ledger
-                    .free(Location::Device, Category::CommBuffers, staging);
-            }
             self.ledger
                 .free(Location::Device, Category::CommBuffers, shard);
         }
