@@ -113,7 +113,7 @@ pub fn from_size(
         )));
     }
     let heads = (hidden / 128).max(1);
-    if hidden % heads != 0 {
+    if !hidden.is_multiple_of(heads) {
         return Err(Error::Config(format!(
             "--hidden {hidden} must be a multiple of 128 (or below 128)"
         )));
