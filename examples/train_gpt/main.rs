@@ -51,9 +51,16 @@ pub struct Args {
     /// Write one JSON object per optimizer step here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Save the trained parameters (safetensors, Hugging Face names) into this directory.
+    /// Checkpoint into this directory at the end (sharded, atomic; `ferrozero checkpoint
+    /// consolidate DIR -o model.safetensors` turns it into Hugging Face weights).
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Also checkpoint every N steps (with --save).
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Continue from the latest checkpoint in this directory (data position included).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
     /// Held-out problems to evaluate at the end (addition task).
     #[arg(long, default_value_t = 1024)]
     pub eval_rows: usize,

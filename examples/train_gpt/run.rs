@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use ferrozero::engine::{Engine, EngineBuilder, StepReport};
 use ferrozero::runtime::comm::local::run_ranks;
+use ferrozero::runtime::engine::checkpoint::Tag;
 use ferrozero::runtime::nn::weights::{self, Naming};
 use ferrozero::runtime::nn::IGNORE_INDEX;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -86,16 +87,28 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             .config(config.clone())
             .comm(comm)
             .hidden_size(spec.hidden())
+            .sequence_length(data.train.seq_len())
             .build()?;
         if let Some(init) = &init {
             load_init(&mut engine, init)?;
         }
-        train(&mut engine, args, &*data.train).map_err(to_runtime)?;
+        let first = match &args.resume {
+            Some(dir) => {
+                let l = engine.load_checkpoint(dir, &Tag::Latest)?;
+                tracing::info!(
+                    "resumed {} from {} (saved with {} ranks) at step {}",
+                    l.tag,
+                    dir.display(),
+                    l.saved_world_size,
+                    l.step
+                );
+                l.data_position
+            }
+            None => 0,
+        };
+        train(&mut engine, args, &*data.train, first).map_err(to_runtime)?;
         if let Some(h) = &data.heldout {
             evaluate(&mut engine, h, args.eval_rows)?;
-        }
-        if let Some(dir) = &args.save {
-            save(&engine, dir)?;
         }
         Ok(())
     })?;
@@ -164,7 +177,9 @@ fn micro_batches(
         .collect()
 }
 
-fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows) -> Result<(), BoxError> {
+/// Trains from data position (step) `first` up to `args.steps`, checkpointing into `--save`
+/// every `--save-every` steps and at the end.
+fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows, first: u64) -> Result<(), BoxError> {
     let lead = engine.rank() == 0;
     let bar = (lead && !args.no_progress).then(|| progress(args.steps));
     let mut metrics = match (&args.metrics, lead) {
@@ -175,7 +190,7 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows) -> Result<(), BoxErr
     let start = Instant::now();
     let mut tokens_total = 0u64;
     let (mut warm_tokens, mut warm_secs) = (0.0, 0.0);
-    for step in 0..args.steps {
+    for step in first..args.steps {
         let batches = micro_batches(engine, rows, step);
         let t = Instant::now();
         let r = engine.train_batch(&batches)?;
@@ -208,6 +223,15 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows) -> Result<(), BoxErr
             }
             None if lead && (step + 1) % every == 0 => tracing::info!("step {} {line}", r.step),
             None => {}
+        }
+        let done = step + 1;
+        if let Some(dir) = &args.save {
+            if done == args.steps || args.save_every.is_some_and(|n| n > 0 && done % n == 0) {
+                let path = engine.save_checkpoint(dir, &format!("step-{done}"), done)?;
+                if lead {
+                    tracing::info!("checkpoint {}", path.display());
+                }
+            }
         }
     }
     if let Some(b) = bar {
@@ -308,25 +332,6 @@ fn evaluate(engine: &mut Engine, task: &Addition, rows: usize) -> ferrozero::run
             loss / tokens.max(1.0),
             acc
         );
-    }
-    Ok(())
-}
-
-/// Saves the trained fp32 parameters as one safetensors file with Hugging Face names.
-fn save(engine: &Engine, dir: &std::path::Path) -> ferrozero::runtime::Result<()> {
-    let params = engine.parameters()?;
-    if engine.rank() == 0 {
-        std::fs::create_dir_all(dir).map_err(|e| ferrozero::runtime::Error::Io {
-            context: format!("creating {}", dir.display()),
-            source: e,
-        })?;
-        let list: Vec<(&str, &[usize], &[f32])> = params
-            .iter()
-            .map(|t| (t.name.as_str(), t.shape.as_slice(), t.data.as_slice()))
-            .collect();
-        let path = dir.join("model.safetensors");
-        weights::save(&path, &list, ferrozero::runtime::tensor::DType::F32)?;
-        tracing::info!("saved {} parameters to {}", params.len(), path.display());
     }
     Ok(())
 }

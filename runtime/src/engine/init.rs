@@ -21,6 +21,7 @@ pub struct EngineBuilder {
     comm: Option<Box<dyn Communicator>>,
     hidden_size: Option<usize>,
     micro_batch_hint: Option<usize>,
+    seq_len: Option<usize>,
 }
 
 impl EngineBuilder {
@@ -32,6 +33,7 @@ impl EngineBuilder {
             comm: None,
             hidden_size: None,
             micro_batch_hint: None,
+            seq_len: None,
         }
     }
 
@@ -71,6 +73,14 @@ impl EngineBuilder {
         self
     }
 
+    /// The sequence length the run will use: enables the pre-flight check, which refuses a
+    /// run whose memory (estimated by the same rules as the ledger), locked memory or NVMe
+    /// space cannot fit this machine, before anything is allocated.
+    pub fn sequence_length(mut self, seq: usize) -> Self {
+        self.seq_len = Some(seq);
+        self
+    }
+
     /// Resolves the config for the communicator's world and builds the engine.
     pub fn build(self) -> Result<Engine> {
         let config = self
@@ -88,6 +98,9 @@ impl EngineBuilder {
         let resolution = config
             .resolve_explained(&ctx)
             .map_err(|e| Error::Config(e.to_string()))?;
+        if let Some(seq) = self.seq_len {
+            preflight(&self.model, &resolution.config, seq)?;
+        }
         if comm.rank() == 0 {
             for d in &resolution.decisions {
                 tracing::info!("config: {} = {} ({})", d.path, d.value, d.rule);
@@ -99,6 +112,42 @@ impl EngineBuilder {
         }
         Ok(engine)
     }
+}
+
+/// Compares what this process's ranks need with what the machine has (RAM, locked memory,
+/// NVMe free space) and refuses with every shortfall and its numbers.
+fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) -> Result<()> {
+    let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
+    // Local ranks share this process's machine; other backends run one rank per process.
+    let here = match cfg.comms.backend {
+        ferrozero_config::resolved::CommBackend::Local => cfg.world_size as u64,
+        _ => std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1),
+    };
+    let mut nvme = Vec::new();
+    for off in [&cfg.zero.offload_optimizer, &cfg.zero.offload_param] {
+        if let ferrozero_config::resolved::OffloadTarget::Nvme(p) = &off.target {
+            nvme.push((p.clone(), e.nvme.peak_bytes * here));
+        }
+    }
+    let req = ferrozero_offload::preflight::Requirement {
+        // On a CPU-only run the "device" working set lives in RAM too.
+        host_bytes: (e.device.peak_bytes + e.host_total_bytes()) * here,
+        locked_bytes: e.pinned_host_bytes * here,
+        nvme,
+    };
+    ferrozero_offload::preflight::preflight(&req)
+        .map_err(|err| Error::Config(format!("pre-flight: {err}")))?;
+    tracing::info!(
+        "pre-flight: {} ranks here need {:.1} MiB of RAM ({:.1} MiB locked) and {:.1} MiB of NVMe: fits",
+        here,
+        req.host_bytes as f64 / 1048576.0,
+        req.locked_bytes as f64 / 1048576.0,
+        req.nvme.iter().map(|n| n.1).sum::<u64>() as f64 / 1048576.0
+    );
+    Ok(())
 }
 
 /// The default communicator: one local rank, unless the environment describes a multi-process
