@@ -56,6 +56,58 @@ fn trains_checkpoints_and_resumes() {
 }
 
 #[test]
+fn token_files_shuffling_and_init_from_consolidated_weights() {
+    let dir = std::env::temp_dir().join(format!("fz-smoke-data-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Little-endian u16 ids below the tiny preset's vocabulary of 64.
+    let tokens: Vec<u8> = (0..4096u16)
+        .flat_map(|i| ((i * 7 + i / 5) % 64).to_le_bytes())
+        .collect();
+    let data = dir.join("tokens.bin");
+    std::fs::write(&data, tokens).unwrap();
+    let ck = dir.join("ck");
+    let base = [
+        "--model-config",
+        "tiny",
+        "--data",
+        data.to_str().unwrap(),
+        "--seq-len",
+        "16",
+        "--no-progress",
+    ];
+    run(&[
+        &base[..],
+        &["--steps", "3", "--shuffle", "--save", ck.to_str().unwrap()],
+    ]
+    .concat());
+    // Consolidate into Hugging Face-named weights and start a new run from them.
+    let bin = env!("CARGO_BIN_EXE_ferrozero");
+    let weights = dir.join("model.safetensors");
+    let out = Command::new(bin)
+        .args([
+            "checkpoint",
+            "consolidate",
+            ck.to_str().unwrap(),
+            "-o",
+            weights.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = run(&[
+        &base[..],
+        &["--steps", "1", "--init", weights.to_str().unwrap()],
+    ]
+    .concat());
+    assert!(text.contains("trained 1 steps"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn bad_config_is_a_clear_error() {
     let exe = example().expect("example built");
     let out = Command::new(exe)
