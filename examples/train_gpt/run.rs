@@ -216,13 +216,27 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows, first: u64) -> Resul
             tps,
             peak_dev / 1048576.0
         );
+        let print_now = lead && (step + 1) % every == 0;
         match &bar {
             Some(b) => {
                 b.set_message(line);
                 b.inc(1);
             }
-            None if lead && (step + 1) % every == 0 => tracing::info!("step {} {line}", r.step),
+            None if print_now => tracing::info!("step {} {line}", r.step),
             None => {}
+        }
+        if print_now && engine.config().wall_clock_breakdown {
+            let t = &r.timings;
+            let ms = |s: f64| s * 1e3;
+            tracing::info!(
+                "step {} time (ms): forward {:.1} | backward {:.1} | reduce {:.1} | gather {:.1} | optimizer {:.1}",
+                r.step,
+                ms(t.forward),
+                ms(t.backward),
+                ms(t.reduce),
+                ms(t.gather),
+                ms(t.optimizer)
+            );
         }
         let done = step + 1;
         if let Some(dir) = &args.save {
