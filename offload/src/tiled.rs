@@ -138,6 +138,55 @@ impl NvmeAdam {
         Ok(())
     }
 
+    /// Copies the whole state out: master parameters and both moments (for checkpoints).
+    pub fn read_state(
+        &self,
+        store: &NvmeStore,
+        pool: &BufferPool,
+        master: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<()> {
+        for n in [master.len(), m.len(), v.len()] {
+            self.check_len("NvmeAdam::read_state", n)?;
+        }
+        let reads = Prefetch::new(store, pool, self.keys(), pool.buffer_count())?;
+        for (swapped, r) in reads.zip(self.tiles()) {
+            let s = swapped?;
+            let n = r.len();
+            let f: &[f32] = bytemuck::cast_slice(s.bytes());
+            master[r.clone()].copy_from_slice(&f[..n]);
+            m[r.clone()].copy_from_slice(&f[n..2 * n]);
+            v[r].copy_from_slice(&f[2 * n..3 * n]);
+        }
+        Ok(())
+    }
+
+    /// Replaces the whole state: master parameters and both moments (checkpoint loading).
+    pub fn write_state(
+        &self,
+        store: &NvmeStore,
+        pool: &BufferPool,
+        master: &[f32],
+        m: &[f32],
+        v: &[f32],
+    ) -> Result<()> {
+        for n in [master.len(), m.len(), v.len()] {
+            self.check_len("NvmeAdam::write_state", n)?;
+        }
+        let mut writes = WriteBehind::new(store, pool.buffer_count().div_ceil(2));
+        for (i, r) in self.tiles().enumerate() {
+            let n = r.len();
+            let mut buf = pool.acquire();
+            let f: &mut [f32] = bytemuck::cast_slice_mut(&mut buf[..n * STREAMS * 4]);
+            f[..n].copy_from_slice(&master[r.clone()]);
+            f[n..2 * n].copy_from_slice(&m[r.clone()]);
+            f[2 * n..3 * n].copy_from_slice(&v[r]);
+            writes.push(&self.key(i), buf, n * STREAMS * 4)?;
+        }
+        writes.flush()
+    }
+
     fn check_len(&self, op: &'static str, n: usize) -> Result<()> {
         if n == self.len {
             return Ok(());

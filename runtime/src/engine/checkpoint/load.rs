@@ -24,7 +24,6 @@ impl Engine {
         dir: impl AsRef<Path>,
         tag: &Tag,
     ) -> Result<LoadedCheckpoint> {
-        self.refuse_nvme_state("load_checkpoint")?;
         if self.micro != 0 {
             return Err(Error::Invalid(
                 "load_checkpoint in the middle of gradient accumulation".into(),
@@ -101,6 +100,7 @@ impl Engine {
         let rank = self.rank();
         for (gi, g) in self.groups.iter_mut().enumerate() {
             restore_group(reader, gi, g, rank)?;
+            restore_nvme_state(reader, gi, g, self.nvme.as_ref())?;
             if g.work.is_some() {
                 refresh_work(g);
             }
@@ -151,6 +151,11 @@ fn restore_group(reader: &CheckpointReader, gi: usize, g: &mut Group, rank: usiz
         }
     }
     let owned = g.owned.clone();
+    g.grad.fill_zero();
+    if g.nvme_adam.is_some() {
+        // Master weights and moments live on NVMe: `restore_nvme_state` writes them.
+        return Ok(());
+    }
     if let Some(master) = &mut g.master {
         fill_f32(master, &owned, numel, |r| reader.read_values(gi, r))?;
     }
@@ -163,6 +168,33 @@ fn restore_group(reader: &CheckpointReader, gi: usize, g: &mut Group, rank: usiz
         })?;
     }
     g.grad.fill_zero();
+    Ok(())
+}
+
+/// Writes the saved master weights and moments of the owned range into NVMe-resident state.
+fn restore_nvme_state(
+    reader: &CheckpointReader,
+    gi: usize,
+    g: &Group,
+    nvme: Option<&crate::engine::nvme::NvmeOffload>,
+) -> Result<()> {
+    let (Some(state), Some(n)) = (&g.nvme_adam, nvme) else {
+        return Ok(());
+    };
+    let (owned, numel) = (g.owned.clone(), g.layout.numel);
+    let (mut master, mut m, mut v) = (
+        vec![0.0; owned.len()],
+        vec![0.0; owned.len()],
+        vec![0.0; owned.len()],
+    );
+    fill_f32(&mut master, &owned, numel, |r| reader.read_values(gi, r))?;
+    fill_f32(&mut m, &owned, numel, |r| {
+        reader.read_f32(gi, TensorKind::M, r)
+    })?;
+    fill_f32(&mut v, &owned, numel, |r| {
+        reader.read_f32(gi, TensorKind::V, r)
+    })?;
+    state.write_state(&n.store, &n.pool, &master, &m, &v)?;
     Ok(())
 }
 

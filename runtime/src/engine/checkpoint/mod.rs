@@ -42,20 +42,3 @@ pub struct LoadedCheckpoint {
     /// World size it was saved with.
     pub saved_world_size: usize,
 }
-
-impl crate::engine::Engine {
-    /// Checkpoints read and write master weights and moments from memory; state that lives
-    /// in NVMe swap tiles is not streamed through them yet, so refuse rather than save a
-    /// checkpoint without it.
-    fn refuse_nvme_state(&self, op: &'static str) -> crate::Result<()> {
-        if self.groups.iter().any(|g| g.nvme_adam.is_some()) {
-            return Err(crate::Error::Unavailable {
-                what: op,
-                why: "optimizer state on NVMe (offload_optimizer.device = \"nvme\") is not checkpointed yet; \
-                      use device = \"cpu\" for runs that must checkpoint"
-                    .into(),
-            });
-        }
-        Ok(())
-    }
-}

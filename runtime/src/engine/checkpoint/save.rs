@@ -38,10 +38,15 @@ fn lp_bytes(b: &FlatBuf, r: std::ops::Range<usize>) -> &[u8] {
     }
 }
 
-/// The tensors of group `gi` for `rank`'s canonical shard, borrowed from the engine.
+/// Optimizer state read back from NVMe for a save: (master, m, v) over the owned range.
+pub(super) type Hydrated = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// The tensors of group `gi` for `rank`'s canonical shard, borrowed from the engine (or, for
+/// NVMe-resident optimizer state, from `hydrated`).
 fn group_tensors<'a>(
     gi: usize,
     g: &'a Group,
+    hydrated: Option<&'a Hydrated>,
     rank: usize,
     out: &mut Vec<(String, RawTensor<'a>)>,
 ) -> Result<()> {
@@ -68,14 +73,18 @@ fn group_tensors<'a>(
     }
     let local = sr.start - g.owned.start..sr.end - g.owned.start;
     let f32s = |v: &'a [f32]| one(DType::F32, bytemuck::cast_slice(&v[local.clone()]));
-    if let Some(m) = &g.master {
-        out.push((TensorKind::Master.tensor_name(gi), f32s(m)));
+    let (master, m, v) = match hydrated {
+        Some((master, m, v)) => (Some(master), m, v),
+        None => (g.master.as_ref(), &g.m, &g.v),
+    };
+    if let Some(master) = master {
+        out.push((TensorKind::Master.tensor_name(gi), f32s(master)));
     }
-    if !g.m.is_empty() {
-        out.push((TensorKind::M.tensor_name(gi), f32s(&g.m)));
+    if !m.is_empty() {
+        out.push((TensorKind::M.tensor_name(gi), f32s(m)));
     }
-    if !g.v.is_empty() {
-        out.push((TensorKind::V.tensor_name(gi), f32s(&g.v)));
+    if !v.is_empty() {
+        out.push((TensorKind::V.tensor_name(gi), f32s(v)));
     }
     Ok(())
 }
@@ -92,7 +101,6 @@ impl Engine {
     ) -> Result<PathBuf> {
         let dir = dir.as_ref();
         check_tag(tag)?;
-        self.refuse_nvme_state("save_checkpoint")?;
         if self.micro != 0 {
             return Err(Error::Invalid(
                 "save_checkpoint in the middle of gradient accumulation; save after step()".into(),
@@ -122,9 +130,15 @@ impl Engine {
 
     fn write_rank_file(&self, tmp: &Path) -> Result<FileMeta> {
         let rank = self.rank();
+        // NVMe-resident optimizer state is read into memory for the save's duration.
+        let hydrated = self
+            .groups
+            .iter()
+            .map(|g| self.hydrate(g))
+            .collect::<Result<Vec<_>>>()?;
         let mut tensors = Vec::new();
         for (gi, g) in self.groups.iter().enumerate() {
-            group_tensors(gi, g, rank, &mut tensors)?;
+            group_tensors(gi, g, hydrated[gi].as_ref(), rank, &mut tensors)?;
         }
         let info = HashMap::from([
             ("format".to_string(), FORMAT.to_string()),
@@ -181,7 +195,10 @@ impl Engine {
             world_size: self.world_size(),
             stage: self.cfg.zero.stage.number(),
             param_dtype: dtype_name(dtype).into(),
-            has_master: self.groups.iter().any(|g| g.master.is_some()),
+            has_master: self
+                .groups
+                .iter()
+                .any(|g| g.master.is_some() || g.nvme_adam.is_some()),
             moments: self.optimizer.moments(),
             seed: self.cfg.seed,
             scaler: self.scaler.clone(),
@@ -235,4 +252,17 @@ fn fresh_dir(dir: &Path, tmp: &Path) -> Result<()> {
     }
     std::fs::create_dir(tmp).map_err(|e| fsio::io_err("create", tmp, e))?;
     fsio::sync_dir(dir)
+}
+
+impl Engine {
+    /// The group's optimizer state read back from NVMe, when it lives there.
+    fn hydrate(&self, g: &Group) -> Result<Option<Hydrated>> {
+        let (Some(state), Some(n)) = (&g.nvme_adam, &self.nvme) else {
+            return Ok(None);
+        };
+        let len = g.owned.len();
+        let (mut master, mut m, mut v) = (vec![0.0; len], vec![0.0; len], vec![0.0; len]);
+        state.read_state(&n.store, &n.pool, &mut master, &mut m, &mut v)?;
+        Ok(Some((master, m, v)))
+    }
 }
