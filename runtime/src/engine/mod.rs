@@ -22,6 +22,7 @@ pub mod report;
 pub mod schedule;
 pub mod stage;
 mod step;
+pub mod timeline;
 
 pub use self::core::Engine;
 pub use build::storage_dtype;
