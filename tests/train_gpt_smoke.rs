@@ -41,8 +41,25 @@ fn trains_checkpoints_and_resumes() {
         "--save",
         d,
     ];
-    let first = run(&[&["--steps", "6", "--save-every", "3"][..], &common].concat());
+    let svg = dir.join("memory.svg");
+    let first = run(&[
+        &[
+            "--steps",
+            "6",
+            "--save-every",
+            "3",
+            "--memory-timeline",
+            svg.to_str().unwrap(),
+        ][..],
+        &common,
+    ]
+    .concat());
     assert!(first.contains("heldout_accuracy="), "{first}");
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        chart.starts_with("<svg") && chart.contains("Parameters"),
+        "{chart}"
+    );
     assert!(dir.join("latest").exists());
     // A new process continues from step 6 to 10, at another world size.
     let second = run(&[

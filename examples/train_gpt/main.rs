@@ -51,6 +51,9 @@ pub struct Args {
     /// Write one JSON object per optimizer step here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Write a chart of device memory by category per step (SVG) here at the end.
+    #[arg(long)]
+    pub memory_timeline: Option<PathBuf>,
     /// Checkpoint into this directory at the end (sharded, atomic; `ferrozero checkpoint
     /// consolidate DIR -o model.safetensors` turns it into Hugging Face weights).
     #[arg(long)]

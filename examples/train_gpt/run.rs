@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use ferrozero::engine::{Engine, EngineBuilder, StepReport};
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::engine::checkpoint::Tag;
+use ferrozero::runtime::engine::timeline::{Pool, Timeline};
 use ferrozero::runtime::nn::weights::{self, Naming};
 use ferrozero::runtime::nn::IGNORE_INDEX;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -190,6 +191,7 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows, first: u64) -> Resul
     let start = Instant::now();
     let mut tokens_total = 0u64;
     let (mut warm_tokens, mut warm_secs) = (0.0, 0.0);
+    let mut timeline = Timeline::new();
     for step in first..args.steps {
         let batches = micro_batches(engine, rows, step);
         let t = Instant::now();
@@ -205,6 +207,7 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows, first: u64) -> Resul
         let tps = input_tokens / dt.max(1e-9);
         let peak_dev = engine.max_across_ranks(r.memory.peak_device_bytes as f64)?;
         let peak_host = engine.max_across_ranks(r.memory.peak_host_bytes as f64)?;
+        timeline.record(r.step, &r.memory);
         if let Some(m) = metrics.as_mut() {
             writeln!(m, "{}", metrics_line(&r, tps, peak_dev, peak_host))?;
         }
@@ -250,6 +253,10 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows, first: u64) -> Resul
     }
     if let Some(b) = bar {
         b.finish();
+    }
+    if let (Some(path), true) = (&args.memory_timeline, lead) {
+        std::fs::write(path, timeline.to_svg(Pool::Device))?;
+        tracing::info!("memory timeline: {}", path.display());
     }
     let peak_dev = engine.max_across_ranks(
         engine
