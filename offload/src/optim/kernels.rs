@@ -13,7 +13,7 @@
 use half::slice::HalfFloatSliceExt;
 use multiversion::multiversion;
 
-use super::tiles::{AdamTile, LionTile, SgdTile};
+use super::tiles::{AdamTile, StateTile};
 use super::{AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
 
 /// f16 copies are converted per chunk right after the chunk's update, while it is in L1:
@@ -211,15 +211,15 @@ fn sgd_loop(k: &SgdConsts, p: &mut [f32], g: &[f32], b: &mut [f32], lp: Option<&
 }
 
 /// Runs SGD over one tile.
-pub(super) fn sgd(k: &SgdConsts, t: SgdTile<'_>) {
+pub(super) fn sgd(k: &SgdConsts, t: StateTile<'_>) {
     match t.lp {
-        LowPrecision::None => sgd_loop(k, t.p, t.g, t.b, None),
-        LowPrecision::Bf16(h) => sgd_loop(k, t.p, t.g, t.b, Some(bytemuck::cast_slice_mut(h))),
+        LowPrecision::None => sgd_loop(k, t.p, t.g, t.s, None),
+        LowPrecision::Bf16(h) => sgd_loop(k, t.p, t.g, t.s, Some(bytemuck::cast_slice_mut(h))),
         LowPrecision::F16(h) => {
             let chunks =
                 t.p.chunks_mut(F16_CHUNK)
                     .zip(t.g.chunks(F16_CHUNK))
-                    .zip(t.b.chunks_mut(F16_CHUNK))
+                    .zip(t.s.chunks_mut(F16_CHUNK))
                     .zip(h.chunks_mut(F16_CHUNK));
             for (((p, g), b), h) in chunks {
                 sgd_loop(k, p, g, b, None);
@@ -294,15 +294,15 @@ fn lion_loop(k: &LionConsts, p: &mut [f32], g: &[f32], m: &mut [f32], lp: Option
 }
 
 /// Runs Lion over one tile.
-pub(super) fn lion(k: &LionConsts, t: LionTile<'_>) {
+pub(super) fn lion(k: &LionConsts, t: StateTile<'_>) {
     match t.lp {
-        LowPrecision::None => lion_loop(k, t.p, t.g, t.m, None),
-        LowPrecision::Bf16(h) => lion_loop(k, t.p, t.g, t.m, Some(bytemuck::cast_slice_mut(h))),
+        LowPrecision::None => lion_loop(k, t.p, t.g, t.s, None),
+        LowPrecision::Bf16(h) => lion_loop(k, t.p, t.g, t.s, Some(bytemuck::cast_slice_mut(h))),
         LowPrecision::F16(h) => {
             let chunks =
                 t.p.chunks_mut(F16_CHUNK)
                     .zip(t.g.chunks(F16_CHUNK))
-                    .zip(t.m.chunks_mut(F16_CHUNK))
+                    .zip(t.s.chunks_mut(F16_CHUNK))
                     .zip(h.chunks_mut(F16_CHUNK));
             for (((p, g), m), h) in chunks {
                 lion_loop(k, p, g, m, None);

@@ -22,7 +22,7 @@ pub mod reference;
 use half::{bf16, f16};
 
 use crate::{Error, Result};
-use tiles::{AdamTile, LionTile, SgdTile};
+use tiles::{AdamTile, StateTile};
 
 /// Optional low-precision copy of the updated parameters, written in the same pass.
 pub enum LowPrecision<'a> {
@@ -197,13 +197,13 @@ pub fn sgd_step(
         &lp_out,
     )?;
     let k = kernels::SgdConsts::new(hp, step, grad_scale);
-    let tile = SgdTile {
+    let tile = StateTile {
         p: params,
         g: grads,
-        b: momentum,
+        s: momentum,
         lp: lp_out,
     };
-    tiles::run(tile, &|t: SgdTile<'_>| kernels::sgd(&k, t));
+    tiles::run(tile, &|t: StateTile<'_>| kernels::sgd(&k, t));
     Ok(())
 }
 
@@ -218,12 +218,12 @@ pub fn lion_step(
 ) -> Result<()> {
     check("lion_step", params.len(), &[grads.len(), m.len()], &lp_out)?;
     let k = kernels::LionConsts::new(hp, grad_scale);
-    let tile = LionTile {
+    let tile = StateTile {
         p: params,
         g: grads,
-        m,
+        s: m,
         lp: lp_out,
     };
-    tiles::run(tile, &|t: LionTile<'_>| kernels::lion(&k, t));
+    tiles::run(tile, &|t: StateTile<'_>| kernels::lion(&k, t));
     Ok(())
 }

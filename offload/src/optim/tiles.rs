@@ -78,15 +78,15 @@ impl Tile for AdamTile<'_> {
     }
 }
 
-/// SGD's slices (`b` is the momentum buffer).
-pub(super) struct SgdTile<'a> {
+/// Slices of an optimizer with one state buffer `s`: SGD's momentum, Lion's moment.
+pub(super) struct StateTile<'a> {
     pub p: &'a mut [f32],
     pub g: &'a [f32],
-    pub b: &'a mut [f32],
+    pub s: &'a mut [f32],
     pub lp: LowPrecision<'a>,
 }
 
-impl Tile for SgdTile<'_> {
+impl Tile for StateTile<'_> {
     fn len(&self) -> usize {
         self.p.len()
     }
@@ -94,52 +94,18 @@ impl Tile for SgdTile<'_> {
     fn split_at(self, mid: usize) -> (Self, Self) {
         let (p0, p1) = self.p.split_at_mut(mid);
         let (g0, g1) = self.g.split_at(mid);
-        let (b0, b1) = self.b.split_at_mut(mid);
+        let (s0, s1) = self.s.split_at_mut(mid);
         let (l0, l1) = self.lp.split_at(mid);
-        let a = SgdTile {
+        let a = StateTile {
             p: p0,
             g: g0,
-            b: b0,
+            s: s0,
             lp: l0,
         };
-        let b = SgdTile {
+        let b = StateTile {
             p: p1,
             g: g1,
-            b: b1,
-            lp: l1,
-        };
-        (a, b)
-    }
-}
-
-/// Lion's slices.
-pub(super) struct LionTile<'a> {
-    pub p: &'a mut [f32],
-    pub g: &'a [f32],
-    pub m: &'a mut [f32],
-    pub lp: LowPrecision<'a>,
-}
-
-impl Tile for LionTile<'_> {
-    fn len(&self) -> usize {
-        self.p.len()
-    }
-
-    fn split_at(self, mid: usize) -> (Self, Self) {
-        let (p0, p1) = self.p.split_at_mut(mid);
-        let (g0, g1) = self.g.split_at(mid);
-        let (m0, m1) = self.m.split_at_mut(mid);
-        let (l0, l1) = self.lp.split_at(mid);
-        let a = LionTile {
-            p: p0,
-            g: g0,
-            m: m0,
-            lp: l0,
-        };
-        let b = LionTile {
-            p: p1,
-            g: g1,
-            m: m1,
+            s: s1,
             lp: l1,
         };
         (a, b)
