@@ -144,11 +144,19 @@ fn nvme_resident_optimizer_state_resumes_bit_exactly_and_moves_between_placement
             check(cfg, &format!("nvme {stage:?} {precision:?}"));
         }
     }
+    // Stage-3 parameter shards on NVMe as well (alone and with the optimizer state there).
+    for opt in [OffloadTarget::Cpu, OffloadTarget::Nvme(swap("c"))] {
+        let mut cfg = config(ZeroStage::Stage3, WORLD, 2, 1, Precision::Bf16);
+        cfg.zero.offload_optimizer.target = opt.clone();
+        cfg.zero.offload_param.target = OffloadTarget::Nvme(swap("d"));
+        check(cfg, &format!("nvme params, optimizer {opt:?}"));
+    }
     // Saved with NVMe-resident state, resumed in memory, and the reverse: same training.
     let dir = std::env::temp_dir().join(format!("fz-ckpt-nvme-mix-{}", std::process::id()));
-    let mut nvme = config(ZeroStage::Stage2, WORLD, 2, 1, Precision::Bf16);
+    let mut nvme = config(ZeroStage::Stage3, WORLD, 2, 1, Precision::Bf16);
     nvme.zero.offload_optimizer.target = OffloadTarget::Nvme(swap("b"));
-    let memory = config(ZeroStage::Stage2, WORLD, 2, 1, Precision::Bf16);
+    nvme.zero.offload_param.target = OffloadTarget::Nvme(swap("e"));
+    let memory = config(ZeroStage::Stage3, WORLD, 2, 1, Precision::Bf16);
     let straight = train(&memory, 6, None, None);
     for (first, second) in [(&nvme, &memory), (&memory, &nvme)] {
         let _ = std::fs::remove_dir_all(&dir);

@@ -1,5 +1,5 @@
-//! Offload changes where bytes live, not the math: optimizer state on the host or on NVMe and
-//! parameters on the host give bitwise-identical parameters to the run without offload.
+//! Offload changes where bytes live, not the math: optimizer state and stage-3 parameters on
+//! the host or on NVMe give bitwise-identical parameters to the run without offload.
 
 mod common;
 
@@ -50,13 +50,18 @@ fn every_offload_combination_is_bitwise_identical() {
     for world in [1, 2] {
         let base = config(ZeroStage::Stage3, world, 2, 1, Precision::Bf16);
         let (reference, dev_none) = train(&base, 20);
-        for (opt, param) in [
-            (OffloadTarget::Cpu, OffloadTarget::None),
-            (OffloadTarget::None, OffloadTarget::Cpu),
-            (OffloadTarget::Cpu, OffloadTarget::Cpu),
-            (OffloadTarget::Nvme(swap_dir()), OffloadTarget::None),
-            (OffloadTarget::Nvme(swap_dir()), OffloadTarget::Cpu),
-        ] {
+        let targets = || {
+            [
+                OffloadTarget::None,
+                OffloadTarget::Cpu,
+                OffloadTarget::Nvme(swap_dir()),
+            ]
+        };
+        let combos = targets()
+            .into_iter()
+            .flat_map(|o| targets().into_iter().map(move |p| (o.clone(), p)))
+            .filter(|c| *c != (OffloadTarget::None, OffloadTarget::None));
+        for (opt, param) in combos {
             let mut cfg = base.clone();
             cfg.zero.offload_optimizer.target = opt.clone();
             cfg.zero.offload_param.target = param.clone();
@@ -68,6 +73,43 @@ fn every_offload_combination_is_bitwise_identical() {
             }
         }
     }
+}
+
+#[test]
+fn nvme_parameters_in_f32_and_with_overlap_and_checkpointing() {
+    // f32 has no master copy, so the step reads each shard before updating it in place;
+    // overlap and checkpointing change when shards are read ahead and re-gathered.
+    for (precision, overlap) in [(Precision::F32, false), (Precision::Bf16, true)] {
+        let mut base = config(ZeroStage::Stage3, 2, 2, 1, precision.clone());
+        base.zero.overlap_comm = overlap;
+        base.zero.max_reuse_distance = 0;
+        if overlap {
+            base.activation_checkpointing = Some(common::checkpointing(false));
+        }
+        let mut nv = base.clone();
+        nv.zero.offload_param.target = OffloadTarget::Nvme(swap_dir());
+        nv.zero.offload_param.buffer_count = 2;
+        assert!(
+            train(&base, 8).0 == train(&nv, 8).0,
+            "{precision:?} overlap {overlap}"
+        );
+    }
+}
+
+#[test]
+fn nvme_parameter_shards_larger_than_a_swap_buffer_are_refused() {
+    let mut cfg = config(ZeroStage::Stage3, 1, 2, 1, Precision::Bf16);
+    cfg.zero.offload_param.target = OffloadTarget::Nvme(swap_dir());
+    cfg.zero.offload_param.buffer_size = 8;
+    let err = run_ranks(1, Duration::from_secs(10), |comm| {
+        Engine::new(toy::model(11, 6, 5, 1), cfg.clone(), comm).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("offload_param.buffer_size = 8") && err.contains("raise buffer_size"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -90,4 +132,52 @@ fn unsupported_offload_is_refused_clearly() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("bf16 or fp16"), "{err}");
+}
+
+#[test]
+fn nvme_parameters_leave_memory_and_the_ledger_says_so() {
+    let dir = swap_dir();
+    let mut cfg = config(ZeroStage::Stage3, 2, 2, 1, Precision::Bf16);
+    cfg.zero.offload_param.target = OffloadTarget::Nvme(dir.clone());
+    cfg.zero.offload_param.buffer_count = 2;
+    let out = run_ranks(2, Duration::from_secs(60), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(toy::model(11, 6, 5, 2), cfg.clone(), comm)?;
+        for s in 0..3 {
+            e.train_batch(&[toy::batch(11, 5, s * 2 + rank, 2)])?;
+        }
+        let files = std::fs::read_dir(dir.join("params").join(format!("rank{rank}")))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        let l = e.ledger();
+        Ok((
+            files,
+            l.peak(Location::Device, Category::Parameters),
+            l.peak(Location::Nvme, Category::Parameters),
+            l.peak(Location::Host, Category::Prefetch),
+            l.current(Location::Host, Category::Prefetch),
+        ))
+    })
+    .expect("training failed");
+    for (rank, (files, dev, nvme, host_peak, host_now)) in out.into_iter().enumerate() {
+        // One swap file per group (3 units) plus the directory's lock file.
+        assert!(
+            files >= 3,
+            "rank {rank}: {files} files in the swap directory"
+        );
+        assert_eq!(
+            dev, 0,
+            "rank {rank}: parameters still counted on the device"
+        );
+        assert!(nvme > 0, "rank {rank}: no parameters counted on NVMe");
+        // Shards pass through at most buffer_count host buffers, and none stay after a step.
+        assert!(
+            host_peak > 0 && host_peak <= 2 * nvme,
+            "rank {rank}: {host_peak}"
+        );
+        assert_eq!(
+            host_now, 0,
+            "rank {rank}: swap buffers still held after the step"
+        );
+    }
 }

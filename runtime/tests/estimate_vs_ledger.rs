@@ -62,6 +62,13 @@ fn measure(which: Which, cfg: &ResolvedConfig) -> (u64, u64, u64) {
     out[0]
 }
 
+/// A fresh swap directory per engine (each run owns and locks its own).
+fn nvme_dir() -> std::path::PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("fz-est-swap-{}-{n}", std::process::id()))
+}
+
 fn close(est: u64, got: u64) -> bool {
     let (a, b) = (est as f64, got as f64);
     let dev = (a - b).abs() / b.max(1.0);
@@ -83,6 +90,8 @@ enum Offload {
     None,
     Optimizer,
     OptimizerAndParams,
+    /// Stage-3 parameter shards on NVMe (optimizer state on the host).
+    ParamsOnNvme,
 }
 
 fn make_config(
@@ -99,6 +108,12 @@ fn make_config(
         Offload::OptimizerAndParams => {
             cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
             cfg.zero.offload_param.target = OffloadTarget::Cpu;
+        }
+        Offload::ParamsOnNvme => {
+            cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
+            cfg.zero.offload_param.target = OffloadTarget::Nvme(nvme_dir());
+            // Two buffers make the read-ahead and write-behind limits bind.
+            cfg.zero.offload_param.buffer_count = 2;
         }
     }
     cfg.activation_checkpointing = match ckpt {
@@ -150,8 +165,10 @@ fn sweep(which: Which, precisions: &[Precision]) {
                     Offload::None,
                     Offload::Optimizer,
                     Offload::OptimizerAndParams,
+                    Offload::ParamsOnNvme,
                 ] {
-                    if matches!(offload, Offload::OptimizerAndParams) && stage != ZeroStage::Stage3
+                    if matches!(offload, Offload::OptimizerAndParams | Offload::ParamsOnNvme)
+                        && stage != ZeroStage::Stage3
                     {
                         continue;
                     }

@@ -4,8 +4,9 @@
 
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig};
 
-use super::group::{Group, ParamStore};
+use super::group::{Group, ParamStore, Shard};
 use super::ledger::{Category, Ledger, Location};
+use super::param_swap::{ParamSwap, SwapSlot};
 use super::partition::GroupLayout;
 use super::stage::{Extent, Stage};
 use crate::nn::{init, ParamSpec};
@@ -70,6 +71,7 @@ impl GroupPlan<'_> {
         &self,
         index: usize,
         specs: &[ParamSpec],
+        swap: Option<&mut ParamSwap>,
         ledger: &mut Ledger,
     ) -> crate::Result<Group> {
         let dtype = storage_dtype(&self.cfg.precision);
@@ -89,13 +91,24 @@ impl GroupPlan<'_> {
         };
         let params = match self.param_extent(layout.numel) {
             Extent::Full => ParamStore::Replicated(store(0..layout.padded())),
-            Extent::Shard => ParamStore::Partitioned {
-                shard: store(layout.shard_range(self.rank)),
-                gathered: None,
-            },
+            Extent::Shard => {
+                let shard = store(layout.shard_range(self.rank));
+                let shard = match swap {
+                    Some(swap) => {
+                        swap.check_fits(index, shard.len())?;
+                        Shard::Nvme(SwapSlot::create(swap, format!("p{index}"), shard)?)
+                    }
+                    None => Shard::Memory(shard),
+                };
+                ParamStore::Partitioned {
+                    shard,
+                    gathered: None,
+                }
+            }
         };
         let param_bytes = match &params {
-            ParamStore::Replicated(b) | ParamStore::Partitioned { shard: b, .. } => b.bytes(),
+            ParamStore::Replicated(b) => b.bytes(),
+            ParamStore::Partitioned { shard, .. } => shard.bytes(),
         };
         let param_loc = if matches!(params, ParamStore::Partitioned { .. }) {
             param_location(self.cfg)

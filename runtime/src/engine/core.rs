@@ -12,6 +12,7 @@ use super::loss_scale::LossScaler;
 use super::nvme::NvmeOffload;
 use super::optimizer::Optimizer;
 use super::overlap::CommOverlap;
+use super::param_swap::ParamSwap;
 use super::report::Timings;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
@@ -47,6 +48,8 @@ pub struct Engine {
     pub(super) overlap: Option<CommOverlap>,
     /// The NVMe store when optimizer state lives there.
     pub(super) nvme: Option<NvmeOffload>,
+    /// The NVMe store when stage-3 parameter shards live there.
+    pub(super) param_swap: Option<ParamSwap>,
 }
 
 impl Engine {
@@ -59,14 +62,6 @@ impl Engine {
                 comm.world_size()
             )));
         }
-        if let ferrozero_config::resolved::OffloadTarget::Nvme(_) = cfg.zero.offload_param.target {
-            return Err(Error::Unavailable {
-                what: "offload_param.device = \"nvme\"",
-                why: "parameter swapping is not wired into the engine yet; use device = \"cpu\" (optimizer state \
-                      can go to NVMe)"
-                    .into(),
-            });
-        }
         let stage = stage::for_stage(cfg.zero.stage);
         let optimizer = Optimizer::new(cfg.optimizer.clone());
         let mut ledger = Ledger::default();
@@ -74,6 +69,7 @@ impl Engine {
         if let Some(n) = &nvme {
             ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
         }
+        let mut param_swap = open_param_swap(&cfg, comm.as_ref())?;
         let plan = GroupPlan {
             stage: stage.as_ref(),
             cfg: &cfg,
@@ -90,7 +86,7 @@ impl Engine {
         let groups = specs
             .iter()
             .enumerate()
-            .map(|(i, s)| plan.build(i, s, &mut ledger))
+            .map(|(i, s)| plan.build(i, s, param_swap.as_mut(), &mut ledger))
             .collect::<Result<Vec<Group>>>()?;
         let n = model.units.len();
         let scaler = LossScaler::from_config(match &cfg.precision {
@@ -125,6 +121,7 @@ impl Engine {
             timings: Timings::default(),
             overlap,
             nvme,
+            param_swap,
         })
     }
 
@@ -178,25 +175,28 @@ impl Engine {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
         self.take_prefetched(unit)?;
-        self.stage.gather(
-            &mut self.groups[unit],
-            self.comm.as_ref(),
-            bucket,
-            &mut self.ledger,
-        )?;
+        self.gather_group(unit, bucket)?;
         if let Some(s) = self
             .shared_index()
             .filter(|_| !self.model.units[unit].uses_shared.is_empty())
         {
-            self.stage.gather(
-                &mut self.groups[s],
-                self.comm.as_ref(),
-                bucket,
-                &mut self.ledger,
-            )?;
+            self.gather_group(s, bucket)?;
         }
         self.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// Swaps group `g`'s shard in from NVMe if it lives there, gathers, and swaps it out.
+    fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
+        self.swap_in_for_gather(g)?;
+        let r = self.stage.gather(
+            &mut self.groups[g],
+            self.comm.as_ref(),
+            bucket,
+            &mut self.ledger,
+        );
+        self.swap_out_after_gather(g);
+        r
     }
 
     /// Stage 3's `max_reuse_distance`: a unit whose parameters are used again (in its
@@ -505,6 +505,16 @@ fn split_slots(
         consumed = r.end;
     }
     out
+}
+
+/// Opens the rank's parameter swap store when `offload_param.device = "nvme"`.
+fn open_param_swap(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Option<ParamSwap>> {
+    match &cfg.zero.offload_param.target {
+        ferrozero_config::resolved::OffloadTarget::Nvme(dir) => {
+            ParamSwap::open(cfg, dir, comm.rank()).map(Some)
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Opens the rank's NVMe store when `offload_optimizer.device = "nvme"`.

@@ -7,6 +7,7 @@
 use std::ops::Range;
 
 use super::ledger::{Category, Ledger, Location};
+use super::param_swap::SwapSlot;
 use super::partition::GroupLayout;
 use crate::tensor::DType;
 use crate::tensor::FlatBuf;
@@ -18,11 +19,62 @@ pub enum ParamStore {
     Replicated(FlatBuf),
     /// Each rank holds its shard; `gathered` holds the full buffer while a unit runs (stage 3).
     Partitioned {
-        /// This rank's shard.
-        shard: FlatBuf,
+        /// This rank's shard, in memory or on NVMe.
+        shard: Shard,
         /// The all-gathered full buffer, present between gather and release.
         gathered: Option<FlatBuf>,
     },
+}
+
+/// Where a stage-3 parameter shard lives between uses.
+#[derive(Debug)]
+pub enum Shard {
+    /// In memory (the device, or pinned host memory with `offload_param.device = "cpu"`).
+    Memory(FlatBuf),
+    /// In the rank's swap directory, brought in around gathers and the optimizer step.
+    Nvme(SwapSlot),
+}
+
+impl Shard {
+    /// The shard's values when they are in memory.
+    pub fn resident(&self) -> Option<&FlatBuf> {
+        match self {
+            Shard::Memory(b) => Some(b),
+            Shard::Nvme(s) => s.resident(),
+        }
+    }
+
+    /// Mutable values when they are in memory.
+    pub fn resident_mut(&mut self) -> Option<&mut FlatBuf> {
+        match self {
+            Shard::Memory(b) => Some(b),
+            Shard::Nvme(s) => s.resident_mut(),
+        }
+    }
+
+    /// The storage dtype.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Shard::Memory(b) => b.dtype(),
+            Shard::Nvme(s) => s.dtype,
+        }
+    }
+
+    /// Bytes of the shard wherever it lives.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Shard::Memory(b) => b.bytes(),
+            Shard::Nvme(s) => s.bytes(),
+        }
+    }
+}
+
+/// The error for a swapped-out shard used as if it were in memory (an engine bug, reported
+/// rather than read as garbage).
+pub fn not_resident(what: &str) -> crate::Error {
+    crate::Error::Invalid(format!(
+        "{what}: the parameter shard is on NVMe and was not swapped in"
+    ))
 }
 
 /// One group's state on one rank.
@@ -116,16 +168,27 @@ pub fn owned_params<'a>(
     params: &'a mut ParamStore,
     master: &'a mut Option<Vec<f32>>,
     owned: &Range<usize>,
-) -> (&'a mut [f32], Option<(&'a mut FlatBuf, usize)>) {
-    let (lp, lp_offset) = match params {
-        ParamStore::Replicated(b) => (b, owned.start),
-        ParamStore::Partitioned { shard, .. } => (shard, 0),
-    };
-    match (master, lp) {
+) -> crate::Result<(&'a mut [f32], Option<(&'a mut FlatBuf, usize)>)> {
+    let (lp, lp_offset) = owned_lp(params, owned)?;
+    Ok(match (master, lp) {
         (Some(master), lp) => (master.as_mut_slice(), Some((lp, lp_offset))),
         (None, FlatBuf::F32(v)) => (&mut v[lp_offset..lp_offset + owned.len()], None),
         // Construction gives every non-f32 group master weights.
         (None, _) => unreachable!("low-precision parameters without master weights"),
+    })
+}
+
+/// The stored parameters the optimizer writes, with the offset of the owned range in them.
+pub fn owned_lp<'a>(
+    params: &'a mut ParamStore,
+    owned: &Range<usize>,
+) -> crate::Result<(&'a mut FlatBuf, usize)> {
+    match params {
+        ParamStore::Replicated(b) => Ok((b, owned.start)),
+        ParamStore::Partitioned { shard, .. } => shard
+            .resident_mut()
+            .map(|b| (b, 0))
+            .ok_or_else(|| not_resident("optimizer step")),
     }
 }
 

@@ -16,12 +16,14 @@ pub mod loss_scale;
 pub mod nvme;
 pub mod optimizer;
 mod overlap;
+pub mod param_swap;
 pub mod params;
 pub mod partition;
 pub mod report;
 pub mod schedule;
 pub mod stage;
 mod step;
+pub(crate) mod swap;
 pub mod timeline;
 
 pub use self::core::Engine;

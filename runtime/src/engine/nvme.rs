@@ -21,7 +21,8 @@ pub struct NvmeOffload {
     pub tile: usize,
 }
 
-fn aio_settings(a: &AioConfig) -> AioSettings {
+/// The store settings for the `aio` section.
+pub(super) fn aio_settings(a: &AioConfig) -> AioSettings {
     AioSettings {
         block_size: a.block_size,
         queue_depth: a.queue_depth,

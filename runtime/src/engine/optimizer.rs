@@ -5,7 +5,7 @@
 use ferrozero_config::resolved::OptimizerConfig;
 use ferrozero_offload::optim::{self, AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
 
-use super::group::{owned_params, Group, ParamStore};
+use super::group::{owned_lp, owned_params, Group};
 use super::nvme::NvmeOffload;
 use super::partition::chunks;
 use crate::tensor::FlatBuf;
@@ -66,7 +66,7 @@ impl Optimizer {
             owned,
             ..
         } = g;
-        let (p, mut lp) = owned_params(params, master, owned);
+        let (p, mut lp) = owned_params(params, master, owned)?;
         let g_base = owned.start - *grad_offset;
         for t in chunks(owned.len(), tile) {
             let grads: &[f32] = match &*grad {
@@ -127,10 +127,7 @@ impl Optimizer {
         };
         scratch.resize(owned.len(), 0.0);
         grad.load_f32(owned.start - *grad_offset, &mut scratch[..owned.len()]);
-        let (lp, off) = match params {
-            ParamStore::Replicated(b) => (b, owned.start),
-            ParamStore::Partitioned { shard, .. } => (shard, 0),
-        };
+        let (lp, off) = owned_lp(params, owned)?;
         let r = off..off + owned.len();
         let out = match lp {
             FlatBuf::Bf16(b) => LowPrecision::Bf16(&mut b[r]),

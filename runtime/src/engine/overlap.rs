@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use super::core::Engine;
-use super::group::ParamStore;
+use super::group::{ParamStore, Shard};
 use super::ledger::{Category, Location};
 use super::stage::{gather_shards, reduce_gradient, to_storage};
 use crate::comm::worker::{CommWorker, Pending};
@@ -90,9 +90,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Starts gathering group `g` on the worker (stage 3, overlap on), if it is partitioned,
-    /// not gathered or in flight yet, and fits `stage3_prefetch_bucket_size` and
-    /// `stage3_max_live_parameters` next to what is live now.
+    /// Starts gathering group `g` on the worker (stage 3, overlap on), if it is partitioned
+    /// in memory, not gathered or in flight yet, and fits `stage3_prefetch_bucket_size` and
+    /// `stage3_max_live_parameters` next to what is live now. A shard on NVMe is read ahead
+    /// instead, with or without overlap.
     pub(super) fn prefetch(&mut self, g: usize) {
         let live: usize = self
             .groups
@@ -105,10 +106,12 @@ impl Engine {
             self.cfg.zero.max_live_parameters,
         );
         let bucket = self.cfg.zero.allgather_bucket_size;
+        // Shards on NVMe are read ahead instead; their gather runs when they arrive.
+        self.prefetch_swap(g);
         let Some(o) = &mut self.overlap else { return };
         let grp = &self.groups[g];
         let ParamStore::Partitioned {
-            shard,
+            shard: Shard::Memory(shard),
             gathered: None,
         } = &grp.params
         else {

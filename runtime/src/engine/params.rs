@@ -5,14 +5,21 @@
 use std::collections::HashMap;
 
 use super::core::Engine;
-use super::group::{Group, ParamStore};
+use super::group::{not_resident, Group, ParamStore};
 use super::nvme::NvmeOffload;
+use super::param_swap::ParamSwap;
+use super::swap::{edit_shard, nvme_shard_copy};
 use crate::comm::{BufMut, BufRef};
 pub use crate::nn::weights::NamedTensor;
 use crate::{Error, Result};
 
 /// This rank's shard range of the fp32 values (master, or f32 parameters).
-fn shard_values(g: &Group, rank: usize, nvme: Option<&NvmeOffload>) -> Result<Vec<f32>> {
+fn shard_values(
+    g: &Group,
+    rank: usize,
+    nvme: Option<&NvmeOffload>,
+    swap: Option<&ParamSwap>,
+) -> Result<Vec<f32>> {
     let r = g.layout.shard_range(rank);
     if let (Some(state), Some(n)) = (&g.nvme_adam, nvme) {
         let mut owned = vec![0.0; g.owned.len()];
@@ -25,9 +32,16 @@ fn shard_values(g: &Group, rank: usize, nvme: Option<&NvmeOffload>) -> Result<Ve
         return Ok(m[off..off + r.len()].to_vec());
     }
     let mut out = vec![0.0; r.len()];
+    if let Some(b) = nvme_shard_copy(g, swap)? {
+        b.load_f32(0, &mut out);
+        return Ok(out);
+    }
     match &g.params {
         ParamStore::Replicated(b) => b.load_f32(r.start, &mut out),
-        ParamStore::Partitioned { shard, .. } => shard.load_f32(0, &mut out),
+        ParamStore::Partitioned { shard, .. } => shard
+            .resident()
+            .ok_or_else(|| not_resident("parameters()"))?
+            .load_f32(0, &mut out),
     }
     Ok(out)
 }
@@ -38,7 +52,7 @@ impl Engine {
         let (rank, world) = (self.rank(), self.world_size());
         let mut out = Vec::new();
         for g in &self.groups {
-            let shard = shard_values(g, rank, self.nvme.as_ref())?;
+            let shard = shard_values(g, rank, self.nvme.as_ref(), self.param_swap.as_ref())?;
             let mut full = vec![0.0f32; g.layout.shard_len * world];
             self.comm
                 .all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
@@ -85,36 +99,67 @@ impl Engine {
             ));
         }
         let rank = self.rank();
-        for (gi, offset, v) in plan {
-            write_values(&mut self.groups[gi], rank, offset, &v.data);
+        self.settle_swapped()?;
+        for gi in 0..self.groups.len() {
+            let values: Vec<(usize, &[f32])> = plan
+                .iter()
+                .filter(|p| p.0 == gi)
+                .map(|&(_, offset, v)| (offset, v.data.as_slice()))
+                .collect();
+            if !values.is_empty() {
+                write_values(
+                    &mut self.groups[gi],
+                    self.param_swap.as_mut(),
+                    rank,
+                    &values,
+                )?;
+            }
         }
         Ok(())
     }
 }
 
-/// Writes full-buffer values at `offset` into whatever this rank stores: the replicated
-/// parameters, its parameter shard and its master range.
-fn write_values(g: &mut Group, rank: usize, offset: usize, data: &[f32]) {
-    let span = offset..offset + data.len();
-    let clip = |r: std::ops::Range<usize>| span.start.max(r.start)..span.end.min(r.end);
-    match &mut g.params {
-        ParamStore::Replicated(b) => b.store_f32(offset, data),
-        ParamStore::Partitioned { shard, .. } => {
-            let r = clip(g.layout.shard_range(rank));
+/// Writes full-buffer values (each at its offset) into whatever this rank stores of one
+/// group: the replicated parameters or its parameter shard (one read and write when the
+/// shard is on NVMe), and its master range.
+fn write_values(
+    g: &mut Group,
+    swap: Option<&mut ParamSwap>,
+    rank: usize,
+    values: &[(usize, &[f32])],
+) -> Result<()> {
+    let replicated = matches!(g.params, ParamStore::Replicated(_));
+    let shard = g.layout.shard_range(rank);
+    let clip = |r: &std::ops::Range<usize>, offset: usize, n: usize| {
+        offset.max(r.start)..(offset + n).min(r.end)
+    };
+    edit_shard(g, swap, |b| {
+        for &(offset, data) in values {
+            if replicated {
+                b.store_f32(offset, data);
+                continue;
+            }
+            let r = clip(&shard, offset, data.len());
             if !r.is_empty() {
-                let base = g.layout.shard_range(rank).start;
-                shard.store_f32(r.start - base, &data[r.start - offset..r.end - offset]);
+                b.store_f32(
+                    r.start - shard.start,
+                    &data[r.start - offset..r.end - offset],
+                );
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(m) = &mut g.master {
+        for &(offset, data) in values {
+            let r = clip(&g.owned, offset, data.len());
+            if !r.is_empty() {
+                let base = g.owned.start;
+                m[r.start - base..r.end - base]
+                    .copy_from_slice(&data[r.start - offset..r.end - offset]);
             }
         }
     }
-    if let Some(m) = &mut g.master {
-        let r = clip(g.owned.clone());
-        if !r.is_empty() {
-            let base = g.owned.start;
-            m[r.start - base..r.end - base]
-                .copy_from_slice(&data[r.start - offset..r.end - offset]);
-        }
-    }
+    Ok(())
 }
 
 /// This rank's shard of one group's accumulated gradient (the same range in every stage).

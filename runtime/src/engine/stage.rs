@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use ferrozero_config::resolved::ZeroStage;
 
-use super::group::{Group, ParamStore};
+use super::group::{not_resident, Group, ParamStore};
 use super::ledger::{Category, Ledger, Location};
 use super::partition::{chunks, GroupLayout};
 use crate::comm::{Communicator, ReduceOp};
@@ -61,6 +61,7 @@ pub trait Stage: Send + Sync {
             gathered: gathered @ None,
         } = &mut g.params
         {
+            let shard = shard.resident().ok_or_else(|| not_resident("gather"))?;
             let full = gather_shards(shard, g.layout.world_size, g.layout.shard_len, comm, bucket)?;
             ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
             *gathered = Some(full);

@@ -104,9 +104,20 @@ impl Engine {
         let t = Instant::now();
         let tile = self.cfg.zero.sub_group_size.max(1);
         let mut scratch = Vec::new();
-        for g in &mut self.groups {
-            self.optimizer
-                .step_group(g, sv, tile, self.nvme.as_ref(), &mut scratch)?;
+        let mut writing = std::collections::VecDeque::new();
+        for gi in 0..self.groups.len() {
+            self.swap_in_for_step(gi)?;
+            self.optimizer.step_group(
+                &mut self.groups[gi],
+                sv,
+                tile,
+                self.nvme.as_ref(),
+                &mut scratch,
+            )?;
+            self.swap_out_after_step(gi, &mut writing)?;
+        }
+        while !writing.is_empty() {
+            self.finish_swap_write(&mut writing)?;
         }
         self.timings.optimizer += t.elapsed().as_secs_f64();
         let t = Instant::now();

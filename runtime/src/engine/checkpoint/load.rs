@@ -10,6 +10,8 @@ use super::{LoadedCheckpoint, Tag};
 use crate::engine::core::Engine;
 use crate::engine::group::{Group, ParamStore};
 use crate::engine::loss_scale::LossScaler;
+use crate::engine::param_swap::ParamSwap;
+use crate::engine::swap::edit_shard;
 use crate::tensor::FlatBuf;
 use crate::{Error, Result};
 
@@ -98,8 +100,9 @@ impl Engine {
 
     fn restore(&mut self, reader: &CheckpointReader) -> Result<()> {
         let rank = self.rank();
+        self.settle_swapped()?;
         for (gi, g) in self.groups.iter_mut().enumerate() {
-            restore_group(reader, gi, g, rank)?;
+            restore_group(reader, gi, g, self.param_swap.as_mut(), rank)?;
             restore_nvme_state(reader, gi, g, self.nvme.as_ref())?;
             if g.work.is_some() {
                 refresh_work(g);
@@ -140,16 +143,22 @@ fn real(r: &Range<usize>, numel: usize) -> Range<usize> {
     r.start.min(numel)..r.end.min(numel)
 }
 
-fn restore_group(reader: &CheckpointReader, gi: usize, g: &mut Group, rank: usize) -> Result<()> {
+fn restore_group(
+    reader: &CheckpointReader,
+    gi: usize,
+    g: &mut Group,
+    swap: Option<&mut ParamSwap>,
+    rank: usize,
+) -> Result<()> {
     let numel = g.layout.numel;
-    let shard = g.layout.shard_range(rank);
-    match &mut g.params {
-        ParamStore::Replicated(b) => fill_params(reader, gi, b, 0..g.layout.padded(), numel)?,
-        ParamStore::Partitioned { shard: b, gathered } => {
+    let range = match &mut g.params {
+        ParamStore::Replicated(_) => 0..g.layout.padded(),
+        ParamStore::Partitioned { gathered, .. } => {
             *gathered = None;
-            fill_params(reader, gi, b, shard, numel)?;
+            g.layout.shard_range(rank)
         }
-    }
+    };
+    edit_shard(g, swap, |b| fill_params(reader, gi, b, range, numel))?;
     let owned = g.owned.clone();
     g.grad.fill_zero();
     if g.nvme_adam.is_some() {

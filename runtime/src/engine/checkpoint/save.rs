@@ -13,7 +13,8 @@ use super::reader::st_dtype;
 use super::shard_file::{self, RawTensor};
 use crate::comm::{BufMut, BufRef, ReduceOp};
 use crate::engine::core::Engine;
-use crate::engine::group::{Group, ParamStore};
+use crate::engine::group::{not_resident, Group, ParamStore};
+use crate::engine::swap::nvme_shard_copy;
 use crate::tensor::DType;
 use crate::tensor::FlatBuf;
 use crate::{Error, Result};
@@ -42,23 +43,29 @@ fn lp_bytes(b: &FlatBuf, r: std::ops::Range<usize>) -> &[u8] {
 pub(super) type Hydrated = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 /// The tensors of group `gi` for `rank`'s canonical shard, borrowed from the engine (or, for
-/// NVMe-resident optimizer state, from `hydrated`).
+/// NVMe-resident optimizer state, from `hydrated`, and for an NVMe parameter shard, from
+/// `swapped`).
 fn group_tensors<'a>(
     gi: usize,
     g: &'a Group,
     hydrated: Option<&'a Hydrated>,
+    swapped: Option<&'a FlatBuf>,
     rank: usize,
     out: &mut Vec<(String, RawTensor<'a>)>,
 ) -> Result<()> {
     let sr = g.layout.shard_range(rank);
     let n = sr.len();
-    let params = match &g.params {
-        ParamStore::Replicated(b) => lp_bytes(b, sr.clone()),
-        ParamStore::Partitioned { shard, .. } => lp_bytes(shard, 0..shard.len()),
+    let (lp, range) = match (&g.params, swapped) {
+        (_, Some(b)) => (b, 0..b.len()),
+        (ParamStore::Replicated(b), None) => (b, sr.clone()),
+        (ParamStore::Partitioned { shard, .. }, None) => {
+            let b = shard
+                .resident()
+                .ok_or_else(|| not_resident("save_checkpoint"))?;
+            (b, 0..b.len())
+        }
     };
-    let dtype = match &g.params {
-        ParamStore::Replicated(b) | ParamStore::Partitioned { shard: b, .. } => b.dtype(),
-    };
+    let (params, dtype) = (lp_bytes(lp, range), lp.dtype());
     let one = |dtype: DType, bytes: &'a [u8]| RawTensor {
         dtype: st_dtype(dtype),
         shape: [n],
@@ -136,9 +143,15 @@ impl Engine {
             .iter()
             .map(|g| self.hydrate(g))
             .collect::<Result<Vec<_>>>()?;
+        let swapped = self
+            .groups
+            .iter()
+            .map(|g| nvme_shard_copy(g, self.param_swap.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
         let mut tensors = Vec::new();
         for (gi, g) in self.groups.iter().enumerate() {
-            group_tensors(gi, g, hydrated[gi].as_ref(), rank, &mut tensors)?;
+            let (h, s) = (hydrated[gi].as_ref(), swapped[gi].as_ref());
+            group_tensors(gi, g, h, s, rank, &mut tensors)?;
         }
         let info = HashMap::from([
             ("format".to_string(), FORMAT.to_string()),
@@ -183,7 +196,8 @@ impl Engine {
 
     fn write_meta(&self, tmp: &Path, tag: &str, pos: u64, files: Vec<FileMeta>) -> Result<()> {
         let dtype = match &self.groups.first().map(|g| &g.params) {
-            Some(ParamStore::Replicated(b) | ParamStore::Partitioned { shard: b, .. }) => b.dtype(),
+            Some(ParamStore::Replicated(b)) => b.dtype(),
+            Some(ParamStore::Partitioned { shard, .. }) => shard.dtype(),
             None => DType::F32,
         };
         let meta = CheckpointMeta {

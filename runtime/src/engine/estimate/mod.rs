@@ -174,17 +174,14 @@ fn pinned_state(cfg: &ResolvedConfig, host: &Placement) -> u64 {
     b
 }
 
-/// Pinned staging for the sections swapped to NVMe, sized as DeepSpeed sizes them: the
-/// parameter swapper holds `buffer_count` buffers of `buffer_size` elements in the storage
-/// dtype; the optimizer swapper holds `buffer_count` sub-groups of f32 state.
+/// Pinned staging for optimizer state swapped to NVMe, sized as DeepSpeed sizes it:
+/// `buffer_count` sub-groups of f32 state. (Parameter shards swapped from NVMe occupy host
+/// buffers that the ledger itself counts, as `Prefetch` on the host, so they are in the
+/// replayed host peak rather than here.)
 fn swap_buffers(cfg: &ResolvedConfig) -> u64 {
     let z = &cfg.zero;
     let nvme = |o: &ferrozero_config::resolved::Offload| matches!(o.target, OffloadTarget::Nvme(_));
     let mut b = 0u64;
-    if nvme(&z.offload_param) {
-        let elem = super::build::storage_dtype(&cfg.precision).size() as u64;
-        b += z.offload_param.buffer_count as u64 * z.offload_param.buffer_size as u64 * elem;
-    }
     if nvme(&z.offload_optimizer) {
         b += z.offload_optimizer.buffer_count as u64 * z.sub_group_size as u64 * 4;
     }

@@ -6,7 +6,9 @@
 //! layout arithmetic ([`GroupLayout`]) and [`crate::nn::Module::saved_bytes`]; the
 //! `estimate_*` tests run the engine beside this replay to keep the two in step.
 
-use ferrozero_config::resolved::{ActivationCheckpointing, ResolvedConfig};
+use std::collections::VecDeque;
+
+use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
 
 use crate::engine::build::{optimizer_location, param_location, storage_dtype};
 use crate::engine::ledger::{Category, Ledger, Location};
@@ -37,6 +39,10 @@ pub(super) struct Replay<'a> {
     work: Vec<bool>,
     /// Storage-dtype reduction buffers queued on the comm worker (`overlap_comm`).
     queued: Vec<u64>,
+    /// `offload_param.buffer_count` when stage-3 shards live on NVMe.
+    swap_limit: Option<usize>,
+    /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
+    swapped_in: Vec<bool>,
 }
 
 impl<'a> Replay<'a> {
@@ -74,6 +80,9 @@ impl<'a> Replay<'a> {
             gathered: vec![false; n],
             work: vec![false; n],
             queued: Vec::new(),
+            swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
+                .then_some(cfg.zero.offload_param.buffer_count.max(2)),
+            swapped_in: vec![false; n],
         };
         for g in 0..n {
             r.build_group(g, moments);
@@ -117,6 +126,9 @@ impl<'a> Replay<'a> {
     /// parameters, unless prefetched or kept) and the f32 working copy (low precision).
     fn gather_group(&mut self, g: usize) {
         let padded = self.groups[g].layout.padded();
+        if self.on_nvme(g) && !self.gathered[g] {
+            self.swap_buffer(g, true);
+        }
         if self.groups[g].params == Extent::Shard && !self.gathered[g] {
             self.gathered[g] = true;
             let full = self.lp(padded);
@@ -127,6 +139,55 @@ impl<'a> Replay<'a> {
             self.work[g] = true;
             self.ledger
                 .alloc(Location::Device, Category::Prefetch, (padded * 4) as u64);
+        }
+        // `Engine::swap_out_after_gather`: the file still holds the shard.
+        self.swap_buffer(g, false);
+    }
+
+    /// Whether group `g`'s parameter shard lives on NVMe (`Shard::Nvme`).
+    fn on_nvme(&self, g: usize) -> bool {
+        self.swap_limit.is_some() && self.groups[g].params == Extent::Shard
+    }
+
+    /// `Engine::with_slot`'s ledger entry: a shard starts or stops occupying a host buffer.
+    fn swap_buffer(&mut self, g: usize, held: bool) {
+        if self.swapped_in[g] == held {
+            return;
+        }
+        self.swapped_in[g] = held;
+        let b = self.lp(self.groups[g].layout.shard_len);
+        match held {
+            true => self.ledger.alloc(Location::Host, Category::Prefetch, b),
+            false => self.ledger.free(Location::Host, Category::Prefetch, b),
+        }
+    }
+
+    /// `Engine::prefetch_swap`: read a needed NVMe shard ahead when a buffer is free.
+    fn prefetch_swap(&mut self, g: usize) {
+        let held = self.swapped_in.iter().filter(|&&h| h).count();
+        if self.on_nvme(g) && !self.gathered[g] && self.swap_limit.is_some_and(|l| held < l) {
+            self.swap_buffer(g, true);
+        }
+    }
+
+    /// `Engine::apply_update` with NVMe shards: each shard takes a buffer for its update and
+    /// keeps it until its write-back completes; writes in flight stay under `buffer_count`.
+    fn step_swapped(&mut self) {
+        let Some(limit) = self.swap_limit else { return };
+        let mut writing = VecDeque::new();
+        for g in 0..self.groups.len() {
+            if !self.on_nvme(g) {
+                continue;
+            }
+            self.swap_buffer(g, true);
+            writing.push_back(g);
+            while writing.len() >= limit {
+                let done = writing.pop_front().unwrap_or(g);
+                self.swap_buffer(done, false);
+            }
+        }
+        for g in writing {
+            self.swap_buffer(g, false);
         }
     }
 
@@ -145,6 +206,11 @@ impl<'a> Replay<'a> {
     /// `Engine::prefetch`: with the comm worker, a sharded group is gathered ahead of use
     /// when it fits the prefetch bucket and the live-parameter limit.
     fn prefetch(&mut self, g: usize) {
+        if self.swap_limit.is_some() {
+            // Every partitioned shard is on NVMe: read ahead, never gathered ahead.
+            self.prefetch_swap(g);
+            return;
+        }
         if !(self.cfg.zero.overlap_comm && self.cfg.world_size > 1) {
             return;
         }
@@ -307,6 +373,7 @@ impl<'a> Replay<'a> {
     /// The optimizer boundary: stages that shard the optimizer over replicated parameters
     /// all-gather the updated shards (`Stage::publish`).
     pub(super) fn step(&mut self) {
+        self.step_swapped();
         if self.stage.optimizer() != Extent::Shard {
             return;
         }
