@@ -211,7 +211,7 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows, first: u64) -> Resul
         if let Some(m) = metrics.as_mut() {
             writeln!(m, "{}", metrics_line(&r, tps, peak_dev, peak_host))?;
         }
-        let line = format!(
+        let mut line = format!(
             "loss {:.4} lr {:.2e} scale {} | {:.0} tok/s | peak {:.1} MiB/rank",
             r.loss,
             r.lr,
@@ -219,6 +219,15 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows, first: u64) -> Resul
             tps,
             peak_dev / 1048576.0
         );
+        if r.swap != Default::default() {
+            let gb = |b: u64| b as f64 / 1e9;
+            line += &format!(
+                " | {dt:.1} s/step, NVMe read {:.2} GB, written {:.2} GB (rank {})",
+                gb(r.swap.read_bytes),
+                gb(r.swap.written_bytes),
+                engine.rank()
+            );
+        }
         let print_now = lead && (step + 1) % every == 0;
         match &bar {
             Some(b) => {
@@ -308,6 +317,7 @@ fn metrics_line(r: &StepReport, tps: f64, peak_dev: f64, peak_host: f64) -> Stri
         "grad_norm": if r.grad_norm.is_finite() { serde_json::json!(r.grad_norm) } else { serde_json::Value::Null },
         "tokens_per_s": tps, "peak_device_bytes": peak_dev as u64, "peak_host_bytes": peak_host as u64,
         "peak_device_bytes_by_category": by_cat,
+        "swap_read_bytes": r.swap.read_bytes, "swap_written_bytes": r.swap.written_bytes,
     })
     .to_string()
 }

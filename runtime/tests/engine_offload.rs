@@ -79,7 +79,12 @@ fn every_offload_combination_is_bitwise_identical() {
 fn nvme_parameters_in_f32_and_with_overlap_and_checkpointing() {
     // f32 has no master copy, so the step reads each shard before updating it in place;
     // overlap and checkpointing change when shards are read ahead and re-gathered.
-    for (precision, overlap) in [(Precision::F32, false), (Precision::Bf16, true)] {
+    // max_in_cpu = 0 turns read-ahead off: every shard is read when its gather needs it.
+    for (precision, overlap, max_in_cpu) in [
+        (Precision::F32, false, 1 << 30),
+        (Precision::Bf16, true, 1 << 30),
+        (Precision::Bf16, false, 0),
+    ] {
         let mut base = config(ZeroStage::Stage3, 2, 2, 1, precision.clone());
         base.zero.overlap_comm = overlap;
         base.zero.max_reuse_distance = 0;
@@ -89,9 +94,10 @@ fn nvme_parameters_in_f32_and_with_overlap_and_checkpointing() {
         let mut nv = base.clone();
         nv.zero.offload_param.target = OffloadTarget::Nvme(swap_dir());
         nv.zero.offload_param.buffer_count = 2;
+        nv.zero.offload_param.max_in_cpu = max_in_cpu;
         assert!(
             train(&base, 8).0 == train(&nv, 8).0,
-            "{precision:?} overlap {overlap}"
+            "{precision:?} overlap {overlap} max_in_cpu {max_in_cpu}"
         );
     }
 }

@@ -26,6 +26,7 @@ use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 pub use asynch::Pending;
@@ -33,9 +34,39 @@ pub use dir::LOCK_FILE;
 pub use engine::Engine;
 pub use settings::{AioSettings, EngineChoice, Overlap, Submit};
 
+
 use crate::{Error, Result};
 use engine::Lanes;
 use lane::{Data, Target};
+
+/// Bytes a store has moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes read.
+    pub read: u64,
+    /// Bytes written.
+    pub written: u64,
+}
+
+impl std::ops::Add for Traffic {
+    type Output = Traffic;
+    fn add(self, o: Traffic) -> Traffic {
+        Traffic {
+            read: self.read + o.read,
+            written: self.written + o.written,
+        }
+    }
+}
+
+impl std::ops::Sub for Traffic {
+    type Output = Traffic;
+    fn sub(self, o: Traffic) -> Traffic {
+        Traffic {
+            read: self.read.saturating_sub(o.read),
+            written: self.written.saturating_sub(o.written),
+        }
+    }
+}
 
 /// What the store knows about one tensor.
 #[derive(Clone)]
@@ -51,6 +82,8 @@ struct Inner {
     direct: bool,
     lanes: Lanes,
     index: RwLock<HashMap<String, Entry>>,
+    /// Bytes read and written successfully since open (tensor bytes, not padding).
+    moved: [AtomicU64; 2],
     // Dropped last (declared last): files are removed while the lock is still held.
     _lock: dir::DirLock,
 }
@@ -87,6 +120,7 @@ impl NvmeStore {
             direct,
             lanes,
             index: RwLock::new(HashMap::new()),
+            moved: [AtomicU64::new(0), AtomicU64::new(0)],
             _lock: lock,
         });
         let workers = asynch::Workers::start(&inner);
@@ -116,6 +150,15 @@ impl NvmeStore {
     /// The settings in use.
     pub fn settings(&self) -> &AioSettings {
         &self.inner.settings
+    }
+
+    /// Tensor bytes read and written successfully since the store opened (synchronous and
+    /// asynchronous operations alike), for traffic reports.
+    pub fn bytes_moved(&self) -> Traffic {
+        Traffic {
+            read: self.inner.moved[0].load(Ordering::Relaxed),
+            written: self.inner.moved[1].load(Ordering::Relaxed),
+        }
     }
 
     /// Bytes stored under `key`, if present.
@@ -210,6 +253,7 @@ impl Inner {
             crcs: Arc::new(crcs),
         };
         self.index_mut().insert(key.to_string(), entry);
+        self.moved[1].fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -234,13 +278,16 @@ impl Inner {
         }
         let (file, path) = self.open_file(key, false)?;
         let t = self.target(&file, &path, key);
+        let n = dst.len() as u64;
         self.lanes.run(
             &t,
             Data::Read {
                 dst,
                 crcs: &entry.crcs,
             },
-        )
+        )?;
+        self.moved[0].fetch_add(n, Ordering::Relaxed);
+        Ok(())
     }
 
     fn remove(&self, key: &str) -> Result<()> {

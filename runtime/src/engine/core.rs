@@ -50,6 +50,8 @@ pub struct Engine {
     pub(super) nvme: Option<NvmeOffload>,
     /// The NVMe store when stage-3 parameter shards live there.
     pub(super) param_swap: Option<ParamSwap>,
+    /// NVMe traffic at the end of the last step (reports carry the difference).
+    pub(super) traffic_mark: ferrozero_offload::store::Traffic,
 }
 
 impl Engine {
@@ -122,6 +124,7 @@ impl Engine {
             overlap,
             nvme,
             param_swap,
+            traffic_mark: Default::default(),
         })
     }
 

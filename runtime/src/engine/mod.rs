@@ -31,4 +31,4 @@ pub use build::storage_dtype;
 pub use eval::Evaluation;
 pub use init::{default_config_path, initialize, EngineBuilder};
 pub use params::{GradShard, NamedTensor};
-pub use report::{StepReport, Timings};
+pub use report::{StepReport, SwapTraffic, Timings};

@@ -7,6 +7,7 @@
 //! updated shard back behind the next group's update. At most `buffer_count` shards are in
 //! memory or in flight at once, each at most `buffer_size` elements (DeepSpeed's swapper
 //! refuses larger parameters the same way), and their buffers are recycled, not reallocated.
+//! Reading ahead also stops at `max_in_cpu` elements held.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -49,6 +50,9 @@ pub struct ParamSwap {
     pub buffer_count: usize,
     /// Largest shard in elements (`offload_param.buffer_size`).
     pub buffer_size: usize,
+    /// Elements that shards read ahead of use may bring the host copy to
+    /// (`offload_param.max_in_cpu`); a shard needed now is always brought in.
+    pub max_in_cpu: usize,
     spare: HashMap<(DType, usize), Vec<FlatBuf>>,
 }
 
@@ -64,6 +68,7 @@ impl ParamSwap {
             store,
             buffer_count: off.buffer_count.max(2),
             buffer_size: off.buffer_size,
+            max_in_cpu: off.max_in_cpu,
             spare: HashMap::new(),
         })
     }

@@ -40,4 +40,16 @@ pub struct StepReport {
     pub timings: Timings,
     /// This rank's memory ledger.
     pub memory: LedgerReport,
+    /// Bytes this rank moved to and from NVMe during the step (parameter shards and
+    /// optimizer state; zero without NVMe offload).
+    pub swap: SwapTraffic,
+}
+
+/// NVMe bytes moved by one rank in one step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SwapTraffic {
+    /// Bytes read from swap files.
+    pub read_bytes: u64,
+    /// Bytes written to swap files.
+    pub written_bytes: u64,
 }

@@ -88,6 +88,7 @@ impl Engine {
             tokens,
             timings: std::mem::take(&mut self.timings),
             memory: self.ledger.report(),
+            swap: self.step_traffic(),
         };
         self.loss_sum = 0.0;
         self.tokens = 0;

@@ -62,6 +62,23 @@ pub(super) fn edit_shard(
 }
 
 impl Engine {
+    /// Bytes this rank has moved to and from NVMe since it was built (both stores).
+    pub fn swap_traffic(&self) -> ferrozero_offload::store::Traffic {
+        let opt = self.nvme.as_ref().map(|n| n.store.bytes_moved());
+        let par = self.param_swap.as_ref().map(|s| s.store.bytes_moved());
+        opt.unwrap_or_default() + par.unwrap_or_default()
+    }
+
+    /// NVMe traffic since the last call (the last step).
+    pub(super) fn step_traffic(&mut self) -> super::report::SwapTraffic {
+        let now = self.swap_traffic();
+        let d = now - std::mem::replace(&mut self.traffic_mark, now);
+        super::report::SwapTraffic {
+            read_bytes: d.read,
+            written_bytes: d.written,
+        }
+    }
+
     /// Runs `f` on group `g`'s swap slot (if its shard lives on NVMe) and keeps the ledger's
     /// host swap-buffer bytes in step with the slot's state.
     fn with_slot<R>(
@@ -119,24 +136,35 @@ impl Engine {
     }
 
     /// Starts reading group `g`'s shard ahead of its gather, when it is on NVMe, needed, and
-    /// fewer than `buffer_count` shards occupy buffers.
+    /// fewer than `buffer_count` shards and `max_in_cpu` elements occupy buffers with it.
     pub(super) fn prefetch_swap(&mut self, g: usize) {
-        let Some(limit) = self.param_swap.as_ref().map(|s| s.buffer_count) else {
+        let Some((limit, max_elems)) = self
+            .param_swap
+            .as_ref()
+            .map(|s| (s.buffer_count, s.max_in_cpu))
+        else {
             return;
         };
-        if !self.needs_swap_in(g) || self.shards_in_buffers() >= limit {
+        let (count, elems) = self.shards_in_buffers();
+        let len = self.groups[g].layout.shard_len;
+        if !self.needs_swap_in(g) || count >= limit || elems + len > max_elems {
             return;
         }
         self.with_slot(g, |s, w| s.start_read(w));
     }
 
-    fn shards_in_buffers(&self) -> usize {
+    /// Shards occupying host buffers, and their elements.
+    fn shards_in_buffers(&self) -> (usize, usize) {
         self.groups
             .iter()
-            .filter(|g| {
-                matches!(&g.params, ParamStore::Partitioned { shard: Shard::Nvme(s), .. } if s.holds_buffer())
+            .filter_map(|g| match &g.params {
+                ParamStore::Partitioned {
+                    shard: Shard::Nvme(s),
+                    ..
+                } if s.holds_buffer() => Some(s.len),
+                _ => None,
             })
-            .count()
+            .fold((0, 0), |(n, e), len| (n + 1, e + len))
     }
 
     /// Makes group `g`'s shard writable for the optimizer: a recycled buffer when the update

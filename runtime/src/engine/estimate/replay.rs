@@ -162,10 +162,16 @@ impl<'a> Replay<'a> {
         }
     }
 
-    /// `Engine::prefetch_swap`: read a needed NVMe shard ahead when a buffer is free.
+    /// `Engine::prefetch_swap`: read a needed NVMe shard ahead when a buffer is free and the
+    /// held elements stay within `max_in_cpu`.
     fn prefetch_swap(&mut self, g: usize) {
-        let held = self.swapped_in.iter().filter(|&&h| h).count();
-        if self.on_nvme(g) && !self.gathered[g] && self.swap_limit.is_some_and(|l| held < l) {
+        let held = (0..self.groups.len()).filter(|&i| self.swapped_in[i]);
+        let (count, elems) = held.fold((0, 0), |(n, e), i| {
+            (n + 1, e + self.groups[i].layout.shard_len)
+        });
+        let fits = self.swap_limit.is_some_and(|l| count < l)
+            && elems + self.groups[g].layout.shard_len <= self.cfg.zero.offload_param.max_in_cpu;
+        if self.on_nvme(g) && !self.gathered[g] && fits {
             self.swap_buffer(g, true);
         }
     }
