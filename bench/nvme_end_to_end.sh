@@ -31,7 +31,7 @@ wall_clock_breakdown = true
 
 [zero_optimization]
 stage = 3
-sub_group_size = 100_000_000
+sub_group_size = 10_000_000
 stage3_param_persistence_threshold = 100_000
 stage3_max_reuse_distance = 0
 
@@ -61,6 +61,6 @@ params = { lr = 1e-4, weight_decay = 0.0 }
 TOML
 
 cargo build --release --example train_gpt
-/usr/bin/time -v target/release/examples/train_gpt --config "$work/ds.toml" --ranks 1 \
+${WRAP:-/usr/bin/time -v} target/release/examples/train_gpt --config "$work/ds.toml" --ranks 1 \
     --model-config "$work/llama.json" --digits 3 --steps "$steps" --eval-rows 0 \
     --no-progress 2>&1 | grep -Ev "^\s+(Average|Exit|Socket|Signals|Swaps|Page size|File system|Voluntary|Involuntary|Minor|Major|Percent)"

@@ -31,8 +31,8 @@ fn nvme_config(swap: &Path) -> ResolvedConfig {
 }
 
 fn engine(cfg: &ResolvedConfig) -> ferrozero_runtime::Result<Engine> {
-    let comm = ferrozero_runtime::comm::local::LocalComm::group(1, Duration::from_secs(30))
-        .remove(0);
+    let comm =
+        ferrozero_runtime::comm::local::LocalComm::group(1, Duration::from_secs(30)).remove(0);
     Engine::new(toy::model(V, 6, 5, 2), cfg.clone(), Box::new(comm))
 }
 
@@ -66,6 +66,7 @@ fn fault_then_resume(target: &str, damage: impl Fn(&Path), expect: &str) {
     damage(&file);
     let err = step(&mut e, 2).expect_err("training went on over a damaged swap file");
     let msg = err.to_string();
+    eprintln!("{target}: {msg}");
     let name = file.file_name().unwrap().to_str().unwrap();
     assert!(
         msg.contains(name) && msg.contains(expect),
@@ -76,10 +77,7 @@ fn fault_then_resume(target: &str, damage: impl Fn(&Path), expect: &str) {
     let l = fresh.load_checkpoint(&ckpt, &Tag::Latest).unwrap();
     assert_eq!((l.step, l.data_position), (2, 2));
     (2..4).for_each(|s| step(&mut fresh, s).unwrap());
-    assert!(
-        bits(&fresh) == reference(),
-        "{target}: resumed run differs"
-    );
+    assert!(bits(&fresh) == reference(), "{target}: resumed run differs");
     let _ = std::fs::remove_dir_all(&ckpt);
 }
 
@@ -137,6 +135,7 @@ fn a_full_swap_disk_is_refused_at_start_naming_the_file_and_the_checkpoint_resum
         Ok(_) => panic!("an engine was built on a full disk"),
         Err(e) => e.to_string(),
     };
+    eprintln!("full disk: {err}");
     assert!(
         err.contains(".swp") && err.contains("No space left"),
         "the error should name the swap file and ENOSPC: {err}"

@@ -34,7 +34,6 @@ pub use dir::LOCK_FILE;
 pub use engine::Engine;
 pub use settings::{AioSettings, EngineChoice, Overlap, Submit};
 
-
 use crate::{Error, Result};
 use engine::Lanes;
 use lane::{Data, Target};
