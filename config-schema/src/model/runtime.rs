@@ -27,7 +27,8 @@ pub struct ActivationCheckpointingSection {
     pub profile: bool,
 }
 
-/// `aio`: asynchronous I/O for NVMe offload.
+/// `aio`: how offload to NVMe issues its reads and writes (io_uring, or a thread pool where the
+/// kernel denies io_uring).
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Aio {

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::shape::{schema_error, Alt, Alternatives, Resolver};
-use super::words::{type_text, value_text};
+use super::words::{default_text, type_text, value_text};
 use crate::error::LoadError;
 
 /// Other names the loader accepts for a key, from the schema's `x-aliases` and
@@ -154,7 +154,7 @@ fn row(
     let target = r.deref(site, &path)?;
     let default = site.get("default").or_else(|| target.get("default"));
     let fallback = match default {
-        Some(v) => Fallback::Default(value_text(v)),
+        Some(v) => Fallback::Default(default_text(v)),
         None if needed => Fallback::Required,
         None if alts.nullable => Fallback::Unset,
         None => Fallback::Unknown,

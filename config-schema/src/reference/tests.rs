@@ -226,3 +226,18 @@ fn ferrozero_schema_renders_every_section() {
     assert!(row(&md, "zero_optimization.stage").contains("integer from 0 to 3 | `0`"));
     assert!(!md.contains("(undocumented)"));
 }
+
+#[test]
+fn large_round_defaults_also_read_in_scientific_notation() {
+    let schema = json!({"type": "object", "properties": {
+        "bucket": {"description": "B.", "type": "integer", "default": 500_000_000},
+        "block": {"description": "K.", "type": "integer", "default": 1_048_576},
+        "small": {"description": "S.", "type": "integer", "default": 1000},
+        "ratio": {"description": "R.", "type": "number", "default": 1.0}
+    }});
+    let md = render(&schema).unwrap();
+    assert!(row(&md, "bucket").contains("| `500000000` (5e8) |"));
+    assert!(row(&md, "block").contains("| `1048576` |"));
+    assert!(row(&md, "small").contains("| `1000` |"));
+    assert!(row(&md, "ratio").contains("| `1.0` |"));
+}

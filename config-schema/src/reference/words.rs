@@ -9,6 +9,22 @@ pub(super) fn value_text(value: &Value) -> String {
     code(&value.to_string())
 }
 
+/// A default as written, with large round integers also in scientific notation (`5e8`, as
+/// DeepSpeed's docs write bucket sizes), which is easier to read than nine digits.
+pub(super) fn default_text(value: &Value) -> String {
+    let text = value_text(value);
+    let Some(n) = value.as_u64().filter(|n| *n >= 10_000) else {
+        return text;
+    };
+    let zeros = n.to_string().len() - n.to_string().trim_end_matches('0').len();
+    let mantissa = n / 10u64.pow(zeros as u32);
+    if mantissa < 10 {
+        format!("{text} ({mantissa}e{zeros})")
+    } else {
+        text
+    }
+}
+
 /// Wraps text in a Markdown code span, widening the fence when the text holds backticks.
 pub(super) fn code(text: &str) -> String {
     let longest_run = text.split(|c| c != '`').map(str::len).max().unwrap_or(0);
