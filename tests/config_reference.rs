@@ -29,9 +29,14 @@ fn schema() -> Value {
 /// The first line where two texts differ (1-based), with both versions of it.
 fn first_difference(a: &str, b: &str) -> Option<(usize, String, String)> {
     let (mut la, mut lb) = (a.lines(), b.lines());
-    for n in 1.. {
+    let mut n = 0;
+    loop {
+        n += 1;
         match (la.next(), lb.next()) {
-            (None, None) => return (a != b).then(|| (n, "<end>".into(), "<end>".into())),
+            (None, None) => {
+                let why = "(only line endings or the final newline differ)";
+                return (a != b).then(|| (n, why.into(), why.into()));
+            }
             (x, y) if x != y => {
                 let show = |l: Option<&str>| l.unwrap_or("<end of file>").to_string();
                 return Some((n, show(x), show(y)));
@@ -39,7 +44,6 @@ fn first_difference(a: &str, b: &str) -> Option<(usize, String, String)> {
             _ => {}
         }
     }
-    unreachable!("the loop returns at the end of both texts")
 }
 
 #[test]
@@ -105,7 +109,7 @@ struct Key {
     /// Holds a value (not only nested keys).
     leaf: bool,
     description: Option<String>,
-    /// `(value, has a description)` for each documented choice (`oneOf` of `const`s).
+    /// Choices (`const` values other than `"auto"`) without a doc comment of their own.
     undocumented_choices: Vec<String>,
     aliases: Vec<String>,
     deprecated: Vec<String>,
