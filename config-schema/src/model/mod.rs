@@ -39,15 +39,16 @@ pub struct Config {
     #[serde(rename = "$schema", skip_serializing_if = "Option::is_none")]
     pub schema: Option<String>,
     /// Global batch in samples per optimizer step: micro-batch × accumulation × world size;
-    /// unset, it is derived from the other two (DeepSpeed's batch rule).
+    /// unset, it is derived from the other two (DeepSpeed's batch rule). Give it or the
+    /// micro-batch at least.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub train_batch_size: Option<AutoOr<u64>>,
     /// Samples per rank per micro-step; unset, it is derived from `train_batch_size` and the
     /// accumulation steps; `"auto"` takes the caller's micro-batch.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub train_micro_batch_size_per_gpu: Option<AutoOr<u64>>,
-    /// Micro-steps (forward and backward passes) per optimizer step; unset, it is derived from
-    /// the other two batch sizes, or 1.
+    /// Micro-steps (forward and backward passes) per optimizer step; unset, it is
+    /// `train_batch_size` / (micro-batch × world size) when both are given, else 1.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gradient_accumulation_steps: Option<AutoOr<u64>>,
     /// Clip the global L2 norm of the gradients (computed across shards) to this; 0 disables;

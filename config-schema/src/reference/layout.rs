@@ -99,13 +99,7 @@ fn table<'a>(
         .get("properties")
         .and_then(Value::as_object)
         .ok_or_else(|| schema_error(&head.path, "`properties` is not an object"))?;
-    let required: Vec<&str> = match object.get("required") {
-        None => Vec::new(),
-        Some(list) => list
-            .as_array()
-            .and_then(|l| l.iter().map(Value::as_str).collect())
-            .ok_or_else(|| schema_error(&head.path, "`required` is not a list of names"))?,
-    };
+    let required = required_keys(object, &head.path)?;
     let mut keys: Vec<&String> = props.keys().collect();
     keys.sort();
     let mut nested = Vec::new();
@@ -142,6 +136,17 @@ fn table<'a>(
     }
     open.pop();
     Ok(())
+}
+
+/// The keys an object schema requires.
+fn required_keys<'a>(object: &'a Value, path: &str) -> Result<Vec<&'a str>, LoadError> {
+    match object.get("required") {
+        None => Ok(Vec::new()),
+        Some(list) => list
+            .as_array()
+            .and_then(|l| l.iter().map(Value::as_str).collect())
+            .ok_or_else(|| schema_error(path, "`required` is not a list of names")),
+    }
 }
 
 fn row(

@@ -241,3 +241,11 @@ fn large_round_defaults_also_read_in_scientific_notation() {
     assert!(row(&md, "small").contains("| `1000` |"));
     assert!(row(&md, "ratio").contains("| `1.0` |"));
 }
+
+#[test]
+fn code_spans_survive_backticks() {
+    use super::words::code;
+    assert_eq!(code("a"), "`a`");
+    assert_eq!(code("a`b"), "``a`b``");
+    assert_eq!(code("`x`"), "`` `x` ``");
+}
