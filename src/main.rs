@@ -19,7 +19,7 @@ struct Cli {
 enum Command {
     /// Validate one or more config files (exit 0 valid, 1 invalid, 2 unreadable).
     Validate(cli::validate::Args),
-    /// Print the JSON Schema of the config format.
+    /// Print the JSON Schema of the config format, or (`--format markdown`) the config reference.
     Schema(cli::schema::Args),
     /// Show or convert configs.
     Config(cli::config::Args),

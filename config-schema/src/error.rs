@@ -34,6 +34,15 @@ pub enum LoadError {
         /// Errors and warnings, in source order of discovery.
         diagnostics: Vec<Diagnostic>,
     },
+    /// A JSON Schema given to the config reference generator has a shape it cannot document
+    /// (a dangling or cyclic `$ref`, a non-local reference, a recursive table, ...).
+    #[error("cannot document the JSON Schema at `{key_path}`: {reason}")]
+    Schema {
+        /// The key path being documented (empty for the root).
+        key_path: String,
+        /// What is wrong there.
+        reason: String,
+    },
 }
 
 impl LoadError {

@@ -18,6 +18,7 @@ mod error;
 mod model;
 mod parse;
 mod reader;
+pub mod reference;
 mod resolve;
 pub mod resolved;
 mod rules;

@@ -38,41 +38,47 @@ pub struct Config {
     /// JSON Schema reference for editors; ignored.
     #[serde(rename = "$schema", skip_serializing_if = "Option::is_none")]
     pub schema: Option<String>,
-    /// Global batch in samples (= micro × accumulation × world size).
+    /// Global batch in samples per optimizer step: micro-batch × accumulation × world size;
+    /// unset, it is derived from the other two (DeepSpeed's batch rule). Give it or the
+    /// micro-batch at least.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub train_batch_size: Option<AutoOr<u64>>,
-    /// Samples per rank per micro-step.
+    /// Samples per rank per micro-step; unset, it is derived from `train_batch_size` and the
+    /// accumulation steps; `"auto"` takes the caller's micro-batch.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub train_micro_batch_size_per_gpu: Option<AutoOr<u64>>,
-    /// Micro-steps per optimizer step.
+    /// Micro-steps (forward and backward passes) per optimizer step; unset, it is
+    /// `train_batch_size` / (micro-batch × world size) when both are given, else 1.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gradient_accumulation_steps: Option<AutoOr<u64>>,
-    /// Clip the global gradient norm to this; 0 disables (default 1.0).
+    /// Clip the global L2 norm of the gradients (computed across shards) to this; 0 disables;
+    /// `"auto"` = 1.0.
     pub gradient_clipping: AutoOr<f64>,
-    /// Log every this many steps.
+    /// Log progress every this many optimizer steps.
     pub steps_per_print: u64,
-    /// Time forward, backward, reduction and step separately.
+    /// Time forward, backward, gradient reduction and optimizer step separately in the logs.
     pub wall_clock_breakdown: bool,
     /// Seed for parameter init and dropout (ferrozero's own key).
     pub seed: u64,
-    /// ZeRO settings.
+    /// ZeRO partitioning: the stage, communication buckets, and offload.
     pub zero_optimization: ZeroOptimization,
-    /// fp16 mixed precision.
+    /// fp16 mixed precision with loss scaling.
     pub fp16: Fp16,
-    /// bf16 mixed precision (alias `bfloat16`).
+    /// bf16 mixed precision.
+    #[schemars(extend("x-aliases" = ["bfloat16"]))]
     pub bf16: Bf16,
-    /// The optimizer.
+    /// The optimizer and its hyper-parameters; required to train.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub optimizer: Option<Optimizer>,
-    /// The learning-rate schedule.
+    /// The learning-rate schedule; unset, the learning rate stays constant.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scheduler: Option<Scheduler>,
-    /// Activation checkpointing; present means on.
+    /// Activation checkpointing; the table's presence turns it on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_checkpointing: Option<ActivationCheckpointingSection>,
-    /// Async I/O for NVMe offload.
+    /// Asynchronous I/O for offload to NVMe.
     pub aio: Aio,
-    /// The communicator (ferrozero's own section).
+    /// The communicator between ranks (ferrozero's own table).
     pub comms: Comms,
     /// Where each key came from, so that resolution errors point into the file too.
     #[serde(skip)]

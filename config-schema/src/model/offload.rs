@@ -21,17 +21,17 @@ pub enum OffloadDevice {
     Nvme,
 }
 
-/// `offload_param` / `offload_optimizer` (DeepSpeed accepts the union of keys in both; the
-/// ones that do not apply to a section are ignored there, as in DeepSpeed).
+/// `offload_param` / `offload_optimizer`: where one kind of state lives. Both tables accept the
+/// same keys, as in DeepSpeed; a key that does not apply to a table is ignored there.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct OffloadSection {
-    /// `none`, `cpu` or `nvme`.
+    /// Where the state lives.
     pub device: OffloadDevice,
     /// Directory for NVMe swap files (required with `device = "nvme"`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvme_path: Option<PathBuf>,
-    /// Page-lock host buffers.
+    /// Page-lock the host buffers (faster device transfers; limited by `ulimit -l`).
     pub pin_memory: bool,
     /// Swap buffers in the pool; unset = DeepSpeed's default (5 for parameters, 4 for optimizer state).
     #[serde(skip_serializing_if = "Option::is_none")]

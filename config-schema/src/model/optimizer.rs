@@ -13,20 +13,20 @@ use crate::reader::{auto_or, to_bool, to_choice, to_f64, Cx, Report, Support, Ta
 pub enum OptimizerType {
     /// Adam; decoupled weight decay (AdamW) unless `adam_w_mode = false`.
     Adam,
-    /// AdamW.
+    /// Adam with decoupled weight decay.
     AdamW,
     /// SGD with momentum.
     #[serde(rename = "SGD")]
     Sgd,
-    /// Lion.
+    /// Lion: sign of an interpolated momentum (one state buffer instead of Adam's two).
     Lion,
 }
 
-/// `optimizer`.
+/// `optimizer`: the update rule and its hyper-parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Optimizer {
-    /// Which optimizer.
+    /// Which optimizer; matched case-insensitively, as DeepSpeed does.
     #[serde(rename = "type")]
     pub kind: OptimizerType,
     /// Its parameters; unset ones take the optimizer's defaults.
@@ -38,16 +38,16 @@ pub struct Optimizer {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OptimizerParams {
-    /// Learning rate (all types).
+    /// Learning rate (all types; default 1e-3, Lion 1e-4).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<AutoOr<f64>>,
-    /// (beta1, beta2) (Adam, AdamW, Lion).
+    /// `[beta1, beta2]` (Adam, AdamW, Lion; default `[0.9, 0.999]`, Lion `[0.9, 0.99]`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub betas: Option<AutoOr<[f64; 2]>>,
-    /// Epsilon (Adam, AdamW).
+    /// Added to the denominator for stability (Adam, AdamW; default 1e-8).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eps: Option<AutoOr<f64>>,
-    /// Weight decay (all types).
+    /// Weight decay (all types; default 0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight_decay: Option<AutoOr<f64>>,
     /// Decoupled weight decay for `Adam` (default true).
@@ -56,13 +56,13 @@ pub struct OptimizerParams {
     /// Bias correction (Adam, AdamW; default true).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bias_correction: Option<bool>,
-    /// Momentum (SGD).
+    /// Momentum (SGD; default 0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub momentum: Option<f64>,
-    /// Dampening (SGD).
+    /// Dampening of the momentum (SGD; default 0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dampening: Option<f64>,
-    /// Nesterov momentum (SGD).
+    /// Nesterov momentum (SGD; default false).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nesterov: Option<bool>,
 }

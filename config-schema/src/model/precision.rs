@@ -7,7 +7,8 @@ use super::auto::AutoOr;
 use crate::parse::Node;
 use crate::reader::{auto_or, to_bool, to_f64, Cx, Support, TableReader};
 
-/// `fp16`.
+/// `fp16`: IEEE half-precision compute with f32 master weights, and DeepSpeed's static or
+/// dynamic loss scaling.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Fp16 {
@@ -26,7 +27,7 @@ pub struct Fp16 {
     pub hysteresis: u32,
     /// Refill hysteresis on every clean step.
     pub consecutive_hysteresis: bool,
-    /// Floor for the dynamic scale.
+    /// Floor for the dynamic scale; an overflow at the floor stops training.
     pub min_loss_scale: f64,
 }
 
@@ -45,7 +46,7 @@ impl Default for Fp16 {
     }
 }
 
-/// `bf16` (DeepSpeed also reads it as `bfloat16`).
+/// `bf16`: bfloat16 compute with f32 master weights; no loss scaling is needed.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Bf16 {

@@ -7,7 +7,8 @@ use crate::diagnostic::DiagnosticKind;
 use crate::parse::Node;
 use crate::reader::{to_choice, to_uint, Cx, Report, Support, TableReader};
 
-/// `activation_checkpointing`; present means the engine checkpoints unit inputs.
+/// `activation_checkpointing`: keep only each unit's input during the forward pass and
+/// recompute the unit's activations in the backward pass, trading compute for memory.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ActivationCheckpointingSection {
@@ -26,7 +27,8 @@ pub struct ActivationCheckpointingSection {
     pub profile: bool,
 }
 
-/// `aio`: asynchronous I/O for NVMe offload.
+/// `aio`: how offload to NVMe issues its reads and writes (io_uring, or a thread pool where the
+/// kernel denies io_uring).
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Aio {
@@ -34,7 +36,8 @@ pub struct Aio {
     pub block_size: u64,
     /// Requests in flight.
     pub queue_depth: u64,
-    /// Threads (or rings) per operation; DeepSpeed's older name is `thread_count`.
+    /// Threads (or rings) per operation.
+    #[schemars(extend("x-deprecated-aliases" = ["thread_count"]))]
     pub intra_op_parallelism: u64,
     /// Submit requests one at a time.
     pub single_submit: bool,
@@ -67,11 +70,11 @@ pub enum Backend {
     Nccl,
 }
 
-/// `comms` (ferrozero's own section).
+/// `comms` (ferrozero's own table; DeepSpeed picks its backend outside the config).
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Comms {
-    /// `local` (default), `mpi` or `nccl`.
+    /// Which communicator carries the collectives.
     pub backend: Backend,
     /// Seconds after which a collective without progress fails.
     pub timeout: u64,

@@ -34,7 +34,7 @@ pub enum WarmupKind {
     Linear,
 }
 
-/// `scheduler`.
+/// `scheduler`: how the learning rate (and, for OneCycle, the momentum) changes per step.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Scheduler {
@@ -56,10 +56,10 @@ pub struct SchedulerParams {
     /// End of warmup (WarmupLR, WarmupDecayLR; default 0.001; `"auto"` = the optimizer's lr).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_max_lr: Option<AutoOr<f64>>,
-    /// Warmup steps (default 1000).
+    /// Warmup steps (WarmupLR, WarmupDecayLR, WarmupCosineLR; default 1000).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_num_steps: Option<AutoOr<u64>>,
-    /// `"log"` (default) or `"linear"`.
+    /// Shape of the warmup curve (WarmupLR, WarmupDecayLR, WarmupCosineLR; default `"log"`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_type: Option<WarmupKind>,
     /// Total steps (WarmupDecayLR, WarmupCosineLR; required).

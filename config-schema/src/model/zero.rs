@@ -9,14 +9,15 @@ use crate::diagnostic::DiagnosticKind;
 use crate::parse::Node;
 use crate::reader::{auto_or, to_bool, to_uint, Cx, Report, Support, TableReader};
 
-/// `zero_optimization`.
+/// `zero_optimization`: what each rank keeps of the parameters, gradients and optimizer state,
+/// and how they move. DeepSpeed's key names, aliases and v0.19 defaults.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ZeroOptimization {
     /// ZeRO stage: 0 (plain data parallelism) to 3 (parameters partitioned too).
     #[schemars(range(min = 0, max = 3))]
     pub stage: u8,
-    /// Copy gradients into a contiguous buffer as they are produced.
+    /// Copy gradients into a contiguous buffer as they are produced (less fragmentation).
     pub contiguous_gradients: bool,
     /// Overlap reduction with compute; unset means DeepSpeed's default (true only at stage 3).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -27,30 +28,40 @@ pub struct ZeroOptimization {
     pub reduce_bucket_size: AutoOr<u64>,
     /// Gather updated partitions with all-gather (stages 1-2).
     pub allgather_partitions: bool,
-    /// Elements per all-gather bucket.
+    /// Elements per all-gather bucket (stages 1-2).
     pub allgather_bucket_size: u64,
-    /// Elements per optimizer-step tile.
+    /// Elements per optimizer-step tile: bounds the optimizer's working set, and with NVMe
+    /// offload the size of each swap.
     pub sub_group_size: u64,
-    /// Elements prefetched ahead (stage 3); alias `prefetch_bucket_size`; `"auto"` = 0.9 × hidden_size².
+    /// Elements of parameters gathered ahead of use (stage 3); `"auto"` = 0.9 × hidden_size².
+    #[schemars(extend("x-aliases" = ["prefetch_bucket_size"]))]
     pub stage3_prefetch_bucket_size: AutoOr<u64>,
-    /// Parameters this small stay resident (stage 3); alias `param_persistence_threshold`;
+    /// Parameters with fewer elements than this stay gathered on every rank (stage 3);
     /// `"auto"` = 10 × hidden_size.
+    #[schemars(extend("x-aliases" = ["param_persistence_threshold"]))]
     pub stage3_param_persistence_threshold: AutoOr<u64>,
-    /// Maximum elements gathered at once (stage 3); alias `max_live_parameters`.
+    /// Most parameter elements gathered at once (stage 3).
+    #[schemars(extend("x-aliases" = ["max_live_parameters"]))]
     pub stage3_max_live_parameters: u64,
-    /// Keep a parameter reused within this many elements (stage 3); alias `max_reuse_distance`.
+    /// A gathered parameter needed again within this many elements is kept rather than
+    /// released (stage 3).
+    #[schemars(extend("x-aliases" = ["max_reuse_distance"]))]
     pub stage3_max_reuse_distance: u64,
-    /// Gather full 16-bit weights when saving (stage 3); alias
-    /// `gather_16bit_weights_on_model_save`, deprecated `stage3_gather_fp16_weights_on_model_save`.
+    /// Gather full 16-bit weights when saving (stage 3).
+    #[schemars(extend(
+        "x-aliases" = ["gather_16bit_weights_on_model_save"],
+        "x-deprecated-aliases" = ["stage3_gather_fp16_weights_on_model_save"]
+    ))]
     pub stage3_gather_16bit_weights_on_model_save: bool,
-    /// Round-robin gradient partition assignment.
+    /// Assign gradient partitions to ranks round-robin (DeepSpeed's option for stages 1-2 with CPU
+    /// offload).
     pub round_robin_gradients: bool,
     /// Secondary (hierarchical) partition size (ZeRO++ hpZ); 1 = off.
     pub zero_hpz_partition_size: u64,
-    /// Parameter offload (stage 3 only).
+    /// Where parameters live between uses (stage 3 only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload_param: Option<OffloadSection>,
-    /// Optimizer-state offload.
+    /// Where optimizer state (and the fp32 master weights) lives, and where the step runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload_optimizer: Option<OffloadSection>,
 }
