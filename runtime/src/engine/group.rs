@@ -168,7 +168,7 @@ pub fn owned_params<'a>(
     params: &'a mut ParamStore,
     master: &'a mut Option<Vec<f32>>,
     owned: &Range<usize>,
-) -> crate::Result<(&'a mut [f32], Option<(&'a mut FlatBuf, usize)>)> {
+) -> crate::Result<OwnedParams<'a>> {
     let (lp, lp_offset) = owned_lp(params, owned)?;
     Ok(match (master, lp) {
         (Some(master), lp) => (master.as_mut_slice(), Some((lp, lp_offset))),
@@ -177,6 +177,10 @@ pub fn owned_params<'a>(
         (None, _) => unreachable!("low-precision parameters without master weights"),
     })
 }
+
+/// What [`owned_params`] hands the optimizer: the f32 values it updates, and the
+/// low-precision copy with the owned range's offset in it, when one must be written too.
+pub type OwnedParams<'a> = (&'a mut [f32], Option<(&'a mut FlatBuf, usize)>);
 
 /// The stored parameters the optimizer writes, with the offset of the owned range in them.
 pub fn owned_lp<'a>(
