@@ -127,7 +127,7 @@ impl Group {
         if full.dtype() == DType::F32 || self.work.is_some() {
             return;
         }
-        let mut w = vec![0.0f32; full.len()];
+        let mut w = crate::tensor::spare::take_f32(full.len());
         full.load_f32(0, &mut w);
         ledger.alloc(Location::Device, Category::Prefetch, (w.len() * 4) as u64);
         self.work = Some(w);
@@ -137,6 +137,7 @@ impl Group {
     pub fn drop_work(&mut self, ledger: &mut Ledger) {
         if let Some(w) = self.work.take() {
             ledger.free(Location::Device, Category::Prefetch, (w.len() * 4) as u64);
+            crate::tensor::spare::give_f32(w);
         }
     }
 
@@ -145,7 +146,7 @@ impl Group {
         if self.micro.is_none() {
             let n = self.layout.padded();
             ledger.alloc(Location::Device, Category::CommBuffers, (n * 4) as u64);
-            self.micro = Some(vec![0.0; n]);
+            self.micro = Some(crate::tensor::spare::zeros_f32(n));
         }
     }
 

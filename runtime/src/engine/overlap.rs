@@ -74,6 +74,7 @@ impl Engine {
         let mut scratch = Vec::new();
         let n = reduced.len();
         self.groups[g].grad.accumulate(0, &reduced, n, &mut scratch);
+        crate::tensor::spare::give(reduced);
     }
 
     /// Waits for every queued reduction and accumulates the results in submission order.

@@ -76,6 +76,7 @@ pub trait Stage: Send + Sync {
         if let ParamStore::Partitioned { gathered, .. } = &mut g.params {
             if let Some(full) = gathered.take() {
                 ledger.free(Location::Device, Category::Prefetch, full.bytes());
+                crate::tensor::spare::give(full);
             }
         }
     }
@@ -183,8 +184,9 @@ pub fn to_storage(v: Vec<f32>, dtype: DType) -> FlatBuf {
     if dtype == DType::F32 {
         return FlatBuf::F32(v);
     }
-    let mut b = FlatBuf::zeros(dtype, v.len());
+    let mut b = crate::tensor::spare::take(dtype, v.len());
     b.store_f32(0, &v);
+    crate::tensor::spare::give_f32(v);
     b
 }
 
@@ -212,6 +214,10 @@ pub fn reduce_gradient(
     comm: &dyn Communicator,
     bucket: usize,
 ) -> Result<FlatBuf> {
+    if world == 1 {
+        // One rank's sum (or shard, which is everything) is its own buffer.
+        return Ok(buf);
+    }
     if extent == Extent::Full {
         for c in chunks(buf.len(), bucket) {
             comm.all_reduce(buf.as_mut_range(c), ReduceOp::Sum)?;

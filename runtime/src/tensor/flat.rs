@@ -23,8 +23,12 @@ pub enum FlatBuf {
 }
 
 impl FlatBuf {
-    /// A zero-filled buffer.
+    /// A zero-filled buffer (a large one may be a reused buffer from [`super::spare`]).
     pub fn zeros(dtype: DType, len: usize) -> Self {
+        if let Some(mut b) = super::spare::reuse(dtype, len) {
+            b.fill_zero();
+            return b;
+        }
         match dtype {
             DType::F32 => FlatBuf::F32(vec![0.0; len]),
             DType::Bf16 => FlatBuf::Bf16(vec![bf16::ZERO; len]),
@@ -119,14 +123,22 @@ impl FlatBuf {
                 }
             }
             (d, s) => {
-                scratch.resize(2 * n, 0.0);
-                let (acc, add) = scratch.split_at_mut(n);
-                d.load_f32(offset, acc);
-                s.load_f32(0, add);
-                for (a, b) in acc.iter_mut().zip(add.iter()) {
-                    *a += *b;
+                // In cache-sized chunks: no buffer as large as the gradient, one pass over it.
+                const CHUNK: usize = 1 << 14;
+                scratch.resize(2 * CHUNK.min(n), 0.0);
+                let mut start = 0;
+                while start < n {
+                    let k = CHUNK.min(n - start);
+                    let (acc, add) = scratch.split_at_mut(CHUNK.min(n));
+                    let (acc, add) = (&mut acc[..k], &mut add[..k]);
+                    d.load_f32(offset + start, acc);
+                    s.load_f32(start, add);
+                    for (a, b) in acc.iter_mut().zip(add.iter()) {
+                        *a += *b;
+                    }
+                    d.store_f32(offset + start, acc);
+                    start += k;
                 }
-                d.store_f32(offset, acc);
             }
         }
     }

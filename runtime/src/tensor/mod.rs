@@ -5,6 +5,7 @@
 //! stored and communicated (bf16/f16 copies), while matmuls accumulate in f32.
 
 mod flat;
+pub mod spare;
 
 pub use flat::FlatBuf;
 
