@@ -127,6 +127,23 @@ fn make_config(
 fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
     let e = estimate(&build(which), cfg, MICRO, SEQ);
     let (dev, host, act) = measure(which, cfg);
+    // One row per configuration, for the record (`--nocapture` shows the table).
+    eprintln!(
+        "| {which:?} | {} | {} | {:?} | {:?}/{:?} | ckpt {:?} | overlap {} | {} / {} | {} / {} |",
+        cfg.zero.stage.number(),
+        cfg.world_size,
+        cfg.precision,
+        cfg.zero.offload_optimizer.target,
+        cfg.zero.offload_param.target,
+        cfg.activation_checkpointing
+            .as_ref()
+            .map(|a| a.cpu_checkpointing),
+        cfg.zero.overlap_comm,
+        e.device.peak_bytes,
+        dev,
+        e.host.peak_bytes,
+        host,
+    );
     if !close(e.device.peak_bytes, dev) || !close(e.host.peak_bytes, host) {
         failures.push(format!(
             "{which:?} stage {} world {} {:?} offload {:?}/{:?} ckpt {:?}: \
