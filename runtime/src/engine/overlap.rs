@@ -58,6 +58,7 @@ impl Engine {
                     reduce_gradient(extent, buf, world, s, c, bucket)
                 });
                 o.reductions.push_back((g, bytes, p));
+                self.bound_reductions()?;
             }
             None => {
                 let red = reduce_gradient(extent, buf, world, s, self.comm.as_ref(), bucket);
@@ -80,14 +81,40 @@ impl Engine {
     /// Waits for every queued reduction and accumulates the results in submission order.
     pub(super) fn finish_reductions(&mut self) -> Result<()> {
         let t = Instant::now();
-        while let Some((g, bytes, p)) = self.overlap.as_mut().and_then(|o| o.reductions.pop_front())
-        {
-            let red = p.wait();
-            self.ledger
-                .free(Location::Device, Category::CommBuffers, bytes);
-            self.accumulate(g, red?);
-        }
+        while self.finish_oldest_reduction()? {}
         self.timings.reduce += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Waits for the oldest queued reduction and accumulates it; false when none is queued.
+    fn finish_oldest_reduction(&mut self) -> Result<bool> {
+        let Some((g, bytes, p)) = self.overlap.as_mut().and_then(|o| o.reductions.pop_front())
+        else {
+            return Ok(false);
+        };
+        let red = p.wait();
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, bytes);
+        self.accumulate(g, red?);
+        Ok(true)
+    }
+
+    /// Keeps queued reductions within DeepSpeed's double buffer (two `reduce_bucket_size`
+    /// buckets of elements, and always the newest one), so overlap never holds a second copy
+    /// of every gradient; results are still accumulated in submission order.
+    fn bound_reductions(&mut self) -> Result<()> {
+        let limit = 2 * self.cfg.zero.reduce_bucket_size;
+        while let Some(o) = &self.overlap {
+            let queued: usize = o
+                .reductions
+                .iter()
+                .map(|r| self.groups[r.0].layout.padded())
+                .sum();
+            if o.reductions.len() <= 1 || queued <= limit {
+                break;
+            }
+            self.finish_oldest_reduction()?;
+        }
         Ok(())
     }
 

@@ -37,8 +37,9 @@ pub(super) struct Replay<'a> {
     gathered: Vec<bool>,
     /// Groups whose f32 working copy exists.
     work: Vec<bool>,
-    /// Storage-dtype reduction buffers queued on the comm worker (`overlap_comm`).
-    queued: Vec<u64>,
+    /// Storage-dtype reduction buffers queued on the comm worker (`overlap_comm`): bytes and
+    /// the group's padded elements.
+    queued: VecDeque<(u64, usize)>,
     /// `offload_param.buffer_count` when stage-3 shards live on NVMe.
     swap_limit: Option<usize>,
     /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
@@ -79,7 +80,7 @@ impl<'a> Replay<'a> {
             micro_alive: vec![false; n],
             gathered: vec![false; n],
             work: vec![false; n],
-            queued: Vec::new(),
+            queued: VecDeque::new(),
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
@@ -330,7 +331,14 @@ impl<'a> Replay<'a> {
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, buf);
         if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
-            self.queued.push(buf);
+            self.queued.push_back((buf, padded));
+            // `Engine::bound_reductions`: the double buffer, always keeping the newest.
+            let limit = 2 * self.cfg.zero.reduce_bucket_size;
+            while self.queued.len() > 1 && self.queued.iter().map(|q| q.1).sum::<usize>() > limit {
+                if let Some((b, _)) = self.queued.pop_front() {
+                    self.ledger.free(Location::Device, Category::CommBuffers, b);
+                }
+            }
         } else {
             self.ledger
                 .free(Location::Device, Category::CommBuffers, buf);
@@ -371,7 +379,7 @@ impl<'a> Replay<'a> {
                 }
             }
         }
-        for b in std::mem::take(&mut self.queued) {
+        for (b, _) in std::mem::take(&mut self.queued) {
             self.ledger.free(Location::Device, Category::CommBuffers, b);
         }
     }
