@@ -178,3 +178,31 @@ impl Drop for SmallFs {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+#[test]
+fn a_save_over_a_damaged_swap_file_fails_and_latest_still_points_at_the_good_checkpoint() {
+    let (swap, ckpt) = (scratch("swap"), scratch("ckpt"));
+    let mut e = engine(&nvme_config(&swap)).unwrap();
+    (0..2).for_each(|s| step(&mut e, s).unwrap());
+    e.save_checkpoint(&ckpt, "good", 2).unwrap();
+    flip_byte(&find_swap_file(&swap, "g2.0"));
+    let err = e
+        .save_checkpoint(&ckpt, "bad", 2)
+        .expect_err("saved a checkpoint from a corrupt swap file")
+        .to_string();
+    assert!(
+        err.contains("t-g2.0.swp") && err.contains("checksum"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest")).unwrap(),
+        "good"
+    );
+    assert!(!ckpt.join("bad").exists(), "a failed save was published");
+    drop(e);
+    let mut fresh = engine(&nvme_config(&scratch("swap"))).unwrap();
+    fresh.load_checkpoint(&ckpt, &Tag::Latest).unwrap();
+    (2..4).for_each(|s| step(&mut fresh, s).unwrap());
+    assert!(bits(&fresh) == reference(), "resumed run differs");
+    let _ = std::fs::remove_dir_all(&ckpt);
+}

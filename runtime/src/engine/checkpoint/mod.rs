@@ -16,6 +16,7 @@ mod meta;
 mod reader;
 mod save;
 mod shard_file;
+mod stream;
 
 pub use consolidate::{consolidate, ConsolidateReport, OutputDType};
 pub use meta::{CheckpointMeta, FileMeta, GroupMeta, SlotMeta, TensorKind};

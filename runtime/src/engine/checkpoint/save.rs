@@ -10,11 +10,13 @@ use super::meta::{
     LATEST_FILE, META_FILE, VERSION,
 };
 use super::reader::st_dtype;
-use super::shard_file::{self, RawTensor};
+use super::shard_file::{self, Bytes, RawTensor};
+use super::stream::Streamer;
 use crate::comm::{BufMut, BufRef, ReduceOp};
 use crate::engine::core::Engine;
-use crate::engine::group::{not_resident, Group, ParamStore};
-use crate::engine::swap::nvme_shard_copy;
+use crate::engine::group::{not_resident, Group, ParamStore, Shard};
+use crate::engine::nvme::NvmeOffload;
+use crate::engine::param_swap::ParamSwap;
 use crate::tensor::DType;
 use crate::tensor::FlatBuf;
 use crate::{Error, Result};
@@ -39,39 +41,51 @@ fn lp_bytes(b: &FlatBuf, r: std::ops::Range<usize>) -> &[u8] {
     }
 }
 
-/// Optimizer state read back from NVMe for a save: (master, m, v) over the owned range.
-pub(super) type Hydrated = (Vec<f32>, Vec<f32>, Vec<f32>);
+/// Where a save reads NVMe-resident state from.
+#[derive(Clone, Copy)]
+struct NvmeSources<'a> {
+    nvme: Option<&'a NvmeOffload>,
+    swap: Option<&'a ParamSwap>,
+    streamer: &'a Streamer,
+}
 
-/// The tensors of group `gi` for `rank`'s canonical shard, borrowed from the engine (or, for
-/// NVMe-resident optimizer state, from `hydrated`, and for an NVMe parameter shard, from
-/// `swapped`).
+/// The tensors of group `gi` for `rank`'s canonical shard, borrowed from the engine, or
+/// streamed from NVMe when the optimizer state or the parameter shard lives there.
 fn group_tensors<'a>(
     gi: usize,
     g: &'a Group,
-    hydrated: Option<&'a Hydrated>,
-    swapped: Option<&'a FlatBuf>,
+    src: NvmeSources<'a>,
     rank: usize,
     out: &mut Vec<(String, RawTensor<'a>)>,
 ) -> Result<()> {
     let sr = g.layout.shard_range(rank);
     let n = sr.len();
-    let (lp, range) = match (&g.params, swapped) {
-        (_, Some(b)) => (b, 0..b.len()),
-        (ParamStore::Replicated(b), None) => (b, sr.clone()),
-        (ParamStore::Partitioned { shard, .. }, None) => {
-            let b = shard
-                .resident()
-                .ok_or_else(|| not_resident("save_checkpoint"))?;
-            (b, 0..b.len())
-        }
-    };
-    let (params, dtype) = (lp_bytes(lp, range), lp.dtype());
-    let one = |dtype: DType, bytes: &'a [u8]| RawTensor {
+    let one = |dtype: DType, bytes: Bytes<'a>| RawTensor {
         dtype: st_dtype(dtype),
         shape: [n],
         bytes,
     };
-    out.push((TensorKind::Params.tensor_name(gi), one(dtype, params)));
+    let params = match (&g.params, src.swap) {
+        (ParamStore::Replicated(b), _) => one(b.dtype(), Bytes::Borrowed(lp_bytes(b, sr.clone()))),
+        (
+            ParamStore::Partitioned {
+                shard: Shard::Nvme(slot),
+                ..
+            },
+            Some(swap),
+        ) => {
+            let len = n * slot.dtype.size();
+            let read = Box::new(move || src.streamer.shard_bytes(g, swap, len));
+            one(slot.dtype, Bytes::Lazy { len, read })
+        }
+        (ParamStore::Partitioned { shard, .. }, _) => {
+            let b = shard
+                .resident()
+                .ok_or_else(|| not_resident("save_checkpoint"))?;
+            one(b.dtype(), Bytes::Borrowed(lp_bytes(b, 0..b.len())))
+        }
+    };
+    out.push((TensorKind::Params.tensor_name(gi), params));
     if sr.start < g.owned.start || sr.end > g.owned.end {
         return Err(Error::Invalid(format!(
             "group {gi}: optimizer range {:?} does not cover shard {sr:?}",
@@ -79,19 +93,29 @@ fn group_tensors<'a>(
         )));
     }
     let local = sr.start - g.owned.start..sr.end - g.owned.start;
-    let f32s = |v: &'a [f32]| one(DType::F32, bytemuck::cast_slice(&v[local.clone()]));
-    let (master, m, v) = match hydrated {
-        Some((master, m, v)) => (Some(master), m, v),
-        None => (g.master.as_ref(), &g.m, &g.v),
+    if let (Some(_), Some(nvme)) = (&g.nvme_adam, src.nvme) {
+        for kind in [TensorKind::Master, TensorKind::M, TensorKind::V] {
+            let local = local.clone();
+            let read = Box::new(move || src.streamer.state_bytes(gi, g, nvme, kind, local.clone()));
+            let bytes = Bytes::Lazy { len: n * 4, read };
+            out.push((kind.tensor_name(gi), one(DType::F32, bytes)));
+        }
+        return Ok(());
+    }
+    let f32s = |v: &'a [f32]| {
+        one(
+            DType::F32,
+            Bytes::Borrowed(bytemuck::cast_slice(&v[local.clone()])),
+        )
     };
-    if let Some(master) = master {
+    if let Some(master) = &g.master {
         out.push((TensorKind::Master.tensor_name(gi), f32s(master)));
     }
-    if !m.is_empty() {
-        out.push((TensorKind::M.tensor_name(gi), f32s(m)));
+    if !g.m.is_empty() {
+        out.push((TensorKind::M.tensor_name(gi), f32s(&g.m)));
     }
-    if !v.is_empty() {
-        out.push((TensorKind::V.tensor_name(gi), f32s(v)));
+    if !g.v.is_empty() {
+        out.push((TensorKind::V.tensor_name(gi), f32s(&g.v)));
     }
     Ok(())
 }
@@ -137,21 +161,16 @@ impl Engine {
 
     fn write_rank_file(&self, tmp: &Path) -> Result<FileMeta> {
         let rank = self.rank();
-        // NVMe-resident optimizer state is read into memory for the save's duration.
-        let hydrated = self
-            .groups
-            .iter()
-            .map(|g| self.hydrate(g))
-            .collect::<Result<Vec<_>>>()?;
-        let swapped = self
-            .groups
-            .iter()
-            .map(|g| nvme_shard_copy(g, self.param_swap.as_ref()))
-            .collect::<Result<Vec<_>>>()?;
+        // NVMe-resident state streams into the file one group at a time.
+        let streamer = Streamer::default();
+        let src = NvmeSources {
+            nvme: self.nvme.as_ref(),
+            swap: self.param_swap.as_ref(),
+            streamer: &streamer,
+        };
         let mut tensors = Vec::new();
         for (gi, g) in self.groups.iter().enumerate() {
-            let (h, s) = (hydrated[gi].as_ref(), swapped[gi].as_ref());
-            group_tensors(gi, g, h, s, rank, &mut tensors)?;
+            group_tensors(gi, g, src, rank, &mut tensors)?;
         }
         let info = HashMap::from([
             ("format".to_string(), FORMAT.to_string()),
@@ -160,6 +179,9 @@ impl Engine {
         let name = rank_file_name(rank);
         let path = tmp.join(&name);
         shard_file::write(&path, &tensors, info)?;
+        if let Some(e) = streamer.take_fault() {
+            return Err(e);
+        }
         let (bytes, crc32c) = fsio::file_crc(&path)?;
         Ok(FileMeta {
             name,
@@ -266,17 +288,4 @@ fn fresh_dir(dir: &Path, tmp: &Path) -> Result<()> {
     }
     std::fs::create_dir(tmp).map_err(|e| fsio::io_err("create", tmp, e))?;
     fsio::sync_dir(dir)
-}
-
-impl Engine {
-    /// The group's optimizer state read back from NVMe, when it lives there.
-    fn hydrate(&self, g: &Group) -> Result<Option<Hydrated>> {
-        let (Some(state), Some(n)) = (&g.nvme_adam, &self.nvme) else {
-            return Ok(None);
-        };
-        let len = g.owned.len();
-        let (mut master, mut m, mut v) = (vec![0.0; len], vec![0.0; len], vec![0.0; len]);
-        state.read_state(&n.store, &n.pool, &mut master, &mut m, &mut v)?;
-        Ok(Some((master, m, v)))
-    }
 }

@@ -17,14 +17,28 @@ use crate::{Error, Result};
 /// Largest header we accept: a corrupted length must not make us allocate gigabytes.
 const MAX_HEADER: u64 = 64 << 20;
 
-/// A borrowed 1-D tensor to write.
+/// A tensor's little-endian element bytes: borrowed from memory, or produced when the
+/// writer reaches the tensor (state streamed from NVMe).
+pub enum Bytes<'a> {
+    /// Bytes in memory.
+    Borrowed(&'a [u8]),
+    /// `len` bytes made on demand, once, in file order.
+    Lazy {
+        /// Byte count.
+        len: usize,
+        /// Produces exactly `len` bytes.
+        read: Box<dyn Fn() -> Vec<u8> + 'a>,
+    },
+}
+
+/// A 1-D tensor to write.
 pub struct RawTensor<'a> {
     /// Element dtype.
     pub dtype: Dtype,
     /// `[elements]`.
     pub shape: [usize; 1],
     /// Little-endian element bytes.
-    pub bytes: &'a [u8],
+    pub bytes: Bytes<'a>,
 }
 
 impl View for &RawTensor<'_> {
@@ -35,10 +49,16 @@ impl View for &RawTensor<'_> {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(self.bytes)
+        match &self.bytes {
+            Bytes::Borrowed(b) => Cow::Borrowed(b),
+            Bytes::Lazy { read, .. } => Cow::Owned(read()),
+        }
     }
     fn data_len(&self) -> usize {
-        self.bytes.len()
+        match &self.bytes {
+            Bytes::Borrowed(b) => b.len(),
+            Bytes::Lazy { len, .. } => *len,
+        }
     }
 }
 
