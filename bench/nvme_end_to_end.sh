@@ -63,4 +63,4 @@ TOML
 cargo build --release --example train_gpt
 ${WRAP:-/usr/bin/time -v} target/release/examples/train_gpt --config "$work/ds.toml" --ranks 1 \
     --model-config "$work/llama.json" --digits 3 --steps "$steps" --eval-rows 0 \
-    --no-progress 2>&1 | grep -Ev "^\s+(Average|Exit|Socket|Signals|Swaps|Page size|File system|Voluntary|Involuntary|Minor|Major|Percent)"
+    --no-progress ${SAVE:+--save "$SAVE"} 2>&1 | grep -Ev "^\s+(Average|Exit|Socket|Signals|Swaps|Page size|File system|Voluntary|Involuntary|Minor|Major|Percent)"
