@@ -38,7 +38,7 @@ pub struct Args {
     /// I/O engine.
     #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
     engine: EngineArg,
-    /// Write+read rounds; the median is reported.
+    /// Timed write+read rounds, after one untimed warm-up round; the median is reported.
     #[arg(long, default_value_t = 3)]
     loops: u32,
     /// One JSON object per result.
@@ -71,18 +71,19 @@ pub fn run(args: Args) -> ExitCode {
         if args.json {
             let obj = serde_json::json!({
                 "bench": "ferrozero_swap", "op": r.op.name(), "bytes": r.bytes, "gbps": r.gbps,
-                "best_gbps": r.best_gbps, "engine": r.engine.name(), "direct": r.direct,
+                "best_gbps": r.best_gbps, "warmup_gbps": r.warmup_gbps, "engine": r.engine.name(), "direct": r.direct,
                 "block_size": settings.block_size, "queue_depth": settings.queue_depth,
                 "intra_op": settings.intra_op_parallelism,
             });
             println!("{obj}");
         } else {
             println!(
-                "{:5} {} bytes: {:.2} GB/s median, {:.2} best ({}, {})",
+                "{:5} {} bytes: {:.2} GB/s median, {:.2} best, {:.2} warm-up ({}, {})",
                 r.op.name(),
                 r.bytes,
                 r.gbps,
                 r.best_gbps,
+                r.warmup_gbps,
                 r.engine.name(),
                 if r.direct { "O_DIRECT" } else { "buffered" }
             );

@@ -168,8 +168,16 @@ fn run_parts(lanes: &mut [Lane], t: &Target<'_>, data: Data<'_>, per: usize) -> 
     })
 }
 
+/// A ring of at least `depth` entries. With COOP_TASKRUN (Linux 5.19+) completions are
+/// posted when the lane next enters the kernel, which it does to wait anyway, instead of
+/// interrupting it with an inter-processor interrupt mid-checksum; kernels that do not know
+/// the flag refuse it with EINVAL and get a plain ring.
 fn new_ring(depth: usize) -> std::io::Result<IoUring> {
-    IoUring::new(depth.next_power_of_two() as u32)
+    let entries = depth.next_power_of_two() as u32;
+    match IoUring::builder().setup_coop_taskrun().build(entries) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::new(entries),
+        r => r,
+    }
 }
 
 /// Whether this kernel lets us create and use a ring (seccomp and some containers deny it).

@@ -1,5 +1,6 @@
 //! One lane moves a contiguous run of blocks between memory and a swap file: with io_uring
-//! (up to `queue_depth` blocks in flight) or with blocking pread/pwrite on the calling thread.
+//! (up to `queue_depth` blocks in flight, see `ring`) or with blocking pread/pwrite on the
+//! calling thread.
 //!
 //! Blocks whose memory is 4096-aligned and whole go straight to the kernel; the rest (an
 //! unaligned caller slice, the padded last block) go through the lane's bounce buffers. Every
@@ -10,11 +11,12 @@
 use std::os::fd::RawFd;
 use std::path::Path;
 
-use io_uring::{opcode, types, IoUring};
+use io_uring::IoUring;
 
 use crate::pool::{HostBuffer, ALIGN};
 use crate::{Error, Result};
 
+use super::ring::{self, Slot};
 use super::settings::{Overlap, Submit};
 
 /// What a part moves, with its checksums (filled on write, checked on read).
@@ -36,7 +38,7 @@ pub(super) struct Target<'a> {
 }
 
 impl Target<'_> {
-    fn io_error(&self, op: &'static str, offset: u64, source: std::io::Error) -> Error {
+    pub(super) fn io_error(&self, op: &'static str, offset: u64, source: std::io::Error) -> Error {
         Error::Io {
             op,
             path: self.path.display().to_string(),
@@ -65,7 +67,12 @@ pub(super) struct Lane {
 
 /// Where block `i`'s bytes sit in the caller's memory and whether the kernel can use them
 /// directly.
-fn span(len: usize, block: usize, i: usize, base: *const u8) -> (std::ops::Range<usize>, bool) {
+pub(super) fn span(
+    len: usize,
+    block: usize,
+    i: usize,
+    base: *const u8,
+) -> (std::ops::Range<usize>, bool) {
     let start = i * block;
     let end = (start + block).min(len);
     // SAFETY: start <= len, so the pointer stays inside (or one past) the caller's slice.
@@ -73,20 +80,12 @@ fn span(len: usize, block: usize, i: usize, base: *const u8) -> (std::ops::Range
     (start..end, aligned && end - start == block)
 }
 
-/// Per-request bookkeeping for the ring.
-#[derive(Clone, Copy)]
-struct Slot {
-    block: usize,
-    bounced: bool,
-}
-
 impl Lane {
     /// Moves the blocks of `data`, which start at file block `first`.
     pub(super) fn run(&mut self, t: &Target<'_>, first: usize, data: Data<'_>) -> Result<()> {
-        if self.ring.is_some() {
-            self.run_ring(t, first, data)
-        } else {
-            self.run_sync(t, first, data)
+        match self.ring.as_mut() {
+            Some(ring) => ring::run(ring, &mut self.bounce, t, first, data),
+            None => self.run_sync(t, first, data),
         }
     }
 
@@ -105,7 +104,7 @@ impl Lane {
                         fill_bounce(bounce, &src[r]);
                         bounce
                     };
-                    crcs[i] = crc32c::crc32c(block);
+                    crcs[i] = crc(block);
                     pwrite_all(t, block, off)?;
                 }
                 Data::Read { dst, crcs } => {
@@ -120,101 +119,6 @@ impl Lane {
         }
         Ok(())
     }
-
-    fn run_ring(&mut self, t: &Target<'_>, first: usize, mut data: Data<'_>) -> Result<()> {
-        let bs = t.block;
-        let (len, base) = data.extent();
-        let n = len.div_ceil(bs);
-        let ring = self.ring.as_mut().expect("checked by run");
-        let depth = self.bounce.len();
-        let mut slots: Vec<Option<Slot>> = vec![None; depth];
-        let (mut next, mut inflight, mut failure) = (0usize, 0usize, None::<(usize, Error)>);
-        while next < n || inflight > 0 {
-            while failure.is_none() && next < n && inflight < depth {
-                let s = slots
-                    .iter()
-                    .position(Option::is_none)
-                    .expect("inflight < depth");
-                let (r, direct) = span(len, bs, next, base);
-                let off = ((first + next) * bs) as u64;
-                let bounce = self.bounce[s].as_mut_ptr();
-                let entry = match &mut data {
-                    Data::Write { src, crcs } => {
-                        let ptr = if direct {
-                            src[r].as_ptr()
-                        } else {
-                            // SAFETY: the slot is free, so nothing in flight uses this buffer.
-                            let b = unsafe { std::slice::from_raw_parts_mut(bounce, bs) };
-                            fill_bounce(b, &src[r]);
-                            bounce.cast_const()
-                        };
-                        // SAFETY: ptr addresses `bs` readable bytes (checked by span/bounce).
-                        crcs[next] = crc32c::crc32c(unsafe { std::slice::from_raw_parts(ptr, bs) });
-                        opcode::Write::new(types::Fd(t.fd), ptr, bs as u32)
-                            .offset(off)
-                            .build()
-                    }
-                    Data::Read { dst, .. } => {
-                        let ptr = if direct { dst[r].as_mut_ptr() } else { bounce };
-                        opcode::Read::new(types::Fd(t.fd), ptr, bs as u32)
-                            .offset(off)
-                            .build()
-                    }
-                };
-                slots[s] = Some(Slot {
-                    block: next,
-                    bounced: !direct,
-                });
-                // SAFETY: the buffer outlives the request: we drain every request before
-                // returning, and the slot stays taken until its completion is reaped.
-                unsafe { ring.submission().push(&entry.user_data(s as u64)) }
-                    .expect("at most `depth` requests in a ring of `depth` entries");
-                next += 1;
-                inflight += 1;
-                if t.submit == Submit::Single {
-                    if let Err(e) = ring.submit() {
-                        // Stop issuing; the wait below submits what is queued and drains it.
-                        failure = Some((next - 1, t.io_error("submit", off, e)));
-                    }
-                }
-            }
-            if inflight == 0 {
-                break;
-            }
-            let want = match t.overlap {
-                Overlap::Overlapped => 1,
-                Overlap::Sequential => inflight,
-            };
-            if let Err(e) = ring.submit_and_wait(want) {
-                let again = matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                );
-                if again {
-                    continue;
-                }
-                // io_uring_enter itself failed with a non-transient error (EBADF, EFAULT:
-                // a broken ring, not an I/O error); nothing more can be reaped from it.
-                return Err(t.io_error("wait", ((first + next) * bs) as u64, e));
-            }
-            let done: Vec<(usize, i32)> = ring
-                .completion()
-                .map(|c| (c.user_data() as usize, c.result()))
-                .collect();
-            for (s, res) in done {
-                let slot = slots[s].take().expect("completion for a submitted slot");
-                inflight -= 1;
-                // Report the lowest failing block, whatever order completions arrive in.
-                if failure.as_ref().is_none_or(|(b, _)| slot.block < *b) {
-                    let bounce = &self.bounce[s][..bs];
-                    if let Err(e) = complete(t, first, &mut data, slot, res, bounce) {
-                        failure = Some((slot.block, e));
-                    }
-                }
-            }
-        }
-        failure.map_or(Ok(()), |(_, e)| Err(e))
-    }
 }
 
 impl Data<'_> {
@@ -226,7 +130,7 @@ impl Data<'_> {
         }
     }
 
-    fn extent(&mut self) -> (usize, *const u8) {
+    pub(super) fn extent(&mut self) -> (usize, *const u8) {
         match self {
             Data::Write { src, .. } => (src.len(), src.as_ptr()),
             Data::Read { dst, .. } => (dst.len(), dst.as_ptr()),
@@ -234,8 +138,9 @@ impl Data<'_> {
     }
 }
 
-/// Checks one completed request and, for a bounced read, copies the block out.
-fn complete(
+/// Checks one completed request's result and, for a bounced read, verifies and copies the
+/// block out of its bounce buffer; a direct read's verification is the caller's to schedule.
+pub(super) fn complete(
     t: &Target<'_>,
     first: usize,
     data: &mut Data<'_>,
@@ -256,17 +161,17 @@ fn complete(
     if got != bs {
         return Err(short(t, is_read, got, off));
     }
-    if let Data::Read { dst, crcs } = data {
-        let (len, base) = (dst.len(), dst.as_ptr());
-        let (r, _) = span(len, bs, slot.block, base);
-        if slot.bounced {
-            verify(t, bounce, crcs[slot.block], off)?;
-            dst[r.clone()].copy_from_slice(&bounce[..r.len()]);
-        } else {
-            verify(t, &dst[r], crcs[slot.block], off)?;
-        }
+    if let (Data::Read { dst, crcs }, true) = (data, slot.bounced) {
+        let (r, _) = span(dst.len(), bs, slot.block, dst.as_ptr());
+        verify(t, bounce, crcs[slot.block], off)?;
+        dst[r.clone()].copy_from_slice(&bounce[..r.len()]);
     }
     Ok(())
+}
+
+/// The per-block checksum: crc32c of the whole (padded) block.
+pub(super) fn crc(block: &[u8]) -> u32 {
+    crc32c::crc32c(block)
 }
 
 fn short(t: &Target<'_>, is_read: bool, got: usize, off: u64) -> Error {
@@ -285,8 +190,8 @@ fn short(t: &Target<'_>, is_read: bool, got: usize, off: u64) -> Error {
     }
 }
 
-fn verify(t: &Target<'_>, block: &[u8], want: u32, off: u64) -> Result<()> {
-    let got = crc32c::crc32c(block);
+pub(super) fn verify(t: &Target<'_>, block: &[u8], want: u32, off: u64) -> Result<()> {
+    let got = crc(block);
     if got == want {
         Ok(())
     } else {
@@ -299,7 +204,7 @@ fn verify(t: &Target<'_>, block: &[u8], want: u32, off: u64) -> Result<()> {
 
 /// Copies `src` into the bounce buffer and zeroes the padding, so the checksum and the file
 /// never depend on stale bytes.
-fn fill_bounce(bounce: &mut [u8], src: &[u8]) {
+pub(super) fn fill_bounce(bounce: &mut [u8], src: &[u8]) {
     bounce[..src.len()].copy_from_slice(src);
     bounce[src.len()..].fill(0);
 }

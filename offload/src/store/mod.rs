@@ -19,6 +19,7 @@ mod asynch;
 mod dir;
 mod engine;
 mod lane;
+mod ring;
 mod settings;
 
 use std::collections::HashMap;
