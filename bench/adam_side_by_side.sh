@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}; VENV=${VENV:-/tmp/basevenv}; SHARED=${SHARED:-../shared/bench}
+export PATH="$VENV/bin:$PATH"   # ninja, for the JIT-built cpu_adam op
 out=$(mktemp); trap 'rm -f "$out" /tmp/fz-stream-triad' EXIT
 cargo build --release --bin ferrozero >&2
 gcc -O3 -march=native -fopenmp -fno-math-errno "$SHARED/stream_triad.c" -o /tmp/fz-stream-triad -lm
