@@ -124,12 +124,11 @@ fn make_config(
     cfg
 }
 
-fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
-    let e = estimate(&build(which), cfg, MICRO, SEQ);
-    let (dev, host, act) = measure(which, cfg);
-    // One row per configuration, for the record (`--nocapture` shows the table).
-    eprintln!(
-        "| {which:?} | {} | {} | {:?} | {:?}/{:?} | ckpt {:?} | overlap {} | {} / {} | {} / {} |",
+/// The configuration as table cells: model, stage, world, precision, offload, checkpointing,
+/// overlap.
+fn describe(which: Which, cfg: &ResolvedConfig) -> String {
+    format!(
+        "{which:?} | {} | {} | {:?} | {:?}/{:?} | ckpt {:?} | overlap {}",
         cfg.zero.stage.number(),
         cfg.world_size,
         cfg.precision,
@@ -139,25 +138,19 @@ fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
             .as_ref()
             .map(|a| a.cpu_checkpointing),
         cfg.zero.overlap_comm,
-        e.device.peak_bytes,
-        dev,
-        e.host.peak_bytes,
-        host,
-    );
-    if !close(e.device.peak_bytes, dev) || !close(e.host.peak_bytes, host) {
+    )
+}
+
+fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
+    let e = estimate(&build(which), cfg, MICRO, SEQ);
+    let (dev, host, act) = measure(which, cfg);
+    let what = describe(which, cfg);
+    let (est_dev, est_host) = (e.device.peak_bytes, e.host.peak_bytes);
+    // One row per configuration, for the record (`--nocapture` shows the table).
+    eprintln!("| {what} | {est_dev} / {dev} | {est_host} / {host} |");
+    if !close(est_dev, dev) || !close(est_host, host) {
         failures.push(format!(
-            "{which:?} stage {} world {} {:?} offload {:?}/{:?} ckpt {:?}: \
-             device est {} vs ledger {dev}; host est {} vs ledger {host}",
-            cfg.zero.stage.number(),
-            cfg.world_size,
-            cfg.precision,
-            cfg.zero.offload_optimizer.target,
-            cfg.zero.offload_param.target,
-            cfg.activation_checkpointing
-                .as_ref()
-                .map(|a| a.cpu_checkpointing),
-            e.device.peak_bytes,
-            e.host.peak_bytes,
+            "{what}: device est {est_dev} vs ledger {dev}; host est {est_host} vs ledger {host}"
         ));
     }
     // Activations are counted the same way too, not only the totals.

@@ -11,9 +11,9 @@ use std::rc::Rc;
 
 use super::meta::TensorKind;
 use crate::engine::group::Group;
-use crate::engine::group::{ParamStore, Shard};
 use crate::engine::nvme::NvmeOffload;
-use crate::engine::param_swap::ParamSwap;
+use crate::engine::param_swap::{ParamSwap, ShardBytes};
+use crate::engine::swap::nvme_shard_copy;
 use crate::{Error, Result};
 
 /// (master, m, v) over a group's owned range.
@@ -97,15 +97,9 @@ impl Streamer {
 
     /// The bytes of group `g`'s NVMe parameter shard.
     pub fn shard_bytes(&self, g: &Group, swap: &ParamSwap, len: usize) -> Vec<u8> {
-        self.guarded(len, || match &g.params {
-            ParamStore::Partitioned {
-                shard: Shard::Nvme(slot),
-                ..
-            } => {
-                let b = slot.read_copy(&swap.store)?;
-                Ok(crate::engine::param_swap::ShardBytes(b).as_ref().to_vec())
-            }
-            _ => Err(Error::Invalid("parameter shard is not on NVMe".into())),
+        self.guarded(len, || match nvme_shard_copy(g, Some(swap))? {
+            Some(b) => Ok(ShardBytes(b).as_ref().to_vec()),
+            None => Err(Error::Invalid("parameter shard is not on NVMe".into())),
         })
     }
 }

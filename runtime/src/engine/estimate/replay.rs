@@ -189,8 +189,9 @@ impl<'a> Replay<'a> {
             self.swap_buffer(g, true);
             writing.push_back(g);
             while writing.len() >= limit {
-                let done = writing.pop_front().unwrap_or(g);
-                self.swap_buffer(done, false);
+                if let Some(done) = writing.pop_front() {
+                    self.swap_buffer(done, false);
+                }
             }
         }
         for g in writing {
