@@ -18,13 +18,12 @@
 
 use std::any::Any;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use ferrozero::config::{parse, Config, Format};
 use ferrozero::engine::{Engine, EngineBuilder};
-use ferrozero::runtime::backend::{self, rng, Accumulate, Backend};
+use ferrozero::runtime::backend::{rng, Accumulate};
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::nn::gradcheck::{self, Options, Report};
 use ferrozero::runtime::nn::linear::{Linear, WeightLayout};
@@ -33,7 +32,7 @@ use ferrozero::runtime::nn::module::SavedState;
 use ferrozero::runtime::nn::{
     init, Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit,
 };
-use ferrozero::runtime::tensor::Tensor;
+use ferrozero::runtime::tensor::{Storage, Tensor};
 use ferrozero::runtime::{Error, Result};
 
 /// Train a user-defined residual MLP block with ZeRO-2 on local ranks.
@@ -103,20 +102,19 @@ struct ResidualMlp {
     width: usize,
     inner: usize,
     bug: Bug,
-    be: Arc<dyn Backend>,
 }
 
 /// What forward keeps for backward: the input (for `dW1`) and the pre-activation (for
 /// gelu's derivative and, recomputed, for `dW2`). Recomputing `gelu(pre)` in backward
 /// costs one cheap pass and saves a third buffer of activations.
 struct MlpSaved {
-    x: Vec<f32>,
-    pre: Vec<f32>,
+    x: Storage,
+    pre: Storage,
 }
 
 impl SavedState for MlpSaved {
     fn bytes(&self) -> usize {
-        (self.x.len() + self.pre.len()) * 4
+        (self.x.bytes() + self.pre.bytes()) as usize
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any> {
         self
@@ -188,18 +186,19 @@ impl Module for ResidualMlp {
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
         self.check_views(p)?;
         let rows = self.rows(ctx, input, "residual MLP forward")?;
-        let be = &*self.be;
-        let mut pre = vec![0.0; rows * self.inner];
+        // Only backend operations and `ctx.alloc`: the same block runs on any device.
+        let be = ctx.be;
+        let mut pre = ctx.alloc(rows * self.inner)?;
         self.fc1()
-            .forward(be, &input.data, p.get(0), Some(p.get(1)), &mut pre)?;
-        let mut act = vec![0.0; pre.len()];
-        be.gelu_forward(&pre, &mut act);
-        let mut y = vec![0.0; rows * self.width];
+            .forward(be, input.view(), p.get(0), Some(p.get(1)), pre.view_mut())?;
+        let mut act = ctx.alloc(pre.len())?;
+        be.gelu_forward(pre.view(), act.view_mut())?;
+        let mut y = ctx.alloc(rows * self.width)?;
         self.fc2()
-            .forward(be, &act, p.get(2), Some(p.get(3)), &mut y)?;
-        be.add_assign(&mut y, &input.data);
+            .forward(be, act.view(), p.get(2), Some(p.get(3)), y.view_mut())?;
+        be.add_assign(y.view_mut(), input.view())?;
         if ctx.training {
-            let x = input.data.clone();
+            let x = be.copy(input.view())?;
             *ctx.saved = Some(Box::new(MlpSaved { x, pre }));
         }
         Tensor::new(input.shape.clone(), y)
@@ -221,30 +220,35 @@ impl Module for ResidualMlp {
                 self.prefix
             )));
         }
-        let be = &*self.be;
-        let mut act = vec![0.0; s.pre.len()];
-        be.gelu_forward(&s.pre, &mut act);
+        let be = ctx.be;
+        let mut act = ctx.alloc(s.pre.len())?;
+        be.gelu_forward(s.pre.view(), act.view_mut())?;
         // Parameter gradients are added (+=) into the lent buffers, never assigned: the
         // contract lets every reader of a parameter (tied weights) add its own share.
         // `backward_params` adds by design.
         let (dw2, db2) = g.pair_mut(2, 3);
         self.fc2()
-            .backward_params(be, &act, &dy.data, dw2, Some(db2))?;
+            .backward_params(be, act.view(), dy.view(), dw2, Some(db2))?;
         let mut dact = act;
-        self.fc2()
-            .backward_input(be, &dy.data, p.get(2), &mut dact, Accumulate::Overwrite)?;
-        let mut dpre = vec![0.0; rows * self.inner];
-        be.gelu_backward(&s.pre, &dact, &mut dpre);
+        self.fc2().backward_input(
+            be,
+            dy.view(),
+            p.get(2),
+            dact.view_mut(),
+            Accumulate::Overwrite,
+        )?;
+        let mut dpre = ctx.alloc(rows * self.inner)?;
+        be.gelu_backward(s.pre.view(), dact.view(), dpre.view_mut())?;
         let (dw1, db1) = g.pair_mut(0, 1);
         self.fc1()
-            .backward_params(be, &s.x, &dpre, dw1, Some(db1))?;
+            .backward_params(be, s.x.view(), dpre.view(), dw1, Some(db1))?;
         // The residual path passes dy straight through; the branch adds its share.
         let mut dx = match self.bug {
-            Bug::None => dy.data.clone(),
-            Bug::SkipResidual => vec![0.0; dy.numel()],
+            Bug::None => be.copy(dy.view())?,
+            Bug::SkipResidual => ctx.alloc(dy.numel())?,
         };
         self.fc1()
-            .backward_input(be, &dpre, p.get(0), &mut dx, Accumulate::Add)?;
+            .backward_input(be, dpre.view(), p.get(0), dx.view_mut(), Accumulate::Add)?;
         Tensor::new(dy.shape.clone(), dx)
     }
 
@@ -299,7 +303,7 @@ fn check_gradients(block: &ResidualMlp) -> Result<Report> {
     let x: Vec<f32> = (0..6 * block.width)
         .map(|i| rng::normal(11, i as u64) as f32)
         .collect();
-    let input = Tensor::new(vec![2, 3, block.width], x)?;
+    let input = Tensor::from_f32(vec![2, 3, block.width], x)?;
     gradcheck::check(block, &batch, &mut params, &input, &Options::default())
 }
 
@@ -348,7 +352,6 @@ fn block(args: &Args, i: usize) -> ResidualMlp {
         width: args.width,
         inner: args.inner,
         bug: args.bug,
-        be: backend::cpu(),
     }
 }
 
@@ -362,15 +365,12 @@ fn build_model(args: &Args) -> Model {
     };
     let mut units = vec![unit(
         "embed".into(),
-        Box::new(llama::Embed::new(ends.clone(), backend::cpu())),
+        Box::new(llama::Embed::new(ends.clone())),
     )];
     for i in 0..args.blocks {
         units.push(unit(format!("blocks.{i}"), Box::new(block(args, i))));
     }
-    units.push(unit(
-        "head".into(),
-        Box::new(llama::Head::new(ends, backend::cpu())),
-    ));
+    units.push(unit("head".into(), Box::new(llama::Head::new(ends))));
     Model {
         shared: vec![],
         units,

@@ -5,7 +5,8 @@
 
 use std::time::Instant;
 
-use ferrozero_runtime::backend::{self, Accumulate, MatmulShape, Transpose};
+use ferrozero_runtime::backend::{self, Epilogue, MatmulShape, Transpose};
+use ferrozero_runtime::tensor::{View, ViewMut};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -37,12 +38,14 @@ fn main() {
     let reps = 20;
     let secs = pool.install(|| {
         for _ in 0..3 {
-            be.matmul(s, &a, &b, &mut c, Accumulate::Overwrite)
+            let (av, bv) = (View::from(&a[..]), View::from(&b[..]));
+            be.matmul(s, av, bv, ViewMut::from(&mut c[..]), Epilogue::Store)
                 .expect("shapes agree");
         }
         let t0 = Instant::now();
         for _ in 0..reps {
-            be.matmul(s, &a, &b, &mut c, Accumulate::Overwrite)
+            let (av, bv) = (View::from(&a[..]), View::from(&b[..]));
+            be.matmul(s, av, bv, ViewMut::from(&mut c[..]), Epilogue::Store)
                 .expect("shapes agree");
         }
         t0.elapsed().as_secs_f64() / reps as f64

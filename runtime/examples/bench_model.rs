@@ -6,9 +6,10 @@
 
 use std::time::Instant;
 
+use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
-use ferrozero_runtime::nn::{init, Batch, Ctx, Grads, Model, Params, Saved};
-use ferrozero_runtime::tensor::Tensor;
+use ferrozero_runtime::nn::{init, Batch, BatchIds, Ctx, Grads, Model, Params, Saved};
+use ferrozero_runtime::tensor::{Tensor, View, ViewMut};
 
 struct Args {
     preset: String,
@@ -73,37 +74,54 @@ fn buffers(model: &Model, fill: bool) -> Buffers {
 }
 
 fn step(
+    be: &dyn Backend,
     model: &Model,
     w: &Buffers,
     g: &mut Buffers,
     batch: &Batch,
 ) -> ferrozero_runtime::Result<f32> {
+    let ids = BatchIds::new(be, batch)?;
     let mut slots: Vec<Saved> = model.units.iter().map(|_| None).collect();
     let mut x = Tensor::default();
     for (u, unit) in model.units.iter().enumerate() {
-        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
-        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
+        let mut p: Vec<View<'_>> = w.units[u].iter().map(|v| View::from(&v[..])).collect();
+        p.extend(
+            unit.uses_shared
+                .iter()
+                .map(|&s| View::from(&w.shared[s][..])),
+        );
         let mut ctx = Ctx {
+            be,
             batch,
+            ids: &ids,
             training: true,
             rng_seed: u as u64,
             saved: &mut slots[u],
         };
         x = unit.module.forward(&mut ctx, &Params::new(p), &x)?;
     }
-    let loss = x.data[0] / batch.valid_targets() as f32;
+    let loss = x.to_vec_f32()?[0] / batch.valid_targets() as f32;
     let mut gy = Tensor::scalar(1.0 / batch.valid_targets() as f32);
     for (u, unit) in model.units.iter().enumerate().rev() {
-        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
-        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
-        let mut own: Vec<&mut [f32]> = g.units[u].iter_mut().map(Vec::as_mut_slice).collect();
+        let mut p: Vec<View<'_>> = w.units[u].iter().map(|v| View::from(&v[..])).collect();
+        p.extend(
+            unit.uses_shared
+                .iter()
+                .map(|&s| View::from(&w.shared[s][..])),
+        );
+        let mut own: Vec<ViewMut<'_>> = g.units[u]
+            .iter_mut()
+            .map(|v| ViewMut::from(&mut v[..]))
+            .collect();
         // Only the first and last units use the (single) shared table, never both at once.
         let mut shared = g.shared.iter_mut();
         for _ in &unit.uses_shared {
-            own.extend(shared.next().map(Vec::as_mut_slice));
+            own.extend(shared.next().map(|v| ViewMut::from(&mut v[..])));
         }
         let mut ctx = Ctx {
+            be,
             batch,
+            ids: &ids,
             training: true,
             rng_seed: u as u64,
             saved: &mut slots[u],
@@ -155,6 +173,7 @@ fn main() {
         .num_threads(args.threads)
         .build()
         .expect("thread pool");
+    let be = ferrozero_runtime::backend::cpu();
     let mut times = Vec::new();
     let mut loss = 0.0;
     let mut cpu0 = None;
@@ -164,7 +183,7 @@ fn main() {
                 cpu0 = process_cpu_s();
             }
             let t0 = Instant::now();
-            loss = step(&model, &w, &mut g, &batch).expect("step runs");
+            loss = step(&*be, &model, &w, &mut g, &batch).expect("step runs");
             if i >= args.warmup {
                 times.push(t0.elapsed().as_secs_f64());
             }

@@ -7,8 +7,8 @@ use std::path::Path;
 
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config, Head};
 use ferrozero_runtime::nn::weights::{self, Naming};
-use ferrozero_runtime::nn::{Batch, Ctx, Params, Saved};
-use ferrozero_runtime::tensor::Tensor;
+use ferrozero_runtime::nn::{Batch, BatchIds, Ctx, Params, Saved};
+use ferrozero_runtime::tensor::{Tensor, View};
 use nn_common::{step, Weights};
 
 fn fixture() -> Vec<weights::NamedTensor> {
@@ -90,14 +90,22 @@ fn loss_and_every_gradient_match_pytorch() {
 #[test]
 fn logits_match_pytorch() {
     let (model, w, batch, f) = load_model();
+    let be = ferrozero_runtime::backend::cpu();
+    let ids = BatchIds::new(&*be, &batch).unwrap();
     let mut x = Tensor::default();
     let last = model.units.len() - 1;
     for (u, unit) in model.units[..last].iter().enumerate() {
-        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
-        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
+        let mut p: Vec<View<'_>> = w.units[u].iter().map(|v| v.as_slice().into()).collect();
+        p.extend(
+            unit.uses_shared
+                .iter()
+                .map(|&s| View::from(w.shared[s].as_slice())),
+        );
         let mut saved: Saved = None;
         let mut ctx = Ctx {
+            be: &*be,
             batch: &batch,
+            ids: &ids,
             training: false,
             rng_seed: 0,
             saved: &mut saved,
@@ -108,9 +116,18 @@ fn logits_match_pytorch() {
             .expect("forward");
         assert!(saved.is_none(), "evaluation mode must not save activations");
     }
-    let head = Head::new(config(), ferrozero_runtime::backend::cpu());
-    let p = Params::new(vec![&w.units[last][0], &w.units[last][1], &w.shared[0]]);
-    let logits = head.logits(&p, &x).expect("logits");
+    let head = Head::new(config());
+    let p = Params::new(vec![
+        w.units[last][0].as_slice().into(),
+        w.units[last][1].as_slice().into(),
+        w.shared[0].as_slice().into(),
+    ]);
+    let logits = head.logits(&*be, &p, &x).expect("logits");
     assert_eq!(logits.shape, vec![18, 53]);
-    assert_close("logits", &logits.data, get(&f, "golden.logits"), 1e-5);
+    assert_close(
+        "logits",
+        logits.host_f32().unwrap(),
+        get(&f, "golden.logits"),
+        1e-5,
+    );
 }

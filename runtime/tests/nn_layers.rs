@@ -3,12 +3,12 @@
 
 mod nn_common;
 
-use ferrozero_runtime::backend::{self, Accumulate, MatmulShape, Rotation, Transpose};
+use ferrozero_runtime::backend::{self, Epilogue, HeadShape, MatmulShape, Rotation, Transpose};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::gradcheck::{self, Options};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::{Model, IGNORE_INDEX};
-use ferrozero_runtime::tensor::Tensor;
+use ferrozero_runtime::tensor::{IdBuf, Storage, Tensor, View, ViewMut};
 use nn_common::{batch, random, Weights};
 
 fn odd_gpt2(dropout: f32) -> Gpt2Config {
@@ -106,7 +106,8 @@ fn gradcheck_catches_a_wrong_backward() {
             _p: &Params<'_>,
             x: &Tensor,
         ) -> ferrozero_runtime::Result<Tensor> {
-            Tensor::new(x.shape.clone(), x.data.iter().map(|v| v * v).collect())
+            let y = x.host_f32()?.iter().map(|v| v * v).collect();
+            Tensor::from_f32(x.shape.clone(), y)
         }
         fn backward(
             &self,
@@ -115,7 +116,7 @@ fn gradcheck_catches_a_wrong_backward() {
             _g: &mut Grads<'_>,
             gy: &Tensor,
         ) -> ferrozero_runtime::Result<Tensor> {
-            Ok(gy.clone()) // wrong: ignores d(x²)/dx = 2x
+            gy.try_clone() // wrong: ignores d(x²)/dx = 2x
         }
         fn saved_bytes(&self, _: usize, _: usize) -> usize {
             0
@@ -166,10 +167,12 @@ fn matmul_matches_naive_for_all_layouts_and_odd_sizes() {
         for ta in [Transpose::No, Transpose::Yes] {
             for tb in [Transpose::No, Transpose::Yes] {
                 let s = MatmulShape { m, n, k, ta, tb };
-                let a = random(vec![m * k], 1).data;
-                let b = random(vec![k * n], 2).data;
+                let a = random(vec![m * k], 1).to_vec_f32().unwrap();
+                let b = random(vec![k * n], 2).to_vec_f32().unwrap();
                 let mut c = vec![0.5f32; m * n];
-                be.matmul(s, &a, &b, &mut c, Accumulate::Add).unwrap();
+                let (av, bv) = (View::from(&a[..]), View::from(&b[..]));
+                be.matmul(s, av, bv, ViewMut::from(&mut c[..]), Epilogue::Accumulate)
+                    .unwrap();
                 for (got, want) in c.iter().zip(naive(s, &a, &b)) {
                     assert!(
                         (f64::from(*got) - want - 0.5).abs() < 1e-4 * (k as f64),
@@ -189,10 +192,10 @@ fn matmul_matches_naive_for_all_layouts_and_odd_sizes() {
     assert!(be
         .matmul(
             s,
-            &[0.0; 5],
-            &[0.0; 6],
-            &mut [0.0; 4],
-            Accumulate::Overwrite
+            View::from(&[0.0f32; 5][..]),
+            View::from(&[0.0f32; 6][..]),
+            ViewMut::from(&mut [0.0f32; 4][..]),
+            Epilogue::Store
         )
         .is_err());
 }
@@ -200,21 +203,41 @@ fn matmul_matches_naive_for_all_layouts_and_odd_sizes() {
 #[test]
 fn cross_entropy_sums_valid_rows_and_is_stable() {
     let be = backend::cpu();
-    // Huge logits would overflow a naive exp.
-    let mut logits = vec![1000.0, 0.0, -1000.0, 3.0, 1.0, 2.0, 5.0, 5.0, 5.0];
-    let targets = [1, IGNORE_INDEX, 2];
-    let loss = be.cross_entropy_forward(&mut logits, 3, &targets).unwrap();
+    // With an identity weight the logits are x itself; huge logits would overflow a naive exp.
+    let x = vec![1000.0, 0.0, -1000.0, 3.0, 1.0, 2.0, 5.0, 5.0, 5.0];
+    let eye = vec![1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0];
+    let shape = HeadShape {
+        rows: 3,
+        dim: 3,
+        vocab: 3,
+    };
+    let targets = IdBuf::Host(vec![1, IGNORE_INDEX, 2]);
+    let (xv, wv) = (View::from(&x[..]), View::from(&eye[..]));
+    let out = be
+        .head_loss_forward(shape, xv, wv, targets.ids(), true)
+        .unwrap();
+    let loss = f64::from(out.loss.to_vec_f32().unwrap()[0]);
     let want = 1000.0 + 3f64.ln();
     assert!((loss - want).abs() < 1e-3, "{loss} vs {want}");
-    be.cross_entropy_backward(&mut logits, 3, &targets, 2.0);
-    assert_eq!(
-        &logits[3..6],
-        &[0.0, 0.0, 0.0],
-        "ignored row has no gradient"
-    );
-    assert!((logits[1] + 2.0).abs() < 1e-6 && (logits[0] - 2.0).abs() < 1e-6);
+    let (mut dx, mut dw) = (vec![7.0f32; 9], vec![0.0f32; 9]);
+    be.head_loss_backward(
+        shape,
+        xv,
+        wv,
+        targets.ids(),
+        out.saved.unwrap(),
+        2.0,
+        ViewMut::from(&mut dx[..]),
+        ViewMut::from(&mut dw[..]),
+    )
+    .unwrap();
+    // dx = dlogits · I = 2 (p - onehot).
+    assert_eq!(&dx[3..6], &[0.0, 0.0, 0.0], "ignored row has no gradient");
+    assert!((dx[1] + 2.0).abs() < 1e-6 && (dx[0] - 2.0).abs() < 1e-6);
+    let bad = IdBuf::Host(vec![3]);
+    let one = HeadShape { rows: 1, ..shape };
     let err = be
-        .cross_entropy_forward(&mut [0.0; 3], 3, &[3])
+        .head_loss_forward(one, View::from(&x[..3]), wv, bad.ids(), false)
         .unwrap_err();
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
 }
@@ -222,13 +245,31 @@ fn cross_entropy_sums_valid_rows_and_is_stable() {
 #[test]
 fn rope_inverse_undoes_forward_and_preserves_norms() {
     let be = backend::cpu();
-    let x = random(vec![2 * 5 * 3 * 6], 9).data;
+    let x = random(vec![2 * 5 * 3 * 6], 9).to_vec_f32().unwrap();
     let mut y = x.clone();
-    be.rope(&mut y, 2, 5, 3, 6, 10000.0, Rotation::Forward);
+    be.rope(
+        ViewMut::from(&mut y[..]),
+        2,
+        5,
+        3,
+        6,
+        10000.0,
+        Rotation::Forward,
+    )
+    .unwrap();
     assert_ne!(x, y);
     let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
     assert!((norm(&x) - norm(&y)).abs() < 1e-3);
-    be.rope(&mut y, 2, 5, 3, 6, 10000.0, Rotation::Inverse);
+    be.rope(
+        ViewMut::from(&mut y[..]),
+        2,
+        5,
+        3,
+        6,
+        10000.0,
+        Rotation::Inverse,
+    )
+    .unwrap();
     x.iter()
         .zip(&y)
         .for_each(|(a, b)| assert!((a - b).abs() < 1e-5));
@@ -239,14 +280,14 @@ fn dropout_is_seeded_scaled_and_near_its_rate() {
     let be = backend::cpu();
     let mut a = vec![1.0f32; 100_003];
     let mut b = a.clone();
-    be.dropout(5, 0.25, &mut a);
-    be.dropout(5, 0.25, &mut b);
+    be.dropout(5, 0.25, ViewMut::from(&mut a[..])).unwrap();
+    be.dropout(5, 0.25, ViewMut::from(&mut b[..])).unwrap();
     assert_eq!(a, b, "same seed, same mask");
     let zeros = a.iter().filter(|&&v| v == 0.0).count() as f64 / a.len() as f64;
     assert!((zeros - 0.25).abs() < 0.01, "drop rate {zeros}");
     assert!(a.iter().all(|&v| v == 0.0 || (v - 4.0 / 3.0).abs() < 1e-6));
     let mut c = vec![1.0f32; 100_003];
-    be.dropout(6, 0.25, &mut c);
+    be.dropout(6, 0.25, ViewMut::from(&mut c[..])).unwrap();
     assert_ne!(a, c, "another seed, another mask");
 }
 
@@ -321,37 +362,37 @@ fn blocked_attention_matches_a_naive_reference_across_row_blocks() {
         head_dim: 5,
     };
     let (n, qw, kw) = (2 * 71, 30, 10);
+    let host = |t: Tensor| t.to_vec_f32().unwrap();
     let (q, k, v) = (
-        random(vec![n * qw], 1).data,
-        random(vec![n * kw], 2).data,
-        random(vec![n * kw], 3).data,
+        host(random(vec![n * qw], 1)),
+        host(random(vec![n * kw], 2)),
+        host(random(vec![n * kw], 3)),
     );
-    let dout = random(vec![n * qw], 4).data;
+    let dout = host(random(vec![n * qw], 4));
     let view = |stride| RowView { stride, offset: 0 };
-    let mut probs = vec![0.0; 2 * 6 * 71 * 71];
+    let (qv, kv, vv) = (
+        (View::from(&q[..]), view(qw)),
+        (View::from(&k[..]), view(kw)),
+        (View::from(&v[..]), view(kw)),
+    );
     let mut o = vec![0.0; n * qw];
-    be.attention_forward(
-        sh,
-        (&q, view(qw)),
-        (&k, view(kw)),
-        (&v, view(kw)),
-        &mut probs,
-        &mut o,
-    )
-    .unwrap();
+    let saved: Storage = be
+        .attention_forward(sh, qv, kv, vv, ViewMut::from(&mut o[..]))
+        .unwrap();
     let (mut dq, mut dk, mut dv) = (vec![9.0; n * qw], vec![9.0; n * kw], vec![9.0; n * kw]);
     let grads = AttentionGrads::Split {
-        dq: &mut dq,
-        dk: &mut dk,
-        dv: &mut dv,
+        dq: ViewMut::from(&mut dq[..]),
+        dk: ViewMut::from(&mut dk[..]),
+        dv: ViewMut::from(&mut dv[..]),
     };
     be.attention_backward(
         sh,
-        (&q, view(qw)),
-        (&k, view(kw)),
-        (&v, view(kw)),
-        &probs,
-        &dout,
+        qv,
+        kv,
+        vv,
+        View::from(&o[..]),
+        &saved,
+        View::from(&dout[..]),
         grads,
     )
     .unwrap();
@@ -370,7 +411,7 @@ fn blocked_attention_matches_a_naive_reference_across_row_blocks() {
 
 #[test]
 fn half_precision_operands_accumulate_in_f32() {
-    use backend::Operand;
+    use ferrozero_runtime::tensor::BufRef;
     use half::{bf16, f16};
     let be = backend::cpu();
     let s = MatmulShape {
@@ -380,17 +421,17 @@ fn half_precision_operands_accumulate_in_f32() {
         ta: Transpose::No,
         tb: Transpose::Yes,
     };
-    let a = random(vec![9 * 300], 1).data;
-    let b = random(vec![11 * 300], 2).data;
+    let a = random(vec![9 * 300], 1).to_vec_f32().unwrap();
+    let b = random(vec![11 * 300], 2).to_vec_f32().unwrap();
     let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
     let b16: Vec<f16> = b.iter().map(|&v| f16::from_f32(v)).collect();
     let mut c = vec![0.0; 99];
-    be.matmul_mixed(
+    be.matmul(
         s,
-        Operand::Bf16(&a16),
-        Operand::F16(&b16),
-        &mut c,
-        Accumulate::Overwrite,
+        View::Host(BufRef::Bf16(&a16)),
+        View::Host(BufRef::F16(&b16)),
+        ViewMut::from(&mut c[..]),
+        Epilogue::Store,
     )
     .unwrap();
     let wa: Vec<f32> = a16.iter().map(|v| v.to_f32()).collect();
@@ -400,12 +441,12 @@ fn half_precision_operands_accumulate_in_f32() {
         assert!((f64::from(*got) - want).abs() < 1e-4, "{got} vs {want}");
     }
     assert!(be
-        .matmul_mixed(
+        .matmul(
             s,
-            Operand::F32(&a[1..]),
-            Operand::F16(&b16),
-            &mut c,
-            Accumulate::Add
+            View::from(&a[1..]),
+            View::Host(BufRef::F16(&b16)),
+            ViewMut::from(&mut c[..]),
+            Epilogue::Accumulate
         )
         .is_err());
 }

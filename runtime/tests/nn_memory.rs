@@ -5,7 +5,7 @@ mod nn_common;
 use ferrozero_runtime::backend::{self, DeviceKind};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
-use ferrozero_runtime::nn::{init, Ctx, Init, Params, Saved};
+use ferrozero_runtime::nn::{init, BatchIds, Ctx, Init, Params, Saved};
 use ferrozero_runtime::tensor::Tensor;
 use ferrozero_runtime::Error;
 use nn_common::{batch, step, Weights};
@@ -160,17 +160,21 @@ fn bad_inputs_are_errors_not_panics() {
     let b = batch(1, 4, 64, 1);
     let block = &model.units[1];
     let p: Vec<Vec<f32>> = w.units[1].clone();
-    let params = Params::new(p.iter().map(Vec::as_slice).collect());
+    let params = Params::new(p.iter().map(|v| v.as_slice().into()).collect());
+    let be = backend::cpu();
+    let ids = BatchIds::new(&*be, &b).unwrap();
     let mut saved: Saved = None;
     let mut ctx = Ctx {
+        be: &*be,
         batch: &b,
+        ids: &ids,
         training: true,
         rng_seed: 0,
         saved: &mut saved,
     };
     let mut g: Vec<Vec<f32>> = p.iter().map(|v| vec![0.0; v.len()]).collect();
     let mut grads =
-        ferrozero_runtime::nn::Grads::new(g.iter_mut().map(Vec::as_mut_slice).collect());
+        ferrozero_runtime::nn::Grads::new(g.iter_mut().map(|v| v.as_mut_slice().into()).collect());
     let e = block
         .module
         .backward(

@@ -1,10 +1,16 @@
 //! Compute backends: one trait per family of operations (matmul, elementwise, normalisation,
 //! attention, token ops), so a device can implement them family by family, as burn does.
 //!
-//! Every kernel works on caller-owned flat f32 slices (activations and engine-lent parameter
-//! views) and never allocates its outputs: the layers decide what is kept for backward.
-//! Backward kernels that produce parameter gradients *accumulate* (+=), matching the
-//! [`crate::nn::Grads`] contract; input gradients are overwritten unless stated.
+//! Operations take [`View`]s and [`ViewMut`]s (borrowed elements on the backend's device) and
+//! write caller-allocated outputs; layers allocate through [`MemoryOps`] (never `vec!`) and
+//! decide what is kept for backward. Backward operations that produce parameter gradients
+//! *accumulate* (+=), matching the [`crate::nn::Grads`] contract; input gradients are
+//! overwritten unless stated. An operation handed a view it cannot read (another device, a
+//! dtype it does not take, a wrong length) returns an error naming the operation, never panics.
+//!
+//! Where the best algorithm differs by device (attention, the loss head), the operation
+//! returns an opaque [`Storage`] of what backward needs, so the CPU may keep probabilities
+//! while a GPU keeps only per-row statistics; layers store it without looking inside.
 //!
 //! The CPU backend ([`CpuBackend`]) runs on the caller's current rayon pool: the engine runs
 //! each local rank inside its own pool, so kernels must never build or use a global pool.
@@ -17,6 +23,7 @@ use std::sync::Arc;
 
 pub use cpu::CpuBackend;
 
+use crate::tensor::{BufRef, DType, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
 
 /// Whether an operand of a matrix product is used as stored or transposed.
@@ -53,134 +60,128 @@ pub struct MatmulShape {
     pub tb: Transpose,
 }
 
-/// A matrix operand in one of the storage dtypes (e.g. a bf16 parameter copy).
-#[derive(Debug, Clone, Copy)]
-pub enum Operand<'a> {
-    /// Single precision.
-    F32(&'a [f32]),
-    /// bfloat16.
-    Bf16(&'a [half::bf16]),
-    /// IEEE half.
-    F16(&'a [half::f16]),
+/// What a matrix product does with its result.
+#[derive(Debug)]
+pub enum Epilogue<'a> {
+    /// `C = A·B`.
+    Store,
+    /// `C += A·B`.
+    Accumulate,
+    /// `C = A·B + bias`, the bias (length `n`) added to every row.
+    Bias(View<'a>),
+    /// `pre = A·B + bias` and `C = gelu_tanh(pre)` (both written; backward needs `pre`).
+    BiasGelu {
+        /// The bias, length `n`.
+        bias: View<'a>,
+        /// Receives the pre-activation, `[m, n]` like `C`.
+        pre: ViewMut<'a>,
+    },
 }
 
-impl Operand<'_> {
-    /// Elements.
-    pub fn len(&self) -> usize {
-        match self {
-            Operand::F32(s) => s.len(),
-            Operand::Bf16(s) => s.len(),
-            Operand::F16(s) => s.len(),
-        }
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The values widened to f32 (exact: every bf16/f16 value is an f32).
-    pub fn to_f32(&self) -> std::borrow::Cow<'_, [f32]> {
-        use half::slice::HalfFloatSliceExt;
-        match self {
-            Operand::F32(s) => std::borrow::Cow::Borrowed(s),
-            Operand::Bf16(s) => std::borrow::Cow::Owned(s.to_f32_vec()),
-            Operand::F16(s) => std::borrow::Cow::Owned(s.to_f32_vec()),
-        }
-    }
+/// Allocation, copies and the activation dtype: what layers need instead of `vec!`.
+pub trait MemoryOps {
+    /// The dtype activations are computed in on this device (the CPU: always f32).
+    fn act_dtype(&self) -> DType;
+    /// A zero-filled buffer of `len` elements on this device.
+    fn zeros(&self, dtype: DType, len: usize) -> Result<Storage>;
+    /// A copy of host values on this device (for device memory: an explicit host-to-device copy).
+    fn upload(&self, src: BufRef<'_>) -> Result<Storage>;
+    /// Integer indices (token ids, targets) copied to where this backend reads them.
+    fn upload_ids(&self, ids: &[i32]) -> Result<IdBuf>;
+    /// A copy of `src` (on this device) in new storage of the same dtype.
+    fn copy(&self, src: View<'_>) -> Result<Storage>;
 }
 
 /// Dense matrix products with f32 accumulation.
 pub trait MatmulOps {
-    /// `C (=|+=) op(A) · op(B)`; checks slice lengths against the shape.
+    /// `C (=|+=) op(A) · op(B)` with the epilogue; checks lengths against the shape. Operands
+    /// may be f32, bf16 or f16 (the product always accumulates in f32); `C` is in the
+    /// activation dtype.
     fn matmul(
         &self,
         shape: MatmulShape,
-        a: &[f32],
-        b: &[f32],
-        c: &mut [f32],
-        acc: Accumulate,
+        a: View<'_>,
+        b: View<'_>,
+        c: ViewMut<'_>,
+        epilogue: Epilogue<'_>,
     ) -> Result<()>;
-
-    /// [`MatmulOps::matmul`] with bf16/f16/f32 inputs, accumulated and written in f32. The
-    /// default widens half-precision inputs once (exactly) and runs the f32 product; a
-    /// device with native half-precision kernels overrides it.
-    fn matmul_mixed(
-        &self,
-        shape: MatmulShape,
-        a: Operand<'_>,
-        b: Operand<'_>,
-        c: &mut [f32],
-        acc: Accumulate,
-    ) -> Result<()> {
-        self.matmul(shape, &a.to_f32(), &b.to_f32(), c, acc)
-    }
 }
 
-/// Pointwise operations and dropout.
+/// Pointwise operations, dropout and the row reductions layers need.
 pub trait ElementwiseOps {
     /// `y = gelu_tanh(x)`.
-    fn gelu_forward(&self, x: &[f32], y: &mut [f32]);
+    fn gelu_forward(&self, x: View<'_>, y: ViewMut<'_>) -> Result<()>;
     /// `dx = dy · gelu_tanh'(x)`.
-    fn gelu_backward(&self, x: &[f32], dy: &[f32], dx: &mut [f32]);
+    fn gelu_backward(&self, x: View<'_>, dy: View<'_>, dx: ViewMut<'_>) -> Result<()>;
     /// `y = silu(gate) · up`.
-    fn swiglu_forward(&self, gate: &[f32], up: &[f32], y: &mut [f32]);
+    fn swiglu_forward(&self, gate: View<'_>, up: View<'_>, y: ViewMut<'_>) -> Result<()>;
     /// Gradients of [`ElementwiseOps::swiglu_forward`] into `dgate` and `dup` (overwritten).
     fn swiglu_backward(
         &self,
-        gate: &[f32],
-        up: &[f32],
-        dy: &[f32],
-        dgate: &mut [f32],
-        dup: &mut [f32],
-    );
+        gate: View<'_>,
+        up: View<'_>,
+        dy: View<'_>,
+        dgate: ViewMut<'_>,
+        dup: ViewMut<'_>,
+    ) -> Result<()>;
     /// `dst += src` (residual connections).
-    fn add_assign(&self, dst: &mut [f32], src: &[f32]);
+    fn add_assign(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
     /// Inverted dropout in place: each element is zeroed with probability `p` and otherwise
     /// scaled by `1/(1-p)`; the mask is a pure function of `(seed, index)`, so backward
-    /// applies the same mask to the gradient by calling this again with the same seed.
-    fn dropout(&self, seed: u64, p: f32, x: &mut [f32]);
+    /// applies the same mask to the gradient by calling this again with the same seed, and
+    /// every device draws the same mask.
+    fn dropout(&self, seed: u64, p: f32, x: ViewMut<'_>) -> Result<()>;
+    /// `acc[j] += Σ_i m[i, j]` over `[rows, cols]` data, in a fixed order (bias gradients).
+    fn sum_rows(&self, m: View<'_>, cols: usize, acc: ViewMut<'_>) -> Result<()>;
 }
 
-/// Row-wise normalisations over the last dimension of `[rows, dim]` data.
+/// Row-wise normalisations over the last dimension of `[rows, dim]` data; the per-row
+/// statistics are f32 whatever the activation dtype.
 pub trait NormOps {
     /// LayerNorm; writes `y`, the per-row `mean` and reciprocal std `rstd`.
     #[allow(clippy::too_many_arguments)]
     fn layernorm_forward(
         &self,
-        x: &[f32],
-        gamma: &[f32],
-        beta: &[f32],
+        x: View<'_>,
+        gamma: View<'_>,
+        beta: View<'_>,
         eps: f32,
-        y: &mut [f32],
-        mean: &mut [f32],
-        rstd: &mut [f32],
-    );
+        y: ViewMut<'_>,
+        mean: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()>;
     /// LayerNorm backward: `dx` overwritten, `dgamma`/`dbeta` accumulated.
     #[allow(clippy::too_many_arguments)]
     fn layernorm_backward(
         &self,
-        x: &[f32],
-        gamma: &[f32],
-        mean: &[f32],
-        rstd: &[f32],
-        dy: &[f32],
-        dx: &mut [f32],
-        dgamma: &mut [f32],
-        dbeta: &mut [f32],
-    );
+        x: View<'_>,
+        gamma: View<'_>,
+        mean: View<'_>,
+        rstd: View<'_>,
+        dy: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+        dbeta: ViewMut<'_>,
+    ) -> Result<()>;
     /// RMSNorm (`y = x · rstd · gamma`); writes `y` and per-row `rstd`.
-    fn rmsnorm_forward(&self, x: &[f32], gamma: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]);
+    fn rmsnorm_forward(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        eps: f32,
+        y: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()>;
     /// RMSNorm backward: `dx` overwritten, `dgamma` accumulated.
     fn rmsnorm_backward(
         &self,
-        x: &[f32],
-        gamma: &[f32],
-        rstd: &[f32],
-        dy: &[f32],
-        dx: &mut [f32],
-        dgamma: &mut [f32],
-    );
+        x: View<'_>,
+        gamma: View<'_>,
+        rstd: View<'_>,
+        dy: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()>;
 }
 
 /// Layout of an attention call: `batch` rows of `seq` tokens; query head `h` reads key/value
@@ -210,31 +211,32 @@ pub struct RowView {
     pub offset: usize,
 }
 
-/// Scaled dot-product attention and rotary position embedding.
+/// Causal scaled dot-product attention and rotary position embedding.
 pub trait AttentionOps {
-    /// Causal attention `O = softmax(Q Kᵀ / √d + mask) V`; `probs` receives the softmax
-    /// (`[batch, q_heads, seq, seq]`, needed by backward), `out` is `[batch*seq, q_heads*head_dim]`.
-    #[allow(clippy::too_many_arguments)]
+    /// Causal attention `O = softmax(Q Kᵀ / √d + mask) V` into `out`
+    /// (`[batch*seq, q_heads*head_dim]`); returns what backward needs besides Q, K, V and O
+    /// (the CPU: the probabilities; a flash-attention device: per-row log-sum-exp).
     fn attention_forward(
         &self,
         shape: AttentionShape,
-        q: (&[f32], RowView),
-        k: (&[f32], RowView),
-        v: (&[f32], RowView),
-        probs: &mut [f32],
-        out: &mut [f32],
-    ) -> Result<()>;
-    /// Attention backward: writes dQ, dK, dV into the same strided views of `dq`, `dk`, `dv`
-    /// (overwritten; they may be one fused buffer when the views do not overlap).
+        q: (View<'_>, RowView),
+        k: (View<'_>, RowView),
+        v: (View<'_>, RowView),
+        out: ViewMut<'_>,
+    ) -> Result<Storage>;
+    /// Attention backward from forward's output `out`, its saved state and `dout`: writes dQ,
+    /// dK, dV into the same strided views of `dq`, `dk`, `dv` (overwritten; they may be one
+    /// fused buffer when the views do not overlap).
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
         shape: AttentionShape,
-        q: (&[f32], RowView),
-        k: (&[f32], RowView),
-        v: (&[f32], RowView),
-        probs: &[f32],
-        dout: &[f32],
+        q: (View<'_>, RowView),
+        k: (View<'_>, RowView),
+        v: (View<'_>, RowView),
+        out: View<'_>,
+        saved: &Storage,
+        dout: View<'_>,
         dqkv: AttentionGrads<'_>,
     ) -> Result<()>;
     /// Rotary embedding in place on `[batch*seq, heads*head_dim]` (Hugging Face's
@@ -243,28 +245,29 @@ pub trait AttentionOps {
     #[allow(clippy::too_many_arguments)]
     fn rope(
         &self,
-        x: &mut [f32],
+        x: ViewMut<'_>,
         batch: usize,
         seq: usize,
         heads: usize,
         head_dim: usize,
         theta: f32,
         direction: Rotation,
-    );
+    ) -> Result<()>;
 }
 
 /// Destinations of attention's backward.
+#[derive(Debug)]
 pub enum AttentionGrads<'a> {
     /// One buffer holding dQ, dK and dV at the views' strides and offsets (GPT-2's fused qkv).
-    Fused(&'a mut [f32]),
+    Fused(ViewMut<'a>),
     /// Three separate buffers with the views' layouts (Llama's q/k/v projections).
     Split {
         /// dQ.
-        dq: &'a mut [f32],
+        dq: ViewMut<'a>,
         /// dK.
-        dk: &'a mut [f32],
+        dk: ViewMut<'a>,
         /// dV.
-        dv: &'a mut [f32],
+        dv: ViewMut<'a>,
     },
 }
 
@@ -277,38 +280,100 @@ pub enum Rotation {
     Inverse,
 }
 
+/// Sizes of a language-model head: `rows` hidden states of width `dim`, a weight
+/// `[vocab, dim]` (`nn.Linear` layout), logits `[rows, vocab]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadShape {
+    /// Hidden states (tokens).
+    pub rows: usize,
+    /// Hidden width.
+    pub dim: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+/// The loss of a language-model head and its backward.
+#[derive(Debug)]
+pub struct HeadLoss {
+    /// A one-element f32 storage holding the **sum** of the token losses (ignored targets
+    /// excluded), on the backend's device.
+    pub loss: Storage,
+    /// What backward needs besides `x`, the weight and the targets (present when asked for).
+    pub saved: Option<Storage>,
+}
+
 /// Token-indexed operations: embeddings and the loss.
 pub trait TokenOps {
     /// `out[t] (=|+=) table[tokens[t]]`; fails on a token id outside the table.
     fn embedding_forward(
         &self,
-        tokens: &[u32],
-        table: &[f32],
+        tokens: Ids<'_>,
+        table: View<'_>,
         dim: usize,
-        out: &mut [f32],
+        out: ViewMut<'_>,
         acc: Accumulate,
     ) -> Result<()>;
-    /// `dtable[tokens[t]] += dout[t]` (serial per table row for determinism).
-    fn embedding_backward(&self, tokens: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]);
-    /// Softmax cross-entropy with ignore-index over `[rows, vocab]` logits, replaced in place
-    /// by the probabilities; returns the **sum** of the losses of non-ignored rows (f64 sum).
-    fn cross_entropy_forward(
+    /// `dtable[tokens[t]] += dout[t]`, rows summed in position order (deterministic).
+    fn embedding_backward(
         &self,
-        logits: &mut [f32],
-        vocab: usize,
-        targets: &[i32],
-    ) -> Result<f64>;
-    /// Turns the probabilities from forward into `dlogits = g · (p - onehot)` in place;
-    /// ignored rows become zero.
-    fn cross_entropy_backward(&self, probs: &mut [f32], vocab: usize, targets: &[i32], g: f32);
+        tokens: Ids<'_>,
+        dout: View<'_>,
+        dim: usize,
+        dtable: ViewMut<'_>,
+    ) -> Result<()>;
+    /// `out[b, t] += table[t]` over `[batch, seq, dim]` (learned position embeddings).
+    fn position_forward(
+        &self,
+        table: View<'_>,
+        batch: usize,
+        seq: usize,
+        out: ViewMut<'_>,
+    ) -> Result<()>;
+    /// `dtable[t] += Σ_b dout[b, t]`, summed in increasing `b` (deterministic).
+    fn position_backward(
+        &self,
+        dout: View<'_>,
+        batch: usize,
+        seq: usize,
+        dtable: ViewMut<'_>,
+    ) -> Result<()>;
+    /// Softmax cross-entropy (ignore-index `-100`) of the logits `x · wᵀ`; the loss is the
+    /// sum over non-ignored rows. With `keep` the result holds what backward needs. A
+    /// device may compute the logits a chunk of rows at a time so that full-vocabulary
+    /// logits never exist at once.
+    fn head_loss_forward(
+        &self,
+        shape: HeadShape,
+        x: View<'_>,
+        w: View<'_>,
+        targets: Ids<'_>,
+        keep: bool,
+    ) -> Result<HeadLoss>;
+    /// Backward of [`TokenOps::head_loss_forward`] for `d(objective)/d(loss sum) = g`:
+    /// `dx` overwritten, `dw` accumulated. Consumes the saved state.
+    #[allow(clippy::too_many_arguments)]
+    fn head_loss_backward(
+        &self,
+        shape: HeadShape,
+        x: View<'_>,
+        w: View<'_>,
+        targets: Ids<'_>,
+        saved: Storage,
+        g: f32,
+        dx: ViewMut<'_>,
+        dw: ViewMut<'_>,
+    ) -> Result<()>;
+    /// Arg-max over the last dimension of `[rows, width]` (ties take the first index),
+    /// returned in host memory.
+    fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>>;
 }
 
 /// A device: all operation families together.
 pub trait Backend:
-    MatmulOps + ElementwiseOps + NormOps + AttentionOps + TokenOps + Send + Sync
+    MemoryOps + MatmulOps + ElementwiseOps + NormOps + AttentionOps + TokenOps + Send + Sync
 {
-    /// Short name, e.g. `cpu`.
-    fn name(&self) -> &'static str;
+    /// Short name, e.g. `cpu` or `cuda:0`.
+    fn name(&self) -> String;
 }
 
 /// Which device to compute on.

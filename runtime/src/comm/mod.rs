@@ -6,9 +6,6 @@
 //! rounded once to the buffer's dtype; `Avg` divides that sum by the world size. The engine's
 //! bitwise equivalence across ZeRO stages depends on it.
 
-use half::{bf16, f16};
-
-use crate::tensor::DType;
 use crate::Result;
 
 /// Reduction operator.
@@ -22,73 +19,9 @@ pub enum ReduceOp {
     Max,
 }
 
-/// A mutable buffer of one of the communicable dtypes.
-#[derive(Debug)]
-pub enum BufMut<'a> {
-    /// f32 elements.
-    F32(&'a mut [f32]),
-    /// bf16 elements.
-    Bf16(&'a mut [bf16]),
-    /// f16 elements.
-    F16(&'a mut [f16]),
-}
-
-/// A read-only buffer of one of the communicable dtypes.
-#[derive(Debug, Clone, Copy)]
-pub enum BufRef<'a> {
-    /// f32 elements.
-    F32(&'a [f32]),
-    /// bf16 elements.
-    Bf16(&'a [bf16]),
-    /// f16 elements.
-    F16(&'a [f16]),
-}
-
-impl BufMut<'_> {
-    /// Element count.
-    pub fn len(&self) -> usize {
-        match self {
-            BufMut::F32(b) => b.len(),
-            BufMut::Bf16(b) => b.len(),
-            BufMut::F16(b) => b.len(),
-        }
-    }
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// The dtype.
-    pub fn dtype(&self) -> DType {
-        match self {
-            BufMut::F32(_) => DType::F32,
-            BufMut::Bf16(_) => DType::Bf16,
-            BufMut::F16(_) => DType::F16,
-        }
-    }
-}
-
-impl BufRef<'_> {
-    /// Element count.
-    pub fn len(&self) -> usize {
-        match self {
-            BufRef::F32(b) => b.len(),
-            BufRef::Bf16(b) => b.len(),
-            BufRef::F16(b) => b.len(),
-        }
-    }
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// The dtype.
-    pub fn dtype(&self) -> DType {
-        match self {
-            BufRef::F32(_) => DType::F32,
-            BufRef::Bf16(_) => DType::Bf16,
-            BufRef::F16(_) => DType::F16,
-        }
-    }
-}
+/// The host buffers collectives exchange (defined with the tensor types, whose host views
+/// they are).
+pub use crate::tensor::{BufMut, BufRef};
 
 /// The collectives ZeRO needs. Every rank of the group must call the same collectives in the
 /// same order with the same lengths and dtypes; a mismatch, a dead peer or a timeout is an
@@ -122,24 +55,6 @@ pub trait Communicator: Send {
 pub mod local;
 pub mod reference;
 
-/// Buffers convert from slices of their element types, so generic code can stay generic.
-macro_rules! buf_from {
-    ($t:ty, $v:ident) => {
-        impl<'a> From<&'a mut [$t]> for BufMut<'a> {
-            fn from(b: &'a mut [$t]) -> Self {
-                BufMut::$v(b)
-            }
-        }
-        impl<'a> From<&'a [$t]> for BufRef<'a> {
-            fn from(b: &'a [$t]) -> Self {
-                BufRef::$v(b)
-            }
-        }
-    };
-}
-buf_from!(f32, F32);
-buf_from!(bf16, Bf16);
-buf_from!(f16, F16);
 pub mod bench;
 pub mod launch;
 #[cfg(feature = "mpi")]

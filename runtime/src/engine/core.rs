@@ -1,6 +1,7 @@
 //! The engine: owns the model's parameter groups and runs forward, backward and the
 //! optimizer step through the stage's strategy.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use ferrozero_config::resolved::ResolvedConfig;
@@ -16,9 +17,10 @@ use super::param_swap::ParamSwap;
 use super::report::Timings;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
+use crate::backend::Backend;
 use crate::comm::Communicator;
-use crate::nn::{Batch, Ctx, Grads, Model, Params, Saved};
-use crate::tensor::Tensor;
+use crate::nn::{Batch, BatchIds, Ctx, Grads, Model, Params, Saved};
+use crate::tensor::{Tensor, View, ViewMut};
 use crate::{Error, Result};
 
 /// A ZeRO training engine for one rank.
@@ -26,6 +28,8 @@ pub struct Engine {
     pub(super) cfg: ResolvedConfig,
     pub(super) model: Model,
     pub(super) comm: Box<dyn Communicator>,
+    /// The device the units compute on.
+    pub(super) be: Arc<dyn Backend>,
     pub(super) stage: Box<dyn Stage>,
     /// One group per unit, then the shared group (if the model has shared parameters).
     pub(super) groups: Vec<Group>,
@@ -42,7 +46,8 @@ pub struct Engine {
     pub(super) micro: usize,
     pub(super) loss_sum: f64,
     pub(super) tokens: u64,
-    last_batch: Option<Batch>,
+    /// The last forward's batch and its ids on the device, until backward.
+    last_batch: Option<(Batch, BatchIds)>,
     pub(super) timings: Timings,
     /// The communication worker when `overlap_comm` is on.
     pub(super) overlap: Option<CommOverlap>,
@@ -55,8 +60,19 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Builds an engine for `model` on this rank of `comm` with a resolved config.
+    /// Builds an engine for `model` on this rank of `comm` with a resolved config, computing
+    /// on the CPU.
     pub fn new(model: Model, cfg: ResolvedConfig, comm: Box<dyn Communicator>) -> Result<Self> {
+        Self::with_backend(model, cfg, comm, crate::backend::cpu())
+    }
+
+    /// Builds an engine whose units compute on `be`.
+    pub fn with_backend(
+        model: Model,
+        cfg: ResolvedConfig,
+        comm: Box<dyn Communicator>,
+        be: Arc<dyn Backend>,
+    ) -> Result<Self> {
         if cfg.world_size != comm.world_size() {
             return Err(Error::Config(format!(
                 "config was resolved for world size {} but the communicator has {} ranks",
@@ -106,6 +122,7 @@ impl Engine {
             cfg,
             model,
             comm,
+            be,
             stage,
             groups,
             optimizer,
@@ -114,7 +131,7 @@ impl Engine {
             ledger,
             saved: (0..n).map(|_| None).collect(),
             saved_bytes: vec![0; n],
-            ckpt_inputs: vec![None; n],
+            ckpt_inputs: (0..n).map(|_| None).collect(),
             steps: 0,
             micro: 0,
             loss_sum: 0.0,
@@ -156,6 +173,11 @@ impl Engine {
     /// The model being trained.
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The device the units compute on.
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.be
     }
 
     pub(super) fn shared_index(&self) -> Option<usize> {
@@ -230,7 +252,7 @@ impl Engine {
     pub(super) fn run_unit_forward(
         &mut self,
         unit: usize,
-        batch: &Batch,
+        (batch, ids): (&Batch, &BatchIds),
         input: &Tensor,
         training: bool,
     ) -> Result<Tensor> {
@@ -240,12 +262,15 @@ impl Engine {
             model,
             groups,
             saved,
+            be,
             ..
         } = self;
         let u = &model.units[unit];
         let params = unit_params(groups, unit, &u.uses_shared, shared)?;
         let mut ctx = Ctx {
+            be: &**be,
             batch,
+            ids,
             training,
             rng_seed: seed,
             saved: &mut saved[unit],
@@ -273,7 +298,11 @@ impl Engine {
     }
 
     /// Forward over every unit; returns the sum of token losses of this micro-batch.
-    pub(super) fn forward_pass(&mut self, batch: &Batch, training: bool) -> Result<f64> {
+    pub(super) fn forward_pass(
+        &mut self,
+        batch: (&Batch, &BatchIds),
+        training: bool,
+    ) -> Result<f64> {
         let t = Instant::now();
         let mut x = Tensor::default();
         let n = self.model.units.len();
@@ -310,11 +339,16 @@ impl Engine {
                 got: format!("{:?}", x.shape),
             });
         }
-        Ok(x.data[0] as f64)
+        // The loss leaves the device here, once per micro-step.
+        Ok(x.to_vec_f32()?[0] as f64)
     }
 
     /// Backward over every unit in reverse; `loss_grad` = d(objective)/d(loss sum).
-    pub(super) fn backward_pass(&mut self, batch: &Batch, loss_grad: f32) -> Result<()> {
+    pub(super) fn backward_pass(
+        &mut self,
+        batch: (&Batch, &BatchIds),
+        loss_grad: f32,
+    ) -> Result<()> {
         let t = Instant::now();
         let mut grad = Tensor::scalar(loss_grad);
         let shared = self.shared_index();
@@ -343,14 +377,19 @@ impl Engine {
         Ok(())
     }
 
-    fn unit_backward(&mut self, unit: usize, batch: &Batch, grad: &Tensor) -> Result<Tensor> {
+    fn unit_backward(
+        &mut self,
+        unit: usize,
+        (batch, ids): (&Batch, &BatchIds),
+        grad: &Tensor,
+    ) -> Result<Tensor> {
         if let Some(input) = self.ckpt_inputs[unit].take() {
             self.ledger.free(
                 self.ckpt_location(),
                 Category::Activations,
                 input.bytes() as u64,
             );
-            self.run_unit_forward(unit, batch, &input, true)?;
+            self.run_unit_forward(unit, (batch, ids), &input, true)?;
             self.track_saved(unit);
         }
         let seed = self.unit_seed(unit);
@@ -364,12 +403,15 @@ impl Engine {
             model,
             groups,
             saved,
+            be,
             ..
         } = self;
         let u = &model.units[unit];
         let (params, mut grads) = unit_params_and_grads(groups, unit, &u.uses_shared, shared)?;
         let mut ctx = Ctx {
+            be: &**be,
             batch,
+            ids,
             training: true,
             rng_seed: seed,
             saved: &mut saved[unit],
@@ -384,24 +426,25 @@ impl Engine {
     /// Forward of one micro-batch in training mode (DeepSpeed's `engine(batch)`); returns the
     /// micro-batch's mean token loss on this rank. Call [`Engine::backward`] next.
     pub fn forward(&mut self, batch: &Batch) -> Result<f64> {
-        let sum = self.forward_pass(batch, true)?;
+        let ids = BatchIds::new(&*self.be, batch)?;
+        let sum = self.forward_pass((batch, &ids), true)?;
         self.loss_sum += sum;
         self.tokens += batch.valid_targets() as u64;
-        self.last_batch = Some(batch.clone());
+        self.last_batch = Some((batch.clone(), ids));
         Ok(sum / batch.valid_targets().max(1) as f64)
     }
 
     /// Backward of the last forward, with DeepSpeed's scaling: the micro-batch mean loss,
     /// divided by the accumulation steps and averaged over ranks.
     pub fn backward(&mut self) -> Result<()> {
-        let batch = self
+        let (batch, ids) = self
             .last_batch
             .take()
             .ok_or_else(|| Error::Invalid("backward() without a preceding forward()".into()))?;
         let denom =
             batch.valid_targets().max(1) * self.cfg.gradient_accumulation_steps * self.world_size();
         let grad = (self.scaler.scale() / denom as f64) as f32;
-        self.backward_pass(&batch, grad)?;
+        self.backward_pass((&batch, &ids), grad)?;
         self.micro += 1;
         Ok(())
     }
@@ -428,15 +471,18 @@ pub(super) fn unit_params<'a>(
     shared: Option<usize>,
 ) -> Result<Params<'a>> {
     let own = compute_slice(&groups[unit], "a unit")?;
-    let mut v: Vec<&[f32]> = groups[unit]
+    let mut v: Vec<View<'_>> = groups[unit]
         .layout
         .slots
         .iter()
-        .map(|s| &own[s.range()])
+        .map(|s| View::from(&own[s.range()]))
         .collect();
     if let Some(s) = shared.filter(|_| !uses.is_empty()) {
         let sh = compute_slice(&groups[s], "the shared group")?;
-        v.extend(uses.iter().map(|&i| &sh[groups[s].layout.slots[i].range()]));
+        v.extend(
+            uses.iter()
+                .map(|&i| View::from(&sh[groups[s].layout.slots[i].range()])),
+        );
     }
     Ok(Params::new(v))
 }
@@ -461,12 +507,15 @@ fn unit_params_and_grads<'a>(
     let own_micro = micro
         .as_deref_mut()
         .ok_or_else(|| Error::Invalid("no gradient buffer".into()))?;
-    let mut p: Vec<&[f32]> = layout
+    let mut p: Vec<View<'_>> = layout
         .slots
         .iter()
-        .map(|s| &own_params[s.range()])
+        .map(|s| View::from(&own_params[s.range()]))
         .collect();
-    let mut g: Vec<&mut [f32]> = split_slots(own_micro, layout.slots.iter().map(|s| s.range()));
+    let mut g: Vec<ViewMut<'_>> = split_slots(own_micro, layout.slots.iter().map(|s| s.range()))
+        .into_iter()
+        .map(ViewMut::from)
+        .collect();
     if let (Some(_), false) = (shared, uses.is_empty()) {
         let Group {
             layout,
@@ -477,16 +526,19 @@ fn unit_params_and_grads<'a>(
         } = &mut tail[0];
         let sp = compute_view(params, work)
             .ok_or_else(|| Error::Invalid("shared parameters not gathered".into()))?;
-        p.extend(uses.iter().map(|&i| &sp[layout.slots[i].range()]));
+        p.extend(
+            uses.iter()
+                .map(|&i| View::from(&sp[layout.slots[i].range()])),
+        );
         let sm = micro
             .as_deref_mut()
             .ok_or_else(|| Error::Invalid("no shared gradient buffer".into()))?;
         let mut all = split_slots(sm, layout.slots.iter().map(|s| s.range()));
         let mut picked: Vec<Option<&mut [f32]>> = all.drain(..).map(Some).collect();
         for &i in uses {
-            g.push(picked[i].take().ok_or_else(|| {
+            g.push(ViewMut::from(picked[i].take().ok_or_else(|| {
                 Error::Invalid(format!("shared parameter {i} used twice by one unit"))
-            })?);
+            })?));
         }
     }
     Ok((Params::new(p), Grads::new(g)))

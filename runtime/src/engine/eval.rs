@@ -1,7 +1,7 @@
 //! Evaluation: forward without gradients, loss and teacher-forced predictions.
 
 use super::core::Engine;
-use crate::nn::{Batch, Ctx};
+use crate::nn::{Batch, BatchIds, Ctx};
 use crate::tensor::Tensor;
 use crate::Result;
 
@@ -20,18 +20,19 @@ impl Engine {
     /// Evaluates one batch (collective in stage 3: every rank must call it).
     pub fn evaluate(&mut self, batch: &Batch) -> Result<Evaluation> {
         let n = self.model.units.len();
+        let ids = BatchIds::new(&*self.be, batch)?;
         let mut x = Tensor::default();
         let mut predictions = None;
         for unit in 0..n {
             self.gather_unit(unit)?;
-            let r = self.eval_unit(unit, batch, &x, unit + 1 == n);
+            let r = self.eval_unit(unit, (batch, &ids), &x, unit + 1 == n);
             self.release_unit(unit);
             let (out, pred) = r?;
             predictions = predictions.or(pred);
             x = out;
         }
         Ok(Evaluation {
-            loss_sum: x.data.first().copied().unwrap_or(0.0) as f64,
+            loss_sum: x.to_vec_f32()?.first().copied().unwrap_or(0.0) as f64,
             tokens: batch.valid_targets() as u64,
             predictions,
         })
@@ -40,21 +41,25 @@ impl Engine {
     fn eval_unit(
         &mut self,
         unit: usize,
-        batch: &Batch,
+        (batch, ids): (&Batch, &BatchIds),
         x: &Tensor,
         last: bool,
     ) -> Result<(Tensor, Option<Vec<u32>>)> {
-        let out = self.run_unit_forward(unit, batch, x, false)?;
+        let out = self.run_unit_forward(unit, (batch, ids), x, false)?;
         if !last {
             return Ok((out, None));
         }
         let shared = self.shared_index();
-        let Self { model, groups, .. } = self;
+        let Self {
+            model, groups, be, ..
+        } = self;
         let u = &model.units[unit];
         let params = super::core::unit_params(groups, unit, &u.uses_shared, shared)?;
         let mut saved = None;
         let mut ctx = Ctx {
+            be: &**be,
             batch,
+            ids,
             training: false,
             rng_seed: 0,
             saved: &mut saved,

@@ -32,9 +32,10 @@ impl Engine {
         let global = self.sum_across_ranks(local as f64)? as u64;
         let grad = (self.scaler.scale() / global.max(1) as f64) as f32;
         for b in micro_batches {
-            self.loss_sum += self.forward_pass(b, true)?;
+            let ids = crate::nn::BatchIds::new(&*self.be, b)?;
+            self.loss_sum += self.forward_pass((b, &ids), true)?;
             self.tokens += b.valid_targets() as u64;
-            self.backward_pass(b, grad)?;
+            self.backward_pass((b, &ids), grad)?;
             self.micro += 1;
         }
         self.step()?

@@ -7,12 +7,14 @@
 //! let report = gradcheck::check(&my_block, &batch, &mut params, &input, &Options::default())?;
 //! assert!(report.passed(), "{report}");
 //! ```
+//! [`check_on`] runs the same check on any backend (parameters and input live on the host and
+//! are copied to the device for every evaluation), e.g. in f32 on a GPU.
 
 use std::fmt;
 
-use super::{Batch, Ctx, Grads, Module, Params, Saved};
-use crate::backend::rng;
-use crate::tensor::Tensor;
+use super::{Batch, BatchIds, Ctx, Grads, Module, Params, Saved};
+use crate::backend::{rng, Backend};
+use crate::tensor::{BufRef, DType, Storage, Tensor};
 use crate::{Error, Result};
 
 /// Settings of a check.
@@ -85,30 +87,52 @@ impl fmt::Display for Report {
 }
 
 struct Probe<'a> {
+    be: &'a dyn Backend,
     module: &'a dyn Module,
     batch: &'a Batch,
+    ids: &'a BatchIds,
     seed: u64,
     proj: Vec<f64>,
+}
+
+/// Host values copied to the backend's device.
+fn upload_all(be: &dyn Backend, host: &[Vec<f32>]) -> Result<Vec<Storage>> {
+    host.iter().map(|p| be.upload(BufRef::F32(p))).collect()
+}
+
+/// A host f32 tensor copied to the backend's device (the empty input of a first unit stays
+/// the shapeless empty tensor it was).
+fn upload_tensor(be: &dyn Backend, shape: &[usize], data: &[f32]) -> Result<Tensor> {
+    let storage = be.upload(BufRef::F32(data))?;
+    if data.is_empty() && shape.is_empty() {
+        return Ok(Tensor {
+            shape: vec![],
+            storage,
+        });
+    }
+    Tensor::new(shape.to_vec(), storage)
 }
 
 impl Probe<'_> {
     fn objective(&self, params: &[Vec<f32>], input: &Tensor) -> Result<f64> {
         let mut saved: Saved = None;
         let mut ctx = Ctx {
+            be: self.be,
             batch: self.batch,
+            ids: self.ids,
             training: true,
             rng_seed: self.seed,
             saved: &mut saved,
         };
-        let p = Params::new(params.iter().map(Vec::as_slice).collect());
-        let out = self.module.forward(&mut ctx, &p, input)?;
-        if out.numel() != self.proj.len() {
+        let stores = upload_all(self.be, params)?;
+        let p = Params::new(stores.iter().map(Storage::view).collect());
+        let out = self.module.forward(&mut ctx, &p, input)?.to_vec_f32()?;
+        if out.len() != self.proj.len() {
             return Err(Error::Invalid(
                 "gradcheck: output size changed between calls".into(),
             ));
         }
         Ok(out
-            .data
             .iter()
             .zip(&self.proj)
             .map(|(&o, r)| f64::from(o) * r)
@@ -123,8 +147,8 @@ fn probe_indices(n: usize, max: usize) -> Vec<usize> {
     (0..max).map(|i| i * n / max + (n / max) / 2).collect()
 }
 
-/// Runs the check. `params` holds the module's parameters then its shared ones, in
-/// [`Params`] order; they are perturbed during the check and restored afterwards.
+/// Runs the check on the CPU. `params` holds the module's parameters then its shared ones,
+/// in [`Params`] order; they are perturbed during the check and restored afterwards.
 pub fn check(
     module: &dyn Module,
     batch: &Batch,
@@ -132,18 +156,44 @@ pub fn check(
     input: &Tensor,
     opts: &Options,
 ) -> Result<Report> {
+    check_on(&*crate::backend::cpu(), module, batch, params, input, opts)
+}
+
+/// Runs the check with the module computing on `be`. The input may live anywhere; the
+/// backend must compute in f32 for the finite differences to mean anything.
+pub fn check_on(
+    be: &dyn Backend,
+    module: &dyn Module,
+    batch: &Batch,
+    params: &mut [Vec<f32>],
+    input: &Tensor,
+    opts: &Options,
+) -> Result<Report> {
+    if be.act_dtype() != DType::F32 {
+        return Err(Error::Invalid(format!(
+            "gradcheck needs f32 activations; {} computes in {:?}",
+            be.name(),
+            be.act_dtype()
+        )));
+    }
+    let ids = BatchIds::new(be, batch)?;
+    let x_host = input.to_vec_f32()?;
+    let x_dev = upload_tensor(be, &input.shape, &x_host)?;
     let mut saved: Saved = None;
     let out = {
         let mut ctx = Ctx {
+            be,
             batch,
+            ids: &ids,
             training: true,
             rng_seed: opts.seed,
             saved: &mut saved,
         };
+        let stores = upload_all(be, params)?;
         module.forward(
             &mut ctx,
-            &Params::new(params.iter().map(Vec::as_slice).collect()),
-            input,
+            &Params::new(stores.iter().map(Storage::view).collect()),
+            &x_dev,
         )?
     };
     let proj: Vec<f64> = if out.numel() == 1 {
@@ -153,29 +203,49 @@ pub fn check(
             .map(|i| rng::normal(opts.seed ^ 0xA5A5, i as u64))
             .collect()
     };
-    let grad_out = Tensor::new(out.shape.clone(), proj.iter().map(|&r| r as f32).collect())?;
-    let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
-    let dx = {
+    let r32: Vec<f32> = proj.iter().map(|&r| r as f32).collect();
+    // A one-element (loss) output takes its gradient in host memory, as the engine passes it.
+    let grad_out = if out.numel() == 1 {
+        Tensor::from_f32(out.shape.clone(), r32)?
+    } else {
+        upload_tensor(be, &out.shape, &r32)?
+    };
+    let (grads, dx) = {
         let mut ctx = Ctx {
+            be,
             batch,
+            ids: &ids,
             training: true,
             rng_seed: opts.seed,
             saved: &mut saved,
         };
-        let p = Params::new(params.iter().map(Vec::as_slice).collect());
-        let mut g = Grads::new(grads.iter_mut().map(Vec::as_mut_slice).collect());
-        module.backward(&mut ctx, &p, &mut g, &grad_out)?
+        let stores = upload_all(be, params)?;
+        let p = Params::new(stores.iter().map(Storage::view).collect());
+        let mut gstores = params
+            .iter()
+            .map(|p| be.zeros(DType::F32, p.len()))
+            .collect::<Result<Vec<Storage>>>()?;
+        let mut g = Grads::new(gstores.iter_mut().map(Storage::view_mut).collect());
+        let dx = module.backward(&mut ctx, &p, &mut g, &grad_out)?;
+        drop(g);
+        let grads = gstores
+            .iter()
+            .map(Storage::to_vec_f32)
+            .collect::<Result<Vec<Vec<f32>>>>()?;
+        (grads, dx.to_vec_f32()?)
     };
-    if input.numel() > 0 && dx.numel() != input.numel() {
+    if input.numel() > 0 && dx.len() != input.numel() {
         return Err(Error::Shape {
             op: "gradcheck",
             expected: format!("an input gradient of {} elements", input.numel()),
-            got: format!("{}", dx.numel()),
+            got: format!("{}", dx.len()),
         });
     }
     let probe = Probe {
+        be,
         module,
         batch,
+        ids: &ids,
         seed: opts.seed,
         proj,
     };
@@ -198,7 +268,7 @@ pub fn check(
                 let old = params[i][j];
                 params[i][j] = old + d;
                 let step = f64::from(params[i][j]) - f64::from(old);
-                let l = probe.objective(params, input);
+                let l = probe.objective(params, &x_dev);
                 params[i][j] = old;
                 Ok((l?, step))
             })?;
@@ -207,7 +277,7 @@ pub fn check(
         reports.push(rep);
     }
     if input.numel() > 0 {
-        let mut x = input.clone();
+        let mut x = x_host;
         let mut rep = TensorReport {
             name: "input".into(),
             checked: 0,
@@ -215,16 +285,17 @@ pub fn check(
             max_rel: 0.0,
             failures: 0,
         };
-        for j in probe_indices(x.numel(), opts.max_per_tensor) {
+        for j in probe_indices(x.len(), opts.max_per_tensor) {
             let num = central(opts.eps, &mut |d| {
-                let old = x.data[j];
-                x.data[j] = old + d;
-                let step = f64::from(x.data[j]) - f64::from(old);
-                let l = probe.objective(params, &x);
-                x.data[j] = old;
+                let old = x[j];
+                x[j] = old + d;
+                let step = f64::from(x[j]) - f64::from(old);
+                let l =
+                    upload_tensor(be, &input.shape, &x).and_then(|t| probe.objective(params, &t));
+                x[j] = old;
                 Ok((l?, step))
             })?;
-            record(&mut rep, f64::from(dx.data[j]), num, opts);
+            record(&mut rep, f64::from(dx[j]), num, opts);
         }
         reports.push(rep);
     }

@@ -1,8 +1,7 @@
 //! Dense (affine) layers over engine-owned weight views, in both Hugging Face layouts.
 
-use rayon::prelude::*;
-
-use crate::backend::{Accumulate, Backend, MatmulShape, Transpose};
+use crate::backend::{Accumulate, Backend, Epilogue, MatmulShape, Transpose};
+use crate::tensor::{View, ViewMut};
 use crate::Result;
 
 /// How a weight matrix is stored.
@@ -26,94 +25,101 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// The product `[rows, d_out] = x · W` for `x` of `x_len` elements.
+    fn forward_shape(&self, x_len: usize) -> MatmulShape {
+        MatmulShape {
+            m: x_len / self.d_in.max(1),
+            n: self.d_out,
+            k: self.d_in,
+            ta: Transpose::No,
+            tb: match self.layout {
+                WeightLayout::InOut => Transpose::No,
+                WeightLayout::OutIn => Transpose::Yes,
+            },
+        }
+    }
+
     /// `y[rows, d_out] = x · W (+ bias)`.
     pub fn forward(
         &self,
         be: &dyn Backend,
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        y: &mut [f32],
+        x: View<'_>,
+        w: View<'_>,
+        bias: Option<View<'_>>,
+        y: ViewMut<'_>,
     ) -> Result<()> {
-        let rows = x.len() / self.d_in;
-        let acc = match bias {
-            Some(b) => {
-                y.par_chunks_mut(self.d_out)
-                    .for_each(|r| r.copy_from_slice(b));
-                Accumulate::Add
-            }
-            None => Accumulate::Overwrite,
+        let epilogue = match bias {
+            Some(b) => Epilogue::Bias(b),
+            None => Epilogue::Store,
         };
-        let tb = match self.layout {
-            WeightLayout::InOut => Transpose::No,
-            WeightLayout::OutIn => Transpose::Yes,
-        };
-        let shape = MatmulShape {
-            m: rows,
-            n: self.d_out,
-            k: self.d_in,
-            ta: Transpose::No,
-            tb,
-        };
-        be.matmul(shape, x, w, y, acc)
+        be.matmul(self.forward_shape(x.len()), x, w, y, epilogue)
+    }
+
+    /// `pre = x · W + bias` and `y = gelu_tanh(pre)` in one call (fused where the device can).
+    pub fn forward_gelu(
+        &self,
+        be: &dyn Backend,
+        x: View<'_>,
+        w: View<'_>,
+        bias: View<'_>,
+        pre: ViewMut<'_>,
+        y: ViewMut<'_>,
+    ) -> Result<()> {
+        let epilogue = Epilogue::BiasGelu { bias, pre };
+        be.matmul(self.forward_shape(x.len()), x, w, y, epilogue)
     }
 
     /// `y += x · W`: fuses a residual connection into the product.
-    pub fn forward_add(&self, be: &dyn Backend, x: &[f32], w: &[f32], y: &mut [f32]) -> Result<()> {
-        let rows = x.len() / self.d_in;
-        let tb = match self.layout {
-            WeightLayout::InOut => Transpose::No,
-            WeightLayout::OutIn => Transpose::Yes,
-        };
-        let shape = MatmulShape {
-            m: rows,
-            n: self.d_out,
-            k: self.d_in,
-            ta: Transpose::No,
-            tb,
-        };
-        be.matmul(shape, x, w, y, Accumulate::Add)
+    pub fn forward_add(
+        &self,
+        be: &dyn Backend,
+        x: View<'_>,
+        w: View<'_>,
+        y: ViewMut<'_>,
+    ) -> Result<()> {
+        be.matmul(self.forward_shape(x.len()), x, w, y, Epilogue::Accumulate)
     }
 
     /// `dx (=|+=) dy · Wᵀ` (in the layout's terms).
     pub fn backward_input(
         &self,
         be: &dyn Backend,
-        dy: &[f32],
-        w: &[f32],
-        dx: &mut [f32],
+        dy: View<'_>,
+        w: View<'_>,
+        dx: ViewMut<'_>,
         acc: Accumulate,
     ) -> Result<()> {
-        let rows = dy.len() / self.d_out;
-        let tb = match self.layout {
-            WeightLayout::InOut => Transpose::Yes,
-            WeightLayout::OutIn => Transpose::No,
-        };
         let shape = MatmulShape {
-            m: rows,
+            m: dy.len() / self.d_out.max(1),
             n: self.d_in,
             k: self.d_out,
             ta: Transpose::No,
-            tb,
+            tb: match self.layout {
+                WeightLayout::InOut => Transpose::Yes,
+                WeightLayout::OutIn => Transpose::No,
+            },
         };
-        be.matmul(shape, dy, w, dx, acc)
+        let epilogue = match acc {
+            Accumulate::Overwrite => Epilogue::Store,
+            Accumulate::Add => Epilogue::Accumulate,
+        };
+        be.matmul(shape, dy, w, dx, epilogue)
     }
 
     /// `dW += xᵀ · dy` (stored in the layout) and `db += Σ_rows dy`.
     pub fn backward_params(
         &self,
         be: &dyn Backend,
-        x: &[f32],
-        dy: &[f32],
-        dw: &mut [f32],
-        db: Option<&mut [f32]>,
+        x: View<'_>,
+        dy: View<'_>,
+        dw: ViewMut<'_>,
+        db: Option<ViewMut<'_>>,
     ) -> Result<()> {
-        let rows = x.len() / self.d_in;
-        let shape = match self.layout {
+        let rows = x.len() / self.d_in.max(1);
+        let (m, n, a, b) = match self.layout {
             WeightLayout::InOut => (self.d_in, self.d_out, x, dy),
             WeightLayout::OutIn => (self.d_out, self.d_in, dy, x),
         };
-        let (m, n, a, b) = shape;
         let s = MatmulShape {
             m,
             n,
@@ -121,24 +127,10 @@ impl Linear {
             ta: Transpose::Yes,
             tb: Transpose::No,
         };
-        be.matmul(s, a, b, dw, Accumulate::Add)?;
+        be.matmul(s, a, b, dw, Epilogue::Accumulate)?;
         if let Some(db) = db {
-            column_sums(dy, self.d_out, db);
+            be.sum_rows(dy, self.d_out, db)?;
         }
         Ok(())
     }
-}
-
-/// `acc[j] += Σ_i m[i, j]`, parallel over column blocks and serial over rows (fixed order).
-pub fn column_sums(m: &[f32], cols: usize, acc: &mut [f32]) {
-    const BLOCK: usize = 64;
-    acc.par_chunks_mut(BLOCK).enumerate().for_each(|(c, a)| {
-        let j0 = c * BLOCK;
-        for row in m.chunks(cols) {
-            let w = a.len();
-            a.iter_mut()
-                .zip(&row[j0..j0 + w])
-                .for_each(|(a, v)| *a += v);
-        }
-    });
 }

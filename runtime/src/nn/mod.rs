@@ -10,11 +10,23 @@ pub(crate) mod saved;
 pub mod weights;
 
 pub use module::{
-    Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Saved, Unit, IGNORE_INDEX,
+    Batch, BatchIds, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Saved, Unit, IGNORE_INDEX,
 };
 
-use crate::tensor::Tensor;
+use crate::backend::Backend;
+use crate::tensor::{DType, Storage, Tensor};
 use crate::{Error, Result};
+
+/// A zero-filled activation buffer of `len` elements in the backend's activation dtype.
+pub(crate) fn act(be: &dyn Backend, len: usize) -> Result<Storage> {
+    be.zeros(be.act_dtype(), len)
+}
+
+/// A zero-filled f32 buffer of per-row statistics (norm means and reciprocal stds stay f32
+/// whatever the activation dtype).
+pub(crate) fn stats(be: &dyn Backend, len: usize) -> Result<Storage> {
+    be.zeros(DType::F32, len)
+}
 
 /// Checks that `t` holds `rows` rows of `width`; returns `rows`.
 pub(crate) fn check_rows(op: &'static str, t: &Tensor, rows: usize, width: usize) -> Result<usize> {
@@ -47,9 +59,10 @@ pub(crate) fn check_tokens(b: &Batch, max_positions: usize) -> Result<()> {
     Ok(())
 }
 
-/// The scalar d(objective)/d(loss sum) from a loss unit's one-element `grad_output`.
+/// The scalar d(objective)/d(loss sum) from a loss unit's one-element `grad_output` (the
+/// engine passes it in host memory, so reading it costs no device synchronisation).
 pub(crate) fn loss_grad(grad_output: &Tensor) -> Result<f32> {
-    match grad_output.data.as_slice() {
+    match grad_output.to_vec_f32()?.as_slice() {
         [g] => Ok(*g),
         _ => Err(Error::Shape {
             op: "loss backward",
@@ -77,7 +90,7 @@ pub(crate) fn check_views(
         return Err(bad("parameters", format!("{got:?}")));
     }
     if let Some(g) = grads {
-        let got: Vec<usize> = (0..g.len()).map(|i| g.get_mut(i).len()).collect();
+        let got: Vec<usize> = (0..g.len()).map(|i| g.len_of(i)).collect();
         if got != lens {
             return Err(bad("gradients", format!("{got:?}")));
         }

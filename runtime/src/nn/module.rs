@@ -13,8 +13,9 @@
 
 use std::any::Any;
 
-use crate::tensor::Tensor;
-use crate::Result;
+use crate::backend::Backend;
+use crate::tensor::{IdBuf, Ids, Storage, Tensor, View, ViewMut};
+use crate::{Error, Result};
 
 /// Target value that contributes no loss (as in PyTorch's cross-entropy).
 pub const IGNORE_INDEX: i32 = -100;
@@ -61,61 +62,65 @@ impl ParamSpec {
 /// Read-only views of a unit's parameters, in [`Module::param_specs`] order followed by the
 /// shared (tied) parameters the unit uses, in [`Unit::uses_shared`] order.
 pub struct Params<'a> {
-    slices: Vec<&'a [f32]>,
+    views: Vec<View<'a>>,
 }
 
 impl<'a> Params<'a> {
     /// Views in declaration order.
-    pub fn new(slices: Vec<&'a [f32]>) -> Self {
-        Self { slices }
+    pub fn new(views: Vec<View<'a>>) -> Self {
+        Self { views }
     }
     /// The i-th parameter.
-    pub fn get(&self, i: usize) -> &'a [f32] {
-        self.slices[i]
+    pub fn get(&self, i: usize) -> View<'a> {
+        self.views[i]
     }
     /// Number of parameters.
     pub fn len(&self) -> usize {
-        self.slices.len()
+        self.views.len()
     }
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
-        self.slices.is_empty()
+        self.views.is_empty()
     }
 }
 
 /// Gradient accumulators, in the same order as [`Params`]. Backward adds into them.
 pub struct Grads<'a> {
-    slices: Vec<&'a mut [f32]>,
+    views: Vec<ViewMut<'a>>,
 }
 
 impl<'a> Grads<'a> {
     /// Views in declaration order.
-    pub fn new(slices: Vec<&'a mut [f32]>) -> Self {
-        Self { slices }
+    pub fn new(views: Vec<ViewMut<'a>>) -> Self {
+        Self { views }
     }
     /// The i-th gradient accumulator.
-    pub fn get_mut(&mut self, i: usize) -> &mut [f32] {
-        self.slices[i]
+    pub fn get_mut(&mut self, i: usize) -> ViewMut<'_> {
+        self.views[i].reborrow()
     }
     /// Two distinct accumulators at once (e.g. a norm's weight and bias); `i != j`.
-    pub fn pair_mut(&mut self, i: usize, j: usize) -> (&mut [f32], &mut [f32]) {
+    pub fn pair_mut(&mut self, i: usize, j: usize) -> (ViewMut<'_>, ViewMut<'_>) {
         assert_ne!(i, j, "Grads::pair_mut needs two distinct indices");
         let (lo, hi) = (i.min(j), i.max(j));
-        let (head, tail) = self.slices.split_at_mut(hi);
-        let (a, b) = (&mut *head[lo], &mut *tail[0]);
+        let (head, tail) = self.views.split_at_mut(hi);
+        let (a, b) = (head[lo].reborrow(), tail[0].reborrow());
         if i < j {
             (a, b)
         } else {
             (b, a)
         }
     }
+    /// The length of the i-th accumulator.
+    pub fn len_of(&self, i: usize) -> usize {
+        self.views[i].len()
+    }
     /// Number of gradients.
     pub fn len(&self) -> usize {
-        self.slices.len()
+        self.views.len()
     }
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
-        self.slices.is_empty()
+        self.views.is_empty()
     }
 }
 
@@ -150,16 +155,70 @@ impl Batch {
     }
 }
 
-/// Per-call context: the batch, the mode, the RNG seed for dropout, and the saved slot.
+/// A batch's token ids and targets where a backend reads them (uploaded once per micro-step).
+#[derive(Debug)]
+pub struct BatchIds {
+    /// Token ids.
+    pub tokens: IdBuf,
+    /// Targets ([`IGNORE_INDEX`] for none).
+    pub targets: IdBuf,
+}
+
+impl BatchIds {
+    /// Copies the batch's ids to where `be` reads them. Token ids at or above 2^31 cannot be
+    /// valid for any table and are refused here.
+    pub fn new(be: &dyn Backend, batch: &Batch) -> Result<Self> {
+        let tokens = batch
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                i32::try_from(t).map_err(|_| {
+                    Error::Invalid(format!(
+                        "token id {t} at position {i} is not a valid token id"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<i32>>>()?;
+        Ok(Self {
+            tokens: be.upload_ids(&tokens)?,
+            targets: be.upload_ids(&batch.targets)?,
+        })
+    }
+}
+
+/// Per-call context: the backend, the batch (host values for shapes and counts, and its ids
+/// on the backend's device), the mode, the RNG seed for dropout, and the saved slot.
 pub struct Ctx<'a> {
+    /// The device the unit computes on; layers allocate and compute only through it.
+    pub be: &'a dyn Backend,
     /// The micro-batch being processed.
     pub batch: &'a Batch,
+    /// The micro-batch's token ids and targets on the backend's device.
+    pub ids: &'a BatchIds,
     /// Training (dropout on, state saved) or evaluation.
     pub training: bool,
     /// Seed for this (step, micro-step, rank, unit); dropout masks derive from it.
     pub rng_seed: u64,
     /// The unit's saved state: forward fills it, backward takes it.
     pub saved: &'a mut Saved,
+}
+
+impl Ctx<'_> {
+    /// A zero-filled activation buffer of `len` elements on this call's device, in the
+    /// backend's activation dtype: what a module allocates instead of `vec![0.0; len]`.
+    pub fn alloc(&self, len: usize) -> Result<Storage> {
+        self.be.zeros(self.be.act_dtype(), len)
+    }
+
+    /// The batch's token ids.
+    pub fn tokens(&self) -> Ids<'_> {
+        self.ids.tokens.ids()
+    }
+    /// The batch's targets.
+    pub fn targets(&self) -> Ids<'_> {
+        self.ids.targets.ids()
+    }
 }
 
 /// A layer or block with explicit forward and backward.
@@ -195,7 +254,8 @@ pub trait Module: Send + Sync {
     fn output_bytes(&self, batch: usize, seq: usize) -> usize;
 
     /// Evaluation hook for a model's last unit: the arg-max token at every position of the
-    /// batch (teacher-forced), so the engine can report accuracy. `None`: not a prediction head.
+    /// batch (teacher-forced), in host memory, so the engine can report accuracy. `None`: not
+    /// a prediction head.
     fn predict(
         &self,
         _ctx: &mut Ctx<'_>,
@@ -204,22 +264,6 @@ pub trait Module: Send + Sync {
     ) -> Result<Option<Vec<u32>>> {
         Ok(None)
     }
-}
-
-/// Arg-max over the last dimension of `[rows, width]` logits (ties take the first index).
-pub fn argmax_rows(logits: &[f32], width: usize) -> Vec<u32> {
-    logits
-        .chunks(width.max(1))
-        .map(|row| {
-            let mut best = 0;
-            for (i, &v) in row.iter().enumerate() {
-                if v > row[best] {
-                    best = i;
-                }
-            }
-            best as u32
-        })
-        .collect()
 }
 
 /// A unit: the granularity at which ZeRO-3 gathers and releases parameters (FSDP's wrap unit).

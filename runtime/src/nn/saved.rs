@@ -1,19 +1,19 @@
-//! Saved-activation containers: plain structs of f32 buffers whose byte count is exactly
-//! what they hold, so the memory ledger sees the real figure.
+//! Saved-activation containers: plain structs of storages (on the unit's device) whose byte
+//! count is exactly what they hold, so the memory ledger sees the real figure.
 
 use super::module::{Saved, SavedState};
 use crate::{Error, Result};
 
-/// Declares a saved-state struct of `Vec<f32>` fields with an exact `bytes()`.
+/// Declares a saved-state struct of [`crate::tensor::Storage`] fields with an exact `bytes()`.
 macro_rules! saved_struct {
     ($(#[$m:meta])* $name:ident { $($field:ident),* $(,)? }) => {
         $(#[$m])*
         pub(crate) struct $name {
-            $(pub(crate) $field: Vec<f32>,)*
+            $(pub(crate) $field: $crate::tensor::Storage,)*
         }
         impl $crate::nn::module::SavedState for $name {
             fn bytes(&self) -> usize {
-                0 $(+ self.$field.len() * 4)*
+                0 $(+ self.$field.bytes() as usize)*
             }
             fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
                 self

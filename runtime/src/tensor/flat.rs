@@ -8,8 +8,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use super::DType;
-use crate::comm::{BufMut, BufRef};
+use super::{BufMut, BufRef, DType};
 
 /// An owned flat buffer in one storage dtype.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,6 +32,15 @@ impl FlatBuf {
             DType::F32 => FlatBuf::F32(vec![0.0; len]),
             DType::Bf16 => FlatBuf::Bf16(vec![bf16::ZERO; len]),
             DType::F16 => FlatBuf::F16(vec![f16::ZERO; len]),
+        }
+    }
+
+    /// An owned copy of borrowed host elements.
+    pub fn from_ref(b: BufRef<'_>) -> Self {
+        match b {
+            BufRef::F32(s) => FlatBuf::F32(s.to_vec()),
+            BufRef::Bf16(s) => FlatBuf::Bf16(s.to_vec()),
+            BufRef::F16(s) => FlatBuf::F16(s.to_vec()),
         }
     }
 

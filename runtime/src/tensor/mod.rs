@@ -1,15 +1,27 @@
-//! Tensors: the activations that flow between units (owned, row-major f32) and the storage
-//! dtypes of engine-owned flat buffers.
+//! Tensors and their storage: activations flow between units as [`Tensor`]s (a shape over a
+//! [`Storage`] in host or device memory); operations borrow [`View`]s; the engine's flat
+//! buffers are [`FlatBuf`]s.
 //!
-//! Activations are always f32 on the CPU path: mixed precision changes how parameters are
-//! stored and communicated (bf16/f16 copies), while matmuls accumulate in f32.
+//! Activations are f32 on the CPU backend (mixed precision changes how parameters are stored
+//! and communicated, while matmuls accumulate in f32); a device backend chooses its own
+//! activation dtype (`MemoryOps::act_dtype`).
 
+mod absent;
 mod flat;
+mod host;
 pub mod spare;
+mod storage;
+mod view;
 
+pub use absent::{CudaBuf, CudaIds, CudaView, CudaViewMut};
 pub use flat::FlatBuf;
+pub use host::{BufMut, BufRef};
+pub use storage::{IdBuf, Ids, Storage};
+pub use view::{View, ViewMut};
 
-/// Storage dtype of a flat buffer (parameters, gradients, communication).
+use crate::{Error, Result};
+
+/// Storage dtype of a flat buffer (parameters, gradients, communication) or activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DType {
     /// IEEE single precision.
@@ -30,53 +42,114 @@ impl DType {
     }
 }
 
-/// An owned, row-major f32 tensor: the activations passed between modules.
-#[derive(Debug, Clone, PartialEq, Default)]
+/// A row-major tensor: the activations passed between modules.
+#[derive(Debug, Default)]
 pub struct Tensor {
     /// Dimensions, outermost first.
     pub shape: Vec<usize>,
-    /// Elements in row-major order; `data.len()` equals the product of `shape`.
-    pub data: Vec<f32>,
+    /// The elements, row-major; `storage.len()` equals the product of `shape`.
+    pub storage: Storage,
 }
 
 impl Tensor {
-    /// A tensor from a shape and its data; fails when the lengths disagree.
-    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> crate::Result<Self> {
+    /// A tensor from a shape and its storage; fails when the lengths disagree.
+    pub fn new(shape: Vec<usize>, storage: Storage) -> Result<Self> {
         let n: usize = shape.iter().product();
-        if n != data.len() {
-            return Err(crate::Error::Shape {
+        if n != storage.len() {
+            return Err(Error::Shape {
                 op: "Tensor::new",
                 expected: format!("{n} elements for shape {shape:?}"),
-                got: format!("{}", data.len()),
+                got: format!("{}", storage.len()),
             });
         }
-        Ok(Self { shape, data })
+        Ok(Self { shape, storage })
     }
 
-    /// A zero-filled tensor.
+    /// A host f32 tensor from a shape and its values; fails when the lengths disagree.
+    pub fn from_f32(shape: Vec<usize>, data: Vec<f32>) -> Result<Self> {
+        Self::new(shape, Storage::from_f32(data))
+    }
+
+    /// A zero-filled host f32 tensor.
     pub fn zeros(shape: Vec<usize>) -> Self {
         let n = shape.iter().product();
         Self {
             shape,
-            data: vec![0.0; n],
+            storage: Storage::from_f32(vec![0.0; n]),
         }
     }
 
-    /// A one-element tensor.
+    /// A one-element host f32 tensor.
     pub fn scalar(v: f32) -> Self {
         Self {
             shape: vec![1],
-            data: vec![v],
+            storage: Storage::from_f32(vec![v]),
         }
     }
 
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.data.len()
+        self.storage.len()
     }
 
-    /// Bytes held by the data.
+    /// Bytes held by the elements.
     pub fn bytes(&self) -> usize {
-        self.data.len() * 4
+        self.storage.bytes() as usize
     }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// The elements, read-only.
+    pub fn view(&self) -> View<'_> {
+        self.storage.view()
+    }
+
+    /// The elements, mutable.
+    pub fn view_mut(&mut self) -> ViewMut<'_> {
+        self.storage.view_mut()
+    }
+
+    /// The elements when they are host f32 (tests, host-side tools); an error otherwise.
+    pub fn host_f32(&self) -> Result<&[f32]> {
+        match &self.storage {
+            Storage::Host(FlatBuf::F32(v)) => Ok(v),
+            other => Err(not_host_f32(other)),
+        }
+    }
+
+    /// The elements as mutable host f32; an error otherwise.
+    pub fn host_f32_mut(&mut self) -> Result<&mut [f32]> {
+        match &mut self.storage {
+            Storage::Host(FlatBuf::F32(v)) => Ok(v),
+            other => Err(not_host_f32(other)),
+        }
+    }
+
+    /// A host f32 copy of the values, whatever the device and dtype (an explicit
+    /// device-to-host copy for device tensors; widening for half-precision ones).
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        self.storage.to_vec_f32()
+    }
+
+    /// A copy on the same device.
+    pub fn try_clone(&self) -> Result<Tensor> {
+        Ok(Tensor {
+            shape: self.shape.clone(),
+            storage: self.storage.try_clone()?,
+        })
+    }
+}
+
+fn not_host_f32(s: &Storage) -> Error {
+    let place = match s {
+        Storage::Host(_) => "host",
+        Storage::Cuda(_) => "CUDA",
+    };
+    Error::Invalid(format!(
+        "expected a host f32 tensor, got {place} {:?} storage (copy it with to_vec_f32)",
+        s.dtype()
+    ))
 }

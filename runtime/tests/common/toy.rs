@@ -50,7 +50,7 @@ impl Module for Embed {
         }]
     }
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, _input: &Tensor) -> Result<Tensor> {
-        let (pos, wte, d) = (p.get(0), p.get(1), self.dim);
+        let (pos, wte, d) = (p.get(0).host()?, p.get(1).host()?, self.dim);
         let n = ctx.batch.tokens.len();
         let mut x = vec![0.0; n * d];
         for (i, &tok) in ctx.batch.tokens.iter().enumerate() {
@@ -62,7 +62,7 @@ impl Module for Embed {
         if ctx.training {
             *ctx.saved = Some(Box::new(Keep(vec![])));
         }
-        Tensor::new(vec![n, d], x)
+        Tensor::from_f32(vec![n, d], x)
     }
     fn backward(
         &self,
@@ -72,12 +72,12 @@ impl Module for Embed {
         dy: &Tensor,
     ) -> Result<Tensor> {
         take(ctx)?;
-        let d = self.dim;
+        let (d, dy) = (self.dim, dy.host_f32()?);
         for (i, &tok) in ctx.batch.tokens.iter().enumerate() {
             let t = i % ctx.batch.seq;
             for j in 0..d {
-                g.get_mut(0)[t * d + j] += dy.data[i * d + j];
-                g.get_mut(1)[tok as usize * d + j] += dy.data[i * d + j];
+                g.get_mut(0).host()?[t * d + j] += dy[i * d + j];
+                g.get_mut(1).host()?[tok as usize * d + j] += dy[i * d + j];
             }
         }
         Ok(Tensor::default())
@@ -112,23 +112,24 @@ impl Module for Residual {
         ]
     }
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        let (w, b, d) = (p.get(0), p.get(1), self.dim);
+        let (w, b, d) = (p.get(0).host()?, p.get(1).host()?, self.dim);
         let n = x.numel() / d;
+        let (shape, x) = (x.shape.clone(), x.host_f32()?);
         let mut h = vec![0.0; n * d];
         for r in 0..n {
             for j in 0..d {
                 let mut acc = b[j];
                 for k in 0..d {
-                    acc += x.data[r * d + k] * w[k * d + j];
+                    acc += x[r * d + k] * w[k * d + j];
                 }
                 h[r * d + j] = acc.tanh();
             }
         }
-        let y: Vec<f32> = x.data.iter().zip(&h).map(|(a, b)| a + b).collect();
+        let y: Vec<f32> = x.iter().zip(&h).map(|(a, b)| a + b).collect();
         if ctx.training {
-            *ctx.saved = Some(Box::new(Keep(vec![x.data.clone(), h])));
+            *ctx.saved = Some(Box::new(Keep(vec![x.to_vec(), h])));
         }
-        Tensor::new(x.shape.clone(), y)
+        Tensor::from_f32(shape, y)
     }
     fn backward(
         &self,
@@ -138,20 +139,21 @@ impl Module for Residual {
         dy: &Tensor,
     ) -> Result<Tensor> {
         let s = take(ctx)?;
-        let (x, h, w, d) = (&s[0], &s[1], p.get(0), self.dim);
+        let (x, h, w, d) = (&s[0], &s[1], p.get(0).host()?, self.dim);
         let n = x.len() / d;
-        let mut dx = dy.data.clone();
+        let (shape, dy) = (dy.shape.clone(), dy.host_f32()?);
+        let mut dx = dy.to_vec();
         for r in 0..n {
             for j in 0..d {
-                let dz = dy.data[r * d + j] * (1.0 - h[r * d + j] * h[r * d + j]);
-                g.get_mut(1)[j] += dz;
+                let dz = dy[r * d + j] * (1.0 - h[r * d + j] * h[r * d + j]);
+                g.get_mut(1).host()?[j] += dz;
                 for k in 0..d {
-                    g.get_mut(0)[k * d + j] += x[r * d + k] * dz;
+                    g.get_mut(0).host()?[k * d + j] += x[r * d + k] * dz;
                     dx[r * d + k] += dz * w[k * d + j];
                 }
             }
         }
-        Tensor::new(dy.shape.clone(), dx)
+        Tensor::from_f32(shape, dx)
     }
     fn saved_bytes(&self, b: usize, s: usize) -> usize {
         2 * b * s * self.dim * 4
@@ -172,14 +174,15 @@ impl Module for Head {
         vec![]
     }
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, y: &Tensor) -> Result<Tensor> {
-        let (wte, v, d) = (p.get(0), self.vocab, self.dim);
+        let (wte, v, d) = (p.get(0).host()?, self.vocab, self.dim);
         let n = y.numel() / d;
+        let y = y.host_f32()?;
         let mut probs = vec![0.0; n * v];
         let mut loss = 0.0f32;
         for r in 0..n {
             let row = &mut probs[r * v..(r + 1) * v];
             for (c, out) in row.iter_mut().enumerate() {
-                *out = (0..d).map(|k| y.data[r * d + k] * wte[c * d + k]).sum();
+                *out = (0..d).map(|k| y[r * d + k] * wte[c * d + k]).sum();
             }
             let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let z: f32 = row.iter().map(|l| (l - m).exp()).sum();
@@ -192,7 +195,7 @@ impl Module for Head {
             }
         }
         if ctx.training {
-            *ctx.saved = Some(Box::new(Keep(vec![y.data.clone(), probs])));
+            *ctx.saved = Some(Box::new(Keep(vec![y.to_vec(), probs])));
         }
         Ok(Tensor::scalar(loss))
     }
@@ -204,7 +207,8 @@ impl Module for Head {
         dl: &Tensor,
     ) -> Result<Tensor> {
         let s = take(ctx)?;
-        let (y, probs, wte, v, d) = (&s[0], &s[1], p.get(0), self.vocab, self.dim);
+        let (y, probs, wte, v, d) = (&s[0], &s[1], p.get(0).host()?, self.vocab, self.dim);
+        let dl = dl.host_f32()?[0];
         let n = y.len() / d;
         let mut dy = vec![0.0; n * d];
         for r in 0..n {
@@ -213,15 +217,14 @@ impl Module for Head {
                 continue;
             }
             for c in 0..v {
-                let dlogit =
-                    (probs[r * v + c] - if c as i32 == t { 1.0 } else { 0.0 }) * dl.data[0];
+                let dlogit = (probs[r * v + c] - if c as i32 == t { 1.0 } else { 0.0 }) * dl;
                 for k in 0..d {
                     dy[r * d + k] += dlogit * wte[c * d + k];
-                    g.get_mut(0)[c * d + k] += dlogit * y[r * d + k];
+                    g.get_mut(0).host()?[c * d + k] += dlogit * y[r * d + k];
                 }
             }
         }
-        Tensor::new(vec![n, d], dy)
+        Tensor::from_f32(vec![n, d], dy)
     }
     fn saved_bytes(&self, b: usize, s: usize) -> usize {
         b * s * (self.dim + self.vocab) * 4

@@ -2,8 +2,11 @@
 //! parameters and a plain forward/backward driver over its units.
 #![allow(dead_code)]
 
-use ferrozero_runtime::nn::{init, Batch, Ctx, Grads, Model, Params, Saved, IGNORE_INDEX};
-use ferrozero_runtime::tensor::Tensor;
+use ferrozero_runtime::backend::Backend;
+use ferrozero_runtime::nn::{
+    init, Batch, BatchIds, Ctx, Grads, Model, Params, Saved, IGNORE_INDEX,
+};
+use ferrozero_runtime::tensor::{BufRef, Storage, Tensor};
 use ferrozero_runtime::Result;
 
 /// Flat per-parameter buffers, as the engine would own them.
@@ -95,25 +98,61 @@ pub struct Step {
     pub outputs: Vec<usize>,
 }
 
-/// Forward through every unit in training mode, then backward with d(obj)/d(loss) = `g`.
+/// Forward through every unit in training mode, then backward with d(obj)/d(loss) = `g`,
+/// on the CPU.
 pub fn step(model: &Model, w: &Weights, batch: &Batch, seed: u64, g: f32) -> Result<Step> {
+    step_on(
+        &*ferrozero_runtime::backend::cpu(),
+        model,
+        w,
+        batch,
+        seed,
+        g,
+    )
+}
+
+/// Unit `u`'s parameters (then the shared ones it uses) copied to `be`'s device.
+fn upload_params(be: &dyn Backend, model: &Model, w: &Weights, u: usize) -> Result<Vec<Storage>> {
+    let shared = model.units[u].uses_shared.iter().map(|&s| &w.shared[s]);
+    w.units[u]
+        .iter()
+        .chain(shared)
+        .map(|p| be.upload(BufRef::F32(p)))
+        .collect()
+}
+
+/// [`step`] with the units computing on `be` (weights copied there, gradients copied back).
+pub fn step_on(
+    be: &dyn Backend,
+    model: &Model,
+    w: &Weights,
+    batch: &Batch,
+    seed: u64,
+    g: f32,
+) -> Result<Step> {
     let n = model.units.len();
+    let ids = BatchIds::new(be, batch)?;
     let mut slots: Vec<Saved> = (0..n).map(|_| None).collect();
     let mut x = Tensor::default();
     let mut outputs = Vec::new();
     for (u, unit) in model.units.iter().enumerate() {
-        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
-        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
+        let stores = upload_params(be, model, w, u)?;
         let mut ctx = Ctx {
+            be,
             batch,
+            ids: &ids,
             training: true,
             rng_seed: seed + u as u64,
             saved: &mut slots[u],
         };
-        x = unit.module.forward(&mut ctx, &Params::new(p), &x)?;
+        x = unit.module.forward(
+            &mut ctx,
+            &Params::new(stores.iter().map(Storage::view).collect()),
+            &x,
+        )?;
         outputs.push(x.bytes());
     }
-    let loss = x.data[0];
+    let loss = x.to_vec_f32()?[0];
     let saved = slots
         .iter()
         .map(|s| s.as_ref().map_or(0, |s| s.bytes()))
@@ -121,26 +160,32 @@ pub fn step(model: &Model, w: &Weights, batch: &Batch, seed: u64, g: f32) -> Res
     let mut grads = Weights::zeros(model);
     let mut gy = Tensor::scalar(g);
     for (u, unit) in model.units.iter().enumerate().rev() {
-        let mut p: Vec<&[f32]> = w.units[u].iter().map(Vec::as_slice).collect();
-        p.extend(unit.uses_shared.iter().map(|&s| w.shared[s].as_slice()));
-        let mut own: Vec<&mut [f32]> = grads.units[u].iter_mut().map(Vec::as_mut_slice).collect();
-        let mut shared: Vec<Option<&mut Vec<f32>>> = grads.shared.iter_mut().map(Some).collect();
-        for &s in &unit.uses_shared {
-            own.push(
-                shared[s]
-                    .take()
-                    .expect("a shared parameter used twice by one unit"),
-            );
-        }
+        let stores = upload_params(be, model, w, u)?;
+        // Backward accumulates into what earlier units left (a shared parameter's gradient).
+        let mut gstores = upload_params(be, model, &grads, u)?;
         let mut ctx = Ctx {
+            be,
             batch,
+            ids: &ids,
             training: true,
             rng_seed: seed + u as u64,
             saved: &mut slots[u],
         };
-        gy = unit
-            .module
-            .backward(&mut ctx, &Params::new(p), &mut Grads::new(own), &gy)?;
+        gy = unit.module.backward(
+            &mut ctx,
+            &Params::new(stores.iter().map(Storage::view).collect()),
+            &mut Grads::new(gstores.iter_mut().map(Storage::view_mut).collect()),
+            &gy,
+        )?;
+        let own = grads.units[u].len();
+        for (i, gs) in gstores.iter().enumerate() {
+            let dst = if i < own {
+                &mut grads.units[u][i]
+            } else {
+                &mut grads.shared[unit.uses_shared[i - own]]
+            };
+            *dst = gs.to_vec_f32()?;
+        }
     }
     Ok(Step {
         loss,
@@ -183,5 +228,5 @@ pub fn random(shape: Vec<usize>, seed: u64) -> Tensor {
     let data = (0..n)
         .map(|i| ferrozero_runtime::backend::rng::uniform_f32(seed, i as u64) * 2.0 - 1.0)
         .collect();
-    Tensor::new(shape, data).expect("shape and data agree")
+    Tensor::from_f32(shape, data).expect("shape and data agree")
 }

@@ -6,9 +6,19 @@
 
 use rayon::prelude::*;
 
-use super::{gemm_raw, math, CpuBackend, SendPtr, StridedMat};
+use super::{f32_in, f32_out, gemm_raw, math, CpuBackend, SendPtr, StridedMat};
 use crate::backend::{Accumulate, AttentionGrads, AttentionOps, AttentionShape, Rotation, RowView};
+use crate::tensor::{FlatBuf, Storage, View, ViewMut};
 use crate::{Error, Result};
+
+/// A host f32 operand with its row view.
+fn operand<'a>(
+    op: &'static str,
+    what: &str,
+    x: (View<'a>, RowView),
+) -> Result<(&'a [f32], RowView)> {
+    Ok((f32_in(op, what, x.0)?, x.1))
+}
 
 fn check_view(name: &str, len: usize, s: &AttentionShape, v: RowView, heads: usize) -> Result<()> {
     let rows = s.batch * s.seq;
@@ -130,12 +140,18 @@ impl AttentionOps for CpuBackend {
     fn attention_forward(
         &self,
         s: AttentionShape,
-        q: (&[f32], RowView),
-        k: (&[f32], RowView),
-        v: (&[f32], RowView),
-        probs: &mut [f32],
-        out: &mut [f32],
-    ) -> Result<()> {
+        q: (View<'_>, RowView),
+        k: (View<'_>, RowView),
+        v: (View<'_>, RowView),
+        out: ViewMut<'_>,
+    ) -> Result<Storage> {
+        const OP: &str = "attention";
+        let (q, k, v) = (
+            operand(OP, "q", q)?,
+            operand(OP, "k", k)?,
+            operand(OP, "v", v)?,
+        );
+        let out = f32_out(OP, "out", out)?;
         check_shape(&s)?;
         check_view("q", q.0.len(), &s, q.1, s.q_heads)?;
         check_view("k", k.0.len(), &s, k.1, s.kv_heads)?;
@@ -147,13 +163,9 @@ impl AttentionOps for CpuBackend {
         };
         check_view("out", out.len(), &s, ov, hq)?;
         let tt = t * t;
-        if probs.len() != s.batch * hq * tt {
-            return Err(Error::Shape {
-                op: "attention",
-                expected: format!("probs of {} elements", s.batch * hq * tt),
-                got: format!("{}", probs.len()),
-            });
-        }
+        // The CPU keeps the probabilities for backward: the per-head products are small and
+        // recomputing them would cost more than the memory.
+        let mut probs = vec![0.0f32; s.batch * hq * tt];
         let scale = 1.0 / (d as f32).sqrt();
         let group = hq / s.kv_heads;
         let out_ptr = SendPtr(out.as_mut_ptr());
@@ -208,20 +220,39 @@ impl AttentionOps for CpuBackend {
                     }
                 }
             });
-        Ok(())
+        Ok(Storage::Host(FlatBuf::F32(probs)))
     }
 
     fn attention_backward(
         &self,
         s: AttentionShape,
-        q: (&[f32], RowView),
-        k: (&[f32], RowView),
-        v: (&[f32], RowView),
-        probs: &[f32],
-        dout: &[f32],
+        q: (View<'_>, RowView),
+        k: (View<'_>, RowView),
+        v: (View<'_>, RowView),
+        _out: View<'_>,
+        saved: &Storage,
+        dout: View<'_>,
         grads: AttentionGrads<'_>,
     ) -> Result<()> {
+        const OP: &str = "attention backward";
+        let (q, k, v) = (
+            operand(OP, "q", q)?,
+            operand(OP, "k", k)?,
+            operand(OP, "v", v)?,
+        );
+        let probs = f32_in(OP, "saved probabilities", saved.view())?;
+        let dout = f32_in(OP, "dout", dout)?;
         check_shape(&s)?;
+        if probs.len() != s.batch * s.q_heads * s.seq * s.seq {
+            return Err(Error::Shape {
+                op: OP,
+                expected: format!(
+                    "saved probabilities of {} elements",
+                    s.batch * s.q_heads * s.seq * s.seq
+                ),
+                got: format!("{}", probs.len()),
+            });
+        }
         let (t, hq, d) = (s.seq, s.q_heads, s.head_dim);
         let ov = RowView {
             stride: hq * d,
@@ -230,6 +261,7 @@ impl AttentionOps for CpuBackend {
         check_view("dout", dout.len(), &s, ov, hq)?;
         let (dq, dk, dv) = match grads {
             AttentionGrads::Fused(buf) => {
+                let buf = f32_out(OP, "dqkv", buf)?;
                 for (n, view, heads) in [
                     ("dq", q.1, hq),
                     ("dk", k.1, s.kv_heads),
@@ -241,6 +273,11 @@ impl AttentionOps for CpuBackend {
                 (p, p, p)
             }
             AttentionGrads::Split { dq, dk, dv } => {
+                let (dq, dk, dv) = (
+                    f32_out(OP, "dq", dq)?,
+                    f32_out(OP, "dk", dk)?,
+                    f32_out(OP, "dv", dv)?,
+                );
                 check_view("dq", dq.len(), &s, q.1, hq)?;
                 check_view("dk", dk.len(), &s, k.1, s.kv_heads)?;
                 check_view("dv", dv.len(), &s, v.1, s.kv_heads)?;
@@ -320,14 +357,25 @@ impl AttentionOps for CpuBackend {
 
     fn rope(
         &self,
-        x: &mut [f32],
+        x: ViewMut<'_>,
         batch: usize,
         seq: usize,
         heads: usize,
         head_dim: usize,
         theta: f32,
         dir: Rotation,
-    ) {
+    ) -> Result<()> {
+        let x = f32_out("rope", "x", x)?;
+        if !head_dim.is_multiple_of(2) || x.len() != batch * seq * heads * head_dim {
+            return Err(Error::Shape {
+                op: "rope",
+                expected: format!(
+                    "{batch}x{seq} rows of {heads} heads of an even head_dim {head_dim}"
+                ),
+                got: format!("{} elements", x.len()),
+            });
+        }
         super::rope::apply(x, batch, seq, heads, head_dim, theta, dir);
+        Ok(())
     }
 }

@@ -2,9 +2,11 @@
 
 use rayon::prelude::*;
 
-use super::{math, CpuBackend};
+use super::{expect_len, f32_in, f32_out, math, CpuBackend};
 use crate::backend::rng;
 use crate::backend::ElementwiseOps;
+use crate::tensor::{View, ViewMut};
+use crate::Result;
 
 const CHUNK: usize = 16 * 1024;
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -29,13 +31,24 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 impl ElementwiseOps for CpuBackend {
-    fn gelu_forward(&self, x: &[f32], y: &mut [f32]) {
+    fn gelu_forward(&self, x: View<'_>, y: ViewMut<'_>) -> Result<()> {
+        let (x, y) = (f32_in("gelu", "x", x)?, f32_out("gelu", "y", y)?);
+        expect_len("gelu", "y", y.len(), x.len())?;
         y.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
             .for_each(|(y, x)| y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu(x)));
+        Ok(())
     }
 
-    fn gelu_backward(&self, x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    fn gelu_backward(&self, x: View<'_>, dy: View<'_>, dx: ViewMut<'_>) -> Result<()> {
+        const OP: &str = "gelu backward";
+        let (x, dy, dx) = (
+            f32_in(OP, "x", x)?,
+            f32_in(OP, "dy", dy)?,
+            f32_out(OP, "dx", dx)?,
+        );
+        expect_len(OP, "dy", dy.len(), x.len())?;
+        expect_len(OP, "dx", dx.len(), x.len())?;
         dx.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK)))
             .for_each(|(dx, (x, dy))| {
@@ -43,9 +56,15 @@ impl ElementwiseOps for CpuBackend {
                     *d = g * gelu_grad(x);
                 }
             });
+        Ok(())
     }
 
-    fn swiglu_forward(&self, gate: &[f32], up: &[f32], y: &mut [f32]) {
+    fn swiglu_forward(&self, gate: View<'_>, up: View<'_>, y: ViewMut<'_>) -> Result<()> {
+        const OP: &str = "swiglu";
+        let (gate, up) = (f32_in(OP, "gate", gate)?, f32_in(OP, "up", up)?);
+        let y = f32_out(OP, "y", y)?;
+        expect_len(OP, "up", up.len(), gate.len())?;
+        expect_len(OP, "y", y.len(), gate.len())?;
         y.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
             .for_each(|(y, (g, u))| {
@@ -53,16 +72,32 @@ impl ElementwiseOps for CpuBackend {
                     *y = g * sigmoid(g) * u;
                 }
             });
+        Ok(())
     }
 
     fn swiglu_backward(
         &self,
-        gate: &[f32],
-        up: &[f32],
-        dy: &[f32],
-        dgate: &mut [f32],
-        dup: &mut [f32],
-    ) {
+        gate: View<'_>,
+        up: View<'_>,
+        dy: View<'_>,
+        dgate: ViewMut<'_>,
+        dup: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "swiglu backward";
+        let (gate, up, dy) = (
+            f32_in(OP, "gate", gate)?,
+            f32_in(OP, "up", up)?,
+            f32_in(OP, "dy", dy)?,
+        );
+        let (dgate, dup) = (f32_out(OP, "dgate", dgate)?, f32_out(OP, "dup", dup)?);
+        for (what, len) in [
+            ("up", up.len()),
+            ("dy", dy.len()),
+            ("dgate", dgate.len()),
+            ("dup", dup.len()),
+        ] {
+            expect_len(OP, what, len, gate.len())?;
+        }
         dgate
             .par_chunks_mut(CHUNK)
             .zip(dup.par_chunks_mut(CHUNK))
@@ -76,17 +111,22 @@ impl ElementwiseOps for CpuBackend {
                     dg[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
                 }
             });
+        Ok(())
     }
 
-    fn add_assign(&self, dst: &mut [f32], src: &[f32]) {
+    fn add_assign(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
+        let (dst, src) = (f32_out("add", "dst", dst)?, f32_in("add", "src", src)?);
+        expect_len("add", "src", src.len(), dst.len())?;
         dst.par_chunks_mut(CHUNK)
             .zip(src.par_chunks(CHUNK))
             .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s));
+        Ok(())
     }
 
-    fn dropout(&self, seed: u64, p: f32, x: &mut [f32]) {
+    fn dropout(&self, seed: u64, p: f32, x: ViewMut<'_>) -> Result<()> {
+        let x = f32_out("dropout", "x", x)?;
         if p <= 0.0 {
-            return;
+            return Ok(());
         }
         let scale = 1.0 / (1.0 - p);
         x.par_chunks_mut(CHUNK).enumerate().for_each(|(c, x)| {
@@ -96,5 +136,33 @@ impl ElementwiseOps for CpuBackend {
                 *v = if keep { *v * scale } else { 0.0 };
             }
         });
+        Ok(())
+    }
+
+    fn sum_rows(&self, m: View<'_>, cols: usize, acc: ViewMut<'_>) -> Result<()> {
+        let (m, acc) = (
+            f32_in("sum_rows", "m", m)?,
+            f32_out("sum_rows", "acc", acc)?,
+        );
+        expect_len("sum_rows", "acc", acc.len(), cols)?;
+        if cols == 0 || !m.len().is_multiple_of(cols) {
+            return Err(crate::Error::Shape {
+                op: "sum_rows",
+                expected: format!("whole rows of {cols}"),
+                got: format!("{} elements", m.len()),
+            });
+        }
+        // Parallel over column blocks, serial over rows: a fixed summation order.
+        const BLOCK: usize = 64;
+        acc.par_chunks_mut(BLOCK).enumerate().for_each(|(c, a)| {
+            let j0 = c * BLOCK;
+            for row in m.chunks(cols) {
+                let w = a.len();
+                a.iter_mut()
+                    .zip(&row[j0..j0 + w])
+                    .for_each(|(a, v)| *a += v);
+            }
+        });
+        Ok(())
     }
 }

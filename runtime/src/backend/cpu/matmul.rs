@@ -2,10 +2,14 @@
 //! rayon pool for large products and single-threaded for small ones (attention's per-head
 //! products run one per rayon task instead).
 
+use std::borrow::Cow;
+
 use gemm::Parallelism;
+use rayon::prelude::*;
 
 use super::CpuBackend;
-use crate::backend::{Accumulate, MatmulOps, MatmulShape, Transpose};
+use crate::backend::{Accumulate, Epilogue, MatmulOps, MatmulShape, Transpose};
+use crate::tensor::{BufRef, View, ViewMut};
 use crate::{Error, Result};
 
 /// Below this many multiply-adds a product runs on one thread.
@@ -78,8 +82,20 @@ fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
     })
 }
 
-impl MatmulOps for CpuBackend {
-    fn matmul(
+/// A matrix operand as host f32, widening bf16/f16 exactly (every half value is an f32).
+fn operand<'a>(what: &str, v: View<'a>) -> Result<Cow<'a, [f32]>> {
+    use half::slice::HalfFloatSliceExt;
+    match v {
+        View::Host(BufRef::F32(s)) => Ok(Cow::Borrowed(s)),
+        View::Host(BufRef::Bf16(s)) => Ok(Cow::Owned(s.to_f32_vec())),
+        View::Host(BufRef::F16(s)) => Ok(Cow::Owned(s.to_f32_vec())),
+        View::Cuda(_) => Err(super::foreign("matmul", what)),
+    }
+}
+
+impl CpuBackend {
+    /// `c (=|+=) op(a) · op(b)` on host f32 slices.
+    pub(super) fn matmul_host(
         &self,
         s: MatmulShape,
         a: &[f32],
@@ -117,5 +133,45 @@ impl MatmulOps for CpuBackend {
             );
         }
         Ok(())
+    }
+
+    /// Fills every row of `c` with `bias`, so that an accumulating product adds `A·B` to it.
+    fn broadcast_bias(&self, bias: View<'_>, c: &mut [f32], n: usize) -> Result<()> {
+        let bias = super::f32_in("matmul", "bias", bias)?;
+        check_len("bias", bias.len(), n)?;
+        c.par_chunks_mut(n.max(1))
+            .for_each(|r| r.copy_from_slice(bias));
+        Ok(())
+    }
+}
+
+impl MatmulOps for CpuBackend {
+    fn matmul(
+        &self,
+        s: MatmulShape,
+        a: View<'_>,
+        b: View<'_>,
+        c: ViewMut<'_>,
+        epilogue: Epilogue<'_>,
+    ) -> Result<()> {
+        let (a, b) = (operand("A", a)?, operand("B", b)?);
+        let c = super::f32_out("matmul", "C", c)?;
+        match epilogue {
+            Epilogue::Store => self.matmul_host(s, &a, &b, c, Accumulate::Overwrite),
+            Epilogue::Accumulate => self.matmul_host(s, &a, &b, c, Accumulate::Add),
+            Epilogue::Bias(bias) => {
+                check_len("C", c.len(), s.m * s.n)?;
+                self.broadcast_bias(bias, c, s.n)?;
+                self.matmul_host(s, &a, &b, c, Accumulate::Add)
+            }
+            Epilogue::BiasGelu { bias, pre } => {
+                let pre = super::f32_out("matmul", "pre-activation", pre)?;
+                check_len("pre-activation", pre.len(), s.m * s.n)?;
+                self.broadcast_bias(bias, pre, s.n)?;
+                self.matmul_host(s, &a, &b, pre, Accumulate::Add)?;
+                use crate::backend::ElementwiseOps;
+                self.gelu_forward(View::from(&*pre), ViewMut::from(c))
+            }
+        }
     }
 }

@@ -8,7 +8,9 @@ mod norm;
 mod rope;
 mod token;
 
-use super::Backend;
+use super::{Backend, MemoryOps};
+use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Storage, View, ViewMut};
+use crate::{Error, Result};
 
 pub(crate) use matmul::{gemm_raw, StridedMat};
 
@@ -17,9 +19,70 @@ pub(crate) use matmul::{gemm_raw, StridedMat};
 pub struct CpuBackend;
 
 impl Backend for CpuBackend {
-    fn name(&self) -> &'static str {
-        "cpu"
+    fn name(&self) -> String {
+        "cpu".into()
     }
+}
+
+impl MemoryOps for CpuBackend {
+    fn act_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn zeros(&self, dtype: DType, len: usize) -> Result<Storage> {
+        // A plain zeroed vector, not the engine's buffer cache: layers' transients are
+        // short-lived and glibc serves them well below 32 MiB.
+        Ok(Storage::Host(match dtype {
+            DType::F32 => FlatBuf::F32(vec![0.0; len]),
+            DType::Bf16 => FlatBuf::Bf16(vec![half::bf16::ZERO; len]),
+            DType::F16 => FlatBuf::F16(vec![half::f16::ZERO; len]),
+        }))
+    }
+
+    fn upload(&self, src: BufRef<'_>) -> Result<Storage> {
+        Ok(Storage::Host(FlatBuf::from_ref(src)))
+    }
+
+    fn upload_ids(&self, ids: &[i32]) -> Result<IdBuf> {
+        Ok(IdBuf::Host(ids.to_vec()))
+    }
+
+    fn copy(&self, src: View<'_>) -> Result<Storage> {
+        match src {
+            View::Host(b) => Ok(Storage::Host(FlatBuf::from_ref(b))),
+            View::Cuda(_) => Err(foreign("copy", "source")),
+        }
+    }
+}
+
+/// The error for a view the CPU backend cannot read (device memory or a dtype it does not take).
+fn foreign(op: &'static str, what: &str) -> Error {
+    Error::Invalid(format!(
+        "{op}: {what} is not host f32 memory; the CPU backend computes on host f32 views \
+         (copy device tensors to the host, or use the backend that owns them)"
+    ))
+}
+
+/// The host f32 elements of an input view.
+fn f32_in<'a>(op: &'static str, what: &str, v: View<'a>) -> Result<&'a [f32]> {
+    v.host_f32().ok_or_else(|| foreign(op, what))
+}
+
+/// The host f32 elements of an output view.
+fn f32_out<'a>(op: &'static str, what: &str, v: ViewMut<'a>) -> Result<&'a mut [f32]> {
+    v.host_f32().ok_or_else(|| foreign(op, what))
+}
+
+/// Fails unless `got == want`.
+fn expect_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        return Ok(());
+    }
+    Err(Error::Shape {
+        op,
+        expected: format!("{what} with {want} elements"),
+        got: format!("{got}"),
+    })
 }
 
 /// Rows per rayon task so that each task does at least ~32k elements of work: below that,

@@ -3,8 +3,10 @@
 
 use rayon::prelude::*;
 
-use super::CpuBackend;
+use super::{expect_len, f32_in, f32_out, CpuBackend};
 use crate::backend::NormOps;
+use crate::tensor::{View, ViewMut};
+use crate::{Error, Result};
 
 /// Rows per block of the parameter-gradient reduction (fixed for determinism).
 const ROW_BLOCK: usize = 32;
@@ -16,8 +18,10 @@ fn reduce_blocks(partials: Vec<Vec<f32>>, acc: &mut [f32]) {
     }
 }
 
-impl NormOps for CpuBackend {
-    fn layernorm_forward(
+/// The kernels on host f32 slices (lengths checked by the trait methods below).
+impl CpuBackend {
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward_host(
         &self,
         x: &[f32],
         gamma: &[f32],
@@ -44,7 +48,8 @@ impl NormOps for CpuBackend {
             });
     }
 
-    fn layernorm_backward(
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward_host(
         &self,
         x: &[f32],
         gamma: &[f32],
@@ -90,7 +95,15 @@ impl NormOps for CpuBackend {
         reduce_blocks(dbs, dbeta);
     }
 
-    fn rmsnorm_forward(&self, x: &[f32], gamma: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_forward_host(
+        &self,
+        x: &[f32],
+        gamma: &[f32],
+        eps: f32,
+        y: &mut [f32],
+        rstd: &mut [f32],
+    ) {
         let d = gamma.len();
         y.par_chunks_mut(d)
             .zip(x.par_chunks(d))
@@ -106,7 +119,8 @@ impl NormOps for CpuBackend {
             });
     }
 
-    fn rmsnorm_backward(
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward_host(
         &self,
         x: &[f32],
         gamma: &[f32],
@@ -140,5 +154,128 @@ impl NormOps for CpuBackend {
             })
             .collect();
         reduce_blocks(partials, dgamma);
+    }
+}
+
+/// Rows of `[rows, d]` data in `len` elements, after checking the width.
+fn rows_of(op: &'static str, len: usize, d: usize) -> Result<usize> {
+    if d == 0 || !len.is_multiple_of(d) {
+        return Err(Error::Shape {
+            op,
+            expected: format!("whole rows of the parameter width {d}"),
+            got: format!("{len} elements"),
+        });
+    }
+    Ok(len / d)
+}
+
+impl NormOps for CpuBackend {
+    fn layernorm_forward(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        beta: View<'_>,
+        eps: f32,
+        y: ViewMut<'_>,
+        mean: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "layernorm";
+        let (x, gamma, beta) = (
+            f32_in(OP, "x", x)?,
+            f32_in(OP, "gamma", gamma)?,
+            f32_in(OP, "beta", beta)?,
+        );
+        let (y, mean, rstd) = (
+            f32_out(OP, "y", y)?,
+            f32_out(OP, "mean", mean)?,
+            f32_out(OP, "rstd", rstd)?,
+        );
+        let rows = rows_of(OP, x.len(), gamma.len())?;
+        expect_len(OP, "beta", beta.len(), gamma.len())?;
+        expect_len(OP, "y", y.len(), x.len())?;
+        expect_len(OP, "mean", mean.len(), rows)?;
+        expect_len(OP, "rstd", rstd.len(), rows)?;
+        self.layernorm_forward_host(x, gamma, beta, eps, y, mean, rstd);
+        Ok(())
+    }
+
+    fn layernorm_backward(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        mean: View<'_>,
+        rstd: View<'_>,
+        dy: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+        dbeta: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "layernorm backward";
+        let (x, gamma, mean, rstd, dy) = (
+            f32_in(OP, "x", x)?,
+            f32_in(OP, "gamma", gamma)?,
+            f32_in(OP, "mean", mean)?,
+            f32_in(OP, "rstd", rstd)?,
+            f32_in(OP, "dy", dy)?,
+        );
+        let (dx, dgamma, dbeta) = (
+            f32_out(OP, "dx", dx)?,
+            f32_out(OP, "dgamma", dgamma)?,
+            f32_out(OP, "dbeta", dbeta)?,
+        );
+        let rows = rows_of(OP, x.len(), gamma.len())?;
+        expect_len(OP, "dy", dy.len(), x.len())?;
+        expect_len(OP, "dx", dx.len(), x.len())?;
+        expect_len(OP, "mean", mean.len(), rows)?;
+        expect_len(OP, "rstd", rstd.len(), rows)?;
+        expect_len(OP, "dgamma", dgamma.len(), gamma.len())?;
+        expect_len(OP, "dbeta", dbeta.len(), gamma.len())?;
+        self.layernorm_backward_host(x, gamma, mean, rstd, dy, dx, dgamma, dbeta);
+        Ok(())
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        eps: f32,
+        y: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm";
+        let (x, gamma) = (f32_in(OP, "x", x)?, f32_in(OP, "gamma", gamma)?);
+        let (y, rstd) = (f32_out(OP, "y", y)?, f32_out(OP, "rstd", rstd)?);
+        let rows = rows_of(OP, x.len(), gamma.len())?;
+        expect_len(OP, "y", y.len(), x.len())?;
+        expect_len(OP, "rstd", rstd.len(), rows)?;
+        self.rmsnorm_forward_host(x, gamma, eps, y, rstd);
+        Ok(())
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        rstd: View<'_>,
+        dy: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "rmsnorm backward";
+        let (x, gamma, rstd, dy) = (
+            f32_in(OP, "x", x)?,
+            f32_in(OP, "gamma", gamma)?,
+            f32_in(OP, "rstd", rstd)?,
+            f32_in(OP, "dy", dy)?,
+        );
+        let (dx, dgamma) = (f32_out(OP, "dx", dx)?, f32_out(OP, "dgamma", dgamma)?);
+        let rows = rows_of(OP, x.len(), gamma.len())?;
+        expect_len(OP, "dy", dy.len(), x.len())?;
+        expect_len(OP, "dx", dx.len(), x.len())?;
+        expect_len(OP, "rstd", rstd.len(), rows)?;
+        expect_len(OP, "dgamma", dgamma.len(), gamma.len())?;
+        self.rmsnorm_backward_host(x, gamma, rstd, dy, dx, dgamma);
+        Ok(())
     }
 }

@@ -1,28 +1,75 @@
-//! Embedding lookup/scatter and softmax cross-entropy with ignore-index.
+//! Embedding lookup/scatter, learned positions, and the language-model head's softmax
+//! cross-entropy with ignore-index.
 
 use rayon::prelude::*;
 
-use super::{math, CpuBackend};
-use crate::backend::{Accumulate, TokenOps};
+use super::{expect_len, f32_in, f32_out, math, CpuBackend};
+use crate::backend::{Accumulate, HeadLoss, HeadShape, MatmulShape, TokenOps, Transpose};
 use crate::nn::IGNORE_INDEX;
+use crate::tensor::{FlatBuf, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
+
+/// Host indices, or an error naming the operation.
+fn host_ids<'a>(op: &'static str, ids: Ids<'a>) -> Result<&'a [i32]> {
+    match ids {
+        Ids::Host(v) => Ok(v),
+        Ids::Cuda(_) => Err(Error::Invalid(format!(
+            "{op}: the indices are in device memory; the CPU backend reads host indices"
+        ))),
+    }
+}
+
+/// Fails on the first token id outside `0..rows`.
+fn check_ids(tokens: &[i32], rows: usize) -> Result<()> {
+    match tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t < 0 || t as usize >= rows)
+    {
+        Some((pos, &t)) => Err(Error::Invalid(format!(
+            "token id {t} at position {pos} is outside the embedding table of {rows} rows"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// `dtable[ids[i]] += dout[i]`, serially in position order: rows of `dtable` are shared
+/// between positions, so a fixed order keeps the sums reproducible.
+fn scatter_rows(ids: impl Iterator<Item = usize>, dout: &[f32], dim: usize, dtable: &mut [f32]) {
+    for (t, g) in ids.zip(dout.chunks(dim)) {
+        let row = &mut dtable[t * dim..][..dim];
+        row.iter_mut().zip(g).for_each(|(r, g)| *r += g);
+    }
+}
+
+/// The width of `[rows, dim]` data given its row count.
+fn width(op: &'static str, len: usize, rows: usize) -> Result<usize> {
+    if rows == 0 || !len.is_multiple_of(rows) {
+        return Err(Error::Shape {
+            op,
+            expected: format!("{rows} whole rows"),
+            got: format!("{len} elements"),
+        });
+    }
+    Ok(len / rows)
+}
 
 impl TokenOps for CpuBackend {
     fn embedding_forward(
         &self,
-        tokens: &[u32],
-        table: &[f32],
+        tokens: Ids<'_>,
+        table: View<'_>,
         dim: usize,
-        out: &mut [f32],
+        out: ViewMut<'_>,
         acc: Accumulate,
     ) -> Result<()> {
+        const OP: &str = "embedding";
+        let tokens = host_ids(OP, tokens)?;
+        let (table, out) = (f32_in(OP, "table", table)?, f32_out(OP, "out", out)?);
+        expect_len(OP, "out", out.len(), tokens.len() * dim)?;
         let rows = table.len() / dim.max(1);
-        if let Some((pos, &t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= rows) {
-            return Err(Error::Invalid(format!(
-                "token id {t} at position {pos} is outside the embedding table of {rows} rows"
-            )));
-        }
-        out.par_chunks_mut(dim)
+        check_ids(tokens, rows)?;
+        out.par_chunks_mut(dim.max(1))
             .zip(tokens.par_iter())
             .for_each(|(o, &t)| {
                 let src = &table[t as usize * dim..][..dim];
@@ -34,15 +81,172 @@ impl TokenOps for CpuBackend {
         Ok(())
     }
 
-    fn embedding_backward(&self, tokens: &[u32], dout: &[f32], dim: usize, dtable: &mut [f32]) {
-        // Tokens repeat, so rows of dtable are shared between positions: scatter serially in
-        // position order, which keeps the sum order fixed.
-        for (t, g) in tokens.iter().zip(dout.chunks(dim)) {
-            let row = &mut dtable[*t as usize * dim..][..dim];
-            row.iter_mut().zip(g).for_each(|(r, g)| *r += g);
-        }
+    fn embedding_backward(
+        &self,
+        tokens: Ids<'_>,
+        dout: View<'_>,
+        dim: usize,
+        dtable: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "embedding backward";
+        let tokens = host_ids(OP, tokens)?;
+        let (dout, dtable) = (f32_in(OP, "dout", dout)?, f32_out(OP, "dtable", dtable)?);
+        expect_len(OP, "dout", dout.len(), tokens.len() * dim)?;
+        check_ids(tokens, dtable.len() / dim.max(1))?;
+        scatter_rows(tokens.iter().map(|&t| t as usize), dout, dim, dtable);
+        Ok(())
     }
 
+    fn position_forward(
+        &self,
+        table: View<'_>,
+        batch: usize,
+        seq: usize,
+        out: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "position embedding";
+        let (table, out) = (f32_in(OP, "table", table)?, f32_out(OP, "out", out)?);
+        let dim = width(OP, out.len(), batch * seq)?;
+        if table.len() < seq * dim {
+            return Err(Error::Invalid(format!(
+                "{OP}: sequence length {seq} exceeds the table's {} positions",
+                table.len() / dim.max(1)
+            )));
+        }
+        out.par_chunks_mut(dim.max(1))
+            .enumerate()
+            .for_each(|(r, o)| {
+                let src = &table[(r % seq) * dim..][..dim];
+                o.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+            });
+        Ok(())
+    }
+
+    fn position_backward(
+        &self,
+        dout: View<'_>,
+        batch: usize,
+        seq: usize,
+        dtable: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "position embedding backward";
+        let (dout, dtable) = (f32_in(OP, "dout", dout)?, f32_out(OP, "dtable", dtable)?);
+        let dim = width(OP, dout.len(), batch * seq)?;
+        if dtable.len() < seq * dim {
+            return Err(Error::Invalid(format!(
+                "{OP}: sequence length {seq} exceeds the table's {} positions",
+                dtable.len() / dim.max(1)
+            )));
+        }
+        scatter_rows((0..batch * seq).map(|i| i % seq), dout, dim, dtable);
+        Ok(())
+    }
+
+    fn head_loss_forward(
+        &self,
+        shape: HeadShape,
+        x: View<'_>,
+        w: View<'_>,
+        targets: Ids<'_>,
+        keep: bool,
+    ) -> Result<HeadLoss> {
+        const OP: &str = "head loss";
+        let targets = host_ids(OP, targets)?;
+        let (x, w) = (f32_in(OP, "x", x)?, f32_in(OP, "weight", w)?);
+        expect_len(OP, "targets", targets.len(), shape.rows)?;
+        let mut logits = vec![0.0; shape.rows * shape.vocab];
+        self.matmul_host(
+            logits_shape(shape),
+            x,
+            w,
+            &mut logits,
+            Accumulate::Overwrite,
+        )?;
+        let loss = self.cross_entropy_forward(&mut logits, shape.vocab, targets)?;
+        Ok(HeadLoss {
+            loss: Storage::from_f32(vec![loss as f32]),
+            saved: keep.then_some(Storage::Host(FlatBuf::F32(logits))),
+        })
+    }
+
+    fn head_loss_backward(
+        &self,
+        shape: HeadShape,
+        x: View<'_>,
+        w: View<'_>,
+        targets: Ids<'_>,
+        saved: Storage,
+        g: f32,
+        dx: ViewMut<'_>,
+        dw: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "head loss backward";
+        let targets = host_ids(OP, targets)?;
+        let (x, w) = (f32_in(OP, "x", x)?, f32_in(OP, "weight", w)?);
+        let (dx, dw) = (f32_out(OP, "dx", dx)?, f32_out(OP, "dweight", dw)?);
+        let Storage::Host(FlatBuf::F32(mut dlogits)) = saved else {
+            return Err(Error::Invalid(format!(
+                "{OP}: the saved state is not the CPU's host probabilities"
+            )));
+        };
+        expect_len(
+            OP,
+            "saved probabilities",
+            dlogits.len(),
+            shape.rows * shape.vocab,
+        )?;
+        expect_len(OP, "targets", targets.len(), shape.rows)?;
+        self.cross_entropy_backward(&mut dlogits, shape.vocab, targets, g);
+        // dW += dlogitsᵀ · x ([vocab, dim]), then dx = dlogits · W.
+        let dw_shape = MatmulShape {
+            m: shape.vocab,
+            n: shape.dim,
+            k: shape.rows,
+            ta: Transpose::Yes,
+            tb: Transpose::No,
+        };
+        self.matmul_host(dw_shape, &dlogits, x, dw, Accumulate::Add)?;
+        let dx_shape = MatmulShape {
+            m: shape.rows,
+            n: shape.dim,
+            k: shape.vocab,
+            ta: Transpose::No,
+            tb: Transpose::No,
+        };
+        self.matmul_host(dx_shape, &dlogits, w, dx, Accumulate::Overwrite)
+    }
+
+    fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>> {
+        let x = f32_in("argmax", "x", x)?;
+        Ok(x.chunks(width.max(1))
+            .map(|row| {
+                let mut best = 0;
+                for (i, &v) in row.iter().enumerate() {
+                    if v > row[best] {
+                        best = i;
+                    }
+                }
+                best as u32
+            })
+            .collect())
+    }
+}
+
+/// Logits `[rows, vocab] = x · wᵀ` with `w` stored `[vocab, dim]`.
+fn logits_shape(s: HeadShape) -> MatmulShape {
+    MatmulShape {
+        m: s.rows,
+        n: s.vocab,
+        k: s.dim,
+        ta: Transpose::No,
+        tb: Transpose::Yes,
+    }
+}
+
+/// Softmax cross-entropy on host logits, in place.
+impl CpuBackend {
+    /// Replaces `[rows, vocab]` logits by their softmax and returns the summed loss of the
+    /// non-ignored rows (an f64 sum).
     fn cross_entropy_forward(
         &self,
         logits: &mut [f32],
@@ -84,6 +288,8 @@ impl TokenOps for CpuBackend {
         Ok(losses.iter().sum())
     }
 
+    /// Turns the probabilities into `dlogits = g · (p - onehot)` in place; ignored rows
+    /// become zero.
     fn cross_entropy_backward(&self, probs: &mut [f32], vocab: usize, targets: &[i32], g: f32) {
         probs
             .par_chunks_mut(vocab)

@@ -1,13 +1,11 @@
 //! One GPT-2 block: pre-LayerNorm attention and GELU MLP, each on a residual branch.
 
-use std::sync::Arc;
-
 use super::Gpt2Config;
 use crate::backend::{rng, Accumulate, AttentionGrads, AttentionShape, Backend, RowView};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{check_rows, Ctx, Grads, Init, Module, ParamSpec, Params};
-use crate::tensor::Tensor;
+use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params};
+use crate::tensor::{Tensor, ViewMut};
 use crate::Result;
 
 /// Dropout site tags within a block.
@@ -23,7 +21,6 @@ saved_struct!(
 pub struct Block {
     cfg: Gpt2Config,
     prefix: String,
-    be: Arc<dyn Backend>,
 }
 
 impl Block {
@@ -33,11 +30,10 @@ impl Block {
     }
 
     /// Block `index` of a model with `cfg`.
-    pub fn new(cfg: Gpt2Config, index: usize, be: Arc<dyn Backend>) -> Self {
+    pub fn new(cfg: Gpt2Config, index: usize) -> Self {
         Self {
             cfg,
             prefix: format!("transformer.h.{index}."),
-            be,
         }
     }
 
@@ -69,9 +65,8 @@ impl Block {
         })
     }
 
-    fn drop(&self, seed: u64, site: u64, x: &mut [f32]) {
-        self.be
-            .dropout(rng::derive(seed, site), self.cfg.resid_pdrop, x);
+    fn drop(&self, be: &dyn Backend, seed: u64, site: u64, x: ViewMut<'_>) -> Result<()> {
+        be.dropout(rng::derive(seed, site), self.cfg.resid_pdrop, x)
     }
 }
 
@@ -112,61 +107,62 @@ impl Module for Block {
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
         crate::nn::check_views(&self.prefix, p, None, &self.lens())?;
-        let (c, be) = (self.cfg.n_embd, &*self.be);
+        let (c, be) = (self.cfg.n_embd, ctx.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("gpt2 block", input, b * t, c)?;
         let eps = self.cfg.layer_norm_epsilon;
-        let x = input.data.clone();
-        let (mut mean1, mut rstd1, mut ln1) = (vec![0.0; n], vec![0.0; n], vec![0.0; n * c]);
+        let x = be.copy(input.view())?;
+        let (mut mean1, mut rstd1, mut ln1) = (stats(be, n)?, stats(be, n)?, act(be, n * c)?);
         be.layernorm_forward(
-            &x,
+            x.view(),
             p.get(0),
             p.get(1),
             eps,
-            &mut ln1,
-            &mut mean1,
-            &mut rstd1,
-        );
-        let mut qkv = vec![0.0; n * 3 * c];
-        self.lin(c, 3 * c)
-            .forward(be, &ln1, p.get(2), Some(p.get(3)), &mut qkv)?;
-        let shape = self.attn_shape(b, t);
-        let [qv, kv, vv] = self.qkv_views();
-        let mut probs = vec![0.0; b * self.cfg.n_head * t * t];
-        let mut att = vec![0.0; n * c];
-        be.attention_forward(
-            shape,
-            (&qkv, qv),
-            (&qkv, kv),
-            (&qkv, vv),
-            &mut probs,
-            &mut att,
+            ln1.view_mut(),
+            mean1.view_mut(),
+            rstd1.view_mut(),
         )?;
-        let mut x2 = vec![0.0; n * c];
+        let mut qkv = act(be, n * 3 * c)?;
+        self.lin(c, 3 * c)
+            .forward(be, ln1.view(), p.get(2), Some(p.get(3)), qkv.view_mut())?;
+        let [qv, kv, vv] = self.qkv_views();
+        let mut att = act(be, n * c)?;
+        let probs = be.attention_forward(
+            self.attn_shape(b, t),
+            (qkv.view(), qv),
+            (qkv.view(), kv),
+            (qkv.view(), vv),
+            att.view_mut(),
+        )?;
+        let mut x2 = act(be, n * c)?;
         self.lin(c, c)
-            .forward(be, &att, p.get(4), Some(p.get(5)), &mut x2)?;
-        self.drop(ctx.rng_seed, SITE_ATTN, &mut x2);
-        be.add_assign(&mut x2, &x);
-        let (mut mean2, mut rstd2, mut ln2) = (vec![0.0; n], vec![0.0; n], vec![0.0; n * c]);
+            .forward(be, att.view(), p.get(4), Some(p.get(5)), x2.view_mut())?;
+        self.drop(be, ctx.rng_seed, SITE_ATTN, x2.view_mut())?;
+        be.add_assign(x2.view_mut(), x.view())?;
+        let (mut mean2, mut rstd2, mut ln2) = (stats(be, n)?, stats(be, n)?, act(be, n * c)?);
         be.layernorm_forward(
-            &x2,
+            x2.view(),
             p.get(6),
             p.get(7),
             eps,
-            &mut ln2,
-            &mut mean2,
-            &mut rstd2,
-        );
-        let mut h = vec![0.0; n * 4 * c];
-        self.lin(c, 4 * c)
-            .forward(be, &ln2, p.get(8), Some(p.get(9)), &mut h)?;
-        let mut g = vec![0.0; n * 4 * c];
-        be.gelu_forward(&h, &mut g);
-        let mut out = vec![0.0; n * c];
+            ln2.view_mut(),
+            mean2.view_mut(),
+            rstd2.view_mut(),
+        )?;
+        let (mut h, mut g) = (act(be, n * 4 * c)?, act(be, n * 4 * c)?);
+        self.lin(c, 4 * c).forward_gelu(
+            be,
+            ln2.view(),
+            p.get(8),
+            p.get(9),
+            h.view_mut(),
+            g.view_mut(),
+        )?;
+        let mut out = act(be, n * c)?;
         self.lin(4 * c, c)
-            .forward(be, &g, p.get(10), Some(p.get(11)), &mut out)?;
-        self.drop(ctx.rng_seed, SITE_MLP, &mut out);
-        be.add_assign(&mut out, &x2);
+            .forward(be, g.view(), p.get(10), Some(p.get(11)), out.view_mut())?;
+        self.drop(be, ctx.rng_seed, SITE_MLP, out.view_mut())?;
+        be.add_assign(out.view_mut(), x2.view())?;
         if ctx.training {
             let s = BlockSaved {
                 x,
@@ -197,63 +193,103 @@ impl Module for Block {
     ) -> Result<Tensor> {
         crate::nn::check_views(&self.prefix, p, Some(gr), &self.lens())?;
         let s = take::<BlockSaved>(ctx.saved, &self.prefix)?;
-        let (c, be) = (self.cfg.n_embd, &*self.be);
+        let (c, be) = (self.cfg.n_embd, ctx.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("gpt2 block backward", grad_output, b * t, c)?;
         crate::nn::check_same_batch(&self.prefix, s.x.len(), ctx.batch, c)?;
         // MLP branch.
-        let mut dm = grad_output.data.clone();
-        self.drop(ctx.rng_seed, SITE_MLP, &mut dm);
-        let mut dg = vec![0.0; n * 4 * c];
+        let mut dm = be.copy(grad_output.view())?;
+        self.drop(be, ctx.rng_seed, SITE_MLP, dm.view_mut())?;
+        let mut dg = act(be, n * 4 * c)?;
         let fc2 = self.lin(4 * c, c);
-        fc2.backward_input(be, &dm, p.get(10), &mut dg, Accumulate::Overwrite)?;
+        fc2.backward_input(
+            be,
+            dm.view(),
+            p.get(10),
+            dg.view_mut(),
+            Accumulate::Overwrite,
+        )?;
         let (dw, db) = gr.pair_mut(10, 11);
-        fc2.backward_params(be, &s.g, &dm, dw, Some(db))?;
+        fc2.backward_params(be, s.g.view(), dm.view(), dw, Some(db))?;
         drop(dm);
-        let mut dh = vec![0.0; n * 4 * c];
-        be.gelu_backward(&s.h, &dg, &mut dh);
+        let mut dh = act(be, n * 4 * c)?;
+        be.gelu_backward(s.h.view(), dg.view(), dh.view_mut())?;
         drop(dg);
-        let mut dln2 = vec![0.0; n * c];
+        let mut dln2 = act(be, n * c)?;
         let fc1 = self.lin(c, 4 * c);
-        fc1.backward_input(be, &dh, p.get(8), &mut dln2, Accumulate::Overwrite)?;
+        fc1.backward_input(
+            be,
+            dh.view(),
+            p.get(8),
+            dln2.view_mut(),
+            Accumulate::Overwrite,
+        )?;
         let (dw, db) = gr.pair_mut(8, 9);
-        fc1.backward_params(be, &s.ln2, &dh, dw, Some(db))?;
+        fc1.backward_params(be, s.ln2.view(), dh.view(), dw, Some(db))?;
         drop(dh);
-        let mut dx2 = vec![0.0; n * c];
+        let mut dx2 = act(be, n * c)?;
         let (g6, g7) = gr.pair_mut(6, 7);
-        be.layernorm_backward(&s.x2, p.get(6), &s.mean2, &s.rstd2, &dln2, &mut dx2, g6, g7);
-        be.add_assign(&mut dx2, &grad_output.data);
+        be.layernorm_backward(
+            s.x2.view(),
+            p.get(6),
+            s.mean2.view(),
+            s.rstd2.view(),
+            dln2.view(),
+            dx2.view_mut(),
+            g6,
+            g7,
+        )?;
+        be.add_assign(dx2.view_mut(), grad_output.view())?;
         // Attention branch.
-        let mut da = dx2.clone();
-        self.drop(ctx.rng_seed, SITE_ATTN, &mut da);
+        let mut da = be.copy(dx2.view())?;
+        self.drop(be, ctx.rng_seed, SITE_ATTN, da.view_mut())?;
         let proj = self.lin(c, c);
         let mut datt = dln2;
-        proj.backward_input(be, &da, p.get(4), &mut datt, Accumulate::Overwrite)?;
+        proj.backward_input(
+            be,
+            da.view(),
+            p.get(4),
+            datt.view_mut(),
+            Accumulate::Overwrite,
+        )?;
         let (dw, db) = gr.pair_mut(4, 5);
-        proj.backward_params(be, &s.att, &da, dw, Some(db))?;
-        let mut dqkv = vec![0.0; n * 3 * c];
+        proj.backward_params(be, s.att.view(), da.view(), dw, Some(db))?;
+        let mut dqkv = act(be, n * 3 * c)?;
         let [qv, kv, vv] = self.qkv_views();
-        let q = (&s.qkv[..], qv);
-        let (k, v) = ((&s.qkv[..], kv), (&s.qkv[..], vv));
-        let shape = self.attn_shape(b, t);
         be.attention_backward(
-            shape,
-            q,
-            k,
-            v,
+            self.attn_shape(b, t),
+            (s.qkv.view(), qv),
+            (s.qkv.view(), kv),
+            (s.qkv.view(), vv),
+            s.att.view(),
             &s.probs,
-            &datt,
-            AttentionGrads::Fused(&mut dqkv),
+            datt.view(),
+            AttentionGrads::Fused(dqkv.view_mut()),
         )?;
         let qkv_lin = self.lin(c, 3 * c);
         let mut dln1 = da;
-        qkv_lin.backward_input(be, &dqkv, p.get(2), &mut dln1, Accumulate::Overwrite)?;
+        qkv_lin.backward_input(
+            be,
+            dqkv.view(),
+            p.get(2),
+            dln1.view_mut(),
+            Accumulate::Overwrite,
+        )?;
         let (dw, db) = gr.pair_mut(2, 3);
-        qkv_lin.backward_params(be, &s.ln1, &dqkv, dw, Some(db))?;
+        qkv_lin.backward_params(be, s.ln1.view(), dqkv.view(), dw, Some(db))?;
         let mut dx = datt;
         let (g0, g1) = gr.pair_mut(0, 1);
-        be.layernorm_backward(&s.x, p.get(0), &s.mean1, &s.rstd1, &dln1, &mut dx, g0, g1);
-        be.add_assign(&mut dx, &dx2);
+        be.layernorm_backward(
+            s.x.view(),
+            p.get(0),
+            s.mean1.view(),
+            s.rstd1.view(),
+            dln1.view(),
+            dx.view_mut(),
+            g0,
+            g1,
+        )?;
+        be.add_assign(dx.view_mut(), dx2.view())?;
         Tensor::new(grad_output.shape.clone(), dx)
     }
 

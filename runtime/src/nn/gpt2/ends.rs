@@ -1,14 +1,14 @@
 //! GPT-2's first and last units: token + position embedding, and final LayerNorm + tied LM
 //! head + summed cross-entropy.
 
-use std::sync::Arc;
-
 use super::Gpt2Config;
-use crate::backend::{rng, Accumulate, Backend};
+use crate::backend::{rng, Accumulate, Backend, HeadShape};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{check_rows, check_tokens, Ctx, Grads, Init, Module, ParamSpec, Params};
-use crate::tensor::Tensor;
+use crate::nn::{
+    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params,
+};
+use crate::tensor::{Storage, Tensor, View};
 use crate::Result;
 
 const SITE_EMBED: u64 = 0;
@@ -19,14 +19,14 @@ saved_struct!(
 );
 
 saved_struct!(
-    /// What the head keeps: its input, LayerNorm stats and output, and the softmax.
-    HeadSaved { x, mean, rstd, lnf, probs }
+    /// What the head keeps: its input, LayerNorm stats and output, and the loss's own state
+    /// (the CPU keeps the softmax; a device may keep per-row statistics only).
+    HeadSaved { x, mean, rstd, lnf, loss_state }
 );
 
 /// `embed`: `wte[token] + wpe[position]`, then embedding dropout.
 pub struct Embed {
     cfg: Gpt2Config,
-    be: Arc<dyn Backend>,
 }
 
 impl Embed {
@@ -39,12 +39,8 @@ impl Embed {
     }
 
     /// The embedding unit for `cfg`.
-    pub fn new(cfg: Gpt2Config, be: Arc<dyn Backend>) -> Self {
-        Self { cfg, be }
-    }
-
-    fn positions(&self, batch: usize, seq: usize) -> Vec<u32> {
-        (0..batch * seq).map(|i| (i % seq) as u32).collect()
+    pub fn new(cfg: Gpt2Config) -> Self {
+        Self { cfg }
     }
 }
 
@@ -63,22 +59,21 @@ impl Module for Embed {
         crate::nn::check_views("embed", p, None, &self.lens())?;
         let (b, t, c) = (ctx.batch.batch, ctx.batch.seq, self.cfg.n_embd);
         check_tokens(ctx.batch, self.cfg.n_positions)?;
-        let mut out = vec![0.0; b * t * c];
-        let be = &*self.be;
+        let be = ctx.be;
+        let mut out = act(be, b * t * c)?;
         be.embedding_forward(
-            &ctx.batch.tokens,
+            ctx.tokens(),
             p.get(1),
             c,
-            &mut out,
+            out.view_mut(),
             Accumulate::Overwrite,
         )?;
-        let pos = self.positions(b, t);
-        be.embedding_forward(&pos, p.get(0), c, &mut out, Accumulate::Add)?;
+        be.position_forward(p.get(0), b, t, out.view_mut())?;
         be.dropout(
             rng::derive(ctx.rng_seed, SITE_EMBED),
             self.cfg.embd_pdrop,
-            &mut out,
-        );
+            out.view_mut(),
+        )?;
         if ctx.training {
             *ctx.saved = Some(Box::new(EmbedSaved {}));
         }
@@ -96,15 +91,15 @@ impl Module for Embed {
         take::<EmbedSaved>(ctx.saved, "embed")?;
         let (b, t, c) = (ctx.batch.batch, ctx.batch.seq, self.cfg.n_embd);
         check_rows("gpt2 embed backward", grad_output, b * t, c)?;
-        let mut g = grad_output.data.clone();
-        let be = &*self.be;
+        let be = ctx.be;
+        let mut g = be.copy(grad_output.view())?;
         be.dropout(
             rng::derive(ctx.rng_seed, SITE_EMBED),
             self.cfg.embd_pdrop,
-            &mut g,
-        );
-        be.embedding_backward(&ctx.batch.tokens, &g, c, gr.get_mut(1));
-        be.embedding_backward(&self.positions(b, t), &g, c, gr.get_mut(0));
+            g.view_mut(),
+        )?;
+        be.embedding_backward(ctx.tokens(), g.view(), c, gr.get_mut(1))?;
+        be.position_backward(g.view(), b, t, gr.get_mut(0))?;
         Ok(Tensor::default())
     }
 
@@ -120,7 +115,6 @@ impl Module for Embed {
 /// `head`: `ln_f`, logits `= ln_f(x) · wteᵀ`, and the summed token cross-entropy.
 pub struct Head {
     cfg: Gpt2Config,
-    be: Arc<dyn Backend>,
 }
 
 impl Head {
@@ -134,8 +128,8 @@ impl Head {
     }
 
     /// The head unit for `cfg`.
-    pub fn new(cfg: Gpt2Config, be: Arc<dyn Backend>) -> Self {
-        Self { cfg, be }
+    pub fn new(cfg: Gpt2Config) -> Self {
+        Self { cfg }
     }
 
     fn lm(&self) -> Linear {
@@ -146,25 +140,40 @@ impl Head {
         }
     }
 
-    /// Logits `[rows, vocab]` for hidden states `[rows, n_embd]`, plus LayerNorm mean,
-    /// rstd and output (params: `ln_f.weight`, `ln_f.bias`, `wte`).
-    fn logits_parts(&self, p: &Params<'_>, x: &[f32]) -> Result<[Vec<f32>; 4]> {
+    fn head_shape(&self, rows: usize) -> HeadShape {
+        HeadShape {
+            rows,
+            dim: self.cfg.n_embd,
+            vocab: self.cfg.vocab_size,
+        }
+    }
+
+    /// `ln_f` of hidden states `[rows, n_embd]`: `[mean, rstd, lnf]` (params: `ln_f.weight`,
+    /// `ln_f.bias`, ...).
+    fn final_norm(&self, be: &dyn Backend, p: &Params<'_>, x: View<'_>) -> Result<[Storage; 3]> {
         let (c, n) = (self.cfg.n_embd, x.len() / self.cfg.n_embd);
-        let (mut mean, mut rstd, mut lnf) = (vec![0.0; n], vec![0.0; n], vec![0.0; n * c]);
+        let (mut mean, mut rstd, mut lnf) = (stats(be, n)?, stats(be, n)?, act(be, n * c)?);
         let eps = self.cfg.layer_norm_epsilon;
-        self.be
-            .layernorm_forward(x, p.get(0), p.get(1), eps, &mut lnf, &mut mean, &mut rstd);
-        let mut logits = vec![0.0; n * self.cfg.vocab_size];
-        self.lm()
-            .forward(&*self.be, &lnf, p.get(2), None, &mut logits)?;
-        Ok([logits, mean, rstd, lnf])
+        be.layernorm_forward(
+            x,
+            p.get(0),
+            p.get(1),
+            eps,
+            lnf.view_mut(),
+            mean.view_mut(),
+            rstd.view_mut(),
+        )?;
+        Ok([mean, rstd, lnf])
     }
 
     /// Logits `[rows, vocab_size]` for hidden states `[.., n_embd]` (inference and tests).
-    pub fn logits(&self, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
+    pub fn logits(&self, be: &dyn Backend, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
         let rows = input.numel() / self.cfg.n_embd.max(1);
         check_rows("gpt2 head logits", input, rows, self.cfg.n_embd)?;
-        let [logits, ..] = self.logits_parts(p, &input.data)?;
+        let [_, _, lnf] = self.final_norm(be, p, input.view())?;
+        let mut logits = act(be, rows * self.cfg.vocab_size)?;
+        self.lm()
+            .forward(be, lnf.view(), p.get(2), None, logits.view_mut())?;
         Tensor::new(vec![rows, self.cfg.vocab_size], logits)
     }
 }
@@ -190,23 +199,26 @@ impl Module for Head {
         crate::nn::check_views("head", p, None, &self.lens())?;
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         check_tokens(ctx.batch, usize::MAX)?;
-        check_rows("gpt2 head", input, b * t, self.cfg.n_embd)?;
-        let [mut probs, mean, rstd, lnf] = self.logits_parts(p, &input.data)?;
-        let v = self.cfg.vocab_size;
-        let loss = self
-            .be
-            .cross_entropy_forward(&mut probs, v, &ctx.batch.targets)?;
-        if ctx.training {
-            let x = input.data.clone();
+        let n = check_rows("gpt2 head", input, b * t, self.cfg.n_embd)?;
+        let be = ctx.be;
+        let [mean, rstd, lnf] = self.final_norm(be, p, input.view())?;
+        let out = be.head_loss_forward(
+            self.head_shape(n),
+            lnf.view(),
+            p.get(2),
+            ctx.targets(),
+            ctx.training,
+        )?;
+        if let (true, Some(loss_state)) = (ctx.training, out.saved) {
             *ctx.saved = Some(Box::new(HeadSaved {
-                x,
+                x: be.copy(input.view())?,
                 mean,
                 rstd,
                 lnf,
-                probs,
+                loss_state,
             }));
         }
-        Ok(Tensor::scalar(loss as f32))
+        Tensor::new(vec![1], out.loss)
     }
 
     fn backward(
@@ -219,20 +231,32 @@ impl Module for Head {
         crate::nn::check_views("head", p, Some(gr), &self.lens())?;
         let s = take::<HeadSaved>(ctx.saved, "head")?;
         let g = crate::nn::loss_grad(grad_output)?;
-        let (c, v, be) = (self.cfg.n_embd, self.cfg.vocab_size, &*self.be);
+        let (c, be) = (self.cfg.n_embd, ctx.be);
         crate::nn::check_same_batch("head", s.x.len(), ctx.batch, c)?;
         let n = s.x.len() / c;
-        let mut dlogits = s.probs;
-        be.cross_entropy_backward(&mut dlogits, v, &ctx.batch.targets, g);
-        self.lm()
-            .backward_params(be, &s.lnf, &dlogits, gr.get_mut(2), None)?;
-        let mut dlnf = vec![0.0; n * c];
-        self.lm()
-            .backward_input(be, &dlogits, p.get(2), &mut dlnf, Accumulate::Overwrite)?;
-        drop(dlogits);
-        let mut dx = vec![0.0; n * c];
+        let mut dlnf = act(be, n * c)?;
+        be.head_loss_backward(
+            self.head_shape(n),
+            s.lnf.view(),
+            p.get(2),
+            ctx.targets(),
+            s.loss_state,
+            g,
+            dlnf.view_mut(),
+            gr.get_mut(2),
+        )?;
+        let mut dx = act(be, n * c)?;
         let (g0, g1) = gr.pair_mut(0, 1);
-        be.layernorm_backward(&s.x, p.get(0), &s.mean, &s.rstd, &dlnf, &mut dx, g0, g1);
+        be.layernorm_backward(
+            s.x.view(),
+            p.get(0),
+            s.mean.view(),
+            s.rstd.view(),
+            dlnf.view(),
+            dx.view_mut(),
+            g0,
+            g1,
+        )?;
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, c], dx)
     }
 
@@ -247,14 +271,13 @@ impl Module for Head {
 
     fn predict(
         &self,
-        _ctx: &mut Ctx<'_>,
+        ctx: &mut Ctx<'_>,
         p: &Params<'_>,
         input: &Tensor,
     ) -> Result<Option<Vec<u32>>> {
-        let logits = self.logits(p, input)?;
-        Ok(Some(crate::nn::module::argmax_rows(
-            &logits.data,
-            self.cfg.vocab_size,
-        )))
+        let logits = self.logits(ctx.be, p, input)?;
+        Ok(Some(
+            ctx.be.argmax_rows(logits.view(), self.cfg.vocab_size)?,
+        ))
     }
 }

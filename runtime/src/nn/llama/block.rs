@@ -1,14 +1,12 @@
 //! One Llama block: RMSNorm → GQA attention with RoPE → residual, RMSNorm → SwiGLU MLP →
 //! residual.
 
-use std::sync::Arc;
-
 use super::LlamaConfig;
 use crate::backend::{Accumulate, AttentionGrads, AttentionShape, Backend, Rotation, RowView};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{check_rows, Ctx, Grads, Init, Module, ParamSpec, Params};
-use crate::tensor::Tensor;
+use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params};
+use crate::tensor::{Tensor, ViewMut};
 use crate::Result;
 
 saved_struct!(
@@ -31,7 +29,6 @@ const NORM2: usize = 8;
 pub struct Block {
     cfg: LlamaConfig,
     prefix: String,
-    be: Arc<dyn Backend>,
 }
 
 impl Block {
@@ -41,11 +38,10 @@ impl Block {
     }
 
     /// Block `index` of a model with `cfg`.
-    pub fn new(cfg: LlamaConfig, index: usize, be: Arc<dyn Backend>) -> Self {
+    pub fn new(cfg: LlamaConfig, index: usize) -> Self {
         Self {
             cfg,
             prefix: format!("model.layers.{index}."),
-            be,
         }
     }
 
@@ -73,9 +69,18 @@ impl Block {
         }
     }
 
-    fn rope(&self, x: &mut [f32], heads: usize, b: usize, t: usize, dir: Rotation) {
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        be: &dyn Backend,
+        x: ViewMut<'_>,
+        heads: usize,
+        b: usize,
+        t: usize,
+        dir: Rotation,
+    ) -> Result<()> {
         let (d, theta) = (self.cfg.head_dim(), self.cfg.rope_theta);
-        self.be.rope(x, b, t, heads, d, theta, dir);
+        be.rope(x, b, t, heads, d, theta, dir)
     }
 }
 
@@ -110,41 +115,46 @@ impl Module for Block {
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
         crate::nn::check_views(&self.prefix, p, None, &self.lens())?;
-        let (hd, im, be) = (self.cfg.hidden_size, self.cfg.intermediate_size, &*self.be);
+        let (hd, im, be) = (self.cfg.hidden_size, self.cfg.intermediate_size, ctx.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("llama block", input, b * t, hd)?;
         let (qw, kvw) = self.widths();
+        let (hq, hkv) = (self.cfg.num_attention_heads, self.cfg.kv_heads());
         let eps = self.cfg.rms_norm_eps;
-        let x = input.data.clone();
-        let (mut rstd1, mut n1) = (vec![0.0; n], vec![0.0; n * hd]);
-        be.rmsnorm_forward(&x, p.get(NORM1), eps, &mut n1, &mut rstd1);
-        let (mut q, mut k, mut v) = (vec![0.0; n * qw], vec![0.0; n * kvw], vec![0.0; n * kvw]);
-        Self::lin(hd, qw).forward(be, &n1, p.get(WQ), None, &mut q)?;
-        Self::lin(hd, kvw).forward(be, &n1, p.get(WK), None, &mut k)?;
-        Self::lin(hd, kvw).forward(be, &n1, p.get(WV), None, &mut v)?;
-        self.rope(
-            &mut q,
-            self.cfg.num_attention_heads,
-            b,
-            t,
-            Rotation::Forward,
-        );
-        self.rope(&mut k, self.cfg.kv_heads(), b, t, Rotation::Forward);
-        let shape = self.attn_shape(b, t);
-        let mut probs = vec![0.0; b * self.cfg.num_attention_heads * t * t];
-        let mut att = vec![0.0; n * qw];
-        let (qv, kv) = ((&q[..], view(qw)), (&k[..], view(kvw)));
-        be.attention_forward(shape, qv, kv, (&v, view(kvw)), &mut probs, &mut att)?;
-        let mut x2 = x.clone();
-        Self::lin(qw, hd).forward_add(be, &att, p.get(WO), &mut x2)?;
-        let (mut rstd2, mut n2) = (vec![0.0; n], vec![0.0; n * hd]);
-        be.rmsnorm_forward(&x2, p.get(NORM2), eps, &mut n2, &mut rstd2);
-        let (mut gate, mut up, mut act) = (vec![0.0; n * im], vec![0.0; n * im], vec![0.0; n * im]);
-        Self::lin(hd, im).forward(be, &n2, p.get(WG), None, &mut gate)?;
-        Self::lin(hd, im).forward(be, &n2, p.get(WU), None, &mut up)?;
-        be.swiglu_forward(&gate, &up, &mut act);
-        let mut out = x2.clone();
-        Self::lin(im, hd).forward_add(be, &act, p.get(WD), &mut out)?;
+        let x = be.copy(input.view())?;
+        let (mut rstd1, mut n1) = (stats(be, n)?, act(be, n * hd)?);
+        be.rmsnorm_forward(x.view(), p.get(NORM1), eps, n1.view_mut(), rstd1.view_mut())?;
+        let (mut q, mut k, mut v) = (act(be, n * qw)?, act(be, n * kvw)?, act(be, n * kvw)?);
+        Self::lin(hd, qw).forward(be, n1.view(), p.get(WQ), None, q.view_mut())?;
+        Self::lin(hd, kvw).forward(be, n1.view(), p.get(WK), None, k.view_mut())?;
+        Self::lin(hd, kvw).forward(be, n1.view(), p.get(WV), None, v.view_mut())?;
+        self.rope(be, q.view_mut(), hq, b, t, Rotation::Forward)?;
+        self.rope(be, k.view_mut(), hkv, b, t, Rotation::Forward)?;
+        let mut att = act(be, n * qw)?;
+        let probs = be.attention_forward(
+            self.attn_shape(b, t),
+            (q.view(), view(qw)),
+            (k.view(), view(kvw)),
+            (v.view(), view(kvw)),
+            att.view_mut(),
+        )?;
+        let mut x2 = be.copy(x.view())?;
+        Self::lin(qw, hd).forward_add(be, att.view(), p.get(WO), x2.view_mut())?;
+        let (mut rstd2, mut n2) = (stats(be, n)?, act(be, n * hd)?);
+        be.rmsnorm_forward(
+            x2.view(),
+            p.get(NORM2),
+            eps,
+            n2.view_mut(),
+            rstd2.view_mut(),
+        )?;
+        let (mut gate, mut up) = (act(be, n * im)?, act(be, n * im)?);
+        Self::lin(hd, im).forward(be, n2.view(), p.get(WG), None, gate.view_mut())?;
+        Self::lin(hd, im).forward(be, n2.view(), p.get(WU), None, up.view_mut())?;
+        let mut act_out = act(be, n * im)?;
+        be.swiglu_forward(gate.view(), up.view(), act_out.view_mut())?;
+        let mut out = be.copy(x2.view())?;
+        Self::lin(im, hd).forward_add(be, act_out.view(), p.get(WD), out.view_mut())?;
         if ctx.training {
             let s = BlockSaved {
                 x,
@@ -160,7 +170,7 @@ impl Module for Block {
                 n2,
                 gate,
                 up,
-                act,
+                act: act_out,
             };
             *ctx.saved = Some(Box::new(s));
         }
@@ -176,79 +186,103 @@ impl Module for Block {
     ) -> Result<Tensor> {
         crate::nn::check_views(&self.prefix, p, Some(gr), &self.lens())?;
         let s = take::<BlockSaved>(ctx.saved, &self.prefix)?;
-        let (hd, im, be) = (self.cfg.hidden_size, self.cfg.intermediate_size, &*self.be);
+        let (hd, im, be) = (self.cfg.hidden_size, self.cfg.intermediate_size, ctx.be);
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("llama block backward", grad_output, b * t, hd)?;
         crate::nn::check_same_batch(&self.prefix, s.x.len(), ctx.batch, hd)?;
         let (qw, kvw) = self.widths();
-        let dout = &grad_output.data;
+        let (hq, hkv) = (self.cfg.num_attention_heads, self.cfg.kv_heads());
+        let dout = grad_output.view();
         // MLP branch.
         let down = Self::lin(im, hd);
-        let mut dact = vec![0.0; n * im];
-        down.backward_input(be, dout, p.get(WD), &mut dact, Accumulate::Overwrite)?;
-        down.backward_params(be, &s.act, dout, gr.get_mut(WD), None)?;
-        let (mut dgate, mut dup) = (vec![0.0; n * im], vec![0.0; n * im]);
-        be.swiglu_backward(&s.gate, &s.up, &dact, &mut dgate, &mut dup);
+        let mut dact = act(be, n * im)?;
+        down.backward_input(be, dout, p.get(WD), dact.view_mut(), Accumulate::Overwrite)?;
+        down.backward_params(be, s.act.view(), dout, gr.get_mut(WD), None)?;
+        let (mut dgate, mut dup) = (act(be, n * im)?, act(be, n * im)?);
+        be.swiglu_backward(
+            s.gate.view(),
+            s.up.view(),
+            dact.view(),
+            dgate.view_mut(),
+            dup.view_mut(),
+        )?;
         drop(dact);
         let gu = Self::lin(hd, im);
-        let mut dn2 = vec![0.0; n * hd];
-        gu.backward_input(be, &dgate, p.get(WG), &mut dn2, Accumulate::Overwrite)?;
-        gu.backward_input(be, &dup, p.get(WU), &mut dn2, Accumulate::Add)?;
-        gu.backward_params(be, &s.n2, &dgate, gr.get_mut(WG), None)?;
-        gu.backward_params(be, &s.n2, &dup, gr.get_mut(WU), None)?;
+        let mut dn2 = act(be, n * hd)?;
+        gu.backward_input(
+            be,
+            dgate.view(),
+            p.get(WG),
+            dn2.view_mut(),
+            Accumulate::Overwrite,
+        )?;
+        gu.backward_input(be, dup.view(), p.get(WU), dn2.view_mut(), Accumulate::Add)?;
+        gu.backward_params(be, s.n2.view(), dgate.view(), gr.get_mut(WG), None)?;
+        gu.backward_params(be, s.n2.view(), dup.view(), gr.get_mut(WU), None)?;
         drop((dgate, dup));
-        let mut dx2 = vec![0.0; n * hd];
+        let mut dx2 = act(be, n * hd)?;
         be.rmsnorm_backward(
-            &s.x2,
+            s.x2.view(),
             p.get(NORM2),
-            &s.rstd2,
-            &dn2,
-            &mut dx2,
+            s.rstd2.view(),
+            dn2.view(),
+            dx2.view_mut(),
             gr.get_mut(NORM2),
-        );
-        be.add_assign(&mut dx2, dout);
+        )?;
+        be.add_assign(dx2.view_mut(), dout)?;
         // Attention branch.
         let o = Self::lin(qw, hd);
-        let mut datt = vec![0.0; n * qw];
-        o.backward_input(be, &dx2, p.get(WO), &mut datt, Accumulate::Overwrite)?;
-        o.backward_params(be, &s.att, &dx2, gr.get_mut(WO), None)?;
-        let (mut dq, mut dk, mut dv) = (vec![0.0; n * qw], vec![0.0; n * kvw], vec![0.0; n * kvw]);
-        let (qv, kv, vv) = (
-            (&s.q[..], view(qw)),
-            (&s.k[..], view(kvw)),
-            (&s.v[..], view(kvw)),
-        );
+        let mut datt = act(be, n * qw)?;
+        o.backward_input(
+            be,
+            dx2.view(),
+            p.get(WO),
+            datt.view_mut(),
+            Accumulate::Overwrite,
+        )?;
+        o.backward_params(be, s.att.view(), dx2.view(), gr.get_mut(WO), None)?;
+        let (mut dq, mut dk, mut dv) = (act(be, n * qw)?, act(be, n * kvw)?, act(be, n * kvw)?);
         let grads = AttentionGrads::Split {
-            dq: &mut dq,
-            dk: &mut dk,
-            dv: &mut dv,
+            dq: dq.view_mut(),
+            dk: dk.view_mut(),
+            dv: dv.view_mut(),
         };
-        be.attention_backward(self.attn_shape(b, t), qv, kv, vv, &s.probs, &datt, grads)?;
-        self.rope(
-            &mut dq,
-            self.cfg.num_attention_heads,
-            b,
-            t,
-            Rotation::Inverse,
-        );
-        self.rope(&mut dk, self.cfg.kv_heads(), b, t, Rotation::Inverse);
+        be.attention_backward(
+            self.attn_shape(b, t),
+            (s.q.view(), view(qw)),
+            (s.k.view(), view(kvw)),
+            (s.v.view(), view(kvw)),
+            s.att.view(),
+            &s.probs,
+            datt.view(),
+            grads,
+        )?;
+        self.rope(be, dq.view_mut(), hq, b, t, Rotation::Inverse)?;
+        self.rope(be, dk.view_mut(), hkv, b, t, Rotation::Inverse)?;
         let mut dn1 = dn2;
-        Self::lin(hd, qw).backward_input(be, &dq, p.get(WQ), &mut dn1, Accumulate::Overwrite)?;
-        Self::lin(hd, kvw).backward_input(be, &dk, p.get(WK), &mut dn1, Accumulate::Add)?;
-        Self::lin(hd, kvw).backward_input(be, &dv, p.get(WV), &mut dn1, Accumulate::Add)?;
-        Self::lin(hd, qw).backward_params(be, &s.n1, &dq, gr.get_mut(WQ), None)?;
-        Self::lin(hd, kvw).backward_params(be, &s.n1, &dk, gr.get_mut(WK), None)?;
-        Self::lin(hd, kvw).backward_params(be, &s.n1, &dv, gr.get_mut(WV), None)?;
-        let mut dx = vec![0.0; n * hd];
+        let (lq, lkv) = (Self::lin(hd, qw), Self::lin(hd, kvw));
+        lq.backward_input(
+            be,
+            dq.view(),
+            p.get(WQ),
+            dn1.view_mut(),
+            Accumulate::Overwrite,
+        )?;
+        lkv.backward_input(be, dk.view(), p.get(WK), dn1.view_mut(), Accumulate::Add)?;
+        lkv.backward_input(be, dv.view(), p.get(WV), dn1.view_mut(), Accumulate::Add)?;
+        lq.backward_params(be, s.n1.view(), dq.view(), gr.get_mut(WQ), None)?;
+        lkv.backward_params(be, s.n1.view(), dk.view(), gr.get_mut(WK), None)?;
+        lkv.backward_params(be, s.n1.view(), dv.view(), gr.get_mut(WV), None)?;
+        let mut dx = act(be, n * hd)?;
         be.rmsnorm_backward(
-            &s.x,
+            s.x.view(),
             p.get(NORM1),
-            &s.rstd1,
-            &dn1,
-            &mut dx,
+            s.rstd1.view(),
+            dn1.view(),
+            dx.view_mut(),
             gr.get_mut(NORM1),
-        );
-        be.add_assign(&mut dx, &dx2);
+        )?;
+        be.add_assign(dx.view_mut(), dx2.view())?;
         Tensor::new(grad_output.shape.clone(), dx)
     }
 

@@ -1,14 +1,14 @@
 //! Llama's first and last units: token embedding, and final RMSNorm + LM head + summed
 //! cross-entropy. With tied embeddings the table is the unit's last (shared) parameter.
 
-use std::sync::Arc;
-
 use super::LlamaConfig;
-use crate::backend::{Accumulate, Backend};
+use crate::backend::{Accumulate, Backend, HeadShape};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{check_rows, check_tokens, Ctx, Grads, Init, Module, ParamSpec, Params};
-use crate::tensor::Tensor;
+use crate::nn::{
+    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params,
+};
+use crate::tensor::{Storage, Tensor, View};
 use crate::Result;
 
 saved_struct!(
@@ -17,8 +17,8 @@ saved_struct!(
 );
 
 saved_struct!(
-    /// What the head keeps: its input, RMSNorm stats and output, and the softmax.
-    HeadSaved { x, rstd, normed, probs }
+    /// What the head keeps: its input, RMSNorm stats and output, and the loss's own state.
+    HeadSaved { x, rstd, normed, loss_state }
 );
 
 fn table_spec(cfg: &LlamaConfig, name: &str) -> ParamSpec {
@@ -34,7 +34,6 @@ fn table_spec(cfg: &LlamaConfig, name: &str) -> ParamSpec {
 /// `embed`: `embed_tokens[token]`.
 pub struct Embed {
     cfg: LlamaConfig,
-    be: Arc<dyn Backend>,
 }
 
 impl Embed {
@@ -44,8 +43,8 @@ impl Embed {
     }
 
     /// The embedding unit for `cfg`.
-    pub fn new(cfg: LlamaConfig, be: Arc<dyn Backend>) -> Self {
-        Self { cfg, be }
+    pub fn new(cfg: LlamaConfig) -> Self {
+        Self { cfg }
     }
 }
 
@@ -62,12 +61,12 @@ impl Module for Embed {
         crate::nn::check_views("embed", p, None, &self.lens())?;
         let (b, t, h) = (ctx.batch.batch, ctx.batch.seq, self.cfg.hidden_size);
         check_tokens(ctx.batch, self.cfg.max_position_embeddings)?;
-        let mut out = vec![0.0; b * t * h];
-        self.be.embedding_forward(
-            &ctx.batch.tokens,
+        let mut out = act(ctx.be, b * t * h)?;
+        ctx.be.embedding_forward(
+            ctx.tokens(),
             p.get(0),
             h,
-            &mut out,
+            out.view_mut(),
             Accumulate::Overwrite,
         )?;
         if ctx.training {
@@ -87,8 +86,8 @@ impl Module for Embed {
         take::<EmbedSaved>(ctx.saved, "embed")?;
         let (b, t, h) = (ctx.batch.batch, ctx.batch.seq, self.cfg.hidden_size);
         check_rows("llama embed backward", grad_output, b * t, h)?;
-        self.be
-            .embedding_backward(&ctx.batch.tokens, &grad_output.data, h, gr.get_mut(0));
+        ctx.be
+            .embedding_backward(ctx.tokens(), grad_output.view(), h, gr.get_mut(0))?;
         Ok(Tensor::default())
     }
 
@@ -104,7 +103,6 @@ impl Module for Embed {
 /// `head`: `model.norm`, logits `= norm(x) · lm_headᵀ`, and the summed cross-entropy.
 pub struct Head {
     cfg: LlamaConfig,
-    be: Arc<dyn Backend>,
 }
 
 impl Head {
@@ -117,8 +115,8 @@ impl Head {
     }
 
     /// The head unit for `cfg`.
-    pub fn new(cfg: LlamaConfig, be: Arc<dyn Backend>) -> Self {
-        Self { cfg, be }
+    pub fn new(cfg: LlamaConfig) -> Self {
+        Self { cfg }
     }
 
     fn lm(&self) -> Linear {
@@ -127,6 +125,20 @@ impl Head {
             d_out: self.cfg.vocab_size,
             layout: WeightLayout::OutIn,
         }
+    }
+
+    /// `model.norm` of `[rows, hidden]` states: `[rstd, normed]`.
+    fn final_norm(&self, be: &dyn Backend, p: &Params<'_>, x: View<'_>) -> Result<[Storage; 2]> {
+        let (h, n) = (self.cfg.hidden_size, x.len() / self.cfg.hidden_size.max(1));
+        let (mut rstd, mut normed) = (stats(be, n)?, act(be, n * h)?);
+        be.rmsnorm_forward(
+            x,
+            p.get(0),
+            self.cfg.rms_norm_eps,
+            normed.view_mut(),
+            rstd.view_mut(),
+        )?;
+        Ok([rstd, normed])
     }
 }
 
@@ -147,53 +159,42 @@ impl Module for Head {
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
         crate::nn::check_views("head", p, None, &self.lens())?;
-        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, &*self.be);
+        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, ctx.be);
         check_tokens(ctx.batch, usize::MAX)?;
         let n = check_rows("llama head", input, ctx.batch.batch * ctx.batch.seq, h)?;
-        let (mut rstd, mut normed) = (vec![0.0; n], vec![0.0; n * h]);
-        be.rmsnorm_forward(
-            &input.data,
-            p.get(0),
-            self.cfg.rms_norm_eps,
-            &mut normed,
-            &mut rstd,
-        );
-        let mut probs = vec![0.0; n * v];
-        self.lm().forward(be, &normed, p.get(1), None, &mut probs)?;
-        let loss = be.cross_entropy_forward(&mut probs, v, &ctx.batch.targets)?;
-        if ctx.training {
-            let x = input.data.clone();
+        let [rstd, normed] = self.final_norm(be, p, input.view())?;
+        let shape = HeadShape {
+            rows: n,
+            dim: h,
+            vocab: v,
+        };
+        let out =
+            be.head_loss_forward(shape, normed.view(), p.get(1), ctx.targets(), ctx.training)?;
+        if let (true, Some(loss_state)) = (ctx.training, out.saved) {
             *ctx.saved = Some(Box::new(HeadSaved {
-                x,
+                x: be.copy(input.view())?,
                 rstd,
                 normed,
-                probs,
+                loss_state,
             }));
         }
-        Ok(Tensor::scalar(loss as f32))
+        Tensor::new(vec![1], out.loss)
     }
 
     fn predict(
         &self,
-        _ctx: &mut Ctx<'_>,
+        ctx: &mut Ctx<'_>,
         p: &Params<'_>,
         input: &Tensor,
     ) -> Result<Option<Vec<u32>>> {
-        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, &*self.be);
+        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, ctx.be);
         let n = input.numel() / h.max(1);
         check_rows("llama head predict", input, n, h)?;
-        let (mut rstd, mut normed) = (vec![0.0; n], vec![0.0; n * h]);
-        be.rmsnorm_forward(
-            &input.data,
-            p.get(0),
-            self.cfg.rms_norm_eps,
-            &mut normed,
-            &mut rstd,
-        );
-        let mut logits = vec![0.0; n * v];
+        let [_, normed] = self.final_norm(be, p, input.view())?;
+        let mut logits = act(be, n * v)?;
         self.lm()
-            .forward(be, &normed, p.get(1), None, &mut logits)?;
-        Ok(Some(crate::nn::module::argmax_rows(&logits, v)))
+            .forward(be, normed.view(), p.get(1), None, logits.view_mut())?;
+        Ok(Some(be.argmax_rows(logits.view(), v)?))
     }
 
     fn backward(
@@ -206,19 +207,34 @@ impl Module for Head {
         crate::nn::check_views("head", p, Some(gr), &self.lens())?;
         let s = take::<HeadSaved>(ctx.saved, "head")?;
         let g = crate::nn::loss_grad(grad_output)?;
-        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, &*self.be);
+        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, ctx.be);
         crate::nn::check_same_batch("head", s.x.len(), ctx.batch, h)?;
         let n = s.x.len() / h;
-        let mut dlogits = s.probs;
-        be.cross_entropy_backward(&mut dlogits, v, &ctx.batch.targets, g);
-        self.lm()
-            .backward_params(be, &s.normed, &dlogits, gr.get_mut(1), None)?;
-        let mut dnormed = vec![0.0; n * h];
-        self.lm()
-            .backward_input(be, &dlogits, p.get(1), &mut dnormed, Accumulate::Overwrite)?;
-        drop(dlogits);
-        let mut dx = vec![0.0; n * h];
-        be.rmsnorm_backward(&s.x, p.get(0), &s.rstd, &dnormed, &mut dx, gr.get_mut(0));
+        let shape = HeadShape {
+            rows: n,
+            dim: h,
+            vocab: v,
+        };
+        let mut dnormed = act(be, n * h)?;
+        be.head_loss_backward(
+            shape,
+            s.normed.view(),
+            p.get(1),
+            ctx.targets(),
+            s.loss_state,
+            g,
+            dnormed.view_mut(),
+            gr.get_mut(1),
+        )?;
+        let mut dx = act(be, n * h)?;
+        be.rmsnorm_backward(
+            s.x.view(),
+            p.get(0),
+            s.rstd.view(),
+            dnormed.view(),
+            dx.view_mut(),
+            gr.get_mut(0),
+        )?;
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, h], dx)
     }
 

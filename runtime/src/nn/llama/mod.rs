@@ -18,14 +18,11 @@
 mod block;
 mod ends;
 
-use std::sync::Arc;
-
 use serde::Deserialize;
 
 pub use block::Block;
 pub use ends::{Embed, Head};
 
-use crate::backend::{self, Backend};
 use crate::nn::{Init, Model, ParamSpec, Unit};
 use crate::{Error, Result};
 
@@ -159,13 +156,9 @@ impl LlamaConfig {
     }
 }
 
-/// Builds the model on the CPU backend.
+/// Builds the model. It holds no device: the engine (or whoever calls the modules) passes
+/// the backend in each call's [`crate::nn::Ctx`], so one model runs on any device.
 pub fn build(cfg: &LlamaConfig) -> Result<Model> {
-    build_on(cfg, backend::cpu())
-}
-
-/// Builds the model on a given backend.
-pub fn build_on(cfg: &LlamaConfig, be: Arc<dyn Backend>) -> Result<Model> {
     cfg.validate()?;
     let table = ParamSpec {
         name: "model.embed_tokens.weight".into(),
@@ -181,19 +174,19 @@ pub fn build_on(cfg: &LlamaConfig, be: Arc<dyn Backend>) -> Result<Model> {
     };
     let mut units = vec![Unit {
         name: "embed".into(),
-        module: Box::new(Embed::new(cfg.clone(), be.clone())),
+        module: Box::new(Embed::new(cfg.clone())),
         uses_shared: uses.clone(),
     }];
     for i in 0..cfg.num_hidden_layers {
         units.push(Unit {
             name: format!("layers.{i}"),
-            module: Box::new(Block::new(cfg.clone(), i, be.clone())),
+            module: Box::new(Block::new(cfg.clone(), i)),
             uses_shared: vec![],
         });
     }
     units.push(Unit {
         name: "head".into(),
-        module: Box::new(Head::new(cfg.clone(), be)),
+        module: Box::new(Head::new(cfg.clone())),
         uses_shared: uses,
     });
     Ok(Model { shared, units })
