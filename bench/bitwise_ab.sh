@@ -22,6 +22,20 @@ EOF
 bf16_cfg 0 false false > bf16_s0.json
 bf16_cfg 3 true true > bf16_s3_ckpt.json
 bf16_cfg 1 false false > bf16_s1.json
+# SGD with momentum and Lion, and ZeRO-Infinity (optimizer state and stage-3 parameters on NVMe).
+echo '{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "seed": 3,
+ "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "nesterov": true, "weight_decay": 0.01}}}' > sgd.json
+echo '{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "seed": 3, "bf16": {"enabled": true},
+ "zero_optimization": {"stage": 1}, "optimizer": {"type": "Lion", "params": {"lr": 1e-4, "weight_decay": 0.1}}}' > lion.json
+nvme_cfg() {  # swap directory
+  echo "{\"train_micro_batch_size_per_gpu\": 4, \"gradient_accumulation_steps\": 2, \"seed\": 5, \"bf16\": {\"enabled\": true},
+ \"zero_optimization\": {\"stage\": 3, \"sub_group_size\": 1000,
+   \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"$1\"}, \"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"$1\"}},
+ \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}}"
+}
+mkdir -p nvme_old nvme_new
+nvme_cfg "$W/nvme_old" > nvme_old.json
+nvme_cfg "$W/nvme_new" > nvme_new.json
 # A GPT-2 with every dropout on, so the masks are compared too.
 echo '{"model_type":"gpt2","n_layer":2,"n_head":4,"n_embd":64,"vocab_size":256,"n_positions":64,"resid_pdrop":0.1,"embd_pdrop":0.1,"attn_pdrop":0.0}' > dropout.json
 
@@ -37,6 +51,9 @@ JOBS=(
   "bf16_s1_4ranks|tiny|4|$W/bf16_s1.json"
   "bf16_s3_ckpt|llama-tiny|2|$W/bf16_s3_ckpt.json"
   "dropout_s3|$W/dropout.json|2|$W/bf16_s3_ckpt.json"
+  "sgd_s2|tiny|2|$W/sgd.json"
+  "lion_s1|tiny|2|$W/lion.json"
+  "nvme_s3|llama-tiny|2|$W/nvme_SIDE.json"
 )
 
 fields='import json,sys
@@ -55,8 +72,8 @@ for k in sorted(h):
 
 fail=0
 run_side() {  # side dir name model ranks config
-  local out=$W/$1/$3; mkdir -p "$out"
-  "$2/train_gpt" --config "$6" --model-config "$4" --ranks "$5" --steps 25 --no-progress \
+  local out=$W/$1/$3 cfg=${6/SIDE/$1}; mkdir -p "$out"
+  "$2/train_gpt" --config "$cfg" --model-config "$4" --ranks "$5" --steps 25 --no-progress \
     --metrics "$out/m.jsonl" --save "$out/ck" --eval-rows 64 > "$out/log" 2>&1
   python3 -c "$fields" "$out/m.jsonl" > "$out/steps"
   "$OLD/ferrozero" checkpoint consolidate "$out/ck" -o "$out/model.st" > /dev/null

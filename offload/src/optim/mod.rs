@@ -131,7 +131,7 @@ fn check(op: &'static str, n: usize, others: &[usize], lp: &LowPrecision<'_>) ->
 
 /// Adam's step size `lr / (1 - beta1^t)` and `sqrt(1 - beta2^t)`, shared by the reference and
 /// the fast kernels so both start from the same bits.
-fn adam_terms(hp: &AdamHyper, step: u64) -> Result<(f32, f32)> {
+pub fn adam_terms(hp: &AdamHyper, step: u64) -> Result<(f32, f32)> {
     if !hp.bias_correction {
         return Ok((hp.lr, 1.0));
     }

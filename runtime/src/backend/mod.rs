@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 pub use cpu::CpuBackend;
 
-use crate::tensor::{BufRef, DType, IdBuf, Ids, Storage, View, ViewMut};
+use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
 
 /// Whether an operand of a matrix product is used as stored or transposed.
@@ -90,6 +90,51 @@ pub trait MemoryOps {
     fn upload_ids(&self, ids: &[i32]) -> Result<IdBuf>;
     /// A copy of `src` (on this device) in new storage of the same dtype.
     fn copy(&self, src: View<'_>) -> Result<Storage>;
+    /// The dtype layers read parameters in, given their storage dtype (the CPU widens bf16 and
+    /// f16 to f32 once per gather; a GPU reads them as stored).
+    fn param_dtype(&self, storage: DType) -> DType;
+    /// A zero-filled engine buffer (parameters, gradients, optimizer state, communication
+    /// buffers) on this device; hand transient ones back with [`MemoryOps::recycle`].
+    fn buffer(&self, dtype: DType, len: usize) -> Result<Storage>;
+    /// An engine buffer whose every element the caller overwrites before reading.
+    fn buffer_uninit(&self, dtype: DType, len: usize) -> Result<Storage>;
+    /// Returns a transient engine buffer so a later one of the same size reuses its memory.
+    fn recycle(&self, buf: Storage);
+    /// Host values as an engine buffer on this device (the CPU keeps the allocation; a device
+    /// uploads it: an explicit copy).
+    fn adopt(&self, host: FlatBuf) -> Result<Storage>;
+}
+
+/// The update rule of one optimizer step, its hyper-parameters resolved for the step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum UpdateRule {
+    /// Adam or AdamW.
+    Adam(ferrozero_offload::optim::AdamHyper),
+    /// SGD with momentum.
+    Sgd(ferrozero_offload::optim::SgdHyper),
+    /// Lion.
+    Lion(ferrozero_offload::optim::LionHyper),
+}
+
+/// The optimizer step, on the device that holds the optimizer state.
+pub trait OptimizerOps {
+    /// One step (`step` 1-based) over a run of elements: the f32 `params` (master weights in
+    /// mixed precision) from `grads` (any dtype, multiplied by `grad_scale` first), the f32
+    /// moments `m` and, for Adam, `v` (empty otherwise); when `lp` is given the updated
+    /// values are also written there, rounded to its dtype. Every element is computed alike
+    /// whatever its position, so a shard updated alone equals the full update bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    fn optimizer_update(
+        &self,
+        rule: &UpdateRule,
+        step: u64,
+        grad_scale: f32,
+        params: ViewMut<'_>,
+        grads: View<'_>,
+        m: ViewMut<'_>,
+        v: ViewMut<'_>,
+        lp: Option<ViewMut<'_>>,
+    ) -> Result<()>;
 }
 
 /// Dense matrix products with f32 accumulation.
@@ -370,7 +415,15 @@ pub trait TokenOps {
 
 /// A device: all operation families together.
 pub trait Backend:
-    MemoryOps + MatmulOps + ElementwiseOps + NormOps + AttentionOps + TokenOps + Send + Sync
+    MemoryOps
+    + MatmulOps
+    + ElementwiseOps
+    + NormOps
+    + AttentionOps
+    + TokenOps
+    + OptimizerOps
+    + Send
+    + Sync
 {
     /// Short name, e.g. `cpu` or `cuda:0`.
     fn name(&self) -> String;

@@ -9,9 +9,9 @@ use super::ledger::{Category, Ledger, Location};
 use super::param_swap::{ParamSwap, SwapSlot};
 use super::partition::GroupLayout;
 use super::stage::{Extent, Stage};
+use crate::backend::Backend;
 use crate::nn::{init, ParamSpec};
-use crate::tensor::DType;
-use crate::tensor::FlatBuf;
+use crate::tensor::{DType, FlatBuf, Storage};
 use ferrozero_offload::tiled::NvmeAdam;
 
 /// The storage dtype of parameters and gradients for a precision.
@@ -55,6 +55,17 @@ pub struct GroupPlan<'a> {
     pub moments: usize,
     /// The NVMe store when optimizer state lives there.
     pub nvme: Option<&'a super::nvme::NvmeOffload>,
+    /// The compute device: buffers placed on the device are allocated through it.
+    pub be: &'a dyn Backend,
+}
+
+/// A zero-filled buffer where `loc` says: the compute device's memory, or host memory for
+/// offloaded state (on the CPU backend both are host memory).
+fn place(be: &dyn Backend, loc: Location, dtype: DType, len: usize) -> crate::Result<Storage> {
+    match loc {
+        Location::Device => be.buffer(dtype, len),
+        Location::Host | Location::Nvme => Ok(Storage::Host(FlatBuf::zeros(dtype, len))),
+    }
 }
 
 impl GroupPlan<'_> {
@@ -84,21 +95,23 @@ impl GroupPlan<'_> {
                 &mut full[slot.range()],
             );
         }
-        let store = |r: std::ops::Range<usize>| {
-            let mut b = FlatBuf::zeros(dtype, r.len());
-            b.store_f32(0, &full[r]);
-            b
+        let store = |loc: Location, r: std::ops::Range<usize>| -> crate::Result<Storage> {
+            let mut b = place(self.be, loc, dtype, r.len())?;
+            b.write_f32(0, &full[r])?;
+            Ok(b)
         };
         let params = match self.param_extent(layout.numel) {
-            Extent::Full => ParamStore::Replicated(store(0..layout.padded())),
+            Extent::Full => ParamStore::Replicated(store(Location::Device, 0..layout.padded())?),
             Extent::Shard => {
-                let shard = store(layout.shard_range(self.rank));
+                let r = layout.shard_range(self.rank);
                 let shard = match swap {
                     Some(swap) => {
-                        swap.check_fits(index, shard.len())?;
-                        Shard::Nvme(SwapSlot::create(swap, format!("p{index}"), shard)?)
+                        swap.check_fits(index, r.len())?;
+                        let mut b = FlatBuf::zeros(dtype, r.len());
+                        b.store_f32(0, &full[r]);
+                        Shard::Nvme(SwapSlot::create(swap, format!("p{index}"), b)?)
                     }
-                    None => Shard::Memory(shard),
+                    None => Shard::Memory(store(param_location(self.cfg), r)?),
                 };
                 ParamStore::Partitioned {
                     shard,
@@ -118,6 +131,7 @@ impl GroupPlan<'_> {
         ledger.alloc(param_loc, Category::Parameters, param_bytes);
 
         let owned = self.stage.optimizer().range(&layout, self.rank);
+        let opt_loc = optimizer_location(self.cfg);
         let (master, nvme_adam) = match self.nvme {
             Some(n) => {
                 let a = NvmeAdam::create(
@@ -129,26 +143,29 @@ impl GroupPlan<'_> {
                 )?;
                 (None, Some(a))
             }
-            None => (
-                (dtype != DType::F32).then(|| full[owned.clone()].to_vec()),
-                None,
-            ),
+            None if dtype != DType::F32 => {
+                let mut m = place(self.be, opt_loc, DType::F32, owned.len())?;
+                m.write_f32(0, &full[owned.clone()])?;
+                (Some(m), None)
+            }
+            None => (None, None),
         };
         let grad_range = self.stage.grads().range(&layout, self.rank);
-        let grad = FlatBuf::zeros(dtype, grad_range.len());
+        let grad = self.be.buffer(dtype, grad_range.len())?;
         ledger.alloc(Location::Device, Category::Gradients, grad.bytes());
-        let m = vec![0.0; owned.len()];
-        let v = if self.moments > 1 {
-            vec![0.0; owned.len()]
-        } else {
-            Vec::new()
-        };
-        let opt_bytes = ((master.as_ref().map_or(0, Vec::len) + m.len() + v.len()) * 4) as u64;
-        ledger.alloc(
-            optimizer_location(self.cfg),
-            Category::OptimizerState,
-            opt_bytes,
-        );
+        // With the state on NVMe the moments live there too; empty buffers stand in.
+        let state_len = if nvme_adam.is_some() { 0 } else { owned.len() };
+        let m = place(self.be, opt_loc, DType::F32, state_len)?;
+        let v = place(
+            self.be,
+            opt_loc,
+            DType::F32,
+            if self.moments > 1 { state_len } else { 0 },
+        )?;
+        // The ledger counts the moments where they live (NVMe included) at their full size.
+        let opt_elems = master.as_ref().map_or(0, Storage::len) + owned.len() * self.moments;
+        let opt_bytes = (opt_elems * 4) as u64;
+        ledger.alloc(opt_loc, Category::OptimizerState, opt_bytes);
         Ok(Group {
             layout,
             params,

@@ -95,6 +95,7 @@ impl Engine {
             rank: comm.rank(),
             moments: optimizer.moments(),
             nvme: nvme.as_ref(),
+            be: &*be,
         };
         let mut specs: Vec<Vec<crate::nn::ParamSpec>> =
             model.units.iter().map(|u| u.module.param_specs()).collect();
@@ -217,6 +218,7 @@ impl Engine {
         let r = self.stage.gather(
             &mut self.groups[g],
             self.comm.as_ref(),
+            &*self.be,
             bucket,
             &mut self.ledger,
         );
@@ -239,12 +241,15 @@ impl Engine {
     }
 
     pub(super) fn release_unit(&mut self, unit: usize) {
-        self.stage.release(&mut self.groups[unit], &mut self.ledger);
+        let be = &*self.be;
+        self.stage
+            .release(&mut self.groups[unit], be, &mut self.ledger);
         if let Some(s) = self
             .shared_index()
             .filter(|_| !self.model.units[unit].uses_shared.is_empty())
         {
-            self.stage.release(&mut self.groups[s], &mut self.ledger);
+            self.stage
+                .release(&mut self.groups[s], be, &mut self.ledger);
         }
     }
 
@@ -395,9 +400,9 @@ impl Engine {
         let seed = self.unit_seed(unit);
         let shared = self.shared_index();
         let uses_shared = !self.model.units[unit].uses_shared.is_empty();
-        self.groups[unit].ensure_micro(&mut self.ledger);
+        self.groups[unit].ensure_micro(&*self.be, &mut self.ledger)?;
         if let Some(s) = shared.filter(|_| uses_shared) {
-            self.groups[s].ensure_micro(&mut self.ledger);
+            self.groups[s].ensure_micro(&*self.be, &mut self.ledger)?;
         }
         let Self {
             model,
@@ -455,7 +460,7 @@ impl Engine {
     }
 }
 
-fn compute_slice<'a>(g: &'a Group, what: &str) -> Result<&'a [f32]> {
+fn compute_view_of<'a>(g: &'a Group, what: &str) -> Result<View<'a>> {
     g.compute_params().ok_or_else(|| {
         Error::Invalid(format!(
             "parameters of {what} used before they were gathered"
@@ -470,19 +475,18 @@ pub(super) fn unit_params<'a>(
     uses: &[usize],
     shared: Option<usize>,
 ) -> Result<Params<'a>> {
-    let own = compute_slice(&groups[unit], "a unit")?;
-    let mut v: Vec<View<'_>> = groups[unit]
+    let own = compute_view_of(&groups[unit], "a unit")?;
+    let mut v = groups[unit]
         .layout
         .slots
         .iter()
-        .map(|s| View::from(&own[s.range()]))
-        .collect();
+        .map(|s| own.range(s.range()))
+        .collect::<Result<Vec<View<'_>>>>()?;
     if let Some(s) = shared.filter(|_| !uses.is_empty()) {
-        let sh = compute_slice(&groups[s], "the shared group")?;
-        v.extend(
-            uses.iter()
-                .map(|&i| View::from(&sh[groups[s].layout.slots[i].range()])),
-        );
+        let sh = compute_view_of(&groups[s], "the shared group")?;
+        for &i in uses {
+            v.push(sh.range(groups[s].layout.slots[i].range())?);
+        }
     }
     Ok(Params::new(v))
 }
@@ -505,17 +509,14 @@ fn unit_params_and_grads<'a>(
     let own_params = compute_view(params, work)
         .ok_or_else(|| Error::Invalid("unit parameters not gathered".into()))?;
     let own_micro = micro
-        .as_deref_mut()
+        .as_mut()
         .ok_or_else(|| Error::Invalid("no gradient buffer".into()))?;
-    let mut p: Vec<View<'_>> = layout
+    let mut p = layout
         .slots
         .iter()
-        .map(|s| View::from(&own_params[s.range()]))
-        .collect();
-    let mut g: Vec<ViewMut<'_>> = split_slots(own_micro, layout.slots.iter().map(|s| s.range()))
-        .into_iter()
-        .map(ViewMut::from)
-        .collect();
+        .map(|s| own_params.range(s.range()))
+        .collect::<Result<Vec<View<'_>>>>()?;
+    let mut g = split_slots(own_micro.view_mut(), layout.slots.iter().map(|s| s.range()))?;
     if let (Some(_), false) = (shared, uses.is_empty()) {
         let Group {
             layout,
@@ -526,40 +527,39 @@ fn unit_params_and_grads<'a>(
         } = &mut tail[0];
         let sp = compute_view(params, work)
             .ok_or_else(|| Error::Invalid("shared parameters not gathered".into()))?;
-        p.extend(
-            uses.iter()
-                .map(|&i| View::from(&sp[layout.slots[i].range()])),
-        );
-        let sm = micro
-            .as_deref_mut()
-            .ok_or_else(|| Error::Invalid("no shared gradient buffer".into()))?;
-        let mut all = split_slots(sm, layout.slots.iter().map(|s| s.range()));
-        let mut picked: Vec<Option<&mut [f32]>> = all.drain(..).map(Some).collect();
         for &i in uses {
-            g.push(ViewMut::from(picked[i].take().ok_or_else(|| {
+            p.push(sp.range(layout.slots[i].range())?);
+        }
+        let sm = micro
+            .as_mut()
+            .ok_or_else(|| Error::Invalid("no shared gradient buffer".into()))?;
+        let all = split_slots(sm.view_mut(), layout.slots.iter().map(|s| s.range()))?;
+        let mut picked: Vec<Option<ViewMut<'_>>> = all.into_iter().map(Some).collect();
+        for &i in uses {
+            g.push(picked[i].take().ok_or_else(|| {
                 Error::Invalid(format!("shared parameter {i} used twice by one unit"))
-            })?));
+            })?);
         }
     }
     Ok((Params::new(p), Grads::new(g)))
 }
 
-/// Splits a flat buffer into disjoint mutable slices for consecutive, ordered ranges.
-fn split_slots(
-    buf: &mut [f32],
+/// Splits a flat buffer into disjoint mutable views for consecutive, ordered ranges.
+fn split_slots<'a>(
+    buf: ViewMut<'a>,
     ranges: impl Iterator<Item = std::ops::Range<usize>>,
-) -> Vec<&mut [f32]> {
+) -> Result<Vec<ViewMut<'a>>> {
     let mut rest = buf;
     let mut consumed = 0;
     let mut out = Vec::new();
     for r in ranges {
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - consumed);
-        let (slot, tail) = tail.split_at_mut(r.len());
+        let (_, tail) = rest.split_at(r.start - consumed)?;
+        let (slot, tail) = tail.split_at(r.len())?;
         out.push(slot);
         rest = tail;
         consumed = r.end;
     }
-    out
+    Ok(out)
 }
 
 /// Opens the rank's parameter swap store when `offload_param.device = "nvme"`.

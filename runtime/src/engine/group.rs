@@ -9,20 +9,21 @@ use std::ops::Range;
 use super::ledger::{Category, Ledger, Location};
 use super::param_swap::SwapSlot;
 use super::partition::GroupLayout;
-use crate::tensor::DType;
-use crate::tensor::FlatBuf;
+use crate::backend::Backend;
+use crate::tensor::{DType, Storage, View, ViewMut};
+use crate::Result;
 
 /// Parameter storage: replicated on every rank, or partitioned with a transient full copy.
 #[derive(Debug)]
 pub enum ParamStore {
     /// Every rank holds the full padded buffer (stages 0-2).
-    Replicated(FlatBuf),
+    Replicated(Storage),
     /// Each rank holds its shard; `gathered` holds the full buffer while a unit runs (stage 3).
     Partitioned {
         /// This rank's shard, in memory or on NVMe.
         shard: Shard,
         /// The all-gathered full buffer, present between gather and release.
-        gathered: Option<FlatBuf>,
+        gathered: Option<Storage>,
     },
 }
 
@@ -30,14 +31,14 @@ pub enum ParamStore {
 #[derive(Debug)]
 pub enum Shard {
     /// In memory (the device, or pinned host memory with `offload_param.device = "cpu"`).
-    Memory(FlatBuf),
+    Memory(Storage),
     /// In the rank's swap directory, brought in around gathers and the optimizer step.
     Nvme(SwapSlot),
 }
 
 impl Shard {
     /// The shard's values when they are in memory.
-    pub fn resident(&self) -> Option<&FlatBuf> {
+    pub fn resident(&self) -> Option<&Storage> {
         match self {
             Shard::Memory(b) => Some(b),
             Shard::Nvme(s) => s.resident(),
@@ -45,7 +46,7 @@ impl Shard {
     }
 
     /// Mutable values when they are in memory.
-    pub fn resident_mut(&mut self) -> Option<&mut FlatBuf> {
+    pub fn resident_mut(&mut self) -> Option<&mut Storage> {
         match self {
             Shard::Memory(b) => Some(b),
             Shard::Nvme(s) => s.resident_mut(),
@@ -77,27 +78,29 @@ pub fn not_resident(what: &str) -> crate::Error {
     ))
 }
 
-/// One group's state on one rank.
+/// One group's state on one rank. Buffers live where the engine placed them: on the
+/// compute device, or in host memory when the config offloads them.
 #[derive(Debug)]
 pub struct Group {
     /// Layout and shard arithmetic.
     pub layout: GroupLayout,
     /// Parameters in the storage dtype.
     pub params: ParamStore,
-    /// f32 copy of the full parameters for compute, when the storage dtype is not f32.
-    pub work: Option<Vec<f32>>,
+    /// The full parameters in the dtype layers read (`param_dtype`), when that is not the
+    /// storage dtype (the CPU computes in f32 from bf16/f16 storage).
+    pub work: Option<Storage>,
     /// Gradient accumulator in the storage dtype (full or shard, by stage).
-    pub grad: FlatBuf,
+    pub grad: Storage,
     /// Offset of `grad[0]` in the padded buffer (0 for full, the shard start for shards).
     pub grad_offset: usize,
     /// This micro-step's local gradient (padded, f32), alive from first to last use in backward.
-    pub micro: Option<Vec<f32>>,
-    /// fp32 master weights over the owned range (mixed precision only).
-    pub master: Option<Vec<f32>>,
-    /// First optimizer moment (Adam, Lion) or momentum (SGD), over the owned range.
-    pub m: Vec<f32>,
-    /// Second moment (Adam), over the owned range; empty otherwise.
-    pub v: Vec<f32>,
+    pub micro: Option<Storage>,
+    /// f32 master weights over the owned range (mixed precision only).
+    pub master: Option<Storage>,
+    /// First optimizer moment (Adam, Lion) or momentum (SGD), f32 over the owned range.
+    pub m: Storage,
+    /// Second moment (Adam), f32 over the owned range; empty otherwise.
+    pub v: Storage,
     /// The padded range this rank's optimizer updates.
     pub owned: Range<usize>,
     /// Master weights and moments on NVMe (`offload_optimizer.device = "nvme"`); then
@@ -107,87 +110,94 @@ pub struct Group {
 
 impl Group {
     /// Full parameters in the storage dtype, if present (replicated, or gathered).
-    pub fn full_params(&self) -> Option<&FlatBuf> {
+    pub fn full_params(&self) -> Option<&Storage> {
         match &self.params {
             ParamStore::Replicated(b) => Some(b),
             ParamStore::Partitioned { gathered, .. } => gathered.as_ref(),
         }
     }
 
-    /// The f32 view compute reads: the f32 full buffer itself, or the converted copy.
-    pub fn compute_params(&self) -> Option<&[f32]> {
+    /// The full parameters as layers read them: the stored buffer itself, or the converted
+    /// copy.
+    pub fn compute_params(&self) -> Option<View<'_>> {
         compute_view(&self.params, &self.work)
     }
 
-    /// Makes `compute_params` available (converting bf16/f16 to f32); `full_params` must exist.
-    pub fn ensure_work(&mut self, ledger: &mut Ledger) {
+    /// Makes `compute_params` available, converting to the backend's parameter dtype when it
+    /// differs from the storage dtype; `full_params` must exist.
+    pub fn ensure_work(&mut self, be: &dyn Backend, ledger: &mut Ledger) -> Result<()> {
         let Some(full) = self.full_params() else {
-            return;
+            return Ok(());
         };
-        if full.dtype() == DType::F32 || self.work.is_some() {
-            return;
+        let want = be.param_dtype(full.dtype());
+        if full.dtype() == want || self.work.is_some() {
+            return Ok(());
         }
-        let mut w = crate::tensor::spare::take_f32(full.len());
-        full.load_f32(0, &mut w);
-        ledger.alloc(Location::Device, Category::Prefetch, (w.len() * 4) as u64);
+        let mut w = be.buffer_uninit(want, full.len())?;
+        full.cast_into(&mut w)?;
+        ledger.alloc(Location::Device, Category::Prefetch, w.bytes());
         self.work = Some(w);
+        Ok(())
     }
 
-    /// Drops the f32 compute copy.
-    pub fn drop_work(&mut self, ledger: &mut Ledger) {
+    /// Drops the converted compute copy.
+    pub fn drop_work(&mut self, be: &dyn Backend, ledger: &mut Ledger) {
         if let Some(w) = self.work.take() {
-            ledger.free(Location::Device, Category::Prefetch, (w.len() * 4) as u64);
-            crate::tensor::spare::give_f32(w);
+            ledger.free(Location::Device, Category::Prefetch, w.bytes());
+            be.recycle(w);
         }
     }
 
     /// Starts this micro-step's local gradient if it is not alive yet.
-    pub fn ensure_micro(&mut self, ledger: &mut Ledger) {
+    pub fn ensure_micro(&mut self, be: &dyn Backend, ledger: &mut Ledger) -> Result<()> {
         if self.micro.is_none() {
-            let n = self.layout.padded();
-            ledger.alloc(Location::Device, Category::CommBuffers, (n * 4) as u64);
-            self.micro = Some(crate::tensor::spare::zeros_f32(n));
+            let m = be.buffer(DType::F32, self.layout.padded())?;
+            ledger.alloc(Location::Device, Category::CommBuffers, m.bytes());
+            self.micro = Some(m);
         }
+        Ok(())
     }
 
     /// Takes the local gradient for reduction, releasing its ledger entry.
-    pub fn take_micro(&mut self, ledger: &mut Ledger) -> Option<Vec<f32>> {
+    pub fn take_micro(&mut self, ledger: &mut Ledger) -> Option<Storage> {
         let m = self.micro.take()?;
-        ledger.free(
-            Location::Device,
-            Category::CommBuffers,
-            (m.len() * 4) as u64,
-        );
+        ledger.free(Location::Device, Category::CommBuffers, m.bytes());
         Some(m)
     }
 }
 
 /// The f32 values the optimizer updates over the owned range (the master weights in mixed
-/// precision, the parameters themselves in f32), and the low-precision buffer with the offset
-/// of the owned range in it when a rounded copy must be written in the same pass.
+/// precision, the parameters themselves in f32), and the stored buffer with the offset of the
+/// owned range in it when a rounded copy must be written in the same pass.
 pub fn owned_params<'a>(
     params: &'a mut ParamStore,
-    master: &'a mut Option<Vec<f32>>,
+    master: &'a mut Option<Storage>,
     owned: &Range<usize>,
-) -> crate::Result<OwnedParams<'a>> {
+) -> Result<OwnedParams<'a>> {
     let (lp, lp_offset) = owned_lp(params, owned)?;
-    Ok(match (master, lp) {
-        (Some(master), lp) => (master.as_mut_slice(), Some((lp, lp_offset))),
-        (None, FlatBuf::F32(v)) => (&mut v[lp_offset..lp_offset + owned.len()], None),
-        // Construction gives every non-f32 group master weights.
-        (None, _) => unreachable!("low-precision parameters without master weights"),
+    Ok(match master {
+        Some(master) => (master.view_mut(), Some((lp, lp_offset))),
+        None if lp.dtype() == DType::F32 => {
+            (lp.range_mut(lp_offset..lp_offset + owned.len())?, None)
+        }
+        None => {
+            return Err(crate::Error::Invalid(format!(
+                "{:?} parameters without f32 master weights",
+                lp.dtype()
+            )))
+        }
     })
 }
 
-/// What [`owned_params`] hands the optimizer: the f32 values it updates, and the
-/// low-precision copy with the owned range's offset in it, when one must be written too.
-pub type OwnedParams<'a> = (&'a mut [f32], Option<(&'a mut FlatBuf, usize)>);
+/// What [`owned_params`] hands the optimizer: the f32 values it updates, and the stored
+/// parameters with the owned range's offset in them, when one must be written too.
+pub type OwnedParams<'a> = (ViewMut<'a>, Option<(&'a mut Storage, usize)>);
 
 /// The stored parameters the optimizer writes, with the offset of the owned range in them.
 pub fn owned_lp<'a>(
     params: &'a mut ParamStore,
     owned: &Range<usize>,
-) -> crate::Result<(&'a mut FlatBuf, usize)> {
+) -> Result<(&'a mut Storage, usize)> {
     match params {
         ParamStore::Replicated(b) => Ok((b, owned.start)),
         ParamStore::Partitioned { shard, .. } => shard
@@ -197,14 +207,14 @@ pub fn owned_lp<'a>(
     }
 }
 
-/// The f32 view compute reads, from a group's fields (so callers can borrow other fields).
-pub fn compute_view<'a>(params: &'a ParamStore, work: &'a Option<Vec<f32>>) -> Option<&'a [f32]> {
+/// The view layers read, from a group's fields (so callers can borrow other fields).
+pub fn compute_view<'a>(params: &'a ParamStore, work: &'a Option<Storage>) -> Option<View<'a>> {
+    if let Some(w) = work {
+        return Some(w.view());
+    }
     let full = match params {
         ParamStore::Replicated(b) => b,
         ParamStore::Partitioned { gathered, .. } => gathered.as_ref()?,
     };
-    match full {
-        FlatBuf::F32(v) => Some(v),
-        _ => work.as_deref(),
-    }
+    Some(full.view())
 }

@@ -1,15 +1,22 @@
-//! The engine's optimizer driver: runs the CPU kernels of `ferrozero-offload` over each
-//! group's owned range in `sub_group_size` tiles, writing the low-precision copy in the same
-//! pass; NVMe-resident state goes through the offload crate's pipelined tile driver.
+//! The engine's optimizer driver: updates each group's owned range in `sub_group_size`
+//! tiles, writing the low-precision copy in the same pass, on the device that holds the
+//! optimizer state (the compute device, or the host when the state is offloaded: then each
+//! tile's gradients and parameters are staged through host memory). NVMe-resident state goes
+//! through the offload crate's pipelined tile driver.
 
 use ferrozero_config::resolved::OptimizerConfig;
-use ferrozero_offload::optim::{self, AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
+use ferrozero_offload::optim::{AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
 
 use super::group::{owned_lp, owned_params, Group};
 use super::nvme::NvmeOffload;
 use super::partition::chunks;
-use crate::tensor::FlatBuf;
+use crate::backend::{Backend, CpuBackend, UpdateRule};
+use crate::tensor::staging::{Staged, StagedMut};
+use crate::tensor::{FlatBuf, View, ViewMut};
 use crate::{Error, Result};
+
+/// The host executor of offloaded optimizer state.
+static HOST: CpuBackend = CpuBackend;
 
 /// Per-step values that the schedule decides.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,18 +51,20 @@ impl Optimizer {
         }
     }
 
-    /// Updates the group's owned range, `tile` elements at a time.
+    /// Updates the group's owned range, `tile` elements at a time, on `be` when the state
+    /// lives on the compute device and on the host when it is offloaded.
     pub fn step_group(
         &self,
         g: &mut Group,
         sv: &StepValues,
         tile: usize,
         nvme: Option<&NvmeOffload>,
-        scratch: &mut Vec<f32>,
+        be: &dyn Backend,
     ) -> Result<()> {
         if let (Some(_), Some(n)) = (&g.nvme_adam, nvme) {
-            return self.step_nvme(g, n, sv, scratch);
+            return self.step_nvme(g, n, sv);
         }
+        let rule = self.rule(sv)?;
         let Group {
             params,
             master,
@@ -66,53 +75,32 @@ impl Optimizer {
             owned,
             ..
         } = g;
-        let (p, mut lp) = owned_params(params, master, owned)?;
+        let offloaded = m.host().is_some();
+        let (mut p, mut lp) = owned_params(params, master, owned)?;
         let g_base = owned.start - *grad_offset;
         for t in chunks(owned.len(), tile) {
-            let grads: &[f32] = match &*grad {
-                FlatBuf::F32(gv) => &gv[g_base + t.start..g_base + t.end],
-                other => {
-                    scratch.resize(t.len(), 0.0);
-                    other.load_f32(g_base + t.start, &mut scratch[..t.len()]);
-                    &scratch[..t.len()]
-                }
+            let grads = grad.range(g_base + t.start..g_base + t.end)?;
+            let lp_t = match &mut lp {
+                Some((b, off)) => Some(b.range_mut(*off + t.start..*off + t.end)?),
+                None => None,
             };
-            let lp_out = match &mut lp {
-                None => LowPrecision::None,
-                Some((FlatBuf::Bf16(b), off)) => {
-                    LowPrecision::Bf16(&mut b[*off + t.start..*off + t.end])
-                }
-                Some((FlatBuf::F16(b), off)) => {
-                    LowPrecision::F16(&mut b[*off + t.start..*off + t.end])
-                }
-                Some((FlatBuf::F32(b), off)) => {
-                    // f32 storage with master weights does not occur; keep them equal anyway.
-                    b[*off + t.start..*off + t.end].copy_from_slice(&p[t.clone()]);
-                    LowPrecision::None
-                }
-            };
-            let pt = &mut p[t.clone()];
-            self.kernel(
-                sv,
-                pt,
-                grads,
-                &mut m[t.clone()],
-                v.get_mut(t.clone()).unwrap_or(&mut []),
-                lp_out,
-            )?;
+            let pt = p.reborrow().range(t.clone())?;
+            let mt = m.range_mut(t.clone())?;
+            // SGD and Lion keep no second moment: an empty view stands in.
+            let vn = v.len();
+            let vt = v.range_mut(t.start.min(vn)..t.end.min(vn))?;
+            if offloaded {
+                host_update(&rule, sv, pt, grads, mt, vt, lp_t)?;
+            } else {
+                be.optimizer_update(&rule, sv.step, sv.grad_scale, pt, grads, mt, vt, lp_t)?;
+            }
         }
         Ok(())
     }
 
     /// The step for a group whose master weights and moments live on NVMe: the gradient of
     /// the owned range in f32, the tile driver, the low-precision copy written in place.
-    fn step_nvme(
-        &self,
-        g: &mut Group,
-        n: &NvmeOffload,
-        sv: &StepValues,
-        scratch: &mut Vec<f32>,
-    ) -> Result<()> {
+    fn step_nvme(&self, g: &mut Group, n: &NvmeOffload, sv: &StepValues) -> Result<()> {
         let hp = self.adam_hyper(sv)?;
         let Group {
             nvme_adam: Some(state),
@@ -125,11 +113,14 @@ impl Optimizer {
         else {
             return Ok(());
         };
-        scratch.resize(owned.len(), 0.0);
-        grad.load_f32(owned.start - *grad_offset, &mut scratch[..owned.len()]);
+        let mut grads = crate::tensor::spare::take_f32(owned.len());
+        grad.read_f32(owned.start - *grad_offset, &mut grads)?;
         let (lp, off) = owned_lp(params, owned)?;
         let r = off..off + owned.len();
-        let out = match lp {
+        let lp_host = lp.host_mut().ok_or_else(|| {
+            Error::Config("NVMe optimizer state needs the parameters in host memory".into())
+        })?;
+        let out = match lp_host {
             FlatBuf::Bf16(b) => LowPrecision::Bf16(&mut b[r]),
             FlatBuf::F16(b) => LowPrecision::F16(&mut b[r]),
             FlatBuf::F32(_) => {
@@ -138,15 +129,9 @@ impl Optimizer {
                 ))
             }
         };
-        state.adam_step(
-            &n.store,
-            &n.pool,
-            &hp,
-            sv.step,
-            sv.grad_scale,
-            &scratch[..owned.len()],
-            out,
-        )?;
+        let res = state.adam_step(&n.store, &n.pool, &hp, sv.step, sv.grad_scale, &grads, out);
+        crate::tensor::spare::give_f32(grads);
+        res?;
         Ok(())
     }
 
@@ -179,58 +164,65 @@ impl Optimizer {
         })
     }
 
-    fn kernel(
-        &self,
-        sv: &StepValues,
-        p: &mut [f32],
-        g: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
-        lp: LowPrecision<'_>,
-    ) -> Result<()> {
-        match self.cfg {
-            OptimizerConfig::Adam { .. } => {
-                optim::adam_step(
-                    &self.adam_hyper(sv)?,
-                    sv.step,
-                    sv.grad_scale,
-                    p,
-                    g,
-                    m,
-                    v,
-                    lp,
-                )?;
-            }
+    /// The update rule for this step's values.
+    fn rule(&self, sv: &StepValues) -> Result<UpdateRule> {
+        Ok(match self.cfg {
+            OptimizerConfig::Adam { .. } => UpdateRule::Adam(self.adam_hyper(sv)?),
             OptimizerConfig::Sgd {
                 momentum,
                 dampening,
                 weight_decay,
                 nesterov,
                 ..
-            } => {
-                let hp = SgdHyper {
-                    lr: sv.lr as f32,
-                    momentum: sv.beta1.unwrap_or(momentum) as f32,
-                    dampening: dampening as f32,
-                    weight_decay: weight_decay as f32,
-                    nesterov,
-                };
-                optim::sgd_step(&hp, sv.step, sv.grad_scale, p, g, m, lp)?;
-            }
+            } => UpdateRule::Sgd(SgdHyper {
+                lr: sv.lr as f32,
+                momentum: sv.beta1.unwrap_or(momentum) as f32,
+                dampening: dampening as f32,
+                weight_decay: weight_decay as f32,
+                nesterov,
+            }),
             OptimizerConfig::Lion {
                 betas,
                 weight_decay,
                 ..
-            } => {
-                let hp = LionHyper {
-                    lr: sv.lr as f32,
-                    beta1: sv.beta1.unwrap_or(betas.0) as f32,
-                    beta2: betas.1 as f32,
-                    weight_decay: weight_decay as f32,
-                };
-                optim::lion_step(&hp, sv.grad_scale, p, g, m, lp)?;
-            }
-        }
-        Ok(())
+            } => UpdateRule::Lion(LionHyper {
+                lr: sv.lr as f32,
+                beta1: sv.beta1.unwrap_or(betas.0) as f32,
+                beta2: betas.1 as f32,
+                weight_decay: weight_decay as f32,
+            }),
+        })
     }
+}
+
+/// One tile of offloaded state updated on the host: views already in host memory are used
+/// in place; the gradients and parameters that live on the device are copied down and the
+/// updated ones back up (ZeRO-Offload's data path).
+fn host_update(
+    rule: &UpdateRule,
+    sv: &StepValues,
+    p: ViewMut<'_>,
+    grads: View<'_>,
+    m: ViewMut<'_>,
+    v: ViewMut<'_>,
+    lp: Option<ViewMut<'_>>,
+) -> Result<()> {
+    use crate::backend::OptimizerOps;
+    let g = Staged::new(grads)?;
+    let (mut p, mut m, mut v) = (StagedMut::new(p)?, StagedMut::new(m)?, StagedMut::new(v)?);
+    let mut lp = lp.map(StagedMut::new).transpose()?;
+    HOST.optimizer_update(
+        rule,
+        sv.step,
+        sv.grad_scale,
+        p.view_mut(),
+        g.view(),
+        m.view_mut(),
+        v.view_mut(),
+        lp.as_mut().map(StagedMut::view_mut),
+    )?;
+    for s in [Some(p), Some(m), Some(v), lp].into_iter().flatten() {
+        s.finish()?;
+    }
+    Ok(())
 }

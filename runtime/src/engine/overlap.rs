@@ -11,16 +11,16 @@ use super::group::{ParamStore, Shard};
 use super::ledger::{Category, Location};
 use super::stage::{gather_shards, reduce_gradient, to_storage};
 use crate::comm::worker::{CommWorker, Pending};
-use crate::tensor::FlatBuf;
+use crate::tensor::Storage;
 use crate::Result;
 
 /// The communication worker and what is in flight on it.
 pub(super) struct CommOverlap {
     worker: CommWorker,
     /// Reductions in submission order: (group, bytes counted in the ledger, result).
-    reductions: VecDeque<(usize, u64, Pending<FlatBuf>)>,
+    reductions: VecDeque<(usize, u64, Pending<Storage>)>,
     /// Stage-3 gathers started ahead of use, by group.
-    prefetched: HashMap<usize, Pending<FlatBuf>>,
+    prefetched: HashMap<usize, Pending<Storage>>,
 }
 
 impl CommOverlap {
@@ -42,7 +42,7 @@ impl Engine {
         let Some(micro) = self.groups[g].take_micro(&mut self.ledger) else {
             return Ok(());
         };
-        let buf = to_storage(micro, self.groups[g].grad.dtype());
+        let buf = to_storage(micro, self.groups[g].grad.dtype(), &*self.be)?;
         let bytes = buf.bytes();
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, bytes);
@@ -64,18 +64,19 @@ impl Engine {
                 let red = reduce_gradient(extent, buf, world, s, self.comm.as_ref(), bucket);
                 self.ledger
                     .free(Location::Device, Category::CommBuffers, bytes);
-                self.accumulate(g, red?);
+                self.accumulate(g, red?)?;
             }
         }
         self.timings.reduce += t.elapsed().as_secs_f64();
         Ok(())
     }
 
-    fn accumulate(&mut self, g: usize, reduced: FlatBuf) {
+    fn accumulate(&mut self, g: usize, reduced: Storage) -> Result<()> {
         let mut scratch = Vec::new();
         let n = reduced.len();
-        self.groups[g].grad.accumulate(0, &reduced, n, &mut scratch);
-        crate::tensor::spare::give(reduced);
+        let r = self.groups[g].grad.accumulate(0, &reduced, n, &mut scratch);
+        self.be.recycle(reduced);
+        r
     }
 
     /// Waits for every queued reduction and accumulates the results in submission order.
@@ -95,7 +96,7 @@ impl Engine {
         let red = p.wait();
         self.ledger
             .free(Location::Device, Category::CommBuffers, bytes);
-        self.accumulate(g, red?);
+        self.accumulate(g, red?)?;
         Ok(true)
     }
 
@@ -149,14 +150,19 @@ impl Engine {
         if o.prefetched.contains_key(&g) || n > prefetch_limit || live + n > live_limit {
             return;
         }
-        let (shard, world, s) = (shard.clone(), grp.layout.world_size, grp.layout.shard_len);
+        // The worker gathers from a copy, so the shard stays usable here meanwhile.
+        let Ok(shard) = shard.try_clone() else {
+            return;
+        };
+        let (world, s) = (grp.layout.world_size, grp.layout.shard_len);
         self.ledger.alloc(
             Location::Device,
             Category::Prefetch,
             (n * shard.dtype().size()) as u64,
         );
+        let be = self.be.clone();
         let p = o.worker.submit("prefetch_gather", move |c| {
-            gather_shards(&shard, world, s, c, bucket)
+            gather_shards(&shard, world, s, c, bucket, &*be)
         });
         o.prefetched.insert(g, p);
     }

@@ -16,7 +16,7 @@ use ferrozero_config::resolved::ResolvedConfig;
 use ferrozero_offload::store::{NvmeStore, Pending};
 
 use super::nvme::aio_settings;
-use crate::tensor::{DType, FlatBuf};
+use crate::tensor::{DType, FlatBuf, Storage};
 use crate::{Error, Result};
 
 /// A shard's bytes as the store reads and writes them.
@@ -109,8 +109,9 @@ enum SlotState {
     Out,
     /// A read is in flight.
     Reading(Pending<ShardBytes>),
-    /// In memory (and, except between an update and its write, also in the file).
-    In(FlatBuf),
+    /// In memory (and, except between an update and its write, also in the file). Always
+    /// host memory: the swap files are read and written from it.
+    In(Storage),
     /// An updated shard is being written; it is in memory until the write completes.
     Writing(Pending<ShardBytes>),
 }
@@ -161,7 +162,7 @@ impl SwapSlot {
     }
 
     /// The shard, when it is in memory.
-    pub fn resident(&self) -> Option<&FlatBuf> {
+    pub fn resident(&self) -> Option<&Storage> {
         match &self.state {
             SlotState::In(b) => Some(b),
             _ => None,
@@ -169,7 +170,7 @@ impl SwapSlot {
     }
 
     /// Mutable values, when the shard is in memory.
-    pub fn resident_mut(&mut self) -> Option<&mut FlatBuf> {
+    pub fn resident_mut(&mut self) -> Option<&mut Storage> {
         match &mut self.state {
             SlotState::In(b) => Some(b),
             _ => None,
@@ -180,7 +181,7 @@ impl SwapSlot {
     /// the shard is in, otherwise read from the file. The shard's state does not change.
     pub fn read_copy(&self, store: &NvmeStore) -> Result<FlatBuf> {
         match &self.state {
-            SlotState::In(b) => Ok(b.clone()),
+            SlotState::In(b) => b.to_host(),
             SlotState::Writing(_) => Err(Error::Invalid(format!(
                 "parameter shard {} read while its update is being written",
                 self.key
@@ -218,15 +219,15 @@ impl SwapSlot {
 
     /// Brings the shard into memory (waiting for a read or write in flight) and returns it.
     /// On an error the shard stays swapped out and the file keeps its last good bytes.
-    pub fn swap_in(&mut self, swap: &mut ParamSwap) -> Result<&mut FlatBuf> {
+    pub fn swap_in(&mut self, swap: &mut ParamSwap) -> Result<&mut Storage> {
         self.finish_write(swap)?;
         let buf = match self.take() {
             SlotState::In(b) => b,
-            SlotState::Reading(p) => p.wait()?.0,
+            SlotState::Reading(p) => Storage::Host(p.wait()?.0),
             _ => {
                 let mut b = ShardBytes(swap.buffer(self.dtype, self.len));
                 swap.store.read(&self.key, b.as_mut())?;
-                b.0
+                Storage::Host(b.0)
             }
         };
         self.state = SlotState::In(buf);
@@ -238,10 +239,10 @@ impl SwapSlot {
 
     /// A buffer to overwrite entirely (the optimizer writes every element of the shard), so
     /// nothing is read from the file.
-    pub fn overwrite(&mut self, swap: &mut ParamSwap) -> Result<&mut FlatBuf> {
+    pub fn overwrite(&mut self, swap: &mut ParamSwap) -> Result<&mut Storage> {
         self.finish_write(swap)?;
         if let SlotState::Out = self.state {
-            self.state = SlotState::In(swap.buffer(self.dtype, self.len));
+            self.state = SlotState::In(Storage::Host(swap.buffer(self.dtype, self.len)));
         }
         self.swap_in(swap)
     }
@@ -249,21 +250,25 @@ impl SwapSlot {
     /// Drops the in-memory copy (the file holds the same bytes); the buffer is recycled.
     pub fn release(&mut self, swap: &mut ParamSwap) {
         match self.take() {
-            SlotState::In(b) => swap.recycle(b),
+            SlotState::In(Storage::Host(b)) => swap.recycle(b),
+            SlotState::In(_) => {}
             other => self.state = other,
         }
     }
 
     /// Starts writing the in-memory (updated) shard back; it leaves memory when done.
-    pub fn start_write(&mut self, swap: &mut ParamSwap) {
+    pub fn start_write(&mut self, swap: &mut ParamSwap) -> Result<()> {
         match self.take() {
             SlotState::In(b) => {
                 let n = self.bytes() as usize;
-                let p = swap.store.submit_write(&self.key, ShardBytes(b), n);
+                let p = swap
+                    .store
+                    .submit_write(&self.key, ShardBytes(b.into_host()?), n);
                 self.state = SlotState::Writing(p);
             }
             other => self.state = other,
         }
+        Ok(())
     }
 
     /// Waits for a write in flight; the shard is then swapped out. An error means the file
@@ -281,7 +286,7 @@ impl SwapSlot {
         self.finish_write(swap)?;
         match self.take() {
             SlotState::Reading(p) => swap.recycle(p.wait()?.0),
-            SlotState::In(b) => swap.recycle(b),
+            SlotState::In(b) => swap.recycle(b.into_host()?),
             other => self.state = other,
         }
         Ok(())

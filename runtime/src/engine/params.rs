@@ -27,21 +27,21 @@ fn shard_values(
         let off = r.start - g.owned.start;
         return Ok(owned[off..off + r.len()].to_vec());
     }
-    if let Some(m) = &g.master {
-        let off = r.start - g.owned.start;
-        return Ok(m[off..off + r.len()].to_vec());
-    }
     let mut out = vec![0.0; r.len()];
+    if let Some(m) = &g.master {
+        m.read_f32(r.start - g.owned.start, &mut out)?;
+        return Ok(out);
+    }
     if let Some(b) = nvme_shard_copy(g, swap)? {
         b.load_f32(0, &mut out);
         return Ok(out);
     }
     match &g.params {
-        ParamStore::Replicated(b) => b.load_f32(r.start, &mut out),
+        ParamStore::Replicated(b) => b.read_f32(r.start, &mut out)?,
         ParamStore::Partitioned { shard, .. } => shard
             .resident()
             .ok_or_else(|| not_resident("parameters()"))?
-            .load_f32(0, &mut out),
+            .read_f32(0, &mut out)?,
     }
     Ok(out)
 }
@@ -153,9 +153,10 @@ fn write_values(
         for &(offset, data) in values {
             let r = clip(&g.owned, offset, data.len());
             if !r.is_empty() {
-                let base = g.owned.start;
-                m[r.start - base..r.end - base]
-                    .copy_from_slice(&data[r.start - offset..r.end - offset]);
+                m.write_f32(
+                    r.start - g.owned.start,
+                    &data[r.start - offset..r.end - offset],
+                )?;
             }
         }
     }
@@ -176,19 +177,19 @@ pub struct GradShard {
 impl Engine {
     /// This rank's shard of every group's accumulated gradient, groups in unit order then the
     /// shared group. Read it between `backward` and `step`.
-    pub fn gradient_shards(&self) -> Vec<GradShard> {
+    pub fn gradient_shards(&self) -> Result<Vec<GradShard>> {
         let rank = self.rank();
         self.groups
             .iter()
             .map(|g| {
                 let r = g.layout.shard_range(rank);
                 let mut data = vec![0.0; r.len()];
-                g.grad.load_f32(r.start - g.grad_offset, &mut data);
-                GradShard {
+                g.grad.read_f32(r.start - g.grad_offset, &mut data)?;
+                Ok(GradShard {
                     params: g.layout.slots.iter().map(|s| s.name.clone()).collect(),
                     range: r,
                     data,
-                }
+                })
             })
             .collect()
     }

@@ -13,9 +13,9 @@ use ferrozero_config::resolved::ZeroStage;
 use super::group::{not_resident, Group, ParamStore};
 use super::ledger::{Category, Ledger, Location};
 use super::partition::{chunks, GroupLayout};
+use crate::backend::Backend;
 use crate::comm::{Communicator, ReduceOp};
-use crate::tensor::DType;
-use crate::tensor::FlatBuf;
+use crate::tensor::{DType, FlatBuf, Storage};
 use crate::Result;
 
 /// Whether a rank holds a whole buffer or only its shard.
@@ -53,6 +53,7 @@ pub trait Stage: Send + Sync {
         &self,
         g: &mut Group,
         comm: &dyn Communicator,
+        be: &dyn Backend,
         bucket: usize,
         ledger: &mut Ledger,
     ) -> Result<()> {
@@ -62,21 +63,21 @@ pub trait Stage: Send + Sync {
         } = &mut g.params
         {
             let shard = shard.resident().ok_or_else(|| not_resident("gather"))?;
-            let full = gather_shards(shard, g.layout.world_size, g.layout.shard_len, comm, bucket)?;
+            let (world, s) = (g.layout.world_size, g.layout.shard_len);
+            let full = gather_shards(shard, world, s, comm, bucket, be)?;
             ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
             *gathered = Some(full);
         }
-        g.ensure_work(ledger);
-        Ok(())
+        g.ensure_work(be, ledger)
     }
 
-    /// Releases what `gather` made (the f32 copy always; the gathered buffer in stage 3).
-    fn release(&self, g: &mut Group, ledger: &mut Ledger) {
-        g.drop_work(ledger);
+    /// Releases what `gather` made (the converted copy always; the gathered buffer in stage 3).
+    fn release(&self, g: &mut Group, be: &dyn Backend, ledger: &mut Ledger) {
+        g.drop_work(be, ledger);
         if let ParamStore::Partitioned { gathered, .. } = &mut g.params {
             if let Some(full) = gathered.take() {
                 ledger.free(Location::Device, Category::Prefetch, full.bytes());
-                crate::tensor::spare::give(full);
+                be.recycle(full);
             }
         }
     }
@@ -90,22 +91,20 @@ pub trait Stage: Send + Sync {
         bucket: usize,
         ledger: &mut Ledger,
     ) -> Result<()> {
-        if self.optimizer() != Extent::Shard {
+        // With one rank the owned range is everything and the optimizer wrote it in place.
+        if self.optimizer() != Extent::Shard || g.layout.world_size == 1 {
             return Ok(());
         }
         if let ParamStore::Replicated(full) = &mut g.params {
             let own = g.layout.shard_range(comm.rank());
-            let shard = slice_copy(full, own.clone());
-            ledger.alloc(Location::Device, Category::CommBuffers, shard.bytes());
-            let r = all_gather_chunked(
-                comm,
-                &shard,
-                full,
-                g.layout.world_size,
-                g.layout.shard_len,
-                bucket,
-            );
-            ledger.free(Location::Device, Category::CommBuffers, shard.bytes());
+            let (world, s) = (g.layout.world_size, g.layout.shard_len);
+            let bytes = (own.len() * full.dtype().size()) as u64;
+            ledger.alloc(Location::Device, Category::CommBuffers, bytes);
+            let r = full.with_host_mut(|h| {
+                let shard = slice_copy(h, own.clone());
+                all_gather_chunked(comm, &shard, h, world, s, bucket)
+            });
+            ledger.free(Location::Device, Category::CommBuffers, bytes);
             r?;
         }
         Ok(())
@@ -180,14 +179,14 @@ stage!(
 );
 
 /// A micro-step gradient in the storage dtype (f32 moves without a copy).
-pub fn to_storage(v: Vec<f32>, dtype: DType) -> FlatBuf {
-    if dtype == DType::F32 {
-        return FlatBuf::F32(v);
+pub fn to_storage(v: Storage, dtype: DType, be: &dyn Backend) -> Result<Storage> {
+    if v.dtype() == dtype {
+        return Ok(v);
     }
-    let mut b = crate::tensor::spare::take(dtype, v.len());
-    b.store_f32(0, &v);
-    crate::tensor::spare::give_f32(v);
-    b
+    let mut b = be.buffer_uninit(dtype, v.len())?;
+    v.cast_into(&mut b)?;
+    be.recycle(v);
+    Ok(b)
 }
 
 fn slice_copy(b: &FlatBuf, r: Range<usize>) -> FlatBuf {
@@ -208,16 +207,28 @@ fn per_rank_chunk(bucket: usize, world: usize) -> usize {
 /// Pure over owned buffers, so it runs inline or on the communication worker alike.
 pub fn reduce_gradient(
     extent: Extent,
+    buf: Storage,
+    world: usize,
+    shard_len: usize,
+    comm: &dyn Communicator,
+    bucket: usize,
+) -> Result<Storage> {
+    if world == 1 {
+        // One rank's sum (or shard, which is everything) is its own buffer.
+        return Ok(buf);
+    }
+    buf.map_host(|h| reduce_host(extent, h, world, shard_len, comm, bucket))
+}
+
+/// [`reduce_gradient`] on host memory.
+fn reduce_host(
+    extent: Extent,
     mut buf: FlatBuf,
     world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
     bucket: usize,
 ) -> Result<FlatBuf> {
-    if world == 1 {
-        // One rank's sum (or shard, which is everything) is its own buffer.
-        return Ok(buf);
-    }
     if extent == Extent::Full {
         for c in chunks(buf.len(), bucket) {
             comm.all_reduce(buf.as_mut_range(c), ReduceOp::Sum)?;
@@ -247,17 +258,21 @@ pub fn reduce_gradient(
 }
 
 /// All-gathers every rank's shard into one full padded buffer, `bucket` elements of output
-/// at a time.
+/// at a time, placed on the compute device.
 pub fn gather_shards(
-    shard: &FlatBuf,
+    shard: &Storage,
     world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
     bucket: usize,
-) -> Result<FlatBuf> {
-    let mut full = FlatBuf::zeros(shard.dtype(), shard_len * world);
-    all_gather_chunked(comm, shard, &mut full, world, shard_len, bucket)?;
-    Ok(full)
+    be: &dyn Backend,
+) -> Result<Storage> {
+    let full = shard.with_host(|h| {
+        let mut full = FlatBuf::zeros(h.dtype(), shard_len * world);
+        all_gather_chunked(comm, h, &mut full, world, shard_len, bucket)?;
+        Ok(full)
+    })?;
+    be.adopt(full)
 }
 
 /// All-gathers `src` (one shard) from every rank into `full` (padded).

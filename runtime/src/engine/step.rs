@@ -75,7 +75,7 @@ impl Engine {
             self.apply_update(&sv)?;
         }
         for g in &mut self.groups {
-            g.grad.fill_zero();
+            g.grad.fill_zero()?;
         }
         self.steps += 1;
         self.micro = 0;
@@ -105,7 +105,6 @@ impl Engine {
     fn apply_update(&mut self, sv: &StepValues) -> Result<()> {
         let t = Instant::now();
         let tile = self.cfg.zero.sub_group_size.max(1);
-        let mut scratch = Vec::new();
         let mut writing = std::collections::VecDeque::new();
         for gi in 0..self.groups.len() {
             self.swap_in_for_step(gi)?;
@@ -114,7 +113,7 @@ impl Engine {
                 sv,
                 tile,
                 self.nvme.as_ref(),
-                &mut scratch,
+                &*self.be,
             )?;
             self.swap_out_after_step(gi, &mut writing)?;
         }
@@ -145,11 +144,16 @@ impl Engine {
     /// Whether any rank's owned gradients contain Inf or NaN.
     fn any_overflow(&self) -> Result<bool> {
         let rank = self.rank();
-        let local = self.groups.iter().any(|g| {
+        let mut local = false;
+        for g in &self.groups {
             let r = g.layout.shard_range(rank);
-            g.grad
-                .has_non_finite(r.start - g.grad_offset..r.end - g.grad_offset)
-        });
+            if g.grad
+                .has_non_finite(r.start - g.grad_offset..r.end - g.grad_offset)?
+            {
+                local = true;
+                break;
+            }
+        }
         let mut v = [if local { 1.0f32 } else { 0.0 }];
         self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Max)?;
         Ok(v[0] > 0.0)
@@ -161,15 +165,14 @@ impl Engine {
     fn global_norm(&self) -> Result<f64> {
         let rank = self.rank();
         let mut scratch = Vec::new();
-        let local: f64 = self
-            .groups
-            .iter()
-            .map(|g| {
-                let r = g.layout.shard_range(rank);
-                g.grad
-                    .sum_squares(r.start - g.grad_offset..r.end - g.grad_offset, &mut scratch)
-            })
-            .sum();
+        // -0.0 is what `Iterator::sum` starts from: the same bits for an all-zero gradient.
+        let mut local = -0.0f64;
+        for g in &self.groups {
+            let r = g.layout.shard_range(rank);
+            local += g
+                .grad
+                .sum_squares(r.start - g.grad_offset..r.end - g.grad_offset, &mut scratch)?;
+        }
         let mut v = [local as f32];
         self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)?;
         Ok((v[0] as f64).sqrt())

@@ -56,7 +56,7 @@ pub(super) fn edit_shard(
             }
             | ParamStore::Replicated(b),
             _,
-        ) => edit(b),
+        ) => b.with_host_mut(edit),
         (ParamStore::Partitioned { .. }, None) => Err(not_resident("edit_shard")),
     }
 }
@@ -188,8 +188,9 @@ impl Engine {
         g: usize,
         writing: &mut VecDeque<usize>,
     ) -> Result<()> {
-        if self.with_slot(g, |s, w| s.start_write(w)).is_none() {
-            return Ok(());
+        match self.with_slot(g, |s, w| s.start_write(w)) {
+            None => return Ok(()),
+            Some(r) => r?,
         }
         writing.push_back(g);
         let limit = self.param_swap.as_ref().map_or(1, |s| s.buffer_count);

@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::{DType, FlatBuf};
+use super::{BufRef, DType, FlatBuf};
 use crate::Result;
 
 /// Device memory of the CUDA backend (none exists in this build).
@@ -55,6 +55,42 @@ impl CudaBuf {
     pub fn try_clone(&self) -> Result<CudaBuf> {
         match self.0 {}
     }
+    /// A new buffer on the same device holding `host`'s values.
+    pub fn upload_like(&self, _host: &FlatBuf) -> Result<CudaBuf> {
+        match self.0 {}
+    }
+    /// Writes host elements (of this buffer's dtype) at `offset`.
+    pub fn write_host(&mut self, _offset: usize, _src: BufRef<'_>) -> Result<()> {
+        match self.0 {}
+    }
+    /// Writes host f32 values at `offset`, rounding to the dtype.
+    pub fn write_f32(&mut self, _offset: usize, _src: &[f32]) -> Result<()> {
+        match self.0 {}
+    }
+    /// Reads values at `offset` into host f32.
+    pub fn read_f32(&self, _offset: usize, _dst: &mut [f32]) -> Result<()> {
+        match self.0 {}
+    }
+    /// Converts into `dst`'s dtype.
+    pub fn cast_into(&self, _dst: &mut CudaBuf) -> Result<()> {
+        match self.0 {}
+    }
+    /// `self[offset..offset + n] += src[..n]`.
+    pub fn accumulate(&mut self, _offset: usize, _src: &CudaBuf, _n: usize) -> Result<()> {
+        match self.0 {}
+    }
+    /// Zeroes every element.
+    pub fn fill_zero(&mut self) -> Result<()> {
+        match self.0 {}
+    }
+    /// Whether `range` holds Inf or NaN.
+    pub fn has_non_finite(&self, _range: Range<usize>) -> Result<bool> {
+        match self.0 {}
+    }
+    /// Sum of squares of `range` in f64.
+    pub fn sum_squares(&self, _range: Range<usize>) -> Result<f64> {
+        match self.0 {}
+    }
 }
 
 impl<'a> CudaView<'a> {
@@ -76,6 +112,10 @@ impl<'a> CudaView<'a> {
     }
     /// A copy in host memory.
     pub fn to_host(&self) -> Result<FlatBuf> {
+        match self.0 {}
+    }
+    /// Copies into an equal-length view of the same dtype on the same device.
+    pub fn copy_to(self, _dst: CudaViewMut<'_>) -> Result<()> {
         match self.0 {}
     }
 }
@@ -107,6 +147,10 @@ impl<'a> CudaViewMut<'a> {
     }
     /// Two disjoint halves.
     pub fn split_at(self, _mid: usize) -> (CudaViewMut<'a>, CudaViewMut<'a>) {
+        match self.0 {}
+    }
+    /// Overwrites the elements with host values of the same dtype and length.
+    pub fn upload(self, _src: BufRef<'_>) -> Result<()> {
         match self.0 {}
     }
 }

@@ -2,8 +2,10 @@
 //! (host) flat buffers. The host arm is a [`FlatBuf`]; the CUDA arm a device buffer that
 //! knows its device, so copies and frees need no backend handle.
 
+use std::ops::Range;
+
 use super::{CudaBuf, CudaIds, DType, FlatBuf, View, ViewMut};
-use crate::Result;
+use crate::{Error, Result};
 
 /// Owned elements in host or device memory.
 #[derive(Debug)]
@@ -84,6 +86,14 @@ impl Storage {
         Ok(out)
     }
 
+    /// The values in host memory, by value (an explicit download for device storage).
+    pub fn into_host(self) -> Result<FlatBuf> {
+        match self {
+            Storage::Host(b) => Ok(b),
+            Storage::Cuda(c) => c.to_host(),
+        }
+    }
+
     /// A copy on the same device.
     pub fn try_clone(&self) -> Result<Storage> {
         Ok(match self {
@@ -91,6 +101,234 @@ impl Storage {
             Storage::Cuda(c) => Storage::Cuda(c.try_clone()?),
         })
     }
+}
+
+/// The engine's buffer operations: what ZeRO does to flat buffers besides computing with them
+/// (accumulating reduced gradients, checking and measuring them, moving ranges between
+/// buffers, converting dtypes). Both operands of a two-buffer operation must live on the same
+/// device; copies between devices are the explicit `read_f32`/`write_f32`/`with_host*` calls.
+impl Storage {
+    /// The host buffer, when the elements are in host memory.
+    pub fn host(&self) -> Option<&FlatBuf> {
+        match self {
+            Storage::Host(b) => Some(b),
+            Storage::Cuda(_) => None,
+        }
+    }
+
+    /// The mutable host buffer, when the elements are in host memory.
+    pub fn host_mut(&mut self) -> Option<&mut FlatBuf> {
+        match self {
+            Storage::Host(b) => Some(b),
+            Storage::Cuda(_) => None,
+        }
+    }
+
+    /// Elements `range`, read-only.
+    pub fn range(&self, range: Range<usize>) -> Result<View<'_>> {
+        self.view().range(range)
+    }
+
+    /// Elements `range`, mutable.
+    pub fn range_mut(&mut self, range: Range<usize>) -> Result<ViewMut<'_>> {
+        self.view_mut().range(range)
+    }
+
+    /// Runs `f` on the values in host memory: directly for host storage; for device storage
+    /// through an explicit download (the staging copy collectives need until they run on
+    /// device buffers).
+    pub fn with_host<R>(&self, f: impl FnOnce(&FlatBuf) -> Result<R>) -> Result<R> {
+        match self {
+            Storage::Host(b) => f(b),
+            Storage::Cuda(c) => f(&c.to_host()?),
+        }
+    }
+
+    /// Runs `f` on the values in host memory and keeps what it wrote: directly for host
+    /// storage; for device storage through an explicit download and upload.
+    pub fn with_host_mut<R>(&mut self, f: impl FnOnce(&mut FlatBuf) -> Result<R>) -> Result<R> {
+        match self {
+            Storage::Host(b) => f(b),
+            Storage::Cuda(c) => {
+                let mut host = c.to_host()?;
+                let r = f(&mut host)?;
+                c.write_host(0, host.as_ref())?;
+                Ok(r)
+            }
+        }
+    }
+
+    /// Applies a host routine to the values and returns its result on the same device as
+    /// `self`: directly for host storage; device storage is staged through explicit host
+    /// copies (how collectives reach device buffers until they run on them directly).
+    pub fn map_host(self, f: impl FnOnce(FlatBuf) -> Result<FlatBuf>) -> Result<Storage> {
+        match self {
+            Storage::Host(b) => Ok(Storage::Host(f(b)?)),
+            Storage::Cuda(c) => {
+                let out = f(c.to_host()?)?;
+                Ok(Storage::Cuda(c.upload_like(&out)?))
+            }
+        }
+    }
+
+    /// Writes host f32 values into `self[offset..]`, rounding to the storage dtype (an explicit
+    /// upload for device storage).
+    pub fn write_f32(&mut self, offset: usize, src: &[f32]) -> Result<()> {
+        check_span("write_f32", offset, src.len(), self.len())?;
+        match self {
+            Storage::Host(b) => {
+                b.store_f32(offset, src);
+                Ok(())
+            }
+            Storage::Cuda(c) => c.write_f32(offset, src),
+        }
+    }
+
+    /// Reads `self[offset..offset + dst.len()]` into host f32 (an explicit download for
+    /// device storage).
+    pub fn read_f32(&self, offset: usize, dst: &mut [f32]) -> Result<()> {
+        check_span("read_f32", offset, dst.len(), self.len())?;
+        match self {
+            Storage::Host(b) => {
+                b.load_f32(offset, dst);
+                Ok(())
+            }
+            Storage::Cuda(c) => c.read_f32(offset, dst),
+        }
+    }
+
+    /// `dst = self` converted to `dst`'s dtype (same length, same device; round to nearest
+    /// even when narrowing).
+    pub fn cast_into(&self, dst: &mut Storage) -> Result<()> {
+        if self.len() != dst.len() {
+            return Err(Error::Shape {
+                op: "cast",
+                expected: format!("{} elements", self.len()),
+                got: format!("{}", dst.len()),
+            });
+        }
+        match (self, dst) {
+            (Storage::Host(s), Storage::Host(FlatBuf::F32(d))) => s.load_f32(0, d),
+            (Storage::Host(FlatBuf::F32(s)), Storage::Host(d)) => d.store_f32(0, s),
+            (Storage::Host(s), Storage::Host(d)) => {
+                let mut tmp = vec![0.0; s.len()];
+                s.load_f32(0, &mut tmp);
+                d.store_f32(0, &tmp);
+            }
+            (Storage::Cuda(s), Storage::Cuda(d)) => s.cast_into(d)?,
+            _ => return Err(mixed("cast")),
+        }
+        Ok(())
+    }
+
+    /// Adds the first `n` elements of `src` (same dtype, same device) into
+    /// `self[offset..offset + n]`, in f32 and rounded once per element.
+    pub fn accumulate(
+        &mut self,
+        offset: usize,
+        src: &Storage,
+        n: usize,
+        scratch: &mut Vec<f32>,
+    ) -> Result<()> {
+        check_span("accumulate", offset, n, self.len())?;
+        check_span("accumulate source", 0, n, src.len())?;
+        if self.dtype() != src.dtype() {
+            return Err(Error::Invalid(format!(
+                "accumulate: {:?} into {:?}",
+                src.dtype(),
+                self.dtype()
+            )));
+        }
+        match (self, src) {
+            (Storage::Host(d), Storage::Host(s)) => {
+                d.accumulate(offset, s, n, scratch);
+                Ok(())
+            }
+            (Storage::Cuda(d), Storage::Cuda(s)) => d.accumulate(offset, s, n),
+            _ => Err(mixed("accumulate")),
+        }
+    }
+
+    /// Sets every element to zero.
+    pub fn fill_zero(&mut self) -> Result<()> {
+        match self {
+            Storage::Host(b) => {
+                b.fill_zero();
+                Ok(())
+            }
+            Storage::Cuda(c) => c.fill_zero(),
+        }
+    }
+
+    /// Whether any element of `range` is infinite or NaN (device storage: the answer is read
+    /// back, a synchronisation).
+    pub fn has_non_finite(&self, range: Range<usize>) -> Result<bool> {
+        check_span("has_non_finite", range.start, range.len(), self.len())?;
+        match self {
+            Storage::Host(b) => Ok(b.has_non_finite(range)),
+            Storage::Cuda(c) => c.has_non_finite(range),
+        }
+    }
+
+    /// Sum of squares of `range`, accumulated in f64 (device storage: read back).
+    pub fn sum_squares(&self, range: Range<usize>, scratch: &mut Vec<f32>) -> Result<f64> {
+        check_span("sum_squares", range.start, range.len(), self.len())?;
+        match self {
+            Storage::Host(b) => Ok(b.sum_squares(range, scratch)),
+            Storage::Cuda(c) => c.sum_squares(range),
+        }
+    }
+
+    /// Copies `n` elements from `self[src_off..]` to `dst[dst_off..]` (same dtype and device).
+    pub fn copy_to(
+        &self,
+        src_off: usize,
+        dst: &mut Storage,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        check_span("copy source", src_off, n, self.len())?;
+        check_span("copy destination", dst_off, n, dst.len())?;
+        let src = self.view().range(src_off..src_off + n)?;
+        let dst = dst.view_mut().range(dst_off..dst_off + n)?;
+        copy_view(src, dst)
+    }
+}
+
+/// Copies equal-length views of one dtype on one device.
+pub(crate) fn copy_view(src: View<'_>, dst: ViewMut<'_>) -> Result<()> {
+    use super::{BufMut, BufRef};
+    match (src, dst) {
+        (View::Host(BufRef::F32(a)), ViewMut::Host(BufMut::F32(b))) => b.copy_from_slice(a),
+        (View::Host(BufRef::Bf16(a)), ViewMut::Host(BufMut::Bf16(b))) => b.copy_from_slice(a),
+        (View::Host(BufRef::F16(a)), ViewMut::Host(BufMut::F16(b))) => b.copy_from_slice(a),
+        (View::Cuda(a), ViewMut::Cuda(b)) => return a.copy_to(b),
+        (s, d) => {
+            return Err(Error::Invalid(format!(
+                "copy between a {:?} and a {:?} view on different devices or of different dtypes",
+                s.dtype(),
+                d.dtype()
+            )))
+        }
+    }
+    Ok(())
+}
+
+fn check_span(op: &'static str, offset: usize, n: usize, len: usize) -> Result<()> {
+    if offset.checked_add(n).is_some_and(|end| end <= len) {
+        return Ok(());
+    }
+    Err(Error::Shape {
+        op,
+        expected: format!("a span within {len} elements"),
+        got: format!("{n} elements at offset {offset}"),
+    })
+}
+
+fn mixed(op: &str) -> Error {
+    Error::Invalid(format!(
+        "{op}: the buffers live on different devices (copy one explicitly first)"
+    ))
 }
 
 impl Default for Storage {

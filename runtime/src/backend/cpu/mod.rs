@@ -5,6 +5,7 @@ mod elementwise;
 mod math;
 mod matmul;
 mod norm;
+mod optim;
 mod rope;
 mod token;
 
@@ -52,6 +53,28 @@ impl MemoryOps for CpuBackend {
             View::Host(b) => Ok(Storage::Host(FlatBuf::from_ref(b))),
             View::Cuda(_) => Err(foreign("copy", "source")),
         }
+    }
+
+    fn param_dtype(&self, _storage: DType) -> DType {
+        DType::F32
+    }
+
+    fn buffer(&self, dtype: DType, len: usize) -> Result<Storage> {
+        Ok(Storage::Host(FlatBuf::zeros(dtype, len)))
+    }
+
+    fn buffer_uninit(&self, dtype: DType, len: usize) -> Result<Storage> {
+        Ok(Storage::Host(crate::tensor::spare::take(dtype, len)))
+    }
+
+    fn recycle(&self, buf: Storage) {
+        if let Storage::Host(b) = buf {
+            crate::tensor::spare::give(b);
+        }
+    }
+
+    fn adopt(&self, host: FlatBuf) -> Result<Storage> {
+        Ok(Storage::Host(host))
     }
 }
 

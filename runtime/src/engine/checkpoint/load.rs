@@ -12,7 +12,7 @@ use crate::engine::group::{Group, ParamStore};
 use crate::engine::loss_scale::LossScaler;
 use crate::engine::param_swap::ParamSwap;
 use crate::engine::swap::edit_shard;
-use crate::tensor::FlatBuf;
+use crate::tensor::{FlatBuf, Storage};
 use crate::{Error, Result};
 
 impl Engine {
@@ -105,7 +105,7 @@ impl Engine {
             restore_group(reader, gi, g, self.param_swap.as_mut(), rank)?;
             restore_nvme_state(reader, gi, g, self.nvme.as_ref())?;
             if g.work.is_some() {
-                refresh_work(g);
+                refresh_work(g)?;
             }
         }
         let m = reader.meta();
@@ -127,15 +127,16 @@ impl Engine {
     }
 }
 
-fn refresh_work(g: &mut Group) {
+fn refresh_work(g: &mut Group) -> Result<()> {
     let Group { params, work, .. } = g;
     let full = match params {
         ParamStore::Replicated(b) => Some(&*b),
         ParamStore::Partitioned { gathered, .. } => gathered.as_ref(),
     };
     if let (Some(full), Some(w)) = (full, work.as_mut()) {
-        full.load_f32(0, w);
+        full.cast_into(w)?;
     }
+    Ok(())
 }
 
 /// The part of the padded range `r` that holds real elements.
@@ -160,23 +161,23 @@ fn restore_group(
     };
     edit_shard(g, swap, |b| fill_params(reader, gi, b, range, numel))?;
     let owned = g.owned.clone();
-    g.grad.fill_zero();
+    g.grad.fill_zero()?;
     if g.nvme_adam.is_some() {
         // Master weights and moments live on NVMe: `restore_nvme_state` writes them.
         return Ok(());
     }
     if let Some(master) = &mut g.master {
-        fill_f32(master, &owned, numel, |r| reader.read_values(gi, r))?;
+        fill_stored(master, &owned, numel, |r| reader.read_values(gi, r))?;
     }
-    fill_f32(&mut g.m, &owned, numel, |r| {
+    fill_stored(&mut g.m, &owned, numel, |r| {
         reader.read_f32(gi, TensorKind::M, r)
     })?;
     if !g.v.is_empty() {
-        fill_f32(&mut g.v, &owned, numel, |r| {
+        fill_stored(&mut g.v, &owned, numel, |r| {
             reader.read_f32(gi, TensorKind::V, r)
         })?;
     }
-    g.grad.fill_zero();
+    g.grad.fill_zero()?;
     Ok(())
 }
 
@@ -221,6 +222,23 @@ fn fill_f32(
         dst[r.start - range.start..r.end - range.start].copy_from_slice(&vals);
     }
     Ok(())
+}
+
+/// [`fill_f32`] into f32 state wherever it lives (device state is written by an explicit
+/// upload).
+fn fill_stored(
+    dst: &mut Storage,
+    range: &Range<usize>,
+    numel: usize,
+    read: impl Fn(Range<usize>) -> Result<Vec<f32>>,
+) -> Result<()> {
+    dst.with_host_mut(|h| match h {
+        FlatBuf::F32(v) => fill_f32(v, range, numel, read),
+        other => Err(Error::Invalid(format!(
+            "optimizer state stored as {:?}, expected f32",
+            other.dtype()
+        ))),
+    })
 }
 
 /// Fills the parameter buffer covering padded `range`: the saved bits when the dtype

@@ -17,8 +17,7 @@ use crate::engine::core::Engine;
 use crate::engine::group::{not_resident, Group, ParamStore, Shard};
 use crate::engine::nvme::NvmeOffload;
 use crate::engine::param_swap::ParamSwap;
-use crate::tensor::DType;
-use crate::tensor::FlatBuf;
+use crate::tensor::{DType, FlatBuf, Storage};
 use crate::{Error, Result};
 
 /// Checks that a tag is a plain, portable directory name.
@@ -38,6 +37,17 @@ fn lp_bytes(b: &FlatBuf, r: std::ops::Range<usize>) -> &[u8] {
         FlatBuf::F32(v) => bytemuck::cast_slice(&v[r]),
         FlatBuf::Bf16(v) => bytemuck::cast_slice(&v[r]),
         FlatBuf::F16(v) => bytemuck::cast_slice(&v[r]),
+    }
+}
+
+/// The bytes of `b[r]`: borrowed from host memory, or copied out of device memory.
+fn storage_bytes(b: &Storage, r: std::ops::Range<usize>) -> Result<Bytes<'_>> {
+    match b.host() {
+        Some(h) => Ok(Bytes::Borrowed(lp_bytes(h, r))),
+        None => {
+            let h = b.range(r)?.to_host()?;
+            Ok(Bytes::Owned(lp_bytes(&h, 0..h.len()).to_vec()))
+        }
     }
 }
 
@@ -66,7 +76,7 @@ fn group_tensors<'a>(
         bytes,
     };
     let params = match (&g.params, src.swap) {
-        (ParamStore::Replicated(b), _) => one(b.dtype(), Bytes::Borrowed(lp_bytes(b, sr.clone()))),
+        (ParamStore::Replicated(b), _) => one(b.dtype(), storage_bytes(b, sr.clone())?),
         (
             ParamStore::Partitioned {
                 shard: Shard::Nvme(slot),
@@ -82,7 +92,7 @@ fn group_tensors<'a>(
             let b = shard
                 .resident()
                 .ok_or_else(|| not_resident("save_checkpoint"))?;
-            one(b.dtype(), Bytes::Borrowed(lp_bytes(b, 0..b.len())))
+            one(b.dtype(), storage_bytes(b, 0..b.len())?)
         }
     };
     out.push((TensorKind::Params.tensor_name(gi), params));
@@ -102,20 +112,17 @@ fn group_tensors<'a>(
         }
         return Ok(());
     }
-    let f32s = |v: &'a [f32]| {
-        one(
-            DType::F32,
-            Bytes::Borrowed(bytemuck::cast_slice(&v[local.clone()])),
-        )
+    let f32s = |v: &'a Storage| -> Result<RawTensor<'a>> {
+        Ok(one(DType::F32, storage_bytes(v, local.clone())?))
     };
     if let Some(master) = &g.master {
-        out.push((TensorKind::Master.tensor_name(gi), f32s(master)));
+        out.push((TensorKind::Master.tensor_name(gi), f32s(master)?));
     }
     if !g.m.is_empty() {
-        out.push((TensorKind::M.tensor_name(gi), f32s(&g.m)));
+        out.push((TensorKind::M.tensor_name(gi), f32s(&g.m)?));
     }
     if !g.v.is_empty() {
-        out.push((TensorKind::V.tensor_name(gi), f32s(&g.v)));
+        out.push((TensorKind::V.tensor_name(gi), f32s(&g.v)?));
     }
     Ok(())
 }

@@ -22,6 +22,8 @@ const MAX_HEADER: u64 = 64 << 20;
 pub enum Bytes<'a> {
     /// Bytes in memory.
     Borrowed(&'a [u8]),
+    /// Bytes copied out of device memory for the save.
+    Owned(Vec<u8>),
     /// `len` bytes made on demand, once, in file order.
     Lazy {
         /// Byte count.
@@ -51,12 +53,14 @@ impl View for &RawTensor<'_> {
     fn data(&self) -> Cow<'_, [u8]> {
         match &self.bytes {
             Bytes::Borrowed(b) => Cow::Borrowed(b),
+            Bytes::Owned(b) => Cow::Borrowed(b),
             Bytes::Lazy { read, .. } => Cow::Owned(read()),
         }
     }
     fn data_len(&self) -> usize {
         match &self.bytes {
             Bytes::Borrowed(b) => b.len(),
+            Bytes::Owned(b) => b.len(),
             Bytes::Lazy { len, .. } => *len,
         }
     }

@@ -389,7 +389,9 @@ impl<'a> Replay<'a> {
     /// all-gather the updated shards (`Stage::publish`).
     pub(super) fn step(&mut self) {
         self.step_swapped();
-        if self.stage.optimizer() != Extent::Shard {
+        // One rank owns everything: the optimizer wrote the parameters in place.
+        let world = self.groups.first().map_or(1, |g| g.layout.world_size);
+        if self.stage.optimizer() != Extent::Shard || world == 1 {
             return;
         }
         for g in 0..self.groups.len() {

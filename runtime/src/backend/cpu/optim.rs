@@ -1,0 +1,77 @@
+//! The optimizer step on host memory: the offload crate's SIMD kernels, fed f32 gradients
+//! (half-precision ones widened into a reused buffer first).
+
+use std::borrow::Cow;
+
+use ferrozero_offload::optim::{self, LowPrecision};
+
+use super::{f32_in, f32_out, CpuBackend};
+use crate::backend::{OptimizerOps, UpdateRule};
+use crate::tensor::{spare, BufMut, BufRef, FlatBuf, View, ViewMut};
+use crate::{Error, Result};
+
+const OP: &str = "optimizer step";
+
+/// The gradients as f32: borrowed when they are f32, else widened into a cached buffer.
+fn f32_grads(grads: View<'_>) -> Result<Cow<'_, [f32]>> {
+    match grads {
+        View::Host(BufRef::F32(s)) => Ok(Cow::Borrowed(s)),
+        View::Host(b) => {
+            let mut w = spare::take_f32(b.len());
+            FlatBuf::from_ref(b).load_f32(0, &mut w);
+            Ok(Cow::Owned(w))
+        }
+        View::Cuda(_) => f32_in(OP, "gradients", grads).map(Cow::Borrowed),
+    }
+}
+
+impl OptimizerOps for CpuBackend {
+    fn optimizer_update(
+        &self,
+        rule: &UpdateRule,
+        step: u64,
+        grad_scale: f32,
+        params: ViewMut<'_>,
+        grads: View<'_>,
+        m: ViewMut<'_>,
+        v: ViewMut<'_>,
+        lp: Option<ViewMut<'_>>,
+    ) -> Result<()> {
+        let (p, m, v) = (
+            f32_out(OP, "parameters", params)?,
+            f32_out(OP, "first moment", m)?,
+            f32_out(OP, "second moment", v)?,
+        );
+        let g = f32_grads(grads)?;
+        // An f32 copy is written after the update; half precision in the same pass.
+        let (lp_out, lp_f32) = match lp {
+            None => (LowPrecision::None, None),
+            Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
+            Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
+            Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
+            Some(ViewMut::Cuda(_)) => return Err(Error::Invalid(format!(
+                "{OP}: the low-precision copy is in device memory; the CPU step writes host memory"
+            ))),
+        };
+        let r = match rule {
+            UpdateRule::Adam(hp) => optim::adam_step(hp, step, grad_scale, p, &g, m, v, lp_out),
+            UpdateRule::Sgd(hp) => optim::sgd_step(hp, step, grad_scale, p, &g, m, lp_out),
+            UpdateRule::Lion(hp) => optim::lion_step(hp, grad_scale, p, &g, m, lp_out),
+        };
+        if let Cow::Owned(w) = g {
+            spare::give_f32(w);
+        }
+        r?;
+        if let Some(b) = lp_f32 {
+            if b.len() != p.len() {
+                return Err(Error::Shape {
+                    op: OP,
+                    expected: format!("an f32 copy of {} elements", p.len()),
+                    got: format!("{}", b.len()),
+                });
+            }
+            b.copy_from_slice(p);
+        }
+        Ok(())
+    }
+}
