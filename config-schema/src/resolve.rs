@@ -191,6 +191,7 @@ impl Config {
             steps_per_print: to_usize(self.steps_per_print),
             wall_clock_breakdown: self.wall_clock_breakdown,
             seed: self.seed,
+            device: self.device,
             zero,
             precision,
             optimizer: optimizer.expect("a missing optimizer is reported as an error"),

@@ -338,6 +338,8 @@ pub struct ResolvedConfig {
     pub wall_clock_breakdown: bool,
     /// Seed for parameter init and dropout.
     pub seed: u64,
+    /// The device the model computes on (`Auto` is decided when the engine opens it).
+    pub device: crate::Device,
     /// ZeRO settings.
     pub zero: ZeroConfig,
     /// Precision and loss scaling.

@@ -22,6 +22,9 @@ pub struct Args {
     /// Local ranks (threads in this process).
     #[arg(long, default_value_t = 2)]
     pub ranks: usize,
+    /// Compute device: auto, cpu, cuda or cuda:N (overrides the config's `device`).
+    #[arg(long)]
+    pub device: Option<ferrozero::config::Device>,
     /// Model: a preset (addition, tiny, bench-15m, gpt2-124m, llama-tiny, llama-7b,
     /// llama-13b) or a Hugging Face config.json (GPT2Config or LlamaConfig).
     #[arg(long, default_value = "addition")]

@@ -72,7 +72,10 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     for w in &loaded.warnings {
         eprintln!("{}", w.render(ferrozero::config::RenderStyle::Plain));
     }
-    let config = loaded.config;
+    let mut config = loaded.config;
+    if let Some(d) = args.device {
+        config.device = d;
+    }
     let init = match &args.init {
         Some(p) => Some(weights::load(p, Naming::Gpt2)?),
         None => None,

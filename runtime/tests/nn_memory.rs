@@ -2,7 +2,7 @@
 
 mod nn_common;
 
-use ferrozero_runtime::backend::{self, DeviceKind};
+use ferrozero_runtime::backend::{self, Device};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::{init, BatchIds, Ctx, Init, Params, Saved};
@@ -196,12 +196,21 @@ fn bad_inputs_are_errors_not_panics() {
 
 #[test]
 fn cuda_is_reported_unavailable_with_a_reason() {
-    assert!(backend::select(DeviceKind::Cpu).is_ok());
-    match backend::select(DeviceKind::Cuda) {
+    use ferrozero_runtime::tensor::DType;
+    assert_eq!(
+        backend::open(Device::Cpu, DType::Bf16, 0).unwrap().name(),
+        "cpu"
+    );
+    match backend::open(Device::Cuda(None), DType::Bf16, 0) {
         Err(Error::Unavailable { what, why }) => {
             assert_eq!(what, "CUDA backend");
             assert!(why.contains("cuda"), "{why}");
         }
         other => panic!("expected Unavailable, got {:?}", other.map(|b| b.name())),
     }
+    // `auto` without a usable GPU is the CPU, not an error.
+    assert_eq!(
+        backend::open(Device::Auto, DType::F32, 1).unwrap().name(),
+        "cpu"
+    );
 }

@@ -2,6 +2,7 @@
 //! walk that reads it from the spanned tree.
 
 mod auto;
+mod device;
 mod offload;
 mod optimizer;
 mod precision;
@@ -17,6 +18,7 @@ use schemars::JsonSchema;
 use serde::Serialize;
 
 pub use auto::AutoOr;
+pub use device::Device;
 pub use offload::{OffloadDevice, OffloadSection};
 pub use optimizer::{Optimizer, OptimizerParams, OptimizerType};
 pub use precision::{Bf16, Fp16};
@@ -60,6 +62,10 @@ pub struct Config {
     pub wall_clock_breakdown: bool,
     /// Seed for parameter init and dropout (ferrozero's own key).
     pub seed: u64,
+    /// The device the model computes on (ferrozero's own key): `"auto"` (a GPU when this
+    /// build has the CUDA backend and the machine a GPU, else the CPU), `"cpu"`, `"cuda"` (the
+    /// rank's `LOCAL_RANK`-th GPU) or `"cuda:N"`.
+    pub device: Device,
     /// ZeRO partitioning: the stage, communication buckets, and offload.
     pub zero_optimization: ZeroOptimization,
     /// fp16 mixed precision with loss scaling.
@@ -120,6 +126,7 @@ impl Default for Config {
             steps_per_print: 10,
             wall_clock_breakdown: false,
             seed: DEFAULT_SEED,
+            device: Device::Auto,
             zero_optimization: ZeroOptimization::default(),
             fp16: Fp16::default(),
             bf16: Bf16::default(),
@@ -286,6 +293,9 @@ pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
         steps_per_print: t.uint(cx, "steps_per_print", d.steps_per_print),
         wall_clock_breakdown: t.bool(cx, "wall_clock_breakdown", false),
         seed: t.uint(cx, "seed", d.seed),
+        device: t
+            .get(cx, "device", &[], device::read_device)
+            .unwrap_or_default(),
         zero_optimization: t
             .get(cx, "zero_optimization", &[], |cx, p, n| {
                 Some(zero::read_zero(cx, p, n))

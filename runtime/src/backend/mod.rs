@@ -429,21 +429,35 @@ pub trait Backend:
     fn name(&self) -> String;
 }
 
-/// Which device to compute on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceKind {
-    /// Host CPU (multi-threaded on the current rayon pool).
-    Cpu,
-    /// NVIDIA GPU through CUDA.
-    Cuda,
+pub use ferrozero_config::Device;
+
+/// The backend for `device`, computing activations in `act` where the device can (the CPU
+/// always computes in f32). `Auto` takes a GPU when this build and machine have one, else
+/// the CPU. Without an ordinal a GPU is chosen by `LOCAL_RANK` when set (one process per GPU),
+/// else by `rank` (ranks as threads spread over the GPUs). A device that cannot be used is
+/// an error that says why ([`crate::Error::Unavailable`]), never a silent fallback.
+pub fn open(device: Device, act: DType, rank: usize) -> Result<Arc<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(cpu()),
+        Device::Cuda(ordinal) => cuda::open(gpu_ordinal(ordinal, rank)?, act),
+        Device::Auto => match cuda::device_count() {
+            Ok(n) if n > 0 => cuda::open(gpu_ordinal(None, rank)?, act),
+            _ => Ok(cpu()),
+        },
+    }
 }
 
-/// The backend for `kind`, or [`crate::Error::Unavailable`] when this build or machine lacks it.
-pub fn select(kind: DeviceKind) -> Result<Arc<dyn Backend>> {
-    match kind {
-        DeviceKind::Cpu => Ok(cpu()),
-        DeviceKind::Cuda => cuda::open(),
+/// The GPU for a rank: the configured ordinal, else `LOCAL_RANK`, else the rank, modulo the
+/// GPUs present.
+fn gpu_ordinal(ordinal: Option<u32>, rank: usize) -> Result<usize> {
+    if let Some(n) = ordinal {
+        return Ok(n as usize);
     }
+    let local = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    let count = cuda::device_count()?.max(1);
+    Ok(local.unwrap_or(rank) % count)
 }
 
 /// The CPU backend.

@@ -61,9 +61,11 @@ pub struct Engine {
 
 impl Engine {
     /// Builds an engine for `model` on this rank of `comm` with a resolved config, computing
-    /// on the CPU.
+    /// on the config's `device` (activations in the precision's dtype where the device can).
     pub fn new(model: Model, cfg: ResolvedConfig, comm: Box<dyn Communicator>) -> Result<Self> {
-        Self::with_backend(model, cfg, comm, crate::backend::cpu())
+        let act = super::build::storage_dtype(&cfg.precision);
+        let be = crate::backend::open(cfg.device, act, comm.rank())?;
+        Self::with_backend(model, cfg, comm, be)
     }
 
     /// Builds an engine whose units compute on `be`.

@@ -190,8 +190,9 @@ impl Engine {
         let l = &self.ledger;
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
         let mut s = format!(
-            "ZeRO stage {} | {:?} | world size {} | {} parameters | micro-batch {} x accumulation {} = {} per step\n",
+            "ZeRO stage {} on {} | {:?} | world size {} | {} parameters | micro-batch {} x accumulation {} = {} per step\n",
             self.cfg.zero.stage.number(),
+            self.be.name(),
             self.cfg.precision,
             self.world_size(),
             self.model.num_params(),

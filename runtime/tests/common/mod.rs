@@ -36,6 +36,8 @@ pub fn config(
         steps_per_print: 10,
         wall_clock_breakdown: false,
         seed: 1234,
+        // The toy model computes with host loops: the CPU backend.
+        device: ferrozero_config::Device::Cpu,
         zero: ZeroConfig {
             stage,
             overlap_comm: false,

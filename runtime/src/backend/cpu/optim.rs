@@ -49,9 +49,11 @@ impl OptimizerOps for CpuBackend {
             Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
             Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
             Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
-            Some(ViewMut::Cuda(_)) => return Err(Error::Invalid(format!(
+            Some(ViewMut::Cuda(_)) => {
+                return Err(Error::Invalid(format!(
                 "{OP}: the low-precision copy is in device memory; the CPU step writes host memory"
-            ))),
+            )))
+            }
         };
         let r = match rule {
             UpdateRule::Adam(hp) => optim::adam_step(hp, step, grad_scale, p, &g, m, v, lp_out),
