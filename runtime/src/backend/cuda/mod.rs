@@ -2,6 +2,9 @@
 //! kernels (see DESIGN-NOTES), but no device code exists yet, so opening it reports clearly
 //! why instead of failing later inside a kernel.
 
+#[cfg(feature = "cuda")]
+pub mod driver;
+
 use std::sync::Arc;
 
 use super::Backend;
