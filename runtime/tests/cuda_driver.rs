@@ -132,7 +132,7 @@ fn emulated_memory_rejects_what_a_gpu_would_fault_on() {
     assert_eq!(op, "cuMemsetD8Async");
 
     // Foreign and null pointers.
-    let host = vec![0u8; 64];
+    let host = [0u8; 64];
     let (_, detail) = device_err(d.copy_htod(&buf[..8], DevPtr(host.as_ptr() as u64), S));
     assert!(
         detail.contains("no allocation of this device contains it"),
@@ -764,6 +764,18 @@ fn gemm_rejects_what_cublaslt_would() {
         S,
     ));
     assert!(msg.contains("multiple of 8"), "{msg}");
+    let msg = invalid(d.gemm(
+        &Gemm {
+            epilogue: Epilogue::GeluAuxBias {
+                bias: c.offset(192),
+                aux: c.offset(72),
+                aux_ld: 8,
+            },
+            ..base
+        },
+        S,
+    ));
+    assert!(msg.contains("16-byte aligned"), "{msg}");
     let msg = invalid(d.gemm(
         &Gemm {
             batch: Some(Batch {

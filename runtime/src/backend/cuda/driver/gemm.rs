@@ -64,7 +64,7 @@ pub enum Epilogue {
     GeluAuxBias {
         /// The bias vector, m elements of C's type.
         bias: DevPtr,
-        /// The pre-activation output: an m x n column-major matrix of C's type.
+        /// The pre-activation output: an m x n column-major matrix of C's type, 16-byte aligned.
         aux: DevPtr,
         /// Its leading dimension: at least m and a multiple of 8 (cuBLASLt's rule).
         aux_ld: u64,
@@ -396,12 +396,12 @@ impl Gemm {
             if b.count == 0 {
                 return Err(self.invalid("a batch must hold at least one product"));
             }
-            if b.count > 1 && b.stride_c < self.ldc * (self.n - 1) + self.m {
+            let span = self.ldc.saturating_mul(self.n - 1).saturating_add(self.m);
+            if b.count > 1 && b.stride_c < span {
                 return Err(self.invalid(format!(
                     "C's batch stride {} makes the outputs of consecutive products overlap \
-                     (each spans {} elements)",
-                    b.stride_c,
-                    self.ldc * (self.n - 1) + self.m
+                     (each spans {span} elements)",
+                    b.stride_c
                 )));
             }
         }
@@ -445,12 +445,10 @@ impl Gemm {
         }
         let ranges = self.ranges()?;
         for r in &ranges {
-            let elem = if matches!(r.what, "A") {
-                self.a_type.size()
-            } else if r.what == "B" {
-                self.b_type.size()
-            } else {
-                self.c_type.size()
+            let elem = match r.what {
+                "A" => self.a_type.size(),
+                "B" => self.b_type.size(),
+                _ => self.c_type.size(),
             } as u64;
             if r.start == 0 {
                 return Err(self.invalid(format!("{} is a null pointer", r.what)));
@@ -459,6 +457,14 @@ impl Gemm {
                 return Err(self.invalid(format!(
                     "{} at {:#x} is not aligned to its {elem}-byte elements",
                     r.what, r.start
+                )));
+            }
+        }
+        if let Epilogue::GeluAuxBias { aux, .. } = self.epilogue {
+            if aux.0 % 16 != 0 {
+                return Err(self.invalid(format!(
+                    "aux at {aux} must be 16-byte aligned (cuBLASLt stores it in 16-byte vectors, \
+                     hence its leading dimension in multiples of 8)"
                 )));
             }
         }

@@ -264,6 +264,24 @@ impl Program {
     }
 }
 
+/// A failure remembered by a `OnceLock` (so a broken source is not recompiled on every call):
+/// the call and the detail of the [`Error::Device`] it becomes again.
+pub(crate) type Frozen<T> = std::result::Result<T, (String, String)>;
+
+/// Makes an error storable in a [`Frozen`].
+pub(crate) fn freeze(e: Error) -> (String, String) {
+    match e {
+        Error::Device { op, detail } => (op, detail),
+        other => ("kernel load".into(), other.to_string()),
+    }
+}
+
+/// The stored result again, errors as [`Error::Device`].
+pub(crate) fn thaw<T: Clone>(r: &Frozen<T>) -> Result<T> {
+    r.clone()
+        .map_err(|(op, detail)| Error::Device { op, detail })
+}
+
 /// The flat kernel table both drivers build from their programs: (program index, name) per
 /// kernel, in program order. Names must be unique across programs.
 pub(crate) fn kernel_table(programs: &[Program]) -> Result<Vec<(usize, String)>> {

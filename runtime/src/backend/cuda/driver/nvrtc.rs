@@ -15,13 +15,14 @@
 //! torn or corrupt entry is detected and recompiled, never loaded; an unwritable cache is a
 //! warning.
 
+use std::collections::HashMap;
 use std::ffi::{c_char, CStr, CString};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::nvrtc::{result, sys};
 
-use super::Program;
+use super::{freeze, thaw, Frozen, Program};
 use crate::{Error, Result};
 
 /// What NVRTC produces.
@@ -408,4 +409,26 @@ pub fn compile_cached(program: &Program, target: Target, dir: Option<&Path>) -> 
 /// Compiles `program` for `target` through the cache in [`cache_dir`].
 pub fn compile(program: &Program, target: Target) -> Result<Vec<u8>> {
     compile_cached(program, target, cache_dir().as_deref()).map(|c| c.image)
+}
+
+/// Compiles `program` for `target` through the cache in [`cache_dir`] at most once per process
+/// (per program text, options, NVRTC version and target): every driver of the process, one per
+/// GPU, shares the result. A failure is remembered too.
+pub fn compile_once(program: &Program, target: Target) -> Result<Arc<Compiled>> {
+    type Cell = Arc<OnceLock<Frozen<Arc<Compiled>>>>;
+    static MEMO: OnceLock<Mutex<HashMap<String, Cell>>> = OnceLock::new();
+    let key = cache_file_name(program, target, version()?);
+    let cell = MEMO
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(key)
+        .or_default()
+        .clone();
+    // Compiled outside the table's lock: other sources compile meanwhile.
+    thaw(cell.get_or_init(|| {
+        compile_cached(program, target, cache_dir().as_deref())
+            .map(Arc::new)
+            .map_err(freeze)
+    }))
 }

@@ -30,8 +30,8 @@ use super::gemm::{Epilogue, Gemm, Op};
 use super::nvrtc::{self, ImageKind, Target};
 use super::table::AllocTable;
 use super::{
-    kernel_table, unknown_kernel, DevPtr, DeviceInfo, Driver, Event, Kernel, LaunchConfig, Program,
-    StreamKind,
+    freeze, kernel_table, thaw, unknown_kernel, DevPtr, DeviceInfo, Driver, Event, Frozen, Kernel,
+    LaunchConfig, Program, StreamKind,
 };
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -159,21 +159,6 @@ pub fn device_count() -> Result<usize> {
 struct Func {
     f: CudaFunction,
     smem_allowed: AtomicU32,
-}
-
-/// A failure remembered by a `OnceLock` (so a broken source is not recompiled on every call).
-type Frozen<T> = std::result::Result<T, (String, String)>;
-
-fn freeze(e: Error) -> (String, String) {
-    match e {
-        Error::Device { op, detail } => (op, detail),
-        other => ("kernel load".into(), other.to_string()),
-    }
-}
-
-fn thaw<T: Clone>(r: &Frozen<T>) -> Result<T> {
-    r.clone()
-        .map_err(|(op, detail)| Error::Device { op, detail })
 }
 
 /// What decides cuBLASLt's algorithm choice: everything but the scalars and the addresses
@@ -419,7 +404,7 @@ impl CudaDriver {
                 });
             }
         }
-        let compiled = nvrtc::compile_cached(program, target, nvrtc::cache_dir().as_deref())?;
+        let compiled = nvrtc::compile_once(program, target)?;
         match self.load_image(program, &compiled.image, target) {
             Err(e) if compiled.from_cache => {
                 // A valid-looking entry the driver refuses: compile afresh rather than fail.
@@ -590,6 +575,11 @@ impl Driver for CudaDriver {
 
     unsafe fn free(&self, p: DevPtr) -> Result<()> {
         self.bind()?;
+        // cuMemFree does not wait for work queued on non-blocking streams in every case the
+        // documentation leaves open: wait for all three, so queued work never sees freed memory.
+        for s in StreamKind::ALL {
+            self.synchronize(s)?;
+        }
         let mut table = self.table();
         // SAFETY: `p` starts a live allocation of this driver (checked by `remove` before the
         // driver sees it); the caller guarantees nothing uses it any more.
