@@ -2,9 +2,6 @@
 //! kernels (see DESIGN-NOTES), but no device code exists yet, so opening it reports clearly
 //! why instead of failing later inside a kernel.
 
-#[cfg(feature = "cuda")]
-pub mod driver;
-
 use std::sync::Arc;
 
 use super::Backend;
@@ -25,3 +22,6 @@ pub fn open() -> Result<Arc<dyn Backend>> {
         why: why.to_string(),
     })
 }
+
+#[cfg(feature = "cuda")]
+pub mod driver;
