@@ -18,6 +18,11 @@
 //! }
 //! ```
 //!
+//! (and the kernels branch's `libloading = "0.8"` dev-dependency becomes `"0.9"`, the version
+//! this feature's dependency and cudarc use: with both, the `cuda` feature's tests do not
+//! compile). Checked on a scratch merge of both branches: every registry source then compiles
+//! with NVRTC and ptxas for sm_80 and sm_90, and `emulated()` runs the registry's kernels.
+//!
 //! Until then the registry is empty and there is no builtin emulator library: the drivers
 //! still allocate, copy and multiply, and `kernel(name)` answers that no such kernel exists.
 
