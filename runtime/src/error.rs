@@ -62,6 +62,32 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A device (CUDA) call failed: which call, and the driver's or library's own words.
+    #[error("device error in {op}: {detail}")]
+    Device {
+        /// The call that failed, e.g. `cuMemcpyHtoDAsync` or `cublasLtMatmul`.
+        op: String,
+        /// The library's error name and message (and the compile log for NVRTC).
+        detail: String,
+    },
+    /// A device allocation was refused: by the configured device-memory limit, or by the
+    /// device itself after the allocator's cache had been returned to the driver.
+    #[error(
+        "device memory: {detail}: requested {requested} bytes with {live} bytes live \
+         (peak {peak}), limit {limit} bytes"
+    )]
+    DeviceMemory {
+        /// Bytes the allocation asked for (after rounding to the allocator's size class).
+        requested: u64,
+        /// Bytes handed out and not yet returned when the request came.
+        live: u64,
+        /// The most bytes live at once since the last peak reset.
+        peak: u64,
+        /// The limit in force: the configured limit, or the device's total memory.
+        limit: u64,
+        /// What refused it, in the driver's words where the driver refused.
+        detail: String,
+    },
     /// An error from the offload crate.
     #[error(transparent)]
     Offload(#[from] ferrozero_offload::Error),

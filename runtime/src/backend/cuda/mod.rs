@@ -33,3 +33,6 @@ pub fn device_count() -> Result<usize> {
 pub fn open(_ordinal: usize, _act: DType) -> Result<Arc<dyn Backend>> {
     Err(unavailable())
 }
+
+#[cfg(feature = "cuda")]
+pub mod driver;

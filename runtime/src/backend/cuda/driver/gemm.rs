@@ -1,0 +1,647 @@
+//! One cuBLASLt matmul in cuBLASLt's own terms, the one validation both drivers apply, and the
+//! emulator's reference implementation.
+//!
+//! cuBLASLt is column-major: element `(i, j)` of a matrix with leading dimension `ld` lives at
+//! element offset `i + j * ld`. It computes
+//!
+//! ```text
+//! D = epilogue(alpha * op(A) · op(B) + beta * C)       op(A): m x k, op(B): k x n, C, D: m x n
+//! ```
+//!
+//! with `op(X) = X` for [`Op::N`] and `X^T` for [`Op::T`], so A is stored `m x k` (N) or `k x m`
+//! (T), B `k x n` (N) or `n x k` (T). Here D is C (in place). A row-major matrix `R[r, c]` is the
+//! column-major matrix `R^T` (`c x r`, leading dimension `c`), so the row-major product
+//! `Y[M, N] = X[M, K] · W[N, K]^T` (a linear layer) is the column-major `Y^T = W^T^T · X^T`:
+//! `m = N, n = M, k = K`, A = W with [`Op::T`] and `lda = K`, B = X with [`Op::N`] and
+//! `ldb = K`, C = Y with `ldc = N`.
+
+use half::{bf16, f16};
+
+use super::DevPtr;
+use crate::tensor::DType;
+use crate::{Error, Result};
+
+/// Whether cuBLASLt uses an operand as stored or transposed (`CUBLAS_OP_N` / `CUBLAS_OP_T`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// As stored.
+    N,
+    /// Transposed.
+    T,
+}
+
+/// Strided batching: `count` independent products, operand `p` of each at its base pointer plus
+/// `p * stride` elements (`CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT` and
+/// `CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET`). A stride of 0 shares an input across the
+/// batch; C's stride must keep the outputs apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Batch {
+    /// Number of products (at least 1).
+    pub count: u32,
+    /// Elements between consecutive A matrices.
+    pub stride_a: u64,
+    /// Elements between consecutive B matrices.
+    pub stride_b: u64,
+    /// Elements between consecutive C (= D) matrices.
+    pub stride_c: u64,
+}
+
+/// What cuBLASLt does to each result before storing it (`CUBLASLT_MATMUL_DESC_EPILOGUE`).
+/// Vectors (bias, bias gradient, aux) have C's element type (cuBLASLt's default
+/// `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE` and `..._EPILOGUE_AUX_DATA_TYPE`, which are never set).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `CUBLASLT_EPILOGUE_DEFAULT`: `D = alpha * op(A) op(B) + beta * C`.
+    None,
+    /// `CUBLASLT_EPILOGUE_BIAS`: adds `bias[i]` (length m) to every column of the result before
+    /// it is stored. Shared by every product of a batch.
+    Bias {
+        /// The bias vector, m elements of C's type.
+        bias: DevPtr,
+    },
+    /// `CUBLASLT_EPILOGUE_GELU_AUX_BIAS`: `pre = alpha * op(A) op(B) + beta * C + bias`, then
+    /// `aux = pre` (the GELU input, kept for backward) and `D = gelu_tanh(pre)`. Not batched.
+    GeluAuxBias {
+        /// The bias vector, m elements of C's type.
+        bias: DevPtr,
+        /// The pre-activation output: an m x n column-major matrix of C's type, 16-byte aligned.
+        aux: DevPtr,
+        /// Its leading dimension: at least m and a multiple of 8 (cuBLASLt's rule).
+        aux_ld: u64,
+    },
+    /// `CUBLASLT_EPILOGUE_BGRADA`: also writes (overwrites) `bias_grad[i] = sum over k of
+    /// op(A)[i, l]` (length m). Only with `transa = N`, `alpha = 1` and no batch.
+    BiasGradA {
+        /// The bias-gradient output, m elements of C's type.
+        bias_grad: DevPtr,
+    },
+    /// `CUBLASLT_EPILOGUE_BGRADB`: also writes (overwrites) `bias_grad[j] = sum over k of
+    /// op(B)[l, j]` (length n). Only with `transb = T`, `alpha = 1` and no batch: the weight
+    /// gradient `dW^T = X^T · dY` of a linear layer with the output gradient as B, where the sum
+    /// is the bias gradient.
+    BiasGradB {
+        /// The bias-gradient output, n elements of C's type.
+        bias_grad: DevPtr,
+    },
+}
+
+impl Epilogue {
+    /// cuBLASLt's name for it.
+    pub fn cublas_name(&self) -> &'static str {
+        match self {
+            Epilogue::None => "CUBLASLT_EPILOGUE_DEFAULT",
+            Epilogue::Bias { .. } => "CUBLASLT_EPILOGUE_BIAS",
+            Epilogue::GeluAuxBias { .. } => "CUBLASLT_EPILOGUE_GELU_AUX_BIAS",
+            Epilogue::BiasGradA { .. } => "CUBLASLT_EPILOGUE_BGRADA",
+            Epilogue::BiasGradB { .. } => "CUBLASLT_EPILOGUE_BGRADB",
+        }
+    }
+}
+
+/// One cuBLASLt matmul, `C = epilogue(alpha * op(A) · op(B) + beta * C)`, in cuBLASLt's terms
+/// (column-major; see the module documentation for the row-major translation).
+///
+/// Always computed with `CUBLAS_COMPUTE_32F` and f32 scale type: f32 accumulation, never TF32
+/// (not even for f32 inputs). Supported types: A and B the same type, C either that type or
+/// f32 (f32/f32/f32, bf16/bf16/bf16, bf16/bf16/f32, f16/f16/f16, f16/f16/f32). `beta = 0`
+/// overwrites C without reading it (NaN in C does not propagate); `beta = 1` accumulates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemm {
+    /// How A is used.
+    pub transa: Op,
+    /// How B is used.
+    pub transb: Op,
+    /// Rows of op(A) and of C.
+    pub m: u64,
+    /// Columns of op(B) and of C.
+    pub n: u64,
+    /// Columns of op(A), rows of op(B).
+    pub k: u64,
+    /// A's first element.
+    pub a: DevPtr,
+    /// A's leading dimension (elements between columns; at least its stored row count).
+    pub lda: u64,
+    /// A's element type.
+    pub a_type: DType,
+    /// B's first element.
+    pub b: DevPtr,
+    /// B's leading dimension.
+    pub ldb: u64,
+    /// B's element type (must equal A's).
+    pub b_type: DType,
+    /// C's (and D's) first element.
+    pub c: DevPtr,
+    /// C's leading dimension (at least m).
+    pub ldc: u64,
+    /// C's element type (A's type or f32).
+    pub c_type: DType,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of C's old value: 0 overwrites, 1 accumulates.
+    pub beta: f32,
+    /// Strided batch, or `None` for one product.
+    pub batch: Option<Batch>,
+    /// What happens to each result before it is stored.
+    pub epilogue: Epilogue,
+}
+
+/// One memory range a GEMM reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Range {
+    /// Which operand (`A`, `B`, `C`, `bias`, `aux`, `bias_grad`).
+    pub what: &'static str,
+    /// First byte.
+    pub start: u64,
+    /// Bytes from the first to one past the last element touched.
+    pub bytes: u64,
+    /// Whether the GEMM writes it.
+    pub written: bool,
+}
+
+fn dname(t: DType) -> &'static str {
+    match t {
+        DType::F32 => "f32",
+        DType::Bf16 => "bf16",
+        DType::F16 => "f16",
+    }
+}
+
+/// Elements from a matrix's first element to one past its last, over a batch.
+fn extent(rows: u64, cols: u64, ld: u64, count: u64, stride: u64) -> Option<u64> {
+    let one = (cols - 1).checked_mul(ld)?.checked_add(rows)?;
+    (count - 1).checked_mul(stride)?.checked_add(one)
+}
+
+impl Gemm {
+    /// A plain product `C = op(A) · op(B)` of one element type with the given leading
+    /// dimensions (alpha 1, beta 0, no batch, no epilogue); set fields for anything else.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        transa: Op,
+        transb: Op,
+        m: u64,
+        n: u64,
+        k: u64,
+        a: DevPtr,
+        lda: u64,
+        b: DevPtr,
+        ldb: u64,
+        c: DevPtr,
+        ldc: u64,
+        dtype: DType,
+    ) -> Self {
+        Gemm {
+            transa,
+            transb,
+            m,
+            n,
+            k,
+            a,
+            lda,
+            a_type: dtype,
+            b,
+            ldb,
+            b_type: dtype,
+            c,
+            ldc,
+            c_type: dtype,
+            alpha: 1.0,
+            beta: 0.0,
+            batch: None,
+            epilogue: Epilogue::None,
+        }
+    }
+
+    /// Rows and columns of A as stored.
+    pub fn a_shape(&self) -> (u64, u64) {
+        match self.transa {
+            Op::N => (self.m, self.k),
+            Op::T => (self.k, self.m),
+        }
+    }
+
+    /// Rows and columns of B as stored.
+    pub fn b_shape(&self) -> (u64, u64) {
+        match self.transb {
+            Op::N => (self.k, self.n),
+            Op::T => (self.n, self.k),
+        }
+    }
+
+    /// The number of products (1 without a batch).
+    pub fn batch_count(&self) -> u32 {
+        self.batch.map_or(1, |b| b.count)
+    }
+
+    /// A one-line description for error messages.
+    pub fn describe(&self) -> String {
+        let op = |o: Op| if o == Op::N { "N" } else { "T" };
+        format!(
+            "gemm {}{} m={} n={} k={} A {} lda={} B {} ldb={} C {} ldc={} alpha={} beta={}{} {}",
+            op(self.transa),
+            op(self.transb),
+            self.m,
+            self.n,
+            self.k,
+            dname(self.a_type),
+            self.lda,
+            dname(self.b_type),
+            self.ldb,
+            dname(self.c_type),
+            self.ldc,
+            self.alpha,
+            self.beta,
+            match self.batch {
+                Some(b) => format!(
+                    " batch {} (strides {}, {}, {})",
+                    b.count, b.stride_a, b.stride_b, b.stride_c
+                ),
+                None => String::new(),
+            },
+            self.epilogue.cublas_name(),
+        )
+    }
+
+    fn invalid(&self, why: impl std::fmt::Display) -> Error {
+        Error::Invalid(format!("{}: {why}", self.describe()))
+    }
+
+    /// Every memory range the GEMM touches (A, B, C and the epilogue's vectors), from its
+    /// dimensions, leading dimensions, transposes and batch; fails on arithmetic overflow.
+    pub(crate) fn ranges(&self) -> Result<Vec<Range>> {
+        let (count, sa, sb, sc) = match self.batch {
+            Some(b) => (
+                u64::from(b.count.max(1)),
+                b.stride_a,
+                b.stride_b,
+                b.stride_c,
+            ),
+            None => (1, 0, 0, 0),
+        };
+        let overflow = || self.invalid("operand extent overflows 64 bits");
+        let bytes = |elems: u64, t: DType| elems.checked_mul(t.size() as u64).ok_or_else(overflow);
+        let (ar, ac) = self.a_shape();
+        let (br, bc) = self.b_shape();
+        let a = extent(ar, ac, self.lda, count, sa).ok_or_else(overflow)?;
+        let b = extent(br, bc, self.ldb, count, sb).ok_or_else(overflow)?;
+        let c = extent(self.m, self.n, self.ldc, count, sc).ok_or_else(overflow)?;
+        let mut out = vec![
+            Range {
+                what: "A",
+                start: self.a.0,
+                bytes: bytes(a, self.a_type)?,
+                written: false,
+            },
+            Range {
+                what: "B",
+                start: self.b.0,
+                bytes: bytes(b, self.b_type)?,
+                written: false,
+            },
+            Range {
+                what: "C",
+                start: self.c.0,
+                bytes: bytes(c, self.c_type)?,
+                written: true,
+            },
+        ];
+        let vec_bytes = |len: u64| bytes(len, self.c_type);
+        match self.epilogue {
+            Epilogue::None => {}
+            Epilogue::Bias { bias } => out.push(Range {
+                what: "bias",
+                start: bias.0,
+                bytes: vec_bytes(self.m)?,
+                written: false,
+            }),
+            Epilogue::GeluAuxBias { bias, aux, aux_ld } => {
+                out.push(Range {
+                    what: "bias",
+                    start: bias.0,
+                    bytes: vec_bytes(self.m)?,
+                    written: false,
+                });
+                let e = extent(self.m, self.n, aux_ld, 1, 0).ok_or_else(overflow)?;
+                out.push(Range {
+                    what: "aux",
+                    start: aux.0,
+                    bytes: vec_bytes(e)?,
+                    written: true,
+                });
+            }
+            Epilogue::BiasGradA { bias_grad } => out.push(Range {
+                what: "bias_grad",
+                start: bias_grad.0,
+                bytes: vec_bytes(self.m)?,
+                written: true,
+            }),
+            Epilogue::BiasGradB { bias_grad } => out.push(Range {
+                what: "bias_grad",
+                start: bias_grad.0,
+                bytes: vec_bytes(self.n)?,
+                written: true,
+            }),
+        }
+        for r in &out {
+            r.start.checked_add(r.bytes).ok_or_else(overflow)?;
+        }
+        Ok(out)
+    }
+
+    /// Checks everything cuBLASLt would reject (or silently get wrong) before any device work,
+    /// identically for both drivers: dimensions, leading dimensions, type combinations,
+    /// alignment, batch strides, the epilogue's layout rules, and outputs overlapping inputs.
+    pub fn validate(&self) -> Result<()> {
+        if self.m == 0 || self.n == 0 || self.k == 0 {
+            return Err(self.invalid("m, n and k must all be at least 1"));
+        }
+        let limit = i64::MAX as u64;
+        if [self.m, self.n, self.k, self.lda, self.ldb, self.ldc]
+            .iter()
+            .any(|&v| v > limit)
+        {
+            return Err(self.invalid("dimensions must fit in int64"));
+        }
+        if self.a_type != self.b_type {
+            return Err(self.invalid(
+                "A and B must have the same type (cuBLASLt has no mixed-input f32-compute GEMM)",
+            ));
+        }
+        if self.c_type != self.a_type && self.c_type != DType::F32 {
+            return Err(self.invalid(format!(
+                "C must be {} or f32 for {} inputs",
+                dname(self.a_type),
+                dname(self.a_type)
+            )));
+        }
+        let (ar, _) = self.a_shape();
+        let (br, _) = self.b_shape();
+        if self.lda < ar {
+            return Err(self.invalid(format!(
+                "lda {} is less than A's stored rows {ar} (column-major: {} for op N, k for op T)",
+                self.lda,
+                if self.transa == Op::N { "m" } else { "k" }
+            )));
+        }
+        if self.ldb < br {
+            return Err(self.invalid(format!(
+                "ldb {} is less than B's stored rows {br} (column-major: k for op N, n for op T)",
+                self.ldb
+            )));
+        }
+        if self.ldc < self.m {
+            return Err(self.invalid(format!("ldc {} is less than m {}", self.ldc, self.m)));
+        }
+        if let Some(b) = self.batch {
+            if b.count == 0 {
+                return Err(self.invalid("a batch must hold at least one product"));
+            }
+            let span = self.ldc.saturating_mul(self.n - 1).saturating_add(self.m);
+            if b.count > 1 && b.stride_c < span {
+                return Err(self.invalid(format!(
+                    "C's batch stride {} makes the outputs of consecutive products overlap \
+                     (each spans {span} elements)",
+                    b.stride_c
+                )));
+            }
+        }
+        let batched = self.batch_count() > 1;
+        match self.epilogue {
+            Epilogue::None | Epilogue::Bias { .. } => {}
+            Epilogue::GeluAuxBias { aux_ld, .. } => {
+                if batched {
+                    return Err(self.invalid("the GELU_AUX_BIAS epilogue is not batched here"));
+                }
+                if aux_ld < self.m || aux_ld % 8 != 0 {
+                    return Err(self.invalid(format!(
+                        "the aux leading dimension {aux_ld} must be at least m = {} and a \
+                         multiple of 8 (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)",
+                        self.m
+                    )));
+                }
+            }
+            Epilogue::BiasGradA { .. } | Epilogue::BiasGradB { .. } => {
+                let (which, op, need) = match self.epilogue {
+                    Epilogue::BiasGradA { .. } => ("BGRADA", self.transa, Op::N),
+                    _ => ("BGRADB", self.transb, Op::T),
+                };
+                if op != need {
+                    return Err(self.invalid(format!(
+                        "the {which} epilogue is supported only with trans{} = {need:?} (the \
+                         reduced operand stored with k as its column index)",
+                        if which == "BGRADA" { "a" } else { "b" }
+                    )));
+                }
+                if batched {
+                    return Err(self.invalid(format!("the {which} epilogue is not batched here")));
+                }
+                if self.alpha != 1.0 {
+                    return Err(self.invalid(format!(
+                        "the {which} epilogue requires alpha = 1 (the bias gradient is the \
+                         unscaled sum)"
+                    )));
+                }
+            }
+        }
+        let ranges = self.ranges()?;
+        for r in &ranges {
+            let elem = match r.what {
+                "A" => self.a_type.size(),
+                "B" => self.b_type.size(),
+                _ => self.c_type.size(),
+            } as u64;
+            if r.start == 0 {
+                return Err(self.invalid(format!("{} is a null pointer", r.what)));
+            }
+            if r.start % elem != 0 {
+                return Err(self.invalid(format!(
+                    "{} at {:#x} is not aligned to its {elem}-byte elements",
+                    r.what, r.start
+                )));
+            }
+        }
+        if let Epilogue::GeluAuxBias { aux, .. } = self.epilogue {
+            if aux.0 % 16 != 0 {
+                return Err(self.invalid(format!(
+                    "aux at {aux} must be 16-byte aligned (cuBLASLt stores it in 16-byte vectors, \
+                     hence its leading dimension in multiples of 8)"
+                )));
+            }
+        }
+        for w in ranges.iter().filter(|r| r.written) {
+            for o in ranges.iter().filter(|o| o.what != w.what) {
+                let disjoint = w.start + w.bytes <= o.start || o.start + o.bytes <= w.start;
+                if !disjoint {
+                    return Err(self.invalid(format!(
+                        "output {} [{:#x}, +{}) overlaps {} [{:#x}, +{}) (cuBLASLt's result \
+                         would be undefined)",
+                        w.what, w.start, w.bytes, o.what, o.start, o.bytes
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The emulator's GEMM: exactly the documented operation on host memory. Each product is a
+    /// dot product of op(A)'s row and op(B)'s column accumulated in f64 (so the result does not
+    /// depend on summation order) and rounded to f32; then, in f32, `alpha * dot` plus
+    /// `beta * C` (C is not read when beta is 0), plus the bias, then GELU; rounded once
+    /// (round-to-nearest-even) into C's type. Bias gradients are f64 sums rounded once. Inputs
+    /// in bf16/f16 are widened to f32 exactly.
+    ///
+    /// # Safety
+    /// [`Gemm::validate`] passed, and every range of [`Gemm::ranges`] is valid host memory.
+    pub(crate) unsafe fn reference(&self) {
+        let (count, sa, sb, sc) = match self.batch {
+            Some(b) => (b.count as u64, b.stride_a, b.stride_b, b.stride_c),
+            None => (1, 0, 0, 0),
+        };
+        let (m, n, k) = (self.m as usize, self.n as usize, self.k as usize);
+        let (bias, aux) = match self.epilogue {
+            Epilogue::Bias { bias } => (Some(bias), None),
+            Epilogue::GeluAuxBias { bias, aux, aux_ld } => (Some(bias), Some((aux, aux_ld))),
+            _ => (None, None),
+        };
+        // SAFETY (all loads and stores below): the caller guarantees every range is valid.
+        let bias: Option<Vec<f32>> = bias.map(|p| {
+            (0..m)
+                .map(|i| unsafe { load(p, i as u64, self.c_type) })
+                .collect()
+        });
+        for p in 0..count {
+            let a = DevPtr(self.a.0 + p * sa * self.a_type.size() as u64);
+            let b = DevPtr(self.b.0 + p * sb * self.b_type.size() as u64);
+            let c = DevPtr(self.c.0 + p * sc * self.c_type.size() as u64);
+            // op(A) row-major (m x k) and op(B) column-major (k x n) in f32, so every dot
+            // product reads two contiguous slices.
+            let mut opa = vec![0f32; m * k];
+            for i in 0..m {
+                for l in 0..k {
+                    let idx = match self.transa {
+                        Op::N => i as u64 + l as u64 * self.lda,
+                        Op::T => l as u64 + i as u64 * self.lda,
+                    };
+                    opa[i * k + l] = unsafe { load(a, idx, self.a_type) };
+                }
+            }
+            let mut opb = vec![0f32; k * n];
+            for j in 0..n {
+                for l in 0..k {
+                    let idx = match self.transb {
+                        Op::N => l as u64 + j as u64 * self.ldb,
+                        Op::T => j as u64 + l as u64 * self.ldb,
+                    };
+                    opb[j * k + l] = unsafe { load(b, idx, self.b_type) };
+                }
+            }
+            match self.epilogue {
+                Epilogue::BiasGradA { bias_grad } => {
+                    for i in 0..m {
+                        let s: f64 = opa[i * k..(i + 1) * k].iter().map(|&x| f64::from(x)).sum();
+                        unsafe { store(bias_grad, i as u64, self.c_type, s as f32) };
+                    }
+                }
+                Epilogue::BiasGradB { bias_grad } => {
+                    for j in 0..n {
+                        let s: f64 = opb[j * k..(j + 1) * k].iter().map(|&x| f64::from(x)).sum();
+                        unsafe { store(bias_grad, j as u64, self.c_type, s as f32) };
+                    }
+                }
+                _ => {}
+            }
+            let column = |j: usize| {
+                let bj = &opb[j * k..(j + 1) * k];
+                for i in 0..m {
+                    let dot = dot_f64(&opa[i * k..(i + 1) * k], bj);
+                    let ci = i as u64 + j as u64 * self.ldc;
+                    let mut v = self.alpha * (dot as f32);
+                    if self.beta != 0.0 {
+                        v += self.beta * unsafe { load(c, ci, self.c_type) };
+                    }
+                    if let Some(bias) = &bias {
+                        v += bias[i];
+                    }
+                    if let Some((aux, aux_ld)) = aux {
+                        unsafe { store(aux, i as u64 + j as u64 * aux_ld, self.c_type, v) };
+                        v = gelu_tanh(v);
+                    }
+                    unsafe { store(c, ci, self.c_type, v) };
+                }
+            };
+            // Columns of C are disjoint (ldc >= m), so large products split them across plain
+            // scoped threads. Not rayon: the caller holds the emulator's memory lock, and a
+            // rayon wait may run another job of the caller's pool that needs the same lock.
+            let threads = std::thread::available_parallelism()
+                .map_or(1, |t| t.get())
+                .min(n);
+            if m * n * k >= 1 << 18 && threads > 1 {
+                let per = n.div_ceil(threads);
+                std::thread::scope(|scope| {
+                    for t in 0..threads {
+                        let column = &column;
+                        scope.spawn(move || (t * per..((t + 1) * per).min(n)).for_each(column));
+                    }
+                });
+            } else {
+                (0..n).for_each(column);
+            }
+        }
+    }
+}
+
+/// `sum x[l] * y[l]` in f64 over four interleaved partial sums (a fixed order, so the result
+/// is reproducible; f32 products are exact in f64).
+fn dot_f64(x: &[f32], y: &[f32]) -> f64 {
+    let mut acc = [0f64; 4];
+    let mut xs = x.chunks_exact(4);
+    let mut ys = y.chunks_exact(4);
+    for (a, b) in (&mut xs).zip(&mut ys) {
+        for l in 0..4 {
+            acc[l] += f64::from(a[l]) * f64::from(b[l]);
+        }
+    }
+    let mut tail = 0f64;
+    for (&a, &b) in xs.remainder().iter().zip(ys.remainder()) {
+        tail += f64::from(a) * f64::from(b);
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + tail
+}
+
+/// cuBLASLt's GELU: the tanh approximation, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// Element `idx` of type `t` at `p`, widened to f32.
+///
+/// # Safety
+/// The element is valid, aligned host memory.
+unsafe fn load(p: DevPtr, idx: u64, t: DType) -> f32 {
+    let addr = p.0 + idx * t.size() as u64;
+    // SAFETY: the caller guarantees the element is valid and aligned.
+    unsafe {
+        match t {
+            DType::F32 => std::ptr::read(addr as *const f32),
+            DType::Bf16 => bf16::from_bits(std::ptr::read(addr as *const u16)).to_f32(),
+            DType::F16 => f16::from_bits(std::ptr::read(addr as *const u16)).to_f32(),
+        }
+    }
+}
+
+/// Rounds `v` to type `t` (round-to-nearest-even) and stores it as element `idx` at `p`.
+///
+/// # Safety
+/// The element is valid, aligned host memory that nothing else accesses concurrently.
+unsafe fn store(p: DevPtr, idx: u64, t: DType, v: f32) {
+    let addr = p.0 + idx * t.size() as u64;
+    // SAFETY: the caller guarantees the element is valid, aligned and exclusively ours.
+    unsafe {
+        match t {
+            DType::F32 => std::ptr::write(addr as *mut f32, v),
+            DType::Bf16 => std::ptr::write(addr as *mut u16, bf16::from_f32(v).to_bits()),
+            DType::F16 => std::ptr::write(addr as *mut u16, f16::from_f32(v).to_bits()),
+        }
+    }
+}

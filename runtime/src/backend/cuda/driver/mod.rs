@@ -1,0 +1,454 @@
+//! The layer between the CUDA backend and the hardware: a [`Driver`] trait with two
+//! implementations, and what sits directly on it.
+//!
+//! - [`CudaDriver`] (`real.rs`): a GPU through cudarc 0.19 (driver API, NVRTC, cuBLASLt), all
+//!   loaded at run time, so this compiles and runs on machines without CUDA: opening it then
+//!   fails with an error that says "no CUDA device" and why.
+//! - [`EmuDriver`] (`emu.rs`): device memory is host memory, streams are synchronous, kernels
+//!   run in the kernels engineer's CPU emulator library, GEMMs in a reference loop that reads
+//!   operands exactly as cuBLASLt does (column-major, leading dimensions, transposes,
+//!   epilogues). It checks every pointer and range the real device would fault on, so the
+//!   backend's tests in CI catch what would fail on a GPU.
+//! - [`Allocator`] (`alloc.rs`): the stream-ordered caching allocator every device buffer comes
+//!   from, with live/peak counters and the device-memory limit.
+//! - [`nvrtc`]: compilation of kernel sources to CUBIN (or PTX) with a disk cache.
+//! - [`Gemm`] (`gemm.rs`): one cuBLASLt matmul in cuBLASLt's own terms, validated by one function
+//!   both drivers call, so both reject the same requests with the same words.
+//!
+//! Everything here speaks in raw device addresses ([`DevPtr`]); ownership and typing are the
+//! backend's business (through [`DeviceBuffer`]).
+
+mod alloc;
+mod emu;
+mod gemm;
+pub mod nvrtc;
+mod real;
+mod registry;
+mod table;
+
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::Arc;
+
+pub use alloc::{
+    Allocator, AllocatorStats, DeviceBuffer, LARGE_SEGMENT_ROUND, MIN_BLOCK, SMALL_MAX,
+    SMALL_SEGMENT,
+};
+pub use emu::{EmuDriver, EmuOptions, EMU_DEFAULT_TOTAL_MEMORY};
+pub use gemm::{Batch, Epilogue, Gemm, Op};
+pub use real::{device_count, CudaDriver};
+pub use registry::{build_builtin_emulator, builtin_programs};
+
+use crate::{Error, Result};
+
+/// A device address; in the emulator, a host address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevPtr(pub u64);
+
+impl DevPtr {
+    /// The null device pointer (never returned by [`Driver::malloc`]).
+    pub const NULL: DevPtr = DevPtr(0);
+
+    /// This address plus `bytes` (for views into a buffer).
+    pub fn offset(self, bytes: u64) -> DevPtr {
+        DevPtr(self.0 + bytes)
+    }
+
+    /// Whether this is the null pointer.
+    pub fn is_null(self) -> bool {
+        self.0 == 0
+    }
+}
+
+impl fmt::Display for DevPtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// The streams the engine uses (compute now; copies and NCCL come later, keep it an enum).
+///
+/// Work on one stream runs in issue order; work on different streams may overlap unless ordered
+/// with events ([`Driver::event_record`] and [`Driver::stream_wait_event`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StreamKind {
+    /// Kernels and GEMMs.
+    Compute,
+    /// Host-to-device copies (parameter uploads, batches).
+    HostToDevice,
+    /// Device-to-host copies (offloaded gradients, losses).
+    DeviceToHost,
+}
+
+impl StreamKind {
+    /// Every stream, in index order.
+    pub const ALL: [StreamKind; 3] = [
+        StreamKind::Compute,
+        StreamKind::HostToDevice,
+        StreamKind::DeviceToHost,
+    ];
+
+    /// A dense index (0..3) for per-stream tables.
+    pub fn index(self) -> usize {
+        match self {
+            StreamKind::Compute => 0,
+            StreamKind::HostToDevice => 1,
+            StreamKind::DeviceToHost => 2,
+        }
+    }
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: [u32; 3],
+    /// Threads per block in x, y, z.
+    pub block: [u32; 3],
+    /// Bytes of dynamic shared memory per block (`extern __shared__`).
+    pub dyn_smem: u32,
+}
+
+impl LaunchConfig {
+    /// A one-dimensional launch: `grid` blocks of `block` threads, no dynamic shared memory.
+    pub fn linear(grid: u32, block: u32) -> Self {
+        LaunchConfig {
+            grid: [grid, 1, 1],
+            block: [block, 1, 1],
+            dyn_smem: 0,
+        }
+    }
+
+    /// Enough blocks of `block` threads to give every one of `n` elements its own thread,
+    /// capped at `max_grid` blocks (grid-stride kernels cover the rest).
+    pub fn for_elements(n: u64, block: u32, max_grid: u32) -> Self {
+        let blocks = n
+            .div_ceil(u64::from(block.max(1)))
+            .clamp(1, u64::from(max_grid.max(1)));
+        LaunchConfig::linear(blocks as u32, block)
+    }
+
+    /// Checks the limits every CUDA device since compute capability 3.0 enforces (and the
+    /// device's shared-memory limit), the same way for both drivers: a zero dimension, more than
+    /// 1024 threads per block, block z over 64, grid y or z over 65535, or dynamic shared memory
+    /// over `max_dyn_smem` is `CUDA_ERROR_INVALID_VALUE` on a GPU.
+    pub fn validate(&self, kernel: &str, max_dyn_smem: u32) -> Result<()> {
+        let bad = |why: String| {
+            Err(Error::Device {
+                op: "cuLaunchKernel".into(),
+                detail: format!(
+                    "CUDA_ERROR_INVALID_VALUE: kernel {kernel} with grid {:?}, block {:?}, \
+                     {} bytes of dynamic shared memory: {why}",
+                    self.grid, self.block, self.dyn_smem
+                ),
+            })
+        };
+        if self.grid.contains(&0) || self.block.contains(&0) {
+            return bad("every grid and block dimension must be at least 1".into());
+        }
+        let threads =
+            u64::from(self.block[0]) * u64::from(self.block[1]) * u64::from(self.block[2]);
+        if threads > 1024 {
+            return bad(format!("{threads} threads per block, the limit is 1024"));
+        }
+        if self.block[0] > 1024 || self.block[1] > 1024 || self.block[2] > 64 {
+            return bad("block dimensions are limited to 1024 x 1024 x 64".into());
+        }
+        if self.grid[0] > i32::MAX as u32 || self.grid[1] > 65535 || self.grid[2] > 65535 {
+            return bad("grid dimensions are limited to (2^31 - 1) x 65535 x 65535".into());
+        }
+        if self.dyn_smem > max_dyn_smem {
+            return bad(format!(
+                "the device allows at most {max_dyn_smem} bytes of dynamic shared memory per block"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A loaded kernel function (by registry name): an index into its driver's kernel table, valid
+/// only with the driver that returned it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Kernel(pub(crate) u32);
+
+impl Kernel {
+    /// The index in the driver's kernel table.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A device event: a point in a stream's work that another stream can wait for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Event(pub(crate) u64);
+
+/// What the device and its libraries are (for `ferrozero report` and logs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device's name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// The CUDA ordinal (0 for the emulator).
+    pub ordinal: usize,
+    /// Compute capability (major, minor), e.g. (9, 0).
+    pub compute_capability: (u32, u32),
+    /// Device memory in bytes.
+    pub total_memory: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// The most dynamic shared memory a block may use (after opting in above 48 KiB).
+    pub max_dyn_smem_per_block: u32,
+    /// The CUDA version the driver supports (major, minor), e.g. (13, 0); `None` when emulated.
+    pub driver_version: Option<(u32, u32)>,
+    /// NVRTC's version, when the library could be loaded.
+    pub nvrtc_version: Option<(u32, u32)>,
+    /// cuBLASLt's version (major, minor, patch), when the library could be loaded.
+    pub cublaslt_version: Option<(u32, u32, u32)>,
+    /// Whether this is the CPU emulator rather than a GPU.
+    pub emulated: bool,
+}
+
+impl fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let v2 = |v: Option<(u32, u32)>| match v {
+            Some((a, b)) => format!("{a}.{b}"),
+            None => "not found".into(),
+        };
+        write!(
+            f,
+            "{} (device {}{}): compute capability {}.{}, {:.1} GiB, {} SMs, {} KiB shared memory \
+             per block; driver CUDA {}, NVRTC {}, cuBLASLt {}",
+            self.name,
+            self.ordinal,
+            if self.emulated { ", emulated" } else { "" },
+            self.compute_capability.0,
+            self.compute_capability.1,
+            self.total_memory as f64 / (1u64 << 30) as f64,
+            self.multiprocessors,
+            self.max_dyn_smem_per_block / 1024,
+            if self.emulated {
+                "none (emulated)".into()
+            } else {
+                v2(self.driver_version)
+            },
+            v2(self.nvrtc_version),
+            match self.cublaslt_version {
+                Some((a, b, c)) => format!("{a}.{b}.{c}"),
+                None if self.emulated => "reference loop (emulated)".into(),
+                None => "not found".into(),
+            },
+        )
+    }
+}
+
+/// One CUDA C program the driver can compile and launch from: the driver's view of an entry in
+/// the kernels registry (`kernels::KernelSource`), or a test's own source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Program {
+    /// File name, e.g. `norm.cu`: NVRTC's program name (so it appears in compile errors) and the
+    /// stem of its cache files.
+    pub file: String,
+    /// The complete text handed to NVRTC (for the registry: `kernels::program_text(src)`).
+    pub text: String,
+    /// Every `extern "C" __global__` function it defines.
+    pub kernels: Vec<String>,
+}
+
+impl Program {
+    /// A program from its file name, complete text and kernel names.
+    pub fn new(file: &str, text: impl Into<String>, kernels: &[&str]) -> Self {
+        Program {
+            file: file.to_string(),
+            text: text.into(),
+            kernels: kernels.iter().map(|k| k.to_string()).collect(),
+        }
+    }
+}
+
+/// A failure remembered by a `OnceLock` (so a broken source is not recompiled on every call):
+/// the call and the detail of the [`Error::Device`] it becomes again.
+pub(crate) type Frozen<T> = std::result::Result<T, (String, String)>;
+
+/// Makes an error storable in a [`Frozen`].
+pub(crate) fn freeze(e: Error) -> (String, String) {
+    match e {
+        Error::Device { op, detail } => (op, detail),
+        other => ("kernel load".into(), other.to_string()),
+    }
+}
+
+/// The stored result again, errors as [`Error::Device`].
+pub(crate) fn thaw<T: Clone>(r: &Frozen<T>) -> Result<T> {
+    r.clone()
+        .map_err(|(op, detail)| Error::Device { op, detail })
+}
+
+/// The flat kernel table both drivers build from their programs: (program index, name) per
+/// kernel, in program order. Names must be unique across programs.
+pub(crate) fn kernel_table(programs: &[Program]) -> Result<Vec<(usize, String)>> {
+    let mut table: Vec<(usize, String)> = Vec::new();
+    for (p, prog) in programs.iter().enumerate() {
+        for k in &prog.kernels {
+            if k.is_empty() || k.contains('\0') {
+                return Err(Error::Invalid(format!(
+                    "{}: kernel name {k:?} is empty or contains NUL",
+                    prog.file
+                )));
+            }
+            if let Some((q, _)) = table.iter().find(|(_, name)| name == k) {
+                return Err(Error::Invalid(format!(
+                    "kernel {k} is defined by both {} and {}",
+                    programs[*q].file, prog.file
+                )));
+            }
+            table.push((p, k.clone()));
+        }
+    }
+    Ok(table)
+}
+
+/// The answer to an unknown kernel name, the same from both drivers.
+pub(crate) fn unknown_kernel(name: &str, programs: &[Program]) -> Error {
+    let known: Vec<&str> = programs
+        .iter()
+        .flat_map(|p| p.kernels.iter().map(String::as_str))
+        .collect();
+    Error::Device {
+        op: "cuModuleGetFunction".into(),
+        detail: format!(
+            "CUDA_ERROR_NOT_FOUND: no kernel named {name} in the registry ({} kernels in {} \
+             sources{})",
+            known.len(),
+            programs.len(),
+            if known.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", known.join(", "))
+            }
+        ),
+    }
+}
+
+/// The device operations the CUDA backend is written against. Both implementations behave the
+/// same for every valid call and reject the same invalid ones; the emulator additionally checks
+/// pointers and ranges that a GPU would only fault on later.
+///
+/// Ordering: every operation is issued on a [`StreamKind`] and runs after earlier work on that
+/// stream. `copy_htod` and `copy_dtoh` return only when the host memory may be reused or read;
+/// everything else may still be running on return (the emulator finishes it before returning).
+pub trait Driver: Send + Sync + fmt::Debug {
+    /// What the device and its libraries are.
+    fn info(&self) -> &DeviceInfo;
+
+    /// Allocates `bytes` (more than 0) of device memory, 256-byte aligned, uninitialised (the
+    /// emulator fills it with 0xFF bytes, a NaN in every float type, so a read before the first
+    /// write shows). Raw: the [`Allocator`] sits on top. A refusal for lack of memory is
+    /// [`Error::DeviceMemory`], anything else [`Error::Device`].
+    fn malloc(&self, bytes: usize) -> Result<DevPtr>;
+
+    /// Returns memory from [`Driver::malloc`]; waits for the device to finish using it.
+    ///
+    /// # Safety
+    /// No buffer view of `p` may be used afterwards, and no queued work may still use it.
+    unsafe fn free(&self, p: DevPtr) -> Result<()>;
+
+    /// Sets `bytes` bytes at `p` to zero, in order on stream `s`.
+    fn memset_zero(&self, p: DevPtr, bytes: usize, s: StreamKind) -> Result<()>;
+
+    /// Copies `src` to `dst` on stream `s`; `src` may be reused when this returns (the real
+    /// driver synchronizes the stream after queueing the copy).
+    fn copy_htod(&self, src: &[u8], dst: DevPtr, s: StreamKind) -> Result<()>;
+
+    /// Copies `dst.len()` bytes from `src` into `dst` on stream `s`; the data is present when
+    /// this returns (the real driver synchronizes the stream).
+    fn copy_dtoh(&self, src: DevPtr, dst: &mut [u8], s: StreamKind) -> Result<()>;
+
+    /// Copies `bytes` bytes from `src` to `dst` on stream `s` (the ranges must not overlap).
+    fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, s: StreamKind) -> Result<()>;
+
+    /// Queues a copy of `len` bytes from host memory `src` to `dst` on stream `s` and returns at
+    /// once: the way to overlap uploads from page-locked memory with compute.
+    ///
+    /// # Safety
+    /// `src..src + len` must stay valid and unchanged until the stream has passed this copy
+    /// (synchronize it, or wait for an event recorded after it). For the copy to be truly
+    /// asynchronous, the memory should be page-locked.
+    unsafe fn copy_htod_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: DevPtr,
+        s: StreamKind,
+    ) -> Result<()>;
+
+    /// Queues a copy of `len` bytes from `src` into host memory `dst` on stream `s` and returns
+    /// at once.
+    ///
+    /// # Safety
+    /// `dst..dst + len` must stay valid, and must not be read or written, until the stream has
+    /// passed this copy.
+    unsafe fn copy_dtoh_async(
+        &self,
+        src: DevPtr,
+        dst: *mut u8,
+        len: usize,
+        s: StreamKind,
+    ) -> Result<()>;
+
+    /// The kernel called `name` in the registry; compiles (or reads from the disk cache) and
+    /// loads its source on the first use of any of its kernels, once per process.
+    fn kernel(&self, name: &str) -> Result<Kernel>;
+
+    /// Launches `k` on stream `s`.
+    ///
+    /// # Safety
+    /// `params` holds one pointer per kernel parameter, each to a value of exactly the
+    /// parameter's type (cuLaunchKernel's `kernelParams`); device pointers among them must point
+    /// to live device memory large enough for everything the kernel touches.
+    unsafe fn launch(
+        &self,
+        k: Kernel,
+        cfg: &LaunchConfig,
+        params: &mut [*mut c_void],
+        s: StreamKind,
+    ) -> Result<()>;
+
+    /// One cuBLASLt matmul on stream `s` (see [`Gemm`] for exactly what it computes).
+    fn gemm(&self, g: &Gemm, s: StreamKind) -> Result<()>;
+
+    /// Waits until all work queued on `s` has finished.
+    fn synchronize(&self, s: StreamKind) -> Result<()>;
+
+    /// A new event (not yet recorded: waiting for it returns at once).
+    fn event_create(&self) -> Result<Event>;
+
+    /// Marks the current end of stream `s`'s work in `e` (replacing any earlier record).
+    fn event_record(&self, e: Event, s: StreamKind) -> Result<()>;
+
+    /// Makes later work on `s` wait until `e`'s recorded work has finished (the host does not
+    /// wait).
+    fn stream_wait_event(&self, s: StreamKind, e: Event) -> Result<()>;
+
+    /// Whether `e`'s recorded work has finished (true for an event never recorded).
+    fn event_query(&self, e: Event) -> Result<bool>;
+
+    /// Waits on the host until `e`'s recorded work has finished.
+    fn event_synchronize(&self, e: Event) -> Result<()>;
+
+    /// Destroys `e` (work it marks may still be running; streams already waiting keep waiting).
+    fn event_destroy(&self, e: Event) -> Result<()>;
+
+    /// Bytes currently allocated through [`Driver::malloc`] and not freed, by this driver.
+    fn allocated(&self) -> u64;
+}
+
+/// Opens GPU `ordinal` (primary context, three streams, cuBLASLt) with the builtin kernel
+/// registry. Without a usable GPU: [`Error::Unavailable`] saying "no CUDA device" and why.
+pub fn open(ordinal: usize) -> Result<Arc<dyn Driver>> {
+    Ok(Arc::new(CudaDriver::open(ordinal, builtin_programs())?))
+}
+
+/// The CPU emulator with the builtin kernel registry and emulator library (built once per
+/// process under `$FERROZERO_EMU_DIR`, else under the target directory), 16 GiB of memory.
+pub fn emulated() -> Result<Arc<dyn Driver>> {
+    Ok(Arc::new(EmuDriver::builtin()?))
+}
