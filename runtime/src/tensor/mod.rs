@@ -6,6 +6,7 @@
 //! and communicated, while matmuls accumulate in f32); a device backend chooses its own
 //! activation dtype (`MemoryOps::act_dtype`).
 
+#[cfg(not(feature = "cuda"))]
 mod absent;
 mod flat;
 mod host;
@@ -14,6 +15,9 @@ pub mod staging;
 mod storage;
 mod view;
 
+#[cfg(feature = "cuda")]
+pub use crate::backend::cuda::{CudaBuf, CudaIds, CudaView, CudaViewMut};
+#[cfg(not(feature = "cuda"))]
 pub use absent::{CudaBuf, CudaIds, CudaView, CudaViewMut};
 pub use flat::FlatBuf;
 pub use host::{BufMut, BufRef};

@@ -1,37 +1,87 @@
-//! CUDA backend stand-in: the operation families are shaped for cuBLAS plus NVRTC-compiled
-//! kernels (see DESIGN-NOTES), but no device code exists yet, so opening it reports clearly
-//! why instead of failing later inside a kernel.
+//! The CUDA backend: device storage, the operation families on device views (cuBLASLt GEMMs and
+//! our NVRTC-compiled kernels), and the driver layer underneath (`driver`: a GPU through cudarc,
+//! or the CPU emulator that tests run on). Compiled with the `cuda` feature; without it (or
+//! without a GPU) opening it is an error that says why.
 
 use std::sync::Arc;
 
 use super::Backend;
 use crate::tensor::DType;
-use crate::{Error, Result};
+#[cfg(not(feature = "cuda"))]
+use crate::Error;
+use crate::Result;
 
-fn unavailable() -> Error {
-    let why = if cfg!(feature = "cuda") {
-        "this build has the `cuda` feature but ferrozero's CUDA kernels are not implemented yet; \
-         use the CPU backend"
-    } else {
-        "ferrozero was built without the `cuda` feature; rebuild with `--features cuda` \
-         (kernels are not implemented yet) or use the CPU backend"
-    };
-    Error::Unavailable {
-        what: "CUDA backend",
-        why: why.to_string(),
+#[cfg(feature = "cuda")]
+mod attention;
+#[cfg(feature = "cuda")]
+mod backend;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod elementwise;
+#[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
+mod matmul;
+#[cfg(feature = "cuda")]
+mod norm;
+#[cfg(feature = "cuda")]
+mod optim;
+#[cfg(feature = "cuda")]
+mod storage;
+#[cfg(feature = "cuda")]
+mod token;
+
+#[cfg(feature = "cuda")]
+pub use backend::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use device::CudaDevice;
+#[cfg(feature = "cuda")]
+pub use storage::{CudaBuf, CudaIds, CudaView, CudaViewMut};
+
+/// GPUs this build and machine can use (an error saying why when there are none to ask about).
+pub fn device_count() -> Result<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        driver::device_count()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(not_built())
     }
 }
 
-/// GPUs this build can use; today always [`Error::Unavailable`].
-pub fn device_count() -> Result<usize> {
-    Err(unavailable())
+/// Opens the CUDA backend on GPU `ordinal`, computing activations in `act`.
+pub fn open(ordinal: usize, act: DType) -> Result<Arc<dyn Backend>> {
+    #[cfg(feature = "cuda")]
+    {
+        let drv = driver::CudaDriver::open(ordinal, driver::builtin_programs())?;
+        let dev = CudaDevice::new(Arc::new(drv), None);
+        Ok(Arc::new(CudaBackend::new(dev, act)))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ordinal, act);
+        Err(not_built())
+    }
 }
 
-/// Opens the CUDA backend on GPU `ordinal` computing activations in `act`; today always
-/// [`Error::Unavailable`], with a reason that says whether the build lacks the `cuda` feature
-/// or the kernels themselves are missing.
-pub fn open(_ordinal: usize, _act: DType) -> Result<Arc<dyn Backend>> {
-    Err(unavailable())
+/// The CUDA backend on the CPU emulator of the device (tests and CI: every kernel, GEMM and
+/// copy runs on the host with CUDA's semantics, and every pointer is checked).
+#[cfg(feature = "cuda")]
+pub fn emulated(act: DType) -> Result<Arc<CudaBackend>> {
+    let drv = driver::EmuDriver::builtin()?;
+    let dev = CudaDevice::new(Arc::new(drv), None);
+    Ok(Arc::new(CudaBackend::new(dev, act)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn not_built() -> Error {
+    Error::Unavailable {
+        what: "CUDA backend",
+        why: "ferrozero was built without the `cuda` feature; rebuild with `--features cuda`"
+            .into(),
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -1,0 +1,153 @@
+//! The CUDA backend: every operation family on device views, through cuBLASLt GEMMs and our
+//! NVRTC kernels, on one compute stream. Activations are in the dtype the config's precision
+//! names (bf16, f16 or f32), parameters are read as stored, parameter gradients are f32.
+
+use std::sync::Arc;
+
+use super::device::CudaDevice;
+use super::storage::{CudaBuf, CudaIds, CudaView, CudaViewMut};
+use crate::backend::{Backend, MemoryOps};
+use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
+use crate::{Error, Result};
+
+/// The CUDA backend over one device.
+#[derive(Debug)]
+pub struct CudaBackend {
+    pub(crate) dev: Arc<CudaDevice>,
+    act: DType,
+}
+
+impl CudaBackend {
+    /// A backend on `dev` computing activations in `act`.
+    pub fn new(dev: Arc<CudaDevice>, act: DType) -> Self {
+        CudaBackend { dev, act }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.dev
+    }
+}
+
+/// The error for a view this backend cannot use (host memory, or another device's).
+pub(crate) fn foreign(op: &'static str, what: &str) -> Error {
+    Error::Invalid(format!(
+        "{op}: {what} is not memory of this CUDA device; the CUDA backend computes on its own \
+         device views (upload host values first)"
+    ))
+}
+
+impl CudaBackend {
+    /// The device elements of an input view (of this device).
+    pub(crate) fn dev_in<'a>(
+        &self,
+        op: &'static str,
+        what: &str,
+        v: View<'a>,
+    ) -> Result<CudaView<'a>> {
+        match v {
+            View::Cuda(c) if Arc::ptr_eq(c.device(), &self.dev) => Ok(c),
+            _ => Err(foreign(op, what)),
+        }
+    }
+
+    /// The device elements of an output view (of this device).
+    pub(crate) fn dev_out<'a>(
+        &self,
+        op: &'static str,
+        what: &str,
+        v: ViewMut<'a>,
+    ) -> Result<CudaViewMut<'a>> {
+        match v {
+            ViewMut::Cuda(c) if Arc::ptr_eq(c.device(), &self.dev) => Ok(c),
+            _ => Err(foreign(op, what)),
+        }
+    }
+
+    /// The device ids of an index view.
+    pub(crate) fn dev_ids<'a>(&self, op: &'static str, ids: Ids<'a>) -> Result<&'a CudaIds> {
+        match ids {
+            Ids::Cuda(c) if Arc::ptr_eq(c.device(), &self.dev) => Ok(c),
+            _ => Err(foreign(op, "the indices")),
+        }
+    }
+}
+
+/// Fails unless `got == want`.
+pub(crate) fn expect_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        return Ok(());
+    }
+    Err(Error::Shape {
+        op,
+        expected: format!("{what} with {want} elements"),
+        got: format!("{got}"),
+    })
+}
+
+/// Fails unless every view has the dtype `want`.
+pub(crate) fn expect_dtype(op: &'static str, want: DType, got: &[(&str, DType)]) -> Result<()> {
+    match got.iter().find(|(_, d)| *d != want) {
+        None => Ok(()),
+        Some((what, d)) => Err(Error::Invalid(format!(
+            "{op}: {what} is {d:?}, expected {want:?}"
+        ))),
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        let info = self.dev.info();
+        if info.emulated {
+            "cuda:emulated".into()
+        } else {
+            format!("cuda:{} ({})", info.ordinal, info.name)
+        }
+    }
+}
+
+impl MemoryOps for CudaBackend {
+    fn act_dtype(&self) -> DType {
+        self.act
+    }
+
+    fn zeros(&self, dtype: DType, len: usize) -> Result<Storage> {
+        Ok(Storage::Cuda(CudaBuf::zeros(&self.dev, dtype, len)?))
+    }
+
+    fn upload(&self, src: BufRef<'_>) -> Result<Storage> {
+        Ok(Storage::Cuda(CudaBuf::upload(&self.dev, src)?))
+    }
+
+    fn upload_ids(&self, ids: &[i32]) -> Result<IdBuf> {
+        Ok(IdBuf::Cuda(CudaIds::upload(&self.dev, ids)?))
+    }
+
+    fn copy(&self, src: View<'_>) -> Result<Storage> {
+        let src = self.dev_in("copy", "source", src)?;
+        let mut out = CudaBuf::uninit(&self.dev, src.dtype(), src.len())?;
+        src.copy_to(out.view_mut())?;
+        Ok(Storage::Cuda(out))
+    }
+
+    fn param_dtype(&self, storage: DType) -> DType {
+        storage
+    }
+
+    fn buffer(&self, dtype: DType, len: usize) -> Result<Storage> {
+        self.zeros(dtype, len)
+    }
+
+    fn buffer_uninit(&self, dtype: DType, len: usize) -> Result<Storage> {
+        Ok(Storage::Cuda(CudaBuf::uninit(&self.dev, dtype, len)?))
+    }
+
+    fn recycle(&self, buf: Storage) {
+        // Dropping returns the block to the caching allocator.
+        drop(buf);
+    }
+
+    fn adopt(&self, host: FlatBuf) -> Result<Storage> {
+        self.upload(host.as_ref())
+    }
+}

@@ -1,0 +1,114 @@
+//! One opened GPU (or its CPU emulator) as the backend and its buffers share it: the driver,
+//! the caching allocator every buffer comes from, and the kernel handles looked up once.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use super::driver::{
+    Allocator, DeviceBuffer, DeviceInfo, Driver, Kernel, LaunchConfig, StreamKind,
+};
+use super::launch::Args;
+use crate::Result;
+
+/// The stream every operation of the backend runs on: one compute stream keeps the order of
+/// kernels, GEMMs and the copies between them without events.
+pub(crate) const STREAM: StreamKind = StreamKind::Compute;
+
+/// Threads per block for grid-stride kernels.
+pub(crate) const BLOCK: u32 = 256;
+
+/// An opened device.
+#[derive(Debug)]
+pub struct CudaDevice {
+    driver: Arc<dyn Driver>,
+    alloc: Arc<Allocator>,
+    kernels: Mutex<HashMap<&'static str, Kernel>>,
+    /// RoPE cos/sin tables by (seq, head_dim, theta bits), built once (the CPU rebuilds its own
+    /// per call; uploading one per call would cost a copy each time).
+    rope_tables: Mutex<HashMap<(usize, usize, u32), Arc<DeviceBuffer>>>,
+}
+
+impl CudaDevice {
+    /// A device over `driver`, its buffers allocated by a caching allocator (with `limit` on
+    /// live bytes, if any).
+    pub fn new(driver: Arc<dyn Driver>, limit: Option<u64>) -> Arc<Self> {
+        let alloc = Allocator::with_limit(driver.clone(), limit);
+        Arc::new(CudaDevice {
+            driver,
+            alloc,
+            kernels: Mutex::new(HashMap::new()),
+            rope_tables: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &dyn Driver {
+        &*self.driver
+    }
+
+    /// The allocator (live and peak bytes for the ledger; the device-memory limit).
+    pub fn allocator(&self) -> &Arc<Allocator> {
+        &self.alloc
+    }
+
+    /// What the device is.
+    pub fn info(&self) -> &DeviceInfo {
+        self.driver.info()
+    }
+
+    /// `bytes` of uninitialised device memory.
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        self.alloc.alloc(bytes)
+    }
+
+    /// A grid for a grid-stride kernel over `n` elements: enough blocks to cover them, at most
+    /// eight per multiprocessor (the kernels stride over the rest).
+    pub(crate) fn grid_for(&self, n: usize) -> LaunchConfig {
+        let sms = self.info().multiprocessors.max(1);
+        LaunchConfig::for_elements(n as u64, BLOCK, 8 * sms)
+    }
+
+    fn kernel(&self, name: &'static str) -> Result<Kernel> {
+        let mut k = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&h) = k.get(name) {
+            return Ok(h);
+        }
+        let h = self.driver.kernel(name)?;
+        k.insert(name, h);
+        Ok(h)
+    }
+
+    /// Launches kernel `name` on the compute stream with `args` (which must match its
+    /// parameters exactly, as each kernel's header comment lists them).
+    pub(crate) fn launch(
+        &self,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &mut Args,
+    ) -> Result<()> {
+        let k = self.kernel(name)?;
+        let mut params: Vec<*mut c_void> = args.pointers();
+        // SAFETY: `args` holds one value per parameter, of the parameter's type, and its device
+        // pointers come from live buffers whose lengths the callers checked against the shape.
+        unsafe { self.driver.launch(k, &cfg, &mut params, STREAM) }
+    }
+
+    /// The RoPE table for `(seq, head_dim, theta)`, uploaded on first use.
+    pub(crate) fn rope_table(
+        &self,
+        key: (usize, usize, u32),
+        build: impl FnOnce() -> Vec<f32>,
+    ) -> Result<Arc<DeviceBuffer>> {
+        let mut t = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = t.get(&key) {
+            return Ok(b.clone());
+        }
+        let host = build();
+        let buf = self.alloc(host.len() * 4)?;
+        buf.copy_from_host(bytemuck::cast_slice(&host), STREAM)?;
+        let buf = Arc::new(buf);
+        t.insert(key, buf.clone());
+        Ok(buf)
+    }
+}
