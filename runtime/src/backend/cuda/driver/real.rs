@@ -498,6 +498,14 @@ impl Blas {
     }
 }
 
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created in `Blas::new` and destroyed exactly once, here; the driver freed the
+        // workspaces and the context outlives this field.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
 impl Drop for CudaDriver {
     fn drop(&mut self) {
         if self.bind().is_err() {
@@ -512,13 +520,12 @@ impl Drop for CudaDriver {
             }
         }
         if let Ok(blas) = &self.blas {
-            let st = blas.state.lock().unwrap_or_else(|e| e.into_inner());
-            for &w in st.workspaces.iter().filter(|&&w| w != 0) {
+            let mut st = blas.state.lock().unwrap_or_else(|e| e.into_inner());
+            for w in st.workspaces.iter_mut().filter(|w| **w != 0) {
                 // SAFETY: allocated by `gemm` with cuMemAlloc, streams are idle.
-                let _ = unsafe { cu::free_sync(w) };
+                let _ = unsafe { cu::free_sync(*w) };
+                *w = 0;
             }
-            // SAFETY: created in `Blas::new`, destroyed once.
-            let _ = unsafe { lt::destroy_handle(blas.handle) };
         }
         for &e in self.events.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             // SAFETY: live events of this driver, destroyed once.
