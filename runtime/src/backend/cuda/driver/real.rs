@@ -139,10 +139,7 @@ fn init_driver() -> Result<(u32, u32)> {
         Ok(version)
     })
     .clone()
-    .map_err(|why| Error::Unavailable {
-        what: "CUDA device",
-        why,
-    })
+    .map_err(|why| Error::Unavailable { what: "CUDA", why })
 }
 
 /// The number of CUDA devices, or [`Error::Unavailable`] saying why there is no CUDA at all (no
@@ -272,7 +269,7 @@ impl CudaDriver {
         let count = device_count()?;
         if ordinal >= count {
             return Err(Error::Unavailable {
-                what: "CUDA device",
+                what: "CUDA",
                 why: if count == 0 {
                     "no CUDA device: the driver reports no GPU".into()
                 } else {
@@ -395,7 +392,7 @@ impl CudaDriver {
             };
             if too_old {
                 return Err(Error::Unavailable {
-                    what: "CUDA device",
+                    what: "CUDA",
                     why: format!(
                         "the NVIDIA driver is too old: it supports CUDA {}.{}, and NVRTC {}.{} \
                          produces {:?} it cannot load; update the driver or use an older NVRTC",
