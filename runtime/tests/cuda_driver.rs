@@ -847,8 +847,24 @@ fn stub_library() -> Option<PathBuf> {
             eprintln!("skipped: no C++ compiler for the stand-in emulator library");
             return None;
         };
+        // Named by the sources' content, built once, published by rename: concurrent test
+        // processes share it and no stale copy is ever loaded.
+        let mut text = Vec::new();
+        for f in ["emu_stub.cpp", "driver_fixture.cu"] {
+            text.extend(std::fs::read(fixtures().join(f)).unwrap());
+        }
+        let hash = text.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-        let out = dir.join(format!("libfz_emu_stub-{}.so", std::process::id()));
+        let out = dir.join(format!("libfz_emu_stub-{hash:016x}.so"));
+        if out.is_file() {
+            return Some(out);
+        }
+        let tmp = dir.join(format!(
+            "libfz_emu_stub-{hash:016x}.{}.tmp",
+            std::process::id()
+        ));
         let status = std::process::Command::new(cxx)
             .args([
                 "-std=c++17",
@@ -861,9 +877,11 @@ fn stub_library() -> Option<PathBuf> {
             .arg(fixtures())
             .arg(fixtures().join("emu_stub.cpp"))
             .arg("-o")
-            .arg(&out)
+            .arg(&tmp)
             .status()
             .unwrap();
+        assert!(status.success(), "building the stand-in emulator failed");
+        std::fs::rename(&tmp, &out).unwrap();
         assert!(status.success(), "building the stand-in emulator failed");
         Some(out)
     })
