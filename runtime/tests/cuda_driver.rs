@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use ferrozero_runtime::backend::cuda::driver::{
-    self, Allocator, Batch, DevPtr, DeviceBuffer, Driver, EmuDriver, EmuOptions, Epilogue, Gemm,
-    LaunchConfig, Op, Program, StreamKind, LARGE_SEGMENT_ROUND, SMALL_SEGMENT,
+    self, Allocator, Batch, CudaDriver, DevPtr, DeviceBuffer, Driver, EmuDriver, EmuOptions,
+    Epilogue, Gemm, LaunchConfig, Op, Program, StreamKind, LARGE_SEGMENT_ROUND, SMALL_SEGMENT,
 };
 use ferrozero_runtime::tensor::DType;
 use ferrozero_runtime::Error;
@@ -69,17 +69,18 @@ fn real_driver_says_why_there_is_no_device() {
 // ---------------------------------------------------------------------------------------------
 // Emulated memory.
 
-#[test]
-fn emulated_memory_is_aligned_uninitialised_and_round_trips() {
-    let d = emu();
+fn memory_is_aligned_and_round_trips(d: &Arc<dyn Driver>) {
+    let base_allocated = d.allocated();
     let p = d.malloc(1000).unwrap();
     assert_eq!(p.0 % 256, 0, "cudaMalloc alignment");
-    let mut fresh = vec![0u8; 1000];
-    d.copy_dtoh(p, &mut fresh, S).unwrap();
-    assert!(
-        fresh.iter().all(|&b| b == 0xFF),
-        "fresh memory reads as NaN bytes"
-    );
+    if d.info().emulated {
+        let mut fresh = vec![0u8; 1000];
+        d.copy_dtoh(p, &mut fresh, S).unwrap();
+        assert!(
+            fresh.iter().all(|&b| b == 0xFF),
+            "fresh memory reads as NaN bytes"
+        );
+    }
 
     let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
     d.copy_htod(&data, p, StreamKind::HostToDevice).unwrap();
@@ -99,22 +100,26 @@ fn emulated_memory_is_aligned_uninitialised_and_round_trips() {
     d.copy_dtoh(q, &mut part, S).unwrap();
     assert_eq!(part, data[400..]);
 
-    // Asynchronous forms behave the same (the emulator finishes before returning).
+    // Asynchronous forms, ordered across streams with an event.
     let src = vec![9u8; 64];
     unsafe { d.copy_htod_async(src.as_ptr(), 64, q, StreamKind::HostToDevice) }.unwrap();
+    let uploaded = d.event_create().unwrap();
+    d.event_record(uploaded, StreamKind::HostToDevice).unwrap();
+    d.stream_wait_event(StreamKind::DeviceToHost, uploaded)
+        .unwrap();
     let mut dst = vec![0u8; 64];
     unsafe { d.copy_dtoh_async(q, dst.as_mut_ptr(), 64, StreamKind::DeviceToHost) }.unwrap();
+    d.synchronize(StreamKind::DeviceToHost).unwrap();
     assert_eq!(dst, src);
+    d.event_destroy(uploaded).unwrap();
 
-    assert_eq!(d.allocated(), 1600);
+    assert_eq!(d.allocated(), base_allocated + 1600);
     unsafe { d.free(p) }.unwrap();
     unsafe { d.free(q) }.unwrap();
-    assert_eq!(d.allocated(), 0);
+    assert_eq!(d.allocated(), base_allocated);
 }
 
-#[test]
-fn emulated_memory_rejects_what_a_gpu_would_fault_on() {
-    let d = emu();
+fn memory_rejects_what_a_gpu_would_fault_on(d: &Arc<dyn Driver>) {
     let p = d.malloc(256).unwrap();
     let buf = vec![0u8; 257];
 
@@ -186,11 +191,12 @@ fn emulated_memory_runs_out_at_its_total() {
     unsafe { d.free(b) }.unwrap();
 }
 
-#[test]
-fn emulated_events_are_immediately_complete_and_checked() {
-    let d = emu();
+fn events_order_streams_and_are_checked(d: &Arc<dyn Driver>) {
     let e = d.event_create().unwrap();
-    assert!(d.event_query(e).unwrap());
+    assert!(
+        d.event_query(e).unwrap(),
+        "an event never recorded is complete"
+    );
     d.event_record(e, StreamKind::HostToDevice).unwrap();
     d.stream_wait_event(S, e).unwrap();
     d.event_synchronize(e).unwrap();
@@ -325,12 +331,15 @@ fn close(got: f32, want: f64, scale: f64, t: DType) -> bool {
     (f64::from(got) - want).abs() <= tol
 }
 
-/// `sum op(A)[i, l] op(B)[l, j]` and the sum of the terms' magnitudes.
+/// `sum op(A)[i, l] op(B)[l, j]`, and the sum of the terms' magnitudes scaled by `(8 + k) / 8`:
+/// with [`close`]'s `8 u`, an error bound of `(8 + k) u sum |terms|` that holds for f32
+/// accumulation in any order (cuBLASLt's), not only for the emulator's f64 dot.
 fn dot_scale(a: impl Fn(usize) -> f32, b: impl Fn(usize) -> f32, k: usize) -> (f64, f64) {
-    (0..k).fold((0.0, 0.0), |(s, m), l| {
+    let (sum, mag) = (0..k).fold((0.0, 0.0), |(s, m), l| {
         let p = f64::from(a(l)) * f64::from(b(l));
         (s + p, m + p.abs())
-    })
+    });
+    (sum, mag * (8 + k) as f64 / 8.0)
 }
 
 struct Case {
@@ -415,9 +424,8 @@ fn check_case(d: &Arc<dyn Driver>, case: &Case, seed: u64) {
     }
 }
 
-#[test]
-fn gemm_reads_operands_through_cublaslt_layouts() {
-    let d = emu();
+fn gemm_reads_operands_through_cublaslt_layouts(d: &Arc<dyn Driver>) {
+    let base_allocated = d.allocated();
     let mut seed = 1;
     for (ab, ct) in [
         (DType::F32, DType::F32),
@@ -442,19 +450,17 @@ fn gemm_reads_operands_through_cublaslt_layouts() {
                             alpha,
                             beta,
                         };
-                        check_case(&d, &case, seed);
+                        check_case(d, &case, seed);
                         seed += 10;
                     }
                 }
             }
         }
     }
-    assert_eq!(d.allocated(), 0);
+    assert_eq!(d.allocated(), base_allocated);
 }
 
-#[test]
-fn gemm_large_enough_to_split_across_threads_matches_reference() {
-    let d = emu();
+fn gemm_large_matches_reference(d: &Arc<dyn Driver>) {
     let case = Case {
         ta: Op::T,
         tb: Op::N,
@@ -467,22 +473,20 @@ fn gemm_large_enough_to_split_across_threads_matches_reference() {
         alpha: 1.0,
         beta: 1.0,
     };
-    check_case(&d, &case, 99);
+    check_case(d, &case, 99);
 }
 
 /// The linear layer `Y[M, N] = X[M, K] · W[N, K]^T + bias[N]` with row-major buffers, through
 /// the translation the module documentation gives (m = N, n = M, k = K, A = W with op T).
-#[test]
-fn gemm_row_major_linear_layer_translation() {
-    let d = emu();
+fn gemm_row_major_linear_layer_translation(d: &Arc<dyn Driver>) {
     let (mm, nn, kk) = (6usize, 5usize, 7usize);
     let x = values(mm * kk, 3, DType::F32);
     let w = values(nn * kk, 4, DType::F32);
     let bias = values(nn, 5, DType::F32);
     let (xp, wp, bp) = (
-        upload(&d, &x, DType::F32),
-        upload(&d, &w, DType::F32),
-        upload(&d, &bias, DType::F32),
+        upload(d, &x, DType::F32),
+        upload(d, &w, DType::F32),
+        upload(d, &bias, DType::F32),
     );
     let yp = d.malloc(mm * nn * 4).unwrap();
     let mut g = Gemm::new(
@@ -501,7 +505,7 @@ fn gemm_row_major_linear_layer_translation() {
     );
     g.epilogue = Epilogue::Bias { bias: bp };
     d.gemm(&g, S).unwrap();
-    let y = download(&d, yp, mm * nn, DType::F32);
+    let y = download(d, yp, mm * nn, DType::F32);
     for r in 0..mm {
         for c in 0..nn {
             let (dot, scale) = dot_scale(|l| x[r * kk + l], |l| w[c * kk + l], kk);
@@ -530,20 +534,18 @@ fn gemm_row_major_linear_layer_translation() {
     );
     wrong.epilogue = Epilogue::None;
     d.gemm(&wrong, S).unwrap();
-    let y2 = download(&d, yp, mm * nn, DType::F32);
+    let y2 = download(d, yp, mm * nn, DType::F32);
     assert_ne!(y, y2);
 }
 
-#[test]
-fn gemm_strided_batch_with_a_shared_operand() {
-    let d = emu();
+fn gemm_strided_batch_with_a_shared_operand(d: &Arc<dyn Driver>) {
     let (m, n, k, count) = (3usize, 4usize, 5usize, 3usize);
     let t = DType::Bf16;
     let a_all = values(m * k * count, 11, t); // col-major m x k per product, contiguous
     let b = values(k * n, 12, t); // shared: stride 0
-    let (ap, bp) = (upload(&d, &a_all, t), upload(&d, &b, t));
+    let (ap, bp) = (upload(d, &a_all, t), upload(d, &b, t));
     let stride_c = m * n + 2; // a gap between outputs
-    let cp = upload(&d, &vec![f32::NAN; stride_c * count], DType::F32);
+    let cp = upload(d, &vec![f32::NAN; stride_c * count], DType::F32);
     let mut g = Gemm::new(
         Op::N,
         Op::N,
@@ -566,7 +568,7 @@ fn gemm_strided_batch_with_a_shared_operand() {
         stride_c: stride_c as u64,
     });
     d.gemm(&g, S).unwrap();
-    let c = download(&d, cp, stride_c * count, DType::F32);
+    let c = download(d, cp, stride_c * count, DType::F32);
     for p in 0..count {
         for i in 0..m {
             for j in 0..n {
@@ -584,18 +586,16 @@ fn gelu(x: f64) -> f64 {
     0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
 }
 
-#[test]
-fn gemm_epilogues_as_cublaslt_documents_them() {
-    let d = emu();
+fn gemm_epilogues_as_cublaslt_documents_them(d: &Arc<dyn Driver>) {
     let (m, n, k) = (6usize, 4usize, 9usize);
     for t in [DType::F32, DType::Bf16] {
         let a = values(m * k, 21, t); // N: m x k col-major, lda = m
         let b = values(k * n, 22, t); // N: k x n, ldb = k
         let bias = values(m, 23, t);
-        let (ap, bp, biasp) = (upload(&d, &a, t), upload(&d, &b, t), upload(&d, &bias, t));
+        let (ap, bp, biasp) = (upload(d, &a, t), upload(d, &b, t), upload(d, &bias, t));
         let aux_ld = 8usize;
-        let auxp = upload(&d, &vec![f32::NAN; aux_ld * n], t);
-        let cp = upload(&d, &vec![f32::NAN; m * n], t);
+        let auxp = upload(d, &vec![f32::NAN; aux_ld * n], t);
+        let cp = upload(d, &vec![f32::NAN; m * n], t);
         let dot = |i: usize, j: usize| dot_scale(|l| a[i + l * m], |l| b[l + j * k], k);
         let mut g = Gemm::new(
             Op::N,
@@ -615,7 +615,7 @@ fn gemm_epilogues_as_cublaslt_documents_them() {
         // Bias: added to every column.
         g.epilogue = Epilogue::Bias { bias: biasp };
         d.gemm(&g, S).unwrap();
-        let c = download(&d, cp, m * n, t);
+        let c = download(d, cp, m * n, t);
         for i in 0..m {
             for j in 0..n {
                 let (dot, scale) = dot(i, j);
@@ -631,8 +631,8 @@ fn gemm_epilogues_as_cublaslt_documents_them() {
             aux_ld: aux_ld as u64,
         };
         d.gemm(&g, S).unwrap();
-        let c = download(&d, cp, m * n, t);
-        let aux = download(&d, auxp, aux_ld * n, t);
+        let c = download(d, cp, m * n, t);
+        let aux = download(d, auxp, aux_ld * n, t);
         for i in 0..m {
             for j in 0..n {
                 let (dot, scale) = dot(i, j);
@@ -651,28 +651,28 @@ fn gemm_epilogues_as_cublaslt_documents_them() {
         }
 
         // BGRADA (transa = N): bias_grad[i] = sum over k of A[i, l]; the product as usual.
-        let gradp = upload(&d, &vec![f32::NAN; m.max(n)], t);
+        let gradp = upload(d, &vec![f32::NAN; m.max(n)], t);
         g.epilogue = Epilogue::BiasGradA { bias_grad: gradp };
         d.gemm(&g, S).unwrap();
-        let grad = download(&d, gradp, m, t);
+        let grad = download(d, gradp, m, t);
         for i in 0..m {
             let (want, scale) = dot_scale(|l| a[i + l * m], |_| 1.0, k);
             assert!(close(grad[i], want, scale, t), "BGRADA[{i}]");
         }
-        let c = download(&d, cp, m * n, t);
+        let c = download(d, cp, m * n, t);
         let (dot00, scale00) = dot(0, 0);
         assert!(close(c[0], dot00, scale00, t));
 
         // BGRADB (transb = T): B stored n x k, bias_grad[j] = sum over k of op(B)[l, j].
         let bt = values(n * k, 24, t);
-        let btp = upload(&d, &bt, t);
+        let btp = upload(d, &bt, t);
         let mut g2 = g;
         g2.transb = Op::T;
         g2.b = btp;
         g2.ldb = n as u64;
         g2.epilogue = Epilogue::BiasGradB { bias_grad: gradp };
         d.gemm(&g2, S).unwrap();
-        let grad = download(&d, gradp, n, t);
+        let grad = download(d, gradp, n, t);
         for j in 0..n {
             let (want, scale) = dot_scale(|l| bt[j + l * n], |_| 1.0, k);
             assert!(close(grad[j], want, scale, t), "BGRADB[{j}]");
@@ -680,13 +680,11 @@ fn gemm_epilogues_as_cublaslt_documents_them() {
     }
 }
 
-#[test]
-fn gemm_rejects_what_cublaslt_would() {
-    let d = emu();
+fn gemm_rejects_what_cublaslt_would(d: &Arc<dyn Driver>) {
     let t = DType::F32;
-    let a = upload(&d, &vec![1.0; 64], t);
-    let b = upload(&d, &vec![1.0; 64], t);
-    let c = upload(&d, &vec![0.0; 64], t);
+    let a = upload(d, &vec![1.0; 64], t);
+    let b = upload(d, &vec![1.0; 64], t);
+    let c = upload(d, &vec![0.0; 64], t);
     let base = Gemm::new(Op::N, Op::N, 4, 4, 4, a, 4, b, 4, c, 4, t);
     d.gemm(&base, S).unwrap();
 
@@ -849,8 +847,24 @@ fn stub_library() -> Option<PathBuf> {
             eprintln!("skipped: no C++ compiler for the stand-in emulator library");
             return None;
         };
+        // Named by the sources' content, built once, published by rename: concurrent test
+        // processes share it and no stale copy is ever loaded.
+        let mut text = Vec::new();
+        for f in ["emu_stub.cpp", "driver_fixture.cu"] {
+            text.extend(std::fs::read(fixtures().join(f)).unwrap());
+        }
+        let hash = text.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-        let out = dir.join(format!("libfz_emu_stub-{}.so", std::process::id()));
+        let out = dir.join(format!("libfz_emu_stub-{hash:016x}.so"));
+        if out.is_file() {
+            return Some(out);
+        }
+        let tmp = dir.join(format!(
+            "libfz_emu_stub-{hash:016x}.{}.tmp",
+            std::process::id()
+        ));
         let status = std::process::Command::new(cxx)
             .args([
                 "-std=c++17",
@@ -863,9 +877,11 @@ fn stub_library() -> Option<PathBuf> {
             .arg(fixtures())
             .arg(fixtures().join("emu_stub.cpp"))
             .arg("-o")
-            .arg(&out)
+            .arg(&tmp)
             .status()
             .unwrap();
+        assert!(status.success(), "building the stand-in emulator failed");
+        std::fs::rename(&tmp, &out).unwrap();
         assert!(status.success(), "building the stand-in emulator failed");
         Some(out)
     })
@@ -884,14 +900,12 @@ fn stub_driver() -> Option<Arc<dyn Driver>> {
     ))
 }
 
-#[test]
-fn emulated_launch_runs_kernels_with_raw_parameters() {
-    let Some(d) = stub_driver() else { return };
+fn launches_run_kernels_with_raw_parameters(d: &Arc<dyn Driver>) {
     let n = 1000usize;
     let x: Vec<f32> = (0..n).map(|i| i as f32 * 0.37 - 11.0).collect();
     let y: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
-    let xp = upload(&d, &x, DType::F32);
-    let yp = upload(&d, &y, DType::F32);
+    let xp = upload(d, &x, DType::F32);
+    let yp = upload(d, &y, DType::F32);
     let k = d.kernel("fz_fixture_axpy").unwrap();
     let mut a = 1.5f32;
     let (mut xa, mut ya, mut na) = (xp.0, yp.0, n as i64);
@@ -905,7 +919,7 @@ fn emulated_launch_runs_kernels_with_raw_parameters() {
     let cfg = LaunchConfig::for_elements(n as u64, 128, 3);
     assert_eq!(cfg.grid, [3, 1, 1]);
     unsafe { d.launch(k, &cfg, &mut params, S) }.unwrap();
-    let got = download(&d, yp, n, DType::F32);
+    let got = download(d, yp, n, DType::F32);
     for i in 0..n {
         assert_eq!(got[i].to_bits(), (1.5 * x[i] + y[i]).to_bits(), "y[{i}]");
     }
@@ -933,9 +947,7 @@ fn emulated_launch_runs_kernels_with_raw_parameters() {
     }
 }
 
-#[test]
-fn emulated_launch_rejects_what_the_gpu_would() {
-    let Some(d) = stub_driver() else { return };
+fn launches_reject_what_the_gpu_would(d: &Arc<dyn Driver>) {
     let (op, detail) = device_err(d.kernel("fz_fixture_nope"));
     assert_eq!(op, "cuModuleGetFunction");
     assert!(
@@ -969,7 +981,20 @@ fn emulated_launch_rejects_what_the_gpu_would() {
         assert_eq!(op, "cuLaunchKernel");
         assert!(detail.contains(why), "{detail}");
     }
+}
 
+#[test]
+fn emulated_launches_run_kernels_with_raw_parameters() {
+    if let Some(d) = stub_driver() {
+        launches_run_kernels_with_raw_parameters(&d);
+    }
+}
+
+#[test]
+fn emulated_launches_reject_what_the_gpu_would() {
+    let Some(d) = stub_driver() else { return };
+    launches_reject_what_the_gpu_would(&d);
+    let mut params: [*mut c_void; 0] = [];
     // A kernel the library cannot run reports the library's own words.
     let k = d.kernel("fz_fixture_block_sum").unwrap();
     let (op, detail) =
@@ -992,11 +1017,66 @@ fn emulated_launch_rejects_what_the_gpu_would() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The caching allocator on the emulated driver.
+// A GPU, when there is one: every shared check above, run on the real driver.
+
+/// The fixture's shared-memory reduction, which the stand-in emulator cannot run.
+fn block_sum_runs(d: &Arc<dyn Driver>) {
+    let blocks = 5usize;
+    let x: Vec<f32> = (0..blocks * 256).map(|i| (i % 17) as f32 - 8.0).collect();
+    let xp = upload(d, &x, DType::F32);
+    let op = d.malloc(blocks * 4).unwrap();
+    let k = d.kernel("fz_fixture_block_sum").unwrap();
+    let (mut xa, mut oa) = (xp.0, op.0);
+    let mut params = [
+        &mut xa as *mut u64 as *mut c_void,
+        &mut oa as *mut u64 as *mut c_void,
+    ];
+    let cfg = LaunchConfig::linear(blocks as u32, 256);
+    unsafe { d.launch(k, &cfg, &mut params, S) }.unwrap();
+    let got = download(d, op, blocks, DType::F32);
+    for (b, g) in got.iter().enumerate() {
+        let want: f32 = x[b * 256..(b + 1) * 256].iter().sum();
+        assert_eq!(*g, want, "block {b}");
+    }
+    unsafe { d.free(xp) }.unwrap();
+    unsafe { d.free(op) }.unwrap();
+}
 
 #[test]
-fn allocator_reuses_blocks_without_driver_calls_once_warm() {
-    let d = emu();
+fn real_device_passes_the_same_checks() {
+    let d: Arc<dyn Driver> = match CudaDriver::open(0, vec![fixture_program()]) {
+        Ok(d) => Arc::new(d),
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    println!("{}", d.info());
+    memory_is_aligned_and_round_trips(&d);
+    memory_rejects_what_a_gpu_would_fault_on(&d);
+    events_order_streams_and_are_checked(&d);
+    gemm_reads_operands_through_cublaslt_layouts(&d);
+    gemm_large_matches_reference(&d);
+    gemm_row_major_linear_layer_translation(&d);
+    gemm_strided_batch_with_a_shared_operand(&d);
+    gemm_epilogues_as_cublaslt_documents_them(&d);
+    gemm_rejects_what_cublaslt_would(&d);
+    launches_run_kernels_with_raw_parameters(&d);
+    launches_reject_what_the_gpu_would(&d);
+    block_sum_runs(&d);
+    allocator_reuses_blocks_without_driver_calls_once_warm(&d);
+    allocator_counts_live_and_peak_bytes(&d);
+    allocator_limit_fails_with_every_number(&d);
+    allocator_splits_best_fits_and_merges(&d);
+    allocator_holds_blocks_used_on_other_streams_until_their_event(&d);
+    allocator_is_thread_safe_and_buffers_cross_threads(&d);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The caching allocator on the emulated driver.
+
+fn allocator_reuses_blocks_without_driver_calls_once_warm(d: &Arc<dyn Driver>) {
+    let base_allocated = d.allocated();
     let alloc = Allocator::new(d.clone());
     let sizes = [100usize, 4096, 70_000, 3 << 20, 10 << 20, 512, 1 << 20];
     let step = |alloc: &Arc<Allocator>| {
@@ -1021,19 +1101,17 @@ fn allocator_reuses_blocks_without_driver_calls_once_warm() {
     assert_eq!(after.reserved, warm.reserved);
     assert_eq!(after.live, 0);
     assert_eq!(after.live_buffers, 0);
-    assert_eq!(d.allocated(), after.reserved);
+    assert_eq!(d.allocated(), base_allocated + after.reserved);
 
     alloc.empty_cache().unwrap();
     let empty = alloc.stats();
     assert_eq!(empty.reserved, 0);
     assert_eq!(empty.segments, 0);
     assert_eq!(empty.driver_frees, empty.driver_allocs);
-    assert_eq!(d.allocated(), 0);
+    assert_eq!(d.allocated(), base_allocated);
 }
 
-#[test]
-fn allocator_counts_live_and_peak_bytes() {
-    let d = emu();
+fn allocator_counts_live_and_peak_bytes(d: &Arc<dyn Driver>) {
     let alloc = Allocator::new(d.clone());
     let a = alloc.alloc(1000).unwrap(); // 1024
     let b = alloc.alloc(3 << 20).unwrap(); // 3 MiB
@@ -1057,9 +1135,7 @@ fn allocator_counts_live_and_peak_bytes() {
     assert_eq!(alloc.stats().live, 0);
 }
 
-#[test]
-fn allocator_limit_fails_with_every_number() {
-    let d = emu();
+fn allocator_limit_fails_with_every_number(d: &Arc<dyn Driver>) {
     let alloc = Allocator::with_limit(d.clone(), Some(10_000));
     let a = alloc.alloc(6000).unwrap(); // 6144
     let err = alloc.alloc(4000).unwrap_err(); // 4096: 10240 > 10000
@@ -1085,14 +1161,17 @@ fn allocator_limit_fails_with_every_number() {
     let b = alloc.alloc(3500).unwrap(); // 3584: 9728 fits
     drop(b);
     alloc.set_limit(None);
+    assert!(matches!(
+        alloc.alloc(usize::MAX),
+        Err(Error::DeviceMemory { .. })
+    ));
     let c = alloc.alloc(1 << 20).unwrap();
     assert_eq!(alloc.limit(), None);
     drop((a, c));
 }
 
-#[test]
-fn allocator_splits_best_fits_and_merges() {
-    let d = emu();
+fn allocator_splits_best_fits_and_merges(d: &Arc<dyn Driver>) {
+    let base_allocated = d.allocated();
     let alloc = Allocator::new(d.clone());
     // Three small blocks carved from one 1 MiB segment, in address order.
     let a = alloc.alloc(1024).unwrap();
@@ -1139,7 +1218,7 @@ fn allocator_splits_best_fits_and_merges() {
     );
     drop(small_after);
     alloc.empty_cache().unwrap();
-    assert_eq!(d.allocated(), 0);
+    assert_eq!(d.allocated(), base_allocated);
 }
 
 #[test]
@@ -1173,9 +1252,7 @@ fn allocator_empties_its_cache_and_retries_when_the_device_is_full() {
     drop(big);
 }
 
-#[test]
-fn allocator_holds_blocks_used_on_other_streams_until_their_event() {
-    let d = emu();
+fn allocator_holds_blocks_used_on_other_streams_until_their_event(d: &Arc<dyn Driver>) {
     let alloc = Allocator::new(d.clone());
     let mut a = alloc.alloc(4096).unwrap();
     let pa = a.ptr();
@@ -1192,12 +1269,11 @@ fn allocator_holds_blocks_used_on_other_streams_until_their_event() {
     assert_eq!(alloc.stats().reserved, 0);
 }
 
-#[test]
-fn allocator_is_thread_safe_and_buffers_cross_threads() {
+fn allocator_is_thread_safe_and_buffers_cross_threads(d: &Arc<dyn Driver>) {
+    let base_allocated = d.allocated();
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<DeviceBuffer>();
     assert_send_sync::<Allocator>();
-    let d = emu();
     let alloc = Allocator::new(d.clone());
     let handles: Vec<_> = (0..4)
         .map(|t| {
@@ -1229,11 +1305,89 @@ fn allocator_is_thread_safe_and_buffers_cross_threads() {
     assert_eq!((s.live, s.live_buffers), (0, 0));
     assert!(s.reserved >= s.live);
     alloc.empty_cache().unwrap();
-    assert_eq!(d.allocated(), 0);
+    assert_eq!(d.allocated(), base_allocated);
     // A buffer bigger than the host slice is fine; a slice bigger than the buffer is not.
     let b = alloc.alloc(10).unwrap();
     assert!(matches!(
         b.copy_from_host(&[0u8; 11], S),
         Err(Error::Shape { .. })
     ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shared checks on the emulator (`real_device_passes_the_same_checks` runs them on a GPU).
+
+#[test]
+fn emulated_memory_is_aligned_and_round_trips() {
+    memory_is_aligned_and_round_trips(&emu());
+}
+
+#[test]
+fn emulated_memory_rejects_what_a_gpu_would_fault_on() {
+    memory_rejects_what_a_gpu_would_fault_on(&emu());
+}
+
+#[test]
+fn emulated_events_order_streams_and_are_checked() {
+    events_order_streams_and_are_checked(&emu());
+}
+
+#[test]
+fn emulated_gemm_reads_operands_through_cublaslt_layouts() {
+    gemm_reads_operands_through_cublaslt_layouts(&emu());
+}
+
+#[test]
+fn emulated_gemm_large_matches_reference() {
+    gemm_large_matches_reference(&emu());
+}
+
+#[test]
+fn emulated_gemm_row_major_linear_layer_translation() {
+    gemm_row_major_linear_layer_translation(&emu());
+}
+
+#[test]
+fn emulated_gemm_strided_batch_with_a_shared_operand() {
+    gemm_strided_batch_with_a_shared_operand(&emu());
+}
+
+#[test]
+fn emulated_gemm_epilogues_as_cublaslt_documents_them() {
+    gemm_epilogues_as_cublaslt_documents_them(&emu());
+}
+
+#[test]
+fn emulated_gemm_rejects_what_cublaslt_would() {
+    gemm_rejects_what_cublaslt_would(&emu());
+}
+
+#[test]
+fn emulated_allocator_reuses_blocks_without_driver_calls_once_warm() {
+    allocator_reuses_blocks_without_driver_calls_once_warm(&emu());
+}
+
+#[test]
+fn emulated_allocator_counts_live_and_peak_bytes() {
+    allocator_counts_live_and_peak_bytes(&emu());
+}
+
+#[test]
+fn emulated_allocator_limit_fails_with_every_number() {
+    allocator_limit_fails_with_every_number(&emu());
+}
+
+#[test]
+fn emulated_allocator_splits_best_fits_and_merges() {
+    allocator_splits_best_fits_and_merges(&emu());
+}
+
+#[test]
+fn emulated_allocator_holds_blocks_used_on_other_streams_until_their_event() {
+    allocator_holds_blocks_used_on_other_streams_until_their_event(&emu());
+}
+
+#[test]
+fn emulated_allocator_is_thread_safe_and_buffers_cross_threads() {
+    allocator_is_thread_safe_and_buffers_cross_threads(&emu());
 }

@@ -192,8 +192,17 @@ impl Allocator {
                 alloc: self.clone(),
             });
         }
-        let rounded = Allocator::rounded(bytes);
         let mut st = self.state();
+        if bytes as u64 > 1 << 60 {
+            return Err(Error::DeviceMemory {
+                requested: bytes as u64,
+                live: st.stats.live,
+                peak: st.stats.peak_live,
+                limit: st.limit.unwrap_or(self.driver.info().total_memory),
+                detail: "no device has this much memory".into(),
+            });
+        }
+        let rounded = Allocator::rounded(bytes);
         self.collect_pending(&mut st, false)?;
         if let Some(limit) = st.limit {
             if st.stats.live + rounded > limit {

@@ -1,5 +1,5 @@
 //! The emulated driver: device memory is host memory, streams and events are synchronous,
-//! kernels run in the CPU emulator library (`fz_emu_launch`), GEMMs in [`Gemm::reference`].
+//! kernels run in the CPU emulator library (`fz_emu_launch`), GEMMs in the reference loop of `gemm.rs`.
 //!
 //! It is how the CUDA backend is tested without a GPU, so it is strict where a GPU would fault
 //! or silently misbehave: every copy, memset, free and GEMM operand is checked against a table
@@ -182,7 +182,9 @@ impl EmuDriver {
     }
 
     /// The emulator with ferrozero's kernel registry; its library is built (once per process,
-    /// reused across processes by content hash) under [`emu_dir`].
+    /// reused across processes by content hash) under `$FERROZERO_EMU_DIR`, else
+    /// `ferrozero-emu` in the nearest `target` directory above the running executable, else the
+    /// system temporary directory.
     pub fn builtin() -> Result<Self> {
         static BUILT: OnceLock<Option<std::result::Result<PathBuf, String>>> = OnceLock::new();
         let built = BUILT.get_or_init(|| build_builtin_emulator(&emu_dir()));

@@ -7,8 +7,12 @@
 //! - [`EmuDriver`] (`emu.rs`): device memory is host memory, streams are synchronous, kernels
 //!   run in the kernels engineer's CPU emulator library, GEMMs in a reference loop that reads
 //!   operands exactly as cuBLASLt does (column-major, leading dimensions, transposes,
-//!   epilogues). It checks every pointer and range the real device would fault on, so the
-//!   backend's tests in CI catch what would fail on a GPU.
+//!   epilogues), so the backend's tests in CI catch what would fail on a GPU.
+//!
+//! Both drivers check every copy, memset, free and GEMM operand range against their table of
+//! live allocations (`table.rs`) before anything runs, and reject bad launch configurations and
+//! GEMM descriptions with the same validation code, so an error reads the same on both. Only
+//! what a kernel does with its pointers is beyond checking.
 //! - [`Allocator`] (`alloc.rs`): the stream-ordered caching allocator every device buffer comes
 //!   from, with live/peak counters and the device-memory limit.
 //! - [`nvrtc`]: compilation of kernel sources to CUBIN (or PTX) with a disk cache.
@@ -329,8 +333,8 @@ pub(crate) fn unknown_kernel(name: &str, programs: &[Program]) -> Error {
 }
 
 /// The device operations the CUDA backend is written against. Both implementations behave the
-/// same for every valid call and reject the same invalid ones; the emulator additionally checks
-/// pointers and ranges that a GPU would only fault on later.
+/// same for every valid call and reject the same invalid ones (pointers and ranges outside live
+/// allocations included, which a GPU alone would only fault on later).
 ///
 /// Ordering: every operation is issued on a [`StreamKind`] and runs after earlier work on that
 /// stream. `copy_htod` and `copy_dtoh` return only when the host memory may be reused or read;

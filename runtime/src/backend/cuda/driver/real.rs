@@ -139,10 +139,7 @@ fn init_driver() -> Result<(u32, u32)> {
         Ok(version)
     })
     .clone()
-    .map_err(|why| Error::Unavailable {
-        what: "CUDA device",
-        why,
-    })
+    .map_err(|why| Error::Unavailable { what: "CUDA", why })
 }
 
 /// The number of CUDA devices, or [`Error::Unavailable`] saying why there is no CUDA at all (no
@@ -272,7 +269,7 @@ impl CudaDriver {
         let count = device_count()?;
         if ordinal >= count {
             return Err(Error::Unavailable {
-                what: "CUDA device",
+                what: "CUDA",
                 why: if count == 0 {
                     "no CUDA device: the driver reports no GPU".into()
                 } else {
@@ -395,7 +392,7 @@ impl CudaDriver {
             };
             if too_old {
                 return Err(Error::Unavailable {
-                    what: "CUDA device",
+                    what: "CUDA",
                     why: format!(
                         "the NVIDIA driver is too old: it supports CUDA {}.{}, and NVRTC {}.{} \
                          produces {:?} it cannot load; update the driver or use an older NVRTC",
@@ -498,6 +495,14 @@ impl Blas {
     }
 }
 
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created in `Blas::new` and destroyed exactly once, here; the driver freed the
+        // workspaces and the context outlives this field.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
 impl Drop for CudaDriver {
     fn drop(&mut self) {
         if self.bind().is_err() {
@@ -512,13 +517,12 @@ impl Drop for CudaDriver {
             }
         }
         if let Ok(blas) = &self.blas {
-            let st = blas.state.lock().unwrap_or_else(|e| e.into_inner());
-            for &w in st.workspaces.iter().filter(|&&w| w != 0) {
+            let mut st = blas.state.lock().unwrap_or_else(|e| e.into_inner());
+            for w in st.workspaces.iter_mut().filter(|w| **w != 0) {
                 // SAFETY: allocated by `gemm` with cuMemAlloc, streams are idle.
-                let _ = unsafe { cu::free_sync(w) };
+                let _ = unsafe { cu::free_sync(*w) };
+                *w = 0;
             }
-            // SAFETY: created in `Blas::new`, destroyed once.
-            let _ = unsafe { lt::destroy_handle(blas.handle) };
         }
         for &e in self.events.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             // SAFETY: live events of this driver, destroyed once.
