@@ -2,6 +2,7 @@
 //! kernels (see DESIGN-NOTES), but no device code exists yet, so opening it reports clearly
 //! why instead of failing later inside a kernel.
 
+pub mod emu;
 pub mod kernels;
 
 use std::sync::Arc;
