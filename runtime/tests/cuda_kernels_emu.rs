@@ -1737,9 +1737,9 @@ fn emulator_blocks_threads_and_shared_memory() {
     let out = Buf::<i32>::zeros(64);
     emu.run("t_early_exit", 1, 64, &[Arg::I32(40), out.ptr()]);
     let got = out.get();
-    for t in 0..40usize {
-        let v = |t: usize| (40 - 1 - t) as i32;
-        assert_eq!(got[t], v(t) + v(t ^ 1), "thread {t}");
+    let v = |t: usize| (40 - 1 - t) as i32;
+    for (t, &g) in got.iter().enumerate().take(40) {
+        assert_eq!(g, v(t) + v(t ^ 1), "thread {t}");
     }
     // Half-warps with their own masks.
     let out = Buf::<i32>::zeros(32);
