@@ -1538,6 +1538,7 @@ const SELFTEST: &[KernelSource] = &[KernelSource {
         "t_partial_warp_sum",
         "t_half_warps",
         "t_busy",
+        "t_mma",
     ],
 }];
 
@@ -1836,4 +1837,36 @@ fn emulator_is_fast_enough() {
     let per = t.elapsed() / reps;
     eprintln!("4096-thread launch with 8 barriers: {per:?}");
     assert!(per.as_millis() < 200, "{per:?}");
+}
+
+#[test]
+fn emulator_tensor_core_mma_follows_ptx_fragments() {
+    let emu = selftest_or_skip!();
+    let mut rng = fastrand::Rng::with_seed(3);
+    // Small integers: every product and sum is exact, whatever the accumulation order.
+    let a: Vec<f32> = (0..16 * 16).map(|_| rng.i32(-4..5) as f32).collect();
+    let b: Vec<f32> = (0..16 * 8).map(|_| rng.i32(-4..5) as f32).collect();
+    let c: Vec<f32> = (0..16 * 8).map(|_| rng.i32(-50..50) as f32).collect();
+    let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect() };
+    let (ad, bd, cd) = (Buf::from(&bits(&a)), Buf::from(&bits(&b)), Buf::from(&c));
+    let d = Buf::<f32>::zeros(16 * 8);
+    emu.run("t_mma", 1, 32, &[ad.ptr(), bd.ptr(), cd.ptr(), d.ptr()]);
+    let got = d.get();
+    for m in 0..16 {
+        for n in 0..8 {
+            let want = c[m * 8 + n] + (0..16).map(|k| a[m * 16 + k] * b[k * 8 + n]).sum::<f32>();
+            assert_eq!(got[m * 8 + n], want, "D[{m}][{n}]");
+        }
+    }
+    // Fewer than 32 lanes: mma.sync.aligned needs the whole warp.
+    let err = emu
+        .try_launch(
+            "t_mma",
+            [1, 1, 1],
+            [16, 1, 1],
+            0,
+            &[ad.ptr(), bd.ptr(), cd.ptr(), d.ptr()],
+        )
+        .unwrap_err();
+    assert!(err.contains("all 32 lanes"), "{err}");
 }

@@ -160,3 +160,26 @@ extern "C" __global__ void t_busy(float* out) {
   }
   out[blockIdx.x * blockDim.x + threadIdx.x] = v;
 }
+
+// One warp multiplies A (16x16, row-major bf16 bits) by B (16x8, row-major k x n bf16 bits)
+// plus C (16x8 f32, row-major) through the prelude's tensor-core helper, packing fragments as
+// PTX documents them; D is 16x8 f32 row-major.
+extern "C" __global__ void t_mma(const unsigned short* A, const unsigned short* B, const float* C,
+                                 float* D) {
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  unsigned a[4], b[2];
+  a[0] = A[g * 16 + 2 * t] | (static_cast<unsigned>(A[g * 16 + 2 * t + 1]) << 16);
+  a[1] = A[(g + 8) * 16 + 2 * t] | (static_cast<unsigned>(A[(g + 8) * 16 + 2 * t + 1]) << 16);
+  a[2] = A[g * 16 + 2 * t + 8] | (static_cast<unsigned>(A[g * 16 + 2 * t + 9]) << 16);
+  a[3] = A[(g + 8) * 16 + 2 * t + 8] | (static_cast<unsigned>(A[(g + 8) * 16 + 2 * t + 9]) << 16);
+  b[0] = B[(2 * t) * 8 + g] | (static_cast<unsigned>(B[(2 * t + 1) * 8 + g]) << 16);
+  b[1] = B[(2 * t + 8) * 8 + g] | (static_cast<unsigned>(B[(2 * t + 9) * 8 + g]) << 16);
+  const float c[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t],
+                      C[(g + 8) * 8 + 2 * t + 1]};
+  float d[4];
+  fz_mma_m16n8k16_bf16(d, a, b, c);
+  D[g * 8 + 2 * t] = d[0];
+  D[g * 8 + 2 * t + 1] = d[1];
+  D[(g + 8) * 8 + 2 * t] = d[2];
+  D[(g + 8) * 8 + 2 * t + 1] = d[3];
+}

@@ -207,6 +207,73 @@ inline void vote_complete(const void* const* in, void* const* out, unsigned part
 
 inline void nothing_complete(const void* const*, void* const*, unsigned) {}
 
+// ---- tensor cores -----------------------------------------------------------------------------
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 as a warp collective: every lane hands in
+// its fragments, the last to arrive computes D = A * B + C for the warp. Fragment layouts are
+// PTX's ("Matrix Fragments for mma.m16n8k16 with floating point type"; the same as CuTe's
+// SM80_16x8x16 traits): g = lane >> 2, t = lane & 3, two bf16 per register with the lower
+// index in the low half:
+//   a[0] = A[g][2t, 2t+1]   a[1] = A[g+8][2t, 2t+1]   a[2] = A[g][2t+8, 2t+9]   a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]   b[1] = B[2t+8, 2t+9][g]
+//   c[0..1] = C[g][2t, 2t+1]   c[2..3] = C[g+8][2t, 2t+1]   (d likewise)
+// Products of bf16 values are exact in f32; the sum over k runs in order from C (the hardware's
+// accumulation order is unspecified, so compare with a tolerance unless values are small
+// integers).
+struct MmaIn {
+  unsigned a[4];
+  unsigned b[2];
+  float c[4];
+};
+
+inline float bf16_lo(unsigned r) { return __builtin_bit_cast(float, (r & 0xffffu) << 16); }
+inline float bf16_hi(unsigned r) { return __builtin_bit_cast(float, r & 0xffff0000u); }
+
+inline void mma_m16n8k16_bf16_complete(const void* const* in, void* const* out,
+                                       unsigned participants) {
+  if (participants != 0xffffffffu)
+    fail("mma.sync needs all 32 lanes of the warp (participants 0x%08x)", participants);
+  float A[16][16], B[16][8], C[16][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const MmaIn& m = *static_cast<const MmaIn*>(in[lane]);
+    const int g = lane >> 2, t = lane & 3;
+    A[g][2 * t] = bf16_lo(m.a[0]);
+    A[g][2 * t + 1] = bf16_hi(m.a[0]);
+    A[g + 8][2 * t] = bf16_lo(m.a[1]);
+    A[g + 8][2 * t + 1] = bf16_hi(m.a[1]);
+    A[g][2 * t + 8] = bf16_lo(m.a[2]);
+    A[g][2 * t + 9] = bf16_hi(m.a[2]);
+    A[g + 8][2 * t + 8] = bf16_lo(m.a[3]);
+    A[g + 8][2 * t + 9] = bf16_hi(m.a[3]);
+    B[2 * t][g] = bf16_lo(m.b[0]);
+    B[2 * t + 1][g] = bf16_hi(m.b[0]);
+    B[2 * t + 8][g] = bf16_lo(m.b[1]);
+    B[2 * t + 9][g] = bf16_hi(m.b[1]);
+    C[g][2 * t] = m.c[0];
+    C[g][2 * t + 1] = m.c[1];
+    C[g + 8][2 * t] = m.c[2];
+    C[g + 8][2 * t + 1] = m.c[3];
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    float* d = static_cast<float*>(out[lane]);
+    const int g = lane >> 2, t = lane & 3;
+    for (int v = 0; v < 4; ++v) {
+      const int row = g + (v >= 2 ? 8 : 0), col = 2 * t + (v & 1);
+      float acc = C[row][col];
+      for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+      d[v] = acc;
+    }
+  }
+}
+
+inline void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                              const float (&c)[4], const char* file, int line) {
+  MmaIn in{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {c[0], c[1], c[2], c[3]}};
+  float out[4];
+  warp_collective(0xffffffffu, &mma_m16n8k16_bf16_complete, "mma.sync.m16n8k16", &in, out, file,
+                  line);
+  for (int v = 0; v < 4; ++v) d[v] = out[v];
+}
+
 }  // namespace fz_emu
 
 #define threadIdx (static_cast<const uint3&>(::fz_emu::tl_builtins.thread_idx))

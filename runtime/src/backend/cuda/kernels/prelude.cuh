@@ -255,6 +255,35 @@ __device__ __forceinline__ F fz_block_sum(F v, F* scratch) {
   return fz_warp_sum(v);
 }
 
+// ---- tensor cores ---------------------------------------------------------------------------------
+// D = A * B + C for one warp on tensor cores: mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+// (sm_80+), every lane of the warp taking part. Fragments (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16 with floating point type"), g = lane >> 2, t = lane & 3, two bf16 per register
+// with the lower index in the low 16 bits:
+//   a[0] = A[g][2t, 2t+1]   a[1] = A[g+8][2t, 2t+1]   a[2] = A[g][2t+8, 2t+9]   a[3] = A[g+8][2t+8, 2t+9]
+//   b[0] = B[2t, 2t+1][g]   b[1] = B[2t+8, 2t+9][g]
+//   c[0..1], d[0..1] = C[g][2t, 2t+1]   c[2..3], d[2..3] = C[g+8][2t, 2t+1]
+// The emulator computes the same warp-wide product (its f32 sum order is fixed; the hardware's is
+// unspecified).
+#ifdef FZ_EMU
+__device__ __forceinline__ void fz_mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4],
+                                                     const unsigned (&b)[2], const float (&c)[4],
+                                                     const char* file = __builtin_FILE(),
+                                                     int line = __builtin_LINE()) {
+  ::fz_emu::mma_m16n8k16_bf16(d, a, b, c, file, line);
+}
+#else
+__device__ __forceinline__ void fz_mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4],
+                                                     const unsigned (&b)[2], const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+        "f"(c[2]), "f"(c[3]));
+}
+#endif
+
 // ---- dynamic shared memory ----------------------------------------------------------------------
 // `FZ_DYNAMIC_SMEM(float, smem);` declares `float* smem` over the launch's dynamic shared memory
 // (16-byte aligned).
