@@ -120,7 +120,12 @@ pub fn build_library_from(dir: &Path, sources: &[KernelSource]) -> Result<PathBu
         hash_parts(&refs)
     };
     let lib = dir.join(format!("libfz_emu-{link_hash:016x}.so"));
+    let mut keep: Vec<PathBuf> = objects.iter().map(|(_, o)| o.clone()).collect();
+    keep.extend(objects.iter().map(|(_, o)| o.with_extension("cpp")));
+    keep.push(include_dir.clone());
+    keep.push(lib.clone());
     if lib.is_file() {
+        prune(dir, &keep);
         return Ok(lib);
     }
 
@@ -148,7 +153,64 @@ pub fn build_library_from(dir: &Path, sources: &[KernelSource]) -> Result<PathBu
         ));
     }
     std::fs::rename(&tmp, &lib).map_err(|e| format!("renaming to {}: {e}", lib.display()))?;
+    prune(dir, &keep);
     Ok(lib)
+}
+
+/// Build products unused for this long are removed from the cache directory.
+const PRUNE_AFTER: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
+
+/// Marks this build's files as used (their modification time) and removes our files that no
+/// build has used for [`PRUNE_AFTER`], so the cache does not grow with every kernel edit.
+/// Failures are ignored: the cache only costs disk space.
+fn prune(dir: &Path, keep: &[PathBuf]) {
+    let now = std::time::SystemTime::now();
+    for path in keep {
+        if path.is_file() {
+            let _ = std::fs::File::options()
+                .append(true)
+                .open(path)
+                .and_then(|f| f.set_modified(now));
+        }
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if keep.contains(&path) || !is_build_product(&name) {
+            continue;
+        }
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| now.duration_since(t).ok())
+            .is_some_and(|age| age > PRUNE_AFTER);
+        if old {
+            let _ = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+        }
+    }
+}
+
+/// Whether `name` is one of ours: `<unit>-<hash>.cpp|.o`, `libfz_emu-<hash>.so`,
+/// `include-<hash>` (hash: 16 hex digits), or a temporary file an interrupted build left.
+fn is_build_product(name: &str) -> bool {
+    if name.contains(".tmp-") {
+        return true;
+    }
+    let stem = name
+        .strip_suffix(".cpp")
+        .or_else(|| name.strip_suffix(".o"))
+        .or_else(|| name.strip_suffix(".so"))
+        .unwrap_or(name);
+    stem.rsplit_once('-')
+        .is_some_and(|(_, h)| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// The C++ translation unit the emulator compiles for one kernel source: `emu.h`, the
@@ -306,6 +368,17 @@ mod tests {
                 "{k}"
             );
         }
+    }
+
+    #[test]
+    fn only_our_build_products_are_pruned() {
+        assert!(is_build_product("norm-0123456789abcdef.o"));
+        assert!(is_build_product("norm-0123456789abcdef.cpp"));
+        assert!(is_build_product("libfz_emu-0123456789abcdef.so"));
+        assert!(is_build_product("include-0123456789abcdef"));
+        assert!(!is_build_product("fz_emu.map"));
+        assert!(!is_build_product("notes-2024.txt"));
+        assert!(is_build_product("libfz_emu-0123456789abcdef.so.tmp-12-0"));
     }
 
     #[test]

@@ -10,8 +10,10 @@
 //       f64 and rounded, exactly as backend/cpu/rope.rs builds its table: the kernel computes
 //       with the same f32 values and without fused multiply-adds, so f32 results are
 //       bit-identical to the CPU backend's.
-//     Launch: a block per row (grid rows, or fewer: blocks stride over rows), block e.g.
-//     128 threads (a thread per 16-byte pack of pairs).
+//     Launch: a 2-D block, threadIdx.x over a row's packs of pairs (heads * head_dim / 2 /
+//     (16 / sizeof(T)) of them when vectorised), threadIdx.y over rows, e.g. block
+//     (32, 8) for 64-wide heads; grid ceil(rows / blockDim.y), or fewer (blocks stride over
+//     rows).
 
 // Rotates pairs i .. i+W-1 of one head (W pairs per 16-byte vector, or 1).
 template <int W, class T>
@@ -39,7 +41,8 @@ __device__ __forceinline__ void rope(T* x, const float* cos_sin, long long rows,
   const bool vec = half % V == 0 && fz_aligned16(x) && fz_aligned16(cos_sin);
   const int units = vec ? half / V : half;  // per head: packs of V pairs, or single pairs
   const int items = heads * units;
-  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+  for (long long row = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
+       row += static_cast<long long>(gridDim.x) * blockDim.y) {
     T* xr = x + row * heads * head_dim;
     const float* cs = cos_sin + (row % seq) * half * 2;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
