@@ -551,7 +551,7 @@ fn check_norms<T: Elem>(emu: &Emu) {
 
         // LayerNorm backward from the CPU's statistics, into non-zero accumulators.
         let acc0 = rand_vec(seed + 4, dim, 1.0);
-        for rpc in [32usize, 7] {
+        for rpc in [32usize, 7, 64] {
             let nchunks = rows.div_ceil(rpc);
             let (mean_d, rstd_d) = (Buf::from(&wm), Buf::from(&wr));
             let dx = Buf::<T>::zeros(rows * dim);
@@ -610,7 +610,7 @@ fn check_norms<T: Elem>(emu: &Emu) {
         let (wy, wr) = cpu::rmsnorm_forward(&xv, &gv, eps);
         assert_close::<T>(&what("rmsnorm y"), &host(&y, 0, rows * dim), &wy, REDUCTION);
         assert_close::<f32>(&what("rmsnorm rstd"), &rstd.get(), &wr, REDUCTION);
-        for rpc in [32usize, 5] {
+        for rpc in [32usize, 5, 40] {
             let nchunks = rows.div_ceil(rpc);
             let rstd_d = Buf::from(&wr);
             let dx = Buf::<T>::zeros(rows * dim);

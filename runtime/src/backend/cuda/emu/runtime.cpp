@@ -17,6 +17,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -279,9 +280,13 @@ bool ensure_stacks(Sched& S, unsigned n, std::string& err) {
 
 // ---- faults ---------------------------------------------------------------------------------
 struct sigaction g_old_segv, g_old_bus;
+// Threads running a kernel right now. The handler reads its thread-local state only when this
+// is nonzero: a first touch of this library's thread-local storage may allocate, which must not
+// happen for an unrelated fault (e.g. inside malloc) on a thread that never launched.
+std::atomic<int> g_threads_in_kernels{0};
 
 void fault_handler(int sig, siginfo_t* info, void* uc) {
-  Sched* S = tl_sched;
+  Sched* S = g_threads_in_kernels.load(std::memory_order_relaxed) > 0 ? tl_sched : nullptr;
   if (S && S->in_kernel) {
     S->in_kernel = 0;
     S->fault_sig = sig;
@@ -637,6 +642,11 @@ extern "C" __attribute__((visibility("default"))) int fz_emu_launch(
   tl_builtins.block_dim = {block[0], block[1], block[2]};
   tl_builtins.grid_dim = {grid[0], grid[1], grid[2]};
 
+  // Counted for the fault handler; a scope guard, so every return path uncounts.
+  struct InKernels {
+    InKernels() { g_threads_in_kernels.fetch_add(1); }
+    ~InKernels() { g_threads_in_kernels.fetch_sub(1); }
+  } in_kernels;
   if (sigsetjmp(S.jb, 1)) {
     // A memory fault inside the kernel: its fibers are abandoned, the next launch starts afresh.
     S.in_kernel = 0;

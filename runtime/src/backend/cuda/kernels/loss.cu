@@ -192,6 +192,11 @@ __device__ __forceinline__ void argmax(const T* x, int* out, long long rows, int
   __shared__ int s_i[32];
   constexpr int V = fz_vec<T>::n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (cols <= 0) {  // empty rows: index 0, and nothing to read
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x)
+      if (threadIdx.x == 0) out[row] = 0;
+    return;
+  }
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
     ArgmaxPass<T> pass{xr, 0.0f, -1};
@@ -265,6 +270,7 @@ extern "C" __global__ void cross_entropy_backward_f16(const f16_t* logits, const
 extern "C" __global__ void cross_entropy_loss_sum(const float* loss, long long rows, float* out,
                                                   double* acc) {
   __shared__ double scratch[32];
+  if (blockIdx.x != 0) return;  // one block sums everything; extra blocks must not add again
   double s = 0.0;
   for (long long i = threadIdx.x; i < rows; i += blockDim.x) s += static_cast<double>(loss[i]);
   s = fz_block_sum(s, scratch);
