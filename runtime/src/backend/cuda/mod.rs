@@ -86,3 +86,5 @@ fn not_built() -> Error {
 
 #[cfg(feature = "cuda")]
 pub mod driver;
+pub mod emu;
+pub mod kernels;

@@ -1,0 +1,361 @@
+// norm.cu: LayerNorm and RMSNorm over the last dimension of [rows, dim] data.
+//
+// x, y, dy, dx, gamma, beta are T (_f32, _bf16, _f16); mean, rstd and parameter gradients f32.
+// Semantics are the CPU backend's (backend/cpu/norm.rs): biased variance, rstd = 1/sqrt(var+eps).
+//
+//   layernorm_forward_T(const T* x, const T* gamma, const T* beta, T* y, float* mean,
+//                       float* rstd, long long rows, int dim, float eps)
+//       y = (x - mean) * rstd * gamma + beta; mean, rstd per row. All overwritten.
+//   rmsnorm_forward_T(const T* x, const T* gamma, T* y, float* rstd, long long rows, int dim,
+//                     float eps)
+//       y = x * rstd * gamma, rstd = 1/sqrt(mean(x^2) + eps). All overwritten.
+//     Launch: a warp per row; block = 32 * W threads (W warps, e.g. 256 threads), any grid
+//     (rows beyond grid * W are strided over), e.g. ceil(rows / W) blocks.
+//
+//   layernorm_backward_T(const T* x, const T* gamma, const float* mean, const float* rstd,
+//                        const T* dy, T* dx, float* partial, long long rows, int dim,
+//                        int rows_per_chunk)
+//       dx overwritten; partial[c][0][j] = sum over the rows of chunk c of dy * xhat and
+//       partial[c][1][j] = sum of dy (the chunk's dgamma and dbeta), in row order.
+//       Scratch: partial holds 2 * nchunks * dim floats, nchunks = ceil(rows / rows_per_chunk).
+//   rmsnorm_backward_T(const T* x, const T* gamma, const float* rstd, const T* dy, T* dx,
+//                      float* partial, long long rows, int dim, int rows_per_chunk)
+//       dx overwritten; partial[c][j] = the chunk's dgamma, sum of dy * x * rstd in row order.
+//       Scratch: nchunks * dim floats.
+//     Launch: a block per chunk of rows, block a multiple of 32 threads (e.g. 256), grid
+//     nchunks (a smaller grid strides over chunks; the result does not depend on it).
+//   norm_dparams_finalize(const float* partial, long long nchunks, int dim, float* dgamma,
+//                         float* dbeta)
+//       dgamma[j] += partial sums in chunk order (accumulated), likewise dbeta for LayerNorm;
+//       dbeta null reads the RMSNorm layout. Launch: any 1-D grid covering dim, e.g. 256 threads.
+//
+// Determinism: row statistics use a fixed warp butterfly; parameter gradients are summed per
+// chunk in row order, then across chunks in chunk order, whatever the grid. With
+// rows_per_chunk = 32 the order (and, in f32, every bit of dgamma and dbeta) is the CPU
+// backend's, whose ROW_BLOCK is 32: per-chunk sums start from zero and are added to the
+// accumulator chunk by chunk, without fused multiply-adds.
+
+// Rows of a chunk handled together: one shared-memory slot per row for its statistics.
+#define FZ_NORM_GROUP 32
+
+template <class T>
+__device__ __forceinline__ bool rows_vectorizable(int dim, const void* a, const void* b,
+                                                  const void* c, const void* d) {
+  return dim % fz_vec<T>::n == 0 && fz_aligned16(a) && fz_aligned16(b) && fz_aligned16(c) &&
+         fz_aligned16(d);
+}
+
+template <class T>
+__device__ __forceinline__ void layernorm_forward(const T* x, const T* gamma, const T* beta,
+                                                  T* y, float* mean, float* rstd, long long rows,
+                                                  int dim, float eps) {
+  constexpr int V = fz_vec<T>::n;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const bool vec = rows_vectorizable<T>(dim, x, y, gamma, beta);
+  const int packs = (dim + V - 1) / V;
+  for (long long row = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5); row < rows;
+       row += static_cast<long long>(gridDim.x) * warps) {
+    const T* xr = x + row * dim;
+    // Two passes over the row (the second from cache): the mean first, then squared deviations,
+    // which is exact where a one-pass E[x^2] - E[x]^2 would cancel.
+    float s = 0.0f;
+    for (int p = lane; p < packs; p += 32) {
+      float v[V];
+      fz_load_row<V>(xr, p * V, dim, vec, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += v[k];  // zeros past the row's end add nothing
+    }
+    const float mu = fz_warp_sum(s) / static_cast<float>(dim);
+    float q = 0.0f;
+    for (int p = lane; p < packs; p += 32) {
+      float v[V];
+      fz_load_row<V>(xr, p * V, dim, vec, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float d = v[k] - mu;
+        if (p * V + k < dim) q += d * d;
+      }
+    }
+    const float var = fz_warp_sum(q) / static_cast<float>(dim);
+    const float rs = 1.0f / sqrtf(var + eps);
+    T* yr = y + row * dim;
+    for (int p = lane; p < packs; p += 32) {
+      float v[V], g[V], b[V];
+      fz_load_row<V>(xr, p * V, dim, vec, v);
+      fz_load_row<V>(gamma, p * V, dim, vec, g);
+      fz_load_row<V>(beta, p * V, dim, vec, b);
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = (v[k] - mu) * rs * g[k] + b[k];
+      fz_store_row<V>(yr, p * V, dim, vec, v);
+    }
+    if (lane == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void rmsnorm_forward(const T* x, const T* gamma, T* y, float* rstd,
+                                                long long rows, int dim, float eps) {
+  constexpr int V = fz_vec<T>::n;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const bool vec = rows_vectorizable<T>(dim, x, y, gamma, gamma);
+  const int packs = (dim + V - 1) / V;
+  for (long long row = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5); row < rows;
+       row += static_cast<long long>(gridDim.x) * warps) {
+    const T* xr = x + row * dim;
+    float q = 0.0f;
+    for (int p = lane; p < packs; p += 32) {
+      float v[V];
+      fz_load_row<V>(xr, p * V, dim, vec, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) q += v[k] * v[k];
+    }
+    const float rs = 1.0f / sqrtf(fz_warp_sum(q) / static_cast<float>(dim) + eps);
+    T* yr = y + row * dim;
+    for (int p = lane; p < packs; p += 32) {
+      float v[V], g[V];
+      fz_load_row<V>(xr, p * V, dim, vec, v);
+      fz_load_row<V>(gamma, p * V, dim, vec, g);
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = v[k] * rs * g[k];
+      fz_store_row<V>(yr, p * V, dim, vec, v);
+    }
+    if (lane == 0) rstd[row] = rs;
+  }
+}
+
+// LayerNorm backward for one block's chunks. Rows go in groups of FZ_NORM_GROUP: first a warp
+// per row reduces mean(dy*gamma) and mean(dy*gamma*xhat) into shared memory, then a thread per
+// pack of columns walks the group's rows in order, writing dx and adding to the chunk's
+// parameter-gradient partials (kept in the partial buffer between groups; a column always
+// belongs to the same thread, so there is no race).
+template <class T>
+__device__ __forceinline__ void layernorm_backward(const T* x, const T* gamma, const float* mean,
+                                                   const float* rstd, const T* dy, T* dx,
+                                                   float* partial, long long rows, int dim,
+                                                   int rows_per_chunk) {
+  __shared__ float s_m1[FZ_NORM_GROUP], s_m2[FZ_NORM_GROUP];
+  constexpr int V = fz_vec<T>::n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const bool vec =
+      rows_vectorizable<T>(dim, x, gamma, dy, dx) && fz_aligned16(partial);
+  const int packs = (dim + V - 1) / V;
+  const float fdim = static_cast<float>(dim);
+  const long long nchunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+  for (long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const long long r0 = c * rows_per_chunk;
+    const long long r1 = min(r0 + rows_per_chunk, rows);
+    float* pg = partial + c * 2 * dim;
+    float* pb = pg + dim;
+    for (long long g0 = r0; g0 < r1; g0 += FZ_NORM_GROUP) {
+      const int gn = static_cast<int>(min(static_cast<long long>(FZ_NORM_GROUP), r1 - g0));
+      for (int r = warp; r < gn; r += warps) {
+        const long long row = g0 + r;
+        const float mu = mean[row], rs = rstd[row];
+        float s1 = 0.0f, s2 = 0.0f;
+        for (int p = lane; p < packs; p += 32) {
+          float xv[V], d[V], g[V];
+          fz_load_row<V>(x + row * dim, p * V, dim, vec, xv);
+          fz_load_row<V>(dy + row * dim, p * V, dim, vec, d);
+          fz_load_row<V>(gamma, p * V, dim, vec, g);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const float xh = (xv[k] - mu) * rs;
+            const float dg = d[k] * g[k];  // zero past the row's end
+            s1 += dg;
+            s2 += dg * xh;
+          }
+        }
+        s1 = fz_warp_sum(s1);
+        s2 = fz_warp_sum(s2);
+        if (lane == 0) {
+          s_m1[r] = s1 / fdim;
+          s_m2[r] = s2 / fdim;
+        }
+      }
+      __syncthreads();
+      for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+        float acc_g[V], acc_b[V], g[V];
+        if (g0 == r0) {
+#pragma unroll
+          for (int k = 0; k < V; ++k) acc_g[k] = acc_b[k] = 0.0f;
+        } else {
+          fz_load_row<V>(pg, p * V, dim, vec, acc_g);
+          fz_load_row<V>(pb, p * V, dim, vec, acc_b);
+        }
+        fz_load_row<V>(gamma, p * V, dim, vec, g);
+        for (int r = 0; r < gn; ++r) {
+          const long long row = g0 + r;
+          const float mu = mean[row], rs = rstd[row], m1 = s_m1[r], m2 = s_m2[r];
+          float xv[V], d[V];
+          fz_load_row<V>(x + row * dim, p * V, dim, vec, xv);
+          fz_load_row<V>(dy + row * dim, p * V, dim, vec, d);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            const float xh = __fmul_rn(__fsub_rn(xv[k], mu), rs);
+            acc_g[k] = __fadd_rn(acc_g[k], __fmul_rn(d[k], xh));
+            acc_b[k] = __fadd_rn(acc_b[k], d[k]);
+            xv[k] = rs * (d[k] * g[k] - m1 - xh * m2);
+          }
+          fz_store_row<V>(dx + row * dim, p * V, dim, vec, xv);
+        }
+        fz_store_row<V>(pg, p * V, dim, vec, acc_g);
+        fz_store_row<V>(pb, p * V, dim, vec, acc_b);
+      }
+      __syncthreads();  // the next group rewrites s_m1/s_m2
+    }
+  }
+}
+
+// RMSNorm backward: as LayerNorm's, with one row statistic c = rstd^3 * mean(dy*gamma*x):
+// dx = dy * gamma * rstd - x * c.
+template <class T>
+__device__ __forceinline__ void rmsnorm_backward(const T* x, const T* gamma, const float* rstd,
+                                                 const T* dy, T* dx, float* partial,
+                                                 long long rows, int dim, int rows_per_chunk) {
+  __shared__ float s_c[FZ_NORM_GROUP];
+  constexpr int V = fz_vec<T>::n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const bool vec =
+      rows_vectorizable<T>(dim, x, gamma, dy, dx) && fz_aligned16(partial);
+  const int packs = (dim + V - 1) / V;
+  const float fdim = static_cast<float>(dim);
+  const long long nchunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+  for (long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const long long r0 = c * rows_per_chunk;
+    const long long r1 = min(r0 + rows_per_chunk, rows);
+    float* pg = partial + c * dim;
+    for (long long g0 = r0; g0 < r1; g0 += FZ_NORM_GROUP) {
+      const int gn = static_cast<int>(min(static_cast<long long>(FZ_NORM_GROUP), r1 - g0));
+      for (int r = warp; r < gn; r += warps) {
+        const long long row = g0 + r;
+        float s = 0.0f;
+        for (int p = lane; p < packs; p += 32) {
+          float xv[V], d[V], g[V];
+          fz_load_row<V>(x + row * dim, p * V, dim, vec, xv);
+          fz_load_row<V>(dy + row * dim, p * V, dim, vec, d);
+          fz_load_row<V>(gamma, p * V, dim, vec, g);
+#pragma unroll
+          for (int k = 0; k < V; ++k) s += d[k] * g[k] * xv[k];
+        }
+        s = fz_warp_sum(s);
+        const float rs = rstd[row];
+        if (lane == 0) s_c[r] = s * rs * rs * rs / fdim;
+      }
+      __syncthreads();
+      for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+        float acc_g[V], g[V];
+        if (g0 == r0) {
+#pragma unroll
+          for (int k = 0; k < V; ++k) acc_g[k] = 0.0f;
+        } else {
+          fz_load_row<V>(pg, p * V, dim, vec, acc_g);
+        }
+        fz_load_row<V>(gamma, p * V, dim, vec, g);
+        for (int r = 0; r < gn; ++r) {
+          const long long row = g0 + r;
+          const float rs = rstd[row], cr = s_c[r];
+          float xv[V], d[V];
+          fz_load_row<V>(x + row * dim, p * V, dim, vec, xv);
+          fz_load_row<V>(dy + row * dim, p * V, dim, vec, d);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            acc_g[k] = __fadd_rn(acc_g[k], __fmul_rn(__fmul_rn(d[k], xv[k]), rs));
+            xv[k] = d[k] * g[k] * rs - xv[k] * cr;
+          }
+          fz_store_row<V>(dx + row * dim, p * V, dim, vec, xv);
+        }
+        fz_store_row<V>(pg, p * V, dim, vec, acc_g);
+      }
+      __syncthreads();  // the next group rewrites s_c
+    }
+  }
+}
+
+// ---- instantiations ----------------------------------------------------------------------------
+
+extern "C" __global__ void layernorm_forward_f32(const float* x, const float* gamma,
+                                                 const float* beta, float* y, float* mean,
+                                                 float* rstd, long long rows, int dim, float eps) {
+  layernorm_forward(x, gamma, beta, y, mean, rstd, rows, dim, eps);
+}
+extern "C" __global__ void layernorm_forward_bf16(const bf16_t* x, const bf16_t* gamma,
+                                                  const bf16_t* beta, bf16_t* y, float* mean,
+                                                  float* rstd, long long rows, int dim,
+                                                  float eps) {
+  layernorm_forward(x, gamma, beta, y, mean, rstd, rows, dim, eps);
+}
+extern "C" __global__ void layernorm_forward_f16(const f16_t* x, const f16_t* gamma,
+                                                 const f16_t* beta, f16_t* y, float* mean,
+                                                 float* rstd, long long rows, int dim, float eps) {
+  layernorm_forward(x, gamma, beta, y, mean, rstd, rows, dim, eps);
+}
+
+extern "C" __global__ void layernorm_backward_f32(const float* x, const float* gamma,
+                                                  const float* mean, const float* rstd,
+                                                  const float* dy, float* dx, float* partial,
+                                                  long long rows, int dim, int rows_per_chunk) {
+  layernorm_backward(x, gamma, mean, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+}
+extern "C" __global__ void layernorm_backward_bf16(const bf16_t* x, const bf16_t* gamma,
+                                                   const float* mean, const float* rstd,
+                                                   const bf16_t* dy, bf16_t* dx, float* partial,
+                                                   long long rows, int dim, int rows_per_chunk) {
+  layernorm_backward(x, gamma, mean, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+}
+extern "C" __global__ void layernorm_backward_f16(const f16_t* x, const f16_t* gamma,
+                                                  const float* mean, const float* rstd,
+                                                  const f16_t* dy, f16_t* dx, float* partial,
+                                                  long long rows, int dim, int rows_per_chunk) {
+  layernorm_backward(x, gamma, mean, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+}
+
+extern "C" __global__ void rmsnorm_forward_f32(const float* x, const float* gamma, float* y,
+                                               float* rstd, long long rows, int dim, float eps) {
+  rmsnorm_forward(x, gamma, y, rstd, rows, dim, eps);
+}
+extern "C" __global__ void rmsnorm_forward_bf16(const bf16_t* x, const bf16_t* gamma, bf16_t* y,
+                                                float* rstd, long long rows, int dim, float eps) {
+  rmsnorm_forward(x, gamma, y, rstd, rows, dim, eps);
+}
+extern "C" __global__ void rmsnorm_forward_f16(const f16_t* x, const f16_t* gamma, f16_t* y,
+                                               float* rstd, long long rows, int dim, float eps) {
+  rmsnorm_forward(x, gamma, y, rstd, rows, dim, eps);
+}
+
+extern "C" __global__ void rmsnorm_backward_f32(const float* x, const float* gamma,
+                                                const float* rstd, const float* dy, float* dx,
+                                                float* partial, long long rows, int dim,
+                                                int rows_per_chunk) {
+  rmsnorm_backward(x, gamma, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+}
+extern "C" __global__ void rmsnorm_backward_bf16(const bf16_t* x, const bf16_t* gamma,
+                                                 const float* rstd, const bf16_t* dy, bf16_t* dx,
+                                                 float* partial, long long rows, int dim,
+                                                 int rows_per_chunk) {
+  rmsnorm_backward(x, gamma, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+}
+extern "C" __global__ void rmsnorm_backward_f16(const f16_t* x, const f16_t* gamma,
+                                                const float* rstd, const f16_t* dy, f16_t* dx,
+                                                float* partial, long long rows, int dim,
+                                                int rows_per_chunk) {
+  rmsnorm_backward(x, gamma, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+}
+
+extern "C" __global__ void norm_dparams_finalize(const float* partial, long long nchunks, int dim,
+                                                 float* dgamma, float* dbeta) {
+  const long long stride = dbeta ? 2ll * dim : static_cast<long long>(dim);
+  for (long long j = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; j < dim;
+       j += static_cast<long long>(gridDim.x) * blockDim.x) {
+    float g = dgamma[j];
+    for (long long c = 0; c < nchunks; ++c) g = __fadd_rn(g, partial[c * stride + j]);
+    dgamma[j] = g;
+    if (dbeta) {
+      float b = dbeta[j];
+      for (long long c = 0; c < nchunks; ++c) b = __fadd_rn(b, partial[c * stride + dim + j]);
+      dbeta[j] = b;
+    }
+  }
+}

@@ -1,0 +1,235 @@
+// optim.cu: multi-tensor fused optimizer steps (AdamW/Adam, SGD, Lion), bit-identical to the
+// CPU optimizers (offload/src/optim/reference.rs).
+//
+// One launch updates many tensors. The host passes a device array of descriptors:
+//
+//   struct OptTensor {            // 56 bytes, 8-byte aligned (Rust: #[repr(C)])
+//     float* params;              //  0: f32 master parameters, updated in place
+//     const float* grads;         //  8: f32 gradients (still scaled: see grad_scale)
+//     float* m;                   // 16: first moment (Adam, Lion) or momentum (SGD; may be null
+//                                 //     when momentum == 0)
+//     float* v;                   // 24: second moment (Adam; unused otherwise)
+//     void* lp;                   // 32: low-precision copy written in the same pass (bf16_t* for
+//                                 //     _bf16 kernels, f16_t* for _f16; null for none; ignored by
+//                                 //     _f32 kernels)
+//     long long n;                // 40: elements
+//     long long first_chunk;      // 48: index of this tensor's first chunk: the sum of
+//                                 //     ceil(n / chunk) over the tensors before it
+//   };
+//
+// and `total_chunks` (the sum over all tensors). Chunk c of the launch is a `chunk`-element
+// slice of one tensor (apex's multi-tensor apply); blocks stride over chunks, so any grid works
+// (e.g. min(total_chunks, 8 * SMs) blocks of 256 threads). `chunk` should be a multiple of 8
+// (then every chunk of an aligned tensor is vectorised; otherwise the kernel goes element by
+// element).
+//
+// `grad_scale` (loss-scale removal times the clip coefficient) is read from device memory, and a
+// nonzero `*skip` (set by the overflow check) makes the whole launch a no-op, so the host never
+// reads either before launching.
+//
+//   adam_multi_<lp>(const OptTensor* t, int ntensors, long long total_chunks, int chunk,
+//                   float lr, float beta1, float beta2, float eps, float weight_decay,
+//                   int decoupled, float step_size, float bc2_sqrt, const float* grad_scale,
+//                   const int* skip)
+//       step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t) are computed by the host
+//       exactly as `adam_terms` does (lr and 1 without bias correction); decoupled = 1 is AdamW.
+//   sgd_multi_<lp>(..., float lr, float momentum, float dampening, float weight_decay,
+//                  int nesterov, int first_step, const float* grad_scale, const int* skip)
+//       first_step = (step <= 1): the momentum buffer starts as the first gradient.
+//   lion_multi_<lp>(..., float lr, float beta1, float beta2, float weight_decay,
+//                   const float* grad_scale, const int* skip)
+//
+//   <lp> is f32 (no copy), bf16 or f16. Every element is computed with the reference's
+//   operations in the reference's order, each rounded separately (__fmul_rn & co. are never
+//   fused into FMAs), so results equal the CPU's bit for bit, whatever the chunking.
+
+struct OptTensor {
+  float* params;
+  const float* grads;
+  float* m;
+  float* v;
+  void* lp;
+  long long n;
+  long long first_chunk;
+};
+
+// The tensor holding chunk c: the last one whose first_chunk <= c (binary search).
+__device__ __forceinline__ int find_tensor(const OptTensor* t, int ntensors, long long c) {
+  int lo = 0, hi = ntensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (t[mid].first_chunk <= c)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// W elements at i: load, update each with `up` (f32 in place), store, and write the
+// low-precision copy of the new parameters.
+template <int W, class LP, class Update>
+__device__ __forceinline__ void update_pack(const Update& up, float* p, const float* g, float* m,
+                                            float* v, LP* lp, long long i) {
+  float pv[W], gv[W], mv[W] = {}, vv[W] = {};
+  fz_load<W>(p + i, pv);
+  fz_load<W>(g + i, gv);
+  if (m) fz_load<W>(m + i, mv);
+  if (v) fz_load<W>(v + i, vv);
+#pragma unroll
+  for (int k = 0; k < W; ++k) up(pv[k], gv[k], mv[k], vv[k]);
+  fz_store<W>(p + i, pv);
+  if (m) fz_store<W>(m + i, mv);
+  if (v) fz_store<W>(v + i, vv);
+  if constexpr (sizeof(LP) == 2) {
+    if (lp) fz_store<W>(lp + i, pv);
+  }
+}
+
+// Runs `up` over every chunk of the launch: 8 elements at a time with 16-byte vectors when the
+// chunk's slices are aligned, then one by one.
+template <class LP, class Update>
+__device__ __forceinline__ void for_each_chunk(const OptTensor* tensors, int ntensors,
+                                               long long total_chunks, int chunk, bool needs_v,
+                                               const Update& up) {
+  constexpr int V = 8;
+  for (long long c = blockIdx.x; c < total_chunks; c += gridDim.x) {
+    const OptTensor t = tensors[find_tensor(tensors, ntensors, c)];
+    const long long lo = (c - t.first_chunk) * chunk;
+    if (lo >= t.n) continue;  // only with an inconsistent first_chunk; never read past n
+    const long long len = min(static_cast<long long>(chunk), t.n - lo);
+    float* p = t.params + lo;
+    const float* g = t.grads + lo;
+    float* m = t.m ? t.m + lo : nullptr;
+    float* v = needs_v ? t.v + lo : nullptr;
+    LP* lp = sizeof(LP) == 2 ? static_cast<LP*>(t.lp) : nullptr;  // _f32: no copy
+    if (lp) lp += lo;
+    const bool vec = chunk % V == 0 && fz_aligned16(p) && fz_aligned16(g) &&
+                     (!m || fz_aligned16(m)) && (!v || fz_aligned16(v)) && (!lp || fz_aligned16(lp));
+    long long done = 0;
+    if (vec) {
+      const long long packs = len / V;
+      for (long long q = threadIdx.x; q < packs; q += blockDim.x)
+        update_pack<V>(up, p, g, m, v, lp, q * V);
+      done = packs * V;
+    }
+    for (long long i = done + threadIdx.x; i < len; i += blockDim.x)
+      update_pack<1>(up, p, g, m, v, lp, i);
+  }
+}
+
+// One element of each optimizer, operation for operation as reference.rs (each rounded).
+struct AdamUpdate {
+  float gs, beta1, omb1, beta2, omb2, eps, weight_decay, lr_wd, step_size, bc2_sqrt;
+  int decoupled;
+  __device__ __forceinline__ void operator()(float& p, float graw, float& m, float& v) const {
+    float g = __fmul_rn(graw, gs);
+    if (decoupled)
+      p = __fsub_rn(p, __fmul_rn(lr_wd, p));
+    else
+      g = __fadd_rn(g, __fmul_rn(weight_decay, p));
+    m = __fadd_rn(__fmul_rn(beta1, m), __fmul_rn(omb1, g));
+    v = __fadd_rn(__fmul_rn(beta2, v), __fmul_rn(__fmul_rn(omb2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bc2_sqrt), eps);
+    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(step_size, m), denom));
+  }
+};
+
+struct SgdUpdate {
+  float gs, lr, momentum, omd, weight_decay;
+  int nesterov, first_step;
+  __device__ __forceinline__ void operator()(float& p, float graw, float& buf, float&) const {
+    float g = __fadd_rn(__fmul_rn(graw, gs), __fmul_rn(weight_decay, p));
+    if (momentum != 0.0f) {
+      const float b =
+          first_step ? g : __fadd_rn(__fmul_rn(momentum, buf), __fmul_rn(omd, g));
+      buf = b;
+      g = nesterov ? __fadd_rn(g, __fmul_rn(momentum, b)) : b;
+    }
+    p = __fsub_rn(p, __fmul_rn(lr, g));
+  }
+};
+
+struct LionUpdate {
+  float gs, lr, lr_wd, beta1, omb1, beta2, omb2;
+  __device__ __forceinline__ void operator()(float& p, float graw, float& m, float&) const {
+    const float g = __fmul_rn(graw, gs);
+    p = __fsub_rn(p, __fmul_rn(lr_wd, p));
+    const float c = __fadd_rn(__fmul_rn(beta1, m), __fmul_rn(omb1, g));
+    const float sign = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+    p = __fsub_rn(p, __fmul_rn(lr, sign));
+    m = __fadd_rn(__fmul_rn(beta2, m), __fmul_rn(omb2, g));
+  }
+};
+
+template <class LP>
+__device__ __forceinline__ void adam_multi(const OptTensor* t, int ntensors,
+                                           long long total_chunks, int chunk, float lr,
+                                           float beta1, float beta2, float eps,
+                                           float weight_decay, int decoupled, float step_size,
+                                           float bc2_sqrt, const float* grad_scale,
+                                           const int* skip) {
+  if (*skip) return;
+  // 1 - beta and lr * wd as the host computes them (f32, one rounding each).
+  const AdamUpdate up{*grad_scale,  beta1, __fsub_rn(1.0f, beta1),      beta2,
+                      __fsub_rn(1.0f, beta2), eps, weight_decay, __fmul_rn(lr, weight_decay),
+                      step_size,    bc2_sqrt, decoupled};
+  for_each_chunk<LP>(t, ntensors, total_chunks, chunk, true, up);
+}
+
+template <class LP>
+__device__ __forceinline__ void sgd_multi(const OptTensor* t, int ntensors,
+                                          long long total_chunks, int chunk, float lr,
+                                          float momentum, float dampening, float weight_decay,
+                                          int nesterov, int first_step, const float* grad_scale,
+                                          const int* skip) {
+  if (*skip) return;
+  const SgdUpdate up{*grad_scale, lr, momentum, __fsub_rn(1.0f, dampening), weight_decay,
+                     nesterov, first_step};
+  for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
+}
+
+template <class LP>
+__device__ __forceinline__ void lion_multi(const OptTensor* t, int ntensors,
+                                           long long total_chunks, int chunk, float lr,
+                                           float beta1, float beta2, float weight_decay,
+                                           const float* grad_scale, const int* skip) {
+  if (*skip) return;
+  const LionUpdate up{*grad_scale, lr, __fmul_rn(lr, weight_decay), beta1,
+                      __fsub_rn(1.0f, beta1), beta2, __fsub_rn(1.0f, beta2)};
+  for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
+}
+
+// ---- instantiations ----------------------------------------------------------------------------
+
+#define FZ_ADAM_PARAMS                                                                       \
+  const OptTensor *t, int ntensors, long long total_chunks, int chunk, float lr, float beta1, \
+      float beta2, float eps, float weight_decay, int decoupled, float step_size,            \
+      float bc2_sqrt, const float *grad_scale, const int *skip
+#define FZ_ADAM_ARGS                                                                       \
+  t, ntensors, total_chunks, chunk, lr, beta1, beta2, eps, weight_decay, decoupled, step_size, \
+      bc2_sqrt, grad_scale, skip
+#define FZ_SGD_PARAMS                                                                          \
+  const OptTensor *t, int ntensors, long long total_chunks, int chunk, float lr, float momentum, \
+      float dampening, float weight_decay, int nesterov, int first_step,                        \
+      const float *grad_scale, const int *skip
+#define FZ_SGD_ARGS                                                                      \
+  t, ntensors, total_chunks, chunk, lr, momentum, dampening, weight_decay, nesterov, \
+      first_step, grad_scale, skip
+#define FZ_LION_PARAMS                                                                      \
+  const OptTensor *t, int ntensors, long long total_chunks, int chunk, float lr, float beta1, \
+      float beta2, float weight_decay, const float *grad_scale, const int *skip
+#define FZ_LION_ARGS \
+  t, ntensors, total_chunks, chunk, lr, beta1, beta2, weight_decay, grad_scale, skip
+
+extern "C" __global__ void adam_multi_f32(FZ_ADAM_PARAMS) { adam_multi<float>(FZ_ADAM_ARGS); }
+extern "C" __global__ void adam_multi_bf16(FZ_ADAM_PARAMS) { adam_multi<bf16_t>(FZ_ADAM_ARGS); }
+extern "C" __global__ void adam_multi_f16(FZ_ADAM_PARAMS) { adam_multi<f16_t>(FZ_ADAM_ARGS); }
+
+extern "C" __global__ void sgd_multi_f32(FZ_SGD_PARAMS) { sgd_multi<float>(FZ_SGD_ARGS); }
+extern "C" __global__ void sgd_multi_bf16(FZ_SGD_PARAMS) { sgd_multi<bf16_t>(FZ_SGD_ARGS); }
+extern "C" __global__ void sgd_multi_f16(FZ_SGD_PARAMS) { sgd_multi<f16_t>(FZ_SGD_ARGS); }
+
+extern "C" __global__ void lion_multi_f32(FZ_LION_PARAMS) { lion_multi<float>(FZ_LION_ARGS); }
+extern "C" __global__ void lion_multi_bf16(FZ_LION_PARAMS) { lion_multi<bf16_t>(FZ_LION_ARGS); }
+extern "C" __global__ void lion_multi_f16(FZ_LION_PARAMS) { lion_multi<f16_t>(FZ_LION_ARGS); }
