@@ -1,0 +1,354 @@
+//! The ZeRO engine on every device: a model built only from backend operations (Llama's
+//! embedding and head around residual MLP blocks) trains alike on the CPU and on the CUDA
+//! backend (the device emulator in CI, a GPU when present); on one device, stages 0-3 give
+//! bitwise-identical parameters, offloading the optimizer to the host changes no bit (the host
+//! and device optimizer steps are the same arithmetic), and a checkpoint resumes exactly.
+
+mod common;
+mod device_common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{config, toy};
+use device_common::Dev;
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_runtime::backend::{Accumulate, Backend};
+use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::checkpoint::Tag;
+use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::nn::linear::{Linear, WeightLayout};
+use ferrozero_runtime::nn::llama::{Embed, Head, LlamaConfig};
+use ferrozero_runtime::nn::module::SavedState;
+use ferrozero_runtime::nn::{Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit};
+use ferrozero_runtime::tensor::{DType, Storage, Tensor};
+use ferrozero_runtime::{Error, Result};
+
+const V: usize = 23;
+const H: usize = 16;
+const INNER: usize = 24;
+const T: usize = 6;
+
+/// `y = x + W2 · gelu(W1 · x + b1) + b2`, written only with backend operations.
+struct Mlp {
+    name: String,
+}
+
+struct MlpSaved {
+    x: Storage,
+    pre: Storage,
+}
+
+impl SavedState for MlpSaved {
+    fn bytes(&self) -> usize {
+        (self.x.bytes() + self.pre.bytes()) as usize
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+}
+
+fn lin(d_in: usize, d_out: usize) -> Linear {
+    Linear {
+        d_in,
+        d_out,
+        layout: WeightLayout::OutIn,
+    }
+}
+
+impl Module for Mlp {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        let p = |n: &str, shape: Vec<usize>, init| ParamSpec {
+            name: format!("{}.{n}", self.name),
+            shape,
+            init,
+        };
+        vec![
+            p("fc1.weight", vec![INNER, H], Init::Normal { std: 0.2 }),
+            p("fc1.bias", vec![INNER], Init::Normal { std: 0.1 }),
+            p("fc2.weight", vec![H, INNER], Init::Normal { std: 0.2 }),
+            p("fc2.bias", vec![H], Init::Zeros),
+        ]
+    }
+
+    fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        let be = ctx.be;
+        let rows = x.numel() / H;
+        let (mut pre, mut act) = (ctx.alloc(rows * INNER)?, ctx.alloc(rows * INNER)?);
+        lin(H, INNER).forward_gelu(
+            be,
+            x.view(),
+            p.get(0),
+            p.get(1),
+            pre.view_mut(),
+            act.view_mut(),
+        )?;
+        let mut y = ctx.alloc(rows * H)?;
+        lin(INNER, H).forward(be, act.view(), p.get(2), Some(p.get(3)), y.view_mut())?;
+        be.add_assign(y.view_mut(), x.view())?;
+        if ctx.training {
+            *ctx.saved = Some(Box::new(MlpSaved {
+                x: be.copy(x.view())?,
+                pre,
+            }));
+        }
+        Tensor::new(x.shape.clone(), y)
+    }
+
+    fn backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        g: &mut Grads<'_>,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let s = ctx
+            .saved
+            .take()
+            .ok_or_else(|| Error::Invalid("backward without forward".into()))?
+            .into_any()
+            .downcast::<MlpSaved>()
+            .map_err(|_| Error::Invalid("wrong saved state".into()))?;
+        let be = ctx.be;
+        let rows = dy.numel() / H;
+        let mut act = ctx.alloc(rows * INNER)?;
+        be.gelu_forward(s.pre.view(), act.view_mut())?;
+        let (dw2, db2) = g.pair_mut(2, 3);
+        lin(INNER, H).backward_params(be, act.view(), dy.view(), dw2, Some(db2))?;
+        let mut dact = ctx.alloc(rows * INNER)?;
+        lin(INNER, H).backward_input(
+            be,
+            dy.view(),
+            p.get(2),
+            dact.view_mut(),
+            Accumulate::Overwrite,
+        )?;
+        let mut dpre = ctx.alloc(rows * INNER)?;
+        be.gelu_backward(s.pre.view(), dact.view(), dpre.view_mut())?;
+        let (dw1, db1) = g.pair_mut(0, 1);
+        lin(H, INNER).backward_params(be, s.x.view(), dpre.view(), dw1, Some(db1))?;
+        let mut dx = be.copy(dy.view())?;
+        lin(H, INNER).backward_input(be, dpre.view(), p.get(0), dx.view_mut(), Accumulate::Add)?;
+        Tensor::new(dy.shape.clone(), dx)
+    }
+
+    fn saved_bytes(&self, b: usize, s: usize) -> usize {
+        b * s * (H + INNER) * 4
+    }
+
+    fn output_bytes(&self, b: usize, s: usize) -> usize {
+        b * s * H * 4
+    }
+}
+
+fn model() -> Model {
+    let ends = LlamaConfig {
+        hidden_size: H,
+        intermediate_size: INNER,
+        num_hidden_layers: 2,
+        num_attention_heads: 1,
+        num_key_value_heads: None,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        vocab_size: V,
+        max_position_embeddings: T,
+        tie_word_embeddings: true,
+        initializer_range: 0.3,
+    };
+    let mut units = vec![Unit {
+        name: "embed".into(),
+        module: Box::new(Embed::new(ends.clone())),
+        uses_shared: vec![0],
+    }];
+    for i in 0..2 {
+        units.push(Unit {
+            name: format!("mlp.{i}"),
+            module: Box::new(Mlp {
+                name: format!("mlp.{i}"),
+            }),
+            uses_shared: vec![],
+        });
+    }
+    units.push(Unit {
+        name: "head".into(),
+        module: Box::new(Head::new(ends)),
+        uses_shared: vec![0],
+    });
+    Model {
+        shared: vec![ParamSpec {
+            name: "model.embed_tokens.weight".into(),
+            shape: vec![V, H],
+            init: Init::Normal { std: 0.3 },
+        }],
+        units,
+    }
+}
+
+/// A config for `d`: its activation dtype decides the precision (bf16 storage for a bf16 device).
+fn cfg_for(d: &Dev, stage: ZeroStage, world: usize) -> ResolvedConfig {
+    let precision = match d.act() {
+        DType::Bf16 => Precision::Bf16,
+        _ => Precision::F32,
+    };
+    let mut c = config(stage, world, 2, 2, precision);
+    if let ferrozero_config::resolved::OptimizerConfig::Adam { lr, .. } = &mut c.optimizer {
+        *lr = 3e-3;
+    }
+    c
+}
+
+/// Trains `steps` steps on `be` with every rank on it; parameters and per-step losses.
+fn train(
+    be: &Arc<dyn Backend>,
+    cfg: &ResolvedConfig,
+    steps: usize,
+) -> (Vec<NamedTensor>, Vec<f64>) {
+    let world = cfg.world_size;
+    let (micro, gas) = (
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    );
+    let out = run_ranks(world, Duration::from_secs(120), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
+        let mut losses = Vec::new();
+        for s in 0..steps {
+            let batches: Vec<_> = (0..gas)
+                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
+                .collect();
+            losses.push(e.train_batch(&batches)?.loss);
+        }
+        Ok((e.parameters()?, losses))
+    })
+    .expect("training failed");
+    out.into_iter().next().unwrap()
+}
+
+fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
+    p.iter()
+        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+/// The same run on the device and on the CPU: losses close, parameters close.
+fn engine_matches_cpu(d: &Dev) {
+    let cfg = cfg_for(d, ZeroStage::Stage2, 1);
+    let (p_dev, l_dev) = train(&d.be, &cfg, 4);
+    let (p_cpu, l_cpu) = train(&ferrozero_runtime::backend::cpu(), &cfg, 4);
+    let rel = d.tol().rel.max(1e-4);
+    for (a, b) in l_dev.iter().zip(&l_cpu) {
+        assert!(
+            (a - b).abs() <= rel * b.abs(),
+            "{}: losses {l_dev:?} vs CPU {l_cpu:?}",
+            d.name
+        );
+    }
+    assert!(l_dev[3] < l_dev[0], "{}: the loss falls: {l_dev:?}", d.name);
+    // An Adam step moves a parameter by about lr whatever the gradient's size, so where a tiny
+    // gradient's sign differs between devices (bf16 activations round every product) the
+    // parameters part by up to 2·lr per step: bound every element by that, and demand that the
+    // typical element agrees far better (a wrong gradient anywhere would break both).
+    let (mut worst, mut total, mut n) = (0f32, 0f64, 0usize);
+    for (a, b) in p_dev.iter().zip(&p_cpu) {
+        for (x, y) in a.data.iter().zip(&b.data) {
+            worst = worst.max((x - y).abs());
+            total += f64::from((x - y).abs());
+            n += 1;
+        }
+    }
+    let mean = total / n as f64;
+    let bound = 4.0 * 2.0 * 3e-3 + 0.01;
+    assert!(
+        worst <= bound,
+        "{}: worst parameter difference {worst}",
+        d.name
+    );
+    assert!(
+        mean <= rel * 0.1,
+        "{}: mean parameter difference {mean}",
+        d.name
+    );
+}
+test_device!(engine_matches_cpu);
+
+/// Stages 0-3, overlapped or not, with two ranks on the device: the same bits.
+fn stages_are_bitwise_identical(d: &Dev) {
+    let mut reference = None;
+    for stage in [
+        ZeroStage::Stage0,
+        ZeroStage::Stage1,
+        ZeroStage::Stage2,
+        ZeroStage::Stage3,
+    ] {
+        for overlap in [false, true] {
+            let mut cfg = cfg_for(d, stage, 2);
+            cfg.zero.overlap_comm = overlap;
+            let (p, _) = train(&d.be, &cfg, 3);
+            let b = bits(&p);
+            match &reference {
+                None => reference = Some(b),
+                Some(r) => assert!(
+                    r == &b,
+                    "{}: stage {stage:?} overlap {overlap} differs",
+                    d.name
+                ),
+            }
+        }
+    }
+}
+test_device!(stages_are_bitwise_identical);
+
+/// The optimizer (and, in stage 3, the parameter shards) in host memory: the same bits as on
+/// the device.
+fn offload_changes_no_bit(d: &Dev) {
+    for stage in [ZeroStage::Stage2, ZeroStage::Stage3] {
+        let cfg = cfg_for(d, stage, 1);
+        let (plain, _) = train(&d.be, &cfg, 3);
+        let mut off = cfg.clone();
+        off.zero.offload_optimizer.target = OffloadTarget::Cpu;
+        if stage == ZeroStage::Stage3 {
+            off.zero.offload_param.target = OffloadTarget::Cpu;
+        }
+        let (p, _) = train(&d.be, &off, 3);
+        assert!(
+            bits(&plain) == bits(&p),
+            "{}: {stage:?} with offload differs",
+            d.name
+        );
+    }
+}
+test_device!(offload_changes_no_bit);
+
+/// Save after two steps, load into a fresh engine, two more steps: the uninterrupted run's bits.
+fn checkpoint_resumes_exactly(d: &Dev) {
+    let cfg = cfg_for(d, ZeroStage::Stage3, 1);
+    let (whole, _) = train(&d.be, &cfg, 4);
+    let dir = tempfile::tempdir().unwrap();
+    let step = |e: &mut Engine, s: usize| {
+        let batches: Vec<_> = (0..2)
+            .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
+            .collect();
+        e.train_batch(&batches).map(|_| ())
+    };
+    run_ranks(1, Duration::from_secs(120), |comm| {
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, d.be.clone())?;
+        step(&mut e, 0)?;
+        step(&mut e, 1)?;
+        e.save_checkpoint(dir.path(), "two", 2).map(|_| ())
+    })
+    .expect("save failed");
+    let resumed = run_ranks(1, Duration::from_secs(120), |comm| {
+        let mut f = Engine::with_backend(model(), cfg.clone(), comm, d.be.clone())?;
+        f.load_checkpoint(dir.path(), &Tag::Latest)?;
+        step(&mut f, 2)?;
+        step(&mut f, 3)?;
+        f.parameters()
+    })
+    .expect("resume failed");
+    assert!(
+        bits(&whole) == bits(&resumed[0]),
+        "{}: resumed run differs",
+        d.name
+    );
+}
+test_device!(checkpoint_resumes_exactly);
