@@ -208,7 +208,10 @@ fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows, first: u64) -> Resul
             warm_secs += dt;
         }
         let tps = input_tokens / dt.max(1e-9);
-        let peak_dev = engine.max_across_ranks(r.memory.peak_device_bytes as f64)?;
+        // On a GPU its allocator's peak is the truth; on the CPU the ledger's.
+        let measured = r.device_memory.map(|m| m.peak);
+        let peak_dev =
+            engine.max_across_ranks(measured.unwrap_or(r.memory.peak_device_bytes) as f64)?;
         let peak_host = engine.max_across_ranks(r.memory.peak_host_bytes as f64)?;
         timeline.record(r.step, &r.memory);
         if let Some(m) = metrics.as_mut() {
@@ -320,6 +323,8 @@ fn metrics_line(r: &StepReport, tps: f64, peak_dev: f64, peak_host: f64) -> Stri
         "grad_norm": if r.grad_norm.is_finite() { serde_json::json!(r.grad_norm) } else { serde_json::Value::Null },
         "tokens_per_s": tps, "peak_device_bytes": peak_dev as u64, "peak_host_bytes": peak_host as u64,
         "peak_device_bytes_by_category": by_cat,
+        "ledger_peak_device_bytes": r.memory.peak_device_bytes,
+        "device_allocator": r.device_memory,
         "swap_read_bytes": r.swap.read_bytes, "swap_written_bytes": r.swap.written_bytes,
     })
     .to_string()

@@ -103,6 +103,24 @@ pub trait MemoryOps {
     /// Host values as an engine buffer on this device (the CPU keeps the allocation; a device
     /// uploads it: an explicit copy).
     fn adopt(&self, host: FlatBuf) -> Result<Storage>;
+    /// Device memory as the device's own allocator counts it, when it has one (the CPU has
+    /// none: the engine's ledger is its only count).
+    fn memory_stats(&self) -> Option<DeviceMemory> {
+        None
+    }
+}
+
+/// What a device's allocator holds, measured rather than estimated.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemory {
+    /// Bytes handed out to live buffers.
+    pub live: u64,
+    /// The most `live` has been.
+    pub peak: u64,
+    /// Bytes held from the driver (live buffers plus the allocator's cache).
+    pub reserved: u64,
+    /// The cap on `live`, if one is set.
+    pub limit: Option<u64>,
 }
 
 /// The update rule of one optimizer step, its hyper-parameters resolved for the step.

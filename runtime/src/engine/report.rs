@@ -40,6 +40,9 @@ pub struct StepReport {
     pub timings: Timings,
     /// This rank's memory ledger.
     pub memory: LedgerReport,
+    /// The device's memory as its allocator measured it (shared by the ranks on the device);
+    /// `None` on the CPU, where the ledger is the only count.
+    pub device_memory: Option<crate::backend::DeviceMemory>,
     /// Bytes this rank moved to and from NVMe during the step (parameter shards and
     /// optimizer state; zero without NVMe offload).
     pub swap: SwapTraffic,

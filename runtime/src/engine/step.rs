@@ -89,6 +89,7 @@ impl Engine {
             tokens,
             timings: std::mem::take(&mut self.timings),
             memory: self.ledger.report(),
+            device_memory: self.be.memory_stats(),
             swap: self.step_traffic(),
         };
         self.loss_sum = 0.0;

@@ -150,4 +150,15 @@ impl MemoryOps for CudaBackend {
     fn adopt(&self, host: FlatBuf) -> Result<Storage> {
         self.upload(host.as_ref())
     }
+
+    fn memory_stats(&self) -> Option<crate::backend::DeviceMemory> {
+        let a = self.dev.allocator();
+        let s = a.stats();
+        Some(crate::backend::DeviceMemory {
+            live: s.live,
+            peak: s.peak_live,
+            reserved: s.reserved,
+            limit: a.limit(),
+        })
+    }
 }

@@ -39,10 +39,23 @@ pub use device::CudaDevice;
 #[cfg(feature = "cuda")]
 pub use storage::{CudaBuf, CudaIds, CudaView, CudaViewMut};
 
+/// The environment variable that replaces the GPU by the CPU emulator of the device: every
+/// kernel, GEMM and copy then runs on the host as a GPU would run it (slowly), so the whole GPU
+/// path (`train_gpt --device cuda`) can be exercised on a machine without one.
+pub const EMULATOR_ENV: &str = "FERROZERO_CUDA_EMULATOR";
+
+#[cfg(feature = "cuda")]
+fn emulator_requested() -> bool {
+    std::env::var(EMULATOR_ENV).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
 /// GPUs this build and machine can use (an error saying why when there are none to ask about).
 pub fn device_count() -> Result<usize> {
     #[cfg(feature = "cuda")]
     {
+        if emulator_requested() {
+            return Ok(1);
+        }
         driver::device_count()
     }
     #[cfg(not(feature = "cuda"))]
@@ -55,6 +68,10 @@ pub fn device_count() -> Result<usize> {
 pub fn open(ordinal: usize, act: DType) -> Result<Arc<dyn Backend>> {
     #[cfg(feature = "cuda")]
     {
+        if emulator_requested() {
+            tracing::warn!("{EMULATOR_ENV} is set: the CUDA device is the CPU emulator");
+            return Ok(emulated(act)?);
+        }
         let drv = driver::CudaDriver::open(ordinal, driver::builtin_programs())?;
         let dev = CudaDevice::new(Arc::new(drv), None);
         Ok(Arc::new(CudaBackend::new(dev, act)))
