@@ -349,16 +349,52 @@ fn accel_lines() -> Vec<Line> {
         Ok(n) => line("nccl", true, format!("{n} loads")),
         Err(e) => line("nccl", false, format!("libnccl not loadable ({e}): install nvidia-nccl-cu12 and link libnccl.so -> libnccl.so.2")),
     };
-    let backend = line(
+    let mut lines = vec![mpi, cuda, nccl];
+    lines.extend(cuda_backend_lines());
+    lines
+}
+
+/// The CUDA backend: each GPU with its driver, NVRTC and cuBLASLt versions, or why there is none.
+#[cfg(feature = "cuda")]
+fn cuda_backend_lines() -> Vec<Line> {
+    use ferrozero::runtime::backend::cuda::driver;
+    let nvrtc = match driver::nvrtc::version() {
+        Ok((a, b)) => line(
+            "nvrtc",
+            true,
+            format!("NVRTC {a}.{b} compiles ferrozero's kernels at first use (cached on disk)"),
+        ),
+        Err(e) => line("nvrtc", false, e.to_string()),
+    };
+    let mut out = match driver::device_count() {
+        Ok(0) => vec![line(
+            "cuda backend",
+            false,
+            "compiled in, but the driver reports no GPU: the CPU backend runs",
+        )],
+        Ok(n) => (0..n)
+            .map(|i| match driver::open(i) {
+                Ok(d) => line("gpu", true, d.info().to_string()),
+                Err(e) => line("gpu", false, format!("device {i} does not open: {e}")),
+            })
+            .collect(),
+        Err(e) => vec![line(
+            "cuda backend",
+            false,
+            format!("compiled in; {e}; the CPU backend runs"),
+        )],
+    };
+    out.push(nvrtc);
+    out
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend_lines() -> Vec<Line> {
+    vec![line(
         "cuda backend",
         false,
-        if cfg!(feature = "cuda") {
-            "built with `cuda`, but ferrozero's CUDA kernels are not implemented yet: the CPU backend runs"
-        } else {
-            "not compiled in (--features cuda); the CPU backend runs"
-        },
-    );
-    vec![mpi, cuda, nccl, backend]
+        "not compiled in (rebuild with --features cuda); the CPU backend runs",
+    )]
 }
 
 #[cfg(test)]
