@@ -44,7 +44,8 @@ pub struct Engine {
     pub(super) steps: u64,
     /// Micro-steps since the last optimizer step.
     pub(super) micro: usize,
-    pub(super) loss_sum: f64,
+    /// Each micro-step's loss sum, on the device until the step reads them (in order).
+    pub(super) losses: Vec<Tensor>,
     pub(super) tokens: u64,
     /// The last forward's batch and its ids on the device, until backward.
     last_batch: Option<(Batch, BatchIds)>,
@@ -137,7 +138,7 @@ impl Engine {
             ckpt_inputs: (0..n).map(|_| None).collect(),
             steps: 0,
             micro: 0,
-            loss_sum: 0.0,
+            losses: Vec::new(),
             tokens: 0,
             last_batch: None,
             timings: Timings::default(),
@@ -304,12 +305,13 @@ impl Engine {
         }
     }
 
-    /// Forward over every unit; returns the sum of token losses of this micro-batch.
+    /// Forward over every unit; returns the sum of token losses of this micro-batch as a
+    /// one-element tensor on the device (read it only when the value is needed: a sync).
     pub(super) fn forward_pass(
         &mut self,
         batch: (&Batch, &BatchIds),
         training: bool,
-    ) -> Result<f64> {
+    ) -> Result<Tensor> {
         let t = Instant::now();
         let mut x = Tensor::default();
         let n = self.model.units.len();
@@ -346,8 +348,7 @@ impl Engine {
                 got: format!("{:?}", x.shape),
             });
         }
-        // The loss leaves the device here, once per micro-step.
-        Ok(x.to_vec_f32()?[0] as f64)
+        Ok(x)
     }
 
     /// Backward over every unit in reverse; `loss_grad` = d(objective)/d(loss sum).
@@ -434,8 +435,10 @@ impl Engine {
     /// micro-batch's mean token loss on this rank. Call [`Engine::backward`] next.
     pub fn forward(&mut self, batch: &Batch) -> Result<f64> {
         let ids = BatchIds::new(&*self.be, batch)?;
-        let sum = self.forward_pass((batch, &ids), true)?;
-        self.loss_sum += sum;
+        let loss = self.forward_pass((batch, &ids), true)?;
+        // The caller asked for the value: it leaves the device now.
+        let sum = f64::from(loss.to_vec_f32()?[0]);
+        self.losses.push(loss);
         self.tokens += batch.valid_targets() as u64;
         self.last_batch = Some((batch.clone(), ids));
         Ok(sum / batch.valid_targets().max(1) as f64)

@@ -33,7 +33,8 @@ impl Engine {
         let grad = (self.scaler.scale() / global.max(1) as f64) as f32;
         for b in micro_batches {
             let ids = crate::nn::BatchIds::new(&*self.be, b)?;
-            self.loss_sum += self.forward_pass((b, &ids), true)?;
+            let loss = self.forward_pass((b, &ids), true)?;
+            self.losses.push(loss);
             self.tokens += b.valid_targets() as u64;
             self.backward_pass((b, &ids), grad)?;
             self.micro += 1;
@@ -47,7 +48,12 @@ impl Engine {
         if !self.is_gradient_accumulation_boundary() {
             return Ok(None);
         }
-        let loss_sum = self.sum_across_ranks(self.loss_sum)?;
+        // The micro-steps' losses leave the device here, once per step, summed in order.
+        let mut local = 0.0f64;
+        for l in std::mem::take(&mut self.losses) {
+            local += f64::from(l.to_vec_f32()?[0]);
+        }
+        let loss_sum = self.sum_across_ranks(local)?;
         let tokens = self.sum_across_ranks(self.tokens as f64)? as u64;
         let overflow = self.any_overflow()?;
         let scale = self.scaler.scale();
@@ -92,7 +98,7 @@ impl Engine {
             device_memory: self.be.memory_stats(),
             swap: self.step_traffic(),
         };
-        self.loss_sum = 0.0;
+
         self.tokens = 0;
         if !self.cfg.wall_clock_breakdown {
             return Ok(Some(StepReport {

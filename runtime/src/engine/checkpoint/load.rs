@@ -111,7 +111,7 @@ impl Engine {
         let m = reader.meta();
         self.steps = m.step;
         self.micro = 0;
-        self.loss_sum = 0.0;
+        self.losses.clear();
         self.tokens = 0;
         // Dropout masks derive from the seed; resuming with another seed would diverge.
         self.cfg.seed = m.seed;
