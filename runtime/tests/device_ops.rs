@@ -8,7 +8,8 @@ mod device_common;
 use device_common::{assert_close, cpu, get, rand, Dev, Tol};
 use ferrozero_offload::optim::{AdamHyper, LionHyper, SgdHyper, WeightDecay};
 use ferrozero_runtime::backend::{
-    Accumulate, Epilogue, HeadShape, MatmulShape, Rotation, Transpose, UpdateRule,
+    Accumulate, AttentionGrads, AttentionShape, Epilogue, HeadShape, MatmulShape, Rotation,
+    RowView, Transpose, UpdateRule,
 };
 use ferrozero_runtime::nn::IGNORE_INDEX;
 use ferrozero_runtime::tensor::{DType, FlatBuf, Storage, View, ViewMut};
@@ -660,3 +661,266 @@ fn storage_ops(d: &Dev) {
     assert!(f.write_f32(vals.len(), &[1.0]).is_err());
 }
 test_device!(storage_ops);
+
+/// One attention layout: GPT-2's fused `[rows, 3C]` qkv (q, k, v thirds, one fused gradient
+/// buffer) or Llama's separate q, k, v buffers (split gradients).
+#[derive(Debug, Clone, Copy)]
+struct AttnCase {
+    batch: usize,
+    seq: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    fused: bool,
+}
+
+impl AttnCase {
+    fn shape(&self) -> AttentionShape {
+        AttentionShape {
+            batch: self.batch,
+            seq: self.seq,
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    /// The q, k, v views and the length of each buffer (one buffer when fused).
+    fn views(&self) -> ([RowView; 3], [usize; 3]) {
+        let (qc, kc) = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim);
+        if self.fused {
+            let stride = qc + 2 * kc;
+            let at = |offset| RowView { stride, offset };
+            let len = self.rows() * stride;
+            ([at(0), at(qc), at(qc + kc)], [len, len, len])
+        } else {
+            let (q, kv) = (
+                RowView {
+                    stride: qc,
+                    offset: 0,
+                },
+                RowView {
+                    stride: kc,
+                    offset: 0,
+                },
+            );
+            (
+                [q, kv, kv],
+                [self.rows() * qc, self.rows() * kc, self.rows() * kc],
+            )
+        }
+    }
+}
+
+/// Forward and backward of `case` on `d.be` (inputs: q/k/v values, dout), as host f32: out, lse
+/// (device only: the saved state), and the gradients as the buffers hold them (the fused buffer
+/// once, or dq, dk, dv).
+fn attention_run(
+    d: &Dev,
+    case: &AttnCase,
+    qkv: &[Vec<f32>],
+    dout: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
+    let s = case.shape();
+    let (views, _) = case.views();
+    let bufs: Vec<Storage> = qkv.iter().map(|x| d.put(x)).collect();
+    let (qb, kb, vb) = if case.fused {
+        (&bufs[0], &bufs[0], &bufs[0])
+    } else {
+        (&bufs[0], &bufs[1], &bufs[2])
+    };
+    let mut out = d.zeros(case.rows() * case.q_heads * case.head_dim);
+    let saved =
+        d.be.attention_forward(
+            s,
+            (qb.view(), views[0]),
+            (kb.view(), views[1]),
+            (vb.view(), views[2]),
+            out.view_mut(),
+        )
+        .unwrap();
+    let ddout = d.put(dout);
+    // Gradient buffers start as garbage: the kernels overwrite every element of their views.
+    let mut grads: Vec<Storage> = qkv.iter().map(|x| d.put(&vec![7.0; x.len()])).collect();
+    let g = if case.fused {
+        AttentionGrads::Fused(grads[0].view_mut())
+    } else {
+        let (a, rest) = grads.split_at_mut(1);
+        let (b, c) = rest.split_at_mut(1);
+        AttentionGrads::Split {
+            dq: a[0].view_mut(),
+            dk: b[0].view_mut(),
+            dv: c[0].view_mut(),
+        }
+    };
+    d.be.attention_backward(
+        s,
+        (qb.view(), views[0]),
+        (kb.view(), views[1]),
+        (vb.view(), views[2]),
+        out.view(),
+        &saved,
+        ddout.view(),
+        g,
+    )
+    .unwrap();
+    let lse = if d.name == "cpu" {
+        Vec::new()
+    } else {
+        get(&saved)
+    };
+    (get(&out), lse, grads.iter().map(get).collect())
+}
+
+/// The log-sum-exp of every query row, `[batch][q_heads][seq]`, in f64 from the inputs.
+fn attention_lse(case: &AttnCase, qkv: &[Vec<f32>]) -> Vec<f32> {
+    let (views, _) = case.views();
+    let (q, k) = if case.fused {
+        (&qkv[0], &qkv[0])
+    } else {
+        (&qkv[0], &qkv[1])
+    };
+    let (t, hd) = (case.seq, case.head_dim);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut lse = Vec::new();
+    for b in 0..case.batch {
+        for h in 0..case.q_heads {
+            let kvh = h / (case.q_heads / case.kv_heads);
+            for i in 0..t {
+                let qi = (b * t + i) * views[0].stride + views[0].offset + h * hd;
+                let scores: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        let kj = (b * t + j) * views[1].stride + views[1].offset + kvh * hd;
+                        (0..hd)
+                            .map(|e| f64::from(q[qi + e]) * f64::from(k[kj + e]))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+                lse.push((m + sum.ln()) as f32);
+            }
+        }
+    }
+    lse
+}
+
+fn attention(d: &Dev) {
+    let c = cpu();
+    let cases = [
+        // GPT-2: fused qkv thirds, batch 2, T not a multiple of any tile.
+        AttnCase {
+            batch: 2,
+            seq: 71,
+            q_heads: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            fused: true,
+        },
+        // Llama: split buffers, grouped-query (6 query heads on 2 kv heads).
+        AttnCase {
+            batch: 2,
+            seq: 71,
+            q_heads: 6,
+            kv_heads: 2,
+            head_dim: 64,
+            fused: false,
+        },
+        // One token.
+        AttnCase {
+            batch: 2,
+            seq: 1,
+            q_heads: 3,
+            kv_heads: 1,
+            head_dim: 64,
+            fused: false,
+        },
+        // An odd head dim: rows neither aligned nor whole vectors (element-by-element loads).
+        AttnCase {
+            batch: 2,
+            seq: 37,
+            q_heads: 3,
+            kv_heads: 3,
+            head_dim: 5,
+            fused: true,
+        },
+        AttnCase {
+            batch: 1,
+            seq: 40,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 5,
+            fused: false,
+        },
+        // The other padded head dims: 32, 80 (padded to 96), 128.
+        AttnCase {
+            batch: 1,
+            seq: 45,
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 32,
+            fused: true,
+        },
+        AttnCase {
+            batch: 1,
+            seq: 45,
+            q_heads: 2,
+            kv_heads: 2,
+            head_dim: 80,
+            fused: false,
+        },
+        AttnCase {
+            batch: 1,
+            seq: 45,
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 128,
+            fused: true,
+        },
+    ];
+    for (n, case) in cases.iter().enumerate() {
+        let (_, lens) = case.views();
+        let nbufs = if case.fused { 1 } else { 3 };
+        // Queries scaled up so that softmax rows are far from uniform.
+        let qkv: Vec<Vec<f32>> = (0..nbufs)
+            .map(|i| {
+                let scale = if i == 0 { 2.0 } else { 1.0 };
+                let v: Vec<f32> = rand(lens[i], 100 + 10 * n as u64 + i as u64)
+                    .iter()
+                    .map(|x| x * scale)
+                    .collect();
+                d.round(&v)
+            })
+            .collect();
+        let dout = d.round(&rand(
+            case.rows() * case.q_heads * case.head_dim,
+            200 + n as u64,
+        ));
+        let (out, lse, grads) = attention_run(d, case, &qkv, &dout);
+        let (want_out, _, want_grads) = attention_run(&c, case, &qkv, &dout);
+        let what = format!("{} {case:?}", d.name);
+        let t = d.tol();
+        assert_close(&format!("{what}: out"), &out, &want_out, t);
+        if !lse.is_empty() {
+            let exact = attention_lse(case, &qkv);
+            assert_close(
+                &format!("{what}: lse"),
+                &lse,
+                &exact,
+                Tol {
+                    abs: 1e-5,
+                    rel: 1e-5,
+                },
+            );
+        }
+        for (i, (got, want)) in grads.iter().zip(&want_grads).enumerate() {
+            assert_close(&format!("{what}: grads[{i}]"), got, want, t);
+        }
+    }
+}
+test_device!(attention);
