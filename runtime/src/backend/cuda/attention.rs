@@ -130,7 +130,7 @@ const MMA_CFG: [MmaCfg; 4] = [
         fw: 4,
         fn_: 64,
         kw: 4,
-        km: 64,
+        km: 32,
         qw: 4,
         qn: 64,
     },

@@ -47,17 +47,18 @@
 //              smem (2 BN + 4 KM) * LD * 2 + 16 KM bytes
 //     dq:      QW warps, 16 query rows per warp (BM = 16 QW), key tiles of QN;
 //              smem (2 BM + 4 QN) * LD * 2 bytes
-//     DP   FW FN   KW KM   QW QN
-//     32    4 64    4 64    4 64
-//     64    4 64    4 64    4 64
-//     96    4 64    4 32    4 32
-//     128   4 64    4 32    4 32
+//     DP   FW FN   KW KM   QW QN   (blocks per SM the registers are bounded for: FB KB QB)
+//     32    4 64    4 64    4 64    4 2 3
+//     64    4 64    4 32    4 64    3 2 2
+//     96    4 64    4 32    4 32    2 2 2
+//     128   4 64    4 32    4 32    2 2 2
 //   f32 (SIMT, exact f32 products and sums): 128 threads, 32 rows by 32 columns per tile, four
 //   threads per row; LD = DP + 4; smem forward (5*32) * LD * 4 + 32*33*4, dkdv
 //   (6*32) * LD * 4 + 4*32*4 + 2*32*33*4, dq (6*32) * LD * 4 + 32*33*4 bytes.
 //
-// Numerics: scores are scaled into base 2 (s * scale * log2 e) and exponentiated with exp2f;
-// the forward keeps a running maximum and sum per row (online softmax); the probabilities P and
+// Numerics: p = 2^(s * scale * log2 e - row max * scale * log2 e) as one fused multiply-add and
+// one ex2.approx (fz_exp2_approx); the forward keeps a running maximum of the raw scores and a
+// running sum per row (online softmax), backward recomputes P from lse; the probabilities P and
 // dS = P (dP - di) are rounded to T for the tensor-core products, which accumulate in f32.
 // Padding (rows past seq, head-dim columns past head_dim) is zero-filled in shared memory and
 // never stored. Determinism: every sum runs in an order fixed by the shape and the launch
@@ -113,13 +114,15 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, long long strid
                                           int d, bool vec) {
   if (vec) {
     constexpr int C = 16 / sizeof(T), CPR = DP / C, N = ROWS * CPR;
+    const fz_smem_t sb = fz_smem(tile);
 #pragma unroll
     for (int k = 0; k < (N + THREADS - 1) / THREADS; ++k) {
       const int i = static_cast<int>(threadIdx.x) + k * THREADS;
       if (N % THREADS == 0 || i < N) {
         const int r = i / CPR, c = (i % CPR) * C;
         const bool fill = r < valid && c < d;
-        fz_cp_async16(tile + r * LD + c, fill ? src + r * stride + c : src, fill);
+        fz_cp_async16(sb + static_cast<unsigned>((r * LD + c) * sizeof(T)),
+                      fill ? src + r * stride + c : src, fill);
       }
     }
   } else {
@@ -185,17 +188,24 @@ __device__ __forceinline__ int b_col(int lane) { return ((lane >> 3) & 1) << 3; 
 __device__ __forceinline__ int t_row(int lane) { return (lane & 7) + (((lane >> 3) & 1) << 3); }
 __device__ __forceinline__ int t_col(int lane) { return (lane >> 4) << 3; }
 
+// The shared address of element (row, col) of a row-major tile with LD elements per row.
+template <int LD, class T>
+__device__ __forceinline__ fz_smem_t at(fz_smem_t tile, int row, int col) {
+  return tile + static_cast<unsigned>((row * LD + col) * static_cast<int>(sizeof(T)));
+}
+
 // acc[NT][4] += A (16 x 16*KT, fragments a[KT]) times tile^T: n-tiles of 8 rows of a
 // row-major [NT*8][LD] tile (the rows are the n index, the columns the k index).
 template <class T, int NT, int KT, int LD>
 __device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const unsigned (&a)[KT][4],
                                         const T* tile, int lane) {
+  const fz_smem_t base = at<LD, T>(fz_smem(tile), b_row(lane), b_col(lane));
 #pragma unroll
   for (int kk = 0; kk < KT; ++kk) {
 #pragma unroll
     for (int nn = 0; nn < NT / 2; ++nn) {
       unsigned b[4];
-      fz_ldmatrix_x4(b, tile + (nn * 16 + b_row(lane)) * LD + kk * 16 + b_col(lane));
+      fz_ldmatrix_x4(b, at<LD, T>(base, nn * 16, kk * 16));
       Mma<T>::run(acc[2 * nn], a[kk], b[0], b[1]);
       Mma<T>::run(acc[2 * nn + 1], a[kk], b[2], b[3]);
     }
@@ -206,14 +216,16 @@ __device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const unsigned (&a)
 template <class T, int NT, int KT, int LD>
 __device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const T* arows, const T* tile,
                                              int lane) {
+  const fz_smem_t abase = at<LD, T>(fz_smem(arows), a_row(lane), a_col(lane));
+  const fz_smem_t base = at<LD, T>(fz_smem(tile), b_row(lane), b_col(lane));
 #pragma unroll
   for (int kk = 0; kk < KT; ++kk) {
     unsigned a[4];
-    fz_ldmatrix_x4(a, arows + a_row(lane) * LD + kk * 16 + a_col(lane));
+    fz_ldmatrix_x4(a, at<LD, T>(abase, 0, kk * 16));
 #pragma unroll
     for (int nn = 0; nn < NT / 2; ++nn) {
       unsigned b[4];
-      fz_ldmatrix_x4(b, tile + (nn * 16 + b_row(lane)) * LD + kk * 16 + b_col(lane));
+      fz_ldmatrix_x4(b, at<LD, T>(base, nn * 16, kk * 16));
       Mma<T>::run(acc[2 * nn], a, b[0], b[1]);
       Mma<T>::run(acc[2 * nn + 1], a, b[2], b[3]);
     }
@@ -225,6 +237,7 @@ __device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const T* arows
 template <class T, int PT, int DT, int LD>
 __device__ __forceinline__ void mma_pv(float (&acc)[DT][4], const float (&p)[PT][4],
                                        const T* tile, int lane) {
+  const fz_smem_t base = at<LD, T>(fz_smem(tile), t_row(lane), t_col(lane));
 #pragma unroll
   for (int kb = 0; kb < PT / 2; ++kb) {
     // The accumulator layout of two adjacent n-tiles is the A layout of one k-block of 16.
@@ -235,7 +248,7 @@ __device__ __forceinline__ void mma_pv(float (&acc)[DT][4], const float (&p)[PT]
 #pragma unroll
     for (int dn = 0; dn < DT / 2; ++dn) {
       unsigned b[4];
-      fz_ldmatrix_x4_trans(b, tile + (kb * 16 + t_row(lane)) * LD + dn * 16 + t_col(lane));
+      fz_ldmatrix_x4_trans(b, at<LD, T>(base, kb * 16, dn * 16));
       Mma<T>::run(acc[2 * dn], a, b[0], b[1]);
       Mma<T>::run(acc[2 * dn + 1], a, b[2], b[3]);
     }
@@ -245,9 +258,9 @@ __device__ __forceinline__ void mma_pv(float (&acc)[DT][4], const float (&p)[PT]
 // A fragments of the warp's 16 rows (row0 ..) of a row-major tile, KT k-blocks.
 template <int KT, int LD, class T>
 __device__ __forceinline__ void load_a(unsigned (&a)[KT][4], const T* tile, int row0, int lane) {
+  const fz_smem_t base = at<LD, T>(fz_smem(tile), row0 + a_row(lane), a_col(lane));
 #pragma unroll
-  for (int kk = 0; kk < KT; ++kk)
-    fz_ldmatrix_x4(a[kk], tile + (row0 + a_row(lane)) * LD + kk * 16 + a_col(lane));
+  for (int kk = 0; kk < KT; ++kk) fz_ldmatrix_x4(a[kk], at<LD, T>(base, 0, kk * 16));
 }
 
 // Accumulator fragments (16 rows x 8*DT columns, times `scale`) into rows row0.. of a
@@ -343,18 +356,17 @@ __device__ __forceinline__ void forward_mma(const T* q, const T* k, const T* v, 
       for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
       mma_abt<T, NT, KT, LD>(s, qf, tK, lane);
       const bool masked = kv0 + BN - 1 > wq0 || kv0 + BN > g.seq;
+      // Row maxima of the raw scores (scale > 0 commutes with max); p = 2^(s*sl2 - max*sl2).
       float mx[2] = {m[0], m[1]};
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float x = s[nt][e] * sl2;
           if (masked) {
             const int row = wq0 + gq + (e >> 1) * 8, col = kv0 + nt * 8 + 2 * tq + (e & 1);
-            if (col > row || col >= g.seq) x = -fz_inf();
+            if (col > row || col >= g.seq) s[nt][e] = -fz_inf();
           }
-          s[nt][e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
         }
       }
       float base[2];
@@ -362,8 +374,8 @@ __device__ __forceinline__ void forward_mma(const T* q, const T* k, const T* v, 
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        base[r] = mx[r] == -fz_inf() ? 0.0f : mx[r];
-        const float alpha = exp2f(m[r] - base[r]);
+        base[r] = mx[r] == -fz_inf() ? 0.0f : mx[r] * sl2;
+        const float alpha = fz_exp2_approx(fmaf(m[r], sl2, -base[r]));
         m[r] = mx[r];
         l[r] *= alpha;
 #pragma unroll
@@ -376,7 +388,7 @@ __device__ __forceinline__ void forward_mma(const T* q, const T* k, const T* v, 
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
+          s[nt][e] = fz_exp2_approx(fmaf(s[nt][e], sl2, -base[e >> 1]));
           l[e >> 1] += s[nt][e];
         }
       }
@@ -394,7 +406,7 @@ __device__ __forceinline__ void forward_mma(const T* q, const T* k, const T* v, 
     const int row = wq0 + gq + 8 * r;
     if (tq == 0 && row < g.seq)
       lse[(static_cast<long long>(tl.b) * g.hq + tl.h) * g.seq + row] =
-          (m[r] + log2f(l[r])) * kLn2;
+          (m[r] * sl2 + log2f(l[r])) * kLn2;
   }
   stage_acc<DT, LD>(sQ, o, warp * 16, inv[0], inv[1], lane);
   __syncthreads();
@@ -472,6 +484,9 @@ __device__ __forceinline__ void dkdv_mma(const T* q, const T* k, const T* v, con
 
   for (int it = 0; it < total; ++it) {
     const int buf = it & 1;
+    // lse and di of the next tile's row threadIdx.x: loaded now, stored to shared memory after
+    // this tile's products, which hide the loads' latency.
+    float next_l = 0.0f, next_d = 0.0f;
     if (it + 1 < total) {
       const int nb = buf ^ 1, h = tl.h * group + (it + 1) / per_head;
       const int qi0 = (i_start + (it + 1) % per_head) * BM;
@@ -485,8 +500,8 @@ __device__ __forceinline__ void dkdv_mma(const T* q, const T* k, const T* v, con
       if (static_cast<int>(threadIdx.x) < BM) {
         const int qq = qi0 + threadIdx.x;
         const long long at = (static_cast<long long>(tl.b) * g.hq + h) * g.seq + qq;
-        sL[nb * BM + threadIdx.x] = qq < g.seq ? lse[at] * kLog2e : fz_inf();
-        sD[nb * BM + threadIdx.x] = qq < g.seq ? di[at] : 0.0f;
+        next_l = qq < g.seq ? lse[at] * kLog2e : fz_inf();
+        next_d = qq < g.seq ? di[at] : 0.0f;
       }
       fz_cp_async_commit();
       fz_cp_async_wait<1>();
@@ -521,7 +536,7 @@ __device__ __forceinline__ void dkdv_mma(const T* q, const T* k, const T* v, con
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qc = nt * 8 + 2 * tq + (e & 1);
-          float p = exp2f(st[nt][e] * sl2 - tL[qc]);
+          float p = fz_exp2_approx(fmaf(st[nt][e], sl2, -tL[qc]));
           if (masked && wk0 + gq + (e >> 1) * 8 > qi0 + qc) p = 0.0f;
           st[nt][e] = p;
           dpt[nt][e] = p * (dpt[nt][e] - tD[qc]);
@@ -529,6 +544,10 @@ __device__ __forceinline__ void dkdv_mma(const T* q, const T* k, const T* v, con
       }
       mma_pv<T, MT, DT, LD>(dva, st, tO, lane);   // dV += P^T dO
       mma_pv<T, MT, DT, LD>(dka, dpt, tQ, lane);  // dK += dS^T Q
+    }
+    if (it + 1 < total && static_cast<int>(threadIdx.x) < BM) {
+      sL[(buf ^ 1) * BM + threadIdx.x] = next_l;
+      sD[(buf ^ 1) * BM + threadIdx.x] = next_d;
     }
     __syncthreads();
   }
@@ -626,7 +645,7 @@ __device__ __forceinline__ void dq_mma(const T* q, const T* k, const T* v, const
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
-          float p = exp2f(s[nt][e] * sl2 - l2[r]);
+          float p = fz_exp2_approx(fmaf(s[nt][e], sl2, -l2[r]));
           if (masked) {
             const int row = wq0 + gq + 8 * r, col = kv0 + nt * 8 + 2 * tq + (e & 1);
             if (col > row || col >= g.seq) p = 0.0f;
@@ -717,22 +736,22 @@ __device__ __forceinline__ void forward_simt(const float* q, const float* k, con
 #pragma unroll
       for (int jj = 0; jj < CT; ++jj) {
         const int key = kv0 + c + 4 * jj;
-        float x = dot_rows<DP, LD>(sQ + r * LD, tK + (c + 4 * jj) * LD) * sl2;
+        float x = dot_rows<DP, LD>(sQ + r * LD, tK + (c + 4 * jj) * LD);
         if (key > row || key >= g.seq) x = -fz_inf();
         s[jj] = x;
         mx = fmaxf(mx, x);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -fz_inf() ? 0.0f : mx;
-      const float alpha = exp2f(m - base);
+      const float base = mx == -fz_inf() ? 0.0f : mx * sl2;
+      const float alpha = fz_exp2_approx(fmaf(m, sl2, -base));
       m = mx;
       l *= alpha;
 #pragma unroll
       for (int i = 0; i < DT; ++i) o[i] *= alpha;
 #pragma unroll
       for (int jj = 0; jj < CT; ++jj) {
-        const float p = exp2f(s[jj] - base);
+        const float p = fz_exp2_approx(fmaf(s[jj], sl2, -base));
         l += p;
         sP[r * kSimtLP + c + 4 * jj] = p;
       }
@@ -755,7 +774,8 @@ __device__ __forceinline__ void forward_simt(const float* q, const float* k, con
     for (int i = 0; i < DT; ++i)
       if (c + 4 * i < g.d) orow[c + 4 * i] = o[i] * inv;
     if (c == 0)
-      lse[(static_cast<long long>(tl.b) * g.hq + tl.h) * g.seq + row] = (m + log2f(l)) * kLn2;
+      lse[(static_cast<long long>(tl.b) * g.hq + tl.h) * g.seq + row] =
+          (m * sl2 + log2f(l)) * kLn2;
   }
 }
 
@@ -818,6 +838,9 @@ __device__ __forceinline__ void dkdv_simt(const float* q, const float* k, const 
 
   for (int it = 0; it < total; ++it) {
     const int buf = it & 1;
+    // lse and di of the next tile's row threadIdx.x: loaded now, stored to shared memory after
+    // this tile's products, which hide the loads' latency.
+    float next_l = 0.0f, next_d = 0.0f;
     if (it + 1 < total) {
       const int nb = buf ^ 1, h = tl.h * group + (it + 1) / per_head;
       const int qi0 = (i_start + (it + 1) % per_head) * BM;
@@ -831,8 +854,8 @@ __device__ __forceinline__ void dkdv_simt(const float* q, const float* k, const 
       if (static_cast<int>(threadIdx.x) < BM) {
         const int qq = qi0 + threadIdx.x;
         const long long at = (static_cast<long long>(tl.b) * g.hq + h) * g.seq + qq;
-        sL[nb * BM + threadIdx.x] = qq < g.seq ? lse[at] * kLog2e : fz_inf();
-        sD[nb * BM + threadIdx.x] = qq < g.seq ? di[at] : 0.0f;
+        next_l = qq < g.seq ? lse[at] * kLog2e : fz_inf();
+        next_d = qq < g.seq ? di[at] : 0.0f;
       }
       fz_cp_async_commit();
       fz_cp_async_wait<1>();
@@ -849,7 +872,7 @@ __device__ __forceinline__ void dkdv_simt(const float* q, const float* k, const 
         const int ql = c + 4 * jj;
         const float s = dot_rows<DP, LD>(sK + r * LD, tQ + ql * LD);
         const float dp = dot_rows<DP, LD>(sV + r * LD, tO + ql * LD);
-        float p = exp2f(s * sl2 - sL[buf * BM + ql]);
+        float p = fz_exp2_approx(fmaf(s, sl2, -sL[buf * BM + ql]));
         if (key > qi0 + ql) p = 0.0f;
         sP[r * kSimtLP + ql] = p;
         sS[r * kSimtLP + ql] = p * (dp - sD[buf * BM + ql]);
@@ -863,6 +886,10 @@ __device__ __forceinline__ void dkdv_simt(const float* q, const float* k, const 
           dka[i] += ds * tQ[ql * LD + c + 4 * i];
         }
       }
+    }
+    if (it + 1 < total && static_cast<int>(threadIdx.x) < BM) {
+      sL[(buf ^ 1) * BM + threadIdx.x] = next_l;
+      sD[(buf ^ 1) * BM + threadIdx.x] = next_d;
     }
     __syncthreads();
   }
@@ -946,7 +973,7 @@ __device__ __forceinline__ void dq_simt(const float* q, const float* k, const fl
         const int kl = c + 4 * jj, key = kv0 + kl;
         const float s = dot_rows<DP, LD>(sQ + r * LD, tK + kl * LD);
         const float dp = dot_rows<DP, LD>(sO + r * LD, tV + kl * LD);
-        float p = exp2f(s * sl2 - l2);
+        float p = fz_exp2_approx(fmaf(s, sl2, -l2));
         if (key > row || key >= g.seq) p = 0.0f;
         sS[r * kSimtLP + kl] = p * (dp - dr);
       }
@@ -994,29 +1021,41 @@ __device__ __forceinline__ void bwd_dot(const T* out, const T* dout, float* di, 
 // ---- per head dim: tiles and dispatch ------------------------------------------------------------
 // Tensor-core tiles (the table in the header): FW/FN forward warps and key tile, KW/KM dkdv warps
 // and query tile (KV_REGS: the warp's K and V fragments stay in registers), QW/QN dq warps and key
-// tile.
+// tile; FB/KB/QB the blocks per multiprocessor each kernel's registers are bounded for
+// (__launch_bounds__ below).
 template <int DP>
 struct Cfg;
 template <>
 struct Cfg<32> {
-  static constexpr int FW = 4, FN = 64, KW = 4, KM = 64, QW = 4, QN = 64;
+  static constexpr int FW = 4, FN = 64, FB = 4, KW = 4, KM = 64, KB = 2, QW = 4, QN = 64, QB = 3;
   static constexpr bool KV_REGS = true;
 };
 template <>
 struct Cfg<64> {
-  static constexpr int FW = 4, FN = 64, KW = 4, KM = 64, QW = 4, QN = 64;
+  static constexpr int FW = 4, FN = 64, FB = 3, KW = 4, KM = 32, KB = 2, QW = 4, QN = 64, QB = 2;
   static constexpr bool KV_REGS = true;
 };
 template <>
 struct Cfg<96> {
-  static constexpr int FW = 4, FN = 64, KW = 4, KM = 32, QW = 4, QN = 32;
+  static constexpr int FW = 4, FN = 64, FB = 2, KW = 4, KM = 32, KB = 2, QW = 4, QN = 32, QB = 2;
   static constexpr bool KV_REGS = false;
 };
 template <>
 struct Cfg<128> {
-  static constexpr int FW = 4, FN = 64, KW = 4, KM = 32, QW = 4, QN = 32;
+  static constexpr int FW = 4, FN = 64, FB = 2, KW = 4, KM = 32, KB = 2, QW = 4, QN = 32, QB = 2;
   static constexpr bool KV_REGS = false;
 };
+
+// Launch bounds of the entry points: threads per block and blocks per multiprocessor.
+#define FZ_ATTN_BOUNDS(DP)                                                      \
+  constexpr int kFwdThreads##DP = 32 * Cfg<DP>::FW, kFwdBlocks##DP = Cfg<DP>::FB; \
+  constexpr int kKvThreads##DP = 32 * Cfg<DP>::KW, kKvBlocks##DP = Cfg<DP>::KB;   \
+  constexpr int kQThreads##DP = 32 * Cfg<DP>::QW, kQBlocks##DP = Cfg<DP>::QB;
+FZ_ATTN_BOUNDS(32)
+FZ_ATTN_BOUNDS(64)
+FZ_ATTN_BOUNDS(96)
+FZ_ATTN_BOUNDS(128)
+#undef FZ_ATTN_BOUNDS
 
 template <class T>
 struct IsF32 {
@@ -1066,84 +1105,96 @@ __device__ __forceinline__ void dq(const T* q, const T* k, const T* v, const T* 
   }
 
 // Forward.
-extern "C" __global__ void attention_forward_d32_f32(const float* q, const float* k, const float* v,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_forward_d32_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
     int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<float, 32>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d32_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads32, attn::kFwdBlocks32)
+void attention_forward_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
     int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 32>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads32, attn::kFwdBlocks32)
+void attention_forward_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
     int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 32>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d64_f32(const float* q, const float* k, const float* v,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_forward_d64_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
     int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<float, 64>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d64_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads64, attn::kFwdBlocks64)
+void attention_forward_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
     int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 64>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads64, attn::kFwdBlocks64)
+void attention_forward_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
     int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 64>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d96_f32(const float* q, const float* k, const float* v,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_forward_d96_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
     int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<float, 96>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d96_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads96, attn::kFwdBlocks96)
+void attention_forward_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
     int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 96>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads96, attn::kFwdBlocks96)
+void attention_forward_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
     int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 96>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d128_f32(const float* q, const float* k,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_forward_d128_f32(const float* q, const float* k,
     const float* v, float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
     int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<float, 128>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d128_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads128, attn::kFwdBlocks128)
+void attention_forward_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
     int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 128>(q, k, v, out, lse, g);
 }
-extern "C" __global__ void attention_forward_d128_f16(const f16_t* q, const f16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads128, attn::kFwdBlocks128)
+void attention_forward_d128_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
     int kv_heads, int head_dim, float scale) {
@@ -1166,84 +1217,96 @@ extern "C" __global__ void attention_bwd_dot_f16(const f16_t* out, const f16_t* 
 }
 
 // Backward: dK and dV.
-extern "C" __global__ void attention_bwd_dkdv_d32_f32(const float* q, const float* k,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dkdv_d32_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d32_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kKvThreads32, attn::kKvBlocks32)
+void attention_bwd_dkdv_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d32_f16(const f16_t* q, const f16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kKvThreads32, attn::kKvBlocks32)
+void attention_bwd_dkdv_d32_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d64_f32(const float* q, const float* k,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dkdv_d64_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d64_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kKvThreads64, attn::kKvBlocks64)
+void attention_bwd_dkdv_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d64_f16(const f16_t* q, const f16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kKvThreads64, attn::kKvBlocks64)
+void attention_bwd_dkdv_d64_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d96_f32(const float* q, const float* k,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dkdv_d96_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d96_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kKvThreads96, attn::kKvBlocks96)
+void attention_bwd_dkdv_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d96_f16(const f16_t* q, const f16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kKvThreads96, attn::kKvBlocks96)
+void attention_bwd_dkdv_d96_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d128_f32(const float* q, const float* k,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dkdv_d128_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 128>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d128_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kKvThreads128, attn::kKvBlocks128)
+void attention_bwd_dkdv_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 128>(q, k, v, dout, lse, di, dk, dv, g);
 }
-extern "C" __global__ void attention_bwd_dkdv_d128_f16(const f16_t* q, const f16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kKvThreads128, attn::kKvBlocks128)
+void attention_bwd_dkdv_d128_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
@@ -1252,84 +1315,96 @@ extern "C" __global__ void attention_bwd_dkdv_d128_f16(const f16_t* q, const f16
 }
 
 // Backward: dQ.
-extern "C" __global__ void attention_bwd_dq_d32_f32(const float* q, const float* k, const float* v,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dq_d32_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
     int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<float, 32>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d32_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kQThreads32, attn::kQBlocks32)
+void attention_bwd_dq_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 32>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+extern "C" __global__ __launch_bounds__(attn::kQThreads32, attn::kQBlocks32)
+void attention_bwd_dq_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
     int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 32>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d64_f32(const float* q, const float* k, const float* v,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dq_d64_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
     int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<float, 64>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d64_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kQThreads64, attn::kQBlocks64)
+void attention_bwd_dq_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 64>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+extern "C" __global__ __launch_bounds__(attn::kQThreads64, attn::kQBlocks64)
+void attention_bwd_dq_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
     int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 64>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d96_f32(const float* q, const float* k, const float* v,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dq_d96_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
     int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<float, 96>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d96_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kQThreads96, attn::kQBlocks96)
+void attention_bwd_dq_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 96>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+extern "C" __global__ __launch_bounds__(attn::kQThreads96, attn::kQBlocks96)
+void attention_bwd_dq_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
     int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 96>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d128_f32(const float* q, const float* k, const float* v,
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dq_d128_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
     int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<float, 128>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d128_bf16(const bf16_t* q, const bf16_t* k,
+extern "C" __global__ __launch_bounds__(attn::kQThreads128, attn::kQBlocks128)
+void attention_bwd_dq_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
     long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 128>(q, k, v, dout, lse, di, dq, g);
 }
-extern "C" __global__ void attention_bwd_dq_d128_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+extern "C" __global__ __launch_bounds__(attn::kQThreads128, attn::kQBlocks128)
+void attention_bwd_dq_d128_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
     int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {

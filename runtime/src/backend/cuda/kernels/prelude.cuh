@@ -109,6 +109,23 @@ __device__ __forceinline__ f16_t from_f32<f16_t>(float x) {
 // +infinity without <math.h>'s INFINITY (NVRTC has no standard headers).
 __device__ __forceinline__ float fz_inf() { return __int_as_float(0x7f800000); }
 
+// 2^x by the special-function unit: ex2.approx.ftz.f32 (relative error about 2^-22, subnormal
+// inputs and results flushed to zero, 2^-inf = 0) in one instruction, where exp2f spends three
+// more on subnormal results. The emulator computes exp2f and flushes subnormal results to zero
+// likewise (so its values may differ from the GPU's in the last bits: compare with a tolerance).
+#ifdef FZ_EMU
+__device__ __forceinline__ float fz_exp2_approx(float x) {
+  const float r = exp2f(x);
+  return r < 1.17549435e-38f ? 0.0f : r;
+}
+#else
+__device__ __forceinline__ float fz_exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+#endif
+
 // ---- vector memory access -----------------------------------------------------------------------
 // `N` consecutive elements of T as f32. When N * sizeof(T) is a multiple of 16 the access is whole
 // 16-byte vectors and the caller guarantees 16-byte alignment (fz_aligned16); otherwise (N = 1 in
@@ -336,6 +353,23 @@ __device__ __forceinline__ unsigned fz_pack2<f16_t>(float lo, float hi) {
 }
 #endif
 
+// ---- shared-memory addresses ---------------------------------------------------------------------
+// fz_smem_t: an address in shared memory as fz_ldmatrix_* and fz_cp_async16 take it; byte offsets
+// are added to it as integers. On the GPU it is the 32-bit shared-window address
+// (__cvta_generic_to_shared), so constant offsets fold into the instructions' immediates instead
+// of costing 64-bit arithmetic and a register each; in the emulator it is the host address.
+#ifdef FZ_EMU
+typedef unsigned long long fz_smem_t;
+__device__ __forceinline__ fz_smem_t fz_smem(const void* p) {
+  return reinterpret_cast<unsigned long long>(p);
+}
+#else
+typedef unsigned fz_smem_t;
+__device__ __forceinline__ fz_smem_t fz_smem(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+#endif
+
 // ---- shared-memory matrix loads (ldmatrix, sm_75+) ------------------------------------------------
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8x8 matrices of 16-bit elements, every lane of the
 // warp taking part. Lanes 8i .. 8i+7 each pass the address of one row of matrix i (8 elements, 16
@@ -344,32 +378,26 @@ __device__ __forceinline__ unsigned fz_pack2<f16_t>(float lo, float hi) {
 //   r[i] = M_i[2t][g], M_i[2t+1][g]         (fz_ldmatrix_x4_trans)
 // with the first element in the low 16 bits: exactly an mma A/B fragment register.
 #ifdef FZ_EMU
-__device__ __forceinline__ void fz_ldmatrix_x4(unsigned (&r)[4], const void* row,
+__device__ __forceinline__ void fz_ldmatrix_x4(unsigned (&r)[4], fz_smem_t row,
                                                const char* file = __builtin_FILE(),
                                                int line = __builtin_LINE()) {
-  ::fz_emu::ldmatrix_x4(r, row, false, file, line);
+  ::fz_emu::ldmatrix_x4(r, reinterpret_cast<const void*>(row), false, file, line);
 }
-__device__ __forceinline__ void fz_ldmatrix_x4_trans(unsigned (&r)[4], const void* row,
+__device__ __forceinline__ void fz_ldmatrix_x4_trans(unsigned (&r)[4], fz_smem_t row,
                                                      const char* file = __builtin_FILE(),
                                                      int line = __builtin_LINE()) {
-  ::fz_emu::ldmatrix_x4(r, row, true, file, line);
+  ::fz_emu::ldmatrix_x4(r, reinterpret_cast<const void*>(row), true, file, line);
 }
 #else
-// The 32-bit shared-state-space address of a generic pointer into shared memory.
-__device__ __forceinline__ unsigned fz_smem_addr(const void* p) {
-  unsigned long long a;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-  return static_cast<unsigned>(a);
-}
-__device__ __forceinline__ void fz_ldmatrix_x4(unsigned (&r)[4], const void* row) {
+__device__ __forceinline__ void fz_ldmatrix_x4(unsigned (&r)[4], fz_smem_t row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(fz_smem_addr(row)));
+               : "r"(row));
 }
-__device__ __forceinline__ void fz_ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
+__device__ __forceinline__ void fz_ldmatrix_x4_trans(unsigned (&r)[4], fz_smem_t row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(fz_smem_addr(row)));
+               : "r"(row));
 }
 #endif
 
@@ -380,10 +408,10 @@ __device__ __forceinline__ void fz_ldmatrix_x4_trans(unsigned (&r)[4], const voi
 // ones, and other threads see it after a barrier that follows that wait. The emulator performs a
 // thread's copies when that thread waits for them, so a read before the wait sees stale data.
 #ifdef FZ_EMU
-__device__ __forceinline__ void fz_cp_async16(void* dst, const void* src, bool fill,
+__device__ __forceinline__ void fz_cp_async16(fz_smem_t dst, const void* src, bool fill,
                                               const char* file = __builtin_FILE(),
                                               int line = __builtin_LINE()) {
-  ::fz_emu::cp_async(dst, src, 16, fill ? 16 : 0, file, line);
+  ::fz_emu::cp_async(reinterpret_cast<void*>(dst), src, 16, fill ? 16 : 0, file, line);
 }
 __device__ __forceinline__ void fz_cp_async_commit() { ::fz_emu::cp_async_commit(); }
 template <int N>
@@ -391,8 +419,8 @@ __device__ __forceinline__ void fz_cp_async_wait() {
   ::fz_emu::cp_async_wait(N);
 }
 #else
-__device__ __forceinline__ void fz_cp_async16(void* dst, const void* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(fz_smem_addr(dst)), "l"(src),
+__device__ __forceinline__ void fz_cp_async16(fz_smem_t dst, const void* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                "r"(fill ? 16 : 0)
                : "memory");
 }
