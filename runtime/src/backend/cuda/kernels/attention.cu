@@ -34,7 +34,13 @@
 //       long long k_stride, long long k_off, long long v_stride, long long v_off, int batch,
 //       int seq, int q_heads, int kv_heads, int head_dim, float scale)
 //     dQ, overwritten: a block owns a tile of query rows and loops over the key tiles in order.
-//   Backward runs dot, then dkdv and dq (either order; they only read what dot wrote).
+//   Backward runs dot, then dkdv and dq (in either order: both read di and lse, neither writes
+//   what the other reads).
+//
+// Memory: tiles move global -> shared as 16-byte cp.async copies when head_dim and every view's
+// stride and offset are multiples of 16 bytes' worth of elements and all base pointers are
+// 16-byte aligned (GPT-2's fused qkv and Llama's buffers at head dims 32..128); otherwise
+// element by element (e.g. head_dim 5), with the same tiles and results.
 //
 // Launch shapes: 1-D grids; blockIdx.x = tile * (batch * heads) + (b * heads + h), heads being
 // Hq for forward and dq, Hkv for dkdv. Forward and dq number their query tiles from the last
@@ -669,7 +675,7 @@ __device__ __forceinline__ void dq_mma(const T* q, const T* k, const T* v, const
 // over the padded head dim in order.
 constexpr int kSimtRows = 32, kSimtThreads = 128, kSimtLP = 33;
 
-template <int DP, int LD>
+template <int DP>
 __device__ __forceinline__ float dot_rows(const float* a, const float* b) {
   float s = 0.0f;
 #pragma unroll 16
@@ -736,7 +742,7 @@ __device__ __forceinline__ void forward_simt(const float* q, const float* k, con
 #pragma unroll
       for (int jj = 0; jj < CT; ++jj) {
         const int key = kv0 + c + 4 * jj;
-        float x = dot_rows<DP, LD>(sQ + r * LD, tK + (c + 4 * jj) * LD);
+        float x = dot_rows<DP>(sQ + r * LD, tK + (c + 4 * jj) * LD);
         if (key > row || key >= g.seq) x = -fz_inf();
         s[jj] = x;
         mx = fmaxf(mx, x);
@@ -870,8 +876,8 @@ __device__ __forceinline__ void dkdv_simt(const float* q, const float* k, const 
 #pragma unroll
       for (int jj = 0; jj < CT; ++jj) {
         const int ql = c + 4 * jj;
-        const float s = dot_rows<DP, LD>(sK + r * LD, tQ + ql * LD);
-        const float dp = dot_rows<DP, LD>(sV + r * LD, tO + ql * LD);
+        const float s = dot_rows<DP>(sK + r * LD, tQ + ql * LD);
+        const float dp = dot_rows<DP>(sV + r * LD, tO + ql * LD);
         float p = fz_exp2_approx(fmaf(s, sl2, -sL[buf * BM + ql]));
         if (key > qi0 + ql) p = 0.0f;
         sP[r * kSimtLP + ql] = p;
@@ -971,8 +977,8 @@ __device__ __forceinline__ void dq_simt(const float* q, const float* k, const fl
 #pragma unroll
       for (int jj = 0; jj < CT; ++jj) {
         const int kl = c + 4 * jj, key = kv0 + kl;
-        const float s = dot_rows<DP, LD>(sQ + r * LD, tK + kl * LD);
-        const float dp = dot_rows<DP, LD>(sO + r * LD, tV + kl * LD);
+        const float s = dot_rows<DP>(sQ + r * LD, tK + kl * LD);
+        const float dp = dot_rows<DP>(sO + r * LD, tV + kl * LD);
         float p = fz_exp2_approx(fmaf(s, sl2, -l2));
         if (key > row || key >= g.seq) p = 0.0f;
         sS[r * kSimtLP + kl] = p * (dp - dr);
