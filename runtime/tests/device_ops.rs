@@ -3,6 +3,7 @@
 //! operations promised bit-exact (casts, dropout masks, the optimizer step, embeddings in f32)
 //! are compared bit for bit.
 
+mod attention_common;
 mod device_common;
 
 use device_common::{assert_close, cpu, get, rand, Dev, Tol};
@@ -660,3 +661,8 @@ fn storage_ops(d: &Dev) {
     assert!(f.write_f32(vals.len(), &[1.0]).is_err());
 }
 test_device!(storage_ops);
+
+fn attention(d: &Dev) {
+    attention_common::check(d);
+}
+test_device!(attention);

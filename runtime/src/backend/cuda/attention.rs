@@ -1,13 +1,21 @@
 //! Rotary embeddings (`rope.cu`, the table built once per shape on the host exactly as the CPU
-//! builds it) and attention.
+//! builds it) and causal flash attention (`attention.cu`).
+//!
+//! Attention forward writes O and keeps one log-sum-exp per query row (f32 `[batch][q_heads]
+//! [seq]`, the saved state) instead of the CPU's probabilities. Backward runs three kernels:
+//! `di = rowsum(dO ∘ O)`, then dK/dV (a block per tile of keys of one kv head, summing over the
+//! group's query heads and the query tiles in a fixed order) and dQ (a block per tile of query
+//! rows, summing over the key tiles in order): no atomics, so results depend on the shape alone.
+//! The kernels are compiled for head dims padded to 32, 64, 96 and 128; this file mirrors their
+//! tile table (`attention.cu`'s header), and a kernel traps when launched with other sizes.
 
-use super::backend::CudaBackend;
+use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::BLOCK;
-use super::driver::LaunchConfig;
+use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
-use super::storage::by_dtype;
+use super::storage::{by_dtype, CudaBuf};
 use crate::backend::{AttentionGrads, AttentionOps, AttentionShape, Rotation, RowView};
-use crate::tensor::{Storage, View, ViewMut};
+use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::{Error, Result};
 
 /// The `[seq][head_dim / 2][2]` cos/sin table for `+θ`, computed in f64 and rounded, as
@@ -26,37 +34,506 @@ fn rope_table(seq: usize, head_dim: usize, theta: f32) -> Vec<f32> {
     t
 }
 
-fn not_built() -> Error {
-    Error::Unavailable {
-        what: "CUDA attention",
-        why: "the flash-attention kernels are not in this build yet".into(),
+/// Head dims the kernels are compiled for (their `_dDP` infix); a call runs the smallest one
+/// that holds its head dim, zero-padded.
+const PADDED_DIMS: [usize; 4] = [32, 64, 96, 128];
+
+const FORWARD: [[&str; 3]; 4] = [
+    [
+        "attention_forward_d32_f32",
+        "attention_forward_d32_bf16",
+        "attention_forward_d32_f16",
+    ],
+    [
+        "attention_forward_d64_f32",
+        "attention_forward_d64_bf16",
+        "attention_forward_d64_f16",
+    ],
+    [
+        "attention_forward_d96_f32",
+        "attention_forward_d96_bf16",
+        "attention_forward_d96_f16",
+    ],
+    [
+        "attention_forward_d128_f32",
+        "attention_forward_d128_bf16",
+        "attention_forward_d128_f16",
+    ],
+];
+const DKDV: [[&str; 3]; 4] = [
+    [
+        "attention_bwd_dkdv_d32_f32",
+        "attention_bwd_dkdv_d32_bf16",
+        "attention_bwd_dkdv_d32_f16",
+    ],
+    [
+        "attention_bwd_dkdv_d64_f32",
+        "attention_bwd_dkdv_d64_bf16",
+        "attention_bwd_dkdv_d64_f16",
+    ],
+    [
+        "attention_bwd_dkdv_d96_f32",
+        "attention_bwd_dkdv_d96_bf16",
+        "attention_bwd_dkdv_d96_f16",
+    ],
+    [
+        "attention_bwd_dkdv_d128_f32",
+        "attention_bwd_dkdv_d128_bf16",
+        "attention_bwd_dkdv_d128_f16",
+    ],
+];
+const DQ: [[&str; 3]; 4] = [
+    [
+        "attention_bwd_dq_d32_f32",
+        "attention_bwd_dq_d32_bf16",
+        "attention_bwd_dq_d32_f16",
+    ],
+    [
+        "attention_bwd_dq_d64_f32",
+        "attention_bwd_dq_d64_bf16",
+        "attention_bwd_dq_d64_f16",
+    ],
+    [
+        "attention_bwd_dq_d96_f32",
+        "attention_bwd_dq_d96_bf16",
+        "attention_bwd_dq_d96_f16",
+    ],
+    [
+        "attention_bwd_dq_d128_f32",
+        "attention_bwd_dq_d128_bf16",
+        "attention_bwd_dq_d128_f16",
+    ],
+];
+
+/// Tensor-core tiles per padded head dim, `attention.cu`'s `Cfg`: forward warps and key tile,
+/// dK/dV warps and query tile, dQ warps and key tile.
+#[derive(Debug, Clone, Copy)]
+struct MmaCfg {
+    fw: usize,
+    fn_: usize,
+    kw: usize,
+    km: usize,
+    qw: usize,
+    qn: usize,
+}
+
+const MMA_CFG: [MmaCfg; 4] = [
+    MmaCfg {
+        fw: 4,
+        fn_: 64,
+        kw: 4,
+        km: 64,
+        qw: 4,
+        qn: 64,
+    },
+    MmaCfg {
+        fw: 4,
+        fn_: 64,
+        kw: 4,
+        km: 32,
+        qw: 4,
+        qn: 64,
+    },
+    MmaCfg {
+        fw: 4,
+        fn_: 64,
+        kw: 4,
+        km: 32,
+        qw: 4,
+        qn: 32,
+    },
+    MmaCfg {
+        fw: 4,
+        fn_: 64,
+        kw: 4,
+        km: 32,
+        qw: 4,
+        qn: 32,
+    },
+];
+
+/// The f32 (SIMT) kernels' tile: rows per block and per tile, threads, and the width of the
+/// score buffers in shared memory.
+const SIMT_ROWS: usize = 32;
+const SIMT_THREADS: usize = 128;
+const SIMT_LP: usize = 33;
+
+/// Which attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Forward,
+    DkDv,
+    Dq,
+}
+
+/// A launch of one attention kernel: its name, threads, rows of the sequence per block, and
+/// dynamic shared memory, as `attention.cu` computes them.
+#[derive(Debug, Clone, Copy)]
+struct Launch {
+    name: &'static str,
+    threads: usize,
+    rows: usize,
+    smem: usize,
+}
+
+fn dtype_index(d: DType) -> usize {
+    match d {
+        DType::F32 => 0,
+        DType::Bf16 => 1,
+        DType::F16 => 2,
     }
+}
+
+/// The kernel, block and shared memory of `pass` for padded head dim `PADDED_DIMS[di]`.
+fn launch_for(pass: Pass, dtype: DType, di: usize) -> Launch {
+    let dp = PADDED_DIMS[di];
+    let names = match pass {
+        Pass::Forward => &FORWARD,
+        Pass::DkDv => &DKDV,
+        Pass::Dq => &DQ,
+    };
+    let name = names[di][dtype_index(dtype)];
+    if dtype == DType::F32 {
+        let ld = dp + 4;
+        let (r, f) = (SIMT_ROWS, 4);
+        let smem = match pass {
+            Pass::Forward => 5 * r * ld * f + r * SIMT_LP * f,
+            Pass::DkDv => 6 * r * ld * f + 4 * r * f + 2 * r * SIMT_LP * f,
+            Pass::Dq => 6 * r * ld * f + r * SIMT_LP * f,
+        };
+        return Launch {
+            name,
+            threads: SIMT_THREADS,
+            rows: r,
+            smem,
+        };
+    }
+    let c = MMA_CFG[di];
+    let ld = dp + 8;
+    let (warps, smem) = match pass {
+        Pass::Forward => (c.fw, (16 * c.fw + 4 * c.fn_) * ld * 2),
+        Pass::DkDv => (c.kw, (32 * c.kw + 4 * c.km) * ld * 2 + 16 * c.km),
+        Pass::Dq => (c.qw, (32 * c.qw + 4 * c.qn) * ld * 2),
+    };
+    Launch {
+        name,
+        threads: 32 * warps,
+        rows: 16 * warps,
+        smem,
+    }
+}
+
+/// The checked sizes of a call as the kernels take them.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    batch: i32,
+    seq: i32,
+    q_heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    /// Index into `PADDED_DIMS`.
+    padded: usize,
+}
+
+/// Checks the shape: kv heads dividing q heads, a head dim the kernels take, sizes in range.
+fn dims(op: &'static str, s: &AttentionShape) -> Result<Dims> {
+    if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) || s.head_dim == 0 {
+        return Err(Error::Invalid(format!(
+            "{op} needs kv_heads dividing q_heads and head_dim > 0, got {} q heads, {} kv heads, \
+             head_dim {}",
+            s.q_heads, s.kv_heads, s.head_dim
+        )));
+    }
+    let Some(padded) = PADDED_DIMS.iter().position(|&p| s.head_dim <= p) else {
+        return Err(Error::Unavailable {
+            what: "CUDA attention",
+            why: format!(
+                "head_dim {} is larger than the kernels' largest tile ({})",
+                s.head_dim,
+                PADDED_DIMS[PADDED_DIMS.len() - 1]
+            ),
+        });
+    };
+    // Tiles index the grid and rows in `int`; keep every product the kernels form in range.
+    let limit = 1usize << 30;
+    let heads_rows = s.batch.saturating_mul(s.q_heads);
+    if s.seq >= limit || heads_rows >= limit / 16 || s.q_heads * s.head_dim >= limit {
+        return Err(Error::Unavailable {
+            what: "CUDA attention",
+            why: format!(
+                "{} sequences of {} tokens with {} heads exceed the kernels' 32-bit indexing",
+                s.batch, s.seq, s.q_heads
+            ),
+        });
+    }
+    Ok(Dims {
+        batch: s.batch as i32,
+        seq: s.seq as i32,
+        q_heads: s.q_heads as i32,
+        kv_heads: s.kv_heads as i32,
+        head_dim: s.head_dim as i32,
+        padded,
+    })
+}
+
+/// The CPU backend's rule for a strided row view: `rows` rows of `stride` elements, the heads'
+/// columns `[offset, offset + heads * head_dim)` inside each row.
+fn check_view(
+    op: &'static str,
+    name: &str,
+    len: usize,
+    s: &AttentionShape,
+    v: RowView,
+    heads: usize,
+) -> Result<()> {
+    let rows = s.batch * s.seq;
+    let need = if rows == 0 {
+        0
+    } else {
+        (rows - 1) * v.stride + v.offset + heads * s.head_dim
+    };
+    if len >= need && v.offset + heads * s.head_dim <= v.stride {
+        return Ok(());
+    }
+    Err(Error::Shape {
+        op,
+        expected: format!(
+            "{name}: {rows} rows of stride {} holding {heads} heads of {} at offset {}",
+            v.stride, s.head_dim, v.offset
+        ),
+        got: format!("{len} elements"),
+    })
+}
+
+/// `[rows, q_heads * head_dim]` contiguous (O, dO).
+fn out_view(s: &AttentionShape) -> RowView {
+    RowView {
+        stride: s.q_heads * s.head_dim,
+        offset: 0,
+    }
+}
+
+/// The grid of `pass`: a block per tile of rows of every (sequence, head).
+fn grid(l: &Launch, d: &Dims, heads: i32) -> Result<LaunchConfig> {
+    let tiles = (d.seq as usize).div_ceil(l.rows);
+    let blocks = tiles * d.batch as usize * heads as usize;
+    if blocks > i32::MAX as usize {
+        return Err(Error::Unavailable {
+            what: "CUDA attention",
+            why: format!("{blocks} blocks exceed a launch's grid"),
+        });
+    }
+    Ok(LaunchConfig {
+        grid: [blocks as u32, 1, 1],
+        block: [l.threads as u32, 1, 1],
+        dyn_smem: l.smem as u32,
+    })
+}
+
+/// Appends the views' strides and offsets and the sizes (every kernel's trailing parameters).
+fn view_args(args: Args, q: RowView, k: RowView, v: RowView, d: &Dims, scale: f32) -> Args {
+    args.len(q.stride)
+        .len(q.offset)
+        .len(k.stride)
+        .len(k.offset)
+        .len(v.stride)
+        .len(v.offset)
+        .i32(d.batch)
+        .i32(d.seq)
+        .i32(d.q_heads)
+        .i32(d.kv_heads)
+        .i32(d.head_dim)
+        .f32(scale)
+}
+
+/// The CPU backend's softmax scale, `1 / √head_dim` in f32.
+fn softmax_scale(head_dim: usize) -> f32 {
+    1.0 / (head_dim as f32).sqrt()
+}
+
+/// Fails unless the three gradient views of one fused buffer share a stride and their head
+/// columns do not overlap (they are written concurrently).
+fn check_fused_disjoint(s: &AttentionShape, q: RowView, k: RowView, v: RowView) -> Result<()> {
+    let cols = |r: RowView, heads: usize| (r.offset, r.offset + heads * s.head_dim);
+    let spans = [cols(q, s.q_heads), cols(k, s.kv_heads), cols(v, s.kv_heads)];
+    let same_stride = q.stride == k.stride && k.stride == v.stride;
+    let overlap = |a: (usize, usize), b: (usize, usize)| a.0 < b.1 && b.0 < a.1;
+    if same_stride
+        && !overlap(spans[0], spans[1])
+        && !overlap(spans[0], spans[2])
+        && !overlap(spans[1], spans[2])
+    {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "attention backward: fused dq/dk/dv views must share one stride and hold disjoint \
+         columns, got q {q:?}, k {k:?}, v {v:?}"
+    )))
 }
 
 impl AttentionOps for CudaBackend {
     fn attention_forward(
         &self,
-        _shape: AttentionShape,
-        _q: (View<'_>, RowView),
-        _k: (View<'_>, RowView),
-        _v: (View<'_>, RowView),
-        _out: ViewMut<'_>,
+        s: AttentionShape,
+        q: (View<'_>, RowView),
+        k: (View<'_>, RowView),
+        v: (View<'_>, RowView),
+        out: ViewMut<'_>,
     ) -> Result<Storage> {
-        Err(not_built())
+        const OP: &str = "attention";
+        let (qd, kd, vd) = (
+            self.dev_in(OP, "q", q.0)?,
+            self.dev_in(OP, "k", k.0)?,
+            self.dev_in(OP, "v", v.0)?,
+        );
+        let out = self.dev_out(OP, "out", out)?;
+        let dt = qd.dtype();
+        expect_dtype(
+            OP,
+            dt,
+            &[("k", kd.dtype()), ("v", vd.dtype()), ("out", out.dtype())],
+        )?;
+        let d = dims(OP, &s)?;
+        check_view(OP, "q", qd.len(), &s, q.1, s.q_heads)?;
+        check_view(OP, "k", kd.len(), &s, k.1, s.kv_heads)?;
+        check_view(OP, "v", vd.len(), &s, v.1, s.kv_heads)?;
+        check_view(OP, "out", out.len(), &s, out_view(&s), s.q_heads)?;
+        let lse = CudaBuf::uninit(&self.dev, DType::F32, s.batch * s.q_heads * s.seq)?;
+        if lse.is_empty() {
+            return Ok(Storage::Cuda(lse));
+        }
+        let l = launch_for(Pass::Forward, dt, d.padded);
+        let cfg = grid(&l, &d, d.q_heads)?;
+        let args = Args::new()
+            .ptr(qd.ptr())
+            .ptr(kd.ptr())
+            .ptr(vd.ptr())
+            .ptr(out.ptr())
+            .ptr(lse.view().ptr());
+        let mut args = view_args(args, q.1, k.1, v.1, &d, softmax_scale(s.head_dim));
+        self.dev.launch(l.name, cfg, &mut args)?;
+        Ok(Storage::Cuda(lse))
     }
 
     fn attention_backward(
         &self,
-        _shape: AttentionShape,
-        _q: (View<'_>, RowView),
-        _k: (View<'_>, RowView),
-        _v: (View<'_>, RowView),
-        _out: View<'_>,
-        _saved: &Storage,
-        _dout: View<'_>,
-        _dqkv: AttentionGrads<'_>,
+        s: AttentionShape,
+        q: (View<'_>, RowView),
+        k: (View<'_>, RowView),
+        v: (View<'_>, RowView),
+        out: View<'_>,
+        saved: &Storage,
+        dout: View<'_>,
+        grads: AttentionGrads<'_>,
     ) -> Result<()> {
-        Err(not_built())
+        const OP: &str = "attention backward";
+        let (qd, kd, vd) = (
+            self.dev_in(OP, "q", q.0)?,
+            self.dev_in(OP, "k", k.0)?,
+            self.dev_in(OP, "v", v.0)?,
+        );
+        let (od, dod) = (self.dev_in(OP, "out", out)?, self.dev_in(OP, "dout", dout)?);
+        let lse = self.dev_in(OP, "the saved log-sum-exp", saved.view())?;
+        let dt = qd.dtype();
+        expect_dtype(
+            OP,
+            dt,
+            &[
+                ("k", kd.dtype()),
+                ("v", vd.dtype()),
+                ("out", od.dtype()),
+                ("dout", dod.dtype()),
+            ],
+        )?;
+        expect_dtype(OP, DType::F32, &[("the saved log-sum-exp", lse.dtype())])?;
+        let d = dims(OP, &s)?;
+        expect_len(
+            OP,
+            "the saved log-sum-exp",
+            lse.len(),
+            s.batch * s.q_heads * s.seq,
+        )?;
+        check_view(OP, "q", qd.len(), &s, q.1, s.q_heads)?;
+        check_view(OP, "k", kd.len(), &s, k.1, s.kv_heads)?;
+        check_view(OP, "v", vd.len(), &s, v.1, s.kv_heads)?;
+        check_view(OP, "out", od.len(), &s, out_view(&s), s.q_heads)?;
+        check_view(OP, "dout", dod.len(), &s, out_view(&s), s.q_heads)?;
+        let (dq, dk, dv): (DevPtr, DevPtr, DevPtr) = match grads {
+            AttentionGrads::Fused(buf) => {
+                let buf = self.dev_out(OP, "dqkv", buf)?;
+                expect_dtype(OP, dt, &[("dqkv", buf.dtype())])?;
+                check_view(OP, "dq", buf.len(), &s, q.1, s.q_heads)?;
+                check_view(OP, "dk", buf.len(), &s, k.1, s.kv_heads)?;
+                check_view(OP, "dv", buf.len(), &s, v.1, s.kv_heads)?;
+                check_fused_disjoint(&s, q.1, k.1, v.1)?;
+                (buf.ptr(), buf.ptr(), buf.ptr())
+            }
+            AttentionGrads::Split { dq, dk, dv } => {
+                let (dq, dk, dv) = (
+                    self.dev_out(OP, "dq", dq)?,
+                    self.dev_out(OP, "dk", dk)?,
+                    self.dev_out(OP, "dv", dv)?,
+                );
+                expect_dtype(
+                    OP,
+                    dt,
+                    &[("dq", dq.dtype()), ("dk", dk.dtype()), ("dv", dv.dtype())],
+                )?;
+                check_view(OP, "dq", dq.len(), &s, q.1, s.q_heads)?;
+                check_view(OP, "dk", dk.len(), &s, k.1, s.kv_heads)?;
+                check_view(OP, "dv", dv.len(), &s, v.1, s.kv_heads)?;
+                (dq.ptr(), dk.ptr(), dv.ptr())
+            }
+        };
+        let rows = s.batch * s.q_heads * s.seq;
+        if rows == 0 {
+            return Ok(());
+        }
+        let scale = softmax_scale(s.head_dim);
+        // di = rowsum(dO ∘ O): a warp per (token, head).
+        let di = self.dev.alloc(rows * 4)?;
+        let mut args = Args::new()
+            .ptr(od.ptr())
+            .ptr(dod.ptr())
+            .ptr(di.ptr())
+            .i32(d.batch)
+            .i32(d.seq)
+            .i32(d.q_heads)
+            .i32(d.head_dim);
+        let warps_per_block = (BLOCK / 32) as usize;
+        let cfg = LaunchConfig::linear(
+            rows.div_ceil(warps_per_block).clamp(1, 1 << 20) as u32,
+            BLOCK,
+        );
+        self.dev
+            .launch(by_dtype!("attention_bwd_dot", dt), cfg, &mut args)?;
+
+        let l = launch_for(Pass::DkDv, dt, d.padded);
+        let cfg = grid(&l, &d, d.kv_heads)?;
+        let args = Args::new()
+            .ptr(qd.ptr())
+            .ptr(kd.ptr())
+            .ptr(vd.ptr())
+            .ptr(dod.ptr())
+            .ptr(lse.ptr())
+            .ptr(di.ptr())
+            .ptr(dk)
+            .ptr(dv);
+        let mut args = view_args(args, q.1, k.1, v.1, &d, scale);
+        self.dev.launch(l.name, cfg, &mut args)?;
+
+        let l = launch_for(Pass::Dq, dt, d.padded);
+        let cfg = grid(&l, &d, d.q_heads)?;
+        let args = Args::new()
+            .ptr(qd.ptr())
+            .ptr(kd.ptr())
+            .ptr(vd.ptr())
+            .ptr(dod.ptr())
+            .ptr(lse.ptr())
+            .ptr(di.ptr())
+            .ptr(dq);
+        let mut args = view_args(args, q.1, k.1, v.1, &d, scale);
+        self.dev.launch(l.name, cfg, &mut args)
     }
 
     fn rope(

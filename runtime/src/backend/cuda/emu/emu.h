@@ -228,26 +228,46 @@ struct MmaIn {
 inline float bf16_lo(unsigned r) { return __builtin_bit_cast(float, (r & 0xffffu) << 16); }
 inline float bf16_hi(unsigned r) { return __builtin_bit_cast(float, r & 0xffff0000u); }
 
-inline void mma_m16n8k16_bf16_complete(const void* const* in, void* const* out,
-                                       unsigned participants) {
+// IEEE binary16 bits to f32 (exact; NaN stays NaN).
+inline float f16_to_f32(unsigned h) {
+  const unsigned sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
+  unsigned man = h & 0x3ffu;
+  if (exp == 0x1fu) return __builtin_bit_cast(float, sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    if (man == 0) return __builtin_bit_cast(float, sign);
+    int e = 113;  // subnormal: normalise the mantissa
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --e;
+    }
+    return __builtin_bit_cast(float,
+                              sign | (static_cast<unsigned>(e) << 23) | ((man & 0x3ffu) << 13));
+  }
+  return __builtin_bit_cast(float, sign | ((exp + 112u) << 23) | (man << 13));
+}
+inline float f16_lo(unsigned r) { return f16_to_f32(r & 0xffffu); }
+inline float f16_hi(unsigned r) { return f16_to_f32(r >> 16); }
+
+template <float (*Lo)(unsigned), float (*Hi)(unsigned)>
+inline void mma_m16n8k16_complete(const void* const* in, void* const* out, unsigned participants) {
   if (participants != 0xffffffffu)
     fail("mma.sync needs all 32 lanes of the warp (participants 0x%08x)", participants);
   float A[16][16], B[16][8], C[16][8];
   for (int lane = 0; lane < 32; ++lane) {
     const MmaIn& m = *static_cast<const MmaIn*>(in[lane]);
     const int g = lane >> 2, t = lane & 3;
-    A[g][2 * t] = bf16_lo(m.a[0]);
-    A[g][2 * t + 1] = bf16_hi(m.a[0]);
-    A[g + 8][2 * t] = bf16_lo(m.a[1]);
-    A[g + 8][2 * t + 1] = bf16_hi(m.a[1]);
-    A[g][2 * t + 8] = bf16_lo(m.a[2]);
-    A[g][2 * t + 9] = bf16_hi(m.a[2]);
-    A[g + 8][2 * t + 8] = bf16_lo(m.a[3]);
-    A[g + 8][2 * t + 9] = bf16_hi(m.a[3]);
-    B[2 * t][g] = bf16_lo(m.b[0]);
-    B[2 * t + 1][g] = bf16_hi(m.b[0]);
-    B[2 * t + 8][g] = bf16_lo(m.b[1]);
-    B[2 * t + 9][g] = bf16_hi(m.b[1]);
+    A[g][2 * t] = Lo(m.a[0]);
+    A[g][2 * t + 1] = Hi(m.a[0]);
+    A[g + 8][2 * t] = Lo(m.a[1]);
+    A[g + 8][2 * t + 1] = Hi(m.a[1]);
+    A[g][2 * t + 8] = Lo(m.a[2]);
+    A[g][2 * t + 9] = Hi(m.a[2]);
+    A[g + 8][2 * t + 8] = Lo(m.a[3]);
+    A[g + 8][2 * t + 9] = Hi(m.a[3]);
+    B[2 * t][g] = Lo(m.b[0]);
+    B[2 * t + 1][g] = Hi(m.b[0]);
+    B[2 * t + 8][g] = Lo(m.b[1]);
+    B[2 * t + 9][g] = Hi(m.b[1]);
     C[g][2 * t] = m.c[0];
     C[g][2 * t + 1] = m.c[1];
     C[g + 8][2 * t] = m.c[2];
@@ -265,6 +285,18 @@ inline void mma_m16n8k16_bf16_complete(const void* const* in, void* const* out,
   }
 }
 
+inline void mma_m16n8k16_bf16_complete(const void* const* in, void* const* out,
+                                       unsigned participants) {
+  mma_m16n8k16_complete<bf16_lo, bf16_hi>(in, out, participants);
+}
+
+// The same with IEEE binary16 inputs (mma.sync...f32.f16.f16.f32): products of two halves are
+// exact in f32 too.
+inline void mma_m16n8k16_f16_complete(const void* const* in, void* const* out,
+                                      unsigned participants) {
+  mma_m16n8k16_complete<f16_lo, f16_hi>(in, out, participants);
+}
+
 inline void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                               const float (&c)[4], const char* file, int line) {
   MmaIn in{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {c[0], c[1], c[2], c[3]}};
@@ -273,6 +305,76 @@ inline void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsig
                   line);
   for (int v = 0; v < 4; ++v) d[v] = out[v];
 }
+
+inline void mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                             const float (&c)[4], const char* file, int line) {
+  MmaIn in{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {c[0], c[1], c[2], c[3]}};
+  float out[4];
+  warp_collective(0xffffffffu, &mma_m16n8k16_f16_complete, "mma.sync.m16n8k16.f16", &in, out,
+                  file, line);
+  for (int v = 0; v < 4; ++v) d[v] = out[v];
+}
+
+// ---- ldmatrix ---------------------------------------------------------------------------------
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 as a warp collective: lanes 8i .. 8i+7 hand in
+// the addresses of rows 0..7 of matrix i (16 bytes each, 16-byte aligned); lane l (g = l >> 2,
+// t = l & 3) receives r[i] = M_i[g][2t, 2t+1], or with .trans M_i[2t][g], M_i[2t+1][g], the first
+// element in the low half.
+struct LdmIn {
+  const unsigned char* row;
+};
+
+template <bool Trans>
+inline void ldmatrix_x4_complete(const void* const* in, void* const* out, unsigned participants) {
+  if (participants != 0xffffffffu)
+    fail("ldmatrix needs all 32 lanes of the warp (participants 0x%08x)", participants);
+  const unsigned char* rows[32];
+  for (int lane = 0; lane < 32; ++lane) {
+    rows[lane] = static_cast<const LdmIn*>(in[lane])->row;
+    if (reinterpret_cast<uintptr_t>(rows[lane]) & 15)
+      fail("ldmatrix: lane %d's row address %p is not 16-byte aligned", lane,
+           static_cast<const void*>(rows[lane]));
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    unsigned* r = static_cast<unsigned*>(out[lane]);
+    const int g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+      const unsigned char* const* m = rows + 8 * i;
+      if (!Trans) {
+        memcpy(&r[i], m[g] + 4 * t, 4);
+      } else {
+        unsigned short lo, hi;
+        memcpy(&lo, m[2 * t] + 2 * g, 2);
+        memcpy(&hi, m[2 * t + 1] + 2 * g, 2);
+        r[i] = static_cast<unsigned>(lo) | static_cast<unsigned>(hi) << 16;
+      }
+    }
+  }
+}
+
+inline void ldmatrix_x4(unsigned (&r)[4], const void* row, bool trans, const char* file,
+                        int line) {
+  LdmIn in{static_cast<const unsigned char*>(row)};
+  unsigned out[4];
+  if (trans)
+    warp_collective(0xffffffffu, &ldmatrix_x4_complete<true>, "ldmatrix.x4.trans", &in, out, file,
+                    line);
+  else
+    warp_collective(0xffffffffu, &ldmatrix_x4_complete<false>, "ldmatrix.x4", &in, out, file,
+                    line);
+  for (int i = 0; i < 4; ++i) r[i] = out[i];
+}
+
+// ---- cp.async -----------------------------------------------------------------------------------
+// Asynchronous global -> shared copies (runtime.cpp keeps them per thread): `cp_async` queues a
+// copy of `bytes` bytes of which the first `src_bytes` come from `src` and the rest are zeros;
+// `cp_async_commit` closes the thread's open group; `cp_async_wait(n)` performs the copies of all
+// but the `n` most recently committed groups. So data read before its wait is stale (or the
+// poison of fresh shared memory), as it may be on the GPU.
+void cp_async(void* dst, const void* src, unsigned bytes, unsigned src_bytes, const char* file,
+              int line);
+void cp_async_commit();
+void cp_async_wait(int n);
 
 }  // namespace fz_emu
 

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -75,6 +76,13 @@ constexpr size_t kGuardBytes = 4096;
 // ---- fibers ---------------------------------------------------------------------------------
 enum State { kReady, kAtBarrier, kAtWarp, kExited };
 
+// A queued cp.async: `bytes` bytes to `dst`, the first `src_bytes` from `src`, zeros after.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  unsigned bytes, src_bytes;
+};
+
 struct Fiber {
 #if defined(__x86_64__)
   void* sp;
@@ -95,6 +103,10 @@ struct Fiber {
   void* out;
   int pred;
   int bar_result;
+  // cp.async: the thread's queued copies, oldest first, and the sizes of its committed groups
+  // (oldest first; the copies after them belong to the open group).
+  std::deque<AsyncCopy> copies;
+  std::deque<size_t> groups;
 };
 
 struct Sched {
@@ -452,6 +464,8 @@ bool run_block(Sched& S) {
     f.warp = i / 32;
     f.tid = {i % bx, (i / bx) % by, i / (bx * by)};
     f.state = kReady;
+    f.copies.clear();
+    f.groups.clear();
     init_context(S, f);
   }
   S.live = S.nthreads;
@@ -557,6 +571,40 @@ void warp_collective(unsigned mask, WarpComplete complete, const char* what, con
   f.line = line;
   try_complete_warp(S, f.warp, mask, complete);
   park(S);
+}
+
+void cp_async(void* dst, const void* src, unsigned bytes, unsigned src_bytes, const char* file,
+              int line) {
+  Sched& S = sched();
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || src_bytes > bytes)
+    fail("%s:%d: cp.async of %u bytes with %u source bytes (sizes 4, 8, 16; source at most that)",
+         file, line, bytes, src_bytes);
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 ||
+      (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % bytes != 0))
+    fail("%s:%d: cp.async of %u bytes from %p to %p: both addresses must be aligned to the size",
+         file, line, bytes, src, dst);
+  current(S).copies.push_back({dst, src, bytes, src_bytes});
+}
+
+void cp_async_commit() {
+  Fiber& f = current(sched());
+  size_t committed = 0;
+  for (size_t g : f.groups) committed += g;
+  f.groups.push_back(f.copies.size() - committed);
+}
+
+void cp_async_wait(int n) {
+  Fiber& f = current(sched());
+  while (f.groups.size() > static_cast<size_t>(n < 0 ? 0 : n)) {
+    for (size_t k = f.groups.front(); k > 0; --k) {
+      const AsyncCopy c = f.copies.front();
+      f.copies.pop_front();
+      unsigned char* d = static_cast<unsigned char*>(c.dst);
+      if (c.src_bytes > 0) memcpy(d, c.src, c.src_bytes);
+      memset(d + c.src_bytes, 0, c.bytes - c.src_bytes);
+    }
+    f.groups.pop_front();
+  }
 }
 
 unsigned char* dynamic_smem() {

@@ -109,6 +109,23 @@ __device__ __forceinline__ f16_t from_f32<f16_t>(float x) {
 // +infinity without <math.h>'s INFINITY (NVRTC has no standard headers).
 __device__ __forceinline__ float fz_inf() { return __int_as_float(0x7f800000); }
 
+// 2^x by the special-function unit: ex2.approx.ftz.f32 (relative error about 2^-22, subnormal
+// inputs and results flushed to zero, 2^-inf = 0) in one instruction, where exp2f spends three
+// more on subnormal results. The emulator computes exp2f and flushes subnormal results to zero
+// likewise (so its values may differ from the GPU's in the last bits: compare with a tolerance).
+#ifdef FZ_EMU
+__device__ __forceinline__ float fz_exp2_approx(float x) {
+  const float r = exp2f(x);
+  return r < 1.17549435e-38f ? 0.0f : r;
+}
+#else
+__device__ __forceinline__ float fz_exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+#endif
+
 // ---- vector memory access -----------------------------------------------------------------------
 // `N` consecutive elements of T as f32. When N * sizeof(T) is a multiple of 16 the access is whole
 // 16-byte vectors and the caller guarantees 16-byte alignment (fz_aligned16); otherwise (N = 1 in
@@ -284,6 +301,138 @@ __device__ __forceinline__ void fz_mma_m16n8k16_bf16(float (&d)[4], const unsign
 }
 #endif
 
+// D = A * B + C with f16 inputs: mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, the same
+// fragments as above with IEEE binary16 halves.
+#ifdef FZ_EMU
+__device__ __forceinline__ void fz_mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4],
+                                                    const unsigned (&b)[2], const float (&c)[4],
+                                                    const char* file = __builtin_FILE(),
+                                                    int line = __builtin_LINE()) {
+  ::fz_emu::mma_m16n8k16_f16(d, a, b, c, file, line);
+}
+#else
+__device__ __forceinline__ void fz_mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4],
+                                                    const unsigned (&b)[2], const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %11, %12, %13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),
+        "f"(c[2]), "f"(c[3]));
+}
+#endif
+
+// Two f32 values as one register of two 16-bit floats (the first in the low half), rounded to
+// nearest even: one cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 on the GPU (sm_80+), the conversions
+// above in the emulator (the same bits for every value but NaN payloads).
+template <class T>
+__device__ __forceinline__ unsigned fz_pack2(float lo, float hi);
+#ifdef FZ_EMU
+template <>
+__device__ __forceinline__ unsigned fz_pack2<bf16_t>(float lo, float hi) {
+  return static_cast<unsigned>(from_f32<bf16_t>(lo).bits) |
+         static_cast<unsigned>(from_f32<bf16_t>(hi).bits) << 16;
+}
+template <>
+__device__ __forceinline__ unsigned fz_pack2<f16_t>(float lo, float hi) {
+  return static_cast<unsigned>(from_f32<f16_t>(lo).bits) |
+         static_cast<unsigned>(from_f32<f16_t>(hi).bits) << 16;
+}
+#else
+template <>
+__device__ __forceinline__ unsigned fz_pack2<bf16_t>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <>
+__device__ __forceinline__ unsigned fz_pack2<f16_t>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#endif
+
+// ---- shared-memory addresses ---------------------------------------------------------------------
+// fz_smem_t: an address in shared memory as fz_ldmatrix_* and fz_cp_async16 take it; byte offsets
+// are added to it as integers. On the GPU it is the 32-bit shared-window address
+// (__cvta_generic_to_shared), so constant offsets fold into the instructions' immediates instead
+// of costing 64-bit arithmetic and a register each; in the emulator it is the host address.
+#ifdef FZ_EMU
+typedef unsigned long long fz_smem_t;
+__device__ __forceinline__ fz_smem_t fz_smem(const void* p) {
+  return reinterpret_cast<unsigned long long>(p);
+}
+#else
+typedef unsigned fz_smem_t;
+__device__ __forceinline__ fz_smem_t fz_smem(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+#endif
+
+// ---- shared-memory matrix loads (ldmatrix, sm_75+) ------------------------------------------------
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8x8 matrices of 16-bit elements, every lane of the
+// warp taking part. Lanes 8i .. 8i+7 each pass the address of one row of matrix i (8 elements, 16
+// bytes, 16-byte aligned, in shared memory); with g = lane >> 2, t = lane & 3, lane receives
+//   r[i] = M_i[g][2t, 2t+1]                 (fz_ldmatrix_x4)
+//   r[i] = M_i[2t][g], M_i[2t+1][g]         (fz_ldmatrix_x4_trans)
+// with the first element in the low 16 bits: exactly an mma A/B fragment register.
+#ifdef FZ_EMU
+__device__ __forceinline__ void fz_ldmatrix_x4(unsigned (&r)[4], fz_smem_t row,
+                                               const char* file = __builtin_FILE(),
+                                               int line = __builtin_LINE()) {
+  ::fz_emu::ldmatrix_x4(r, reinterpret_cast<const void*>(row), false, file, line);
+}
+__device__ __forceinline__ void fz_ldmatrix_x4_trans(unsigned (&r)[4], fz_smem_t row,
+                                                     const char* file = __builtin_FILE(),
+                                                     int line = __builtin_LINE()) {
+  ::fz_emu::ldmatrix_x4(r, reinterpret_cast<const void*>(row), true, file, line);
+}
+#else
+__device__ __forceinline__ void fz_ldmatrix_x4(unsigned (&r)[4], fz_smem_t row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row));
+}
+__device__ __forceinline__ void fz_ldmatrix_x4_trans(unsigned (&r)[4], fz_smem_t row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row));
+}
+#endif
+
+// ---- asynchronous copies global -> shared (cp.async, sm_80+) -----------------------------------
+// fz_cp_async16(dst, src, fill): copies 16 bytes from global `src` to shared `dst` (both 16-byte
+// aligned) when `fill`, else writes 16 zero bytes there (src is not read). The copy lands only
+// after fz_cp_async_wait<N>() returns with it in a committed group older than the N most recent
+// ones, and other threads see it after a barrier that follows that wait. The emulator performs a
+// thread's copies when that thread waits for them, so a read before the wait sees stale data.
+#ifdef FZ_EMU
+__device__ __forceinline__ void fz_cp_async16(fz_smem_t dst, const void* src, bool fill,
+                                              const char* file = __builtin_FILE(),
+                                              int line = __builtin_LINE()) {
+  ::fz_emu::cp_async(reinterpret_cast<void*>(dst), src, 16, fill ? 16 : 0, file, line);
+}
+__device__ __forceinline__ void fz_cp_async_commit() { ::fz_emu::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void fz_cp_async_wait() {
+  ::fz_emu::cp_async_wait(N);
+}
+#else
+__device__ __forceinline__ void fz_cp_async16(fz_smem_t dst, const void* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(fill ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void fz_cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void fz_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#endif
+
 // ---- dynamic shared memory ----------------------------------------------------------------------
 // `FZ_DYNAMIC_SMEM(float, smem);` declares `float* smem` over the launch's dynamic shared memory
 // (16-byte aligned).
@@ -293,4 +442,18 @@ __device__ __forceinline__ void fz_mma_m16n8k16_bf16(float (&d)[4], const unsign
 #define FZ_DYNAMIC_SMEM(T, name)                            \
   extern __shared__ __align__(16) unsigned char fz_dyn_smem_[]; \
   T* name = reinterpret_cast<T*>(fz_dyn_smem_)
+#endif
+
+// Bytes of dynamic shared memory this launch has (kernels that depend on a size the host computed
+// check it).
+#ifdef FZ_EMU
+__device__ __forceinline__ unsigned fz_dynamic_smem_bytes() {
+  return static_cast<unsigned>(::fz_emu::dynamic_smem_bytes());
+}
+#else
+__device__ __forceinline__ unsigned fz_dynamic_smem_bytes() {
+  unsigned r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
 #endif
