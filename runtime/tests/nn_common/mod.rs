@@ -6,7 +6,7 @@ use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::nn::{
     init, Batch, BatchIds, Ctx, Grads, Model, Params, Saved, IGNORE_INDEX,
 };
-use ferrozero_runtime::tensor::{BufRef, Storage, Tensor};
+use ferrozero_runtime::tensor::{DType, FlatBuf, Storage, Tensor};
 use ferrozero_runtime::Result;
 
 /// Flat per-parameter buffers, as the engine would own them.
@@ -111,17 +111,29 @@ pub fn step(model: &Model, w: &Weights, batch: &Batch, seed: u64, g: f32) -> Res
     )
 }
 
-/// Unit `u`'s parameters (then the shared ones it uses) copied to `be`'s device.
-fn upload_params(be: &dyn Backend, model: &Model, w: &Weights, u: usize) -> Result<Vec<Storage>> {
+/// Unit `u`'s parameters (then the shared ones it uses) copied to `be`'s device in `dtype`
+/// (rounded to nearest even when that is a half type).
+fn upload_params(
+    be: &dyn Backend,
+    model: &Model,
+    w: &Weights,
+    u: usize,
+    dtype: DType,
+) -> Result<Vec<Storage>> {
     let shared = model.units[u].uses_shared.iter().map(|&s| &w.shared[s]);
     w.units[u]
         .iter()
         .chain(shared)
-        .map(|p| be.upload(BufRef::F32(p)))
+        .map(|p| {
+            let mut b = FlatBuf::zeros(dtype, p.len());
+            b.store_f32(0, p);
+            be.upload(b.as_ref())
+        })
         .collect()
 }
 
-/// [`step`] with the units computing on `be` (weights copied there, gradients copied back).
+/// [`step`] with the units computing on `be` (weights copied there in its activation dtype,
+/// f32 gradients copied back).
 pub fn step_on(
     be: &dyn Backend,
     model: &Model,
@@ -136,7 +148,7 @@ pub fn step_on(
     let mut x = Tensor::default();
     let mut outputs = Vec::new();
     for (u, unit) in model.units.iter().enumerate() {
-        let stores = upload_params(be, model, w, u)?;
+        let stores = upload_params(be, model, w, u, be.act_dtype())?;
         let mut ctx = Ctx {
             be,
             batch,
@@ -160,9 +172,9 @@ pub fn step_on(
     let mut grads = Weights::zeros(model);
     let mut gy = Tensor::scalar(g);
     for (u, unit) in model.units.iter().enumerate().rev() {
-        let stores = upload_params(be, model, w, u)?;
+        let stores = upload_params(be, model, w, u, be.act_dtype())?;
         // Backward accumulates into what earlier units left (a shared parameter's gradient).
-        let mut gstores = upload_params(be, model, &grads, u)?;
+        let mut gstores = upload_params(be, model, &grads, u, DType::F32)?;
         let mut ctx = Ctx {
             be,
             batch,
