@@ -135,3 +135,62 @@ fn bad_config_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("does/not/exist.toml"), "{err}");
 }
+
+/// The main job on the CUDA backend, with the device emulated on the CPU (CI has no GPU): it
+/// trains, its first loss is the CPU's (the same model and batch before any update), and its
+/// per-step losses stay within f32 reassociation of the CPU's.
+#[cfg(feature = "cuda")]
+#[test]
+fn trains_on_the_emulated_gpu_like_the_cpu() {
+    let exe = example().expect("cargo test builds examples/train_gpt next to the tests");
+    let dir = std::env::temp_dir().join(format!("fz-smoke-gpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let losses = |device: &str| -> Vec<f64> {
+        let m = dir.join(format!("{device}.jsonl"));
+        let args = [
+            "--device",
+            device,
+            "--digits",
+            "2",
+            "--steps",
+            "4",
+            "--eval-rows",
+            "16",
+            "--no-progress",
+            "--ranks",
+            "1",
+            "--metrics",
+            m.to_str().unwrap(),
+        ];
+        let out = Command::new(&exe)
+            .args(args)
+            .env("FERROZERO_CUDA_EMULATOR", "1")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "train_gpt --device {device} failed:\n{text}"
+        );
+        std::fs::read_to_string(&m)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let (gpu, cpu) = (losses("cuda"), losses("cpu"));
+    assert_eq!(gpu.len(), 4);
+    assert!(
+        (gpu[0] - cpu[0]).abs() <= 1e-6 * cpu[0],
+        "first loss {gpu:?} vs {cpu:?}"
+    );
+    for (g, c) in gpu.iter().zip(&cpu) {
+        assert!((g - c).abs() <= 1e-4 * c, "losses {gpu:?} vs CPU {cpu:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
