@@ -7,13 +7,15 @@
 # Usage (from the repository root): bash bench/gpu/prepare.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+EXCLUDE=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$EXCLUDE")"
+grep -qx '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
 rm -rf .gpu && mkdir -p .gpu/tests
 cargo build --release --features cuda --example train_gpt --bin ferrozero
 cp target/release/examples/train_gpt target/release/ferrozero .gpu/
 # The test executables cargo reports for the GPU-facing tests.
 cargo test --release --features cuda -p ferrozero-runtime --no-run --message-format=json \
-  --test device_ops --test device_engine --test cuda_driver --test kernels_compile 2>/dev/null |
+  --test device_ops --test device_engine --test device_modules --test cuda_driver --test kernels_compile 2>/dev/null |
   python3 -c '
 import json, sys
 for line in sys.stdin:
