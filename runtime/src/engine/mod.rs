@@ -23,6 +23,7 @@ pub mod report;
 pub mod schedule;
 pub mod stage;
 mod step;
+mod topology;
 pub(crate) mod swap;
 pub mod timeline;
 
@@ -32,3 +33,4 @@ pub use eval::Evaluation;
 pub use init::{default_config_path, initialize, EngineBuilder};
 pub use params::{GradShard, NamedTensor};
 pub use report::{StepReport, SwapTraffic, Timings};
+pub use topology::backend_name;
