@@ -10,6 +10,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::toy;
+use ferrozero_config::resolved::{CommBackend, Precision, ZeroStage};
 use ferrozero_runtime::comm::hybrid::HybridComm;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::comm::nccl::fake::{FakeNccl, InjectedError};
@@ -18,8 +20,6 @@ use ferrozero_runtime::comm::store::{StoreServer, TcpStore};
 use ferrozero_runtime::comm::{BufMut, BufRef, Communicator, ReduceOp};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::{Error, Result};
-use common::toy;
-use ferrozero_config::resolved::{CommBackend, Precision, ZeroStage};
 
 const TIMEOUT: Duration = Duration::from_millis(400);
 
@@ -27,7 +27,13 @@ fn server() -> StoreServer {
     StoreServer::bind("127.0.0.1:0".parse().unwrap()).expect("store server")
 }
 
-fn comm(lib: &FakeNccl, addr: SocketAddr, rank: usize, world: usize, det: bool) -> Result<NcclComm> {
+fn comm(
+    lib: &FakeNccl,
+    addr: SocketAddr,
+    rank: usize,
+    world: usize,
+    det: bool,
+) -> Result<NcclComm> {
     comm_t(lib, addr, (rank, world), det, TIMEOUT)
 }
 
@@ -101,7 +107,10 @@ fn the_id_travels_through_the_store_and_collectives_run() {
     assert!(sums.iter().all(|v| *v == [6.0, 30.0]), "{sums:?}");
     let inits = lib.inits();
     assert_eq!(inits.len(), 3);
-    assert!(inits.iter().all(|(_, id)| *id == inits[0].1), "ranks got different ids");
+    assert!(
+        inits.iter().all(|(_, id)| *id == inits[0].1),
+        "ranks got different ids"
+    );
 }
 
 #[test]
@@ -125,9 +134,18 @@ fn a_dead_rank_fails_every_survivor_within_the_timeout_naming_it() {
         let ((op, peer, _, reason), waited, again, fast) = o.clone().unwrap();
         assert_eq!(op, "all_reduce");
         assert_eq!(peer, Some(2), "rank {rank}: {reason}");
-        assert!(reason.contains("comms.timeout") && reason.contains("rank 2"), "{reason}");
-        assert!(waited >= TIMEOUT && waited < TIMEOUT * 2 + Duration::from_secs(1), "{waited:?}");
-        assert!(again.3.contains("aborted") && fast < Duration::from_millis(50), "{again:?}");
+        assert!(
+            reason.contains("comms.timeout") && reason.contains("rank 2"),
+            "{reason}"
+        );
+        assert!(
+            waited >= TIMEOUT && waited < TIMEOUT * 2 + Duration::from_secs(1),
+            "{waited:?}"
+        );
+        assert!(
+            again.3.contains("aborted") && fast < Duration::from_millis(50),
+            "{again:?}"
+        );
     }
     let mut aborted = lib.aborted_ranks();
     aborted.sort_unstable();
@@ -204,11 +222,15 @@ fn reduce_both(c: &dyn Communicator, n: usize) -> (Vec<u32>, Vec<u32>) {
 fn deterministic_reductions_equal_the_local_communicator_bit_for_bit() {
     let n = 1001;
     let local = run_ranks(3, TIMEOUT * 10, |c| Ok(reduce_both(&*c, n))).unwrap();
-    let det = ranks(&FakeNccl::default(), 3, true, |_, c| reduce_both(&c.unwrap(), n));
+    let det = ranks(&FakeNccl::default(), 3, true, |_, c| {
+        reduce_both(&c.unwrap(), n)
+    });
     assert_eq!(local, det);
     // The fake's native order (like NCCL's ring) is not rank order: without the option the
     // bits differ, which is why the option exists.
-    let native = ranks(&FakeNccl::default(), 3, false, |_, c| reduce_both(&c.unwrap(), n));
+    let native = ranks(&FakeNccl::default(), 3, false, |_, c| {
+        reduce_both(&c.unwrap(), n)
+    });
     assert_ne!(local, native);
 }
 
@@ -239,7 +261,10 @@ fn splits_and_hybrid_sharding_work_over_nccl() {
 fn train(e: &mut Engine, rank: usize) -> Result<(Vec<f64>, Vec<Vec<u32>>)> {
     let mut losses = Vec::new();
     for s in 0..4 {
-        losses.push(e.train_batch(&[toy::batch(11, 5, (s * 2 + rank) * 2, 2)])?.loss);
+        losses.push(
+            e.train_batch(&[toy::batch(11, 5, (s * 2 + rank) * 2, 2)])?
+                .loss,
+        );
     }
     let params = e.parameters()?.iter().map(|t| bits(&t.data)).collect();
     Ok((losses, params))
@@ -251,7 +276,10 @@ fn the_engine_trains_over_deterministic_nccl_bit_for_bit_like_local_threads() {
     cfg.zero.overlap_comm = true;
     let local = run_ranks(2, Duration::from_secs(30), |c| {
         let r = c.rank();
-        train(&mut Engine::new(toy::model(11, 6, 5, 2), cfg.clone(), c)?, r)
+        train(
+            &mut Engine::new(toy::model(11, 6, 5, 2), cfg.clone(), c)?,
+            r,
+        )
     })
     .unwrap();
     cfg.comms.backend = CommBackend::Nccl;
@@ -267,5 +295,8 @@ fn the_engine_trains_over_deterministic_nccl_bit_for_bit_like_local_threads() {
         let e = Engine::new(toy::model(11, 6, 5, 2), cfg.clone(), Box::new(c.unwrap()));
         e.err().map(|e| e.to_string()).unwrap_or_default()
     });
-    assert!(refused[0].contains("comms.deterministic = true"), "{refused:?}");
+    assert!(
+        refused[0].contains("comms.deterministic = true"),
+        "{refused:?}"
+    );
 }

@@ -27,7 +27,10 @@ fn a_backend_the_job_does_not_have_is_refused_with_what_would_work() {
             Ok(_) => panic!("{name}: a local communicator was accepted"),
             Err(e) => e.to_string(),
         };
-        assert!(err.contains(&format!("comms.backend = \"{name}\"")), "{err}");
+        assert!(
+            err.contains(&format!("comms.backend = \"{name}\"")),
+            "{err}"
+        );
         assert!(err.contains("local communicator"), "{err}");
         assert!(err.contains(hint), "{err}");
         assert!(err.contains("comms.backend = \"local\""), "{err}");

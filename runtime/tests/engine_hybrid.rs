@@ -56,7 +56,14 @@ fn train(cfg: &ResolvedConfig) -> Run {
             l.current(Location::Device, Category::OptimizerState),
             l.peak_total(Location::Device),
         );
-        Ok((e.parameters()?, losses, param_bytes, optim_bytes, device_peak, cross))
+        Ok((
+            e.parameters()?,
+            losses,
+            param_bytes,
+            optim_bytes,
+            device_peak,
+            cross,
+        ))
     })
     .expect("training failed");
     let cross = out.iter().map(|o| o.5.clone()).collect();
@@ -102,7 +109,10 @@ fn two_groups_of_two_train_like_plain_stage3_at_world_4() {
     for overlap in [false, true] {
         let h = train(&hybrid(4, 2, overlap));
         let d = max_rel_diff(&plain.params, &h.params);
-        assert!(d <= 1e-5, "overlap {overlap}: parameters differ by {d:e} relative");
+        assert!(
+            d <= 1e-5,
+            "overlap {overlap}: parameters differ by {d:e} relative"
+        );
         for (a, b) in plain.losses.iter().zip(&h.losses) {
             assert!((a - b).abs() <= 1e-5 * a.abs(), "losses {a} vs {b}");
         }
@@ -154,7 +164,10 @@ fn cross_group_bytes_are_the_gradient_shards() {
         .sum();
     let want = (shard_elems * 4 * cfg.gradient_accumulation_steps) as u64;
     for (rank, steps) in h.cross.iter().enumerate() {
-        assert!(steps.iter().all(|&b| b == want), "rank {rank}: {steps:?} vs {want}");
+        assert!(
+            steps.iter().all(|&b| b == want),
+            "rank {rank}: {steps:?} vs {want}"
+        );
     }
     let plain = train(&hybrid(4, 1, false));
     assert!(plain.cross.iter().flatten().all(|&b| b == 0));

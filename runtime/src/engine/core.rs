@@ -610,7 +610,10 @@ fn open_nvme(
         .map(|s| {
             stage
                 .optimizer()
-                .range(&super::partition::GroupLayout::new(&s, world), shards.rank())
+                .range(
+                    &super::partition::GroupLayout::new(&s, world),
+                    shards.rank(),
+                )
                 .len()
         })
         .max()

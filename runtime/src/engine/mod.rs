@@ -23,9 +23,9 @@ pub mod report;
 pub mod schedule;
 pub mod stage;
 mod step;
-mod topology;
 pub(crate) mod swap;
 pub mod timeline;
+mod topology;
 
 pub use self::core::Engine;
 pub use build::storage_dtype;

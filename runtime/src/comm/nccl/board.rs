@@ -89,15 +89,25 @@ impl Board {
 
     /// This rank's place in the communicator `split(color, key)` makes (the `n`-th split):
     /// every rank posts its color and key, then reads everyone's.
-    pub(super) fn split_membership(&self, n: u64, color: usize, key: usize) -> Result<(usize, usize)> {
+    pub(super) fn split_membership(
+        &self,
+        n: u64,
+        color: usize,
+        key: usize,
+    ) -> Result<(usize, usize)> {
         let k = |r: usize| format!("{}/split{n}/member/{r}", self.tag);
         self.store
             .set(&k(self.rank), format!("{color} {key}").as_bytes())?;
         let mut members = Vec::new();
         for r in 0..self.world {
             let v = String::from_utf8_lossy(&self.store.wait(&k(r))?).into_owned();
-            let mut it = v.split(' ').map(|x| x.parse::<usize>().unwrap_or(usize::MAX));
-            let (c, kk) = (it.next().unwrap_or(usize::MAX), it.next().unwrap_or(usize::MAX));
+            let mut it = v
+                .split(' ')
+                .map(|x| x.parse::<usize>().unwrap_or(usize::MAX));
+            let (c, kk) = (
+                it.next().unwrap_or(usize::MAX),
+                it.next().unwrap_or(usize::MAX),
+            );
             if c == color {
                 members.push((kk, r));
             }
@@ -126,7 +136,9 @@ pub(super) fn judge(me: usize, seq: u64, entries: &[Option<String>]) -> Verdict 
             ),
         };
     }
-    let missing: Vec<usize> = (0..entries.len()).filter(|&r| entries[r].is_none()).collect();
+    let missing: Vec<usize> = (0..entries.len())
+        .filter(|&r| entries[r].is_none())
+        .collect();
     match missing.first() {
         Some(&r) => Verdict {
             culprit: Some(r),
@@ -164,7 +176,11 @@ mod tests {
     fn an_nccl_error_on_a_peer_beats_a_silent_one() {
         let v = judge(0, 7, &[e(WAITING), None, e("unhandled cuda error")]);
         assert_eq!(v.culprit, Some(2));
-        assert!(v.text.contains("#7") && v.text.contains("unhandled cuda error"), "{}", v.text);
+        assert!(
+            v.text.contains("#7") && v.text.contains("unhandled cuda error"),
+            "{}",
+            v.text
+        );
     }
 
     #[test]

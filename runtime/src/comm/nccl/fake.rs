@@ -251,7 +251,9 @@ fn complete(op: &mut NcclOp<'_>, inputs: &[&FlatBuf], rank: usize) -> Result<()>
 
 /// Elements `range` of every input reduced in reverse rank order, in f32, rounded once.
 fn reduce(inputs: &[&FlatBuf], range: std::ops::Range<usize>, op: ReduceOp) -> Result<FlatBuf> {
-    let first = inputs.first().ok_or_else(|| Error::Invalid("no ranks".into()))?;
+    let first = inputs
+        .first()
+        .ok_or_else(|| Error::Invalid("no ranks".into()))?;
     let n = range.len();
     let (mut acc, mut x) = (vec![0f32; n], vec![0f32; n]);
     for (i, b) in inputs.iter().rev().enumerate() {

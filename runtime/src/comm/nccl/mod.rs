@@ -177,9 +177,7 @@ impl NcclComm {
     fn fail(&self, op: &'static str, start: Instant, reason: Option<String>) -> Error {
         self.handle.borrow_mut().abort();
         let seq = self.seq.get();
-        let verdict = self
-            .board
-            .report(seq, reason.as_deref(), self.opts.timeout);
+        let verdict = self.board.report(seq, reason.as_deref(), self.opts.timeout);
         let why = match &reason {
             Some(r) => format!("NCCL error: {r}; {}", verdict.text),
             None => format!(
@@ -191,7 +189,13 @@ impl NcclComm {
         self.error(op, verdict.culprit, start, why)
     }
 
-    fn error(&self, op: &'static str, peer: Option<usize>, start: Instant, reason: String) -> Error {
+    fn error(
+        &self,
+        op: &'static str,
+        peer: Option<usize>,
+        start: Instant,
+        reason: String,
+    ) -> Error {
         Error::Comm {
             op,
             rank: self.rank,
@@ -325,9 +329,7 @@ impl NcclComm {
     /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`): NCCL on GPU
     /// `LOCAL_RANK`, the unique id through the store that rank 0 serves. Keep the returned
     /// server alive for the whole job.
-    pub fn from_env(
-        opts: NcclOptions,
-    ) -> Result<(Self, Option<super::store::StoreServer>)> {
+    pub fn from_env(opts: NcclOptions) -> Result<(Self, Option<super::store::StoreServer>)> {
         let (store, server) = TcpStore::from_env(opts.timeout)?;
         let var = |n: &str| {
             std::env::var(n)
@@ -341,7 +343,10 @@ impl NcclComm {
         };
         let (rank, world, local) = (var("RANK")?, var("WORLD_SIZE")?, var("LOCAL_RANK")?);
         let lib = real::RealNccl::open(local)?;
-        tracing::info!("{} on GPU {local} for rank {rank} of {world}", lib.describe());
+        tracing::info!(
+            "{} on GPU {local} for rank {rank} of {world}",
+            lib.describe()
+        );
         let comm = Self::init(&lib, Arc::new(store), "world", (rank, world), opts)?;
         Ok((comm, server))
     }

@@ -144,7 +144,11 @@ impl NcclLib for RealNccl {
         })?;
         // SAFETY: set by the call above (non-blocking: valid, initialisation in progress).
         let comm = unsafe { comm.assume_init() };
-        Ok(Box::new(RealHandle::new(Arc::clone(&self.ctx), stream, comm)))
+        Ok(Box::new(RealHandle::new(
+            Arc::clone(&self.ctx),
+            stream,
+            comm,
+        )))
     }
 }
 
@@ -211,7 +215,9 @@ impl RealHandle {
             String::new()
         } else {
             // SAFETY: non-null and NUL-terminated.
-            unsafe { CStr::from_ptr(last) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(last) }
+                .to_string_lossy()
+                .into_owned()
         };
         format!("{} {detail}", words(e)).trim_end().to_string()
     }
@@ -310,7 +316,9 @@ unsafe fn enqueue(
         NcclOp::Broadcast { buf, root } => unsafe {
             sys::ncclBroadcast(ip, opp, buf.len(), t, to_int(*root)?, comm, s)
         },
-        NcclOp::AllToAll { input, output } => unsafe { all_to_all(input, output, ip, opp, t, comm, s)? },
+        NcclOp::AllToAll { input, output } => unsafe {
+            all_to_all(input, output, ip, opp, t, comm, s)?
+        },
     })
 }
 
@@ -329,7 +337,9 @@ unsafe fn all_to_all(
 ) -> Result<sys::ncclResult_t> {
     let mut world: c_int = 0;
     // SAFETY: a live communicator and a valid out-pointer.
-    check("ncclCommCount", unsafe { sys::ncclCommCount(comm, &mut world) })?;
+    check("ncclCommCount", unsafe {
+        sys::ncclCommCount(comm, &mut world)
+    })?;
     let world = world.max(1) as usize;
     let n = output.len() / world;
     let bytes = n * input.dtype().size();
@@ -339,8 +349,14 @@ unsafe fn all_to_all(
         let peer = to_int(r)?;
         // SAFETY: chunk r of each buffer is in bounds (`world * n` elements).
         unsafe {
-            check("ncclSend", sys::ncclSend(ip.byte_add(r * bytes), n, t, peer, comm, s))?;
-            check("ncclRecv", sys::ncclRecv(opp.byte_add(r * bytes), n, t, peer, comm, s))?;
+            check(
+                "ncclSend",
+                sys::ncclSend(ip.byte_add(r * bytes), n, t, peer, comm, s),
+            )?;
+            check(
+                "ncclRecv",
+                sys::ncclRecv(opp.byte_add(r * bytes), n, t, peer, comm, s),
+            )?;
         }
     }
     // SAFETY: closes the group opened above.
@@ -428,11 +444,21 @@ impl NcclHandle for RealHandle {
         let mut comm = MaybeUninit::<sys::ncclComm_t>::uninit();
         // SAFETY: a live parent and valid pointers.
         check("ncclCommSplit", unsafe {
-            sys::ncclCommSplit(self.comm, to_int(color)?, to_int(key)?, comm.as_mut_ptr(), &mut config)
+            sys::ncclCommSplit(
+                self.comm,
+                to_int(color)?,
+                to_int(key)?,
+                comm.as_mut_ptr(),
+                &mut config,
+            )
         })?;
         // SAFETY: set by the call above.
         let comm = unsafe { comm.assume_init() };
-        Ok(Box::new(RealHandle::new(Arc::clone(&self.ctx), stream, comm)))
+        Ok(Box::new(RealHandle::new(
+            Arc::clone(&self.ctx),
+            stream,
+            comm,
+        )))
     }
 }
 

@@ -50,10 +50,7 @@ impl<'a> Replay<'a> {
     /// Lays out every group of `model` for `cfg`'s world size and counts the model states.
     pub(super) fn build(model: &'a Model, cfg: &'a ResolvedConfig, moments: usize) -> Self {
         let stage = stage::for_stage(cfg.zero.stage);
-        let world = shard_world(
-            cfg.world_size.max(1),
-            cfg.zero.hpz_partition_size,
-        );
+        let world = shard_world(cfg.world_size.max(1), cfg.zero.hpz_partition_size);
         let mut specs: Vec<_> = model.units.iter().map(|u| u.module.param_specs()).collect();
         if !model.shared.is_empty() {
             specs.push(model.shared.clone());
