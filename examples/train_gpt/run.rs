@@ -368,6 +368,7 @@ fn metrics_line(r: &StepReport, tps: f64, peak_dev: f64, peak_host: f64) -> Stri
         "ledger_peak_device_bytes": r.memory.peak_device_bytes,
         "device_allocator": r.device_memory,
         "swap_read_bytes": r.swap.read_bytes, "swap_written_bytes": r.swap.written_bytes,
+        "cross_group_bytes": r.cross_group_bytes,
     })
     .to_string()
 }
