@@ -183,3 +183,36 @@ fn a_group_size_that_does_not_divide_the_world_is_refused() {
     assert!(err.contains("zero_hpz_partition_size = 3"), "{err}");
     assert!(err.contains("divide the world size 4"), "{err}");
 }
+
+#[test]
+fn a_plain_checkpoint_loads_into_a_hybrid_run_and_saving_under_it_is_refused() {
+    use ferrozero_runtime::engine::checkpoint::Tag;
+    let dir = std::env::temp_dir().join(format!("fz-hybrid-ckpt-{}", std::process::id()));
+    let saved = run_ranks(2, Duration::from_secs(60), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(toy::model(V, D, T, LAYERS), hybrid(2, 1, false), comm)?;
+        for s in 0..3 {
+            let b: Vec<_> = (0..2)
+                .map(|m| toy::batch(V, T, ((s * 2 + m) * 2 + rank) * 2, 2))
+                .collect();
+            e.train_batch(&b)?;
+        }
+        e.save_checkpoint(&dir, "t3", 3)?;
+        e.parameters()
+    })
+    .expect("plain run");
+    let loaded = run_ranks(4, Duration::from_secs(60), |comm| {
+        let mut e = Engine::new(toy::model(V, D, T, LAYERS), hybrid(4, 2, false), comm)?;
+        e.load_checkpoint(&dir, &Tag::Latest)?;
+        let refused = e.save_checkpoint(&dir, "h", 0).unwrap_err().to_string();
+        Ok((e.parameters()?, refused))
+    })
+    .expect("hybrid load");
+    std::fs::remove_dir_all(&dir).ok();
+    for (params, refused) in &loaded {
+        for (a, b) in saved[0].iter().zip(params) {
+            assert_eq!(a.data, b.data, "{}", a.name);
+        }
+        assert!(refused.contains("hybrid sharding"), "{refused}");
+    }
+}

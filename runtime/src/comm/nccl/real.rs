@@ -156,11 +156,15 @@ fn to_int(v: usize) -> Result<c_int> {
     c_int::try_from(v).map_err(|_| Error::Invalid(format!("{v} does not fit NCCL's int")))
 }
 
-/// A collective in flight: its device buffers and the event after it.
+/// A collective in flight: its device buffers and, once NCCL has really enqueued it, the
+/// event after it.
 struct Staged {
     out: CudaSlice<u8>,
     _inp: CudaSlice<u8>,
-    done: CudaEvent,
+    /// Recorded only after `ncclCommGetAsyncError` stops saying "in progress": on a
+    /// non-blocking communicator a call may return before its kernels are on the stream, and
+    /// an event recorded then would complete before the collective ran.
+    done: Option<CudaEvent>,
 }
 
 /// One NCCL communicator (a raw `ncclComm_t`) and its stream.
@@ -250,14 +254,10 @@ impl RealHandle {
             let r = unsafe { enqueue(op, ip, opp, t, self.comm, s)? };
             check(op.name(), r)?;
         }
-        let done = self
-            .stream
-            .record_event(None)
-            .map_err(|e| unavailable(format!("recording an event: {e:?}")))?;
         Ok(Staged {
             out,
             _inp: inp,
-            done,
+            done: None,
         })
     }
 }
@@ -400,22 +400,34 @@ impl NcclHandle for RealHandle {
         if let Err(e) = self.bind() {
             return Poll::Failed(e.to_string());
         }
-        if let Poll::Failed(why) = self.async_state() {
+        let state = self.async_state();
+        if let Poll::Failed(why) = state {
             return Poll::Failed(why);
         }
-        let Some(st) = &self.staged else {
+        let stream = Arc::clone(&self.stream);
+        let Some(st) = &mut self.staged else {
             return Poll::Failed("poll without a started collective".into());
         };
-        match st.done.try_is_complete() {
-            Ok(false) => Poll::Pending,
-            Ok(true) => match download(&self.stream, &st.out, op) {
-                Ok(()) => {
-                    self.staged = None;
-                    Poll::Done
-                }
-                Err(e) => Poll::Failed(e.to_string()),
-            },
-            Err(e) => Poll::Failed(format!("CUDA error while NCCL ran: {e:?}")),
+        if st.done.is_none() {
+            if state == Poll::Pending {
+                return Poll::Pending; // NCCL is still enqueueing (non-blocking communicator)
+            }
+            match stream.record_event(None) {
+                Ok(e) => st.done = Some(e),
+                Err(e) => return Poll::Failed(format!("recording an event: {e:?}")),
+            }
+        }
+        let complete = st.done.as_ref().map(CudaEvent::try_is_complete);
+        let outcome = match complete {
+            Some(Ok(false)) => return Poll::Pending,
+            Some(Ok(true)) => download(&stream, &st.out, op),
+            Some(Err(e)) => return Poll::Failed(format!("CUDA error while NCCL ran: {e:?}")),
+            None => return Poll::Pending,
+        };
+        self.staged = None;
+        match outcome {
+            Ok(()) => Poll::Done,
+            Err(e) => Poll::Failed(e.to_string()),
         }
     }
 
