@@ -220,6 +220,7 @@ impl Config {
                     crate::model::Backend::Nccl => CommBackend::Nccl,
                 },
                 timeout: Duration::from_secs(self.comms.timeout),
+                deterministic: self.comms.deterministic,
             },
         };
         Ok(Resolution {

@@ -317,6 +317,8 @@ pub struct CommsConfig {
     pub backend: CommBackend,
     /// Every collective fails after this long without progress.
     pub timeout: Duration,
+    /// Rank-ordered reductions on every backend (NCCL's deterministic mode).
+    pub deterministic: bool,
 }
 
 /// The whole resolved configuration.

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use ferrozero::engine::{Engine, EngineBuilder, StepReport};
 use ferrozero::runtime::comm::local::run_ranks;
+use ferrozero::runtime::comm::Communicator;
 use ferrozero::runtime::engine::checkpoint::Tag;
 use ferrozero::runtime::engine::timeline::{Pool, Timeline};
 use ferrozero::runtime::nn::weights::{self, Naming};
@@ -80,7 +81,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         Some(p) => Some(weights::load(p, Naming::Gpt2)?),
         None => None,
     };
-    run_ranks(args.ranks, Duration::from_secs(600), |comm| {
+    let rank_body = |comm: Box<dyn Communicator>| {
         let quiet = comm.rank() != 0 && !args.log_all_ranks;
         let _guard = quiet.then(|| {
             tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default())
@@ -115,7 +116,48 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             evaluate(&mut engine, h, args.eval_rows)?;
         }
         Ok(())
-    })?;
+    };
+    if config.comms.backend == ferrozero::config::Backend::Nccl {
+        return nccl_rank(args, &config, rank_body);
+    }
+    run_ranks(args.ranks, Duration::from_secs(600), rank_body)?;
+    Ok(())
+}
+
+/// `comms.backend = "nccl"`: this process is one rank of a job `ferrozero launch` started.
+#[cfg(feature = "cuda")]
+fn nccl_rank(
+    args: &Args,
+    config: &ferrozero::config::Config,
+    body: impl Fn(Box<dyn Communicator>) -> ferrozero::runtime::Result<()>,
+) -> Result<(), BoxError> {
+    use ferrozero::runtime::comm::nccl::{NcclComm, NcclOptions};
+    if args.ranks != 1 {
+        return Err(format!(
+            "--ranks {} with comms.backend = \"nccl\": each process is one rank; start \
+             {} processes with `ferrozero launch --nproc-per-node {}`",
+            args.ranks, args.ranks, args.ranks
+        )
+        .into());
+    }
+    let opts = NcclOptions {
+        timeout: Duration::from_secs(config.comms.timeout),
+        deterministic: config.comms.deterministic,
+    };
+    let (comm, _store) = NcclComm::from_env(opts)?;
+    body(Box::new(comm))?;
+    Ok(())
+}
+
+/// Without the CUDA build there is no NCCL: the local ranks run and the engine refuses the
+/// mismatch with what would work.
+#[cfg(not(feature = "cuda"))]
+fn nccl_rank(
+    args: &Args,
+    _config: &ferrozero::config::Config,
+    body: impl Fn(Box<dyn Communicator>) -> ferrozero::runtime::Result<()> + Sync,
+) -> Result<(), BoxError> {
+    run_ranks(args.ranks, Duration::from_secs(600), body)?;
     Ok(())
 }
 
@@ -326,6 +368,7 @@ fn metrics_line(r: &StepReport, tps: f64, peak_dev: f64, peak_host: f64) -> Stri
         "ledger_peak_device_bytes": r.memory.peak_device_bytes,
         "device_allocator": r.device_memory,
         "swap_read_bytes": r.swap.read_bytes, "swap_written_bytes": r.swap.written_bytes,
+        "cross_group_bytes": r.cross_group_bytes,
     })
     .to_string()
 }

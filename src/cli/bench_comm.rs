@@ -14,6 +14,9 @@ pub enum Backend {
     Local,
     /// One rank per MPI process (start with `mpirun -n N ferrozero bench comm --backend mpi`).
     Mpi,
+    /// One rank per GPU over NCCL (start with `ferrozero launch -- ferrozero bench comm
+    /// --backend nccl`; CUDA build). Compare busbw with nccl-tests' `all_reduce_perf -g 1`.
+    Nccl,
 }
 
 /// Arguments.
@@ -67,6 +70,7 @@ pub fn run(args: Args) -> ExitCode {
     let result = match args.backend {
         Backend::Local => local(args.ranks, timeout, &sizes),
         Backend::Mpi => mpi(timeout, &sizes),
+        Backend::Nccl => nccl(timeout, &sizes),
     };
     match result {
         Ok(Some(rows)) => {
@@ -105,6 +109,30 @@ fn mpi(_timeout: Duration, _sizes: &[usize]) -> ferrozero_runtime::Result<Option
     Err(ferrozero_runtime::Error::Unavailable {
         what: "the MPI backend",
         why: "this ferrozero was built without the `mpi` feature (cargo build --features mpi)"
+            .into(),
+    })
+}
+
+/// Runs on every launched process; only rank 0 returns rows to print. Host buffers are
+/// staged through the GPU today, so these figures include the PCIe copies.
+#[cfg(feature = "cuda")]
+fn nccl(timeout: Duration, sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+    use ferrozero_runtime::comm::nccl::{NcclComm, NcclOptions};
+    use ferrozero_runtime::comm::Communicator;
+    let opts = NcclOptions {
+        timeout,
+        deterministic: false,
+    };
+    let (comm, _store) = NcclComm::from_env(opts)?;
+    let rows = bench::run(&comm, &BenchOp::ALL, sizes)?;
+    Ok((comm.rank() == 0).then_some(rows))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl(_timeout: Duration, _sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+    Err(ferrozero_runtime::Error::Unavailable {
+        what: "the NCCL backend",
+        why: "this ferrozero was built without the `cuda` feature (cargo build --features cuda)"
             .into(),
     })
 }

@@ -4,23 +4,26 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use ferrozero_runtime::comm::launch::slurm::SlurmJob;
 use ferrozero_runtime::comm::launch::{launch, LaunchOutcome, LaunchSpec};
 
 /// Arguments.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Ranks to start on this node.
-    #[arg(long, default_value_t = 1)]
-    nproc_per_node: usize,
-    /// Nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
-    /// This node's index, 0-based.
-    #[arg(long, default_value_t = 0)]
-    node_rank: usize,
-    /// Host where rank 0 serves the rendezvous store.
-    #[arg(long, default_value = "127.0.0.1")]
-    master_addr: String,
+    /// Ranks to start on this node [default: Slurm's GPUs (or tasks) per node, else the
+    /// GPUs this node has (CUDA build), else 1]. Each rank's GPU is its `LOCAL_RANK`.
+    #[arg(long)]
+    nproc_per_node: Option<usize>,
+    /// Nodes in the job [default: `SLURM_NNODES`, else 1].
+    #[arg(long)]
+    nnodes: Option<usize>,
+    /// This node's index, 0-based [default: `SLURM_NODEID`, else 0].
+    #[arg(long)]
+    node_rank: Option<usize>,
+    /// Host where rank 0 serves the rendezvous store [default: the first host of
+    /// `SLURM_JOB_NODELIST`, else 127.0.0.1].
+    #[arg(long)]
+    master_addr: Option<String>,
     /// Port of the rendezvous store.
     #[arg(long, default_value_t = 29500)]
     master_port: u16,
@@ -32,14 +35,36 @@ pub struct Args {
     command: Vec<String>,
 }
 
+/// The GPUs on this node, when the build has CUDA and the driver sees some.
+#[cfg(feature = "cuda")]
+fn gpu_count() -> Option<usize> {
+    ferrozero_runtime::backend::cuda::driver::device_count()
+        .ok()
+        .filter(|&n| n > 0)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_count() -> Option<usize> {
+    None
+}
+
 /// Runs the subcommand.
 pub fn run(args: Args) -> ExitCode {
+    let slurm = SlurmJob::from_env();
+    let nproc = args
+        .nproc_per_node
+        .or(slurm.nproc_per_node)
+        .or_else(gpu_count)
+        .unwrap_or(1);
     let mut command = args.command.into_iter();
     let spec = LaunchSpec {
-        nproc_per_node: args.nproc_per_node,
-        nnodes: args.nnodes,
-        node_rank: args.node_rank,
-        master_addr: args.master_addr,
+        nproc_per_node: nproc,
+        nnodes: args.nnodes.or(slurm.nnodes).unwrap_or(1),
+        node_rank: args.node_rank.or(slurm.node_rank).unwrap_or(0),
+        master_addr: args
+            .master_addr
+            .or(slurm.master_addr)
+            .unwrap_or_else(|| "127.0.0.1".into()),
         master_port: args.master_port,
         program: command.next().unwrap_or_default(),
         args: command.collect(),

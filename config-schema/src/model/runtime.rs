@@ -78,6 +78,10 @@ pub struct Comms {
     pub backend: Backend,
     /// Seconds after which a collective without progress fails.
     pub timeout: u64,
+    /// Reduce in rank order on NCCL too (an all-to-all plus an ordered sum instead of NCCL's
+    /// ring), so results are bitwise those of the local communicator; costs bandwidth (see
+    /// docs/scaling.md). The local and MPI communicators always reduce in rank order.
+    pub deterministic: bool,
 }
 
 impl Default for Comms {
@@ -85,6 +89,7 @@ impl Default for Comms {
         Comms {
             backend: Backend::Local,
             timeout: 300,
+            deterministic: false,
         }
     }
 }
@@ -197,6 +202,7 @@ pub(crate) fn read_comms(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Com
             .get(cx, "backend", &[], |cx, p, n| to_choice(cx, p, n, BACKENDS))
             .unwrap_or(d.backend),
         timeout: t.uint(cx, "timeout", d.timeout),
+        deterministic: t.bool(cx, "deterministic", d.deterministic),
     };
     t.finish(cx, &[]);
     Some(c)

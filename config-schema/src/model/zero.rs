@@ -56,7 +56,11 @@ pub struct ZeroOptimization {
     /// Assign gradient partitions to ranks round-robin (DeepSpeed's option for stages 1-2 with CPU
     /// offload).
     pub round_robin_gradients: bool,
-    /// Secondary (hierarchical) partition size (ZeRO++ hpZ); 1 = off.
+    /// Hybrid sharding group size (ZeRO++ hpZ, MiCS, FSDP's `HYBRID_SHARD`): parameters,
+    /// gradients and optimizer state are sharded inside groups of this many consecutive ranks
+    /// (one node) and replicated across groups, so gathers stay inside a group and only
+    /// gradient shards cross groups. Unlike DeepSpeed's hpZ, optimizer state is sharded inside
+    /// the group too (as MiCS does). Must divide the world size; 1 = off.
     pub zero_hpz_partition_size: u64,
     /// Where parameters live between uses (stage 3 only).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -138,11 +142,15 @@ const SUPPORT: &[(&str, Support)] = &[
     ),
     (
         "mics_shard_size",
-        Support::Refused("MiCS sharding is not implemented"),
+        Support::Refused(
+            "ferrozero's MiCS-style hybrid sharding is `zero_hpz_partition_size`: set that instead",
+        ),
     ),
     (
         "mics_hierarchical_params_gather",
-        Support::Refused("MiCS sharding is not implemented"),
+        Support::Refused(
+            "hybrid sharding (`zero_hpz_partition_size`) always gathers inside the group",
+        ),
     ),
     (
         "use_multi_rank_bucket_allreduce",

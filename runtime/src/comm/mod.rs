@@ -7,6 +7,7 @@
 //! bitwise equivalence across ZeRO stages depends on it.
 
 use crate::Result;
+pub use ferrozero_config::resolved::CommBackend;
 
 /// Reduction operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +32,14 @@ pub trait Communicator: Send {
     fn rank(&self) -> usize;
     /// Ranks in the group.
     fn world_size(&self) -> usize;
+    /// The transport underneath, as `comms.backend` names it: the engine refuses a
+    /// communicator other than the one the config asks for.
+    fn backend(&self) -> CommBackend;
+    /// Whether reductions add in a fixed order (results independent of timing and equal to
+    /// the local communicator's for the same group structure). NCCL's native ring is not.
+    fn deterministic(&self) -> bool {
+        true
+    }
     /// In-place reduction across ranks.
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()>;
     /// Reduces `input` (length `world_size * output.len()`) across ranks; rank r receives
@@ -52,6 +61,7 @@ pub trait Communicator: Send {
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>>;
 }
 
+pub mod hybrid;
 pub mod local;
 pub mod reference;
 
@@ -59,5 +69,6 @@ pub mod bench;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod nccl;
 pub mod store;
 pub mod worker;

@@ -17,6 +17,7 @@ use super::param_swap::ParamSwap;
 use super::report::Timings;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
+use super::topology::{check_backend, open_hybrid, shard_comm};
 use crate::backend::Backend;
 use crate::comm::Communicator;
 use crate::nn::{Batch, BatchIds, Ctx, Grads, Model, Params, Saved};
@@ -28,6 +29,10 @@ pub struct Engine {
     pub(super) cfg: ResolvedConfig,
     pub(super) model: Model,
     pub(super) comm: Box<dyn Communicator>,
+    /// The shard-group communicator when hybrid sharding splits the world (see `topology`).
+    pub(super) hybrid: Option<crate::comm::hybrid::HybridComm>,
+    /// Cross-group payload bytes at the end of the last step (reports carry the difference).
+    pub(super) cross_mark: u64,
     /// The device the units compute on.
     pub(super) be: Arc<dyn Backend>,
     pub(super) stage: Box<dyn Stage>,
@@ -83,10 +88,13 @@ impl Engine {
                 comm.world_size()
             )));
         }
+        check_backend(&cfg, comm.as_ref())?;
+        let hybrid = open_hybrid(&cfg, comm.as_ref())?;
+        let shards = shard_comm(comm.as_ref(), &hybrid);
         let stage = stage::for_stage(cfg.zero.stage);
         let optimizer = Optimizer::new(cfg.optimizer.clone());
         let mut ledger = Ledger::default();
-        let nvme = open_nvme(&cfg, &model, stage.as_ref(), comm.as_ref())?;
+        let nvme = open_nvme(&cfg, &model, stage.as_ref(), shards, comm.rank())?;
         if let Some(n) = &nvme {
             ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
         }
@@ -94,8 +102,8 @@ impl Engine {
         let plan = GroupPlan {
             stage: stage.as_ref(),
             cfg: &cfg,
-            world: comm.world_size(),
-            rank: comm.rank(),
+            world: shards.world_size(),
+            rank: shards.rank(),
             moments: optimizer.moments(),
             nvme: nvme.as_ref(),
             be: &*be,
@@ -117,7 +125,7 @@ impl Engine {
         });
         let schedule = Schedule::new(&cfg.optimizer, cfg.scheduler.clone());
         let overlap = if cfg.zero.overlap_comm && comm.world_size() > 1 {
-            Some(CommOverlap::new(comm.as_ref())?)
+            Some(CommOverlap::new(shards)?)
         } else {
             None
         };
@@ -126,6 +134,8 @@ impl Engine {
             cfg,
             model,
             comm,
+            hybrid,
+            cross_mark: 0,
             be,
             stage,
             groups,
@@ -220,7 +230,7 @@ impl Engine {
         self.swap_in_for_gather(g)?;
         let r = self.stage.gather(
             &mut self.groups[g],
-            self.comm.as_ref(),
+            shard_comm(self.comm.as_ref(), &self.hybrid),
             &*self.be,
             bucket,
             &mut self.ledger,
@@ -578,17 +588,19 @@ fn open_param_swap(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Opti
 }
 
 /// Opens the rank's NVMe store when `offload_optimizer.device = "nvme"`.
+/// `shards` lays out the sharded state; `rank` (the world's) names the rank's files.
 fn open_nvme(
     cfg: &ResolvedConfig,
     model: &Model,
     stage: &dyn Stage,
-    comm: &dyn Communicator,
+    shards: &dyn Communicator,
+    rank: usize,
 ) -> Result<Option<NvmeOffload>> {
     let ferrozero_config::resolved::OffloadTarget::Nvme(dir) = &cfg.zero.offload_optimizer.target
     else {
         return Ok(None);
     };
-    let world = comm.world_size();
+    let world = shards.world_size();
     let layouts = model
         .units
         .iter()
@@ -598,10 +610,13 @@ fn open_nvme(
         .map(|s| {
             stage
                 .optimizer()
-                .range(&super::partition::GroupLayout::new(&s, world), comm.rank())
+                .range(
+                    &super::partition::GroupLayout::new(&s, world),
+                    shards.rank(),
+                )
                 .len()
         })
         .max()
         .unwrap_or(1);
-    NvmeOffload::open(cfg, dir, comm.rank(), largest).map(Some)
+    NvmeOffload::open(cfg, dir, rank, largest).map(Some)
 }

@@ -90,6 +90,13 @@ impl EngineBuilder {
             Some(c) => c,
             None => single_rank(&config)?,
         };
+        if comm.rank() == 0 {
+            tracing::info!(
+                "communicator: {} ({} ranks)",
+                super::topology::backend_name(comm.backend()),
+                comm.world_size()
+            );
+        }
         let ctx = ResolveContext {
             world_size: comm.world_size(),
             hidden_size: self.hidden_size,
@@ -190,11 +197,13 @@ impl Engine {
         let l = &self.ledger;
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
         let mut s = format!(
-            "ZeRO stage {} on {} | {:?} | world size {} | {} parameters | micro-batch {} x accumulation {} = {} per step\n",
+            "ZeRO stage {} on {} | {:?} | world size {} over {}{} | {} parameters | micro-batch {} x accumulation {} = {} per step\n",
             self.cfg.zero.stage.number(),
             self.be.name(),
             self.cfg.precision,
             self.world_size(),
+            super::topology::backend_name(self.comm.backend()),
+            self.hybrid_summary(),
             self.model.num_params(),
             self.cfg.train_micro_batch_size_per_gpu,
             self.cfg.gradient_accumulation_steps,

@@ -25,6 +25,7 @@ pub mod stage;
 mod step;
 pub(crate) mod swap;
 pub mod timeline;
+mod topology;
 
 pub use self::core::Engine;
 pub use build::storage_dtype;
@@ -32,3 +33,4 @@ pub use eval::Evaluation;
 pub use init::{default_config_path, initialize, EngineBuilder};
 pub use params::{GradShard, NamedTensor};
 pub use report::{StepReport, SwapTraffic, Timings};
+pub use topology::backend_name;

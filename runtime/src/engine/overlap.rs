@@ -10,6 +10,7 @@ use super::core::Engine;
 use super::group::{ParamStore, Shard};
 use super::ledger::{Category, Location};
 use super::stage::{gather_shards, reduce_gradient, to_storage};
+use super::topology::shard_comm;
 use crate::comm::worker::{CommWorker, Pending};
 use crate::tensor::Storage;
 use crate::Result;
@@ -48,7 +49,7 @@ impl Engine {
             .alloc(Location::Device, Category::CommBuffers, bytes);
         let (extent, world, s) = (
             self.stage.grads(),
-            self.world_size(),
+            self.groups[g].layout.world_size,
             self.groups[g].layout.shard_len,
         );
         let bucket = self.cfg.zero.reduce_bucket_size;
@@ -61,7 +62,8 @@ impl Engine {
                 self.bound_reductions()?;
             }
             None => {
-                let red = reduce_gradient(extent, buf, world, s, self.comm.as_ref(), bucket);
+                let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
+                let red = reduce_gradient(extent, buf, world, s, shards, bucket);
                 self.ledger
                     .free(Location::Device, Category::CommBuffers, bytes);
                 self.accumulate(g, red?)?;

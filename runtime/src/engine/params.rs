@@ -9,6 +9,7 @@ use super::group::{not_resident, Group, ParamStore};
 use super::nvme::NvmeOffload;
 use super::param_swap::ParamSwap;
 use super::swap::{edit_shard, nvme_shard_copy};
+use super::topology::shard_comm;
 use crate::comm::{BufMut, BufRef};
 pub use crate::nn::weights::NamedTensor;
 use crate::{Error, Result};
@@ -49,13 +50,13 @@ fn shard_values(
 impl Engine {
     /// Every parameter's fp32 value (collective: every rank must call it).
     pub fn parameters(&self) -> Result<Vec<NamedTensor>> {
-        let (rank, world) = (self.rank(), self.world_size());
+        let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
+        let (rank, world) = (shards.rank(), shards.world_size());
         let mut out = Vec::new();
         for g in &self.groups {
             let shard = shard_values(g, rank, self.nvme.as_ref(), self.param_swap.as_ref())?;
             let mut full = vec![0.0f32; g.layout.shard_len * world];
-            self.comm
-                .all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
+            shards.all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
             for s in &g.layout.slots {
                 out.push(NamedTensor {
                     name: s.name.clone(),
@@ -98,7 +99,7 @@ impl Engine {
                     .into(),
             ));
         }
-        let rank = self.rank();
+        let rank = self.shard_rank();
         self.settle_swapped()?;
         for gi in 0..self.groups.len() {
             let values: Vec<(usize, &[f32])> = plan
@@ -178,7 +179,7 @@ impl Engine {
     /// This rank's shard of every group's accumulated gradient, groups in unit order then the
     /// shared group. Read it between `backward` and `step`.
     pub fn gradient_shards(&self) -> Result<Vec<GradShard>> {
-        let rank = self.rank();
+        let rank = self.shard_rank();
         self.groups
             .iter()
             .map(|g| {

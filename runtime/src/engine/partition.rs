@@ -88,6 +88,16 @@ pub fn shard_len(numel: usize, world_size: usize) -> usize {
     numel.div_ceil(world).div_ceil(SHARD_ALIGN) * SHARD_ALIGN
 }
 
+/// Ranks one copy of the sharded state is split across: the hybrid-sharding group size
+/// (`zero_hpz_partition_size`) when it splits `world` into several equal groups, else `world`.
+pub fn shard_world(world: usize, hpz: usize) -> usize {
+    if hpz > 1 && hpz < world && world.is_multiple_of(hpz) {
+        hpz
+    } else {
+        world
+    }
+}
+
 /// Splits `0..len` into consecutive chunks of at most `chunk` elements (at least one element
 /// per chunk; an empty range yields nothing). Used for bucketed communication.
 pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = Range<usize>> {

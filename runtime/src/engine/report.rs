@@ -46,6 +46,10 @@ pub struct StepReport {
     /// Bytes this rank moved to and from NVMe during the step (parameter shards and
     /// optimizer state; zero without NVMe offload).
     pub swap: SwapTraffic,
+    /// Bytes this rank sent across hybrid-sharding groups during the step (gradient shards
+    /// all-reduced between the groups, counted as a ring sends them: `2 (R - 1) / R` of the
+    /// payload for `R` groups); zero without hybrid sharding.
+    pub cross_group_bytes: u64,
 }
 
 /// NVMe bytes moved by one rank in one step.

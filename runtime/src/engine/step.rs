@@ -7,6 +7,7 @@ use super::core::Engine;
 use super::ledger::Location;
 use super::optimizer::StepValues;
 use super::report::{StepReport, Timings};
+use super::topology::shard_comm;
 use crate::comm::{BufMut, ReduceOp};
 use crate::nn::Batch;
 use crate::{Error, Result};
@@ -97,6 +98,7 @@ impl Engine {
             memory: self.ledger.report(),
             device_memory: self.be.memory_stats(),
             swap: self.step_traffic(),
+            cross_group_bytes: self.take_cross_group_bytes(),
         };
 
         self.tokens = 0;
@@ -130,9 +132,9 @@ impl Engine {
         self.timings.optimizer += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
+        let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
         for g in &mut self.groups {
-            self.stage
-                .publish(g, self.comm.as_ref(), bucket, &mut self.ledger)?;
+            self.stage.publish(g, shards, bucket, &mut self.ledger)?;
         }
         self.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
@@ -150,7 +152,7 @@ impl Engine {
 
     /// Whether any rank's owned gradients contain Inf or NaN.
     fn any_overflow(&self) -> Result<bool> {
-        let rank = self.rank();
+        let rank = self.shard_rank();
         let mut local = false;
         for g in &self.groups {
             let r = g.layout.shard_range(rank);
@@ -170,7 +172,7 @@ impl Engine {
     /// elements in the same order: each rank its shard range, groups in order, then ranks in
     /// rank order, so the norm is bitwise equal across stages.
     fn global_norm(&self) -> Result<f64> {
-        let rank = self.rank();
+        let rank = self.shard_rank();
         let mut scratch = Vec::new();
         // -0.0 is what `Iterator::sum` starts from: the same bits for an all-zero gradient.
         let mut local = -0.0f64;
@@ -181,7 +183,10 @@ impl Engine {
                 .sum_squares(r.start - g.grad_offset..r.end - g.grad_offset, &mut scratch)?;
         }
         let mut v = [local as f32];
-        self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)?;
+        // One copy of the sharded gradient: the shard group's sum (the world's, without
+        // hybrid sharding).
+        self.one_copy_comm()
+            .all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)?;
         Ok((v[0] as f64).sqrt())
     }
 

@@ -79,6 +79,7 @@ pub fn config(
         comms: CommsConfig {
             backend: CommBackend::Local,
             timeout: Duration::from_secs(30),
+            deterministic: false,
         },
     }
 }

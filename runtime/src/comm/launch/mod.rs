@@ -4,6 +4,7 @@
 
 mod output;
 mod signals;
+pub mod slurm;
 
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};

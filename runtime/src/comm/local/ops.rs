@@ -142,6 +142,10 @@ impl Communicator for LocalComm {
         self.group.n
     }
 
+    fn backend(&self) -> crate::comm::CommBackend {
+        crate::comm::CommBackend::Local
+    }
+
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let mut d = self.next_desc(OpKind::AllReduce);
         (d.src, d.dtype, d.len_in) = parts_mut(&mut buf);

@@ -345,6 +345,10 @@ impl Communicator for MpiComm {
         self.size
     }
 
+    fn backend(&self) -> crate::comm::CommBackend {
+        crate::comm::CommBackend::Mpi
+    }
+
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let start = Instant::now();
         let mut d = desc_mut(OpKind::AllReduce, &buf);

@@ -99,7 +99,8 @@ impl Engine {
     }
 
     fn restore(&mut self, reader: &CheckpointReader) -> Result<()> {
-        let rank = self.rank();
+        // The shard this rank holds (its shard group's position under hybrid sharding).
+        let rank = self.shard_rank();
         self.settle_swapped()?;
         for (gi, g) in self.groups.iter_mut().enumerate() {
             restore_group(reader, gi, g, self.param_swap.as_mut(), rank)?;

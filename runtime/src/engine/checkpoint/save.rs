@@ -139,6 +139,13 @@ impl Engine {
     ) -> Result<PathBuf> {
         let dir = dir.as_ref();
         check_tag(tag)?;
+        if self.replicas() > 1 {
+            return Err(Error::Unavailable {
+                what: "saving a checkpoint with hybrid sharding",
+                why: "zero_hpz_partition_size splits the world into replicated groups and saving                       one group's shards is not implemented yet; save from a run without it                       (loading works at any group size)"
+                    .into(),
+            });
+        }
         if self.micro != 0 {
             return Err(Error::Invalid(
                 "save_checkpoint in the middle of gradient accumulation; save after step()".into(),

@@ -12,7 +12,7 @@ use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, Resolve
 
 use crate::engine::build::{optimizer_location, param_location, storage_dtype};
 use crate::engine::ledger::{Category, Ledger, Location};
-use crate::engine::partition::GroupLayout;
+use crate::engine::partition::{shard_world, GroupLayout};
 use crate::engine::stage::{self, Extent, Stage};
 use crate::nn::Model;
 use crate::tensor::DType;
@@ -50,7 +50,7 @@ impl<'a> Replay<'a> {
     /// Lays out every group of `model` for `cfg`'s world size and counts the model states.
     pub(super) fn build(model: &'a Model, cfg: &'a ResolvedConfig, moments: usize) -> Self {
         let stage = stage::for_stage(cfg.zero.stage);
-        let world = cfg.world_size.max(1);
+        let world = shard_world(cfg.world_size.max(1), cfg.zero.hpz_partition_size);
         let mut specs: Vec<_> = model.units.iter().map(|u| u.module.param_specs()).collect();
         if !model.shared.is_empty() {
             specs.push(model.shared.clone());

@@ -1,0 +1,274 @@
+//! A fake NCCL for CI: ranks are threads of one process, a collective completes once every
+//! rank of its communicator started it (so a rank that never arrives leaves its peers
+//! polling, as a dead peer does on a GPU), and errors can be injected where NCCL's
+//! asynchronous errors would appear. It moves real data, summing in *reverse* rank order (a
+//! stand-in for NCCL's ring order, which is not rank order), so the deterministic path's
+//! bitwise claims are testable too.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::api::{NcclHandle, NcclId, NcclLib, NcclOp, Poll};
+use super::ordered::copy;
+use crate::comm::{BufRef, ReduceOp};
+use crate::tensor::FlatBuf;
+use crate::{Error, Result};
+
+/// An error to report on `rank` when it polls its collective number `seq` (1-based).
+#[derive(Debug, Clone)]
+pub struct InjectedError {
+    /// The rank that sees it.
+    pub rank: usize,
+    /// The collective (1-based count of the communicator's collectives).
+    pub seq: u64,
+    /// NCCL's message.
+    pub reason: String,
+}
+
+/// Every rank's deposited input of one collective, and how many ranks took their result.
+type Deposit = (Vec<Option<FlatBuf>>, usize);
+
+#[derive(Default)]
+struct State {
+    /// Ids each rank initialised with, per world (for the id-exchange check).
+    inits: Vec<(usize, NcclId)>,
+    /// Inputs deposited per (communicator, collective number), per rank; and how many
+    /// ranks have taken their result.
+    deposits: HashMap<(u64, u64), Deposit>,
+    aborted: Vec<(u64, usize)>,
+}
+
+/// The fake library; clones share one world.
+#[derive(Clone, Default)]
+pub struct FakeNccl {
+    state: Arc<Mutex<State>>,
+    errors: Vec<InjectedError>,
+    next_id: Arc<Mutex<u8>>,
+}
+
+impl FakeNccl {
+    /// A fake whose ranks see `errors`.
+    pub fn with_errors(errors: Vec<InjectedError>) -> Self {
+        Self {
+            errors,
+            ..Self::default()
+        }
+    }
+
+    /// The ids ranks initialised with, as (rank, id), in call order.
+    pub fn inits(&self) -> Vec<(usize, NcclId)> {
+        self.lock().inits.clone()
+    }
+
+    /// (communicator, rank) pairs that called abort.
+    pub fn aborted_ranks(&self) -> Vec<usize> {
+        self.lock().aborted.iter().map(|a| a.1).collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl NcclLib for FakeNccl {
+    fn describe(&self) -> String {
+        "fake NCCL (threads, host memory)".into()
+    }
+
+    fn unique_id(&self) -> Result<NcclId> {
+        let mut n = self.next_id.lock().unwrap_or_else(PoisonError::into_inner);
+        *n = n.wrapping_add(1);
+        let mut id = [0u8; 128];
+        id[0] = *n;
+        id[1..9].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+        Ok(id)
+    }
+
+    fn init(&self, id: &NcclId, world: usize, rank: usize) -> Result<Box<dyn NcclHandle>> {
+        self.lock().inits.push((rank, *id));
+        Ok(Box::new(FakeHandle {
+            lib: self.clone(),
+            comm: u64::from_le_bytes(id[..8].try_into().unwrap_or_default()),
+            id: *id,
+            rank,
+            world,
+            seq: 0,
+            splits: 0,
+        }))
+    }
+}
+
+struct FakeHandle {
+    lib: FakeNccl,
+    comm: u64,
+    id: NcclId,
+    rank: usize,
+    world: usize,
+    seq: u64,
+    splits: u64,
+}
+
+impl FakeHandle {
+    fn injected(&self) -> Option<String> {
+        self.lib
+            .errors
+            .iter()
+            .find(|e| e.rank == self.rank && e.seq == self.seq && self.comm_is_root())
+            .map(|e| e.reason.clone())
+    }
+
+    /// Injected errors apply to the communicator made by `init`, not to its splits.
+    fn comm_is_root(&self) -> bool {
+        self.comm == u64::from_le_bytes(self.id[..8].try_into().unwrap_or_default())
+    }
+}
+
+impl NcclHandle for FakeHandle {
+    fn poll_init(&mut self) -> Poll {
+        let st = self.lib.lock();
+        let peers: Vec<&NcclId> = st
+            .inits
+            .iter()
+            .filter(|(_, id)| id[..9] == self.id[..9])
+            .map(|(_, id)| id)
+            .collect();
+        if peers.iter().any(|id| **id != self.id) {
+            return Poll::Failed("ranks initialised with different unique ids".into());
+        }
+        if peers.len() >= self.world || !self.comm_is_root() {
+            Poll::Done
+        } else {
+            Poll::Pending
+        }
+    }
+
+    fn start(&mut self, op: &mut NcclOp<'_>) -> Result<()> {
+        self.seq += 1;
+        if self.injected().is_some() {
+            // The failing rank's part never reaches its peers, as when NCCL gives up.
+            return Ok(());
+        }
+        let input = match op {
+            NcclOp::AllReduce { buf, .. } | NcclOp::Broadcast { buf, .. } => {
+                FlatBuf::from_ref(buf.as_ref())
+            }
+            NcclOp::ReduceScatter { input, .. }
+            | NcclOp::AllGather { input, .. }
+            | NcclOp::AllToAll { input, .. } => FlatBuf::from_ref(*input),
+        };
+        let mut st = self.lib.lock();
+        let slot = st
+            .deposits
+            .entry((self.comm, self.seq))
+            .or_insert_with(|| (vec![None; self.world], 0));
+        slot.0[self.rank] = Some(input);
+        Ok(())
+    }
+
+    fn poll(&mut self, op: &mut NcclOp<'_>) -> Poll {
+        if let Some(reason) = self.injected() {
+            return Poll::Failed(reason);
+        }
+        let mut st = self.lib.lock();
+        let key = (self.comm, self.seq);
+        let Some((inputs, taken)) = st.deposits.get_mut(&key) else {
+            return Poll::Failed("poll without a started collective".into());
+        };
+        if inputs.iter().any(Option::is_none) {
+            return Poll::Pending;
+        }
+        let inputs: Vec<&FlatBuf> = inputs.iter().flatten().collect();
+        let r = complete(op, &inputs, self.rank);
+        *taken += 1;
+        if *taken == self.world {
+            st.deposits.remove(&key);
+        }
+        match r {
+            Ok(()) => Poll::Done,
+            Err(e) => Poll::Failed(e.to_string()),
+        }
+    }
+
+    fn abort(&mut self) {
+        self.lib.lock().aborted.push((self.comm, self.rank));
+    }
+
+    fn split(
+        &mut self,
+        color: usize,
+        _key: usize,
+        rank: usize,
+        world: usize,
+    ) -> Result<Box<dyn NcclHandle>> {
+        self.splits += 1;
+        let comm = self
+            .comm
+            .wrapping_mul(1_000_003)
+            .wrapping_add(self.splits * 1009 + color as u64 + 1);
+        Ok(Box::new(FakeHandle {
+            lib: self.lib.clone(),
+            comm,
+            id: self.id,
+            rank,
+            world,
+            seq: 0,
+            splits: 0,
+        }))
+    }
+}
+
+/// Writes `op`'s result on `rank` from every rank's deposited input.
+fn complete(op: &mut NcclOp<'_>, inputs: &[&FlatBuf], rank: usize) -> Result<()> {
+    let world = inputs.len();
+    match op {
+        NcclOp::AllReduce { buf, op } => {
+            let out = reduce(inputs, 0..buf.len(), *op)?;
+            copy(out.as_ref(), buf.reborrow())
+        }
+        NcclOp::ReduceScatter { output, op, .. } => {
+            let n = output.len();
+            let out = reduce(inputs, rank * n..(rank + 1) * n, *op)?;
+            copy(out.as_ref(), output.reborrow())
+        }
+        NcclOp::AllGather { output, .. } => {
+            let n = output.len() / world.max(1);
+            for (r, x) in inputs.iter().enumerate() {
+                copy(x.as_ref(), output.reborrow().range(r * n..(r + 1) * n))?;
+            }
+            Ok(())
+        }
+        NcclOp::Broadcast { buf, root } => copy(inputs[*root].as_ref(), buf.reborrow()),
+        NcclOp::AllToAll { output, .. } => {
+            let n = output.len() / world.max(1);
+            for (r, x) in inputs.iter().enumerate() {
+                let part: BufRef<'_> = x.as_ref_range(rank * n..(rank + 1) * n);
+                copy(part, output.reborrow().range(r * n..(r + 1) * n))?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Elements `range` of every input reduced in reverse rank order, in f32, rounded once.
+fn reduce(inputs: &[&FlatBuf], range: std::ops::Range<usize>, op: ReduceOp) -> Result<FlatBuf> {
+    let first = inputs
+        .first()
+        .ok_or_else(|| Error::Invalid("no ranks".into()))?;
+    let n = range.len();
+    let (mut acc, mut x) = (vec![0f32; n], vec![0f32; n]);
+    for (i, b) in inputs.iter().rev().enumerate() {
+        if b.len() < range.end {
+            return Err(Error::Invalid("ranks passed different lengths".into()));
+        }
+        b.load_f32(range.start, &mut x);
+        if i == 0 {
+            acc.copy_from_slice(&x);
+        } else {
+            crate::comm::local::kernels::combine_f32(&mut acc, &x, op);
+        }
+    }
+    crate::comm::local::kernels::finish(&mut acc, op, inputs.len());
+    let mut out = FlatBuf::zeros(first.dtype(), n);
+    out.store_f32(0, &acc);
+    Ok(out)
+}

@@ -1,0 +1,353 @@
+//! `nccl`: the NCCL communicator, one process per GPU.
+//!
+//! The unique id travels through the TCP rendezvous store (rank 0 creates it and `set`s it,
+//! the others `wait` for it). Every collective is launched, then polled until it finishes,
+//! NCCL reports an asynchronous error, or `comms.timeout` passes; on failure the rank aborts
+//! its communicator (`ncclCommAbort`, so nothing stays stuck on the GPU), writes what it saw
+//! to the store's failure board and reads its peers' entries, so that the error names the
+//! collective and the rank that never arrived or failed first.
+//!
+//! Reduction order: NCCL's native ring/tree sums do not add in rank order. With
+//! `deterministic` set, `reduce_scatter` becomes an all-to-all plus a rank-ordered sum (the
+//! local communicator's arithmetic, bit for bit) and `all_reduce` a deterministic
+//! reduce-scatter plus an all-gather: the "stages are bitwise identical" invariant then holds
+//! across communicators, at the cost measured in `docs/scaling.md`.
+//!
+//! The library underneath is a trait ([`NcclLib`]): the real one needs `--features cuda`
+//! (`real.rs`); [`fake`] drives the failure paths in CI.
+
+mod api;
+mod board;
+pub mod fake;
+mod ordered;
+#[cfg(feature = "cuda")]
+pub mod real;
+
+use std::cell::{Cell, RefCell};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use api::{NcclHandle, NcclId, NcclLib, NcclOp, Poll};
+use board::Board;
+
+use super::store::TcpStore;
+use super::{BufMut, BufRef, CommBackend, Communicator, ReduceOp};
+use crate::{Error, Result};
+
+/// Options of an NCCL communicator.
+#[derive(Debug, Clone)]
+pub struct NcclOptions {
+    /// Every collective (and the initialisation) fails after this long without finishing.
+    pub timeout: Duration,
+    /// Rank-ordered reductions (`comms.deterministic`).
+    pub deterministic: bool,
+}
+
+impl NcclOptions {
+    /// The options the config's `comms` section asks for.
+    pub fn from_config(c: &ferrozero_config::resolved::CommsConfig) -> Self {
+        Self {
+            timeout: c.timeout,
+            deterministic: c.deterministic,
+        }
+    }
+}
+
+/// One rank of an NCCL communicator.
+pub struct NcclComm {
+    handle: RefCell<Box<dyn NcclHandle>>,
+    board: Board,
+    rank: usize,
+    world: usize,
+    opts: NcclOptions,
+    /// Collectives started so far (their number names them on the failure board).
+    seq: Cell<u64>,
+    /// Communicators made from this one so far (names their store keys).
+    children: Cell<u64>,
+    /// Set once a collective failed: the communicator was aborted and fails fast afterwards.
+    broken: RefCell<Option<String>>,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
+impl NcclComm {
+    /// Creates this rank's communicator (collective over `world` ranks): rank 0 makes the
+    /// unique id and publishes it under `tag` in `store`; every rank then initialises.
+    pub fn init(
+        lib: &dyn NcclLib,
+        store: Arc<TcpStore>,
+        tag: &str,
+        (rank, world): (usize, usize),
+        opts: NcclOptions,
+    ) -> Result<Self> {
+        if rank >= world {
+            return Err(Error::Invalid(format!(
+                "NCCL rank {rank} is outside a world of {world}"
+            )));
+        }
+        let key = format!("{tag}/nccl-id");
+        let id = if rank == 0 {
+            let id = lib.unique_id()?;
+            store.set(&key, &id)?;
+            id
+        } else {
+            let v = store.wait(&key)?;
+            v.as_slice().try_into().map_err(|_| {
+                Error::Invalid(format!(
+                    "the store's {key} holds {} bytes, not an NCCL id of 128",
+                    v.len()
+                ))
+            })?
+        };
+        let handle = lib.init(&id, world, rank)?;
+        let board = Board::new(store, tag, rank, world);
+        Self::ready(handle, board, rank, world, opts)
+    }
+
+    /// Waits (within the timeout) for `handle`'s initialisation, then wraps it.
+    fn ready(
+        mut handle: Box<dyn NcclHandle>,
+        board: Board,
+        rank: usize,
+        world: usize,
+        opts: NcclOptions,
+    ) -> Result<Self> {
+        let start = Instant::now();
+        let outcome = loop {
+            match handle.poll_init() {
+                Poll::Pending if start.elapsed() < opts.timeout => backoff(start),
+                p => break p,
+            }
+        };
+        let comm = Self {
+            handle: RefCell::new(handle),
+            board,
+            rank,
+            world,
+            opts,
+            seq: Cell::new(0),
+            children: Cell::new(0),
+            broken: RefCell::new(None),
+        };
+        match outcome {
+            Poll::Done => Ok(comm),
+            Poll::Failed(reason) => Err(comm.fail("init", start, Some(reason))),
+            Poll::Pending => Err(comm.fail("init", start, None)),
+        }
+    }
+
+    /// Runs one collective to completion, or fails within the timeout.
+    fn run(&self, mut op: NcclOp<'_>) -> Result<()> {
+        let name = op.name();
+        let start = Instant::now();
+        if let Some(reason) = self.broken.borrow().clone() {
+            return Err(self.error(name, None, start, reason));
+        }
+        self.seq.set(self.seq.get() + 1);
+        let mut h = self.handle.borrow_mut();
+        if let Err(e) = h.start(&mut op) {
+            drop(h);
+            return Err(self.fail(name, start, Some(e.to_string())));
+        }
+        loop {
+            match h.poll(&mut op) {
+                Poll::Done => return Ok(()),
+                Poll::Failed(reason) => {
+                    drop(h);
+                    return Err(self.fail(name, start, Some(reason)));
+                }
+                Poll::Pending if start.elapsed() >= self.opts.timeout => {
+                    drop(h);
+                    return Err(self.fail(name, start, None));
+                }
+                Poll::Pending => backoff(start),
+            }
+        }
+    }
+
+    /// Aborts the communicator and turns what this rank and its peers saw into one error.
+    fn fail(&self, op: &'static str, start: Instant, reason: Option<String>) -> Error {
+        self.handle.borrow_mut().abort();
+        let seq = self.seq.get();
+        let verdict = self.board.report(seq, reason.as_deref(), self.opts.timeout);
+        let why = match &reason {
+            Some(r) => format!("NCCL error: {r}; {}", verdict.text),
+            None => format!(
+                "no progress within comms.timeout = {:?}; {}",
+                self.opts.timeout, verdict.text
+            ),
+        };
+        *self.broken.borrow_mut() = Some(format!("communicator aborted after {op}: {why}"));
+        self.error(op, verdict.culprit, start, why)
+    }
+
+    fn error(
+        &self,
+        op: &'static str,
+        peer: Option<usize>,
+        start: Instant,
+        reason: String,
+    ) -> Error {
+        Error::Comm {
+            op,
+            rank: self.rank,
+            peer,
+            elapsed: start.elapsed(),
+            reason,
+        }
+    }
+
+    /// Checks a collective's lengths on this rank before anything is launched.
+    fn check_lengths(&self, op: &'static str, input: usize, output: usize) -> Result<()> {
+        let ok = match op {
+            "reduce_scatter" => input == output * self.world,
+            "all_gather" => output == input * self.world,
+            _ => input == output,
+        };
+        if ok {
+            return Ok(());
+        }
+        Err(self.error(
+            op,
+            None,
+            Instant::now(),
+            format!(
+                "{op} on {} ranks cannot take {input} input and {output} output elements",
+                self.world
+            ),
+        ))
+    }
+}
+
+/// Waits between polls: spins briefly (small collectives finish in microseconds), then
+/// sleeps a little longer each time, up to a millisecond.
+fn backoff(start: Instant) {
+    let waited = start.elapsed();
+    if waited < Duration::from_micros(50) {
+        std::hint::spin_loop();
+    } else if waited < Duration::from_millis(2) {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_millis(1).min(waited / 16));
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn backend(&self) -> CommBackend {
+        CommBackend::Nccl
+    }
+
+    fn deterministic(&self) -> bool {
+        self.opts.deterministic
+    }
+
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        if self.opts.deterministic && op != ReduceOp::Max {
+            return ordered::all_reduce(self, buf, op);
+        }
+        self.run(NcclOp::AllReduce { buf, op })
+    }
+
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.check_lengths("reduce_scatter", input.len(), output.len())?;
+        if self.opts.deterministic && op != ReduceOp::Max {
+            return ordered::reduce_scatter(self, input, output, op);
+        }
+        self.run(NcclOp::ReduceScatter { input, output, op })
+    }
+
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        self.check_lengths("all_gather", input.len(), output.len())?;
+        self.run(NcclOp::AllGather { input, output })
+    }
+
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        if root >= self.world {
+            let why = format!("broadcast root {root} is not a rank of {}", self.world);
+            return Err(self.error("broadcast", None, Instant::now(), why));
+        }
+        self.run(NcclOp::Broadcast { buf, root })
+    }
+
+    /// A one-element all-reduce: it completes only once every rank launched it.
+    fn barrier(&self) -> Result<()> {
+        let mut v = [0.0f32];
+        self.run(NcclOp::AllReduce {
+            buf: BufMut::F32(&mut v),
+            op: ReduceOp::Sum,
+        })
+    }
+
+    fn duplicate(&self) -> Result<Box<dyn Communicator>> {
+        self.split(0, self.rank)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        let start = Instant::now();
+        if let Some(reason) = self.broken.borrow().clone() {
+            return Err(self.error("split", None, start, reason));
+        }
+        let n = self.children.get();
+        self.children.set(n + 1);
+        // Members learn the new group's size and their rank in it from the board.
+        let (rank, world) = self.board.split_membership(n, color, key)?;
+        let handle = self
+            .handle
+            .borrow_mut()
+            .split(color, key, rank, world)
+            .map_err(|e| self.error("split", None, start, e.to_string()))?;
+        let board = self.board.child(n, color, rank, world);
+        Ok(Box::new(Self::ready(
+            handle,
+            board,
+            rank,
+            world,
+            self.opts.clone(),
+        )?))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl NcclComm {
+    /// The world communicator of a job started by `ferrozero launch` (which sets `RANK`,
+    /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`): NCCL on GPU
+    /// `LOCAL_RANK`, the unique id through the store that rank 0 serves. Keep the returned
+    /// server alive for the whole job.
+    pub fn from_env(opts: NcclOptions) -> Result<(Self, Option<super::store::StoreServer>)> {
+        let (store, server) = TcpStore::from_env(opts.timeout)?;
+        let var = |n: &str| {
+            std::env::var(n)
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "{n} is not set or not a number (start ranks with `ferrozero launch`)"
+                    ))
+                })
+        };
+        let (rank, world, local) = (var("RANK")?, var("WORLD_SIZE")?, var("LOCAL_RANK")?);
+        let lib = real::RealNccl::open(local)?;
+        tracing::info!(
+            "{} on GPU {local} for rank {rank} of {world}",
+            lib.describe()
+        );
+        let comm = Self::init(&lib, Arc::new(store), "world", (rank, world), opts)?;
+        Ok((comm, server))
+    }
+}

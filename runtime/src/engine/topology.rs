@@ -1,0 +1,140 @@
+//! Which communicator carries what: the world (scalars, the batch's token count), the shard
+//! group (sharded state; hybrid sharding's [`HybridComm`] when `zero_hpz_partition_size`
+//! splits the world), and the check that the communicator is the one `comms.backend` names.
+
+use ferrozero_config::resolved::{CommBackend, ResolvedConfig, ZeroStage};
+
+use super::core::Engine;
+use crate::comm::hybrid::HybridComm;
+use crate::comm::Communicator;
+use crate::{Error, Result};
+
+/// The name `comms.backend` uses for a backend.
+pub fn backend_name(b: CommBackend) -> &'static str {
+    match b {
+        CommBackend::Local => "local",
+        CommBackend::Mpi => "mpi",
+        CommBackend::Nccl => "nccl",
+    }
+}
+
+/// How a job gets a communicator of each backend, for error messages.
+fn how_to_get(b: CommBackend) -> &'static str {
+    match b {
+        CommBackend::Local => {
+            "ranks as threads of one process: comm::local::run_ranks (what train_gpt --ranks N does)"
+        }
+        CommBackend::Mpi => {
+            "one process per rank: build with --features mpi, start with mpirun or ferrozero launch, \
+             and pass comm::mpi::MpiComm::world(..) to EngineBuilder::comm"
+        }
+        CommBackend::Nccl => {
+            "one process per GPU: build with --features cuda, start with ferrozero launch, and \
+             pass comm::nccl::NcclComm::from_env(..) to EngineBuilder::comm (ranks sharing one \
+             GPU use comms.backend = \"local\" with device = \"cuda\")"
+        }
+    }
+}
+
+/// Refuses a communicator other than the one the config names, saying why and what works.
+pub(super) fn check_backend(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<()> {
+    let (want, have) = (cfg.comms.backend, comm.backend());
+    if want == have {
+        if cfg.comms.deterministic && !comm.deterministic() {
+            return Err(Error::Config(
+                "comms.deterministic = true but the communicator given reduces in NCCL's own \
+                 order; create it with NcclOptions::from_config (deterministic: true)"
+                    .into(),
+            ));
+        }
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "comms.backend = \"{}\" but this rank was given a {} communicator; a {} job needs {}; \
+         or set comms.backend = \"{}\" to run on the communicator given",
+        backend_name(want),
+        backend_name(have),
+        backend_name(want),
+        how_to_get(want),
+        backend_name(have),
+    )))
+}
+
+/// The hybrid-sharding communicator when `zero_hpz_partition_size` splits the world into
+/// several groups (collective); `None` when it is 1 or the whole world (plain ZeRO).
+pub(super) fn open_hybrid(
+    cfg: &ResolvedConfig,
+    comm: &dyn Communicator,
+) -> Result<Option<HybridComm>> {
+    let g = cfg.zero.hpz_partition_size;
+    let world = comm.world_size();
+    if g <= 1 {
+        return Ok(None);
+    }
+    crate::comm::hybrid::check_group_size(g, world)?;
+    if g == world {
+        return Ok(None);
+    }
+    if cfg.zero.stage == ZeroStage::Stage0 && comm.rank() == 0 {
+        tracing::warn!(
+            "zero_hpz_partition_size = {g} at stage 0 shards nothing: it only makes the gradient \
+             all-reduce hierarchical (inside groups of {g}, then across them)"
+        );
+    }
+    HybridComm::new(comm, g).map(Some)
+}
+
+/// The communicator for sharded data: the shard group when hybrid sharding is on.
+pub(super) fn shard_comm<'a>(
+    world: &'a dyn Communicator,
+    hybrid: &'a Option<HybridComm>,
+) -> &'a dyn Communicator {
+    match hybrid {
+        Some(h) => h,
+        None => world,
+    }
+}
+
+impl Engine {
+    /// This rank's position among the ranks its sharded state is split across (the shard
+    /// group's rank with hybrid sharding, else the rank).
+    pub fn shard_rank(&self) -> usize {
+        shard_comm(&*self.comm, &self.hybrid).rank()
+    }
+
+    /// Copies of the sharded state across the world: `world / zero_hpz_partition_size` with
+    /// hybrid sharding, else 1.
+    pub fn replicas(&self) -> usize {
+        self.hybrid.as_ref().map_or(1, HybridComm::replicas)
+    }
+
+    /// ` (hybrid: R groups of G)` when hybrid sharding is on, for the summary.
+    pub(super) fn hybrid_summary(&self) -> String {
+        match &self.hybrid {
+            Some(h) => format!(
+                " (hybrid sharding: {} groups of {})",
+                h.replicas(),
+                h.world_size()
+            ),
+            None => String::new(),
+        }
+    }
+
+    /// The ranks one copy of the sharded state is split across (for sums over that copy).
+    pub(super) fn one_copy_comm(&self) -> &dyn Communicator {
+        match &self.hybrid {
+            Some(h) => h.shard_group(),
+            None => &*self.comm,
+        }
+    }
+
+    /// Bytes this rank sent across shard groups since the last call, as a ring collective
+    /// over the replicas sends them (`2 (R - 1) / R` of the reduced payload).
+    pub(super) fn take_cross_group_bytes(&mut self) -> u64 {
+        let Some(h) = &self.hybrid else { return 0 };
+        let total = h.cross_group_bytes();
+        let payload = total - std::mem::replace(&mut self.cross_mark, total);
+        let r = h.replicas() as u64;
+        payload * 2 * (r - 1) / r
+    }
+}
