@@ -134,6 +134,7 @@ impl Engine {
             self.stage
                 .publish(g, self.comm.as_ref(), bucket, &mut self.ledger)?;
         }
+        self.ledger.check_limit()?;
         self.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
     }
