@@ -45,8 +45,12 @@ struct Args {
     #[arg(long)]
     init: Option<PathBuf>,
     /// ZeRO config (TOML or DeepSpeed JSON); default: stage 3 with CPU offload, in code.
+    /// Presets for a 40 GB GPU: `configs/llama7b_40gb.toml`, `configs/llama13b_40gb_nvme.toml`.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Compute device: auto, cpu, cuda or cuda:N (overrides the config's `device`).
+    #[arg(long)]
+    device: Option<ferrozero::config::Device>,
     /// Local ranks (threads in this process).
     #[arg(long, default_value_t = 2)]
     ranks: usize,
@@ -121,7 +125,11 @@ fn zero_config(args: &Args) -> Result<Config, BoxError> {
     for w in &loaded.warnings {
         eprintln!("{}", w.render(ferrozero::config::RenderStyle::Plain));
     }
-    Ok(loaded.config)
+    let mut config = loaded.config;
+    if let Some(d) = args.device {
+        config.device = d;
+    }
+    Ok(config)
 }
 
 /// Every parameter the model declares, in layout order (units, then tied parameters).

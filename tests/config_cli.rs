@@ -157,6 +157,8 @@ fn presets_validate_and_point_to_the_schema() {
         "zero3_offload_cpu",
         "zero3_offload_nvme",
         "fp16_dynamic_scale",
+        "llama7b_40gb",
+        "llama13b_40gb_nvme",
     ];
     for name in presets {
         let path = repo(&format!("configs/{name}.toml"));

@@ -194,3 +194,53 @@ fn trains_on_the_emulated_gpu_like_the_cpu() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--device-memory-limit`: too small, the run is refused before the first step with the
+/// named error and the estimator's figures; roomy, every step's metrics carry the cap and a
+/// device peak at or under it.
+#[test]
+fn device_memory_limit_flag_refuses_or_holds() {
+    let exe = example().expect("cargo test builds examples/train_gpt next to the tests");
+    let out = Command::new(&exe)
+        .args([
+            "--steps",
+            "2",
+            "--no-progress",
+            "--device-memory-limit",
+            "64KiB",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a 64 KiB cap must refuse:\n{err}");
+    assert!(
+        err.contains("device memory") && err.contains("estimator"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let dir = std::env::temp_dir().join(format!("fz-smoke-cap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let metrics = dir.join("m.jsonl");
+    let cap: u64 = 256 << 20;
+    run(&[
+        "--steps",
+        "3",
+        "--no-progress",
+        "--eval-rows",
+        "16",
+        "--device-memory-limit",
+        "256MiB",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    let lines = std::fs::read_to_string(&metrics).unwrap();
+    assert_eq!(lines.lines().count(), 3, "{lines}");
+    for l in lines.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert_eq!(v["device_memory_limit"].as_u64(), Some(cap), "{l}");
+        let peak = v["peak_device_bytes"].as_u64().unwrap();
+        assert!(peak > 0 && peak <= cap, "{l}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use crate::diagnostic::{Diagnostic, DiagnosticKind, LineIndex, Severity};
 use crate::error::LoadError;
-use crate::model::{AutoOr, Config, OffloadDevice, OffloadSection};
+use crate::model::{AutoOr, ByteSize, Config, OffloadDevice, OffloadSection};
 use crate::resolved::*;
 
 mod batch;
@@ -192,6 +192,7 @@ impl Config {
             wall_clock_breakdown: self.wall_clock_breakdown,
             seed: self.seed,
             device: self.device,
+            device_memory_limit: self.device_memory_limit.map(ByteSize::bytes),
             zero,
             precision,
             optimizer: optimizer.expect("a missing optimizer is reported as an error"),

@@ -342,6 +342,8 @@ pub struct ResolvedConfig {
     pub seed: u64,
     /// The device the model computes on (`Auto` is decided when the engine opens it).
     pub device: crate::Device,
+    /// Cap on each rank's device bytes (`device_memory_limit`), if any.
+    pub device_memory_limit: Option<u64>,
     /// ZeRO settings.
     pub zero: ZeroConfig,
     /// Precision and loss scaling.

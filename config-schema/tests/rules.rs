@@ -699,3 +699,54 @@ fn number_checkpoints_accepts_the_template_shapes() {
         "expected an integer",
     );
 }
+
+/// `device_memory_limit` (ferrozero's own key): bytes or a size string, both unit families,
+/// resolved to bytes; zero, unknown units, negatives and wrong types are errors at the key.
+#[test]
+fn device_memory_limit_takes_bytes_or_sizes_and_refuses_nonsense() {
+    let resolve = |src: &str| {
+        parse(src, Format::Toml, "t.toml")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .config
+            .resolve(&ferrozero_config::ResolveContext::new(1))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .device_memory_limit
+    };
+    let opt = "[optimizer]\ntype = \"AdamW\"\n";
+    assert_eq!(resolve(&format!("{BASE}{opt}")), None);
+    for (v, bytes) in [
+        ("\"40GB\"", 40_000_000_000u64),
+        ("\"40 GiB\"", 40 << 30),
+        ("\"512MiB\"", 512 << 20),
+        ("123456789", 123_456_789),
+        ("4e10", 40_000_000_000),
+    ] {
+        let src = format!("{BASE}device_memory_limit = {v}\n{opt}");
+        assert_eq!(resolve(&src), Some(bytes), "{v}");
+    }
+    let json = r#"{"train_micro_batch_size_per_gpu": 2, "device_memory_limit": "80GB"}"#;
+    assert!(json_diags(json).is_empty());
+    for (v, msg) in [
+        ("0", "must be positive"),
+        ("\"0GB\"", "must be positive"),
+        ("\"40XB\"", "unknown size unit"),
+        ("\"lots\"", "is not a size"),
+        ("-1", "must not be negative"),
+        ("true", "expected an integer"),
+    ] {
+        let ds = diags(&format!("{BASE}device_memory_limit = {v}\n"));
+        let kind = if v == "true" {
+            DiagnosticKind::WrongType
+        } else {
+            DiagnosticKind::InvalidValue
+        };
+        expect(
+            &ds,
+            Severity::Error,
+            kind,
+            "device_memory_limit",
+            (2, 23),
+            msg,
+        );
+    }
+}

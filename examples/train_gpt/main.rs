@@ -25,6 +25,10 @@ pub struct Args {
     /// Compute device: auto, cpu, cuda or cuda:N (overrides the config's `device`).
     #[arg(long)]
     pub device: Option<ferrozero::config::Device>,
+    /// Cap on each rank's device memory, e.g. 40GB (10^9) or 40GiB (2^30) (overrides the
+    /// config's `device_memory_limit`): a run that cannot fit is refused at start.
+    #[arg(long, value_parser = parse_limit)]
+    pub device_memory_limit: Option<ferrozero::config::ByteSize>,
     /// Model: a preset (addition, tiny, bench-15m, gpt2-124m, llama-tiny, llama-7b,
     /// llama-13b) or a Hugging Face config.json (GPT2Config or LlamaConfig).
     #[arg(long, default_value = "addition")]
@@ -97,5 +101,13 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// A positive size for `--device-memory-limit`, parsed as the config key is.
+fn parse_limit(s: &str) -> Result<ferrozero::config::ByteSize, String> {
+    match ferrozero::config::parse_size(s)? {
+        0 => Err("the limit must be positive (leave the flag out for none)".into()),
+        b => Ok(ferrozero::config::ByteSize(b)),
     }
 }

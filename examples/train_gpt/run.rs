@@ -77,6 +77,9 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     if let Some(d) = args.device {
         config.device = d;
     }
+    if let Some(l) = args.device_memory_limit {
+        config.device_memory_limit = Some(l);
+    }
     let init = match &args.init {
         Some(p) => Some(weights::load(p, Naming::Gpt2)?),
         None => None,
@@ -366,6 +369,7 @@ fn metrics_line(r: &StepReport, tps: f64, peak_dev: f64, peak_host: f64) -> Stri
         "tokens_per_s": tps, "peak_device_bytes": peak_dev as u64, "peak_host_bytes": peak_host as u64,
         "peak_device_bytes_by_category": by_cat,
         "ledger_peak_device_bytes": r.memory.peak_device_bytes,
+        "device_memory_limit": r.memory.device_memory_limit,
         "device_allocator": r.device_memory,
         "swap_read_bytes": r.swap.read_bytes, "swap_written_bytes": r.swap.written_bytes,
         "cross_group_bytes": r.cross_group_bytes,

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use half::bf16;
 
+use crate::huge::filled_vec;
 use crate::optim::{self, AdamHyper, LowPrecision, WeightDecay};
 use crate::{Error, Result};
 
@@ -61,16 +62,18 @@ pub fn adam(params: usize, threads: usize, dtype: AdamDtype, steps: u32) -> Resu
         decay: WeightDecay::Decoupled,
         bias_correction: true,
     };
-    let mut p: Vec<f32> = (0..params)
-        .map(|i| (i % 1000) as f32 * 1e-3 - 0.5)
-        .collect();
-    let g: Vec<f32> = (0..params)
-        .map(|i| (i % 997) as f32 * 1e-4 - 0.05)
-        .collect();
-    let (mut m, mut v) = (vec![0.0f32; params], vec![0.0f32; params]);
+    // Allocated as the engine allocates its state (`FlatBuf::zeros`: huge pages advised).
+    let filled = |f: &dyn Fn(usize) -> f32| {
+        let mut b = filled_vec(params, 0.0f32);
+        b.iter_mut().enumerate().for_each(|(i, x)| *x = f(i));
+        b
+    };
+    let mut p = filled(&|i| (i % 1000) as f32 * 1e-3 - 0.5);
+    let g = filled(&|i| (i % 997) as f32 * 1e-4 - 0.05);
+    let (mut m, mut v) = (filled_vec(params, 0.0f32), filled_vec(params, 0.0f32));
     let mut lp = match dtype {
         AdamDtype::F32 => Vec::new(),
-        AdamDtype::Bf16 => vec![bf16::ZERO; params],
+        AdamDtype::Bf16 => filled_vec(params, bf16::ZERO),
     };
     let mut times = Vec::with_capacity(steps as usize);
     pool.install(|| -> Result<()> {

@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod error;
+pub mod huge;
 pub mod optim;
 pub mod pipeline;
 pub mod pool;

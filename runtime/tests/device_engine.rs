@@ -352,3 +352,51 @@ fn checkpoint_resumes_exactly(d: &Dev) {
     );
 }
 test_device!(checkpoint_resumes_exactly);
+
+/// Two steps of stage 3 on `be` (one rank); the allocator's and the ledger's peaks.
+fn capped_run(be: &Arc<dyn Backend>, cfg: &ResolvedConfig) -> Result<(Option<u64>, u64)> {
+    let out = run_ranks(1, Duration::from_secs(120), |comm| {
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
+        for s in 0..2 {
+            let batches: Vec<_> = (0..2)
+                .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
+                .collect();
+            let r = e.train_batch(&batches)?;
+            assert_eq!(r.memory.device_memory_limit, cfg.device_memory_limit);
+        }
+        Ok((
+            e.backend().memory_stats().map(|m| m.peak),
+            e.peak_device_bytes(),
+        ))
+    });
+    out.map(|mut v| v.remove(0))
+}
+
+/// `device_memory_limit` on the device: at the run's own peaks both the allocator and the
+/// ledger hold it (peak <= cap in the reports); at half the allocator's peak the allocator
+/// refuses with the named error instead of the run going on.
+fn device_memory_limit_holds_on_the_device(d: &Dev) {
+    let mut cfg = cfg_for(d, ZeroStage::Stage3, 1);
+    let (alloc_peak, ledger_peak) = capped_run(&d.be, &cfg).expect("uncapped run");
+    let cap = alloc_peak.unwrap_or(0).max(ledger_peak);
+    cfg.device_memory_limit = Some(cap);
+    let fresh = device_common::device(d.name).expect("the device opened once already");
+    fresh.be.set_memory_limit(Some(cap)).unwrap();
+    let (a, l) = capped_run(&fresh.be, &cfg).expect("a run at its own peak fits");
+    assert!(
+        l <= cap && a.unwrap_or(0) <= cap,
+        "{}: {a:?} {l} > {cap}",
+        d.name
+    );
+    let Some(alloc_peak) = alloc_peak else {
+        return; // the CPU has no allocator of its own; tests/device_memory_limit.rs covers it
+    };
+    let tight = device_common::device(d.name).expect("the device opened once already");
+    tight.be.set_memory_limit(Some(alloc_peak / 2)).unwrap();
+    cfg.device_memory_limit = None;
+    match capped_run(&tight.be, &cfg) {
+        Err(Error::DeviceMemory { limit, .. }) => assert_eq!(limit, alloc_peak / 2),
+        other => panic!("{}: expected a device-memory error, got {other:?}", d.name),
+    }
+}
+test_device!(device_memory_limit_holds_on_the_device);

@@ -53,9 +53,10 @@ pub struct Args {
     /// Tokens per row (default: the model's longest sequence).
     #[arg(long)]
     seq_len: Option<usize>,
-    /// Device memory per GPU: 40GB (10^9), 40GiB (2^30), or bytes.
-    #[arg(long, default_value = "40GB")]
-    device_memory: String,
+    /// Device memory per GPU: 40GB (10^9), 40GiB (2^30), or bytes (default: the config's
+    /// `device_memory_limit`, else 40GB).
+    #[arg(long)]
+    device_memory: Option<String>,
     /// Host memory per node (default: this machine's RAM), same units.
     #[arg(long)]
     host_memory: Option<String>,
@@ -106,7 +107,10 @@ fn plan(args: &Args) -> Result<Plan, String> {
             shape.max_seq
         ));
     }
-    let device = parse_size(&args.device_memory)?;
+    let device = match &args.device_memory {
+        Some(s) => parse_size(s)?,
+        None => cfg.device_memory_limit.unwrap_or(DEFAULT_DEVICE_BYTES),
+    };
     let host_ram = match &args.host_memory {
         Some(s) => parse_size(s)?,
         None => super::report::ram_bytes()
@@ -144,6 +148,9 @@ fn model(args: &Args) -> Result<ModelShape, String> {
     r.map_err(|e| e.to_string())
 }
 
+/// A 40 GB card (A100 40GB), the budget this tool was written for.
+const DEFAULT_DEVICE_BYTES: u64 = 40_000_000_000;
+
 const DEFAULT_CONFIG: &str = r#"{
   "train_micro_batch_size_per_gpu": 1,
   "bf16": {"enabled": true},
@@ -174,38 +181,8 @@ fn config(args: &Args, world: usize, hidden: usize) -> Result<ResolvedConfig, St
     Ok(cfg)
 }
 
-/// Parses `40GB`, `40 GiB`, `512MiB`, `1.5TB` or a plain byte count.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e' || c == 'E'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size (e.g. 40GB, 40GiB, 1073741824)"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024f64.powi(2),
-        "gib" => 1024f64.powi(3),
-        "tib" => 1024f64.powi(4),
-        u => {
-            return Err(format!(
-                "unknown size unit `{u}` in `{s}` (use GB, GiB, ...)"
-            ))
-        }
-    };
-    let b = n * mult;
-    if !(0.0..=u64::MAX as f64).contains(&b) {
-        return Err(format!("`{s}` is out of range"));
-    }
-    Ok(b as u64)
-}
+/// Sizes are parsed as the config's `device_memory_limit` is, so a flag and a key agree.
+pub use ferrozero_config::parse_size;
 
 /// Bytes as GiB with two decimals (MiB below 1 GiB).
 pub fn human(b: u64) -> String {

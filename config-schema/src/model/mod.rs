@@ -8,6 +8,7 @@ mod optimizer;
 mod precision;
 mod runtime;
 mod scheduler;
+mod size;
 mod zero;
 
 use std::collections::HashMap;
@@ -24,6 +25,7 @@ pub use optimizer::{Optimizer, OptimizerParams, OptimizerType};
 pub use precision::{Bf16, Fp16};
 pub use runtime::{ActivationCheckpointingSection, Aio, Backend, Comms};
 pub use scheduler::{Scheduler, SchedulerParams, SchedulerType, WarmupKind};
+pub use size::{parse_size, ByteSize};
 pub use zero::ZeroOptimization;
 
 use crate::parse::Node;
@@ -66,6 +68,14 @@ pub struct Config {
     /// build has the CUDA backend and the machine a GPU, else the CPU), `"cpu"`, `"cuda"` (the
     /// rank's `LOCAL_RANK`-th GPU) or `"cuda:N"`.
     pub device: Device,
+    /// Cap on the bytes each rank keeps in device memory (ferrozero's own key; DeepSpeed has
+    /// none): bytes, or a string such as `"40GB"` (10^9) or `"40GiB"` (2^30). It applies to
+    /// what the engine counts as device memory on every backend (on the CPU: the working set
+    /// a GPU would hold), so a 40 GB card's run can be rehearsed on a larger card or a CPU. A
+    /// run that cannot fit is refused at `initialize` with the estimator's figures; the GPU's
+    /// allocator and the engine's memory ledger refuse any allocation past it. Unset: no cap.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_memory_limit: Option<ByteSize>,
     /// ZeRO partitioning: the stage, communication buckets, and offload.
     pub zero_optimization: ZeroOptimization,
     /// fp16 mixed precision with loss scaling.
@@ -127,6 +137,7 @@ impl Default for Config {
             wall_clock_breakdown: false,
             seed: DEFAULT_SEED,
             device: Device::Auto,
+            device_memory_limit: None,
             zero_optimization: ZeroOptimization::default(),
             fp16: Fp16::default(),
             bf16: Bf16::default(),
@@ -296,6 +307,7 @@ pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
         device: t
             .get(cx, "device", &[], device::read_device)
             .unwrap_or_default(),
+        device_memory_limit: t.get(cx, "device_memory_limit", &[], size::read_size),
         zero_optimization: t
             .get(cx, "zero_optimization", &[], |cx, p, n| {
                 Some(zero::read_zero(cx, p, n))

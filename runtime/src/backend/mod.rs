@@ -103,6 +103,13 @@ pub trait MemoryOps {
     /// Host values as an engine buffer on this device (the CPU keeps the allocation; a device
     /// uploads it: an explicit copy).
     fn adopt(&self, host: FlatBuf) -> Result<Storage>;
+    /// Caps the bytes this device's own allocator may hand out (`device_memory_limit`). The
+    /// CPU has no device allocator: the engine's ledger enforces the cap there (and on every
+    /// device besides).
+    fn set_memory_limit(&self, limit: Option<u64>) -> Result<()> {
+        let _ = limit;
+        Ok(())
+    }
     /// Device memory as the device's own allocator counts it, when it has one (the CPU has
     /// none: the engine's ledger is its only count).
     fn memory_stats(&self) -> Option<DeviceMemory> {

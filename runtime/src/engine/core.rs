@@ -68,13 +68,19 @@ pub struct Engine {
 impl Engine {
     /// Builds an engine for `model` on this rank of `comm` with a resolved config, computing
     /// on the config's `device` (activations in the precision's dtype where the device can).
+    /// The backend is this rank's own, so `device_memory_limit` caps its allocator too.
     pub fn new(model: Model, cfg: ResolvedConfig, comm: Box<dyn Communicator>) -> Result<Self> {
         let act = super::build::storage_dtype(&cfg.precision);
         let be = crate::backend::open(cfg.device, act, comm.rank())?;
+        if let Some(limit) = cfg.device_memory_limit {
+            be.set_memory_limit(Some(limit))?;
+        }
         Self::with_backend(model, cfg, comm, be)
     }
 
-    /// Builds an engine whose units compute on `be`.
+    /// Builds an engine whose units compute on `be`. The caller's backend may be shared (ranks
+    /// as threads on one device), so its allocator is left as it is; `device_memory_limit` is
+    /// enforced per rank by the engine's ledger.
     pub fn with_backend(
         model: Model,
         cfg: ResolvedConfig,
@@ -93,7 +99,7 @@ impl Engine {
         let shards = shard_comm(comm.as_ref(), &hybrid);
         let stage = stage::for_stage(cfg.zero.stage);
         let optimizer = Optimizer::new(cfg.optimizer.clone());
-        let mut ledger = Ledger::default();
+        let mut ledger = Ledger::with_device_limit(cfg.device_memory_limit);
         let nvme = open_nvme(&cfg, &model, stage.as_ref(), shards, comm.rank())?;
         if let Some(n) = &nvme {
             ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
@@ -118,6 +124,8 @@ impl Engine {
             .enumerate()
             .map(|(i, s)| plan.build(i, s, param_swap.as_mut(), &mut ledger))
             .collect::<Result<Vec<Group>>>()?;
+        // The resident state alone may already exceed the cap: refuse at initialize.
+        ledger.check_limit()?;
         let n = model.units.len();
         let scaler = LossScaler::from_config(match &cfg.precision {
             ferrozero_config::resolved::Precision::Fp16(s) => Some(s),
@@ -348,6 +356,7 @@ impl Engine {
                     self.track_saved(unit);
                 }
             }
+            self.ledger.check_limit()?;
             x = out;
         }
         self.timings.forward += t.elapsed().as_secs_f64();
@@ -384,6 +393,7 @@ impl Engine {
             self.release_unit(unit);
             grad = r?;
             self.reduce_group(unit)?;
+            self.ledger.check_limit()?;
             if let (Some(s), Some(first)) = (shared, first_shared_user) {
                 if first == unit {
                     self.reduce_group(s)?;

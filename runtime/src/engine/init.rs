@@ -122,9 +122,11 @@ impl EngineBuilder {
 }
 
 /// Compares what this process's ranks need with what the machine has (RAM, locked memory,
-/// NVMe free space) and refuses with every shortfall and its numbers.
+/// NVMe free space) and with `device_memory_limit`, and refuses with every shortfall and its
+/// numbers.
 fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) -> Result<()> {
     let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
+    super::estimate::check_device_cap(model, cfg, seq, &e)?;
     // Local ranks share this process's machine; other backends run one rank per process.
     let here = match cfg.comms.backend {
         ferrozero_config::resolved::CommBackend::Local => cfg.world_size as u64,

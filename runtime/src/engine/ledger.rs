@@ -3,8 +3,17 @@
 //!
 //! On a CPU-only run "device" means the working set that would sit in GPU memory, so a user
 //! can rehearse a GPU memory budget on a CPU machine.
+//!
+//! The ledger also enforces `device_memory_limit` on every backend: an allocation that takes
+//! the device total past the cap is recorded as a breach, and the engine turns the first
+//! breach into [`Error::DeviceMemory`] at its next check (after each unit's forward and
+//! backward, after the step). Recording instead of refusing keeps `alloc` infallible at its
+//! many call sites; the bytes it counts are host memory on the CPU and already refused by the
+//! caching allocator on a GPU, so nothing is lost between the breach and the check.
 
 use serde::Serialize;
+
+use crate::{Error, Result};
 
 /// Where bytes live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -68,6 +77,23 @@ pub struct Ledger {
     peak: [[u64; CATS]; LOCS],
     total: [u64; LOCS],
     peak_total: [u64; LOCS],
+    /// The cap on device bytes (`device_memory_limit`).
+    limit: Option<u64>,
+    /// The first allocation that went past `limit`.
+    breach: Option<Breach>,
+}
+
+/// An allocation that took the device total past the cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Breach {
+    /// What the bytes were for.
+    pub category: Category,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// Device bytes held before the request.
+    pub live: u64,
+    /// The cap.
+    pub limit: u64,
 }
 
 /// A snapshot of the ledger for reports and logs.
@@ -85,12 +111,56 @@ pub struct LedgerReport {
     pub peak_device_by_category: Vec<(Category, u64)>,
     /// Peak bytes per category in host memory.
     pub peak_host_by_category: Vec<(Category, u64)>,
+    /// The cap on device bytes, if one is set: `peak_device_bytes <= device_memory_limit`
+    /// is the proof that it held.
+    pub device_memory_limit: Option<u64>,
 }
 
 impl Ledger {
-    /// Counts an allocation.
+    /// An empty ledger whose device total may not exceed `limit`.
+    pub fn with_device_limit(limit: Option<u64>) -> Self {
+        Ledger {
+            limit,
+            ..Ledger::default()
+        }
+    }
+
+    /// The cap on device bytes, if any.
+    pub fn device_limit(&self) -> Option<u64> {
+        self.limit
+    }
+
+    /// The first breach of the cap, as the same error a GPU's allocator gives.
+    pub fn check_limit(&self) -> Result<()> {
+        let Some(b) = self.breach else {
+            return Ok(());
+        };
+        Err(Error::DeviceMemory {
+            requested: b.requested,
+            live: b.live,
+            peak: self.peak_total(Location::Device),
+            limit: b.limit,
+            detail: format!(
+                "{:?} took this rank's device memory past device_memory_limit (counted by the \
+                 engine's ledger; raise the limit, offload, or shard further)",
+                b.category
+            ),
+        })
+    }
+
+    /// Counts an allocation (a device one past the cap is recorded as a breach).
     pub fn alloc(&mut self, loc: Location, cat: Category, bytes: u64) {
         let (l, c) = (loc_index(loc), cat_index(cat));
+        if let (Location::Device, Some(limit), None) = (loc, self.limit, self.breach) {
+            if self.total[l] + bytes > limit {
+                self.breach = Some(Breach {
+                    category: cat,
+                    requested: bytes,
+                    live: self.total[l],
+                    limit,
+                });
+            }
+        }
         self.current[l][c] += bytes;
         self.total[l] += bytes;
         self.peak[l][c] = self.peak[l][c].max(self.current[l][c]);
@@ -144,6 +214,7 @@ impl Ledger {
             current_device_bytes: self.current_total(Location::Device),
             peak_device_by_category: by(Location::Device),
             peak_host_by_category: by(Location::Host),
+            device_memory_limit: self.limit,
         }
     }
 }
@@ -164,5 +235,32 @@ mod tests {
         assert_eq!(l.peak(Location::Device, Category::Prefetch), 50);
         assert_eq!(l.current(Location::Device, Category::Prefetch), 0);
         assert_eq!(l.peak_total(Location::Host), 0);
+    }
+
+    #[test]
+    fn the_cap_records_the_first_breach_and_names_it() {
+        let mut l = Ledger::with_device_limit(Some(100));
+        l.alloc(Location::Device, Category::Parameters, 60);
+        l.alloc(Location::Host, Category::OptimizerState, 1000);
+        l.alloc(Location::Device, Category::Gradients, 40);
+        assert!(l.check_limit().is_ok(), "exactly at the cap fits");
+        l.free(Location::Device, Category::Gradients, 40);
+        l.alloc(Location::Device, Category::Activations, 41);
+        l.alloc(Location::Device, Category::Prefetch, 500);
+        match l.check_limit() {
+            Err(Error::DeviceMemory {
+                requested,
+                live,
+                limit,
+                detail,
+                ..
+            }) => {
+                assert_eq!((requested, live, limit), (41, 60, 100));
+                assert!(detail.contains("Activations"), "{detail}");
+                assert!(detail.contains("device_memory_limit"), "{detail}");
+            }
+            other => panic!("expected a device-memory error, got {other:?}"),
+        }
+        assert_eq!(l.report().device_memory_limit, Some(100));
     }
 }

@@ -203,6 +203,7 @@ mod tests {
             current_device_bytes: 0,
             peak_device_by_category: device,
             peak_host_by_category: vec![(Category::OptimizerState, 4096)],
+            device_memory_limit: None,
         }
     }
 

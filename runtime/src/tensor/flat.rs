@@ -28,10 +28,19 @@ impl FlatBuf {
             b.fill_zero();
             return b;
         }
+        use ferrozero_offload::huge::{advise_huge_pages, filled_vec};
+        // Large buffers ask for transparent huge pages before their first write: the
+        // optimizer and the reductions stream through them, and 4 KiB pages stop the
+        // hardware prefetchers at every page boundary.
         match dtype {
-            DType::F32 => FlatBuf::F32(vec![0.0; len]),
-            DType::Bf16 => FlatBuf::Bf16(vec![bf16::ZERO; len]),
-            DType::F16 => FlatBuf::F16(vec![f16::ZERO; len]),
+            DType::F32 => {
+                // calloc maps fresh zero pages without writing them: advise, stay lazy.
+                let v = vec![0.0f32; len];
+                advise_huge_pages(v.as_ptr().cast(), len * 4);
+                FlatBuf::F32(v)
+            }
+            DType::Bf16 => FlatBuf::Bf16(filled_vec(len, bf16::ZERO)),
+            DType::F16 => FlatBuf::F16(filled_vec(len, f16::ZERO)),
         }
     }
 

@@ -38,6 +38,7 @@ pub fn config(
         seed: 1234,
         // The toy model computes with host loops: the CPU backend.
         device: ferrozero_config::Device::Cpu,
+        device_memory_limit: None,
         zero: ZeroConfig {
             stage,
             overlap_comm: false,

@@ -151,6 +151,11 @@ impl MemoryOps for CudaBackend {
         self.upload(host.as_ref())
     }
 
+    fn set_memory_limit(&self, limit: Option<u64>) -> Result<()> {
+        self.dev.allocator().set_limit(limit);
+        Ok(())
+    }
+
     fn memory_stats(&self) -> Option<crate::backend::DeviceMemory> {
         let a = self.dev.allocator();
         let s = a.stats();

@@ -7,6 +7,7 @@
 //! the engine's ledger counts them, and the engine's pre-flight check and `ferrozero
 //! estimate` give the same answer.
 
+mod cap;
 mod replay;
 pub mod shape;
 pub mod suggest;
@@ -18,6 +19,7 @@ use super::ledger::{Category, Ledger, Location};
 use super::optimizer::Optimizer;
 use crate::nn::Model;
 
+pub use cap::check_device_cap;
 pub use suggest::{preflight, suggest, Budget, Change, Suggestion};
 
 /// Peak bytes at one location: the peak of the total, and each category's own peak.
