@@ -16,6 +16,15 @@ pub enum Backend {
     Mpi,
 }
 
+/// How the MPI backend forms sums (see `comms.reduction`).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum ReductionArg {
+    /// MPI's own reductions for f32 sums (the default).
+    Native,
+    /// Rank-ordered sums, bitwise equal to the local backend.
+    RankOrdered,
+}
+
 /// Arguments.
 #[derive(clap::Args)]
 pub struct Args {
@@ -37,6 +46,36 @@ pub struct Args {
     /// Seconds before a stuck collective is reported.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
+    /// How the MPI backend forms sums (the local backend always sums in rank order).
+    #[arg(long, value_enum, default_value_t = ReductionArg::Native)]
+    reduction: ReductionArg,
+    /// Collectives to measure (default: all).
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<OpArg>,
+}
+
+/// A collective to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OpArg {
+    /// all_reduce.
+    AllReduce,
+    /// reduce_scatter.
+    ReduceScatter,
+    /// all_gather.
+    AllGather,
+    /// broadcast.
+    Broadcast,
+}
+
+impl OpArg {
+    fn op(self) -> BenchOp {
+        match self {
+            OpArg::AllReduce => BenchOp::AllReduce,
+            OpArg::ReduceScatter => BenchOp::ReduceScatter,
+            OpArg::AllGather => BenchOp::AllGather,
+            OpArg::Broadcast => BenchOp::Broadcast,
+        }
+    }
 }
 
 /// Parses `4096`, `4K`, `64M`, `1G`.
@@ -64,9 +103,14 @@ pub fn run(args: Args) -> ExitCode {
     }
     let sizes = bench::sizes(args.min_bytes, args.max_bytes);
     let timeout = Duration::from_secs(args.timeout_secs);
+    let ops: Vec<BenchOp> = if args.ops.is_empty() {
+        BenchOp::ALL.to_vec()
+    } else {
+        args.ops.iter().map(|o| o.op()).collect()
+    };
     let result = match args.backend {
-        Backend::Local => local(args.ranks, timeout, &sizes),
-        Backend::Mpi => mpi(timeout, &sizes),
+        Backend::Local => local(args.ranks, timeout, &ops, &sizes),
+        Backend::Mpi => mpi(timeout, args.reduction, &ops, &sizes),
     };
     match result {
         Ok(Some(rows)) => {
@@ -84,24 +128,39 @@ pub fn run(args: Args) -> ExitCode {
 fn local(
     ranks: usize,
     timeout: Duration,
+    ops: &[BenchOp],
     sizes: &[usize],
 ) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
-    let mut all = run_ranks(ranks, timeout, |c| bench::run(&*c, &BenchOp::ALL, sizes))?;
+    let mut all = run_ranks(ranks, timeout, |c| bench::run(&*c, ops, sizes))?;
     Ok(Some(all.swap_remove(0)))
 }
 
 /// Runs on every MPI process; only rank 0 returns rows to print.
 #[cfg(feature = "mpi")]
-fn mpi(timeout: Duration, sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+fn mpi(
+    timeout: Duration,
+    reduction: ReductionArg,
+    ops: &[BenchOp],
+    sizes: &[usize],
+) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
     use ferrozero_runtime::comm::mpi::MpiComm;
-    use ferrozero_runtime::comm::Communicator;
-    let comm = MpiComm::world(timeout)?;
-    let rows = bench::run(&comm, &BenchOp::ALL, sizes)?;
+    use ferrozero_runtime::comm::{Communicator, Reduction};
+    let reduction = match reduction {
+        ReductionArg::Native => Reduction::Native,
+        ReductionArg::RankOrdered => Reduction::RankOrdered,
+    };
+    let comm = MpiComm::world(timeout)?.with_reduction(reduction);
+    let rows = bench::run(&comm, ops, sizes)?;
     Ok((comm.rank() == 0).then_some(rows))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn mpi(_timeout: Duration, _sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+fn mpi(
+    _timeout: Duration,
+    _reduction: ReductionArg,
+    _ops: &[BenchOp],
+    _sizes: &[usize],
+) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
     Err(ferrozero_runtime::Error::Unavailable {
         what: "the MPI backend",
         why: "this ferrozero was built without the `mpi` feature (cargo build --features mpi)"
