@@ -42,7 +42,10 @@ mod tests {
         assert!(colour_allowed(true, None));
         assert!(colour_allowed(true, Some(OsStr::new(""))));
         assert!(!colour_allowed(true, Some(OsStr::new("1"))));
-        assert!(!colour_allowed(true, Some(OsStr::new("0"))), "any non-empty value");
+        assert!(
+            !colour_allowed(true, Some(OsStr::new("0"))),
+            "any non-empty value"
+        );
         assert!(!colour_allowed(false, None));
         assert!(!colour_allowed(false, Some(OsStr::new("1"))));
     }

@@ -12,7 +12,10 @@ fn example() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap().parent().unwrap();
     let p = dir.join("examples").join("train_gpt");
-    assert!(p.exists(), "cargo test builds examples/train_gpt next to the tests");
+    assert!(
+        p.exists(),
+        "cargo test builds examples/train_gpt next to the tests"
+    );
     p
 }
 

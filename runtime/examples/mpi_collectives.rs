@@ -78,9 +78,16 @@ where
         let mut buf = values::<T>(seed, r, len);
         c.all_reduce((&mut buf[..]).into(), op).expect("all_reduce");
         let mut again = values::<T>(seed, r, len);
-        c.all_reduce((&mut again[..]).into(), op).expect("all_reduce");
+        c.all_reduce((&mut again[..]).into(), op)
+            .expect("all_reduce");
         assert!(
-            agrees(c, &buf, &again, &reference::all_reduce(&inputs(seed, len), op), exact),
+            agrees(
+                c,
+                &buf,
+                &again,
+                &reference::all_reduce(&inputs(seed, len), op),
+                exact
+            ),
             "all_reduce {op:?} len {len} (native {native})"
         );
         let m = len / n;

@@ -116,7 +116,10 @@ fn a_rank_that_stops_answering_times_out_every_other_rank() {
     // entered after the rank that detected the timeout (so its `elapsed` is not checked
     // against TIMEOUT: on a loaded machine rank 0 may enter well after rank 2).
     assert!(elapsed >= TIMEOUT, "{elapsed:?}");
-    assert!(e.to_string().contains(&format!("waited {TIMEOUT:?}")), "{e}");
+    assert!(
+        e.to_string().contains(&format!("waited {TIMEOUT:?}")),
+        "{e}"
+    );
     assert!(elapsed < TIMEOUT * 5 + SLACK, "{elapsed:?}");
 }
 

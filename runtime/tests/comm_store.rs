@@ -130,21 +130,31 @@ fn the_host_outlives_every_rank_that_still_uses_the_store() {
     );
     let closed = Instant::now();
     drop(peer);
-    let stopped = rx.recv_timeout(Duration::from_secs(10)).expect("server stops");
+    let stopped = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("server stops");
     assert!(stopped >= closed);
     dropper.join().unwrap();
 }
 
 #[test]
 fn a_host_whose_peers_never_come_stops_after_its_linger_limit() {
-    let srv = StoreServer::host_job("127.0.0.1:0".parse().unwrap(), 3, Duration::from_millis(300))
-        .expect("loopback bind");
+    let srv = StoreServer::host_job(
+        "127.0.0.1:0".parse().unwrap(),
+        3,
+        Duration::from_millis(300),
+    )
+    .expect("loopback bind");
     let st = TcpStore::connect_rank(srv.addr(), Duration::from_secs(5), 0).unwrap();
     st.set("k", b"v").unwrap();
     drop(st);
     let t = Instant::now();
     drop(srv);
-    assert!(t.elapsed() >= Duration::from_millis(300), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
 
@@ -156,5 +166,8 @@ fn from_env_refuses_a_rank_outside_the_world() {
     std::env::set_var("MASTER_ADDR", "127.0.0.1");
     std::env::set_var("MASTER_PORT", "1");
     let e = TcpStore::from_env(Duration::from_millis(100)).expect_err("rank 2 of 2");
-    assert!(e.to_string().contains("RANK 2 is not below WORLD_SIZE 2"), "{e}");
+    assert!(
+        e.to_string().contains("RANK 2 is not below WORLD_SIZE 2"),
+        "{e}"
+    );
 }

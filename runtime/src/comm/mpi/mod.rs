@@ -308,9 +308,13 @@ fn in_place_sentinel() -> Option<usize> {
 /// Whether this node runs more ranks than it has cores: Open MPI's and the launcher's
 /// local-size variables against the cores this process may use.
 fn node_is_oversubscribed() -> bool {
-    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok());
+    let local = [
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MPI_LOCALNRANKS",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok());
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     local.is_some_and(|l| l > cores)
 }
