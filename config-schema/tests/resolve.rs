@@ -243,7 +243,8 @@ fn deepspeed_v0_19_defaults() {
         r.comms,
         CommsConfig {
             backend: CommBackend::Local,
-            timeout: std::time::Duration::from_secs(300)
+            timeout: std::time::Duration::from_secs(300),
+            reduction: ferrozero_config::resolved::CommReduction::Native,
         }
     );
     assert_eq!(

@@ -3,7 +3,6 @@
 //! summary logged by rank 0.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use ferrozero_config::{Config, ResolveContext};
 
@@ -114,18 +113,24 @@ impl EngineBuilder {
     }
 }
 
-/// Compares what this process's ranks need with what the machine has (RAM, locked memory,
-/// NVMe free space) and refuses with every shortfall and its numbers.
-fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) -> Result<()> {
-    let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
-    // Local ranks share this process's machine; other backends run one rank per process.
-    let here = match cfg.comms.backend {
+/// Ranks of this job that run in this process's machine: all of them with the local
+/// backend, else the launcher's `LOCAL_WORLD_SIZE` (1 when unset).
+fn ranks_here(cfg: &ferrozero_config::ResolvedConfig) -> u64 {
+    match cfg.comms.backend {
         ferrozero_config::resolved::CommBackend::Local => cfg.world_size as u64,
         _ => std::env::var("LOCAL_WORLD_SIZE")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(1),
-    };
+    }
+}
+
+/// Compares what this process's ranks need with what the machine has (RAM, locked memory,
+/// NVMe free space) and refuses with every shortfall and its numbers.
+fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) -> Result<()> {
+    let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
+    // Local ranks share this process's machine; other backends run one rank per process.
+    let here = ranks_here(cfg);
     let mut nvme = Vec::new();
     for off in [&cfg.zero.offload_optimizer, &cfg.zero.offload_param] {
         if let ferrozero_config::resolved::OffloadTarget::Nvme(p) = &off.target {
@@ -150,24 +155,59 @@ fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) 
     Ok(())
 }
 
-/// The default communicator: one local rank, unless the environment describes a multi-process
-/// job, which needs a backend that crosses processes.
-fn single_rank(_config: &Config) -> Result<Box<dyn Communicator>> {
+/// The default communicator, from the config's `comms` section: the MPI world (with the
+/// section's timeout and reduction) for `backend = "mpi"`, else one local rank, unless the
+/// environment describes a multi-process job, which needs a backend that crosses processes.
+fn single_rank(config: &Config) -> Result<Box<dyn Communicator>> {
+    use ferrozero_config::resolved::CommBackend;
+    let comms = config.resolve_comms();
     let world: usize = std::env::var("WORLD_SIZE")
         .ok()
         .and_then(|w| w.parse().ok())
         .unwrap_or(1);
-    if world > 1 {
-        return Err(Error::Unavailable {
+    match comms.backend {
+        CommBackend::Mpi => mpi_world(&comms),
+        _ if world > 1 => Err(Error::Unavailable {
             what: "multi-process communicator",
             why: format!(
-                "WORLD_SIZE={world} but no communicator was given; pass one with EngineBuilder::comm \
-                 (MPI: build with --features mpi), or run ranks in one process with comm::local::run_ranks"
+                "WORLD_SIZE={world} but no communicator was given and comms.backend is {:?}; set \
+                 comms.backend = \"mpi\" (build with --features mpi), pass one with \
+                 EngineBuilder::comm, or run ranks in one process with comm::local::run_ranks",
+                comms.backend
             ),
-        });
+        }),
+        // One rank needs no transport: every backend is the same there.
+        _ => {
+            let mut group = LocalComm::group(1, comms.timeout);
+            Ok(Box::new(group.remove(0)))
+        }
     }
-    let mut group = LocalComm::group(1, Duration::from_secs(300));
-    Ok(Box::new(group.remove(0)))
+}
+
+/// The MPI world communicator the config asks for.
+#[cfg(feature = "mpi")]
+fn mpi_world(comms: &ferrozero_config::resolved::CommsConfig) -> Result<Box<dyn Communicator>> {
+    use crate::comm::Reduction;
+    use ferrozero_config::resolved::CommReduction;
+    let reduction = match comms.reduction {
+        CommReduction::Native => Reduction::Native,
+        CommReduction::RankOrdered => Reduction::RankOrdered,
+    };
+    Ok(Box::new(
+        crate::comm::mpi::MpiComm::world(comms.timeout)?.with_reduction(reduction),
+    ))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_world(comms: &ferrozero_config::resolved::CommsConfig) -> Result<Box<dyn Communicator>> {
+    Err(Error::Unavailable {
+        what: "the MPI backend",
+        why: format!(
+            "comms.backend = \"mpi\" (reduction {:?}, timeout {:?}) but this build has no MPI: \
+             build with --features mpi",
+            comms.reduction, comms.timeout
+        ),
+    })
 }
 
 /// Loads `config` and builds an engine for `model` on a single local rank (or fails with a
