@@ -94,9 +94,17 @@ impl EngineBuilder {
             hidden_size: self.hidden_size,
             micro_batch_hint: self.micro_batch_hint,
         };
-        let resolution = config
+        let mut resolution = config
             .resolve_explained(&ctx)
             .map_err(|e| Error::Config(e.to_string()))?;
+        // Before anything is allocated: pinned buffers need a locked-memory limit that holds
+        // them (raised here when the hard limit allows, else refused or, where the config
+        // allows it, pinning turned off).
+        check_locked_memory(
+            &self.model,
+            &mut resolution.config,
+            self.seq_len.unwrap_or(1),
+        )?;
         if let Some(seq) = self.seq_len {
             preflight(&self.model, &resolution.config, seq)?;
         }
@@ -123,6 +131,69 @@ fn ranks_here(cfg: &ferrozero_config::ResolvedConfig) -> u64 {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1),
     }
+}
+
+/// The locked-memory check of `pin_memory = true`, at `initialize`: when the pinned bytes of
+/// this machine's ranks exceed the soft `RLIMIT_MEMLOCK`, the soft limit is raised to the hard
+/// one if that suffices; otherwise the run is refused with the exact `ulimit` /
+/// `limits.conf` / systemd / docker lines that fix it, unless every pinned section sets
+/// `pin_memory_fallback = true`, in which case pinning is turned off with a warning. Either
+/// way before step 1, never as an allocation failure mid-run.
+fn check_locked_memory(
+    model: &Model,
+    cfg: &mut ferrozero_config::ResolvedConfig,
+    seq: usize,
+) -> Result<()> {
+    use ferrozero_offload::preflight::{memlock_fix, MemlockLimits};
+    use ferrozero_offload::sys::{self, MemlockLimit};
+    let z = &cfg.zero;
+    if !(z.offload_optimizer.pin_memory || z.offload_param.pin_memory) {
+        return Ok(());
+    }
+    let here = ranks_here(cfg);
+    let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
+    let need = e.pinned_host_bytes.saturating_mul(here);
+    let MemlockLimit::Bytes(soft) = sys::memlock_limit() else {
+        return Ok(());
+    };
+    if need <= soft {
+        return Ok(());
+    }
+    let (_, hard) = sys::memlock_rlimit();
+    if hard.is_none_or(|h| need <= h) && sys::raise_memlock_soft(hard).is_ok() {
+        tracing::info!(
+            "pin_memory: raised the soft RLIMIT_MEMLOCK from {soft} bytes to {} so that {need} \
+             bytes of pinned buffers fit ({here} rank(s) on this machine)",
+            hard.map_or("unlimited".to_string(), |h| format!("{h} bytes"))
+        );
+        return Ok(());
+    }
+    let who = if here == 1 {
+        "1 rank on this machine".to_string()
+    } else {
+        format!("{here} ranks on this machine")
+    };
+    let msg = memlock_fix(
+        need,
+        MemlockLimits {
+            soft: Some(soft),
+            hard,
+        },
+        &sys::user_name(),
+        &who,
+    );
+    let z = &mut cfg.zero;
+    let fallback = [&z.offload_optimizer, &z.offload_param]
+        .iter()
+        .filter(|o| o.pin_memory)
+        .all(|o| o.pin_memory_fallback);
+    if fallback {
+        z.offload_optimizer.pin_memory = false;
+        z.offload_param.pin_memory = false;
+        tracing::warn!("{msg}\npin_memory_fallback = true: continuing with pageable buffers");
+        return Ok(());
+    }
+    Err(Error::Config(format!("locked memory: {msg}")))
 }
 
 /// Compares what this process's ranks need with what the machine has (RAM, locked memory,
