@@ -458,13 +458,8 @@ fn run(args: &Args) -> std::result::Result<(), String> {
 fn main() -> ExitCode {
     let args = Args::parse();
     // The engine logs its summary (stage, placement, bytes per rank) through `tracing`.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .init();
+    // Colour only on a terminal, and never with NO_COLOR set.
+    ferrozero::logging::init();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

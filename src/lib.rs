@@ -9,6 +9,8 @@
 //! This crate is the facade: it re-exports the engine, the configuration and the offload
 //! machinery, and hosts the `ferrozero` command-line tool.
 
+pub mod logging;
+
 pub use ferrozero_config as config;
 pub use ferrozero_offload as offload;
 pub use ferrozero_runtime as runtime;

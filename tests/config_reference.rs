@@ -153,6 +153,9 @@ fn names(site: &Value, keyword: &str) -> Vec<String> {
 fn walk(root: &Value, object: &Value, prefix: &str, out: &mut Vec<Key>) {
     let props = object["properties"].as_object().expect("properties");
     for (k, site) in props {
+        if site.get("x-alias-of").is_some() {
+            continue;
+        }
         let path = format!("{prefix}{k}");
         let mut all = Vec::new();
         branches(root, site, &mut all);

@@ -62,7 +62,8 @@ fn rank_main() {
         std::env::var("LOCAL_WORLD_SIZE").unwrap(),
         world.to_string()
     );
-    let (store, _server) = TcpStore::from_env(Duration::from_secs(60)).expect("store");
+    let store = TcpStore::from_env(Duration::from_secs(60)).expect("store");
+    assert_eq!(store.is_host(), rank == 0);
     store
         .set(
             &format!("value/{rank}"),
@@ -83,11 +84,14 @@ fn rank_main() {
             std::process::exit(3);
         }
         // The others hang far longer than the test allows (not on the store: its server
-        // lives in rank 0, which the launcher stops too).
+        // lives in rank 0, which the launcher stops too, and a SIGTERM does not wait for
+        // the other ranks to leave).
         std::thread::sleep(Duration::from_secs(60));
         println!("rank {rank} was not stopped");
     }
-    // Keep the server (rank 0) alive until every rank has read what it needs.
+    // A final barrier through the store, as jobs end: rank 0 can see the count complete and
+    // return while rank 1 is still polling; dropping rank 0's store then waits until rank 1
+    // has closed its connection, so rank 1 never reads from a vanished host (issue 16).
     store.add("done", 1).unwrap();
     while store.get("done").unwrap() != Some((world as i64).to_le_bytes().to_vec()) {
         std::thread::sleep(Duration::from_millis(10));
@@ -151,8 +155,9 @@ fn bad_arguments_are_clear_errors() {
 
 #[test]
 fn sigterm_to_the_launcher_is_forwarded_to_every_rank() {
+    use std::io::{BufRead, BufReader};
     let start = Instant::now();
-    let child = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
         .args([
             "launch",
             "--nproc-per-node",
@@ -164,30 +169,45 @@ fn sigterm_to_the_launcher_is_forwarded_to_every_rank() {
         .args([
             "sh",
             "-c",
-            "trap 'echo got TERM; kill $!; exit 0' TERM; sleep 60 & wait",
+            "trap 'echo got TERM; kill $!; exit 0' TERM; echo ready; sleep 60 & wait",
         ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // Give the ranks time to install their trap.
-    std::thread::sleep(Duration::from_millis(500));
+    // Signal only once both ranks have installed their trap (they say so after it), however
+    // long a loaded machine takes to start them.
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    let mut ready = 0;
+    while ready < 2 {
+        let mut line = String::new();
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            panic!("the ranks ended before saying ready:\n{seen}");
+        }
+        ready += usize::from(line.trim_end().ends_with("] ready"));
+        seen.push_str(&line);
+    }
+    let signalled = Instant::now();
     let killed = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
         .unwrap();
     assert!(killed.success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    seen.push_str(&rest);
     let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     // Both ranks ran their TERM trap (so the signal reached them, well before the 20 s grace).
     for r in 0..2 {
         assert!(
-            stdout.contains(&format!("[rank {r}] got TERM")),
-            "{stdout}\n{stderr}"
+            seen.contains(&format!("[rank {r}] got TERM")),
+            "{seen}\n{stderr}"
         );
     }
     assert_eq!(out.status.code(), Some(128 + 15), "{stderr}");
     assert!(stderr.contains("interrupted by signal 15"), "{stderr}");
-    assert!(start.elapsed() < Duration::from_secs(15));
+    assert!(signalled.elapsed() < Duration::from_secs(15));
+    assert!(start.elapsed() < Duration::from_secs(60));
 }

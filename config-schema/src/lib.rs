@@ -127,9 +127,68 @@ fn format_name(format: Format) -> &'static str {
 
 /// The JSON Schema (2020-12) of the config format, pretty-printed, as committed in
 /// `configs/ferrozero.schema.json`.
+///
+/// DeepSpeed's other spellings of a key (its short pydantic names such as
+/// `max_live_parameters`, and deprecated names) are properties too, so that editors complete
+/// and accept them; each is marked `x-alias-of` (and `deprecated` where it is) and carries the
+/// canonical key's schema.
 pub fn json_schema() -> String {
     let schema = schemars::schema_for!(Config);
+    let mut value = serde_json::to_value(&schema).expect("a schema always serializes");
+    add_alias_properties(&mut value);
+    // Back into a Schema, whose serialization orders keywords as schemars does.
+    let schema = schemars::Schema::try_from(value).expect("still an object schema");
     let mut s = serde_json::to_string_pretty(&schema).expect("a schema always serializes");
     s.push('\n');
     s
+}
+
+/// Adds a property for every `x-aliases` / `x-deprecated-aliases` name of every object schema
+/// (the root and `$defs`).
+fn add_alias_properties(schema: &mut serde_json::Value) {
+    use serde_json::{json, Value};
+    fn add(props: &mut serde_json::Map<String, Value>) {
+        let mut extra = Vec::new();
+        for (key, site) in props.iter() {
+            for (keyword, deprecated) in [("x-aliases", false), ("x-deprecated-aliases", true)] {
+                let names = site.get(keyword).and_then(Value::as_array);
+                for alias in names.into_iter().flatten().filter_map(Value::as_str) {
+                    let mut copy = site.clone();
+                    if let Value::Object(m) = &mut copy {
+                        m.remove("x-aliases");
+                        m.remove("x-deprecated-aliases");
+                        let what = if deprecated {
+                            "Deprecated name"
+                        } else {
+                            "DeepSpeed's other name"
+                        };
+                        m.insert(
+                            "description".into(),
+                            json!(format!(
+                                "{what} of `{key}` (the same setting; give only one)."
+                            )),
+                        );
+                        m.insert("x-alias-of".into(), json!(key));
+                        if deprecated {
+                            m.insert("deprecated".into(), json!(true));
+                        }
+                    }
+                    extra.push((alias.to_string(), copy));
+                }
+            }
+        }
+        for (k, v) in extra {
+            props.entry(k).or_insert(v);
+        }
+    }
+    if let Some(Value::Object(defs)) = schema.get_mut("$defs") {
+        for d in defs.values_mut() {
+            if let Some(Value::Object(p)) = d.get_mut("properties") {
+                add(p);
+            }
+        }
+    }
+    if let Some(Value::Object(p)) = schema.get_mut("properties") {
+        add(p);
+    }
 }

@@ -149,6 +149,23 @@ impl Config {
         r.errors
     }
 
+    /// The `comms` section, resolved: it needs no world size, so a communicator can be built
+    /// from it before the rest of the config is resolved against that communicator's world.
+    pub fn resolve_comms(&self) -> CommsConfig {
+        CommsConfig {
+            backend: match self.comms.backend {
+                crate::model::Backend::Local => CommBackend::Local,
+                crate::model::Backend::Mpi => CommBackend::Mpi,
+                crate::model::Backend::Nccl => CommBackend::Nccl,
+            },
+            timeout: Duration::from_secs(self.comms.timeout),
+            reduction: match self.comms.reduction {
+                crate::model::Reduction::Native => CommReduction::Native,
+                crate::model::Reduction::RankOrdered => CommReduction::RankOrdered,
+            },
+        }
+    }
+
     /// Like [`Config::resolve`], also returning each decision taken, for logging.
     pub fn resolve_explained(&self, ctx: &ResolveContext) -> Result<Resolution, LoadError> {
         let mut r = Resolver {
@@ -199,12 +216,7 @@ impl Config {
             scheduler,
             activation_checkpointing: self.activation_checkpointing.as_ref().map(|a| {
                 ActivationCheckpointing {
-                    partition_activations: a.partition_activations,
                     cpu_checkpointing: a.cpu_checkpointing,
-                    contiguous_memory_optimization: a.contiguous_memory_optimization,
-                    number_checkpoints: a.number_checkpoints.map(to_usize),
-                    synchronize_checkpoint_boundary: a.synchronize_checkpoint_boundary,
-                    profile: a.profile,
                 }
             }),
             aio: AioConfig {
@@ -214,15 +226,7 @@ impl Config {
                 single_submit: self.aio.single_submit,
                 overlap_events: self.aio.overlap_events,
             },
-            comms: CommsConfig {
-                backend: match self.comms.backend {
-                    crate::model::Backend::Local => CommBackend::Local,
-                    crate::model::Backend::Mpi => CommBackend::Mpi,
-                    crate::model::Backend::Nccl => CommBackend::Nccl,
-                },
-                timeout: Duration::from_secs(self.comms.timeout),
-                deterministic: self.comms.deterministic,
-            },
+            comms: self.resolve_comms(),
         };
         Ok(Resolution {
             config,
@@ -245,9 +249,6 @@ pub(crate) fn offload(section: Option<&OffloadSection>, default_buffers: u64) ->
         buffer_count: to_usize(s.buffer_count.unwrap_or(default_buffers)),
         buffer_size: to_usize(s.buffer_size),
         max_in_cpu: to_usize(s.max_in_cpu),
-        pipeline_read: s.pipeline_read,
-        pipeline_write: s.pipeline_write,
-        fast_init: s.fast_init,
-        ratio: s.ratio,
+        pin_memory_fallback: s.pin_memory_fallback,
     }
 }

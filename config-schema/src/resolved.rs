@@ -56,14 +56,9 @@ pub struct Offload {
     pub buffer_size: usize,
     /// Elements kept in host memory at most (parameters offloaded to NVMe).
     pub max_in_cpu: usize,
-    /// Prefetch reads ahead of use.
-    pub pipeline_read: bool,
-    /// Write back behind use.
-    pub pipeline_write: bool,
-    /// Initialise optimizer state directly in its offload location.
-    pub fast_init: bool,
-    /// Fraction of the optimizer state offloaded (1.0 = all).
-    pub ratio: f64,
+    /// When the locked-memory limit cannot hold the pinned buffers: use pageable buffers
+    /// instead of refusing to start (ferrozero's own `pin_memory_fallback`).
+    pub pin_memory_fallback: bool,
 }
 
 /// `zero_optimization`, resolved.
@@ -73,17 +68,14 @@ pub struct ZeroConfig {
     pub stage: ZeroStage,
     /// Overlap gradient reduction and parameter gathering with compute.
     pub overlap_comm: bool,
-    /// Copy gradients into a contiguous buffer as they are produced.
-    pub contiguous_gradients: bool,
     /// Use reduce-scatter rather than all-reduce for gradients (stages 1-2).
     pub reduce_scatter: bool,
     /// Elements per gradient-reduction bucket.
     pub reduce_bucket_size: usize,
-    /// Gather updated partitions with all-gather (stage 1-2).
-    pub allgather_partitions: bool,
     /// Elements per all-gather bucket.
     pub allgather_bucket_size: usize,
-    /// Elements per optimizer-step tile.
+    /// Elements per optimizer-step tile; 0 means one sub-group per parameter (DeepSpeed), which
+    /// the engine turns into tiles as large as the model's largest parameter.
     pub sub_group_size: usize,
     /// Elements prefetched ahead (stage 3).
     pub prefetch_bucket_size: usize,
@@ -93,11 +85,9 @@ pub struct ZeroConfig {
     pub max_live_parameters: usize,
     /// Do not release a parameter that will be reused within this many elements (stage 3).
     pub max_reuse_distance: usize,
-    /// Gather full 16-bit weights when saving a model (stage 3).
-    pub gather_16bit_weights_on_model_save: bool,
-    /// Round-robin gradient partition assignment.
-    pub round_robin_gradients: bool,
-    /// Secondary (hierarchical) partition size; 1 = off.
+    /// Secondary (hierarchical) partition size, ZeRO++ hpZ; 0 or 1 = off. Not acted on yet:
+    /// the hybrid-sharding work (issue 15) reads it; until then config-schema warns that
+    /// values above 1 are ignored.
     pub hpz_partition_size: usize,
     /// Parameter offload (stage 3 only).
     pub offload_param: Offload,
@@ -267,21 +257,13 @@ pub enum WarmupType {
     Linear,
 }
 
-/// `activation_checkpointing`, resolved. Present means the engine checkpoints unit inputs.
+/// `activation_checkpointing`, resolved. Present means the engine checkpoints every unit's
+/// input. (DeepSpeed's other keys there tune memory layout or logging; they are accepted at
+/// their defaults and ignored with a warning otherwise.)
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ActivationCheckpointing {
-    /// Partition checkpointed activations across ranks.
-    pub partition_activations: bool,
     /// Keep checkpointed activations in host memory.
     pub cpu_checkpointing: bool,
-    /// Copy checkpoints into one contiguous buffer.
-    pub contiguous_memory_optimization: bool,
-    /// Number of checkpoints; `None` checkpoints every unit.
-    pub number_checkpoints: Option<usize>,
-    /// Synchronise at checkpoint boundaries.
-    pub synchronize_checkpoint_boundary: bool,
-    /// Time forward and recompute.
-    pub profile: bool,
 }
 
 /// `aio`, resolved.
@@ -317,8 +299,17 @@ pub struct CommsConfig {
     pub backend: CommBackend,
     /// Every collective fails after this long without progress.
     pub timeout: Duration,
-    /// Rank-ordered reductions on every backend (NCCL's deterministic mode).
-    pub deterministic: bool,
+    /// How MPI and NCCL form sums.
+    pub reduction: CommReduction,
+}
+
+/// How the MPI backend forms sums (`comms.reduction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum CommReduction {
+    /// MPI's own reduction for f32 sums (fastest; rank order only at two ranks).
+    Native,
+    /// Rank-ordered sums, bitwise equal to the local backend at every world size.
+    RankOrdered,
 }
 
 /// The whole resolved configuration.

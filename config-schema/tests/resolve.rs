@@ -244,7 +244,7 @@ fn deepspeed_v0_19_defaults() {
         CommsConfig {
             backend: CommBackend::Local,
             timeout: std::time::Duration::from_secs(300),
-            deterministic: false
+            reduction: ferrozero_config::resolved::CommReduction::Native,
         }
     );
     assert_eq!(

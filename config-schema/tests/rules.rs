@@ -101,15 +101,15 @@ fn unknown_key_far_from_any_lists_the_valid_ones() {
         (2, 1),
         "unknown",
     );
-    let help = d.help.unwrap();
-    for key in ["backend", "timeout", "deterministic"] {
-        assert!(help.contains(key), "{help}");
-    }
+    assert!(d.help.unwrap().contains("backend, reduction, timeout"));
 }
 
 #[test]
 fn monitors_warn_and_result_changing_sections_are_refused() {
-    let src = format!("{BASE}[tensorboard]\nenabled = true\n[compression_training]\nx = 1\n");
+    // A section that turns nothing on asks for nothing: accepted silently.
+    let off = format!("{BASE}[tensorboard]\nenabled = false\n[compression_training]\nx = 1\n");
+    assert!(diags(&off).is_empty(), "{:#?}", diags(&off));
+    let src = format!("{BASE}[tensorboard]\nenabled = true\n[compression_training.weight_quantization.shared_parameters]\nenabled = true\n");
     let ds = diags(&src);
     expect(
         &ds,
@@ -176,7 +176,10 @@ fn deprecated_keys_map_with_a_warning() {
         z.offload_optimizer.as_ref().map(|o| o.device),
         Some(ferrozero_config::OffloadDevice::Cpu)
     );
-    assert!(z.stage3_gather_16bit_weights_on_model_save);
+    assert_eq!(
+        z.stage3_gather_16bit_weights_on_model_save,
+        ferrozero_config::AutoOr::Value(true)
+    );
     assert_eq!(loaded.config.aio.intra_op_parallelism, 4);
 }
 
@@ -221,7 +224,10 @@ fn short_aliases_are_accepted_and_clash_with_the_long_name() {
         (c.stage3_max_live_parameters, c.stage3_max_reuse_distance),
         (9, 10)
     );
-    assert!(c.stage3_gather_16bit_weights_on_model_save);
+    assert_eq!(
+        c.stage3_gather_16bit_weights_on_model_save,
+        ferrozero_config::AutoOr::Value(true)
+    );
     let src = format!("{BASE}[zero_optimization]\nstage = 3\nmax_live_parameters = 9\nstage3_max_live_parameters = 9\n");
     expect(
         &diags(&src),
@@ -372,15 +378,13 @@ fn nvme_without_path() {
 
 #[test]
 fn zero_and_negative_bucket_sizes() {
+    // 0 is DeepSpeed's (each parameter alone): accepted, resolved to one collective per unit.
     let src = format!("{BASE}[zero_optimization]\nstage = 2\nreduce_bucket_size = 0\nallgather_bucket_size = -5\n");
     let ds = diags(&src);
-    expect(
-        &ds,
-        Severity::Error,
-        DiagnosticKind::InvalidValue,
-        "zero_optimization.reduce_bucket_size",
-        (4, 22),
-        "at least 1",
+    assert!(
+        !ds.iter()
+            .any(|d| d.path == "zero_optimization.reduce_bucket_size"),
+        "{ds:#?}"
     );
     expect(
         &ds,

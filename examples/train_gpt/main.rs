@@ -88,13 +88,8 @@ pub struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .init();
+    // Colour only on a terminal, and never with NO_COLOR set.
+    ferrozero::logging::init();
     match run::run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

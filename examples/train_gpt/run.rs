@@ -145,7 +145,7 @@ fn nccl_rank(
     }
     let opts = NcclOptions {
         timeout: Duration::from_secs(config.comms.timeout),
-        deterministic: config.comms.deterministic,
+        deterministic: config.comms.reduction == ferrozero::config::model::Reduction::RankOrdered,
     };
     let (comm, _store) = NcclComm::from_env(opts)?;
     body(Box::new(comm))?;

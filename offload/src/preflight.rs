@@ -95,6 +95,48 @@ pub fn check(req: &Requirement, machine: &Machine) -> Result<()> {
     }
 }
 
+/// The locked-memory limits of this process, as [`memlock_fix`] reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemlockLimits {
+    /// Soft limit in bytes (`None`: unlimited).
+    pub soft: Option<u64>,
+    /// Hard limit in bytes (`None`: unlimited).
+    pub hard: Option<u64>,
+}
+
+/// Why `need` locked bytes do not fit the limits, and the exact lines that fix it: the shell
+/// (`ulimit -l` takes KiB), `/etc/security/limits.conf` for `user`, a systemd unit, Docker,
+/// or the config.
+pub fn memlock_fix(need: u64, limits: MemlockLimits, user: &str, who: &str) -> String {
+    let kib = need.div_ceil(1024);
+    let show = |v: Option<u64>| match v {
+        None => "unlimited".to_string(),
+        Some(b) => format!("{} ({b} bytes)", human(b)),
+    };
+    let shell = match limits.hard {
+        Some(h) if h < need => format!(
+            "ulimit -l {kib}                       (needs the hard limit raised first: it is {})",
+            show(limits.hard)
+        ),
+        _ => format!("ulimit -l {kib}"),
+    };
+    format!(
+        "pin_memory = true needs {} ({need} bytes) of locked memory for {who}, but RLIMIT_MEMLOCK \
+         is {} soft / {} hard. Raise it before starting, with one of:\n\
+         \x20 shell, this session:                 {shell}\n\
+         \x20 /etc/security/limits.conf (login):   {user} soft memlock {kib}\n\
+         \x20                                      {user} hard memlock {kib}\n\
+         \x20 systemd unit, [Service] section:     LimitMEMLOCK={need}\n\
+         \x20 docker run:                          --ulimit memlock={need}:{need}\n\
+         or set pin_memory = false (pageable buffers, slower device transfers), or \
+         pin_memory_fallback = true in the offload section to fall back to them when the \
+         limit is too low",
+        human(need),
+        show(limits.soft),
+        show(limits.hard)
+    )
+}
+
 /// Probes the machine and checks `req` against it; returns what was measured.
 pub fn preflight(req: &Requirement) -> Result<Machine> {
     let machine = Machine::probe(req)?;
@@ -128,6 +170,40 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("NVMe space in /swap: need 2.0 TiB"), "{msg}");
+    }
+
+    #[test]
+    fn the_memlock_message_gives_the_exact_lines_that_fix_it() {
+        let need = 3 * 1024 * 1024 + 1;
+        let limits = MemlockLimits {
+            soft: Some(8 << 20 >> 4),
+            hard: Some(8 << 20),
+        };
+        let msg = memlock_fix(need, limits, "alice", "2 ranks on this machine");
+        assert!(
+            msg.starts_with(
+                "pin_memory = true needs 3.0 MiB (3145729 bytes) of locked memory for 2 ranks on this machine"
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("is 512.0 KiB (524288 bytes) soft / 8.0 MiB (8388608 bytes) hard"),
+            "{msg}"
+        );
+        // KiB, rounded up, for ulimit and limits.conf; bytes for systemd and docker.
+        assert!(msg.contains("ulimit -l 3073\n"), "{msg}");
+        assert!(msg.contains("alice soft memlock 3073"), "{msg}");
+        assert!(msg.contains("alice hard memlock 3073"), "{msg}");
+        assert!(msg.contains("LimitMEMLOCK=3145729"), "{msg}");
+        assert!(msg.contains("--ulimit memlock=3145729:3145729"), "{msg}");
+        assert!(msg.contains("pin_memory = false") && msg.contains("pin_memory_fallback = true"));
+        // A hard limit below the need: ulimit alone cannot do it, and the message says so.
+        let low = MemlockLimits {
+            soft: Some(64 << 10),
+            hard: Some(64 << 10),
+        };
+        let msg = memlock_fix(need, low, "alice", "1 rank on this machine");
+        assert!(msg.contains("needs the hard limit raised first"), "{msg}");
     }
 
     #[test]

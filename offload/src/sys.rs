@@ -56,6 +56,56 @@ pub fn memlock_limit() -> MemlockLimit {
     MemlockLimit::Bytes(lim.rlim_cur)
 }
 
+/// The soft and hard `RLIMIT_MEMLOCK` in bytes (`None` = infinite), ignoring capabilities.
+pub fn memlock_rlimit() -> (Option<u64>, Option<u64>) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit struct that we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } != 0 {
+        return (Some(0), Some(0));
+    }
+    let finite = |v: libc::rlim_t| (v != libc::RLIM_INFINITY).then_some(v);
+    (finite(lim.rlim_cur), finite(lim.rlim_max))
+}
+
+/// Raises the soft `RLIMIT_MEMLOCK` to `bytes` (`None`: infinite), at most the hard limit,
+/// which an unprivileged process may not exceed.
+pub fn raise_memlock_soft(bytes: Option<u64>) -> std::io::Result<()> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write one rlimit struct that we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        lim.rlim_cur = bytes.map_or(libc::RLIM_INFINITY, |b| b as libc::rlim_t);
+        if libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The name of the effective user (for `limits.conf` lines), or `*` when it has none.
+pub fn user_name() -> String {
+    // SAFETY: getpwuid returns a pointer into static storage or null; the name is copied out
+    // at once (nothing else in this process calls getpwuid concurrently in practice, and a
+    // torn read would only garble a message).
+    unsafe {
+        let pw = libc::getpwuid(libc::geteuid());
+        if pw.is_null() || (*pw).pw_name.is_null() {
+            return "*".into();
+        }
+        std::ffi::CStr::from_ptr((*pw).pw_name)
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
 /// Whether the effective capability set holds `CAP_IPC_LOCK` (bit 14).
 fn has_cap_ipc_lock() -> bool {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();

@@ -111,8 +111,13 @@ fn a_rank_that_stops_answering_times_out_every_other_rank() {
     let e = err.expect_err("rank 1 is too slow");
     // The detecting ranks report rank 1; rank 1 itself reports who gave up on it.
     assert_names(&e, "all_reduce", 1, TIMEOUT + SLACK);
+    // The slow rank got its full allowance, counted from the first rank that waited for
+    // it; the reported error is the lowest rank's, whose own wait can be shorter when it
+    // entered after the rank that detected the timeout (so its `elapsed` is not checked
+    // against TIMEOUT: on a loaded machine rank 0 may enter well after rank 2).
+    assert!(elapsed >= TIMEOUT, "{elapsed:?}");
     assert!(
-        matches!(e, Error::Comm { elapsed, .. } if elapsed >= TIMEOUT),
+        e.to_string().contains(&format!("waited {TIMEOUT:?}")),
         "{e}"
     );
     assert!(elapsed < TIMEOUT * 5 + SLACK, "{elapsed:?}");
@@ -139,15 +144,18 @@ fn every_rank_reports_a_timeout_within_the_limit() {
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     });
+    let mut longest = Duration::ZERO;
     for r in outcomes.into_iter().flatten() {
         let e = r.expect_err("rank 3 never came");
         assert_names(&e, "all_gather", 3, TIMEOUT + SLACK);
-        // Not earlier than the timeout either: a slow peer gets its full allowance.
-        assert!(
-            matches!(e, Error::Comm { elapsed, .. } if elapsed >= TIMEOUT),
-            "{e}"
-        );
+        if let Error::Comm { elapsed, .. } = e {
+            longest = longest.max(elapsed);
+        }
     }
+    // Not earlier than the timeout either: a slow peer gets its full allowance from the
+    // rank that detected the timeout. Ranks that entered later see the group's abort after
+    // a shorter wait of their own, so only the longest wait is held to the timeout.
+    assert!(longest >= TIMEOUT, "{longest:?}");
 }
 
 fn mismatch_on_all_ranks(

@@ -55,7 +55,7 @@ fn run(mpirun: &PathBuf, exe: &PathBuf, n: usize) {
         "mpirun -n {n} failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
     for r in 0..n {
-        let line = format!("mpi_collectives rank {r}/{n}: 155 checks ok");
+        let line = format!("mpi_collectives rank {r}/{n}: 299 checks ok");
         assert!(
             stdout.contains(&line),
             "missing {line:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"

@@ -283,7 +283,7 @@ fn the_engine_trains_over_deterministic_nccl_bit_for_bit_like_local_threads() {
     })
     .unwrap();
     cfg.comms.backend = CommBackend::Nccl;
-    cfg.comms.deterministic = true;
+    cfg.comms.reduction = ferrozero_config::resolved::CommReduction::RankOrdered;
     let long = Duration::from_secs(30);
     let nccl = ranks_t(&FakeNccl::default(), 2, true, long, |r, c| {
         let e = Engine::new(toy::model(11, 6, 5, 2), cfg.clone(), Box::new(c.unwrap()));
@@ -296,7 +296,7 @@ fn the_engine_trains_over_deterministic_nccl_bit_for_bit_like_local_threads() {
         e.err().map(|e| e.to_string()).unwrap_or_default()
     });
     assert!(
-        refused[0].contains("comms.deterministic = true"),
+        refused[0].contains("comms.reduction = \"rank_ordered\""),
         "{refused:?}"
     );
 }

@@ -101,3 +101,73 @@ fn a_garbage_client_does_not_take_the_server_down() {
     st.set("still", b"alive").unwrap();
     assert_eq!(st.wait("still").unwrap(), b"alive");
 }
+
+/// The race of issue 16: the hosting rank finishes first. Its handle must keep serving until
+/// the other rank has closed its connection, so that rank's last reads still succeed.
+#[test]
+fn the_host_outlives_every_rank_that_still_uses_the_store() {
+    let srv = StoreServer::host_job("127.0.0.1:0".parse().unwrap(), 2, Duration::from_secs(30))
+        .expect("loopback bind");
+    let addr = srv.addr();
+    let host = TcpStore::connect_rank(addr, Duration::from_secs(10), 0).unwrap();
+    let peer = TcpStore::connect_rank(addr, Duration::from_secs(10), 1).unwrap();
+    host.set("done", b"1").unwrap();
+    drop(host);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dropper = std::thread::spawn(move || {
+        drop(srv);
+        tx.send(Instant::now()).unwrap();
+    });
+    // The peer keeps reading well after the host has "left".
+    let reading = Instant::now();
+    while reading.elapsed() < Duration::from_millis(300) {
+        assert_eq!(peer.get("done").unwrap(), Some(b"1".to_vec()));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        rx.try_recv().is_err(),
+        "the server stopped while rank 1 was connected"
+    );
+    let closed = Instant::now();
+    drop(peer);
+    let stopped = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("server stops");
+    assert!(stopped >= closed);
+    dropper.join().unwrap();
+}
+
+#[test]
+fn a_host_whose_peers_never_come_stops_after_its_linger_limit() {
+    let srv = StoreServer::host_job(
+        "127.0.0.1:0".parse().unwrap(),
+        3,
+        Duration::from_millis(300),
+    )
+    .expect("loopback bind");
+    let st = TcpStore::connect_rank(srv.addr(), Duration::from_secs(5), 0).unwrap();
+    st.set("k", b"v").unwrap();
+    drop(st);
+    let t = Instant::now();
+    drop(srv);
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+#[test]
+fn from_env_refuses_a_rank_outside_the_world() {
+    // The variables are read by this process only; no other test of this binary reads them.
+    std::env::set_var("RANK", "2");
+    std::env::set_var("WORLD_SIZE", "2");
+    std::env::set_var("MASTER_ADDR", "127.0.0.1");
+    std::env::set_var("MASTER_PORT", "1");
+    let e = TcpStore::from_env(Duration::from_millis(100)).expect_err("rank 2 of 2");
+    assert!(
+        e.to_string().contains("RANK 2 is not below WORLD_SIZE 2"),
+        "{e}"
+    );
+}

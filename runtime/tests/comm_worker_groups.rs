@@ -47,7 +47,9 @@ fn worker_overlaps_with_direct_collectives_and_returns_buffers() {
 
 #[test]
 fn worker_errors_propagate_to_wait() {
-    let e = run_ranks(2, Duration::from_millis(300), |c: Box<dyn Communicator>| {
+    // The mismatch is found as soon as both ranks arrive; a long timeout keeps a loaded
+    // machine from turning it into a timeout instead.
+    let e = run_ranks(2, TIMEOUT, |c: Box<dyn Communicator>| {
         let w = CommWorker::duplicate_of(&*c)?;
         let len = 4 + c.rank();
         w.all_reduce(OwnedBuf::F32(vec![1.0; len]), ReduceOp::Sum)

@@ -19,6 +19,15 @@ pub enum Backend {
     Nccl,
 }
 
+/// How the MPI and NCCL backends form sums (see `comms.reduction`).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum ReductionArg {
+    /// The library's own reductions for f32 sums (the default).
+    Native,
+    /// Rank-ordered sums, bitwise equal to the local backend.
+    RankOrdered,
+}
+
 /// Arguments.
 #[derive(clap::Args)]
 pub struct Args {
@@ -40,6 +49,36 @@ pub struct Args {
     /// Seconds before a stuck collective is reported.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
+    /// How the MPI backend forms sums (the local backend always sums in rank order).
+    #[arg(long, value_enum, default_value_t = ReductionArg::Native)]
+    reduction: ReductionArg,
+    /// Collectives to measure (default: all).
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<OpArg>,
+}
+
+/// A collective to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OpArg {
+    /// all_reduce.
+    AllReduce,
+    /// reduce_scatter.
+    ReduceScatter,
+    /// all_gather.
+    AllGather,
+    /// broadcast.
+    Broadcast,
+}
+
+impl OpArg {
+    fn op(self) -> BenchOp {
+        match self {
+            OpArg::AllReduce => BenchOp::AllReduce,
+            OpArg::ReduceScatter => BenchOp::ReduceScatter,
+            OpArg::AllGather => BenchOp::AllGather,
+            OpArg::Broadcast => BenchOp::Broadcast,
+        }
+    }
 }
 
 /// Parses `4096`, `4K`, `64M`, `1G`.
@@ -67,10 +106,15 @@ pub fn run(args: Args) -> ExitCode {
     }
     let sizes = bench::sizes(args.min_bytes, args.max_bytes);
     let timeout = Duration::from_secs(args.timeout_secs);
+    let ops: Vec<BenchOp> = if args.ops.is_empty() {
+        BenchOp::ALL.to_vec()
+    } else {
+        args.ops.iter().map(|o| o.op()).collect()
+    };
     let result = match args.backend {
-        Backend::Local => local(args.ranks, timeout, &sizes),
-        Backend::Mpi => mpi(timeout, &sizes),
-        Backend::Nccl => nccl(timeout, &sizes),
+        Backend::Local => local(args.ranks, timeout, &ops, &sizes),
+        Backend::Mpi => mpi(timeout, args.reduction, &ops, &sizes),
+        Backend::Nccl => nccl(timeout, args.reduction, &ops, &sizes),
     };
     match result {
         Ok(Some(rows)) => {
@@ -88,24 +132,39 @@ pub fn run(args: Args) -> ExitCode {
 fn local(
     ranks: usize,
     timeout: Duration,
+    ops: &[BenchOp],
     sizes: &[usize],
 ) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
-    let mut all = run_ranks(ranks, timeout, |c| bench::run(&*c, &BenchOp::ALL, sizes))?;
+    let mut all = run_ranks(ranks, timeout, |c| bench::run(&*c, ops, sizes))?;
     Ok(Some(all.swap_remove(0)))
 }
 
 /// Runs on every MPI process; only rank 0 returns rows to print.
 #[cfg(feature = "mpi")]
-fn mpi(timeout: Duration, sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+fn mpi(
+    timeout: Duration,
+    reduction: ReductionArg,
+    ops: &[BenchOp],
+    sizes: &[usize],
+) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
     use ferrozero_runtime::comm::mpi::MpiComm;
-    use ferrozero_runtime::comm::Communicator;
-    let comm = MpiComm::world(timeout)?;
-    let rows = bench::run(&comm, &BenchOp::ALL, sizes)?;
+    use ferrozero_runtime::comm::{Communicator, Reduction};
+    let reduction = match reduction {
+        ReductionArg::Native => Reduction::Native,
+        ReductionArg::RankOrdered => Reduction::RankOrdered,
+    };
+    let comm = MpiComm::world(timeout)?.with_reduction(reduction);
+    let rows = bench::run(&comm, ops, sizes)?;
     Ok((comm.rank() == 0).then_some(rows))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn mpi(_timeout: Duration, _sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+fn mpi(
+    _timeout: Duration,
+    _reduction: ReductionArg,
+    _ops: &[BenchOp],
+    _sizes: &[usize],
+) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
     Err(ferrozero_runtime::Error::Unavailable {
         what: "the MPI backend",
         why: "this ferrozero was built without the `mpi` feature (cargo build --features mpi)"
@@ -116,20 +175,30 @@ fn mpi(_timeout: Duration, _sizes: &[usize]) -> ferrozero_runtime::Result<Option
 /// Runs on every launched process; only rank 0 returns rows to print. Host buffers are
 /// staged through the GPU today, so these figures include the PCIe copies.
 #[cfg(feature = "cuda")]
-fn nccl(timeout: Duration, sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+fn nccl(
+    timeout: Duration,
+    reduction: ReductionArg,
+    ops: &[BenchOp],
+    sizes: &[usize],
+) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
     use ferrozero_runtime::comm::nccl::{NcclComm, NcclOptions};
     use ferrozero_runtime::comm::Communicator;
     let opts = NcclOptions {
         timeout,
-        deterministic: false,
+        deterministic: matches!(reduction, ReductionArg::RankOrdered),
     };
     let (comm, _store) = NcclComm::from_env(opts)?;
-    let rows = bench::run(&comm, &BenchOp::ALL, sizes)?;
+    let rows = bench::run(&comm, ops, sizes)?;
     Ok((comm.rank() == 0).then_some(rows))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn nccl(_timeout: Duration, _sizes: &[usize]) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
+fn nccl(
+    _timeout: Duration,
+    _reduction: ReductionArg,
+    _ops: &[BenchOp],
+    _sizes: &[usize],
+) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
     Err(ferrozero_runtime::Error::Unavailable {
         what: "the NCCL backend",
         why: "this ferrozero was built without the `cuda` feature (cargo build --features cuda)"

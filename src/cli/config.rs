@@ -1,6 +1,5 @@
 //! `ferrozero config show FILE [--resolved]` and `ferrozero config convert FILE --to toml|json`.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -59,7 +58,7 @@ enum Action {
 }
 
 fn style() -> RenderStyle {
-    if std::io::stderr().is_terminal() {
+    if ferrozero::logging::stderr_colour() {
         RenderStyle::Styled
     } else {
         RenderStyle::Plain

@@ -1,7 +1,6 @@
 //! `ferrozero validate FILE...`: load every file, report every diagnostic, and exit 0 (all
 //! valid), 1 (some invalid) or 2 (some unreadable).
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -98,7 +97,7 @@ pub fn run(args: Args) -> ExitCode {
             Err(e) => eprintln!("error: cannot encode the report: {e}"),
         },
         OutputFormat::Human => {
-            let style = if std::io::stderr().is_terminal() {
+            let style = if ferrozero::logging::stderr_colour() {
                 RenderStyle::Styled
             } else {
                 RenderStyle::Plain

@@ -23,13 +23,13 @@ pub use device::Device;
 pub use offload::{OffloadDevice, OffloadSection};
 pub use optimizer::{Optimizer, OptimizerParams, OptimizerType};
 pub use precision::{Bf16, Fp16};
-pub use runtime::{ActivationCheckpointingSection, Aio, Backend, Comms};
+pub use runtime::{ActivationCheckpointingSection, Aio, Backend, Comms, Reduction};
 pub use scheduler::{Scheduler, SchedulerParams, SchedulerType, WarmupKind};
 pub use size::{parse_size, ByteSize};
 pub use zero::ZeroOptimization;
 
 use crate::parse::Node;
-use crate::reader::{auto_or, to_f64, to_str, to_uint, Cx, Support, TableReader};
+use crate::reader::{auto_or, off, to_f64, to_str, to_uint, Cx, Support, TableReader};
 
 /// A ferrozero / DeepSpeed configuration file, typed.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
@@ -62,6 +62,10 @@ pub struct Config {
     pub steps_per_print: u64,
     /// Time forward, backward, gradient reduction and optimizer step separately in the logs.
     pub wall_clock_breakdown: bool,
+    /// The dtype gradients are reduced in: ferrozero reduces in the training precision (f32
+    /// accumulation, one rounding), so only that dtype is accepted; unset means the same.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub communication_data_type: Option<CommDataType>,
     /// Seed for parameter init and dropout (ferrozero's own key).
     pub seed: u64,
     /// The device the model computes on (ferrozero's own key): `"auto"` (a GPU when this
@@ -135,6 +139,7 @@ impl Default for Config {
             gradient_clipping: AutoOr::Value(1.0),
             steps_per_print: 10,
             wall_clock_breakdown: false,
+            communication_data_type: None,
             seed: DEFAULT_SEED,
             device: Device::Auto,
             device_memory_limit: None,
@@ -151,139 +156,111 @@ impl Default for Config {
     }
 }
 
+/// A dtype for gradient communication, as DeepSpeed names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum CommDataType {
+    /// f32.
+    Fp32,
+    /// IEEE half.
+    Fp16,
+    /// bfloat16.
+    Bf16,
+}
+
+const COMM_DTYPES: &[(&str, CommDataType)] = &[
+    ("fp32", CommDataType::Fp32),
+    ("fp16", CommDataType::Fp16),
+    ("bf16", CommDataType::Bf16),
+];
+
 /// ferrozero's default seed.
 pub const DEFAULT_SEED: u64 = 42;
 
+/// Every other top-level key of DeepSpeed 0.19 (`runtime/config.py` and the config classes it
+/// reads), and what ferrozero does with it; `docs/deepspeed-keys.md` lists them with reasons.
 const TOP_SUPPORT: &[(&str, Support)] = &[
-    (
-        "tensorboard",
-        Support::Ignored("a monitor; it cannot change training results"),
-    ),
-    (
-        "wandb",
-        Support::Ignored("a monitor; it cannot change training results"),
-    ),
-    (
-        "csv_monitor",
-        Support::Ignored("a monitor; it cannot change training results"),
-    ),
-    (
-        "comet",
-        Support::Ignored("a monitor; it cannot change training results"),
-    ),
-    (
-        "flops_profiler",
-        Support::Ignored("a profiler; it cannot change training results"),
-    ),
-    (
-        "comms_logger",
-        Support::Ignored("a profiler; it cannot change training results"),
-    ),
-    (
-        "memory_breakdown",
-        Support::Ignored("a profiler; it cannot change training results"),
-    ),
-    ("dump_state", Support::Ignored("debug output only")),
-    (
-        "zero_allow_untested_optimizer",
-        Support::Ignored("every ferrozero optimizer works with every stage"),
-    ),
-    (
-        "zero_force_ds_cpu_optimizer",
-        Support::Ignored("ferrozero always uses its own CPU optimizer"),
-    ),
-    (
-        "checkpoint",
-        Support::Ignored("checkpoint layout options; ferrozero's checkpoints always reshard"),
-    ),
-    ("nebula", Support::Ignored("checkpoint service; not used")),
-    (
-        "autotuning",
-        Support::Ignored("ferrozero does not autotune; the given values are used"),
-    ),
-    (
-        "compile",
-        Support::Ignored("torch.compile does not apply to ferrozero"),
-    ),
-    (
-        "dataloader_drop_last",
-        Support::Ignored("ferrozero does not build data loaders"),
-    ),
-    (
-        "elasticity",
-        Support::Refused("elastic batch sizes change the effective batch"),
-    ),
-    (
-        "compression_training",
-        Support::Refused("compression changes the trained model"),
-    ),
-    (
-        "quantize_training",
-        Support::Refused("quantization changes the trained model"),
-    ),
-    (
-        "sparse_attention",
-        Support::Refused("sparse attention changes the model"),
-    ),
-    (
-        "pipeline",
-        Support::Refused("pipeline parallelism is not implemented"),
-    ),
-    (
-        "tensor_parallel",
-        Support::Refused("tensor parallelism is not implemented"),
-    ),
-    (
-        "hybrid_engine",
-        Support::Refused("the RLHF hybrid engine is not implemented"),
-    ),
-    (
-        "curriculum_learning",
-        Support::Refused("curriculum learning changes the data order"),
-    ),
-    (
-        "data_efficiency",
-        Support::Refused("data sampling/routing changes training"),
-    ),
-    (
-        "progressive_layer_drop",
-        Support::Refused("layer drop changes training"),
-    ),
-    (
-        "eigenvalue",
-        Support::Refused("eigenvalue-based scheduling changes training"),
-    ),
-    (
-        "amp",
-        Support::Refused("NVIDIA Apex AMP is not supported; use fp16 or bf16"),
-    ),
-    ("torch_autocast", Support::Refused("use fp16 or bf16")),
-    (
-        "sparse_gradients",
-        Support::Refused("sparse gradients are not implemented"),
-    ),
-    (
-        "communication_data_type",
-        Support::Refused("gradients are reduced in the parameter precision"),
-    ),
-    (
-        "gradient_accumulation_dtype",
-        Support::Refused("gradients are accumulated in f32"),
-    ),
-    (
-        "prescale_gradients",
-        Support::Refused("changes the gradient averaging order"),
-    ),
-    (
-        "gradient_predivide_factor",
-        Support::Refused("changes the gradient averaging order"),
-    ),
+    // Monitors, profilers, logging: they cannot change training results.
+    ("tensorboard", Support::IgnoredIfEnabled(MONITOR)),
+    ("wandb", Support::IgnoredIfEnabled(MONITOR)),
+    ("csv_monitor", Support::IgnoredIfEnabled(MONITOR)),
+    ("comet", Support::IgnoredIfEnabled(MONITOR)),
+    ("flops_profiler", Support::IgnoredIfEnabled(PROFILER)),
+    ("comms_logger", Support::IgnoredIfEnabled(PROFILER)),
+    ("timers", Support::IgnoredIfEnabled("throughput timers; ferrozero's StepReport carries tokens/s and, with wall_clock_breakdown, per-phase times")),
+    ("memory_breakdown", Support::IgnoredUnless(off::is_false, PROFILER)),
+    ("dump_state", Support::IgnoredUnless(off::is_false, "debug output only")),
+    ("log_level", Support::Ignored("ferrozero logs through `tracing`: set RUST_LOG instead")),
+    // Settings whose every value ferrozero already behaves as, or that only tune speed.
+    ("zero_allow_untested_optimizer", Support::Ignored("every ferrozero optimizer works with every stage")),
+    ("zero_force_ds_cpu_optimizer", Support::Ignored("ferrozero always uses its own CPU optimizer")),
+    ("checkpoint", Support::Ignored("checkpoint layout options; ferrozero's checkpoints always reshard")),
+    ("nebula", Support::IgnoredIfEnabled("checkpoint service; not used")),
+    ("datastates_ckpt", Support::IgnoredUnless(off::is_false, "asynchronous checkpoint engine; ferrozero writes its own atomic checkpoints")),
+    ("autotuning", Support::IgnoredIfEnabled("ferrozero does not autotune; the given values are used")),
+    ("compile", Support::IgnoredIfEnabled("torch.compile does not apply to ferrozero")),
+    ("dataloader_drop_last", Support::Ignored("ferrozero does not build data loaders")),
+    ("graph_harvesting", Support::IgnoredUnless(off::is_false, "CUDA graph capture is not used")),
+    ("disable_allgather", Support::IgnoredUnless(off::is_false, "a communication schedule only; ferrozero always all-gathers updated partitions")),
+    ("sparse_gradients", Support::IgnoredUnless(off::is_false, "sparse (CSR) gradient exchange; ferrozero reduces dense gradients, with the same sums")),
+    ("use_data_before_expert_parallelism", Support::IgnoredUnless(off::is_false, "process-group layout for mixture-of-experts; ferrozero has no experts")),
+    ("hybrid_engine", Support::IgnoredIfEnabled("the RLHF hybrid engine's generation path is not implemented; training is unchanged")),
+    ("eigenvalue", Support::IgnoredIfEnabled("eigenvalues only drive quantize_training's schedule, which is not implemented")),
+    ("pipeline", Support::Ignored("pipeline-engine settings; they apply only to DeepSpeed PipelineModule models, which ferrozero does not have")),
+    ("seq_parallel_communication_data_type", Support::IgnoredUnless(off::is_fp32, "sequence parallelism is not implemented")),
+    ("prescale_gradients", Support::IgnoredUnless(off::is_true, "ferrozero always divides gradients by the world size before the reduction (the division is part of the loss gradient), which is what `true` asks for; `false` (sum first, divide after) is not available: at power-of-two world sizes the two give the same bits (short of subnormal gradients), at others they differ in the last bit")),
+    ("gradient_predivide_factor", Support::IgnoredUnless(off::is_one, "ferrozero divides gradients by the whole world size before the reduction; splitting the division around it changes only rounding")),
+    // Settings that would change the math if ignored: refused when they turn something on.
+    ("elasticity", Support::RefusedIfEnabled("elastic batch sizes change the effective batch")),
+    ("compression_training", Support::RefusedIfEnabled("compression changes the trained model")),
+    ("quantize_training", Support::RefusedIfEnabled("quantization changes the trained model")),
+    ("weight_quantization", Support::RefusedIfEnabled("quantized weights change the model's numerics")),
+    ("sparse_attention", Support::Refused("sparse attention changes the model: ferrozero's models use dense attention")),
+    ("tensor_parallel", Support::RefusedUnless(tensor_parallel_off, "tensor parallelism is not implemented: every rank would hold the whole model and the data-parallel world (so the batch) would change")),
+    ("expert_parallel", Support::RefusedIfEnabled("mixture-of-experts layers are not implemented")),
+    ("curriculum_learning", Support::RefusedIfEnabled("curriculum learning changes the data order")),
+    ("data_efficiency", Support::RefusedIfEnabled("data sampling/routing changes training")),
+    ("progressive_layer_drop", Support::RefusedIfEnabled("layer drop changes training")),
+    ("amp", Support::RefusedIfEnabled("NVIDIA Apex AMP is not supported; use fp16 or bf16")),
+    ("torch_autocast", Support::RefusedIfEnabled("torch autocast changes which operations run in low precision; use fp16 or bf16")),
+    ("managed_gradient_accumulation", Support::RefusedUnless(off::is_true, "ferrozero steps the optimizer only at accumulation boundaries; `false` (an update at every step() call) is not implemented")),
+    ("gradient_accumulation_dtype", Support::RefusedUnless(off::is_fp32, "gradients are accumulated in f32")),
+    ("data_types", Support::RefusedUnless(data_types_default, "ferrozero accumulates gradients in f32 and keeps parameters in the training precision; other dtypes would change the math")),
     ("fp8", Support::Refused("fp8 training is not implemented")),
-    (
-        "moe",
-        Support::Refused("mixture-of-experts parallelism is not implemented"),
-    ),
+    ("moe", Support::Refused("mixture-of-experts parallelism is not implemented")),
 ];
+
+const MONITOR: &str = "a monitor; it cannot change training results";
+const PROFILER: &str = "a profiler; it cannot change training results";
+
+/// `tensor_parallel` asks for no tensor parallelism: `autotp_size` 0 or 1 and `tp.tp_size` 1.
+fn tensor_parallel_off(n: &Node) -> bool {
+    let crate::parse::Kind::Table(entries) = &n.kind else {
+        return off::is_empty(n);
+    };
+    entries.iter().all(|e| match e.key.as_str() {
+        "autotp_size" => off::is_zero_or_one(&e.value),
+        "tp" | "tensor_parallel" => match &e.value.kind {
+            crate::parse::Kind::Table(t) => t
+                .iter()
+                .all(|x| x.key != "tp_size" || off::is_one(&x.value)),
+            _ => true,
+        },
+        _ => true,
+    })
+}
+
+/// `data_types` keeps DeepSpeed's defaults: `grad_accum_dtype` f32 or unset, `param_dtype`
+/// and `buffer_dtype` unset.
+fn data_types_default(n: &Node) -> bool {
+    let crate::parse::Kind::Table(entries) = &n.kind else {
+        return off::is_empty(n);
+    };
+    entries.iter().all(|e| match e.key.as_str() {
+        "grad_accum_dtype" => off::is_fp32(&e.value),
+        _ => matches!(e.value.kind, crate::parse::Kind::Null),
+    })
+}
 
 /// Reads the whole document into a [`Config`], reporting problems into `cx`.
 pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
@@ -303,6 +280,12 @@ pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
             .unwrap_or(AutoOr::Value(1.0)),
         steps_per_print: t.uint(cx, "steps_per_print", d.steps_per_print),
         wall_clock_breakdown: t.bool(cx, "wall_clock_breakdown", false),
+        communication_data_type: t.get(cx, "communication_data_type", &[], |cx, p, n| {
+            if matches!(n.kind, crate::parse::Kind::Null) {
+                return None;
+            }
+            crate::reader::to_choice(cx, p, n, COMM_DTYPES)
+        }),
         seed: t.uint(cx, "seed", d.seed),
         device: t
             .get(cx, "device", &[], device::read_device)

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use schemars::JsonSchema;
 use serde::Serialize;
 
+use crate::diagnostic::DiagnosticKind;
 use crate::parse::Node;
-use crate::reader::{to_choice, to_f64, to_str, to_uint, Cx, Support, TableReader};
+use crate::reader::{off, to_choice, to_f64, to_str, to_uint, Cx, Report, Support, TableReader};
 
 /// Where offloaded state lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, JsonSchema)]
@@ -31,8 +32,12 @@ pub struct OffloadSection {
     /// Directory for NVMe swap files (required with `device = "nvme"`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvme_path: Option<PathBuf>,
-    /// Page-lock the host buffers (faster device transfers; limited by `ulimit -l`).
+    /// Page-lock the host buffers (faster device transfers; limited by `ulimit -l`, checked
+    /// at `initialize`, which raises the soft limit up to the hard one when that suffices).
     pub pin_memory: bool,
+    /// ferrozero's own key: when the locked-memory limit cannot hold the pinned buffers, use
+    /// pageable buffers with a warning instead of refusing to start.
+    pub pin_memory_fallback: bool,
     /// Swap buffers in the pool; unset = DeepSpeed's default (5 for parameters, 4 for optimizer state).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub buffer_count: Option<u64>,
@@ -40,13 +45,17 @@ pub struct OffloadSection {
     pub buffer_size: u64,
     /// Elements of parameters kept in host memory at most (parameters on NVMe).
     pub max_in_cpu: u64,
-    /// Prefetch optimizer state reads ahead of use.
+    /// Prefetch optimizer state reads ahead of use. ferrozero's NVMe optimizer step always
+    /// reads ahead; `false` with NVMe is ignored with a warning.
     pub pipeline_read: bool,
-    /// Write optimizer state back behind use.
+    /// Write optimizer state back behind use. ferrozero's NVMe optimizer step always writes
+    /// behind; `false` with NVMe is ignored with a warning.
     pub pipeline_write: bool,
-    /// Initialise optimizer state directly in its offload location.
+    /// Initialise optimizer state directly in its offload location (a start-up speed option;
+    /// `true` is ignored with a warning).
     pub fast_init: bool,
-    /// Fraction of optimizer state offloaded (stage 3 only below 1.0).
+    /// Fraction of optimizer state offloaded (stage 3 only below 1.0). ferrozero offloads all
+    /// of it: a smaller ratio is ignored with a warning (memory placement only).
     pub ratio: f64,
 }
 
@@ -56,6 +65,7 @@ impl Default for OffloadSection {
             device: OffloadDevice::None,
             nvme_path: None,
             pin_memory: false,
+            pin_memory_fallback: false,
             buffer_count: None,
             buffer_size: 100_000_000,
             max_in_cpu: 1_000_000_000,
@@ -73,10 +83,20 @@ const DEVICES: &[(&str, OffloadDevice)] = &[
     ("nvme", OffloadDevice::Nvme),
 ];
 
-const SUPPORT: &[(&str, Support)] = &[(
-    "pipeline",
-    Support::Ignored("deprecated in DeepSpeed; use `pipeline_read` and `pipeline_write`"),
-)];
+const SUPPORT: &[(&str, Support)] = &[
+    (
+        "pipeline",
+        Support::Ignored("deprecated in DeepSpeed; use `pipeline_read` and `pipeline_write`"),
+    ),
+    (
+        "super_offload",
+        Support::IgnoredUnless(off::is_false, "SuperOffload (for Grace Hopper superchips) is not implemented; the optimizer state is offloaded as usual"),
+    ),
+    (
+        "cpuadam_cores_perc",
+        Support::Ignored("ferrozero's CPU optimizer runs on rayon's threads (RAYON_NUM_THREADS)"),
+    ),
+];
 
 /// Reads one offload section.
 pub(crate) fn read_offload(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<OffloadSection> {
@@ -90,6 +110,7 @@ pub(crate) fn read_offload(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<O
             to_str(cx, p, n).map(PathBuf::from)
         }),
         pin_memory: t.bool(cx, "pin_memory", d.pin_memory),
+        pin_memory_fallback: t.bool(cx, "pin_memory_fallback", d.pin_memory_fallback),
         buffer_count: t.get(cx, "buffer_count", &[], to_uint),
         buffer_size: t.uint(cx, "buffer_size", d.buffer_size),
         max_in_cpu: t.uint(cx, "max_in_cpu", d.max_in_cpu),
@@ -98,6 +119,70 @@ pub(crate) fn read_offload(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<O
         fast_init: t.bool(cx, "fast_init", d.fast_init),
         ratio: t.get(cx, "ratio", &[], to_f64).unwrap_or(d.ratio),
     };
+    warn_ignored(cx, &t, &s);
     t.finish(cx, SUPPORT);
     Some(s)
+}
+
+/// Keys ferrozero reads but does not act on at some values: warned there, naming what
+/// ferrozero does instead.
+fn warn_ignored(cx: &mut Cx<'_>, t: &TableReader<'_>, s: &OffloadSection) {
+    let nvme = s.device == OffloadDevice::Nvme;
+    // Keys DeepSpeed defines for the other section only (it rejects them here).
+    let (other, foreign): (&str, &[&str]) = if t.path.ends_with("offload_param") {
+        (
+            "offload_optimizer",
+            &["pipeline_read", "pipeline_write", "fast_init", "ratio"],
+        )
+    } else {
+        ("offload_param", &["buffer_size", "max_in_cpu"])
+    };
+    for key in foreign {
+        let path = t.key_path(key);
+        if let Some(span) = cx.span_of(&path) {
+            cx.warn(Report {
+                kind: DiagnosticKind::Unsupported,
+                path: &path,
+                span: &span,
+                message: "not supported by ferrozero; ignored".into(),
+                help: Some(format!("`{key}` applies to `{other}` only")),
+            });
+        }
+    }
+    let here = |key: &str| !foreign.contains(&key);
+    let checks: [(&str, bool, &str); 4] = [
+        (
+            "pipeline_read",
+            nvme && !s.pipeline_read,
+            "ferrozero's NVMe optimizer step always reads the next tile ahead",
+        ),
+        (
+            "pipeline_write",
+            nvme && !s.pipeline_write,
+            "ferrozero's NVMe optimizer step always writes tiles behind",
+        ),
+        (
+            "fast_init",
+            s.fast_init,
+            "a start-up speed option of DeepSpeed's NVMe swapper",
+        ),
+        (
+            "ratio",
+            s.ratio < 1.0,
+            "ferrozero offloads all of the optimizer state (where it lives, not what is computed)",
+        ),
+    ];
+    for (key, ignored, why) in checks {
+        let path = t.key_path(key);
+        let span = cx.span_of(&path).filter(|_| ignored && here(key));
+        if let Some(span) = span {
+            cx.warn(Report {
+                kind: DiagnosticKind::Unsupported,
+                path: &path,
+                span: &span,
+                message: "not supported by ferrozero; ignored".into(),
+                help: Some(why.into()),
+            });
+        }
+    }
 }

@@ -6,7 +6,7 @@ use serde::Serialize;
 use super::auto::AutoOr;
 use crate::diagnostic::DiagnosticKind;
 use crate::parse::{Kind, Node};
-use crate::reader::{auto_or, to_bool, to_choice, to_f64, Cx, Report, Support, TableReader};
+use crate::reader::{auto_or, off, to_bool, to_choice, to_f64, Cx, Report, Support, TableReader};
 
 /// Optimizer type, matched case-insensitively as DeepSpeed does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
@@ -116,7 +116,16 @@ pub(crate) fn read_optimizer(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option
             help: Some("valid types: \"Adam\", \"AdamW\", \"SGD\", \"Lion\"".into()),
         });
     }
-    t.finish(cx, &[]);
+    t.finish(
+        cx,
+        &[(
+            "legacy_fusion",
+            Support::IgnoredUnless(
+                off::is_false,
+                "a fused-kernel switch of DeepSpeed's fp16 optimizer; ferrozero has one kernel per optimizer",
+            ),
+        )],
+    );
     Some(Optimizer {
         kind: kind?,
         params: params?,

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use super::auto::AutoOr;
 use crate::parse::Node;
-use crate::reader::{auto_or, to_bool, to_f64, Cx, Support, TableReader};
+use crate::reader::{auto_or, off, to_bool, to_f64, Cx, Support, TableReader};
 
 /// `fp16`: IEEE half-precision compute with f32 master weights, and DeepSpeed's static or
 /// dynamic loss scaling.
@@ -14,7 +14,8 @@ use crate::reader::{auto_or, to_bool, to_f64, Cx, Support, TableReader};
 pub struct Fp16 {
     /// fp16 mixed precision; `"auto"` resolves to off unless the caller asks for it.
     pub enabled: AutoOr<bool>,
-    /// Autocast the forward pass (accepted; ferrozero's layers choose their own precision).
+    /// Autocast the forward pass to fp16 (ferrozero's layers choose their own precision:
+    /// `true` is ignored with a warning).
     pub auto_cast: bool,
     /// Static loss scale; 0 selects the dynamic scaler.
     pub loss_scale: f64,
@@ -65,7 +66,7 @@ impl Default for Bf16 {
 const FP16_SUPPORT: &[(&str, Support)] = &[
     (
         "fp16_master_weights_and_grads",
-        Support::Refused("master weights are always f32 in ferrozero"),
+        Support::RefusedUnless(off::is_false, "master weights are always f32 in ferrozero"),
     ),
     (
         "type",
@@ -76,7 +77,7 @@ const FP16_SUPPORT: &[(&str, Support)] = &[
 const BF16_SUPPORT: &[(&str, Support)] = &[
     (
         "immediate_grad_update",
-        Support::Ignored("gradients are always accumulated in f32"),
+        Support::IgnoredUnless(off::is_false, "gradients are always accumulated in f32"),
     ),
     (
         "check_grad_overflow",
@@ -84,11 +85,11 @@ const BF16_SUPPORT: &[(&str, Support)] = &[
     ),
     (
         "bf16_master_weights_and_grads",
-        Support::Refused("master weights are always f32 in ferrozero"),
+        Support::RefusedUnless(off::is_false, "master weights are always f32 in ferrozero"),
     ),
     (
         "bf16_optimizer_states",
-        Support::Refused("optimizer state is always f32 in ferrozero"),
+        Support::RefusedUnless(off::is_false, "optimizer state is always f32 in ferrozero"),
     ),
 ];
 
@@ -113,6 +114,21 @@ pub(crate) fn read_fp16(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Fp16
         consecutive_hysteresis: t.bool(cx, "consecutive_hysteresis", d.consecutive_hysteresis),
         min_loss_scale: t.float(cx, "min_loss_scale", d.min_loss_scale),
     };
+    if f.auto_cast {
+        let path = t.key_path("auto_cast");
+        if let Some(span) = cx.span_of(&path) {
+            cx.warn(crate::reader::Report {
+                kind: crate::diagnostic::DiagnosticKind::Unsupported,
+                path: &path,
+                span: &span,
+                message: "not supported by ferrozero; ignored".into(),
+                help: Some(
+                    "ferrozero's layers run in the precision the config selects; there is no autocast"
+                        .into(),
+                ),
+            });
+        }
+    }
     t.finish(cx, FP16_SUPPORT);
     Some(f)
 }

@@ -9,21 +9,27 @@ use crate::reader::{to_choice, to_uint, Cx, Report, Support, TableReader};
 
 /// `activation_checkpointing`: keep only each unit's input during the forward pass and
 /// recompute the unit's activations in the backward pass, trading compute for memory.
+/// ferrozero checkpoints every unit; DeepSpeed's layout and logging keys are accepted at
+/// their defaults and ignored with a warning otherwise.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ActivationCheckpointingSection {
-    /// Partition checkpointed activations across ranks.
+    /// Partition checkpointed activations across model-parallel ranks (there are none in
+    /// ferrozero: `true` is ignored with a warning).
     pub partition_activations: bool,
     /// Keep checkpointed activations in host memory.
     pub cpu_checkpointing: bool,
-    /// Copy checkpoints into one contiguous buffer.
+    /// Copy checkpoints into one contiguous buffer (a fragmentation option: `true` is ignored
+    /// with a warning).
     pub contiguous_memory_optimization: bool,
-    /// Number of checkpoints; unset checkpoints every unit.
+    /// Number of checkpoint buffers for the contiguous layout; ferrozero checkpoints every
+    /// unit, so a number is ignored with a warning.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub number_checkpoints: Option<u64>,
-    /// Synchronise at checkpoint boundaries.
+    /// Synchronise the device at checkpoint boundaries (`true` is ignored with a warning).
     pub synchronize_checkpoint_boundary: bool,
-    /// Time forward and recompute.
+    /// Time forward and recompute (`true` is ignored with a warning; `wall_clock_breakdown`
+    /// times the phases).
     pub profile: bool,
 }
 
@@ -70,7 +76,21 @@ pub enum Backend {
     Nccl,
 }
 
-/// `comms` (ferrozero's own table; DeepSpeed picks its backend outside the config).
+/// How the MPI backend forms sums.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Reduction {
+    /// MPI's own reductions for f32 sums: Open MPI's bandwidth; deterministic for a world
+    /// size, but summed in rank order only at two ranks.
+    #[default]
+    Native,
+    /// Sums in rank order, bitwise equal to the `local` backend at every world size (so ZeRO
+    /// stages stay bitwise identical), at the cost measured in `docs/config.md`.
+    RankOrdered,
+}
+
+/// `comms` (ferrozero's own table; DeepSpeed picks its backend outside the config). Used by
+/// `initialize` when no communicator is passed to the engine.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Comms {
@@ -78,10 +98,11 @@ pub struct Comms {
     pub backend: Backend,
     /// Seconds after which a collective without progress fails.
     pub timeout: u64,
-    /// Reduce in rank order on NCCL too (an all-to-all plus an ordered sum instead of NCCL's
-    /// ring), so results are bitwise those of the local communicator; costs bandwidth (see
-    /// docs/scaling.md). The local and MPI communicators always reduce in rank order.
-    pub deterministic: bool,
+    /// How MPI and NCCL form sums: `native` (the library's own reduction: fastest, and
+    /// deterministic for a fixed communicator) or `rank_ordered` (bitwise the local
+    /// communicator's sums at every world size; costs bandwidth, see docs/scaling.md). The
+    /// local communicator always sums in rank order.
+    pub reduction: Reduction,
 }
 
 impl Default for Comms {
@@ -89,7 +110,7 @@ impl Default for Comms {
         Comms {
             backend: Backend::Local,
             timeout: 300,
-            deterministic: false,
+            reduction: Reduction::Native,
         }
     }
 }
@@ -111,6 +132,44 @@ pub(crate) fn read_activation(
         synchronize_checkpoint_boundary: t.bool(cx, "synchronize_checkpoint_boundary", false),
         profile: t.bool(cx, "profile", false),
     };
+    for (key, ignored, why) in [
+        (
+            "partition_activations",
+            a.partition_activations,
+            "ferrozero has no model-parallel ranks to partition activations across",
+        ),
+        (
+            "contiguous_memory_optimization",
+            a.contiguous_memory_optimization,
+            "a fragmentation option of DeepSpeed's checkpoint buffers",
+        ),
+        (
+            "number_checkpoints",
+            a.number_checkpoints.is_some(),
+            "ferrozero checkpoints every unit's input",
+        ),
+        (
+            "synchronize_checkpoint_boundary",
+            a.synchronize_checkpoint_boundary,
+            "a device synchronisation for profiling",
+        ),
+        (
+            "profile",
+            a.profile,
+            "use wall_clock_breakdown for per-phase times",
+        ),
+    ] {
+        let path = t.key_path(key);
+        if let Some(span) = cx.span_of(&path).filter(|_| ignored) {
+            cx.warn(Report {
+                kind: DiagnosticKind::Unsupported,
+                path: &path,
+                span: &span,
+                message: "not supported by ferrozero; ignored".into(),
+                help: Some(why.into()),
+            });
+        }
+    }
     t.finish(cx, &[]);
     Some(a)
 }
@@ -193,6 +252,11 @@ const BACKENDS: &[(&str, Backend)] = &[
     ("nccl", Backend::Nccl),
 ];
 
+const REDUCTIONS: &[(&str, Reduction)] = &[
+    ("native", Reduction::Native),
+    ("rank_ordered", Reduction::RankOrdered),
+];
+
 /// Reads `comms`.
 pub(crate) fn read_comms(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Comms> {
     let mut t = TableReader::new(cx, path, node)?;
@@ -202,7 +266,11 @@ pub(crate) fn read_comms(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Com
             .get(cx, "backend", &[], |cx, p, n| to_choice(cx, p, n, BACKENDS))
             .unwrap_or(d.backend),
         timeout: t.uint(cx, "timeout", d.timeout),
-        deterministic: t.bool(cx, "deterministic", d.deterministic),
+        reduction: t
+            .get(cx, "reduction", &[], |cx, p, n| {
+                to_choice(cx, p, n, REDUCTIONS)
+            })
+            .unwrap_or(d.reduction),
     };
     t.finish(cx, &[]);
     Some(c)

@@ -126,7 +126,22 @@ const PARAM_SUPPORT: &[(&str, Support)] = &[(
 /// Reads `scheduler`.
 pub(crate) fn read_scheduler(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Scheduler> {
     let mut t = TableReader::new(cx, path, node)?;
-    let kind = t.get(cx, "type", &[], |cx, p, n| to_choice(cx, p, n, TYPES));
+    let kind = t.get(cx, "type", &[], |cx, p, n| {
+        if matches!(&n.kind, Kind::Str(s) if s.eq_ignore_ascii_case("LRRangeTest")) {
+            cx.error(Report {
+                kind: DiagnosticKind::Unsupported,
+                path: p,
+                span: &n.span,
+                message: "scheduler \"LRRangeTest\" is not supported by ferrozero".into(),
+                help: Some(
+                    "a learning-rate range test is a different run; use \"WarmupLR\", \"WarmupDecayLR\", \"WarmupCosineLR\" or \"OneCycle\""
+                        .into(),
+                ),
+            });
+            return None;
+        }
+        to_choice(cx, p, n, TYPES)
+    });
     if !matches!(&node.kind, Kind::Table(es) if es.iter().any(|e| e.key == "type")) {
         cx.error(Report {
             kind: DiagnosticKind::InvalidValue,

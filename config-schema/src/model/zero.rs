@@ -7,7 +7,7 @@ use super::auto::AutoOr;
 use super::offload::{read_offload, OffloadDevice, OffloadSection};
 use crate::diagnostic::DiagnosticKind;
 use crate::parse::Node;
-use crate::reader::{auto_or, to_bool, to_uint, Cx, Report, Support, TableReader};
+use crate::reader::{auto_or, off, to_bool, to_uint, Cx, Report, Support, TableReader};
 
 /// `zero_optimization`: what each rank keeps of the parameters, gradients and optimizer state,
 /// and how they move. DeepSpeed's key names, aliases and v0.19 defaults.
@@ -17,21 +17,25 @@ pub struct ZeroOptimization {
     /// ZeRO stage: 0 (plain data parallelism) to 3 (parameters partitioned too).
     #[schemars(range(min = 0, max = 3))]
     pub stage: u8,
-    /// Copy gradients into a contiguous buffer as they are produced (less fragmentation).
+    /// Copy gradients into a contiguous buffer as they are produced. ferrozero's gradients
+    /// always live in contiguous per-unit buffers; `false` is ignored with a warning.
     pub contiguous_gradients: bool,
     /// Overlap reduction with compute; unset means DeepSpeed's default (true only at stage 3).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub overlap_comm: Option<bool>,
     /// Reduce gradients with reduce-scatter rather than all-reduce (stages 1-2).
     pub reduce_scatter: bool,
-    /// Elements per gradient-reduction bucket; `"auto"` = hidden_size².
+    /// Elements per gradient-reduction bucket; `"auto"` = hidden_size²; 0 (DeepSpeed: each
+    /// parameter alone) reduces each unit in one collective.
     pub reduce_bucket_size: AutoOr<u64>,
-    /// Gather updated partitions with all-gather (stages 1-2).
+    /// Gather updated partitions with all-gather rather than broadcasts (stages 1-2).
+    /// ferrozero always all-gathers (the same values); `false` is ignored with a warning.
     pub allgather_partitions: bool,
-    /// Elements per all-gather bucket (stages 1-2).
+    /// Elements per all-gather bucket (stages 1-2); 0 gathers each unit in one collective.
     pub allgather_bucket_size: u64,
     /// Elements per optimizer-step tile: bounds the optimizer's working set, and with NVMe
-    /// offload the size of each swap.
+    /// offload the size of each swap. 0 is DeepSpeed's "one sub-group per parameter": tiles
+    /// as large as the model's largest parameter.
     pub sub_group_size: u64,
     /// Elements of parameters gathered ahead of use (stage 3); `"auto"` = 0.9 × hidden_size².
     #[schemars(extend("x-aliases" = ["prefetch_bucket_size"]))]
@@ -40,21 +44,25 @@ pub struct ZeroOptimization {
     /// `"auto"` = 10 × hidden_size.
     #[schemars(extend("x-aliases" = ["param_persistence_threshold"]))]
     pub stage3_param_persistence_threshold: AutoOr<u64>,
-    /// Most parameter elements gathered at once (stage 3).
+    /// Most parameter elements gathered at once (stage 3); it bounds prefetching, so 0
+    /// gathers each unit only when it runs.
     #[schemars(extend("x-aliases" = ["max_live_parameters"]))]
     pub stage3_max_live_parameters: u64,
     /// A gathered parameter needed again within this many elements is kept rather than
     /// released (stage 3).
     #[schemars(extend("x-aliases" = ["max_reuse_distance"]))]
     pub stage3_max_reuse_distance: u64,
-    /// Gather full 16-bit weights when saving (stage 3).
+    /// Gather full 16-bit weights when saving (stage 3; `"auto"`, as Accelerate writes it,
+    /// means its default, false). ferrozero saves sharded checkpoints and consolidates them
+    /// with `ferrozero checkpoint consolidate`; `true` is ignored with a warning.
     #[schemars(extend(
         "x-aliases" = ["gather_16bit_weights_on_model_save"],
         "x-deprecated-aliases" = ["stage3_gather_fp16_weights_on_model_save"]
     ))]
-    pub stage3_gather_16bit_weights_on_model_save: bool,
-    /// Assign gradient partitions to ranks round-robin (DeepSpeed's option for stages 1-2 with CPU
-    /// offload).
+    pub stage3_gather_16bit_weights_on_model_save: AutoOr<bool>,
+    /// Assign gradient partitions to ranks round-robin (DeepSpeed's copy-parallelism option
+    /// for stages 1-2 with CPU offload; results are the same). Not implemented: `true` is
+    /// ignored with a warning.
     pub round_robin_gradients: bool,
     /// Hybrid sharding group size (ZeRO++ hpZ, MiCS, FSDP's `HYBRID_SHARD`): parameters,
     /// gradients and optimizer state are sharded inside groups of this many consecutive ranks
@@ -85,7 +93,7 @@ impl Default for ZeroOptimization {
             stage3_param_persistence_threshold: AutoOr::Value(100_000),
             stage3_max_live_parameters: 1_000_000_000,
             stage3_max_reuse_distance: 1_000_000_000,
-            stage3_gather_16bit_weights_on_model_save: false,
+            stage3_gather_16bit_weights_on_model_save: AutoOr::Value(false),
             round_robin_gradients: false,
             zero_hpz_partition_size: 1,
             offload_param: None,
@@ -94,68 +102,36 @@ impl Default for ZeroOptimization {
     }
 }
 
+/// The other keys of DeepSpeed 0.19's `DeepSpeedZeroConfig`, and what ferrozero does with
+/// them (`docs/deepspeed-keys.md` lists them with reasons).
 const SUPPORT: &[(&str, Support)] = &[
-    (
-        "elastic_checkpoint",
-        Support::Ignored("ferrozero checkpoints always reload at any world size"),
-    ),
-    (
-        "load_from_fp32_weights",
-        Support::Ignored("ferrozero always reloads from fp32 master weights"),
-    ),
-    (
-        "ignore_unused_parameters",
-        Support::Ignored("unused parameters get zero gradients"),
-    ),
-    (
-        "legacy_stage1",
-        Support::Ignored("there is one stage-1 implementation"),
-    ),
-    (
-        "memory_efficient_linear",
-        Support::Ignored("a memory optimisation only"),
-    ),
-    ("log_trace_cache_warnings", Support::Ignored("logging only")),
-    (
-        "stage3_model_persistence_threshold",
-        Support::Ignored("memory tuning only"),
-    ),
-    (
-        "model_persistence_threshold",
-        Support::Ignored("memory tuning only"),
-    ),
-    (
-        "zero_quantized_weights",
-        Support::Refused("ZeRO++ quantized weights change numerics"),
-    ),
-    (
-        "zero_quantized_gradients",
-        Support::Refused("ZeRO++ quantized gradients change numerics"),
-    ),
-    (
-        "zero_quantized_nontrainable_weights",
-        Support::Refused("quantized weights change numerics"),
-    ),
-    (
-        "zeropp_loco_param",
-        Support::Refused("LoCo error feedback changes numerics"),
-    ),
-    (
-        "mics_shard_size",
-        Support::Refused(
-            "ferrozero's MiCS-style hybrid sharding is `zero_hpz_partition_size`: set that instead",
-        ),
-    ),
-    (
-        "mics_hierarchical_params_gather",
-        Support::Refused(
-            "hybrid sharding (`zero_hpz_partition_size`) always gathers inside the group",
-        ),
-    ),
-    (
-        "use_multi_rank_bucket_allreduce",
-        Support::Ignored("a communication schedule only"),
-    ),
+    ("elastic_checkpoint", Support::IgnoredUnless(off::is_false, "ferrozero checkpoints always reload at any world size")),
+    ("load_from_fp32_weights", Support::IgnoredUnless(off::is_true, "ferrozero always reloads from fp32 master weights")),
+    ("ignore_unused_parameters", Support::IgnoredUnless(off::is_true, "unused parameters get zero gradients")),
+    ("legacy_stage1", Support::IgnoredUnless(off::is_false, "there is one stage-1 implementation")),
+    ("memory_efficient_linear", Support::IgnoredUnless(off::is_true, "a memory optimisation of DeepSpeed's linear layer")),
+    ("log_trace_cache_warnings", Support::IgnoredUnless(off::is_false, "logging only")),
+    ("enable_sanity_checks", Support::IgnoredUnless(off::is_false, "DeepSpeed's internal debug checks")),
+    ("override_module_apply", Support::IgnoredUnless(off::is_true, "a PyTorch module hook")),
+    ("pipeline_loading_checkpoint", Support::IgnoredUnless(off::is_false, "pipeline-engine checkpoint loading")),
+    ("stage3_model_persistence_threshold", Support::Ignored("memory tuning only")),
+    ("model_persistence_threshold", Support::Ignored("memory tuning only")),
+    ("stage3_module_granularity_threshold", Support::IgnoredUnless(off::is_zero_or_one, "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units")),
+    ("module_granularity_threshold", Support::IgnoredUnless(off::is_zero_or_one, "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units")),
+    ("stage3_use_all_reduce_for_fetch_params", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero all-gathers (the same values)")),
+    ("use_all_reduce_for_fetch_params", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero all-gathers (the same values)")),
+    ("stage3_allgather_sequential", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero gathers each unit's buffer")),
+    ("allgather_sequential", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero gathers each unit's buffer")),
+    ("leaf_module", Support::IgnoredUnless(off::is_empty, "PyTorch module classes treated as ZeRO-3 leaves; ferrozero's units are its layers")),
+    ("save_muon_momentum_buffer_in_memory", Support::IgnoredUnless(off::is_false, "the Muon optimizer is not implemented")),
+    ("use_multi_rank_bucket_allreduce", Support::IgnoredUnless(off::is_true, "a communication schedule only")),
+    ("mics_shard_size", Support::RefusedUnless(off::is_at_most_one, "ferrozero's MiCS-style hybrid sharding is `zero_hpz_partition_size`: set that instead")),
+    ("mics_hierarchical_params_gather", Support::IgnoredUnless(off::is_false, "hybrid sharding (`zero_hpz_partition_size`) always gathers inside the group")),
+    ("zeropp_loco_param", Support::IgnoredUnless(off::is_empty, "LoCo only applies to quantized gradients, which are not implemented")),
+    ("zero_quantized_weights", Support::RefusedUnless(off::is_false, "ZeRO++ quantized weights change numerics")),
+    ("zero_quantized_gradients", Support::RefusedUnless(off::is_false, "ZeRO++ quantized gradients change numerics")),
+    ("zero_quantized_nontrainable_weights", Support::RefusedUnless(off::is_false, "quantized weights change numerics")),
+    ("zenflow", Support::RefusedUnless(off::is_empty, "ZenFlow updates important gradients first and the rest later (stale updates): the math changes")),
 ];
 
 /// Reads `zero_optimization`; the deprecated boolean form maps to stage 1 or 0.
@@ -243,7 +219,61 @@ fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
         }),
     };
     map_cpu_offload(cx, t, &mut z);
+    warn_fixed_behaviour(cx, t, &z);
     z
+}
+
+/// Keys kept in the schema (they are common in DeepSpeed configs) whose every value but one
+/// asks for something ferrozero does not do differently: that one is silent, the others are
+/// ignored with a warning naming what ferrozero does.
+fn warn_fixed_behaviour(cx: &mut Cx<'_>, t: &TableReader<'_>, z: &ZeroOptimization) {
+    let checks: [(&str, bool, &str); 5] = [
+        (
+            "contiguous_gradients",
+            !z.contiguous_gradients,
+            "ferrozero's gradients always live in contiguous per-unit buffers",
+        ),
+        (
+            "allgather_partitions",
+            !z.allgather_partitions,
+            "ferrozero always all-gathers updated partitions (broadcasts would move the same values)",
+        ),
+        (
+            "round_robin_gradients",
+            z.round_robin_gradients,
+            "a copy-parallelism option of DeepSpeed's CPU offload; gradient partitions are the same",
+        ),
+        (
+            "stage3_gather_16bit_weights_on_model_save",
+            z.stage3_gather_16bit_weights_on_model_save == AutoOr::Value(true),
+            "ferrozero saves sharded checkpoints; `ferrozero checkpoint consolidate` writes the full weights from them at any time",
+        ),
+    ];
+    for (key, ignored, why) in checks {
+        if !ignored {
+            continue;
+        }
+        // The deprecated spelling is read on its own (and mapped): point at whichever is there.
+        let path = [key, "stage3_gather_fp16_weights_on_model_save"]
+            .iter()
+            .take(if key.starts_with("stage3_gather") {
+                2
+            } else {
+                1
+            })
+            .map(|k| t.key_path(k))
+            .find(|p| cx.span_of(p).is_some());
+        let Some((path, span)) = path.and_then(|p| cx.span_of(&p).map(|s| (p, s))) else {
+            continue;
+        };
+        cx.warn(Report {
+            kind: DiagnosticKind::Unsupported,
+            path: &path,
+            span: &span,
+            message: "not supported by ferrozero; ignored".into(),
+            help: Some(why.into()),
+        });
+    }
 }
 
 fn read_stage(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<u8> {
@@ -261,20 +291,21 @@ fn read_stage(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<u8> {
     Some(n as u8)
 }
 
-fn read_gather_16bit(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> bool {
+fn read_gather_16bit(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> AutoOr<bool> {
+    let auto_bool = |cx: &mut Cx<'_>, p: &str, n: &Node| auto_or(cx, p, n, to_bool);
     let new = t.get(
         cx,
         "stage3_gather_16bit_weights_on_model_save",
         &["gather_16bit_weights_on_model_save"],
-        to_bool,
+        auto_bool,
     );
     let old_key = "stage3_gather_fp16_weights_on_model_save";
     let old = t.take(cx, old_key, &[]);
     match (new, old) {
-        (_, None) => new.unwrap_or(false),
+        (_, None) => new.unwrap_or(AutoOr::Value(false)),
         (new, Some(e)) => {
             let path = t.key_path(old_key);
-            let value = to_bool(cx, &path, &e.value);
+            let value = to_bool(cx, &path, &e.value).map(AutoOr::Value);
             deprecated(
                 cx,
                 t,
@@ -283,7 +314,7 @@ fn read_gather_16bit(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> bool {
                 "stage3_gather_16bit_weights_on_model_save",
                 new.is_some(),
             );
-            new.or(value).unwrap_or(false)
+            new.or(value).unwrap_or(AutoOr::Value(false))
         }
     }
 }

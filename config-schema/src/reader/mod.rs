@@ -12,7 +12,7 @@ use std::ops::Range;
 use crate::diagnostic::{Diagnostic, DiagnosticKind, LineIndex, Severity};
 use crate::parse::Node;
 
-pub(crate) use table::{Support, TableReader};
+pub(crate) use table::{off, Support, TableReader};
 use values::quoted_hint;
 pub(crate) use values::{auto_or, nearest, to_bool, to_choice, to_f64, to_str, to_u32, to_uint};
 

@@ -15,6 +15,89 @@ pub(crate) enum Support {
     Ignored(&'static str),
     /// Ignoring it would change results: refuse.
     Refused(&'static str),
+    /// Silent at the values the predicate accepts (what ferrozero does anyway, or "off");
+    /// any other value is ignored with a warning.
+    IgnoredUnless(fn(&Node) -> bool, &'static str),
+    /// Silent at the values the predicate accepts; any other value is refused.
+    RefusedUnless(fn(&Node) -> bool, &'static str),
+    /// A section that turns a feature on with `enabled: true` (anywhere inside): silent when
+    /// nothing in it is enabled, ignored with a warning when something is.
+    IgnoredIfEnabled(&'static str),
+    /// As [`Support::IgnoredIfEnabled`], but refused when something is enabled: running
+    /// without the feature would change the math.
+    RefusedIfEnabled(&'static str),
+}
+
+/// Predicates for [`Support`]: the values at which a key asks for nothing ferrozero lacks.
+pub(crate) mod off {
+    use crate::parse::{Kind, Node};
+
+    /// `false` (or `null`).
+    pub(crate) fn is_false(n: &Node) -> bool {
+        matches!(n.kind, Kind::Bool(false) | Kind::Null)
+    }
+    /// `true` (or `null`).
+    pub(crate) fn is_true(n: &Node) -> bool {
+        matches!(n.kind, Kind::Bool(true) | Kind::Null)
+    }
+    /// A number equal to `v` (or `null`).
+    fn number_is(n: &Node, v: f64) -> bool {
+        match n.kind {
+            Kind::Int(i) => i as f64 == v,
+            Kind::Float(f) => f == v,
+            Kind::Null => true,
+            _ => false,
+        }
+    }
+    /// 1 (or `null`).
+    pub(crate) fn is_one(n: &Node) -> bool {
+        number_is(n, 1.0)
+    }
+    /// 0 or 1 (or `null`): a size that turns the feature off.
+    pub(crate) fn is_zero_or_one(n: &Node) -> bool {
+        number_is(n, 0.0) || number_is(n, 1.0)
+    }
+    /// A negative number, 0 or 1 (or `null`): MiCS off.
+    pub(crate) fn is_at_most_one(n: &Node) -> bool {
+        match n.kind {
+            Kind::Int(i) => i <= 1,
+            Kind::Float(f) => f <= 1.0,
+            Kind::Null => true,
+            _ => false,
+        }
+    }
+    /// An fp32 dtype name as DeepSpeed spells them (or `null`).
+    pub(crate) fn is_fp32(n: &Node) -> bool {
+        match &n.kind {
+            Kind::Str(s) => matches!(
+                s.to_ascii_lowercase().as_str(),
+                "fp32" | "float32" | "float" | "torch.float32"
+            ),
+            Kind::Null => true,
+            _ => false,
+        }
+    }
+    /// An empty table, list or `null`.
+    pub(crate) fn is_empty(n: &Node) -> bool {
+        match &n.kind {
+            Kind::Table(t) => t.is_empty(),
+            Kind::Array(a) => a.is_empty(),
+            Kind::Null => true,
+            _ => false,
+        }
+    }
+    /// Whether anything inside `n` says `enabled: true` (or `"auto"`, left to the caller's
+    /// reading: not enabled).
+    pub(crate) fn enables_something(n: &Node) -> bool {
+        match &n.kind {
+            Kind::Table(entries) => entries.iter().any(|e| {
+                (e.key == "enabled" && matches!(e.value.kind, Kind::Bool(true)))
+                    || enables_something(&e.value)
+            }),
+            Kind::Array(items) => items.iter().any(enables_something),
+            _ => false,
+        }
+    }
 }
 
 /// Reads one table, remembering which keys were consumed.
@@ -135,24 +218,7 @@ impl<'n> TableReader<'n> {
             }
             let path = self.key_path(&e.key);
             match support.iter().find(|(k, _)| *k == e.key) {
-                Some((_, Support::Ignored(why))) => {
-                    cx.warn(Report {
-                        kind: DiagnosticKind::Unsupported,
-                        path: &path,
-                        span: &e.key_span,
-                        message: "not supported by ferrozero; ignored".into(),
-                        help: Some((*why).to_string()),
-                    });
-                }
-                Some((_, Support::Refused(why))) => {
-                    cx.error(Report {
-                        kind: DiagnosticKind::Unsupported,
-                        path: &path,
-                        span: &e.key_span,
-                        message: "not supported by ferrozero".into(),
-                        help: Some((*why).to_string()),
-                    });
-                }
+                Some((_, rule)) => report_support(cx, &path, e, *rule),
                 None => self.unknown(cx, &path, e),
             }
         }
@@ -214,5 +280,35 @@ fn report_duplicates(cx: &mut Cx<'_>, path: &str, entries: &[Entry]) {
             help: Some("remove one of them".into()),
         });
         cx.relate(&first.key_span, "first defined here");
+    }
+}
+
+/// Reports a DeepSpeed key that ferrozero does not implement, per its [`Support`] rule.
+fn report_support(cx: &mut Cx<'_>, path: &str, e: &Entry, rule: Support) {
+    let (refuse, why) = match rule {
+        Support::Ignored(why) => (false, why),
+        Support::Refused(why) => (true, why),
+        Support::IgnoredUnless(fine, why) if !fine(&e.value) => (false, why),
+        Support::RefusedUnless(fine, why) if !fine(&e.value) => (true, why),
+        Support::IgnoredIfEnabled(why) if off::enables_something(&e.value) => (false, why),
+        Support::RefusedIfEnabled(why) if off::enables_something(&e.value) => (true, why),
+        // The value asks for nothing ferrozero lacks.
+        _ => return,
+    };
+    let report = Report {
+        kind: DiagnosticKind::Unsupported,
+        path,
+        span: &e.key_span,
+        message: if refuse {
+            "not supported by ferrozero".into()
+        } else {
+            "not supported by ferrozero; ignored".into()
+        },
+        help: Some(why.to_string()),
+    };
+    if refuse {
+        cx.error(report);
+    } else {
+        cx.warn(report);
     }
 }

@@ -105,6 +105,10 @@ fn table<'a>(
     let mut nested = Vec::new();
     for key in keys {
         let site = &props[key.as_str()];
+        if site.get("x-alias-of").is_some() {
+            // Listed with its canonical key (its `Names`), not as a row of its own.
+            continue;
+        }
         let path = join(&head.path, key);
         let alts = r.alternatives(site, &path)?;
         let needed = required.contains(&key.as_str());

@@ -66,22 +66,40 @@ pub(super) fn zero(r: &mut Resolver<'_>) -> ZeroConfig {
     ZeroConfig {
         stage,
         overlap_comm,
-        contiguous_gradients: z.contiguous_gradients,
         reduce_scatter: z.reduce_scatter,
-        reduce_bucket_size: reduce,
-        allgather_partitions: z.allgather_partitions,
-        allgather_bucket_size: to_usize(z.allgather_bucket_size),
+        reduce_bucket_size: whole_unit(r, "reduce_bucket_size", reduce),
+        allgather_bucket_size: whole_unit(
+            r,
+            "allgather_bucket_size",
+            to_usize(z.allgather_bucket_size),
+        ),
         sub_group_size: to_usize(z.sub_group_size),
         prefetch_bucket_size: prefetch,
         param_persistence_threshold: persistence,
         max_live_parameters: to_usize(z.stage3_max_live_parameters),
         max_reuse_distance: to_usize(z.stage3_max_reuse_distance),
-        gather_16bit_weights_on_model_save: z.stage3_gather_16bit_weights_on_model_save,
-        round_robin_gradients: z.round_robin_gradients,
         hpz_partition_size: to_usize(z.zero_hpz_partition_size),
         offload_param: offload(z.offload_param.as_ref(), 5),
         offload_optimizer: offload(z.offload_optimizer.as_ref(), 4),
     }
+}
+
+/// Elements in a bucket that is never split: a unit's whole buffer (large enough that twice
+/// it cannot overflow).
+pub(crate) const WHOLE_UNIT: usize = 1 << 60;
+
+/// A bucket size of 0 (DeepSpeed: each parameter in its own bucket) becomes one collective per
+/// unit: ferrozero's buckets split a unit's buffer, and 0-element pieces are not a schedule.
+fn whole_unit(r: &mut Resolver<'_>, key: &str, v: usize) -> usize {
+    if v != 0 {
+        return v;
+    }
+    r.decide(
+        &format!("zero_optimization.{key}"),
+        "a unit's whole buffer",
+        "0: DeepSpeed buckets each parameter alone; ferrozero moves each unit's gradients or parameters in one collective",
+    );
+    WHOLE_UNIT
 }
 
 /// `fp16` / `bf16`; `"auto"` means off, as in Hugging Face without `--fp16`/`--bf16`.

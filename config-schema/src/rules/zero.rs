@@ -9,22 +9,8 @@ use crate::reader::{Cx, Report};
 pub(super) fn check_zero(cx: &mut Cx<'_>, c: &Config) {
     let z = &c.zero_optimization;
     let stage = z.stage;
-    for (key, value) in [
-        ("reduce_bucket_size", z.reduce_bucket_size.value()),
-        ("allgather_bucket_size", Some(z.allgather_bucket_size)),
-        ("sub_group_size", Some(z.sub_group_size)),
-        (
-            "stage3_prefetch_bucket_size",
-            z.stage3_prefetch_bucket_size.value(),
-        ),
-        (
-            "stage3_max_live_parameters",
-            Some(z.stage3_max_live_parameters),
-        ),
-        ("zero_hpz_partition_size", Some(z.zero_hpz_partition_size)),
-    ] {
-        positive(cx, &format!("zero_optimization.{key}"), value);
-    }
+    // Sizes of 0 are DeepSpeed's (each parameter alone for buckets and sub-groups, nothing
+    // prefetched or kept live, hpZ off); resolution gives them their ferrozero meaning.
     if let Some(p) = &z.offload_param {
         check_offload(cx, "zero_optimization.offload_param", p);
         if p.device != OffloadDevice::None && stage < 3 {

@@ -4,7 +4,9 @@
 //! Invariant: for a given world size, `all_reduce` and `reduce_scatter` compute every element
 //! as the sum over ranks in rank order, `((x0 + x1) + x2) + ...`, accumulated in f32 and
 //! rounded once to the buffer's dtype; `Avg` divides that sum by the world size. The engine's
-//! bitwise equivalence across ZeRO stages depends on it.
+//! bitwise equivalence across ZeRO stages depends on it. `local` always does; `mpi` does with
+//! [`Reduction::RankOrdered`], and by default ([`Reduction::Native`]) hands f32 sums to MPI's
+//! own reductions, which equal rank order at two ranks only.
 
 use crate::Result;
 pub use ferrozero_config::resolved::CommBackend;
@@ -18,6 +20,20 @@ pub enum ReduceOp {
     Avg,
     /// Element-wise maximum.
     Max,
+}
+
+/// How a communicator whose transport has its own reductions (MPI) forms sums.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Reduction {
+    /// The transport's own reduction (`MPI_Allreduce`, `MPI_Reduce_scatter_block`) for f32
+    /// `Sum`/`Avg`: its bandwidth, and its association order, which is deterministic for a
+    /// world size and length but is rank order only at two ranks. bf16/f16 and `Max` are
+    /// rank-ordered either way (MPI has no bf16).
+    #[default]
+    Native,
+    /// Rank order `((x0 + x1) + x2) + ...` in f32, rounded once: bitwise equal to `local`
+    /// at every world size, so ZeRO stages stay bitwise identical over MPI too.
+    RankOrdered,
 }
 
 /// The host buffers collectives exchange (defined with the tensor types, whose host views

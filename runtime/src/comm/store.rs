@@ -3,8 +3,13 @@
 //! exchange small values such as the NCCL unique id with `set`, `get`, `wait` and `add`.
 //!
 //! Wire format, little-endian: a request is an opcode byte, a length-prefixed key and an
-//! operand (a length-prefixed value for `set`, a timeout in ms for `wait`, an i64 for `add`);
-//! a reply is a status byte and, for found values, a length-prefixed value or an i64.
+//! operand (a length-prefixed value for `set`, a timeout in ms for `wait`, an i64 for `add`,
+//! the rank for `hello`); a reply is a status byte and, for found values, a length-prefixed
+//! value or an i64.
+//!
+//! The rank that hosts the server does not leave before the others are done with it: its
+//! handle, when dropped, first closes its own connection, then waits until every rank of the
+//! job has connected and closed its connection (bounded by the store's timeout).
 
 mod server;
 mod wire;
@@ -19,12 +24,15 @@ use wire::{read_u8, read_value, write_request, Request, Status};
 
 use crate::{Error, Result};
 
-/// A connection to a rendezvous store.
+/// A connection to a rendezvous store, and on the hosting rank the server itself.
 #[derive(Debug)]
 pub struct TcpStore {
+    // Field order matters: the connection closes before the hosted server waits for the
+    // other ranks to close theirs.
     conn: Mutex<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
     timeout: Duration,
     addr: SocketAddr,
+    host: Option<StoreServer>,
 }
 
 /// Reads an environment variable that the launcher sets.
@@ -50,22 +58,57 @@ pub fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
 }
 
 impl TcpStore {
-    /// Connects to the store of a launched job: rank 0 (`RANK`) starts the server on
-    /// `MASTER_ADDR:MASTER_PORT` first. The server lives as long as the returned handle.
-    pub fn from_env(timeout: Duration) -> Result<(TcpStore, Option<StoreServer>)> {
-        let rank: usize = env_var("RANK")?
-            .parse()
-            .map_err(|_| Error::Config("RANK is not a number".into()))?;
+    /// Connects to the store of a launched job (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    /// `MASTER_PORT`): rank 0 hosts the server. On rank 0, dropping the handle waits until
+    /// every rank has closed its connection (at most `timeout`), so the host never leaves
+    /// while another rank still reads from the store.
+    pub fn from_env(timeout: Duration) -> Result<TcpStore> {
+        let number = |name: &str| -> Result<usize> {
+            env_var(name)?
+                .parse()
+                .map_err(|_| Error::Config(format!("{name} is not a number")))
+        };
+        let rank = number("RANK")?;
+        let world = number("WORLD_SIZE")?;
+        if rank >= world {
+            return Err(Error::Config(format!(
+                "RANK {rank} is not below WORLD_SIZE {world}"
+            )));
+        }
         let port: u16 = env_var("MASTER_PORT")?
             .parse()
             .map_err(|_| Error::Config("MASTER_PORT is not a port number".into()))?;
         let addr = resolve(&env_var("MASTER_ADDR")?, port)?;
-        let server = if rank == 0 {
-            Some(StoreServer::bind(addr)?)
+        let host = if rank == 0 {
+            Some(StoreServer::host_job(addr, world, timeout)?)
         } else {
             None
         };
-        Ok((TcpStore::connect(addr, timeout)?, server))
+        let mut store = match TcpStore::connect_rank(addr, timeout, rank) {
+            Ok(s) => s,
+            Err(e) => {
+                // Nobody can have used a store its own host could not reach.
+                if let Some(h) = host {
+                    h.stop_now();
+                }
+                return Err(e);
+            }
+        };
+        store.host = host;
+        Ok(store)
+    }
+
+    /// Connects as rank `rank` of a job: the server counts the rank as present until this
+    /// connection closes (see [`StoreServer::host_job`]).
+    pub fn connect_rank(addr: SocketAddr, timeout: Duration, rank: usize) -> Result<TcpStore> {
+        let store = TcpStore::connect(addr, timeout)?;
+        store.call(Request::Hello(rank as u64), Duration::ZERO, |_, _| Ok(()))?;
+        Ok(store)
+    }
+
+    /// Whether this handle hosts the server.
+    pub fn is_host(&self) -> bool {
+        self.host.is_some()
     }
 
     /// Connects to a store at `addr`, retrying until `timeout` while the server starts.
@@ -93,6 +136,7 @@ impl TcpStore {
             conn: Mutex::new((BufReader::new(reader), BufWriter::new(stream))),
             timeout,
             addr,
+            host: None,
         })
     }
 

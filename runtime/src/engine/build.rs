@@ -23,6 +23,26 @@ pub fn storage_dtype(p: &Precision) -> DType {
     }
 }
 
+/// `sub_group_size = 0` is DeepSpeed's "one sub-group per parameter"; the engine's tiles are
+/// cut from each unit's owned range, so 0 becomes tiles as large as the model's largest
+/// parameter (the working set DeepSpeed's per-parameter sub-groups bound). Every other value
+/// is returned unchanged. Tiling never changes results: the optimizer computes each element
+/// alike wherever it falls.
+pub fn effective_sub_group_size(cfg: &ResolvedConfig, model: &crate::nn::Model) -> usize {
+    if cfg.zero.sub_group_size != 0 {
+        return cfg.zero.sub_group_size;
+    }
+    model
+        .units
+        .iter()
+        .flat_map(|u| u.module.param_specs())
+        .chain(model.shared.iter().cloned())
+        .map(|p| p.numel())
+        .max()
+        .unwrap_or(1)
+        .max(1)
+}
+
 /// Where the optimizer state lives.
 pub fn optimizer_location(cfg: &ResolvedConfig) -> Location {
     match cfg.zero.offload_optimizer.target {

@@ -87,6 +87,8 @@ impl Engine {
         comm: Box<dyn Communicator>,
         be: Arc<dyn Backend>,
     ) -> Result<Self> {
+        let mut cfg = cfg;
+        cfg.zero.sub_group_size = super::build::effective_sub_group_size(&cfg, &model);
         if cfg.world_size != comm.world_size() {
             return Err(Error::Config(format!(
                 "config was resolved for world size {} but the communicator has {} ranks",

@@ -3,7 +3,6 @@
 //! summary logged by rank 0.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use ferrozero_config::{Config, ResolveContext};
 
@@ -102,9 +101,17 @@ impl EngineBuilder {
             hidden_size: self.hidden_size,
             micro_batch_hint: self.micro_batch_hint,
         };
-        let resolution = config
+        let mut resolution = config
             .resolve_explained(&ctx)
             .map_err(|e| Error::Config(e.to_string()))?;
+        // Before anything is allocated: pinned buffers need a locked-memory limit that holds
+        // them (raised here when the hard limit allows, else refused or, where the config
+        // allows it, pinning turned off).
+        check_locked_memory(
+            &self.model,
+            &mut resolution.config,
+            self.seq_len.unwrap_or(1),
+        )?;
         if let Some(seq) = self.seq_len {
             preflight(&self.model, &resolution.config, seq)?;
         }
@@ -121,6 +128,81 @@ impl EngineBuilder {
     }
 }
 
+/// Ranks of this job that run in this process's machine: all of them with the local
+/// backend, else the launcher's `LOCAL_WORLD_SIZE` (1 when unset).
+fn ranks_here(cfg: &ferrozero_config::ResolvedConfig) -> u64 {
+    match cfg.comms.backend {
+        ferrozero_config::resolved::CommBackend::Local => cfg.world_size as u64,
+        _ => std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1),
+    }
+}
+
+/// The locked-memory check of `pin_memory = true`, at `initialize`: when the pinned bytes of
+/// this machine's ranks exceed the soft `RLIMIT_MEMLOCK`, the soft limit is raised to the hard
+/// one if that suffices; otherwise the run is refused with the exact `ulimit` /
+/// `limits.conf` / systemd / docker lines that fix it, unless every pinned section sets
+/// `pin_memory_fallback = true`, in which case pinning is turned off with a warning. Either
+/// way before step 1, never as an allocation failure mid-run.
+fn check_locked_memory(
+    model: &Model,
+    cfg: &mut ferrozero_config::ResolvedConfig,
+    seq: usize,
+) -> Result<()> {
+    use ferrozero_offload::preflight::{memlock_fix, MemlockLimits};
+    use ferrozero_offload::sys::{self, MemlockLimit};
+    let z = &cfg.zero;
+    if !(z.offload_optimizer.pin_memory || z.offload_param.pin_memory) {
+        return Ok(());
+    }
+    let here = ranks_here(cfg);
+    let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
+    let need = e.pinned_host_bytes.saturating_mul(here);
+    let MemlockLimit::Bytes(soft) = sys::memlock_limit() else {
+        return Ok(());
+    };
+    if need <= soft {
+        return Ok(());
+    }
+    let (_, hard) = sys::memlock_rlimit();
+    if hard.is_none_or(|h| need <= h) && sys::raise_memlock_soft(hard).is_ok() {
+        tracing::info!(
+            "pin_memory: raised the soft RLIMIT_MEMLOCK from {soft} bytes to {} so that {need} \
+             bytes of pinned buffers fit ({here} rank(s) on this machine)",
+            hard.map_or("unlimited".to_string(), |h| format!("{h} bytes"))
+        );
+        return Ok(());
+    }
+    let who = if here == 1 {
+        "1 rank on this machine".to_string()
+    } else {
+        format!("{here} ranks on this machine")
+    };
+    let msg = memlock_fix(
+        need,
+        MemlockLimits {
+            soft: Some(soft),
+            hard,
+        },
+        &sys::user_name(),
+        &who,
+    );
+    let z = &mut cfg.zero;
+    let fallback = [&z.offload_optimizer, &z.offload_param]
+        .iter()
+        .filter(|o| o.pin_memory)
+        .all(|o| o.pin_memory_fallback);
+    if fallback {
+        z.offload_optimizer.pin_memory = false;
+        z.offload_param.pin_memory = false;
+        tracing::warn!("{msg}\npin_memory_fallback = true: continuing with pageable buffers");
+        return Ok(());
+    }
+    Err(Error::Config(format!("locked memory: {msg}")))
+}
+
 /// Compares what this process's ranks need with what the machine has (RAM, locked memory,
 /// NVMe free space) and with `device_memory_limit`, and refuses with every shortfall and its
 /// numbers.
@@ -128,13 +210,7 @@ fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) 
     let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
     super::estimate::check_device_cap(model, cfg, seq, &e)?;
     // Local ranks share this process's machine; other backends run one rank per process.
-    let here = match cfg.comms.backend {
-        ferrozero_config::resolved::CommBackend::Local => cfg.world_size as u64,
-        _ => std::env::var("LOCAL_WORLD_SIZE")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1),
-    };
+    let here = ranks_here(cfg);
     let mut nvme = Vec::new();
     for off in [&cfg.zero.offload_optimizer, &cfg.zero.offload_param] {
         if let ferrozero_config::resolved::OffloadTarget::Nvme(p) = &off.target {
@@ -159,24 +235,59 @@ fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) 
     Ok(())
 }
 
-/// The default communicator: one local rank, unless the environment describes a multi-process
-/// job, which needs a backend that crosses processes.
-fn single_rank(_config: &Config) -> Result<Box<dyn Communicator>> {
+/// The default communicator, from the config's `comms` section: the MPI world (with the
+/// section's timeout and reduction) for `backend = "mpi"`, else one local rank, unless the
+/// environment describes a multi-process job, which needs a backend that crosses processes.
+fn single_rank(config: &Config) -> Result<Box<dyn Communicator>> {
+    use ferrozero_config::resolved::CommBackend;
+    let comms = config.resolve_comms();
     let world: usize = std::env::var("WORLD_SIZE")
         .ok()
         .and_then(|w| w.parse().ok())
         .unwrap_or(1);
-    if world > 1 {
-        return Err(Error::Unavailable {
+    match comms.backend {
+        CommBackend::Mpi => mpi_world(&comms),
+        _ if world > 1 => Err(Error::Unavailable {
             what: "multi-process communicator",
             why: format!(
-                "WORLD_SIZE={world} but no communicator was given; pass one with EngineBuilder::comm \
-                 (MPI: build with --features mpi), or run ranks in one process with comm::local::run_ranks"
+                "WORLD_SIZE={world} but no communicator was given and comms.backend is {:?}; set \
+                 comms.backend = \"mpi\" (build with --features mpi), pass one with \
+                 EngineBuilder::comm, or run ranks in one process with comm::local::run_ranks",
+                comms.backend
             ),
-        });
+        }),
+        // One rank needs no transport: every backend is the same there.
+        _ => {
+            let mut group = LocalComm::group(1, comms.timeout);
+            Ok(Box::new(group.remove(0)))
+        }
     }
-    let mut group = LocalComm::group(1, Duration::from_secs(300));
-    Ok(Box::new(group.remove(0)))
+}
+
+/// The MPI world communicator the config asks for.
+#[cfg(feature = "mpi")]
+fn mpi_world(comms: &ferrozero_config::resolved::CommsConfig) -> Result<Box<dyn Communicator>> {
+    use crate::comm::Reduction;
+    use ferrozero_config::resolved::CommReduction;
+    let reduction = match comms.reduction {
+        CommReduction::Native => Reduction::Native,
+        CommReduction::RankOrdered => Reduction::RankOrdered,
+    };
+    Ok(Box::new(
+        crate::comm::mpi::MpiComm::world(comms.timeout)?.with_reduction(reduction),
+    ))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_world(comms: &ferrozero_config::resolved::CommsConfig) -> Result<Box<dyn Communicator>> {
+    Err(Error::Unavailable {
+        what: "the MPI backend",
+        why: format!(
+            "comms.backend = \"mpi\" (reduction {:?}, timeout {:?}) but this build has no MPI: \
+             build with --features mpi",
+            comms.reduction, comms.timeout
+        ),
+    })
 }
 
 /// Loads `config` and builds an engine for `model` on a single local rank (or fails with a

@@ -92,12 +92,9 @@ impl Schedule {
     /// OneCycle's momentum (Adam's beta1) at step `k`, when the schedule cycles momentum.
     pub fn momentum_at(&self, k: u64) -> Option<f64> {
         match &self.cfg {
-            Some(
-                c @ SchedulerConfig::OneCycle {
-                    cycle_momentum: true,
-                    ..
-                },
-            ) => Some(one_cycle(c, k).1),
+            Some(c @ SchedulerConfig::OneCycle { cycle_momentum, .. }) if *cycle_momentum => {
+                Some(one_cycle(c, k).1)
+            }
             _ => None,
         }
     }
@@ -128,6 +125,8 @@ fn one_cycle(c: &SchedulerConfig, k: u64) -> (f64, f64) {
         decay_lr_rate,
         cycle_first_step_size,
         cycle_second_step_size,
+        cycle_first_stair_count,
+        cycle_second_stair_count,
         decay_step_size,
         cycle_min_mom,
         cycle_max_mom,
@@ -143,11 +142,24 @@ fn one_cycle(c: &SchedulerConfig, k: u64) -> (f64, f64) {
     if it <= total {
         let cycle = (1.0 + it / total).floor();
         let x = 1.0 + it / total - cycle;
-        let scale = if x <= step_ratio {
-            x / step_ratio
+        let (mut scale, stairs) = if x <= step_ratio {
+            (x / step_ratio, *cycle_first_stair_count)
         } else {
-            (x - 1.0) / (step_ratio - 1.0)
+            ((x - 1.0) / (step_ratio - 1.0), *cycle_second_stair_count)
         };
+        // DeepSpeed's staircase: a stair count holds lr and momentum flat across each of that
+        // many pieces of the half cycle, quantised from the step's offset in the cycle.
+        if stairs > 0 {
+            let n = stairs as f64;
+            let at = it % total;
+            let first = *cycle_first_step_size as f64;
+            let position = if at <= first {
+                at * n / first
+            } else {
+                (total - at) * n / *cycle_second_step_size as f64
+            };
+            scale = position.floor() / n;
+        }
         let lr = cycle_min_lr + (cycle_max_lr - cycle_min_lr) * scale;
         let mom = cycle_max_mom - (cycle_max_mom - cycle_min_mom) * scale;
         return (lr, mom);
@@ -267,5 +279,36 @@ mod tests {
         assert!(close(s.lr_at(15), 0.6));
         assert!(close(s.momentum_at(10).unwrap(), 0.8));
         assert!(close(s.lr_at(25), 0.1 / 2.0));
+    }
+
+    #[test]
+    fn one_cycle_stairs_hold_the_rate_flat() {
+        let c = |first_stairs, second_stairs| SchedulerConfig::OneCycle {
+            cycle_min_lr: 0.1,
+            cycle_max_lr: 1.1,
+            decay_lr_rate: 0.0,
+            cycle_first_step_size: 10,
+            cycle_second_step_size: 10,
+            cycle_first_stair_count: first_stairs,
+            cycle_second_stair_count: second_stairs,
+            decay_step_size: 0,
+            cycle_momentum: true,
+            cycle_min_mom: 0.8,
+            cycle_max_mom: 0.9,
+            decay_mom_rate: 0.0,
+        };
+        let s = Schedule::new(&adam(1.0), Some(c(2, 5)));
+        // Rising half, two stairs: flat at the minimum, then at the middle, then the peak.
+        for (k, lr) in [(0, 0.1), (4, 0.1), (5, 0.6), (9, 0.6), (10, 1.1)] {
+            assert!(close(s.lr_at(k), lr), "step {k}: {} != {lr}", s.lr_at(k));
+        }
+        assert!(close(s.momentum_at(5).unwrap(), 0.85));
+        // Falling half, five stairs of two steps.
+        for (k, lr) in [(11, 0.9), (12, 0.9), (13, 0.7), (19, 0.1)] {
+            assert!(close(s.lr_at(k), lr), "step {k}: {} != {lr}", s.lr_at(k));
+        }
+        // No stairs: the continuous schedule.
+        let s = Schedule::new(&adam(1.0), Some(c(0, 0)));
+        assert!(close(s.lr_at(4), 0.5));
     }
 }

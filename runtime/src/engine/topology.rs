@@ -40,10 +40,12 @@ fn how_to_get(b: CommBackend) -> &'static str {
 pub(super) fn check_backend(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<()> {
     let (want, have) = (cfg.comms.backend, comm.backend());
     if want == have {
-        if cfg.comms.deterministic && !comm.deterministic() {
+        let ordered = cfg.comms.reduction == ferrozero_config::resolved::CommReduction::RankOrdered;
+        if ordered && !comm.deterministic() {
             return Err(Error::Config(
-                "comms.deterministic = true but the communicator given reduces in NCCL's own \
-                 order; create it with NcclOptions::from_config (deterministic: true)"
+                "comms.reduction = \"rank_ordered\" but the communicator given sums in its \
+                 library's own order; create it from the config (NcclOptions::from_config, \
+                 MpiComm::with_reduction)"
                     .into(),
             ));
         }

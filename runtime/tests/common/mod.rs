@@ -22,10 +22,7 @@ pub fn config(
         buffer_count: 4,
         buffer_size: 100_000_000,
         max_in_cpu: 1_000_000_000,
-        pipeline_read: false,
-        pipeline_write: false,
-        fast_init: false,
-        ratio: 1.0,
+        pin_memory_fallback: false,
     };
     ResolvedConfig {
         train_batch_size: micro * gas * world,
@@ -42,19 +39,15 @@ pub fn config(
         zero: ZeroConfig {
             stage,
             overlap_comm: false,
-            contiguous_gradients: true,
             reduce_scatter: true,
             // Small buckets so chunked communication paths run too.
             reduce_bucket_size: 40,
-            allgather_partitions: true,
             allgather_bucket_size: 24,
             sub_group_size: 17,
             prefetch_bucket_size: 1000,
             param_persistence_threshold: 0,
             max_live_parameters: 1_000_000,
             max_reuse_distance: 1_000_000,
-            gather_16bit_weights_on_model_save: false,
-            round_robin_gradients: false,
             hpz_partition_size: 1,
             offload_param: off.clone(),
             offload_optimizer: off,
@@ -80,7 +73,7 @@ pub fn config(
         comms: CommsConfig {
             backend: CommBackend::Local,
             timeout: Duration::from_secs(30),
-            deterministic: false,
+            reduction: CommReduction::RankOrdered,
         },
     }
 }
@@ -88,11 +81,6 @@ pub fn config(
 /// Activation checkpointing on every unit.
 pub fn checkpointing(cpu: bool) -> ActivationCheckpointing {
     ActivationCheckpointing {
-        partition_activations: false,
         cpu_checkpointing: cpu,
-        contiguous_memory_optimization: false,
-        number_checkpoints: None,
-        synchronize_checkpoint_boundary: false,
-        profile: false,
     }
 }

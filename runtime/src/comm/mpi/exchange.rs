@@ -1,39 +1,21 @@
-//! The MPI data movement: descriptor check-in, nonblocking calls polled against the deadline,
-//! and the rank-ordered reductions built from all-to-all and all-gather.
+//! The entry of every MPI collective: the ranks' descriptors are all-gathered with a
+//! nonblocking call polled against the deadline (so a rank that never comes is a clean error
+//! on the others), and compared (so a mismatched call is an error on every rank, never
+//! corruption). The data phase that follows is in `data.rs`.
 
 use std::time::{Duration, Instant};
 
-use bytemuck::{cast_slice, cast_slice_mut, Pod, Zeroable};
-use half::{bf16, f16};
 use mpi::collective::CommunicatorCollectives;
-use mpi::datatype::Equivalence;
 use mpi::request::{Request, StaticScope};
 use mpi::traits::Communicator as _;
-use mpi::traits::Root;
 
 use super::MpiComm;
 use crate::comm::local::desc::{verify, OpKind};
-use crate::comm::local::kernels::{reduce_range, Elem};
 use crate::comm::{BufMut, BufRef, Communicator, ReduceOp};
 use crate::tensor::DType;
 use crate::Result;
 
 pub(super) use crate::comm::local::desc::Desc;
-
-/// An element type and the MPI type it travels as (bf16/f16 as raw 16-bit words).
-pub(crate) trait Wire: Elem + Pod {
-    /// The MPI-side type of the same size.
-    type W: Equivalence + Pod + 'static;
-}
-impl Wire for f32 {
-    type W = f32;
-}
-impl Wire for bf16 {
-    type W = u16;
-}
-impl Wire for f16 {
-    type W = u16;
-}
 
 const DESC_WORDS: usize = 9;
 
@@ -123,17 +105,26 @@ unsafe fn reclaim<T>(p: *mut [T]) -> Vec<T> {
 impl MpiComm {
     /// Polls `req` until it completes or the collective's deadline passes. On timeout the
     /// request is forgotten (its buffers stay leased forever) and the communicator breaks.
+    ///
+    /// Open MPI's nonblocking collectives advance only inside MPI calls, so the request is
+    /// tested in a loop, but the loop gives the core away more and more as the wait grows:
+    /// a few microseconds of back-to-back tests (skipped when this node runs more ranks than
+    /// it has cores), then tests between yields, then sleeps that double up to a
+    /// millisecond. A rank waiting for a slow peer therefore does not take the peer's core.
     fn complete<D: ?Sized>(
         &self,
         op: OpKind,
         start: Instant,
         mut req: Request<'static, D, StaticScope>,
     ) -> Result<()> {
-        // Open MPI's nonblocking collectives advance only inside MPI calls, so the request
-        // is tested continuously (yielding the core between tests) and only a long wait
-        // falls back to short sleeps.
-        let patient = Duration::from_millis(200);
         let waiting = Instant::now();
+        let spin = if self.env.oversubscribed {
+            Duration::ZERO
+        } else {
+            Duration::from_micros(50)
+        };
+        let yielding = Duration::from_millis(2);
+        let mut nap = Duration::from_micros(20);
         loop {
             match req.test() {
                 Ok(_) => return Ok(()),
@@ -150,10 +141,14 @@ impl MpiComm {
                 self.break_with(&reason);
                 return Err(self.error(op.name(), None, start, reason));
             }
-            if now.duration_since(waiting) < patient {
+            let waited = now.duration_since(waiting);
+            if waited < spin {
+                std::hint::spin_loop();
+            } else if waited < yielding {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(Duration::from_micros(200));
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
             }
         }
     }
@@ -187,138 +182,6 @@ impl MpiComm {
         }
         Ok(())
     }
-
-    /// All-to-all of `send` (blocks of `block` elements per rank).
-    fn all_to_all<W: Equivalence + Pod>(
-        &self,
-        op: OpKind,
-        start: Instant,
-        send: Vec<W>,
-        block: usize,
-    ) -> Result<Vec<W>> {
-        let send = lease(send);
-        let recv = lease(vec![W::zeroed(); block * self.size]);
-        let (sp, rp) = (send as *mut [W], recv as *mut [W]);
-        let req = self
-            .comm
-            .immediate_all_to_all_into(StaticScope, &*send, recv);
-        self.complete(op, start, req)?;
-        // SAFETY: the request completed; both came from `lease`.
-        Ok(unsafe { (reclaim(sp), reclaim(rp)) }.1)
-    }
-
-    /// All-gather of `send` into a new vector of `size * send.len()` elements.
-    fn gather<W: Equivalence + Pod>(
-        &self,
-        op: OpKind,
-        start: Instant,
-        send: Vec<W>,
-    ) -> Result<Vec<W>> {
-        let n = send.len() * self.size;
-        let send = lease(send);
-        let recv = lease(vec![W::zeroed(); n]);
-        let (sp, rp) = (send as *mut [W], recv as *mut [W]);
-        let req = self
-            .comm
-            .immediate_all_gather_into(StaticScope, &*send, recv);
-        self.complete(op, start, req)?;
-        // SAFETY: the request completed; both came from `lease`.
-        Ok(unsafe { (reclaim(sp), reclaim(rp)) }.1)
-    }
-
-    /// Reduces the `size` blocks of `block` elements in `blocks` in rank order into `out`.
-    fn reduce_blocks<T: Wire>(&self, blocks: &[T::W], block: usize, out: &mut [T], op: ReduceOp) {
-        let blocks: &[T] = cast_slice(blocks);
-        let srcs: Vec<*const T> = blocks
-            .chunks_exact(block.max(1))
-            .map(<[T]>::as_ptr)
-            .collect();
-        // SAFETY: `size` source blocks of `block` elements, read only; `out` has `block`
-        // elements and is exclusively borrowed.
-        unsafe { reduce_range(&srcs[..self.size], &[out.as_mut_ptr()], 0, block, op) };
-    }
-
-    pub(super) fn all_reduce_t<T: Wire>(
-        &self,
-        buf: &mut [T],
-        op: ReduceOp,
-        start: Instant,
-    ) -> Result<()> {
-        let (n, len) = (self.size, buf.len());
-        let block = len.div_ceil(n);
-        if block == 0 {
-            return Ok(());
-        }
-        let mut send = vec![T::W::zeroed(); block * n];
-        send[..len].copy_from_slice(cast_slice(buf));
-        let recv = self.all_to_all(OpKind::AllReduce, start, send, block)?;
-        let mut mine = vec![T::zeroed(); block];
-        self.reduce_blocks::<T>(&recv, block, &mut mine, op);
-        let all = self.gather(
-            OpKind::AllReduce,
-            start,
-            cast_slice::<T, T::W>(&mine).to_vec(),
-        )?;
-        cast_slice_mut::<T, T::W>(buf).copy_from_slice(&all[..len]);
-        Ok(())
-    }
-
-    pub(super) fn reduce_scatter_t<T: Wire>(
-        &self,
-        input: &[T],
-        output: &mut [T],
-        op: ReduceOp,
-        start: Instant,
-    ) -> Result<()> {
-        let block = output.len();
-        if block == 0 {
-            return Ok(());
-        }
-        let recv = self.all_to_all(
-            OpKind::ReduceScatter,
-            start,
-            cast_slice(input).to_vec(),
-            block,
-        )?;
-        self.reduce_blocks::<T>(&recv, block, output, op);
-        Ok(())
-    }
-
-    pub(super) fn all_gather_t<T: Wire>(
-        &self,
-        input: &[T],
-        output: &mut [T],
-        start: Instant,
-    ) -> Result<()> {
-        if input.is_empty() {
-            return Ok(());
-        }
-        let all = self.gather(OpKind::AllGather, start, cast_slice(input).to_vec())?;
-        cast_slice_mut::<T, T::W>(output).copy_from_slice(&all);
-        Ok(())
-    }
-
-    pub(super) fn broadcast_t<T: Wire>(
-        &self,
-        buf: &mut [T],
-        root: usize,
-        start: Instant,
-    ) -> Result<()> {
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let data = lease(cast_slice::<T, T::W>(buf).to_vec());
-        let p = data as *mut [T::W];
-        let req = self
-            .comm
-            .process_at_rank(root as i32)
-            .immediate_broadcast_into(StaticScope, data);
-        self.complete(OpKind::Broadcast, start, req)?;
-        // SAFETY: the request completed; it came from `lease`.
-        let data = unsafe { reclaim(p) };
-        cast_slice_mut::<T, T::W>(buf).copy_from_slice(&data);
-        Ok(())
-    }
 }
 
 /// Fills the descriptor fields of a one-buffer collective.
@@ -349,15 +212,20 @@ impl Communicator for MpiComm {
         crate::comm::CommBackend::Mpi
     }
 
+    fn deterministic(&self) -> bool {
+        // MPI's own sum is rank order at two ranks (one addition per element).
+        self.reduction() == crate::comm::Reduction::RankOrdered || self.size <= 2
+    }
+
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
         let start = Instant::now();
         let mut d = desc_mut(OpKind::AllReduce, &buf);
         d.reduce = Some(op);
         self.check_in(d, start)?;
         match buf {
-            BufMut::F32(b) => self.all_reduce_t(b, op, start),
-            BufMut::Bf16(b) => self.all_reduce_t(b, op, start),
-            BufMut::F16(b) => self.all_reduce_t(b, op, start),
+            BufMut::F32(b) => self.all_reduce_data(b, op),
+            BufMut::Bf16(b) => self.all_reduce_data(b, op),
+            BufMut::F16(b) => self.all_reduce_data(b, op),
         }
     }
 
@@ -367,9 +235,9 @@ impl Communicator for MpiComm {
         d.reduce = Some(op);
         self.check_in(d, start)?;
         match (input, output) {
-            (BufRef::F32(i), BufMut::F32(o)) => self.reduce_scatter_t(i, o, op, start),
-            (BufRef::Bf16(i), BufMut::Bf16(o)) => self.reduce_scatter_t(i, o, op, start),
-            (BufRef::F16(i), BufMut::F16(o)) => self.reduce_scatter_t(i, o, op, start),
+            (BufRef::F32(i), BufMut::F32(o)) => self.reduce_scatter_data(i, o, op),
+            (BufRef::Bf16(i), BufMut::Bf16(o)) => self.reduce_scatter_data(i, o, op),
+            (BufRef::F16(i), BufMut::F16(o)) => self.reduce_scatter_data(i, o, op),
             // `check_in` rejects differing dtypes on every rank.
             _ => Ok(()),
         }
@@ -379,9 +247,9 @@ impl Communicator for MpiComm {
         let start = Instant::now();
         self.check_in(desc_io(OpKind::AllGather, &input, &output), start)?;
         match (input, output) {
-            (BufRef::F32(i), BufMut::F32(o)) => self.all_gather_t(i, o, start),
-            (BufRef::Bf16(i), BufMut::Bf16(o)) => self.all_gather_t(i, o, start),
-            (BufRef::F16(i), BufMut::F16(o)) => self.all_gather_t(i, o, start),
+            (BufRef::F32(i), BufMut::F32(o)) => self.all_gather_data(i, o),
+            (BufRef::Bf16(i), BufMut::Bf16(o)) => self.all_gather_data(i, o),
+            (BufRef::F16(i), BufMut::F16(o)) => self.all_gather_data(i, o),
             // `check_in` rejects differing dtypes on every rank.
             _ => Ok(()),
         }
@@ -393,9 +261,9 @@ impl Communicator for MpiComm {
         d.root = root;
         self.check_in(d, start)?;
         match buf {
-            BufMut::F32(b) => self.broadcast_t(b, root, start),
-            BufMut::Bf16(b) => self.broadcast_t(b, root, start),
-            BufMut::F16(b) => self.broadcast_t(b, root, start),
+            BufMut::F32(b) => self.broadcast_data(b, root),
+            BufMut::Bf16(b) => self.broadcast_data(b, root),
+            BufMut::F16(b) => self.broadcast_data(b, root),
         }
     }
 

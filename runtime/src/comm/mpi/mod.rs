@@ -1,20 +1,33 @@
 //! `mpi`: the [`Communicator`] contract over MPI (rsmpi with Open MPI), one rank per process,
-//! started by `mpirun`/`srun`.
+//! started by `mpirun`/`srun` (or `ferrozero launch`).
 //!
-//! The contract's rank-ordered sums are not what MPI's reductions promise (their algorithms
-//! reassociate, and MPI has no bf16/f16), so reductions are built from data movement: an
-//! all-to-all hands rank r block r of every rank's buffer, rank r reduces the blocks in rank
-//! order with the same kernels as `local`, and an all-gather returns the blocks. Results are
-//! therefore bitwise equal to `local`'s.
+//! Every collective has two phases:
+//! - **check-in**: the ranks' descriptors are all-gathered by a nonblocking call polled
+//!   against the timeout, which detects mismatched calls (an error on every rank) and a rank
+//!   that never comes (a timeout error on the others), before any buffer is touched;
+//! - **data**: blocking MPI calls on the caller's buffers, as a program calling MPI directly
+//!   would make them (`data.rs`), so the bandwidth is Open MPI's own.
 //!
-//! Timeouts: every collective is a nonblocking MPI call polled against a deadline. MPI cannot
-//! cancel a collective, so on timeout the scratch buffers it writes are leaked (never freed
-//! while MPI may still write them) and the communicator is marked broken. Every collective
-//! starts with an all-gather of the ranks' descriptors, which detects mismatched calls.
+//! Sums are [`Reduction::Native`] by default (f32 sums through `MPI_Allreduce` and
+//! `MPI_Reduce_scatter_block`: deterministic for a world size and length, and bitwise equal to
+//! `local` at two ranks, but associated as MPI chooses beyond); [`Reduction::RankOrdered`]
+//! gives `local`'s rank-ordered sums at any world size (see `data.rs` for what it costs).
+//!
+//! Timeouts: the check-in times out cleanly (the communicator is then marked broken and its
+//! leased descriptor buffers are leaked, never freed while MPI may write them). Once every
+//! rank has checked in, a data phase that still outlives the timeout means a peer stopped
+//! inside MPI; MPI cannot cancel a collective that holds the caller's buffers, so the
+//! watchdog reports it and aborts the job (`MPI_Abort`) instead of letting it hang.
+//!
+//! Waiting never busy-polls for long: the check-in's polling backs off to sleeps (and skips
+//! spinning when the node runs more ranks than cores), and on such an oversubscribed node
+//! Open MPI is told to yield in its own blocking waits (`mpi_yield_when_idle`).
 
+mod data;
 mod exchange;
+mod watchdog;
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -23,13 +36,20 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::Communicator as _;
 use mpi::Threading;
 
+use crate::comm::Reduction;
 use crate::{Error, Result};
+
+pub use watchdog::{Expired, Watchdog};
 
 /// MPI stays initialized while any communicator lives; finalized after the last one drops
 /// (mpirun reports processes that exit without finalizing as failed).
 struct Env {
     universe: Universe,
     threading: Threading,
+    /// This library's `MPI_IN_PLACE` sentinel, where it is known (rsmpi does not export it).
+    in_place: Option<usize>,
+    /// More ranks on this node than cores: waits must give their core away.
+    oversubscribed: bool,
 }
 
 // SAFETY: MPI was initialized with MPI_THREAD_MULTIPLE (checked in `MpiComm::world`), so its
@@ -50,6 +70,12 @@ pub struct MpiComm {
     seq: Cell<u64>,
     /// Set once a collective timed out or mismatched: the ranks are out of step for good.
     broken: RefCell<Option<String>>,
+    /// How sums are formed.
+    reduction: Reduction,
+    /// Rank-ordered reductions' receive area, kept for the next call.
+    scratch: RefCell<Vec<u64>>,
+    /// The data phase's deadline, started on first use.
+    watch: OnceCell<Watchdog>,
 }
 
 // SAFETY: see `Env`: with MPI_THREAD_MULTIPLE a communicator handle may move between threads.
@@ -63,6 +89,7 @@ impl std::fmt::Debug for MpiComm {
             .field("world_size", &self.size)
             .field("timeout", &self.timeout)
             .field("threading", &self.env.threading)
+            .field("reduction", &self.reduction)
             .finish()
     }
 }
@@ -84,6 +111,12 @@ impl MpiComm {
                             .into(),
                     ));
                 }
+                let oversubscribed = node_is_oversubscribed();
+                if oversubscribed && std::env::var_os("OMPI_MCA_mpi_yield_when_idle").is_none() {
+                    // Read by Open MPI at initialization: its blocking waits then yield the
+                    // core instead of spinning on it.
+                    std::env::set_var("OMPI_MCA_mpi_yield_when_idle", "1");
+                }
                 let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
                     .ok_or_else(|| {
                         unavailable("MPI_Init_thread failed or MPI is already initialized".into())
@@ -96,16 +129,23 @@ impl MpiComm {
                 let env = Arc::new(Env {
                     universe,
                     threading,
+                    in_place: in_place_sentinel(),
+                    oversubscribed,
                 });
                 *slot = Some(Arc::downgrade(&env));
                 env
             }
         };
         let comm = env.universe.world();
-        Ok(MpiComm::wrap(comm, env, timeout))
+        Ok(MpiComm::wrap(comm, env, timeout, Reduction::default()))
     }
 
-    fn wrap(comm: SimpleCommunicator, env: Arc<Env>, timeout: Duration) -> MpiComm {
+    fn wrap(
+        comm: SimpleCommunicator,
+        env: Arc<Env>,
+        timeout: Duration,
+        reduction: Reduction,
+    ) -> MpiComm {
         let (rank, size) = (comm.rank() as usize, comm.size() as usize);
         MpiComm {
             comm,
@@ -115,7 +155,52 @@ impl MpiComm {
             size,
             seq: Cell::new(0),
             broken: RefCell::new(None),
+            reduction,
+            scratch: RefCell::new(Vec::new()),
+            watch: OnceCell::new(),
         }
+    }
+
+    /// This communicator with sums formed as `reduction` says (duplicates and splits
+    /// inherit it).
+    pub fn with_reduction(mut self, reduction: Reduction) -> MpiComm {
+        self.reduction = reduction;
+        self
+    }
+
+    /// How this communicator forms sums.
+    pub fn reduction(&self) -> Reduction {
+        self.reduction
+    }
+
+    /// The data phase's watchdog: on expiry it reports the stuck collective and aborts the
+    /// job, since MPI cannot cancel a collective that holds the caller's buffers.
+    fn watchdog(&self) -> &Watchdog {
+        self.watch.get_or_init(|| {
+            let (rank, timeout) = (self.rank, self.timeout);
+            let started = Watchdog::start(timeout, move |e: Expired| {
+                eprintln!(
+                    "ferrozero: collective {} on MPI rank {rank} made no progress for {:?} \
+                     (timeout {timeout:?}) after every rank had entered it: a peer stopped \
+                     inside MPI or its link hangs. MPI cannot cancel a collective that holds \
+                     this rank's buffers, so the job is aborted.",
+                    e.op, e.waited
+                );
+                // SAFETY: MPI_Abort may be called from any thread under
+                // MPI_THREAD_MULTIPLE; it does not return.
+                unsafe {
+                    mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 124);
+                }
+            });
+            started.unwrap_or_else(|e| {
+                tracing::warn!(
+                    "MPI rank {}: no watchdog thread ({e}); a data phase stuck in MPI will not \
+                     be aborted after the timeout",
+                    self.rank
+                );
+                Watchdog::inactive()
+            })
+        })
     }
 
     /// The per-collective timeout.
@@ -134,6 +219,7 @@ impl MpiComm {
             self.comm.duplicate(),
             Arc::clone(&self.env),
             timeout,
+            self.reduction,
         ))
     }
 
@@ -163,7 +249,12 @@ impl MpiComm {
     /// A sub-communicator from a blocking MPI constructor, after the descriptor exchange
     /// proved every rank is there.
     fn child(&self, sub: SimpleCommunicator) -> Box<dyn crate::comm::Communicator> {
-        Box::new(MpiComm::wrap(sub, Arc::clone(&self.env), self.timeout))
+        Box::new(MpiComm::wrap(
+            sub,
+            Arc::clone(&self.env),
+            self.timeout,
+            self.reduction,
+        ))
     }
 
     /// Converts a split color or key to MPI's `int`.
@@ -196,4 +287,34 @@ impl MpiComm {
             )),
         }
     }
+}
+
+/// This library's `MPI_IN_PLACE`, from its name: `(void *) 1` in Open MPI, `(void *) -1` in
+/// MPICH and its derivatives; `None` (reduce out of place, then copy) for any other.
+fn in_place_sentinel() -> Option<usize> {
+    let v = mpi::environment::library_version().unwrap_or_default();
+    if v.contains("Open MPI") {
+        Some(1)
+    } else if ["MPICH", "MVAPICH", "Intel(R) MPI"]
+        .iter()
+        .any(|m| v.contains(m))
+    {
+        Some(usize::MAX)
+    } else {
+        None
+    }
+}
+
+/// Whether this node runs more ranks than it has cores: Open MPI's and the launcher's
+/// local-size variables against the cores this process may use.
+fn node_is_oversubscribed() -> bool {
+    let local = [
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MPI_LOCALNRANKS",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok());
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    local.is_some_and(|l| l > cores)
 }

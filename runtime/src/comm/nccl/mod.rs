@@ -39,7 +39,7 @@ use crate::{Error, Result};
 pub struct NcclOptions {
     /// Every collective (and the initialisation) fails after this long without finishing.
     pub timeout: Duration,
-    /// Rank-ordered reductions (`comms.deterministic`).
+    /// Rank-ordered reductions (`comms.reduction = "rank_ordered"`).
     pub deterministic: bool,
 }
 
@@ -48,7 +48,7 @@ impl NcclOptions {
     pub fn from_config(c: &ferrozero_config::resolved::CommsConfig) -> Self {
         Self {
             timeout: c.timeout,
-            deterministic: c.deterministic,
+            deterministic: c.reduction == ferrozero_config::resolved::CommReduction::RankOrdered,
         }
     }
 }

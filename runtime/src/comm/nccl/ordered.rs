@@ -1,4 +1,4 @@
-//! Deterministic reductions over NCCL (`comms.deterministic`): an all-to-all brings every
+//! Deterministic reductions over NCCL (`comms.reduction = "rank_ordered"`): an all-to-all brings every
 //! rank's chunk `r` to rank `r`, which sums the chunks in rank order with the local
 //! communicator's kernel (f32 accumulation, one rounding), so results are bitwise those of
 //! the local communicator whatever NCCL's ring or tree order would have been.

@@ -1,12 +1,18 @@
 //! The store's server: one thread per connection over a shared map; `wait` blocks on a
 //! condition variable until the key appears or the requested time passes.
+//!
+//! The process that hosts the server must outlive every client's use of it: a host that
+//! exits while a peer is still reading leaves that peer with an `UnexpectedEof`. So a server
+//! hosted for a job ([`StoreServer::host_job`]) keeps serving, when its handle is dropped,
+//! until every rank of the job has connected (each names itself with a hello) and closed its
+//! connection, or until the linger limit passes.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::wire::{read_request, write_bytes, Incoming, Status};
 use crate::{Error, Result};
@@ -16,13 +22,32 @@ struct Shared {
     map: Mutex<HashMap<String, Vec<u8>>>,
     cv: Condvar,
     stop: AtomicBool,
+    /// Who is connected: the ranks that said hello, and the connections open now.
+    presence: Mutex<Presence>,
+    /// Signalled whenever `presence` changes.
+    presence_cv: Condvar,
 }
 
-/// A running store server; stops accepting connections when dropped.
+#[derive(Default)]
+struct Presence {
+    ranks_seen: BTreeSet<u64>,
+    open: usize,
+}
+
+/// What a hosted server waits for before it stops.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    world_size: usize,
+    linger: Duration,
+}
+
+/// A running store server; stops accepting connections when dropped (for a job's host, only
+/// after every rank has left, see the module documentation).
 #[derive(Debug)]
 pub struct StoreServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
+    job: Option<Job>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -35,7 +60,10 @@ impl StoreServer {
     /// Listens on `addr` (port 0 picks a free port) and serves in background threads.
     pub fn bind(addr: SocketAddr) -> Result<StoreServer> {
         let listener = TcpListener::bind(addr).map_err(|source| Error::Io {
-            context: format!("starting the rendezvous store on {addr}"),
+            context: format!(
+                "starting the rendezvous store on {addr} (is another job using this port? \
+                 choose another with --master-port)"
+            ),
             source,
         })?;
         let addr = listener.local_addr().map_err(|source| Error::Io {
@@ -51,17 +79,78 @@ impl StoreServer {
                 context: "spawning the store server".into(),
                 source,
             })?;
-        Ok(StoreServer { addr, shared })
+        Ok(StoreServer {
+            addr,
+            shared,
+            job: None,
+        })
+    }
+
+    /// Like [`StoreServer::bind`], for a job of `world_size` ranks: dropping the handle waits
+    /// until ranks `0..world_size` have all connected and closed their connections, at most
+    /// `linger` (then it warns and stops anyway).
+    pub fn host_job(addr: SocketAddr, world_size: usize, linger: Duration) -> Result<StoreServer> {
+        let mut s = StoreServer::bind(addr)?;
+        s.job = Some(Job { world_size, linger });
+        Ok(s)
     }
 
     /// The address it listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// Stops at once, without waiting for the job's ranks to leave.
+    pub fn stop_now(mut self) {
+        self.job = None;
+    }
+
+    /// Waits until every rank of `job` said hello and no connection is open, or `job.linger`
+    /// passes; returns the ranks still missing or connected in the latter case.
+    fn wait_for_goodbyes(&self, job: Job) -> Option<String> {
+        let deadline = Instant::now() + job.linger;
+        let mut p = self
+            .shared
+            .presence
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let all_seen = (0..job.world_size as u64).all(|r| p.ranks_seen.contains(&r));
+            if all_seen && p.open == 0 {
+                return None;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let never: Vec<u64> = (0..job.world_size as u64)
+                    .filter(|r| !p.ranks_seen.contains(r))
+                    .collect();
+                return Some(format!(
+                    "ranks that never connected: {never:?}; connections still open: {}",
+                    p.open
+                ));
+            }
+            p = self
+                .shared
+                .presence_cv
+                .wait_timeout(p, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
 }
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
+        if let Some(job) = self.job {
+            if let Some(left) = self.wait_for_goodbyes(job) {
+                tracing::warn!(
+                    "rendezvous store at {}: stopping after waiting {:?} for every rank to \
+                     leave ({left})",
+                    self.addr,
+                    job.linger
+                );
+            }
+        }
         self.shared.stop.store(true, Ordering::SeqCst);
         // Wakes the accept loop so that it sees the flag.
         let _ = TcpStream::connect(self.addr);
@@ -75,13 +164,43 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         }
         let Ok(stream) = stream else { continue };
         let s = Arc::clone(&shared);
+        // Counted before the thread starts, so a host never sees "nobody connected" between
+        // a client's connect and its first request.
+        let open = OpenConnection::new(Arc::clone(&shared));
         // A client that cannot get a thread is dropped; it sees a closed connection.
         let _ = std::thread::Builder::new()
             .name("fz-store-conn".into())
             .spawn(move || {
+                let _open = open;
                 // Errors end this connection only; the client reports them.
                 let _ = serve(stream, &s);
             });
+    }
+}
+
+/// One open connection in [`Presence`]; closing it (dropping this) notifies the host.
+struct OpenConnection(Arc<Shared>);
+
+impl OpenConnection {
+    fn new(shared: Arc<Shared>) -> Self {
+        shared
+            .presence
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .open += 1;
+        OpenConnection(shared)
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        let mut p = self
+            .0
+            .presence
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        p.open = p.open.saturating_sub(1);
+        self.0.presence_cv.notify_all();
     }
 }
 
@@ -131,6 +250,16 @@ fn answer(req: Incoming, shared: &Shared, w: &mut impl Write) -> std::io::Result
             shared.cv.notify_all();
             w.write_all(&[Status::Found.byte()])?;
             w.write_all(&new.to_le_bytes())
+        }
+        Incoming::Hello(rank) => {
+            drop(map);
+            let mut p = shared
+                .presence
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            p.ranks_seen.insert(rank);
+            shared.presence_cv.notify_all();
+            w.write_all(&[Status::Found.byte()])
         }
     }
 }

@@ -20,6 +20,8 @@ pub(crate) enum Request<'a> {
     Wait(&'a str, Duration),
     /// Add to a counter.
     Add(&'a str, i64),
+    /// Names the rank on this connection, so that the host knows when every rank has left.
+    Hello(u64),
 }
 
 impl Request<'_> {
@@ -30,12 +32,14 @@ impl Request<'_> {
             Request::Get(..) => "get",
             Request::Wait(..) => "wait",
             Request::Add(..) => "add",
+            Request::Hello(..) => "hello",
         }
     }
     /// The key.
     pub(crate) fn key(&self) -> &str {
         match self {
             Request::Set(k, _) | Request::Get(k) | Request::Wait(k, _) | Request::Add(k, _) => k,
+            Request::Hello(_) => "",
         }
     }
 }
@@ -135,6 +139,11 @@ pub(crate) fn write_request(w: &mut impl Write, req: &Request<'_>) -> io::Result
             write_bytes(w, k.as_bytes())?;
             w.write_all(&d.to_le_bytes())
         }
+        Request::Hello(rank) => {
+            w.write_all(&[4])?;
+            write_bytes(w, b"")?;
+            w.write_all(&rank.to_le_bytes())
+        }
     }
 }
 
@@ -145,6 +154,7 @@ pub(crate) enum Incoming {
     Get(String),
     Wait(String, Duration),
     Add(String, i64),
+    Hello(u64),
 }
 
 /// Reads one request; `Ok(None)` at a clean end of stream.
@@ -160,6 +170,7 @@ pub(crate) fn read_request(r: &mut impl Read) -> io::Result<Option<Incoming>> {
         1 => Incoming::Get(key),
         2 => Incoming::Wait(key, Duration::from_millis(read_u64(r)?)),
         3 => Incoming::Add(key, read_i64(r)?),
+        4 => Incoming::Hello(read_u64(r)?),
         b => return Err(invalid(format!("unknown request opcode {b}"))),
     }))
 }

@@ -113,6 +113,10 @@ fn activation_peak(l: &Ledger) -> u64 {
 /// Estimates per-rank peak memory for training `model` under `cfg` with micro-batches of
 /// `micro_batch` rows of `seq` tokens. Allocates nothing model-sized.
 pub fn estimate(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: usize) -> Estimate {
+    // As the engine does: `sub_group_size = 0` sizes tiles by the largest parameter.
+    let mut own = cfg.clone();
+    own.zero.sub_group_size = super::build::effective_sub_group_size(cfg, model);
+    let cfg = &own;
     let ledger = replay_ledger(model, cfg, micro_batch, seq);
     let mut flipped = cfg.clone();
     flipped.activation_checkpointing = match &cfg.activation_checkpointing {
@@ -154,12 +158,7 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: us
 /// Checkpointing on every unit, activations kept on the device.
 pub fn default_checkpointing() -> ferrozero_config::resolved::ActivationCheckpointing {
     ferrozero_config::resolved::ActivationCheckpointing {
-        partition_activations: false,
         cpu_checkpointing: false,
-        contiguous_memory_optimization: false,
-        number_checkpoints: None,
-        synchronize_checkpoint_boundary: false,
-        profile: false,
     }
 }
 
