@@ -23,7 +23,17 @@ pub(crate) struct StridedMat {
     pub cs: isize,
 }
 
-/// `dst (=|+=) lhs · rhs` on strided views.
+/// Rows (or columns) per part are rounded to this, a multiple of the AVX2 and AVX-512
+/// micro-kernels' tile sides (16 rows, 6 or 4 columns), so only the last part has edge tiles.
+const PART_ALIGN: usize = 48;
+
+/// `dst (=|+=) lhs · rhs` on strided views, on `threads` threads for large products.
+///
+/// A threaded product is split into `threads` independent single-threaded products along its
+/// longer output side (rows of `lhs` or columns of `rhs`), joined once: every output element
+/// is still one single-threaded dot product over the whole of `k` in gemm's order, and a
+/// preempted thread on a busy machine delays only its own part, not a barrier per k-block as
+/// in gemm's own threading.
 ///
 /// # Safety
 /// All three views must be valid for `m×k`, `k×n` and `m×n` elements at their strides, and
@@ -39,11 +49,64 @@ pub(crate) unsafe fn gemm_raw(
     acc: Accumulate,
     threads: usize,
 ) {
-    let par = if threads > 1 && m * n * k >= PARALLEL_FLOPS {
-        Parallelism::Rayon(threads)
+    let long = m.max(n);
+    let parts = if m * n * k >= PARALLEL_FLOPS {
+        threads.min(long.div_ceil(PART_ALIGN)).max(1)
     } else {
-        Parallelism::None
+        1
     };
+    if parts == 1 {
+        // SAFETY: forwarded from the caller.
+        unsafe { gemm_one(m, n, k, dst, lhs, rhs, acc) };
+        return;
+    }
+    let step = long.div_ceil(parts).div_ceil(PART_ALIGN) * PART_ALIGN;
+    let (d, l, r) = (SendMat(dst), SendMat(lhs), SendMat(rhs));
+    (0..long.div_ceil(step)).into_par_iter().for_each(|p| {
+        let (lo, hi) = (p * step, ((p + 1) * step).min(long));
+        let (d, l, r) = (&d, &l, &r);
+        // SAFETY: parts cover disjoint rows (or columns) of `dst`, each inside the caller's
+        // views; the inputs are only read.
+        unsafe {
+            if m >= n {
+                let (d, l) = (d.0.offset(lo, 0), l.0.offset(lo, 0));
+                gemm_one(hi - lo, n, k, d, l, r.0, acc);
+            } else {
+                let (d, r) = (d.0.offset(0, lo), r.0.offset(0, lo));
+                gemm_one(m, hi - lo, k, d, l.0, r, acc);
+            }
+        }
+    });
+}
+
+/// A strided matrix shared read-only (or, for `dst`, in disjoint parts) across rayon tasks.
+struct SendMat(StridedMat);
+// SAFETY: `gemm_raw` hands each task a disjoint part of `dst` and only reads the inputs.
+unsafe impl Send for SendMat {}
+// SAFETY: as above.
+unsafe impl Sync for SendMat {}
+
+impl StridedMat {
+    /// The view starting at element `(i, j)`.
+    fn offset(self, i: usize, j: usize) -> Self {
+        let off = i as isize * self.rs + j as isize * self.cs;
+        Self {
+            ptr: self.ptr.wrapping_offset(off),
+            ..self
+        }
+    }
+}
+
+/// One single-threaded product; see [`gemm_raw`] for the contract.
+unsafe fn gemm_one(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: StridedMat,
+    lhs: StridedMat,
+    rhs: StridedMat,
+    acc: Accumulate,
+) {
     let read_dst = acc == Accumulate::Add;
     // SAFETY: the caller guarantees the views; gemm computes dst = 1·dst + 1·lhs·rhs.
     unsafe {
@@ -66,7 +129,7 @@ pub(crate) unsafe fn gemm_raw(
             false,
             false,
             false,
-            par,
+            Parallelism::None,
         )
     }
 }
