@@ -145,9 +145,9 @@ fn nccl_rank(
     }
     let opts = NcclOptions {
         timeout: Duration::from_secs(config.comms.timeout),
-        deterministic: config.comms.reduction == ferrozero::config::model::Reduction::RankOrdered,
+        deterministic: config.comms.reduction == ferrozero::config::Reduction::RankOrdered,
     };
-    let (comm, _store) = NcclComm::from_env(opts)?;
+    let comm = NcclComm::from_env(opts)?;
     body(Box::new(comm))?;
     Ok(())
 }

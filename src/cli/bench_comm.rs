@@ -187,7 +187,7 @@ fn nccl(
         timeout,
         deterministic: matches!(reduction, ReductionArg::RankOrdered),
     };
-    let (comm, _store) = NcclComm::from_env(opts)?;
+    let comm = NcclComm::from_env(opts)?;
     let rows = bench::run(&comm, ops, sizes)?;
     Ok((comm.rank() == 0).then_some(rows))
 }

@@ -227,7 +227,7 @@ fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
 /// asks for something ferrozero does not do differently: that one is silent, the others are
 /// ignored with a warning naming what ferrozero does.
 fn warn_fixed_behaviour(cx: &mut Cx<'_>, t: &TableReader<'_>, z: &ZeroOptimization) {
-    let checks: [(&str, bool, &str); 5] = [
+    let checks: [(&str, bool, &str); 4] = [
         (
             "contiguous_gradients",
             !z.contiguous_gradients,

@@ -327,10 +327,11 @@ impl Communicator for NcclComm {
 impl NcclComm {
     /// The world communicator of a job started by `ferrozero launch` (which sets `RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`): NCCL on GPU
-    /// `LOCAL_RANK`, the unique id through the store that rank 0 serves. Keep the returned
-    /// server alive for the whole job.
-    pub fn from_env(opts: NcclOptions) -> Result<(Self, Option<super::store::StoreServer>)> {
-        let (store, server) = TcpStore::from_env(opts.timeout)?;
+    /// `LOCAL_RANK`, the unique id through the store that rank 0 serves. The communicator
+    /// holds the store, so the hosting rank, when it drops the communicator, waits for the
+    /// others to leave the store before it stops serving.
+    pub fn from_env(opts: NcclOptions) -> Result<Self> {
+        let store = TcpStore::from_env(opts.timeout)?;
         let var = |n: &str| {
             std::env::var(n)
                 .ok()
@@ -347,7 +348,6 @@ impl NcclComm {
             "{} on GPU {local} for rank {rank} of {world}",
             lib.describe()
         );
-        let comm = Self::init(&lib, Arc::new(store), "world", (rank, world), opts)?;
-        Ok((comm, server))
+        Self::init(&lib, Arc::new(store), "world", (rank, world), opts)
     }
 }
