@@ -271,6 +271,49 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+impl AttentionShape {
+    /// Every backend's rule for the head counts: kv heads dividing q heads, a head dim.
+    pub(crate) fn check_heads(&self, op: &'static str) -> crate::Result<()> {
+        if self.kv_heads == 0 || !self.q_heads.is_multiple_of(self.kv_heads) || self.head_dim == 0 {
+            return Err(crate::Error::Invalid(format!(
+                "{op} needs kv_heads dividing q_heads and head_dim > 0, got {} q heads, {} kv \
+                 heads, head_dim {}",
+                self.q_heads, self.kv_heads, self.head_dim
+            )));
+        }
+        Ok(())
+    }
+
+    /// Every backend's rule for a strided row view of `len` elements: `batch * seq` rows of
+    /// `stride` elements, the heads' columns `[offset, offset + heads * head_dim)` inside each.
+    pub(crate) fn check_view(
+        &self,
+        op: &'static str,
+        name: &str,
+        len: usize,
+        v: RowView,
+        heads: usize,
+    ) -> crate::Result<()> {
+        let rows = self.batch * self.seq;
+        let need = if rows == 0 {
+            0
+        } else {
+            (rows - 1) * v.stride + v.offset + heads * self.head_dim
+        };
+        if len >= need && v.offset + heads * self.head_dim <= v.stride {
+            return Ok(());
+        }
+        Err(crate::Error::Shape {
+            op,
+            expected: format!(
+                "{name}: {rows} rows of stride {} holding {heads} heads of {} at offset {}",
+                v.stride, self.head_dim, v.offset
+            ),
+            got: format!("{len} elements"),
+        })
+    }
+}
+
 /// A strided `[batch * seq, heads * head_dim]` view inside a larger row (e.g. the q, k or v
 /// third of GPT-2's fused `c_attn` output).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,36 +20,6 @@ fn operand<'a>(
     Ok((f32_in(op, what, x.0)?, x.1))
 }
 
-fn check_view(name: &str, len: usize, s: &AttentionShape, v: RowView, heads: usize) -> Result<()> {
-    let rows = s.batch * s.seq;
-    let need = if rows == 0 {
-        0
-    } else {
-        (rows - 1) * v.stride + v.offset + heads * s.head_dim
-    };
-    if len >= need && v.offset + heads * s.head_dim <= v.stride {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op: "attention",
-        expected: format!(
-            "{name}: {rows} rows of stride {} holding {heads} heads of {} at offset {}",
-            v.stride, s.head_dim, v.offset
-        ),
-        got: format!("{len} elements"),
-    })
-}
-
-fn check_shape(s: &AttentionShape) -> Result<()> {
-    if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) || s.head_dim == 0 {
-        return Err(Error::Invalid(format!(
-            "attention needs kv_heads dividing q_heads and head_dim > 0, got {} q heads, {} kv heads, head_dim {}",
-            s.q_heads, s.kv_heads, s.head_dim
-        )));
-    }
-    Ok(())
-}
-
 /// Head `h` of sequence `b` in view `v`, as a `[seq, head_dim]` strided matrix.
 fn head(base: *const f32, v: RowView, s: &AttentionShape, b: usize, h: usize) -> StridedMat {
     let off = b * s.seq * v.stride + v.offset + h * s.head_dim;
@@ -152,16 +122,16 @@ impl AttentionOps for CpuBackend {
             operand(OP, "v", v)?,
         );
         let out = f32_out(OP, "out", out)?;
-        check_shape(&s)?;
-        check_view("q", q.0.len(), &s, q.1, s.q_heads)?;
-        check_view("k", k.0.len(), &s, k.1, s.kv_heads)?;
-        check_view("v", v.0.len(), &s, v.1, s.kv_heads)?;
+        s.check_heads("attention")?;
+        s.check_view("attention", "q", q.0.len(), q.1, s.q_heads)?;
+        s.check_view("attention", "k", k.0.len(), k.1, s.kv_heads)?;
+        s.check_view("attention", "v", v.0.len(), v.1, s.kv_heads)?;
         let (t, hq, d) = (s.seq, s.q_heads, s.head_dim);
         let ov = RowView {
             stride: hq * d,
             offset: 0,
         };
-        check_view("out", out.len(), &s, ov, hq)?;
+        s.check_view("attention", "out", out.len(), ov, hq)?;
         let tt = t * t;
         // The CPU keeps the probabilities for backward: the per-head products are small and
         // recomputing them would cost more than the memory.
@@ -242,7 +212,7 @@ impl AttentionOps for CpuBackend {
         );
         let probs = f32_in(OP, "saved probabilities", saved.view())?;
         let dout = f32_in(OP, "dout", dout)?;
-        check_shape(&s)?;
+        s.check_heads("attention")?;
         if probs.len() != s.batch * s.q_heads * s.seq * s.seq {
             return Err(Error::Shape {
                 op: OP,
@@ -258,7 +228,7 @@ impl AttentionOps for CpuBackend {
             stride: hq * d,
             offset: 0,
         };
-        check_view("dout", dout.len(), &s, ov, hq)?;
+        s.check_view("attention", "dout", dout.len(), ov, hq)?;
         let (dq, dk, dv) = match grads {
             AttentionGrads::Fused(buf) => {
                 let buf = f32_out(OP, "dqkv", buf)?;
@@ -267,7 +237,7 @@ impl AttentionOps for CpuBackend {
                     ("dk", k.1, s.kv_heads),
                     ("dv", v.1, s.kv_heads),
                 ] {
-                    check_view(n, buf.len(), &s, view, heads)?;
+                    s.check_view("attention", n, buf.len(), view, heads)?;
                 }
                 let p = SendPtr(buf.as_mut_ptr());
                 (p, p, p)
@@ -278,9 +248,9 @@ impl AttentionOps for CpuBackend {
                     f32_out(OP, "dk", dk)?,
                     f32_out(OP, "dv", dv)?,
                 );
-                check_view("dq", dq.len(), &s, q.1, hq)?;
-                check_view("dk", dk.len(), &s, k.1, s.kv_heads)?;
-                check_view("dv", dv.len(), &s, v.1, s.kv_heads)?;
+                s.check_view("attention", "dq", dq.len(), q.1, hq)?;
+                s.check_view("attention", "dk", dk.len(), k.1, s.kv_heads)?;
+                s.check_view("attention", "dv", dv.len(), v.1, s.kv_heads)?;
                 (
                     SendPtr(dq.as_mut_ptr()),
                     SendPtr(dk.as_mut_ptr()),

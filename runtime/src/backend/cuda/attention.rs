@@ -237,13 +237,7 @@ struct Dims {
 
 /// Checks the shape: kv heads dividing q heads, a head dim the kernels take, sizes in range.
 fn dims(op: &'static str, s: &AttentionShape) -> Result<Dims> {
-    if s.kv_heads == 0 || !s.q_heads.is_multiple_of(s.kv_heads) || s.head_dim == 0 {
-        return Err(Error::Invalid(format!(
-            "{op} needs kv_heads dividing q_heads and head_dim > 0, got {} q heads, {} kv heads, \
-             head_dim {}",
-            s.q_heads, s.kv_heads, s.head_dim
-        )));
-    }
+    s.check_heads(op)?;
     let Some(padded) = PADDED_DIMS.iter().position(|&p| s.head_dim <= p) else {
         return Err(Error::Unavailable {
             what: "CUDA attention",
@@ -273,35 +267,6 @@ fn dims(op: &'static str, s: &AttentionShape) -> Result<Dims> {
         kv_heads: s.kv_heads as i32,
         head_dim: s.head_dim as i32,
         padded,
-    })
-}
-
-/// The CPU backend's rule for a strided row view: `rows` rows of `stride` elements, the heads'
-/// columns `[offset, offset + heads * head_dim)` inside each row.
-fn check_view(
-    op: &'static str,
-    name: &str,
-    len: usize,
-    s: &AttentionShape,
-    v: RowView,
-    heads: usize,
-) -> Result<()> {
-    let rows = s.batch * s.seq;
-    let need = if rows == 0 {
-        0
-    } else {
-        (rows - 1) * v.stride + v.offset + heads * s.head_dim
-    };
-    if len >= need && v.offset + heads * s.head_dim <= v.stride {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op,
-        expected: format!(
-            "{name}: {rows} rows of stride {} holding {heads} heads of {} at offset {}",
-            v.stride, s.head_dim, v.offset
-        ),
-        got: format!("{len} elements"),
     })
 }
 
@@ -394,10 +359,10 @@ impl AttentionOps for CudaBackend {
             &[("k", kd.dtype()), ("v", vd.dtype()), ("out", out.dtype())],
         )?;
         let d = dims(OP, &s)?;
-        check_view(OP, "q", qd.len(), &s, q.1, s.q_heads)?;
-        check_view(OP, "k", kd.len(), &s, k.1, s.kv_heads)?;
-        check_view(OP, "v", vd.len(), &s, v.1, s.kv_heads)?;
-        check_view(OP, "out", out.len(), &s, out_view(&s), s.q_heads)?;
+        s.check_view(OP, "q", qd.len(), q.1, s.q_heads)?;
+        s.check_view(OP, "k", kd.len(), k.1, s.kv_heads)?;
+        s.check_view(OP, "v", vd.len(), v.1, s.kv_heads)?;
+        s.check_view(OP, "out", out.len(), out_view(&s), s.q_heads)?;
         let lse = CudaBuf::uninit(&self.dev, DType::F32, s.batch * s.q_heads * s.seq)?;
         if lse.is_empty() {
             return Ok(Storage::Cuda(lse));
@@ -453,18 +418,18 @@ impl AttentionOps for CudaBackend {
             lse.len(),
             s.batch * s.q_heads * s.seq,
         )?;
-        check_view(OP, "q", qd.len(), &s, q.1, s.q_heads)?;
-        check_view(OP, "k", kd.len(), &s, k.1, s.kv_heads)?;
-        check_view(OP, "v", vd.len(), &s, v.1, s.kv_heads)?;
-        check_view(OP, "out", od.len(), &s, out_view(&s), s.q_heads)?;
-        check_view(OP, "dout", dod.len(), &s, out_view(&s), s.q_heads)?;
+        s.check_view(OP, "q", qd.len(), q.1, s.q_heads)?;
+        s.check_view(OP, "k", kd.len(), k.1, s.kv_heads)?;
+        s.check_view(OP, "v", vd.len(), v.1, s.kv_heads)?;
+        s.check_view(OP, "out", od.len(), out_view(&s), s.q_heads)?;
+        s.check_view(OP, "dout", dod.len(), out_view(&s), s.q_heads)?;
         let (dq, dk, dv): (DevPtr, DevPtr, DevPtr) = match grads {
             AttentionGrads::Fused(buf) => {
                 let buf = self.dev_out(OP, "dqkv", buf)?;
                 expect_dtype(OP, dt, &[("dqkv", buf.dtype())])?;
-                check_view(OP, "dq", buf.len(), &s, q.1, s.q_heads)?;
-                check_view(OP, "dk", buf.len(), &s, k.1, s.kv_heads)?;
-                check_view(OP, "dv", buf.len(), &s, v.1, s.kv_heads)?;
+                s.check_view(OP, "dq", buf.len(), q.1, s.q_heads)?;
+                s.check_view(OP, "dk", buf.len(), k.1, s.kv_heads)?;
+                s.check_view(OP, "dv", buf.len(), v.1, s.kv_heads)?;
                 check_fused_disjoint(&s, q.1, k.1, v.1)?;
                 (buf.ptr(), buf.ptr(), buf.ptr())
             }
@@ -479,9 +444,9 @@ impl AttentionOps for CudaBackend {
                     dt,
                     &[("dq", dq.dtype()), ("dk", dk.dtype()), ("dv", dv.dtype())],
                 )?;
-                check_view(OP, "dq", dq.len(), &s, q.1, s.q_heads)?;
-                check_view(OP, "dk", dk.len(), &s, k.1, s.kv_heads)?;
-                check_view(OP, "dv", dv.len(), &s, v.1, s.kv_heads)?;
+                s.check_view(OP, "dq", dq.len(), q.1, s.q_heads)?;
+                s.check_view(OP, "dk", dk.len(), k.1, s.kv_heads)?;
+                s.check_view(OP, "dv", dv.len(), v.1, s.kv_heads)?;
                 (dq.ptr(), dk.ptr(), dv.ptr())
             }
         };
