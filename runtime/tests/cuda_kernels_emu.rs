@@ -1098,11 +1098,11 @@ fn check_reduce<T: Elem>(emu: &Emu) {
         let len = Arg::I64(n as i64);
         let grid = blocks(n, 64 * 8, 6);
 
-        // acc = round(acc + src).
+        // acc = round(acc + src): FlatBuf::accumulate's kernel on a large accumulator.
         let (acc, av) = dev::<T>(&rand_vec(1, n, 100.0), off);
         let (src, sv) = dev::<T>(&rand_vec(2, n, 1.0), off);
         emu.run(
-            &name::<T>("accumulate"),
+            &name::<T>("add_assign"),
             grid,
             64,
             &[acc.at(off), src.at(off), len],

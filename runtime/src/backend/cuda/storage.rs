@@ -208,14 +208,15 @@ impl CudaBuf {
             .launch(name, self.dev.grid_for(self.len), &mut args)
     }
 
-    /// `self[offset..offset + n] += src[..n]`, added in f32 and rounded once.
+    /// `self[offset..offset + n] += src[..n]`, added in f32 and rounded once (the elementwise
+    /// `add_assign` kernel).
     pub fn accumulate(&mut self, offset: usize, src: &CudaBuf, n: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let dst = self.view_mut().range(offset..offset + n)?;
         let mut args = Args::new().ptr(dst.ptr).ptr(src.buf.ptr()).len(n);
-        let name = by_dtype!("accumulate", self.dtype);
+        let name = by_dtype!("add_assign", self.dtype);
         self.dev.launch(name, self.dev.grid_for(n), &mut args)
     }
 

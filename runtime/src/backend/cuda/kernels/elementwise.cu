@@ -16,7 +16,7 @@
 //   swiglu_backward_T(const T* gate, const T* up, const T* dy, T* dgate, T* dup, long long n)
 //       dup = dy * silu(gate); dgate = dy * up * s * (1 + gate * (1 - s)), s = sigmoid(gate)
 //   add_assign_T(T* dst, const T* src, long long n)
-//       dst += src (accumulated)
+//       dst = round_T(dst + src), added in f32 and rounded once (also FlatBuf::accumulate's)
 //   dropout_T(T* x, long long n, unsigned long long seed, float p)
 //       in place: x = keep ? x / (1 - p) : 0 with keep = uniform(seed, i) >= p, i the element's
 //       index in the buffer; the mask equals the CPU backend's bit for bit (backend/rng.rs), so

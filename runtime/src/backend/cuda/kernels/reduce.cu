@@ -1,4 +1,4 @@
-// reduce.cu: dtype casts, accumulation, unscaling with an overflow flag, sum of squares (the
+// reduce.cu: dtype casts, unscaling with an overflow flag, sum of squares (the
 // gradient norm) and column sums (bias gradients).
 //
 // Elementwise kernels are grid-stride loops (any 1-D grid, e.g. 256 threads and
@@ -7,8 +7,6 @@
 //   cast_<S>_to_<D>(const S* src, D* dst, long long n)       S != D in {f32, bf16, f16}
 //       dst = src rounded to nearest even, bit-identical to Rust's `half` (bf16 <-> f16 goes
 //       through f32 exactly, as `half` does).
-//   accumulate_T(T* acc, const T* src, long long n)
-//       acc = round_T(acc + src), added in f32 and rounded once (FlatBuf::accumulate).
 //   unscale_T(T* x, long long n, float s, int* nonfinite)
 //       x *= s in place; *nonfinite = 1 if any result is Inf or NaN (never cleared: the host
 //       zeroes it). s == 1 only checks and writes nothing (the overflow check alone).
@@ -53,21 +51,6 @@ struct Cast {
 };
 
 template <class T>
-struct Accumulate {
-  T* acc;
-  const T* src;
-  template <int W>
-  __device__ __forceinline__ void operator()(long long i, fz_int<W>) const {
-    float a[W], b[W];
-    fz_load<W>(acc + i, a);
-    fz_load<W>(src + i, b);
-#pragma unroll
-    for (int k = 0; k < W; ++k) a[k] += b[k];
-    fz_store<W>(acc + i, a);
-  }
-};
-
-template <class T>
 struct Unscale {
   T* x;
   float s;
@@ -90,11 +73,6 @@ template <class S, class D>
 __device__ __forceinline__ void cast(const S* src, D* dst, long long n) {
   constexpr int V = fz_vec<S>::n > fz_vec<D>::n ? fz_vec<S>::n : fz_vec<D>::n;
   fz_grid_packs<V>(n, fz_aligned16(src) && fz_aligned16(dst), Cast<S, D>{src, dst});
-}
-
-template <class T>
-__device__ __forceinline__ void accumulate(T* acc, const T* src, long long n) {
-  fz_grid_packs<fz_vec<T>::n>(n, fz_aligned16(acc) && fz_aligned16(src), Accumulate<T>{acc, src});
 }
 
 template <class T>
@@ -180,16 +158,6 @@ extern "C" __global__ void cast_bf16_to_f16(const bf16_t* src, f16_t* dst, long 
 }
 extern "C" __global__ void cast_f16_to_bf16(const f16_t* src, bf16_t* dst, long long n) {
   cast(src, dst, n);
-}
-
-extern "C" __global__ void accumulate_f32(float* acc, const float* src, long long n) {
-  accumulate(acc, src, n);
-}
-extern "C" __global__ void accumulate_bf16(bf16_t* acc, const bf16_t* src, long long n) {
-  accumulate(acc, src, n);
-}
-extern "C" __global__ void accumulate_f16(f16_t* acc, const f16_t* src, long long n) {
-  accumulate(acc, src, n);
 }
 
 extern "C" __global__ void unscale_f32(float* x, long long n, float s, int* nonfinite) {
