@@ -23,6 +23,7 @@
 //! backend's business (through [`DeviceBuffer`]).
 
 mod alloc;
+mod cublaslt;
 mod emu;
 mod gemm;
 pub mod nvrtc;
