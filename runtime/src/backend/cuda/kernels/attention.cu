@@ -1110,44 +1110,103 @@ __device__ __forceinline__ void dq(const T* q, const T* k, const T* v, const T* 
         scale                                                                                   \
   }
 
-// Forward, dK/dV and dQ for one padded head dim DP and one dtype (its name suffix and type), each
-// with its launch bounds: the f32 (SIMT) kernels run 128 threads at 2 blocks per multiprocessor,
-// the tensor-core ones as their Cfg<DP> says.
-#define FZ_ATTN_PARAMS                                                                          \
-  long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride, \
-      long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale
-#define FZ_ATTN_ENTRIES(DP, NAME, T, FWD_BOUNDS, KV_BOUNDS, Q_BOUNDS)                           \
-  extern "C" __global__ __launch_bounds__ FWD_BOUNDS void attention_forward_d##DP##_##NAME(     \
-      const T* q, const T* k, const T* v, T* out, float* lse, FZ_ATTN_PARAMS) {                 \
-    FZ_ATTN_GEOM;                                                                               \
-    attn::forward<T, DP>(q, k, v, out, lse, g);                                                 \
-  }                                                                                             \
-  extern "C" __global__ __launch_bounds__ KV_BOUNDS void attention_bwd_dkdv_d##DP##_##NAME(     \
-      const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* di,     \
-      T* dk, T* dv, FZ_ATTN_PARAMS) {                                                           \
-    FZ_ATTN_GEOM;                                                                               \
-    attn::dkdv<T, DP>(q, k, v, dout, lse, di, dk, dv, g);                                       \
-  }                                                                                             \
-  extern "C" __global__ __launch_bounds__ Q_BOUNDS void attention_bwd_dq_d##DP##_##NAME(        \
-      const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* di,     \
-      T* dq, FZ_ATTN_PARAMS) {                                                                  \
-    FZ_ATTN_GEOM;                                                                               \
-    attn::dq<T, DP>(q, k, v, dout, lse, di, dq, g);                                             \
-  }
-#define FZ_ATTN_HALF_BOUNDS(DP)                                                                 \
-  (attn::kFwdThreads##DP, attn::kFwdBlocks##DP), (attn::kKvThreads##DP, attn::kKvBlocks##DP), \
-      (attn::kQThreads##DP, attn::kQBlocks##DP)
-// Expands BOUNDS (three parenthesised pairs) before FZ_ATTN_ENTRIES counts its arguments.
-#define FZ_ATTN_ENTRIES_WITH(DP, NAME, T, BOUNDS) FZ_ATTN_ENTRIES(DP, NAME, T, BOUNDS)
-#define FZ_ATTN_DIM(DP)                                                  \
-  FZ_ATTN_ENTRIES(DP, f32, float, (128, 2), (128, 2), (128, 2))          \
-  FZ_ATTN_ENTRIES_WITH(DP, bf16, bf16_t, FZ_ATTN_HALF_BOUNDS(DP))           \
-  FZ_ATTN_ENTRIES_WITH(DP, f16, f16_t, FZ_ATTN_HALF_BOUNDS(DP))
-
-FZ_ATTN_DIM(32)
-FZ_ATTN_DIM(64)
-FZ_ATTN_DIM(96)
-FZ_ATTN_DIM(128)
+// Forward.
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_forward_d32_f32(const float* q, const float* k, const float* v,
+    float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
+    long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
+    int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<float, 32>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads32, attn::kFwdBlocks32)
+void attention_forward_d32_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
+    long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
+    int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<bf16_t, 32>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads32, attn::kFwdBlocks32)
+void attention_forward_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+    f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
+    long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
+    int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<f16_t, 32>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_forward_d64_f32(const float* q, const float* k, const float* v,
+    float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
+    long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
+    int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<float, 64>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads64, attn::kFwdBlocks64)
+void attention_forward_d64_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
+    long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
+    int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<bf16_t, 64>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads64, attn::kFwdBlocks64)
+void attention_forward_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+    f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
+    long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
+    int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<f16_t, 64>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_forward_d96_f32(const float* q, const float* k, const float* v,
+    float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
+    long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
+    int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<float, 96>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads96, attn::kFwdBlocks96)
+void attention_forward_d96_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
+    long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
+    int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<bf16_t, 96>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads96, attn::kFwdBlocks96)
+void attention_forward_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+    f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
+    long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
+    int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<f16_t, 96>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_forward_d128_f32(const float* q, const float* k,
+    const float* v, float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
+    long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
+    int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<float, 128>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads128, attn::kFwdBlocks128)
+void attention_forward_d128_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
+    long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
+    int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<bf16_t, 128>(q, k, v, out, lse, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kFwdThreads128, attn::kFwdBlocks128)
+void attention_forward_d128_f16(const f16_t* q, const f16_t* k,
+    const f16_t* v, f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
+    long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
+    int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::forward<f16_t, 128>(q, k, v, out, lse, g);
+}
 
 // Backward: di = rowsum(dO * O).
 extern "C" __global__ void attention_bwd_dot_f32(const float* out, const float* dout, float* di,
@@ -1161,4 +1220,200 @@ extern "C" __global__ void attention_bwd_dot_bf16(const bf16_t* out, const bf16_
 extern "C" __global__ void attention_bwd_dot_f16(const f16_t* out, const f16_t* dout, float* di,
     int batch, int seq, int q_heads, int head_dim) {
   attn::bwd_dot(out, dout, di, batch, seq, q_heads, head_dim);
+}
+
+// Backward: dK and dV.
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dkdv_d32_f32(const float* q, const float* k,
+    const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<float, 32>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kKvThreads32, attn::kKvBlocks32)
+void attention_bwd_dkdv_d32_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<bf16_t, 32>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kKvThreads32, attn::kKvBlocks32)
+void attention_bwd_dkdv_d32_f16(const f16_t* q, const f16_t* k,
+    const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<f16_t, 32>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dkdv_d64_f32(const float* q, const float* k,
+    const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<float, 64>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kKvThreads64, attn::kKvBlocks64)
+void attention_bwd_dkdv_d64_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<bf16_t, 64>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kKvThreads64, attn::kKvBlocks64)
+void attention_bwd_dkdv_d64_f16(const f16_t* q, const f16_t* k,
+    const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<f16_t, 64>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dkdv_d96_f32(const float* q, const float* k,
+    const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<float, 96>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kKvThreads96, attn::kKvBlocks96)
+void attention_bwd_dkdv_d96_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<bf16_t, 96>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kKvThreads96, attn::kKvBlocks96)
+void attention_bwd_dkdv_d96_f16(const f16_t* q, const f16_t* k,
+    const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<f16_t, 96>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dkdv_d128_f32(const float* q, const float* k,
+    const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<float, 128>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kKvThreads128, attn::kKvBlocks128)
+void attention_bwd_dkdv_d128_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<bf16_t, 128>(q, k, v, dout, lse, di, dk, dv, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kKvThreads128, attn::kKvBlocks128)
+void attention_bwd_dkdv_d128_f16(const f16_t* q, const f16_t* k,
+    const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dkdv<f16_t, 128>(q, k, v, dout, lse, di, dk, dv, g);
+}
+
+// Backward: dQ.
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dq_d32_f32(const float* q, const float* k, const float* v,
+    const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
+    long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<float, 32>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kQThreads32, attn::kQBlocks32)
+void attention_bwd_dq_d32_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<bf16_t, 32>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kQThreads32, attn::kQBlocks32)
+void attention_bwd_dq_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+    const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
+    long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<f16_t, 32>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dq_d64_f32(const float* q, const float* k, const float* v,
+    const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
+    long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<float, 64>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kQThreads64, attn::kQBlocks64)
+void attention_bwd_dq_d64_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<bf16_t, 64>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kQThreads64, attn::kQBlocks64)
+void attention_bwd_dq_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+    const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
+    long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<f16_t, 64>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dq_d96_f32(const float* q, const float* k, const float* v,
+    const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
+    long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<float, 96>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kQThreads96, attn::kQBlocks96)
+void attention_bwd_dq_d96_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<bf16_t, 96>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kQThreads96, attn::kQBlocks96)
+void attention_bwd_dq_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+    const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
+    long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<f16_t, 96>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(128, 2)
+void attention_bwd_dq_d128_f32(const float* q, const float* k, const float* v,
+    const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
+    long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<float, 128>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kQThreads128, attn::kQBlocks128)
+void attention_bwd_dq_d128_bf16(const bf16_t* q, const bf16_t* k,
+    const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
+    long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<bf16_t, 128>(q, k, v, dout, lse, di, dq, g);
+}
+extern "C" __global__ __launch_bounds__(attn::kQThreads128, attn::kQBlocks128)
+void attention_bwd_dq_d128_f16(const f16_t* q, const f16_t* k, const f16_t* v,
+    const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
+    long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+  FZ_ATTN_GEOM;
+  attn::dq<f16_t, 128>(q, k, v, dout, lse, di, dq, g);
 }
