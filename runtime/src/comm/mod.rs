@@ -82,6 +82,8 @@ pub mod local;
 pub mod reference;
 
 pub mod bench;
+#[cfg(any(feature = "mpi", test))]
+pub(crate) mod cores;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;

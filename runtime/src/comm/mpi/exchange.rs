@@ -102,15 +102,29 @@ unsafe fn reclaim<T>(p: *mut [T]) -> Vec<T> {
     unsafe { Box::from_raw(p) }.into_vec()
 }
 
+/// How long a check-in tests back to back when the node has a core per rank, as Open MPI's
+/// own blocking calls do (they spin for as long as they wait): a yield on a busy core can
+/// cost a whole scheduler time slice, which a check-in of a few microseconds must not pay.
+const SPIN_FOR: Duration = Duration::from_millis(2);
+/// How long a check-in waits by yielding before it starts to sleep: past this, the peer is
+/// busy with real work (a checkpoint, a long step), not a scheduling hiccup.
+const YIELD_FOR: Duration = Duration::from_millis(50);
+/// The longest sleep between tests of a long wait: the latency it adds once the peer arrives.
+const MAX_NAP: Duration = Duration::from_micros(500);
+
 impl MpiComm {
     /// Polls `req` until it completes or the collective's deadline passes. On timeout the
     /// request is forgotten (its buffers stay leased forever) and the communicator breaks.
     ///
     /// Open MPI's nonblocking collectives advance only inside MPI calls, so the request is
-    /// tested in a loop, but the loop gives the core away more and more as the wait grows:
-    /// a few microseconds of back-to-back tests (skipped when this node runs more ranks than
-    /// it has cores), then tests between yields, then sleeps that double up to a
-    /// millisecond. A rank waiting for a slow peer therefore does not take the peer's core.
+    /// tested in a loop that gives the core away as the wait grows: up to [`SPIN_FOR`] of
+    /// back-to-back tests (skipped when this node runs more ranks than it has cores), then
+    /// tests between yields for up to [`YIELD_FOR`], then sleeps that double up to
+    /// [`MAX_NAP`]. A rank waiting for a slow peer therefore does not take the peer's core.
+    ///
+    /// Yielding rather than sleeping through ordinary waits matters: every check-in needs
+    /// both ranks inside MPI to progress, so two ranks that each sleep between tests meet
+    /// only by chance, and each nap adds its length to the collective's latency.
     fn complete<D: ?Sized>(
         &self,
         op: OpKind,
@@ -121,9 +135,8 @@ impl MpiComm {
         let spin = if self.env.oversubscribed {
             Duration::ZERO
         } else {
-            Duration::from_micros(50)
+            SPIN_FOR
         };
-        let yielding = Duration::from_millis(2);
         let mut nap = Duration::from_micros(20);
         loop {
             match req.test() {
@@ -144,11 +157,11 @@ impl MpiComm {
             let waited = now.duration_since(waiting);
             if waited < spin {
                 std::hint::spin_loop();
-            } else if waited < yielding {
+            } else if waited < YIELD_FOR {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(nap);
-                nap = (nap * 2).min(Duration::from_millis(1));
+                nap = (nap * 2).min(MAX_NAP);
             }
         }
     }

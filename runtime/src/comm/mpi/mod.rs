@@ -306,7 +306,7 @@ fn in_place_sentinel() -> Option<usize> {
 }
 
 /// Whether this node runs more ranks than it has cores: Open MPI's and the launcher's
-/// local-size variables against the cores this process may use.
+/// local-size variables against the node's cores.
 fn node_is_oversubscribed() -> bool {
     let local = [
         "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -315,6 +315,5 @@ fn node_is_oversubscribed() -> bool {
     ]
     .iter()
     .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok());
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    local.is_some_and(|l| l > cores)
+    local.is_some_and(|l| l > crate::comm::cores::node_cores())
 }
