@@ -28,6 +28,9 @@ fn copies_ordered_after_compute_see_its_result(d: &Dev) {
         be.wait_event(Stream::Compute, &e).unwrap();
         e.synchronize().unwrap();
     }
-    assert_eq!(be.zeros(DType::F32, 3).unwrap().to_vec_f32().unwrap(), [0.0; 3]);
+    assert_eq!(
+        be.zeros(DType::F32, 3).unwrap().to_vec_f32().unwrap(),
+        [0.0; 3]
+    );
 }
 test_device!(copies_ordered_after_compute_see_its_result);

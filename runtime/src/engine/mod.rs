@@ -28,6 +28,7 @@ pub(crate) mod swap;
 pub mod timeline;
 mod topology;
 pub mod trace;
+pub mod write_behind;
 
 pub use self::core::Engine;
 pub use build::storage_dtype;
