@@ -79,13 +79,16 @@ impl OptimizerOverlap {
     }
 }
 
+/// A group on the optimizer lane: it comes back with its update's result, failed or not.
+type Lent = Ticket<(Group, Result<()>)>;
+
 /// The optimizer lane and the step in flight on it.
 pub(super) struct WriteBehind {
     lane: Lane,
     /// The values of the step that the current backward ends; `None` between steps.
     armed: Option<StepValues>,
     /// Groups on the lane, in submission order; each comes back with its update's result.
-    lent: Vec<(usize, Ticket<(Group, Result<()>)>)>,
+    lent: Vec<(usize, Lent)>,
     /// Which groups the armed step has stepped or lent.
     stepped: Vec<bool>,
 }
