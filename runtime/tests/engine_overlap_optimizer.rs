@@ -1,7 +1,8 @@
 //! The optimizer step overlapped with backward (issue 14's write-behind): each group's step
 //! starts on the optimizer lane when its gradient is final, and the parameters are bitwise
 //! those of the step taken after backward; with clipping or a dynamic loss scale it is off and
-//! the engine says why.
+//! the engine says why; NaN gradients skip a step taken after backward and stop an overlapped
+//! one with an error naming the step.
 
 mod common;
 
@@ -17,6 +18,9 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::trace::Span;
 use ferrozero_runtime::engine::write_behind::OptimizerOverlap;
 use ferrozero_runtime::engine::Engine;
+use ferrozero_runtime::nn::{Ctx, Grads, Module, ParamSpec, Params};
+use ferrozero_runtime::tensor::Tensor;
+use ferrozero_runtime::Result;
 
 fn swap_dir() -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
@@ -222,4 +226,78 @@ fn with_clipping_or_a_dynamic_scale_the_step_follows_backward_and_says_why() {
         OptimizerOverlap::decide(&nvme_params),
         OptimizerOverlap::Off(w) if w.contains("offload_param")
     ));
+}
+
+/// A residual layer whose bias gradient turns NaN in its `at`-th backward (0-based).
+struct NanAt {
+    inner: toy::Residual,
+    at: usize,
+    calls: AtomicUsize,
+}
+
+impl Module for NanAt {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        self.inner.param_specs()
+    }
+    fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        self.inner.forward(ctx, p, x)
+    }
+    fn backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        g: &mut Grads<'_>,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let dx = self.inner.backward(ctx, p, g, dy)?;
+        if self.calls.fetch_add(1, Ordering::Relaxed) == self.at {
+            g.get_mut(1).host()?[0] = f32::NAN;
+        }
+        Ok(dx)
+    }
+    fn saved_bytes(&self, b: usize, s: usize) -> usize {
+        self.inner.saved_bytes(b, s)
+    }
+    fn output_bytes(&self, b: usize, s: usize) -> usize {
+        self.inner.output_bytes(b, s)
+    }
+}
+
+/// Four steps of a toy whose layer h.1 gets a NaN gradient in step 3's last micro-step:
+/// each step's `skipped`, or the first error.
+fn train_with_nan(cfg: &ResolvedConfig) -> std::result::Result<Vec<bool>, String> {
+    let out = run_ranks(1, Duration::from_secs(60), |comm| {
+        let mut model = toy::model(11, 6, 5, 3);
+        model.units[2].module = Box::new(NanAt {
+            inner: toy::Residual {
+                name: "h.1".into(),
+                dim: 6,
+            },
+            at: 5,
+            calls: AtomicUsize::new(0),
+        });
+        let mut e = Engine::new(model, cfg.clone(), comm)?;
+        let mut skipped = Vec::new();
+        for s in 0..4 {
+            let b = |i: usize| toy::batch(11, 5, (s * 2 + i) * 2, 2);
+            skipped.push(e.train_batch(&[b(0), b(1)])?.skipped);
+        }
+        Ok(skipped)
+    });
+    out.map(|mut o| o.remove(0)).map_err(|e| e.to_string())
+}
+
+#[test]
+fn nan_gradients_skip_the_step_after_backward_and_stop_an_overlapped_one() {
+    let on = overlapped(&base(ZeroStage::Stage2, 1, Precision::Bf16));
+    let mut off = on.clone();
+    off.zero.overlap_comm = false;
+    assert_eq!(train_with_nan(&off), Ok(vec![false, false, true, false]));
+    let err = train_with_nan(&on).expect_err("an overlapped step with NaN gradients");
+    assert!(
+        err.contains("step 3")
+            && err.contains("Inf or NaN")
+            && err.contains("overlap_comm = false"),
+        "{err}"
+    );
 }
