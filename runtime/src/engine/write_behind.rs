@@ -45,7 +45,7 @@ impl OptimizerOverlap {
         }
         if cfg.gradient_clipping > 0.0 {
             return OptimizerOverlap::Off(format!(
-                "gradient_clipping={} needs the global norm first",
+                "gradient_clipping={:?} needs the global norm first",
                 cfg.gradient_clipping
             ));
         }
