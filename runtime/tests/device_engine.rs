@@ -319,6 +319,24 @@ fn offload_changes_no_bit(d: &Dev) {
 }
 test_device!(offload_changes_no_bit);
 
+/// The offloaded optimizer overlapped with backward (`overlap_comm`, no clipping): the lane's
+/// host step stages the device's gradients and parameters as the step after backward does.
+fn overlapped_offload_changes_no_bit(d: &Dev) {
+    let mut cfg = cfg_for(d, ZeroStage::Stage2, 1);
+    cfg.gradient_clipping = 0.0;
+    let (plain, _) = train(&d.be, &cfg, 3);
+    let mut on = cfg.clone();
+    on.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    on.zero.overlap_comm = true;
+    let (p, _) = train(&d.be, &on, 3);
+    assert!(
+        bits(&plain) == bits(&p),
+        "{}: the overlapped optimizer step differs",
+        d.name
+    );
+}
+test_device!(overlapped_offload_changes_no_bit);
+
 /// Save after two steps, load into a fresh engine, two more steps: the uninterrupted run's bits.
 fn checkpoint_resumes_exactly(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage3, 1);

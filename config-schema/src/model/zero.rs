@@ -21,6 +21,8 @@ pub struct ZeroOptimization {
     /// always live in contiguous per-unit buffers; `false` is ignored with a warning.
     pub contiguous_gradients: bool,
     /// Overlap reduction with compute; unset means DeepSpeed's default (true only at stage 3).
+    /// With the optimizer state offloaded and no gradient clipping or fp16 dynamic loss scale,
+    /// each group's optimizer step also runs alongside the rest of backward (same bits).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub overlap_comm: Option<bool>,
     /// Reduce gradients with reduce-scatter rather than all-reduce (stages 1-2).

@@ -18,10 +18,12 @@
 mod cpu;
 pub mod cuda;
 pub mod rng;
+pub mod stream;
 
 use std::sync::Arc;
 
 pub use cpu::CpuBackend;
+pub use stream::{Stream, StreamEvent, StreamOps};
 
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
@@ -490,6 +492,7 @@ pub trait Backend:
     + AttentionOps
     + TokenOps
     + OptimizerOps
+    + StreamOps
     + Send
     + Sync
 {

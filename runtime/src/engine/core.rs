@@ -18,6 +18,8 @@ use super::report::Timings;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
 use super::topology::{check_backend, open_hybrid, shard_comm};
+use super::trace::{Span, Trace};
+use super::write_behind::{OptimizerOverlap, WriteBehind};
 use crate::backend::Backend;
 use crate::comm::Communicator;
 use crate::nn::{Batch, BatchIds, Ctx, Grads, Model, Params, Saved};
@@ -57,12 +59,18 @@ pub struct Engine {
     pub(super) timings: Timings,
     /// The communication worker when `overlap_comm` is on.
     pub(super) overlap: Option<CommOverlap>,
-    /// The NVMe store when optimizer state lives there.
-    pub(super) nvme: Option<NvmeOffload>,
+    /// The NVMe store when optimizer state lives there (shared with the optimizer lane).
+    pub(super) nvme: Option<Arc<NvmeOffload>>,
     /// The NVMe store when stage-3 parameter shards live there.
     pub(super) param_swap: Option<ParamSwap>,
     /// NVMe traffic at the end of the last step (reports carry the difference).
     pub(super) traffic_mark: ferrozero_offload::store::Traffic,
+    /// Whether the optimizer step overlaps backward (and why not).
+    pub(super) opt_overlap: OptimizerOverlap,
+    /// The optimizer lane when it does.
+    pub(super) write_behind: Option<WriteBehind>,
+    /// The recorded schedule (off unless asked for).
+    pub(super) trace: Trace,
 }
 
 impl Engine {
@@ -140,6 +148,12 @@ impl Engine {
             None
         };
         tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
+        let opt_overlap = OptimizerOverlap::decide(&cfg);
+        opt_overlap.log(&cfg);
+        let write_behind = match opt_overlap {
+            OptimizerOverlap::On => Some(WriteBehind::new(comm.rank())?),
+            OptimizerOverlap::Off(_) => None,
+        };
         Ok(Self {
             cfg,
             model,
@@ -163,9 +177,12 @@ impl Engine {
             last_batch: None,
             timings: Timings::default(),
             overlap,
-            nvme,
+            nvme: nvme.map(Arc::new),
             param_swap,
             traffic_mark: Default::default(),
+            opt_overlap,
+            write_behind,
+            trace: Trace::default(),
         })
     }
 
@@ -202,6 +219,22 @@ impl Engine {
     /// The device the units compute on.
     pub fn backend(&self) -> &dyn Backend {
         &*self.be
+    }
+
+    /// Whether the optimizer step overlaps backward in `train_batch`, and why not.
+    pub fn optimizer_overlap(&self) -> &OptimizerOverlap {
+        &self.opt_overlap
+    }
+
+    /// Starts (or stops) recording which lane runs what: each unit's backward and each
+    /// group's optimizer step, with start and end times.
+    pub fn trace_schedule(&mut self, on: bool) {
+        self.trace = if on { Trace::on() } else { Trace::default() };
+    }
+
+    /// The spans recorded since the last call, oldest first.
+    pub fn take_schedule_trace(&self) -> Vec<Span> {
+        self.trace.take()
     }
 
     pub(super) fn shared_index(&self) -> Option<usize> {
@@ -391,7 +424,10 @@ impl Engine {
             if unit > 0 {
                 self.prefetch(unit - 1);
             }
-            let r = self.unit_backward(unit, batch, &grad);
+            let trace = self.trace.clone();
+            let r = trace.span("compute", "backward", unit, || {
+                self.unit_backward(unit, batch, &grad)
+            });
             self.release_unit(unit);
             grad = r?;
             self.reduce_group(unit)?;

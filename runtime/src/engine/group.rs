@@ -158,6 +158,34 @@ impl Group {
         Ok(())
     }
 
+    /// What holds this group's place while the group itself is lent to the optimizer lane:
+    /// the same layout, owned range and placement (replicated or partitioned, so prefetch
+    /// and memory accounting that scan every group decide as before) and no elements. Any
+    /// buffer operation on it fails on the length, so a misuse is an error, not a silent read.
+    pub fn stand_in(&self) -> Group {
+        let empty = |d: DType| Storage::Host(crate::tensor::FlatBuf::zeros(d, 0));
+        let params = match &self.params {
+            ParamStore::Replicated(b) => ParamStore::Replicated(empty(b.dtype())),
+            ParamStore::Partitioned { shard, .. } => ParamStore::Partitioned {
+                shard: Shard::Memory(empty(shard.dtype())),
+                gathered: None,
+            },
+        };
+        Group {
+            layout: self.layout.clone(),
+            params,
+            work: None,
+            grad: empty(self.grad.dtype()),
+            grad_offset: self.grad_offset,
+            micro: None,
+            master: None,
+            m: empty(DType::F32),
+            v: empty(DType::F32),
+            owned: self.owned.clone(),
+            nvme_adam: None,
+        }
+    }
+
     /// Takes the local gradient for reduction, releasing its ledger entry.
     pub fn take_micro(&mut self, ledger: &mut Ledger) -> Option<Storage> {
         let m = self.micro.take()?;

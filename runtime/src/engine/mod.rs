@@ -11,6 +11,7 @@ pub mod estimate;
 mod eval;
 pub mod group;
 mod init;
+pub mod lane;
 pub mod ledger;
 pub mod loss_scale;
 pub mod nvme;
@@ -26,6 +27,8 @@ mod step;
 pub(crate) mod swap;
 pub mod timeline;
 mod topology;
+pub mod trace;
+pub mod write_behind;
 
 pub use self::core::Engine;
 pub use build::storage_dtype;

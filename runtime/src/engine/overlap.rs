@@ -78,7 +78,9 @@ impl Engine {
         let n = reduced.len();
         let r = self.groups[g].grad.accumulate(0, &reduced, n, &mut scratch);
         self.be.recycle(reduced);
-        r
+        r?;
+        // At an armed boundary this was the gradient's last addition: its step can start.
+        self.lend_for_step(g)
     }
 
     /// Waits for every queued reduction and accumulates the results in submission order.

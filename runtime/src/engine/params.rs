@@ -54,7 +54,7 @@ impl Engine {
         let (rank, world) = (shards.rank(), shards.world_size());
         let mut out = Vec::new();
         for g in &self.groups {
-            let shard = shard_values(g, rank, self.nvme.as_ref(), self.param_swap.as_ref())?;
+            let shard = shard_values(g, rank, self.nvme.as_deref(), self.param_swap.as_ref())?;
             let mut full = vec![0.0f32; g.layout.shard_len * world];
             shards.all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
             for s in &g.layout.slots {

@@ -15,7 +15,8 @@ pub struct Timings {
     pub reduce: f64,
     /// Parameter gathering (stage 3) and publishing (stages 1-2).
     pub gather: f64,
-    /// Optimizer step.
+    /// Optimizer step; when it overlaps backward, only the time the step waited for the
+    /// optimizer lane after backward (the part the overlap did not hide).
     pub optimizer: f64,
 }
 

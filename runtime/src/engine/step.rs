@@ -8,6 +8,7 @@ use super::ledger::Location;
 use super::optimizer::StepValues;
 use super::report::{StepReport, Timings};
 use super::topology::shard_comm;
+use super::write_behind::overlapped_overflow;
 use crate::comm::{BufMut, ReduceOp};
 use crate::nn::Batch;
 use crate::{Error, Result};
@@ -32,12 +33,22 @@ impl Engine {
         let local: u64 = micro_batches.iter().map(|b| b.valid_targets() as u64).sum();
         let global = self.sum_across_ranks(local as f64)? as u64;
         let grad = (self.scaler.scale() / global.max(1) as f64) as f32;
-        for b in micro_batches {
+        for (i, b) in micro_batches.iter().enumerate() {
             let ids = crate::nn::BatchIds::new(&*self.be, b)?;
             let loss = self.forward_pass((b, &ids), true)?;
             self.losses.push(loss);
             self.tokens += b.valid_targets() as u64;
-            self.backward_pass((b, &ids), grad)?;
+            if i + 1 == gas {
+                // The step follows this backward at once: its groups may step while it runs.
+                self.arm_write_behind();
+            }
+            if let Err(e) = self.backward_pass((b, &ids), grad) {
+                // Lent groups come home before the error leaves the engine.
+                if let Err(lost) = self.disarm_write_behind() {
+                    tracing::error!("after a failed backward: {lost}");
+                }
+                return Err(e);
+            }
             self.micro += 1;
         }
         self.step()?
@@ -49,6 +60,9 @@ impl Engine {
         if !self.is_gradient_accumulation_boundary() {
             return Ok(None);
         }
+        // The optimizer lane gives every group back first, so no error below leaves a group
+        // lent.
+        let stepped = self.join_write_behind()?;
         // The micro-steps' losses leave the device here, once per step, summed in order.
         let mut local = 0.0f64;
         for l in std::mem::take(&mut self.losses) {
@@ -64,22 +78,12 @@ impl Engine {
             self.global_norm()? / scale
         };
         let decision = self.scaler.update(overflow)?;
-        let k = self.steps;
-        let lr = self.schedule.lr_at(k);
+        let lr = self.schedule.lr_at(self.steps);
         if !decision.skip_step {
-            let clip = self.cfg.gradient_clipping;
-            let coef = if clip > 0.0 && norm > clip {
-                clip / (norm + 1e-6)
-            } else {
-                1.0
-            };
-            let sv = StepValues {
-                step: k + 1,
-                lr,
-                beta1: self.schedule.momentum_at(k),
-                grad_scale: (coef / scale) as f32,
-            };
-            self.apply_update(&sv)?;
+            let sv = self.step_values((self.clip_coef(norm) / scale) as f32);
+            self.apply_update(&sv, stepped)?;
+        } else if stepped.is_some() {
+            return Err(overlapped_overflow(self.steps + 1));
         }
         for g in &mut self.groups {
             g.grad.fill_zero()?;
@@ -111,25 +115,54 @@ impl Engine {
         Ok(Some(report))
     }
 
-    fn apply_update(&mut self, sv: &StepValues) -> Result<()> {
+    /// The clipping coefficient for a global norm (1 without clipping).
+    fn clip_coef(&self, norm: f64) -> f64 {
+        let clip = self.cfg.gradient_clipping;
+        if clip > 0.0 && norm > clip {
+            clip / (norm + 1e-6)
+        } else {
+            1.0
+        }
+    }
+
+    /// Updates every group with `sv` (unless the optimizer lane already did, with `stepped`
+    /// values that must be the same) and publishes the result.
+    fn apply_update(&mut self, sv: &StepValues, stepped: Option<StepValues>) -> Result<()> {
+        match stepped {
+            None => self.update_groups(sv)?,
+            Some(used) if used == *sv => {}
+            Some(used) => {
+                return Err(Error::Invalid(format!(
+                    "the optimizer lane stepped with {used:?} but the step's values are {sv:?}"
+                )))
+            }
+        }
+        self.publish()
+    }
+
+    /// The update of every group, in order, on this thread.
+    fn update_groups(&mut self, sv: &StepValues) -> Result<()> {
         let t = Instant::now();
         let tile = self.cfg.zero.sub_group_size.max(1);
         let mut writing = std::collections::VecDeque::new();
+        let trace = self.trace.clone();
         for gi in 0..self.groups.len() {
             self.swap_in_for_step(gi)?;
-            self.optimizer.step_group(
-                &mut self.groups[gi],
-                sv,
-                tile,
-                self.nvme.as_ref(),
-                &*self.be,
-            )?;
+            let (g, nvme) = (&mut self.groups[gi], self.nvme.as_deref());
+            trace.span("compute", "step", gi, || {
+                self.optimizer.step_group(g, sv, tile, nvme, &*self.be)
+            })?;
             self.swap_out_after_step(gi, &mut writing)?;
         }
         while !writing.is_empty() {
             self.finish_swap_write(&mut writing)?;
         }
         self.timings.optimizer += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Makes every rank's parameters current after the update (stages 1-2 all-gather).
+    fn publish(&mut self) -> Result<()> {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
         let shards = shard_comm(self.comm.as_ref(), &self.hybrid);

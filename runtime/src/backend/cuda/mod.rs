@@ -30,6 +30,8 @@ mod optim;
 #[cfg(feature = "cuda")]
 mod storage;
 #[cfg(feature = "cuda")]
+mod stream;
+#[cfg(feature = "cuda")]
 mod token;
 
 #[cfg(feature = "cuda")]

@@ -104,7 +104,7 @@ impl Engine {
         self.settle_swapped()?;
         for (gi, g) in self.groups.iter_mut().enumerate() {
             restore_group(reader, gi, g, self.param_swap.as_mut(), rank)?;
-            restore_nvme_state(reader, gi, g, self.nvme.as_ref())?;
+            restore_nvme_state(reader, gi, g, self.nvme.as_deref())?;
             if g.work.is_some() {
                 refresh_work(g)?;
             }

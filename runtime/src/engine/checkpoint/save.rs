@@ -178,7 +178,7 @@ impl Engine {
         // NVMe-resident state streams into the file one group at a time.
         let streamer = Streamer::default();
         let src = NvmeSources {
-            nvme: self.nvme.as_ref(),
+            nvme: self.nvme.as_deref(),
             swap: self.param_swap.as_ref(),
             streamer: &streamer,
         };
