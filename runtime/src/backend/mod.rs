@@ -12,8 +12,10 @@
 //! returns an opaque [`Storage`] of what backward needs, so the CPU may keep probabilities
 //! while a GPU keeps only per-row statistics; layers store it without looking inside.
 //!
-//! The CPU backend ([`CpuBackend`]) runs on the caller's current rayon pool: the engine runs
-//! each local rank inside its own pool, so kernels must never build or use a global pool.
+//! The CPU backend ([`CpuBackend`]) runs on the caller's current rayon pool (the global one,
+//! which local ranks share, unless the caller installs its own), so kernels never build a pool
+//! of their own, and give the same bits whatever the pool's size. Pools per local rank were
+//! measured (2 ranks on 2 cores, GPT 6x384): no change in tokens/s (0.99x), so ranks share.
 
 mod cpu;
 pub mod cuda;
