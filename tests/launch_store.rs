@@ -211,3 +211,37 @@ fn sigterm_to_the_launcher_is_forwarded_to_every_rank() {
     assert!(signalled.elapsed() < Duration::from_secs(15));
     assert!(start.elapsed() < Duration::from_secs(60));
 }
+
+/// Each rank runs on the cores `FERROZERO_CPUS` names (its share of a NUMA node), which the
+/// kernel confirms; `--no-cpu-bind` leaves the ranks unbound.
+#[test]
+fn ranks_are_bound_to_their_cores_unless_told_not_to() {
+    let script = "echo \"cpus=${FERROZERO_CPUS:-none} \
+                  $(grep Cpus_allowed_list /proc/self/status | tr -d '\\t ')\"";
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+            .args(["launch", "--nproc-per-node", "2", "--master-port"])
+            .arg(free_port().to_string())
+            .args(extra)
+            .args(["--", "sh", "-c", script])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let bound = run(&[]);
+    for r in 0..2 {
+        let line = bound
+            .lines()
+            .find(|l| l.starts_with(&format!("[rank {r}]")))
+            .unwrap_or_else(|| panic!("no output of rank {r}: {bound}"));
+        let (cpus, allowed) = line
+            .split_once("cpus=")
+            .and_then(|(_, rest)| rest.split_once(" Cpus_allowed_list:"))
+            .unwrap_or_else(|| panic!("{line}"));
+        assert_ne!(cpus, "none", "{line}");
+        assert_eq!(cpus, allowed.trim(), "{line}");
+    }
+    let unbound = run(&["--no-cpu-bind"]);
+    assert_eq!(unbound.matches("cpus=none").count(), 2, "{unbound}");
+}

@@ -300,3 +300,52 @@ fn the_engine_trains_over_deterministic_nccl_bit_for_bit_like_local_threads() {
         "{refused:?}"
     );
 }
+
+/// (all_reduce, reduce_scatter, all_gather) results of every rank over `c`, with the
+/// buffers in `be`'s memory.
+#[cfg(feature = "cuda")]
+fn collectives_on(
+    c: &dyn Communicator,
+    be: &dyn ferrozero_runtime::backend::Backend,
+    n: usize,
+) -> Result<Vec<Vec<u32>>> {
+    let w = c.world_size();
+    let f32s = |s: &ferrozero_runtime::tensor::Storage| s.to_vec_f32().map(|v| bits(&v));
+    let mut a = be.upload(BufRef::F32(&data(c.rank(), n)))?;
+    c.all_reduce_view(a.view_mut(), ReduceOp::Sum)?;
+    let input = be.upload(BufRef::F32(&data(c.rank() + 5, n * w)))?;
+    let mut out = be.zeros(ferrozero_runtime::tensor::DType::F32, n)?;
+    c.reduce_scatter_view(input.view(), out.view_mut(), ReduceOp::Sum)?;
+    let mut all = be.zeros(ferrozero_runtime::tensor::DType::F32, n * w)?;
+    c.all_gather_view(out.view(), all.view_mut())?;
+    Ok(vec![f32s(&a)?, f32s(&out)?, f32s(&all)?])
+}
+
+/// Device buffers (the CUDA backend on its emulator) go to the library as they are, not
+/// staged through host memory by the communicator, and give the host buffers' bits; with
+/// `deterministic`, those of the local communicator.
+#[cfg(feature = "cuda")]
+#[test]
+fn device_buffers_reach_nccl_as_they_are() {
+    use ferrozero_runtime::tensor::DType;
+    let dev = ferrozero_runtime::backend::cuda::emulated(DType::F32).expect("emulator");
+    let host = ferrozero_runtime::backend::cpu();
+    let n = 301;
+    for det in [false, true] {
+        let lib = FakeNccl::default();
+        let on_host = ranks(&lib, 3, det, |_, c| collectives_on(&c.unwrap(), &*host, n));
+        assert_eq!(lib.device_collectives(), 0);
+        let lib = FakeNccl::default();
+        let on_dev = ranks(&lib, 3, det, |_, c| collectives_on(&c.unwrap(), &*dev, n));
+        let on_host: Vec<_> = on_host.into_iter().map(Result::unwrap).collect();
+        let on_dev: Vec<_> = on_dev.into_iter().map(Result::unwrap).collect();
+        assert_eq!(on_host, on_dev, "deterministic: {det}");
+        // Native: three collectives per rank handed over in device memory. Deterministic:
+        // the ordered sums run on the host, so only the all-gather is.
+        assert_eq!(lib.device_collectives(), if det { 3 } else { 9 });
+        if det {
+            let local = run_ranks(3, TIMEOUT * 10, |c| collectives_on(&*c, &*host, n)).unwrap();
+            assert_eq!(local, on_host);
+        }
+    }
+}

@@ -1,7 +1,8 @@
 //! Hybrid sharding (`zero_hpz_partition_size`): 4 local ranks as 2 groups of 2 train like
 //! plain ZeRO-3 at world size 4 (within 1e-5 relative: only the sum order differs), hold the
 //! per-rank state of a 2-rank shard group (ledger and estimator agree), and report the bytes
-//! their gradient reductions send across groups.
+//! their gradient reductions send across groups; checkpoints saved under it resume bit for
+//! bit and load without it.
 
 mod common;
 
@@ -10,10 +11,12 @@ use std::time::Duration;
 use common::{config, toy};
 use ferrozero_config::resolved::{Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::estimate::estimate;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::partition::GroupLayout;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::Result;
 
 const V: usize = 11;
 const D: usize = 6;
@@ -175,28 +178,45 @@ fn cross_group_bytes_are_the_gradient_shards() {
 
 #[test]
 fn a_group_size_that_does_not_divide_the_world_is_refused() {
-    let err = run_ranks(4, Duration::from_secs(10), |comm| {
-        Engine::new(toy::model(V, D, T, LAYERS), hybrid(4, 3, false), comm).map(|_| ())
-    })
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("zero_hpz_partition_size = 3"), "{err}");
-    assert!(err.contains("divide the world size 4"), "{err}");
+    for (group, words) in [
+        (3, "divide the world size 4"),
+        (8, "larger than the world size 4"),
+    ] {
+        let err = run_ranks(4, Duration::from_secs(10), |comm| {
+            Engine::new(toy::model(V, D, T, LAYERS), hybrid(4, group, false), comm).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains(&format!("zero_hpz_partition_size = {group}")),
+            "{err}"
+        );
+        assert!(err.contains(words), "{err}");
+    }
+}
+
+/// Trains steps `from..to` of the toy task on this rank (2 micro-batches of 2 per step).
+fn steps(e: &mut Engine, world: usize, rank: usize, from: usize, to: usize) -> Result<()> {
+    for s in from..to {
+        let b: Vec<_> = (0..2)
+            .map(|m| toy::batch(V, T, ((s * 2 + m) * world + rank) * 2, 2))
+            .collect();
+        e.train_batch(&b)?;
+    }
+    Ok(())
+}
+
+fn temp_dir(what: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("fz-hybrid-{what}-{}", std::process::id()))
 }
 
 #[test]
-fn a_plain_checkpoint_loads_into_a_hybrid_run_and_saving_under_it_is_refused() {
-    use ferrozero_runtime::engine::checkpoint::Tag;
-    let dir = std::env::temp_dir().join(format!("fz-hybrid-ckpt-{}", std::process::id()));
+fn a_plain_checkpoint_loads_into_a_hybrid_run() {
+    let dir = temp_dir("plain");
     let saved = run_ranks(2, Duration::from_secs(60), |comm| {
         let rank = comm.rank();
         let mut e = Engine::new(toy::model(V, D, T, LAYERS), hybrid(2, 1, false), comm)?;
-        for s in 0..3 {
-            let b: Vec<_> = (0..2)
-                .map(|m| toy::batch(V, T, ((s * 2 + m) * 2 + rank) * 2, 2))
-                .collect();
-            e.train_batch(&b)?;
-        }
+        steps(&mut e, 2, rank, 0, 3)?;
         e.save_checkpoint(&dir, "t3", 3)?;
         e.parameters()
     })
@@ -204,15 +224,75 @@ fn a_plain_checkpoint_loads_into_a_hybrid_run_and_saving_under_it_is_refused() {
     let loaded = run_ranks(4, Duration::from_secs(60), |comm| {
         let mut e = Engine::new(toy::model(V, D, T, LAYERS), hybrid(4, 2, false), comm)?;
         e.load_checkpoint(&dir, &Tag::Latest)?;
-        let refused = e.save_checkpoint(&dir, "h", 0).unwrap_err().to_string();
-        Ok((e.parameters()?, refused))
+        e.parameters()
     })
     .expect("hybrid load");
     std::fs::remove_dir_all(&dir).ok();
-    for (params, refused) in &loaded {
+    for params in &loaded {
         for (a, b) in saved[0].iter().zip(params) {
             assert_eq!(a.data, b.data, "{}", a.name);
         }
-        assert!(refused.contains("hybrid sharding"), "{refused}");
     }
+}
+
+/// Under hybrid sharding the first shard group writes the checkpoint (one copy of the
+/// sharded state, as a plain run over 2 ranks would): resuming 2 groups of 2 from it is
+/// bitwise the uninterrupted run, and plain stage 3 at world sizes 4 and 2 loads the same
+/// parameters.
+#[test]
+fn a_hybrid_checkpoint_resumes_exactly_and_loads_without_hybrid_sharding() {
+    let dir = temp_dir("save");
+    let model = || toy::model(V, D, T, LAYERS);
+    let whole = run_ranks(4, Duration::from_secs(60), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(model(), hybrid(4, 2, false), comm)?;
+        steps(&mut e, 4, rank, 0, 4)?;
+        e.parameters()
+    })
+    .expect("uninterrupted run");
+    let at_save = run_ranks(4, Duration::from_secs(60), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(model(), hybrid(4, 2, true), comm)?;
+        steps(&mut e, 4, rank, 0, 2)?;
+        e.save_checkpoint(&dir, "two", 2)?;
+        e.parameters()
+    })
+    .expect("save under hybrid sharding");
+    let files: Vec<_> = std::fs::read_dir(dir.join("two"))
+        .unwrap()
+        .map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert_eq!(
+        files.len(),
+        2,
+        "one file per rank of one shard group: {files:?}"
+    );
+    let resumed = run_ranks(4, Duration::from_secs(60), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(model(), hybrid(4, 2, false), comm)?;
+        e.load_checkpoint(&dir, &Tag::Latest)?;
+        steps(&mut e, 4, rank, 2, 4)?;
+        e.parameters()
+    })
+    .expect("resume under hybrid sharding");
+    for r in &resumed {
+        for (a, b) in whole[0].iter().zip(r) {
+            assert_eq!(a.data, b.data, "resumed {}", a.name);
+        }
+    }
+    for world in [4, 2] {
+        let plain = run_ranks(world, Duration::from_secs(60), |comm| {
+            let mut e = Engine::new(model(), hybrid(world, 1, false), comm)?;
+            e.load_checkpoint(&dir, &Tag::Latest)?;
+            e.parameters()
+        })
+        .expect("plain stage 3 loads a hybrid checkpoint");
+        for p in &plain {
+            for (a, b) in at_save[0].iter().zip(p) {
+                assert_eq!(a.data, b.data, "world {world}: {}", a.name);
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }

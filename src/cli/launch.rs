@@ -30,6 +30,11 @@ pub struct Args {
     /// Seconds ranks get to exit after SIGTERM before they are killed.
     #[arg(long, default_value_t = 10)]
     grace_secs: u64,
+    /// Do not pin each rank to its share of a NUMA node's cores (by default the ranks are
+    /// spread over the nodes in blocks and split each node's cores; `FERROZERO_CPUS` tells a
+    /// rank its cores).
+    #[arg(long)]
+    no_cpu_bind: bool,
     /// The program and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "PROGRAM ARGS")]
     command: Vec<String>,
@@ -69,6 +74,7 @@ pub fn run(args: Args) -> ExitCode {
         program: command.next().unwrap_or_default(),
         args: command.collect(),
         grace: Duration::from_secs(args.grace_secs),
+        cpu_binding: !args.no_cpu_bind,
     };
     match launch(&spec) {
         Ok(LaunchOutcome::Success) => ExitCode::SUCCESS,

@@ -107,6 +107,14 @@ pub trait MemoryOps {
     /// Host values as an engine buffer on this device (the CPU keeps the allocation; a device
     /// uploads it: an explicit copy).
     fn adopt(&self, host: FlatBuf) -> Result<Storage>;
+    /// Storage as an engine buffer on this device: host storage is adopted
+    /// ([`MemoryOps::adopt`]), storage already in device memory is kept as it is.
+    fn adopt_storage(&self, s: Storage) -> Result<Storage> {
+        match s {
+            Storage::Host(host) => self.adopt(host),
+            device => Ok(device),
+        }
+    }
     /// Caps the bytes this device's own allocator may hand out (`device_memory_limit`). The
     /// CPU has no device allocator: the engine's ledger enforces the cap there (and on every
     /// device besides).

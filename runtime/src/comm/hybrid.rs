@@ -10,6 +10,9 @@
 //! the gradient shards cross nodes. The sum order is therefore `(x0 + x1) + (x2 + x3)`, not
 //! the flat `((x0 + x1) + x2) + x3`: results equal plain ZeRO at the same world size to
 //! rounding, and are bitwise reproducible for a fixed world size and group size.
+//!
+//! The view forms (device buffers) take the same two steps through the inner communicators'
+//! view forms, so device buffers stay where they are on both.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,6 +20,7 @@ use std::sync::Arc;
 use ferrozero_config::resolved::CommBackend;
 
 use super::{BufMut, BufRef, Communicator, ReduceOp};
+use crate::tensor::{View, ViewMut};
 use crate::{Error, Result};
 
 /// Shard-group communicator for hybrid sharding; see the module documentation.
@@ -42,6 +46,13 @@ impl std::fmt::Debug for HybridComm {
 
 /// Checks that `group_size` splits `world` into equal groups.
 pub fn check_group_size(group_size: usize, world: usize) -> Result<()> {
+    if group_size > world {
+        return Err(Error::Config(format!(
+            "zero_optimization.zero_hpz_partition_size = {group_size} is larger than the world \
+             size {world}: a shard group cannot have more ranks than the job (use the ranks per \
+             node, at most {world})"
+        )));
+    }
     if group_size == 0 || !world.is_multiple_of(group_size) {
         return Err(Error::Config(format!(
             "zero_optimization.zero_hpz_partition_size = {group_size} must divide the world size \
@@ -110,35 +121,24 @@ impl Communicator for HybridComm {
     }
 
     /// Sums (or averages, or maxes) over the whole world: inside the group, then across.
-    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.shard.all_reduce(buf.reborrow(), op)?;
-        self.count(buf.len(), buf.dtype().size());
-        self.replica.all_reduce(buf, op)
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.all_reduce_view(ViewMut::Host(buf), op)
     }
 
     /// Reduce-scatter inside the group, then all-reduce of the shard across groups: every
     /// rank holding shard `r` gets the world's sum of it.
-    fn reduce_scatter(
-        &self,
-        input: BufRef<'_>,
-        mut output: BufMut<'_>,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.shard.reduce_scatter(input, output.reborrow(), op)?;
-        self.count(output.len(), output.dtype().size());
-        self.replica.all_reduce(output, op)
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_view(View::Host(input), ViewMut::Host(output), op)
     }
 
     /// Inside the group only: every group holds the same shards.
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.shard.all_gather(input, output)
+        self.all_gather_view(View::Host(input), ViewMut::Host(output))
     }
 
     /// `root` is a position in the shard group; group 0's root's buffer reaches every rank.
-    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.shard.broadcast(buf.reborrow(), root)?;
-        self.count(buf.len(), buf.dtype().size());
-        self.replica.broadcast(buf, 0)
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.broadcast_view(ViewMut::Host(buf), root)
     }
 
     /// Every rank of the world: once a rank passed the replica barrier, every group's
@@ -146,6 +146,34 @@ impl Communicator for HybridComm {
     fn barrier(&self) -> Result<()> {
         self.shard.barrier()?;
         self.replica.barrier()
+    }
+
+    fn all_reduce_view(&self, mut buf: ViewMut<'_>, op: ReduceOp) -> Result<()> {
+        self.shard.all_reduce_view(buf.reborrow(), op)?;
+        self.count(buf.len(), buf.dtype().size());
+        self.replica.all_reduce_view(buf, op)
+    }
+
+    fn reduce_scatter_view(
+        &self,
+        input: View<'_>,
+        mut output: ViewMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.shard
+            .reduce_scatter_view(input, output.reborrow(), op)?;
+        self.count(output.len(), output.dtype().size());
+        self.replica.all_reduce_view(output, op)
+    }
+
+    fn all_gather_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
+        self.shard.all_gather_view(input, output)
+    }
+
+    fn broadcast_view(&self, mut buf: ViewMut<'_>, root: usize) -> Result<()> {
+        self.shard.broadcast_view(buf.reborrow(), root)?;
+        self.count(buf.len(), buf.dtype().size());
+        self.replica.broadcast_view(buf, 0)
     }
 
     fn duplicate(&self) -> Result<Box<dyn Communicator>> {

@@ -36,9 +36,11 @@ pub enum Reduction {
     RankOrdered,
 }
 
+use crate::tensor::staging::{read_host, write_host};
 /// The host buffers collectives exchange (defined with the tensor types, whose host views
 /// they are).
 pub use crate::tensor::{BufMut, BufRef};
+use crate::tensor::{View, ViewMut};
 
 /// The collectives ZeRO needs. Every rank of the group must call the same collectives in the
 /// same order with the same lengths and dtypes; a mismatch, a dead peer or a timeout is an
@@ -68,6 +70,36 @@ pub trait Communicator: Send {
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
+
+    /// [`Communicator::all_reduce`] on elements wherever they live (the engine's buffers).
+    /// Every rank passes the same kind of memory. By default device memory is staged through
+    /// host memory (explicit copies: the transport reaches host memory only, as MPI does);
+    /// `local` exchanges device buffers in device memory and `nccl` hands them to NCCL.
+    fn all_reduce_view(&self, buf: ViewMut<'_>, op: ReduceOp) -> Result<()> {
+        write_host(buf, |b| self.all_reduce(b, op))
+    }
+    /// [`Communicator::reduce_scatter`] on elements wherever they live (see
+    /// [`Communicator::all_reduce_view`]); both buffers on one device.
+    fn reduce_scatter_view(
+        &self,
+        input: View<'_>,
+        output: ViewMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        read_host(input, |i| {
+            write_host(output, |o| self.reduce_scatter(i, o, op))
+        })
+    }
+    /// [`Communicator::all_gather`] on elements wherever they live (see
+    /// [`Communicator::all_reduce_view`]); both buffers on one device.
+    fn all_gather_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
+        read_host(input, |i| write_host(output, |o| self.all_gather(i, o)))
+    }
+    /// [`Communicator::broadcast`] on elements wherever they live (see
+    /// [`Communicator::all_reduce_view`]).
+    fn broadcast_view(&self, buf: ViewMut<'_>, root: usize) -> Result<()> {
+        write_host(buf, |b| self.broadcast(b, root))
+    }
     /// A new, independent communicator over the same ranks (collective call), so that a
     /// communication worker thread can run collectives concurrently with this one, as a
     /// second NCCL stream would.

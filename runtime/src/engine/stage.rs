@@ -15,7 +15,7 @@ use super::ledger::{Category, Ledger, Location};
 use super::partition::{chunks, GroupLayout};
 use crate::backend::Backend;
 use crate::comm::{Communicator, ReduceOp};
-use crate::tensor::{DType, FlatBuf, Storage};
+use crate::tensor::{DType, Storage};
 use crate::Result;
 
 /// Whether a rank holds a whole buffer or only its shard.
@@ -100,10 +100,8 @@ pub trait Stage: Send + Sync {
             let (world, s) = (g.layout.world_size, g.layout.shard_len);
             let bytes = (own.len() * full.dtype().size()) as u64;
             ledger.alloc(Location::Device, Category::CommBuffers, bytes);
-            let r = full.with_host_mut(|h| {
-                let shard = slice_copy(h, own.clone());
-                all_gather_chunked(comm, &shard, h, world, s, bucket)
-            });
+            let r = own_shard(full, own)
+                .and_then(|shard| all_gather_chunked(comm, &shard, full, world, s, bucket));
             ledger.free(Location::Device, Category::CommBuffers, bytes);
             r?;
         }
@@ -189,12 +187,11 @@ pub fn to_storage(v: Storage, dtype: DType, be: &dyn Backend) -> Result<Storage>
     Ok(b)
 }
 
-fn slice_copy(b: &FlatBuf, r: Range<usize>) -> FlatBuf {
-    match b {
-        FlatBuf::F32(v) => FlatBuf::F32(v[r].to_vec()),
-        FlatBuf::Bf16(v) => FlatBuf::Bf16(v[r].to_vec()),
-        FlatBuf::F16(v) => FlatBuf::F16(v[r].to_vec()),
-    }
+/// A copy of `full[own]` beside it (the all-gather's input may not alias its output).
+fn own_shard(full: &Storage, own: Range<usize>) -> Result<Storage> {
+    let mut shard = full.zeros_like(full.dtype(), own.len())?;
+    full.copy_to(own.start, &mut shard, 0, own.len())?;
+    Ok(shard)
 }
 
 /// Elements per rank in one communication chunk for a bucket of `bucket` elements in total.
@@ -204,10 +201,12 @@ fn per_rank_chunk(bucket: usize, world: usize) -> usize {
 
 /// Reduces every rank's padded micro-step gradient `buf` with rank-order sums, `bucket`
 /// elements of input at a time: the whole sum (`Full`) or this rank's shard of it (`Shard`).
-/// Pure over owned buffers, so it runs inline or on the communication worker alike.
+/// Pure over owned buffers, so it runs inline or on the communication worker alike; the
+/// collectives take the buffers where they live (device buffers stay on the device), and the
+/// staging buffers are allocated beside them.
 pub fn reduce_gradient(
     extent: Extent,
-    buf: Storage,
+    mut buf: Storage,
     world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
@@ -217,48 +216,33 @@ pub fn reduce_gradient(
         // One rank's sum (or shard, which is everything) is its own buffer.
         return Ok(buf);
     }
-    buf.map_host(|h| reduce_host(extent, h, world, shard_len, comm, bucket))
-}
-
-/// [`reduce_gradient`] on host memory.
-fn reduce_host(
-    extent: Extent,
-    mut buf: FlatBuf,
-    world: usize,
-    shard_len: usize,
-    comm: &dyn Communicator,
-    bucket: usize,
-) -> Result<FlatBuf> {
     if extent == Extent::Full {
         for c in chunks(buf.len(), bucket) {
-            comm.all_reduce(buf.as_mut_range(c), ReduceOp::Sum)?;
+            comm.all_reduce_view(buf.range_mut(c)?, ReduceOp::Sum)?;
         }
         return Ok(buf);
     }
     let s = shard_len;
-    let mut out = FlatBuf::zeros(buf.dtype(), s);
+    let mut out = buf.zeros_like(buf.dtype(), s)?;
     let k = per_rank_chunk(bucket, world);
     if k >= s {
-        comm.reduce_scatter(buf.as_ref(), out.as_mut(), ReduceOp::Sum)?;
+        comm.reduce_scatter_view(buf.view(), out.view_mut(), ReduceOp::Sum)?;
         return Ok(out);
     }
-    let mut input = FlatBuf::zeros(buf.dtype(), k * world);
+    let mut input = buf.zeros_like(buf.dtype(), k * world)?;
     for c in chunks(s, k) {
         let n = c.len();
         for r in 0..world {
-            copy_range(&buf, r * s + c.start, &mut input, r * n, n);
+            buf.copy_to(r * s + c.start, &mut input, r * n, n)?;
         }
-        comm.reduce_scatter(
-            input.as_ref_range(0..n * world),
-            out.as_mut_range(c),
-            ReduceOp::Sum,
-        )?;
+        comm.reduce_scatter_view(input.range(0..n * world)?, out.range_mut(c)?, ReduceOp::Sum)?;
     }
     Ok(out)
 }
 
 /// All-gathers every rank's shard into one full padded buffer, `bucket` elements of output
-/// at a time, placed on the compute device.
+/// at a time, placed on the compute device: gathered where the shard lives (device memory,
+/// or host memory for offloaded shards), then adopted by the backend.
 pub fn gather_shards(
     shard: &Storage,
     world: usize,
@@ -267,44 +251,31 @@ pub fn gather_shards(
     bucket: usize,
     be: &dyn Backend,
 ) -> Result<Storage> {
-    let full = shard.with_host(|h| {
-        let mut full = FlatBuf::zeros(h.dtype(), shard_len * world);
-        all_gather_chunked(comm, h, &mut full, world, shard_len, bucket)?;
-        Ok(full)
-    })?;
-    be.adopt(full)
+    let mut full = shard.zeros_like(shard.dtype(), shard_len * world)?;
+    all_gather_chunked(comm, shard, &mut full, world, shard_len, bucket)?;
+    be.adopt_storage(full)
 }
 
 /// All-gathers `src` (one shard) from every rank into `full` (padded).
 fn all_gather_chunked(
     comm: &dyn Communicator,
-    src: &FlatBuf,
-    full: &mut FlatBuf,
+    src: &Storage,
+    full: &mut Storage,
     world: usize,
     s: usize,
     bucket: usize,
 ) -> Result<()> {
     let k = per_rank_chunk(bucket, world);
     if k >= s {
-        return comm.all_gather(src.as_ref_range(0..s), full.as_mut_range(0..s * world));
+        return comm.all_gather_view(src.range(0..s)?, full.range_mut(0..s * world)?);
     }
-    let mut out = FlatBuf::zeros(src.dtype(), k * world);
+    let mut out = src.zeros_like(src.dtype(), k * world)?;
     for c in chunks(s, k) {
         let n = c.len();
-        comm.all_gather(src.as_ref_range(c.clone()), out.as_mut_range(0..n * world))?;
+        comm.all_gather_view(src.range(c.clone())?, out.range_mut(0..n * world)?)?;
         for r in 0..world {
-            copy_range(&out, r * n, full, r * s + c.start, n);
+            out.copy_to(r * n, full, r * s + c.start, n)?;
         }
     }
     Ok(())
-}
-
-fn copy_range(src: &FlatBuf, so: usize, dst: &mut FlatBuf, d_off: usize, n: usize) {
-    match (src, dst) {
-        (FlatBuf::F32(a), FlatBuf::F32(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
-        (FlatBuf::Bf16(a), FlatBuf::Bf16(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
-        (FlatBuf::F16(a), FlatBuf::F16(b)) => b[d_off..d_off + n].copy_from_slice(&a[so..so + n]),
-        // Buffers of one group always share the storage dtype.
-        _ => unreachable!("copy_range between different dtypes"),
-    }
 }

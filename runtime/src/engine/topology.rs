@@ -104,6 +104,12 @@ impl Engine {
         shard_comm(&*self.comm, &self.hybrid).rank()
     }
 
+    /// Ranks one copy of the sharded state is split across: `zero_hpz_partition_size` with
+    /// hybrid sharding, else the world size.
+    pub fn shard_world(&self) -> usize {
+        shard_comm(&*self.comm, &self.hybrid).world_size()
+    }
+
     /// Copies of the sharded state across the world: `world / zero_hpz_partition_size` with
     /// hybrid sharding, else 1.
     pub fn replicas(&self) -> usize {

@@ -3,7 +3,7 @@
 //! pass through untouched; device views are downloaded, and the mutable ones uploaded again
 //! by `finish`. These are the explicit copies of ZeRO-Offload's data path.
 
-use super::{FlatBuf, View, ViewMut};
+use super::{BufMut, BufRef, FlatBuf, View, ViewMut};
 use crate::Result;
 
 /// A read-only view in host memory: the original, or a downloaded copy.
@@ -73,6 +73,30 @@ impl<'a> StagedMut<'a> {
                 ViewMut::Cuda(c) => c.upload(host.as_ref()),
                 ViewMut::Host(_) => Ok(()),
             },
+        }
+    }
+}
+
+/// Runs `f` on `v`'s elements in host memory: a host view directly, a device view through an
+/// explicit download (how a transport that reaches only host memory, such as MPI, reads
+/// device buffers).
+pub fn read_host<R>(v: View<'_>, f: impl FnOnce(BufRef<'_>) -> Result<R>) -> Result<R> {
+    match v {
+        View::Host(b) => f(b),
+        View::Cuda(c) => f(c.to_host()?.as_ref()),
+    }
+}
+
+/// Runs `f` on `v`'s elements in host memory and keeps what it wrote: a host view directly, a
+/// device view through an explicit download and upload.
+pub fn write_host<R>(v: ViewMut<'_>, f: impl FnOnce(BufMut<'_>) -> Result<R>) -> Result<R> {
+    match v {
+        ViewMut::Host(b) => f(b),
+        ViewMut::Cuda(c) => {
+            let mut host = c.as_view().to_host()?;
+            let r = f(host.as_mut())?;
+            c.upload(host.as_ref())?;
+            Ok(r)
         }
     }
 }

@@ -94,6 +94,15 @@ impl Storage {
         }
     }
 
+    /// `len` zeros of `dtype` where `self` lives (host memory, or the same device): scratch
+    /// for the collectives on a buffer, allocated beside it.
+    pub fn zeros_like(&self, dtype: DType, len: usize) -> Result<Storage> {
+        Ok(match self {
+            Storage::Host(_) => Storage::Host(FlatBuf::zeros(dtype, len)),
+            Storage::Cuda(c) => Storage::Cuda(c.zeros_like(dtype, len)?),
+        })
+    }
+
     /// A copy on the same device.
     pub fn try_clone(&self) -> Result<Storage> {
         Ok(match self {
@@ -106,7 +115,7 @@ impl Storage {
 /// The engine's buffer operations: what ZeRO does to flat buffers besides computing with them
 /// (accumulating reduced gradients, checking and measuring them, moving ranges between
 /// buffers, converting dtypes). Both operands of a two-buffer operation must live on the same
-/// device; copies between devices are the explicit `read_f32`/`write_f32`/`with_host*` calls.
+/// device; copies between devices are the explicit `read_f32`/`write_f32`/`with_host_mut` calls.
 impl Storage {
     /// The host buffer, when the elements are in host memory.
     pub fn host(&self) -> Option<&FlatBuf> {
@@ -134,16 +143,6 @@ impl Storage {
         self.view_mut().range(range)
     }
 
-    /// Runs `f` on the values in host memory: directly for host storage; for device storage
-    /// through an explicit download (the staging copy collectives need until they run on
-    /// device buffers).
-    pub fn with_host<R>(&self, f: impl FnOnce(&FlatBuf) -> Result<R>) -> Result<R> {
-        match self {
-            Storage::Host(b) => f(b),
-            Storage::Cuda(c) => f(&c.to_host()?),
-        }
-    }
-
     /// Runs `f` on the values in host memory and keeps what it wrote: directly for host
     /// storage; for device storage through an explicit download and upload.
     pub fn with_host_mut<R>(&mut self, f: impl FnOnce(&mut FlatBuf) -> Result<R>) -> Result<R> {
@@ -154,19 +153,6 @@ impl Storage {
                 let r = f(&mut host)?;
                 c.write_host(0, host.as_ref())?;
                 Ok(r)
-            }
-        }
-    }
-
-    /// Applies a host routine to the values and returns its result on the same device as
-    /// `self`: directly for host storage; device storage is staged through explicit host
-    /// copies (how collectives reach device buffers until they run on them directly).
-    pub fn map_host(self, f: impl FnOnce(FlatBuf) -> Result<FlatBuf>) -> Result<Storage> {
-        match self {
-            Storage::Host(b) => Ok(Storage::Host(f(b)?)),
-            Storage::Cuda(c) => {
-                let out = f(c.to_host()?)?;
-                Ok(Storage::Cuda(c.upload_like(&out)?))
             }
         }
     }

@@ -52,6 +52,12 @@ impl CudaDevice {
         &self.alloc
     }
 
+    /// Waits until the work queued on the compute stream has finished (the local
+    /// communicator's fence around a collective, so peers on other streams see it).
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.driver.synchronize(STREAM)
+    }
+
     /// What the device is.
     pub fn info(&self) -> &DeviceInfo {
         self.driver.info()

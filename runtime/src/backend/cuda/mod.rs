@@ -28,6 +28,8 @@ mod norm;
 #[cfg(feature = "cuda")]
 mod optim;
 #[cfg(feature = "cuda")]
+pub(crate) mod peer;
+#[cfg(feature = "cuda")]
 mod storage;
 #[cfg(feature = "cuda")]
 mod stream;
@@ -38,6 +40,8 @@ mod token;
 pub use backend::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
+#[cfg(feature = "cuda")]
+pub(crate) use storage::RawView;
 #[cfg(feature = "cuda")]
 pub use storage::{CudaBuf, CudaIds, CudaView, CudaViewMut};
 

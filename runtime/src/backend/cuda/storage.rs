@@ -152,6 +152,11 @@ impl CudaBuf {
         Ok(c)
     }
 
+    /// `len` zeros of `dtype` on the same device.
+    pub fn zeros_like(&self, dtype: DType, len: usize) -> Result<CudaBuf> {
+        Self::zeros(&self.dev, dtype, len)
+    }
+
     /// A new buffer on the same device holding `host`'s values (an explicit upload).
     pub fn upload_like(&self, host: &FlatBuf) -> Result<CudaBuf> {
         Self::upload(&self.dev, host.as_ref())
@@ -273,10 +278,50 @@ impl CudaBuf {
     }
 }
 
+/// A device view as plain integers, so that a rank of the local communicator can announce it
+/// in its descriptor and its peers can rebuild it during the collective's data phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RawView {
+    /// Device address of the first element.
+    pub ptr: u64,
+    /// Elements.
+    pub len: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Address of the `Arc<CudaDevice>` the view borrows (never 0).
+    pub dev: usize,
+}
+
 impl<'a> CudaView<'a> {
     /// The device address of the first element.
     pub(crate) fn ptr(&self) -> DevPtr {
         self.ptr
+    }
+
+    /// This view as plain integers (see [`RawView`]).
+    pub(crate) fn raw(&self) -> RawView {
+        RawView {
+            ptr: self.ptr.0,
+            len: self.len,
+            dtype: self.dtype,
+            dev: self.dev as *const Arc<CudaDevice> as usize,
+        }
+    }
+
+    /// The view `raw` describes.
+    ///
+    /// # Safety
+    /// `raw` must come from [`CudaView::raw`] or [`CudaViewMut::raw`] of a view that lives
+    /// for `'a`, and nothing may write its elements meanwhile (the communicator's barriers
+    /// guarantee both for the length of a collective).
+    pub(crate) unsafe fn from_raw(raw: RawView) -> CudaView<'a> {
+        CudaView {
+            ptr: DevPtr(raw.ptr),
+            len: raw.len,
+            dtype: raw.dtype,
+            // SAFETY: the caller guarantees the borrowed `Arc` outlives `'a`.
+            dev: unsafe { &*(raw.dev as *const Arc<CudaDevice>) },
+        }
     }
 
     /// The device.
@@ -354,6 +399,22 @@ impl<'a> CudaViewMut<'a> {
     /// The device address of the first element.
     pub(crate) fn ptr(&self) -> DevPtr {
         self.ptr
+    }
+
+    /// The mutable view `raw` describes.
+    ///
+    /// # Safety
+    /// As [`CudaView::from_raw`], and the caller must be the only one writing the elements it
+    /// touches through the result (the local communicator gives each rank disjoint ranges).
+    pub(crate) unsafe fn from_raw(raw: RawView) -> CudaViewMut<'a> {
+        CudaViewMut {
+            ptr: DevPtr(raw.ptr),
+            len: raw.len,
+            dtype: raw.dtype,
+            // SAFETY: the caller guarantees the borrowed `Arc` outlives `'a`.
+            dev: unsafe { &*(raw.dev as *const Arc<CudaDevice>) },
+            _exclusive: PhantomData,
+        }
     }
 
     /// The device.

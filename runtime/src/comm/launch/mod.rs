@@ -1,7 +1,9 @@
 //! The torchrun-style launcher behind `ferrozero launch`: starts this node's ranks with the
 //! rendezvous environment, prefixes their output with `[rank N]`, forwards SIGINT/SIGTERM,
-//! and stops every rank as soon as one fails.
+//! and stops every rank as soon as one fails. Each rank is bound to cores of a NUMA node
+//! unless `cpu_binding` is off (`affinity.rs`).
 
+pub mod affinity;
 mod output;
 mod signals;
 pub mod slurm;
@@ -30,6 +32,8 @@ pub struct LaunchSpec {
     pub args: Vec<String>,
     /// How long ranks get to exit after SIGTERM before they are killed.
     pub grace: Duration,
+    /// Pins each rank to its share of a NUMA node's cores (see [`affinity`]).
+    pub cpu_binding: bool,
 }
 
 /// How a launch ended.
@@ -87,8 +91,34 @@ impl LaunchSpec {
         self.node_rank * self.nproc_per_node + local
     }
 
-    fn command(&self, local: usize) -> Command {
+    /// Each local rank's cores, when binding is on.
+    fn cores(&self) -> Result<Option<Vec<Vec<usize>>>> {
+        if !self.cpu_binding {
+            return Ok(None);
+        }
+        let nodes = affinity::numa_nodes(std::path::Path::new(affinity::NODE_ROOT))?;
+        let allowed = affinity::allowed_cpus()?;
+        Ok(Some(affinity::plan(&nodes, &allowed, self.nproc_per_node)))
+    }
+
+    fn command(&self, local: usize, cores: Option<&[usize]>) -> Command {
         let mut c = Command::new(&self.program);
+        if let Some(cores) = cores {
+            use std::os::unix::process::CommandExt;
+            let set = affinity::cpu_set(cores);
+            c.env("FERROZERO_CPUS", affinity::format_cpu_list(cores));
+            // SAFETY: the closure only makes one system call (no allocation, no lock), which
+            // is what may run between fork and exec.
+            unsafe {
+                c.pre_exec(move || {
+                    let size = std::mem::size_of::<libc::cpu_set_t>();
+                    match libc::sched_setaffinity(0, size, &set) {
+                        0 => Ok(()),
+                        _ => Err(std::io::Error::last_os_error()),
+                    }
+                })
+            };
+        }
         c.args(&self.args)
             .env("RANK", self.global_rank(local).to_string())
             .env("LOCAL_RANK", local.to_string())
@@ -110,12 +140,31 @@ impl LaunchSpec {
 /// Runs the job to completion and says how it ended.
 pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
     spec.validate()?;
+    let cores = spec.cores()?;
+    if let Some(cores) = &cores {
+        let list: Vec<String> = cores
+            .iter()
+            .enumerate()
+            .map(|(l, c)| {
+                format!(
+                    "rank {} on CPUs {}",
+                    spec.global_rank(l),
+                    affinity::format_cpu_list(c)
+                )
+            })
+            .collect();
+        eprintln!(
+            "ferrozero launch: {} (--no-cpu-bind to turn off)",
+            list.join(", ")
+        );
+    }
     signals::install();
     let mut ranks: Vec<(usize, Child)> = Vec::with_capacity(spec.nproc_per_node);
     let mut pumps = Vec::new();
     for local in 0..spec.nproc_per_node {
         let rank = spec.global_rank(local);
-        let mut child = match spec.command(local).spawn() {
+        let mine = cores.as_ref().map(|c| c[local].as_slice());
+        let mut child = match spec.command(local, mine).spawn() {
             Ok(c) => c,
             Err(source) => {
                 stop(&mut ranks, spec.grace);

@@ -64,6 +64,10 @@ pub(crate) struct Desc {
     pub src: usize,
     /// Output buffer address.
     pub dst: usize,
+    /// For a device input: the address of the device handle its view borrows (0: host memory).
+    pub src_dev: usize,
+    /// For a device output: likewise.
+    pub dst_dev: usize,
 }
 
 impl Desc {
@@ -81,6 +85,17 @@ impl Desc {
             key: 0,
             src: 0,
             dst: 0,
+            src_dev: 0,
+            dst_dev: 0,
+        }
+    }
+
+    /// Where the buffers are, in messages.
+    fn place(&self) -> &'static str {
+        if self.src_dev == 0 {
+            "host"
+        } else {
+            "device"
         }
     }
 
@@ -95,7 +110,7 @@ impl Desc {
             OpKind::Broadcast => s += &format!(", {} elements, root {}", self.len_in, self.root),
             _ => {}
         }
-        s + ")"
+        s + &format!(", {} memory)", self.place())
     }
 }
 
@@ -115,6 +130,13 @@ fn check_own(d: &Desc, n: usize) -> Option<String> {
         OpKind::AllGather => d.len_in.checked_mul(n),
         _ => Some(d.len_out),
     };
+    if (d.src_dev == 0) != (d.dst_dev == 0) {
+        return Some(format!(
+            "{} input is in {} memory but output is not: both buffers must be on one device",
+            d.op.name(),
+            d.place()
+        ));
+    }
     if d.dtype != d.dtype_out {
         return Some(format!(
             "{} input is {:?} but output is {:?}",
@@ -157,6 +179,7 @@ pub(crate) fn verify(descs: &[Desc]) -> Result<(), Mismatch> {
             && d.reduce == first.reduce
             && d.dtype == first.dtype
             && d.len_in == first.len_in
+            && (d.src_dev == 0) == (first.src_dev == 0)
             && (d.op != OpKind::Broadcast || d.root == first.root)
     };
     match descs.iter().position(|d| !same(d)) {

@@ -7,8 +7,18 @@
 //! so each element is read and written once per rank: the minimum memory traffic, with no
 //! staging copy and no heap allocation per call. The reduction order never depends on thread
 //! timing, so results are reproducible bit for bit.
+//!
+//! Device buffers (ranks as threads on one or several GPUs) go through the same barriers;
+//! in the data phase rank r computes chunk r on its own device (`device.rs`): explicit copies
+//! between the ranks' device memory and the same rank-ordered f32 arithmetic in kernels, so
+//! host and device collectives give the same bits.
 
 pub(crate) mod desc;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(not(feature = "cuda"))]
+#[path = "no_device.rs"]
+mod device;
 mod group;
 pub(crate) mod kernels;
 mod ops;

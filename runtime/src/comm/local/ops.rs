@@ -6,12 +6,13 @@ use half::{bf16, f16};
 
 use super::desc::{Desc, OpKind};
 use super::kernels::{chunk, reduce_range, Elem};
-use super::LocalComm;
+use super::{device, LocalComm};
 use crate::comm::{BufMut, BufRef, Communicator, ReduceOp};
+use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
 
 /// Address, dtype and length of a read-only buffer.
-fn parts_ref(buf: &BufRef<'_>) -> (usize, crate::tensor::DType, usize) {
+fn parts_ref(buf: &BufRef<'_>) -> (usize, DType, usize) {
     let addr = match buf {
         BufRef::F32(b) => b.as_ptr() as usize,
         BufRef::Bf16(b) => b.as_ptr() as usize,
@@ -22,7 +23,7 @@ fn parts_ref(buf: &BufRef<'_>) -> (usize, crate::tensor::DType, usize) {
 
 /// Address, dtype and length of a mutable buffer; the address is the one every rank uses
 /// during the data phase, this rank included, so the `&mut` is not used meanwhile.
-fn parts_mut(buf: &mut BufMut<'_>) -> (usize, crate::tensor::DType, usize) {
+fn parts_mut(buf: &mut BufMut<'_>) -> (usize, DType, usize) {
     let (dtype, len) = (buf.dtype(), buf.len());
     let addr = match buf {
         BufMut::F32(b) => b.as_mut_ptr() as usize,
@@ -146,42 +147,20 @@ impl Communicator for LocalComm {
         crate::comm::CommBackend::Local
     }
 
-    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        let mut d = self.next_desc(OpKind::AllReduce);
-        (d.src, d.dtype, d.len_in) = parts_mut(&mut buf);
-        (d.dst, d.dtype_out, d.len_out, d.reduce) = (d.src, d.dtype, d.len_in, Some(op));
-        let me = self.rank;
-        self.collective(d, |p| with_elem!(d.dtype, all_reduce_data(p, me, op)))
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.all_reduce_view(ViewMut::Host(buf), op)
     }
 
-    fn reduce_scatter(
-        &self,
-        input: BufRef<'_>,
-        mut output: BufMut<'_>,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let mut d = self.next_desc(OpKind::ReduceScatter);
-        (d.src, d.dtype, d.len_in) = parts_ref(&input);
-        (d.dst, d.dtype_out, d.len_out) = parts_mut(&mut output);
-        d.reduce = Some(op);
-        let me = self.rank;
-        self.collective(d, |p| with_elem!(d.dtype, reduce_scatter_data(p, me, op)))
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_view(View::Host(input), ViewMut::Host(output), op)
     }
 
-    fn all_gather(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<()> {
-        let mut d = self.next_desc(OpKind::AllGather);
-        (d.src, d.dtype, d.len_in) = parts_ref(&input);
-        (d.dst, d.dtype_out, d.len_out) = parts_mut(&mut output);
-        let me = self.rank;
-        self.collective(d, |p| with_elem!(d.dtype, all_gather_data(p, me)))
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        self.all_gather_view(View::Host(input), ViewMut::Host(output))
     }
 
-    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
-        let mut d = self.next_desc(OpKind::Broadcast);
-        (d.src, d.dtype, d.len_in) = parts_mut(&mut buf);
-        (d.dst, d.dtype_out, d.len_out, d.root) = (d.src, d.dtype, d.len_in, root);
-        let me = self.rank;
-        self.collective(d, |p| with_elem!(d.dtype, broadcast_data(p, me)))
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.broadcast_view(ViewMut::Host(buf), root)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -195,5 +174,88 @@ impl Communicator for LocalComm {
 
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
         self.child(OpKind::Split, color, key)
+    }
+
+    /// Host buffers are exchanged in shared memory, device buffers in device memory (each
+    /// rank's share computed by its own device); every rank passes the same kind.
+    fn all_reduce_view(&self, mut buf: ViewMut<'_>, op: ReduceOp) -> Result<()> {
+        let mut d = self.next_desc(OpKind::AllReduce);
+        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view_mut(&mut buf);
+        (d.dst, d.dtype_out, d.len_out) = (d.src, d.dtype, d.len_in);
+        (d.dst_dev, d.reduce) = (d.src_dev, Some(op));
+        if on_device(&d) {
+            return device::all_reduce(self, d, op);
+        }
+        let me = self.rank;
+        self.collective(d, |p| with_elem!(d.dtype, all_reduce_data(p, me, op)))
+    }
+
+    fn reduce_scatter_view(
+        &self,
+        input: View<'_>,
+        mut output: ViewMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let mut d = self.next_desc(OpKind::ReduceScatter);
+        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view(&input);
+        (d.dst, d.dtype_out, d.len_out, d.dst_dev) = parts_view_mut(&mut output);
+        d.reduce = Some(op);
+        if on_device(&d) {
+            return device::reduce_scatter(self, d, op);
+        }
+        let me = self.rank;
+        self.collective(d, |p| with_elem!(d.dtype, reduce_scatter_data(p, me, op)))
+    }
+
+    fn all_gather_view(&self, input: View<'_>, mut output: ViewMut<'_>) -> Result<()> {
+        let mut d = self.next_desc(OpKind::AllGather);
+        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view(&input);
+        (d.dst, d.dtype_out, d.len_out, d.dst_dev) = parts_view_mut(&mut output);
+        if on_device(&d) {
+            return device::all_gather(self, d);
+        }
+        let me = self.rank;
+        self.collective(d, |p| with_elem!(d.dtype, all_gather_data(p, me)))
+    }
+
+    fn broadcast_view(&self, mut buf: ViewMut<'_>, root: usize) -> Result<()> {
+        let mut d = self.next_desc(OpKind::Broadcast);
+        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view_mut(&mut buf);
+        (d.dst, d.dtype_out, d.len_out) = (d.src, d.dtype, d.len_in);
+        (d.dst_dev, d.root) = (d.src_dev, root);
+        if on_device(&d) {
+            return device::broadcast(self, d);
+        }
+        let me = self.rank;
+        self.collective(d, |p| with_elem!(d.dtype, broadcast_data(p, me)))
+    }
+}
+
+/// Whether either buffer of `d` is device memory. A rank whose two buffers are in different
+/// places (or whose kind differs from its peers') takes the device path too and fails at the
+/// entry barrier, on every rank, with the check of `desc.rs`.
+fn on_device(d: &Desc) -> bool {
+    d.src_dev != 0 || d.dst_dev != 0
+}
+
+/// Address, dtype, length and device handle (0 for host memory) of a read-only view.
+fn parts_view(v: &View<'_>) -> (usize, DType, usize, usize) {
+    match v {
+        View::Host(b) => {
+            let (addr, dtype, len) = parts_ref(b);
+            (addr, dtype, len, 0)
+        }
+        View::Cuda(c) => device::parts(c),
+    }
+}
+
+/// Address, dtype, length and device handle (0 for host memory) of a mutable view.
+fn parts_view_mut(v: &mut ViewMut<'_>) -> (usize, DType, usize, usize) {
+    match v {
+        ViewMut::Host(b) => {
+            let (addr, dtype, len) = parts_mut(b);
+            (addr, dtype, len, 0)
+        }
+        ViewMut::Cuda(c) => device::parts(&c.as_view()),
     }
 }

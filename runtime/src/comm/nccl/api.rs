@@ -2,44 +2,46 @@
 //! (`real.rs`, `--features cuda`) calls NCCL through `cudarc::nccl`; the fake (`fake.rs`)
 //! lets CI drive every failure path (a dead peer, an asynchronous NCCL error) without a GPU.
 
-use crate::comm::{BufMut, BufRef, ReduceOp};
+use crate::comm::ReduceOp;
+use crate::tensor::{View, ViewMut};
 use crate::Result;
 
 /// NCCL's unique id (`ncclUniqueId`, 128 bytes), created by rank 0 and handed to every rank
 /// through the rendezvous store.
 pub type NcclId = [u8; 128];
 
-/// One collective with host buffers, as the communicator contract passes them (the real
-/// library stages them through device memory).
+/// One collective with its buffers where they live, as the communicator's view forms pass
+/// them: the real library hands device buffers to NCCL as they are and stages host buffers
+/// through device memory.
 #[derive(Debug)]
 pub enum NcclOp<'a> {
     /// In-place all-reduce.
     AllReduce {
         /// The buffer.
-        buf: BufMut<'a>,
+        buf: ViewMut<'a>,
         /// The operator.
         op: ReduceOp,
     },
     /// Reduce-scatter.
     ReduceScatter {
         /// `world * output.len()` elements.
-        input: BufRef<'a>,
+        input: View<'a>,
         /// This rank's reduced chunk.
-        output: BufMut<'a>,
+        output: ViewMut<'a>,
         /// The operator.
         op: ReduceOp,
     },
     /// All-gather.
     AllGather {
         /// This rank's part.
-        input: BufRef<'a>,
+        input: View<'a>,
         /// Every rank's part, in rank order.
-        output: BufMut<'a>,
+        output: ViewMut<'a>,
     },
     /// Broadcast from `root`.
     Broadcast {
         /// The buffer.
-        buf: BufMut<'a>,
+        buf: ViewMut<'a>,
         /// The rank whose buffer is copied.
         root: usize,
     },
@@ -47,9 +49,9 @@ pub enum NcclOp<'a> {
     /// chunk `r` of `output` comes from rank `r`. The deterministic reductions use it.
     AllToAll {
         /// `world` equal chunks.
-        input: BufRef<'a>,
+        input: View<'a>,
         /// `world` equal chunks.
-        output: BufMut<'a>,
+        output: ViewMut<'a>,
     },
 }
 
@@ -69,7 +71,7 @@ impl NcclOp<'_> {
 /// Where a started collective stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Poll {
-    /// Finished; its results are in the op's host buffers.
+    /// Finished; its results are in the op's output buffers.
     Done,
     /// Still running (or waiting for a peer).
     Pending,

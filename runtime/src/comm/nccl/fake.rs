@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::api::{NcclHandle, NcclId, NcclLib, NcclOp, Poll};
 use super::ordered::copy;
 use crate::comm::{BufRef, ReduceOp};
-use crate::tensor::FlatBuf;
+use crate::tensor::staging::write_host;
+use crate::tensor::{FlatBuf, View, ViewMut};
 use crate::{Error, Result};
 
 /// An error to report on `rank` when it polls its collective number `seq` (1-based).
@@ -36,6 +37,8 @@ struct State {
     /// ranks have taken their result.
     deposits: HashMap<(u64, u64), Deposit>,
     aborted: Vec<(u64, usize)>,
+    /// Collectives started with device buffers (as the communicator passed them).
+    device_collectives: usize,
 }
 
 /// The fake library; clones share one world.
@@ -58,6 +61,12 @@ impl FakeNccl {
     /// The ids ranks initialised with, as (rank, id), in call order.
     pub fn inits(&self) -> Vec<(usize, NcclId)> {
         self.lock().inits.clone()
+    }
+
+    /// How many collectives (over every rank) were started with device buffers: the
+    /// communicator handed them over instead of staging them through host memory.
+    pub fn device_collectives(&self) -> usize {
+        self.lock().device_collectives
     }
 
     /// (communicator, rank) pairs that called abort.
@@ -149,14 +158,16 @@ impl NcclHandle for FakeHandle {
             return Ok(());
         }
         let input = match op {
-            NcclOp::AllReduce { buf, .. } | NcclOp::Broadcast { buf, .. } => {
-                FlatBuf::from_ref(buf.as_ref())
-            }
+            NcclOp::AllReduce { buf, .. } | NcclOp::Broadcast { buf, .. } => buf.as_view(),
             NcclOp::ReduceScatter { input, .. }
             | NcclOp::AllGather { input, .. }
-            | NcclOp::AllToAll { input, .. } => FlatBuf::from_ref(*input),
+            | NcclOp::AllToAll { input, .. } => *input,
         };
+        let on_device = matches!(input, View::Cuda(_));
+        // What NCCL reads from device memory on a GPU, the fake downloads.
+        let input = input.to_host()?;
         let mut st = self.lib.lock();
+        st.device_collectives += usize::from(on_device);
         let slot = st
             .deposits
             .entry((self.comm, self.seq))
@@ -223,30 +234,36 @@ fn complete(op: &mut NcclOp<'_>, inputs: &[&FlatBuf], rank: usize) -> Result<()>
     match op {
         NcclOp::AllReduce { buf, op } => {
             let out = reduce(inputs, 0..buf.len(), *op)?;
-            copy(out.as_ref(), buf.reborrow())
+            put(out.as_ref(), buf.reborrow())
         }
         NcclOp::ReduceScatter { output, op, .. } => {
             let n = output.len();
             let out = reduce(inputs, rank * n..(rank + 1) * n, *op)?;
-            copy(out.as_ref(), output.reborrow())
+            put(out.as_ref(), output.reborrow())
         }
         NcclOp::AllGather { output, .. } => {
             let n = output.len() / world.max(1);
             for (r, x) in inputs.iter().enumerate() {
-                copy(x.as_ref(), output.reborrow().range(r * n..(r + 1) * n))?;
+                put(x.as_ref(), output.reborrow().range(r * n..(r + 1) * n)?)?;
             }
             Ok(())
         }
-        NcclOp::Broadcast { buf, root } => copy(inputs[*root].as_ref(), buf.reborrow()),
+        NcclOp::Broadcast { buf, root } => put(inputs[*root].as_ref(), buf.reborrow()),
         NcclOp::AllToAll { output, .. } => {
             let n = output.len() / world.max(1);
             for (r, x) in inputs.iter().enumerate() {
                 let part: BufRef<'_> = x.as_ref_range(rank * n..(rank + 1) * n);
-                copy(part, output.reborrow().range(r * n..(r + 1) * n))?;
+                put(part, output.reborrow().range(r * n..(r + 1) * n)?)?;
             }
             Ok(())
         }
     }
+}
+
+/// Writes a host result into an output wherever it lives (device outputs by an upload: what
+/// NCCL writes in device memory on a GPU).
+fn put(src: BufRef<'_>, dst: ViewMut<'_>) -> Result<()> {
+    write_host(dst, |d| copy(src, d))
 }
 
 /// Elements `range` of every input reduced in reverse rank order, in f32, rounded once.

@@ -13,6 +13,9 @@
 //! reduce-scatter plus an all-gather: the "stages are bitwise identical" invariant then holds
 //! across communicators, at the cost measured in `docs/scaling.md`.
 //!
+//! Buffers: the view forms hand device buffers to the library as they are (NCCL reads and
+//! writes them in place); host buffers are staged through device memory by the library.
+//!
 //! The library underneath is a trait ([`NcclLib`]): the real one needs `--features cuda`
 //! (`real.rs`); [`fake`] drives the failure paths in CI.
 
@@ -32,6 +35,8 @@ use board::Board;
 
 use super::store::TcpStore;
 use super::{BufMut, BufRef, CommBackend, Communicator, ReduceOp};
+use crate::tensor::staging::{read_host, write_host};
+use crate::tensor::{View, ViewMut};
 use crate::{Error, Result};
 
 /// Options of an NCCL communicator.
@@ -258,26 +263,51 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.all_reduce_view(ViewMut::Host(buf), op)
+    }
+
+    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_view(View::Host(input), ViewMut::Host(output), op)
+    }
+
+    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        self.all_gather_view(View::Host(input), ViewMut::Host(output))
+    }
+
+    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+        self.broadcast_view(ViewMut::Host(buf), root)
+    }
+
+    /// Device buffers go to NCCL as they are; the rank-ordered sum runs on the host, so
+    /// with `deterministic` they are staged through host memory.
+    fn all_reduce_view(&self, buf: ViewMut<'_>, op: ReduceOp) -> Result<()> {
         if self.opts.deterministic && op != ReduceOp::Max {
-            return ordered::all_reduce(self, buf, op);
+            return write_host(buf, |b| ordered::all_reduce(self, b, op));
         }
         self.run(NcclOp::AllReduce { buf, op })
     }
 
-    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter_view(
+        &self,
+        input: View<'_>,
+        output: ViewMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
         self.check_lengths("reduce_scatter", input.len(), output.len())?;
         if self.opts.deterministic && op != ReduceOp::Max {
-            return ordered::reduce_scatter(self, input, output, op);
+            return read_host(input, |i| {
+                write_host(output, |o| ordered::reduce_scatter(self, i, o, op))
+            });
         }
         self.run(NcclOp::ReduceScatter { input, output, op })
     }
 
-    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+    fn all_gather_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
         self.check_lengths("all_gather", input.len(), output.len())?;
         self.run(NcclOp::AllGather { input, output })
     }
 
-    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+    fn broadcast_view(&self, buf: ViewMut<'_>, root: usize) -> Result<()> {
         if root >= self.world {
             let why = format!("broadcast root {root} is not a rank of {}", self.world);
             return Err(self.error("broadcast", None, Instant::now(), why));
@@ -289,7 +319,7 @@ impl Communicator for NcclComm {
     fn barrier(&self) -> Result<()> {
         let mut v = [0.0f32];
         self.run(NcclOp::AllReduce {
-            buf: BufMut::F32(&mut v),
+            buf: ViewMut::Host(BufMut::F32(&mut v)),
             op: ReduceOp::Sum,
         })
     }

@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use super::{NcclComm, NcclOp};
 use crate::comm::local::kernels::{reduce_range, Elem};
 use crate::comm::{BufMut, BufRef, Communicator, ReduceOp};
-use crate::tensor::FlatBuf;
+use crate::tensor::{FlatBuf, View, ViewMut};
 use crate::{Error, Result};
 
 /// Rank-ordered reduce-scatter: all-to-all, then the ordered sum of the received chunks.
@@ -21,8 +21,8 @@ pub(super) fn reduce_scatter(
     let world = c.world_size();
     let mut recv = FlatBuf::zeros(input.dtype(), output.len() * world);
     c.run(NcclOp::AllToAll {
-        input,
-        output: recv.as_mut(),
+        input: View::Host(input),
+        output: ViewMut::Host(recv.as_mut()),
     })?;
     ordered_sum(recv.as_ref(), output, world, op)
 }
@@ -38,8 +38,8 @@ pub(super) fn all_reduce(c: &NcclComm, buf: BufMut<'_>, op: ReduceOp) -> Result<
     let mut mine = FlatBuf::zeros(buf.dtype(), chunk);
     reduce_scatter(c, padded.as_ref(), mine.as_mut(), op)?;
     c.run(NcclOp::AllGather {
-        input: mine.as_ref(),
-        output: padded.as_mut(),
+        input: View::Host(mine.as_ref()),
+        output: ViewMut::Host(padded.as_mut()),
     })?;
     copy(padded.as_ref_range(0..len), buf)
 }

@@ -18,8 +18,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 use cudarc::nccl::sys;
 
 use super::api::{NcclHandle, NcclId, NcclLib, NcclOp, Poll};
-use crate::comm::{BufMut, BufRef, ReduceOp};
-use crate::tensor::DType;
+use crate::comm::{BufRef, ReduceOp};
+use crate::tensor::{CudaView, DType, View, ViewMut};
 use crate::{Error, Result};
 
 /// `NCCL_CONFIG_UNDEF_INT`: "use NCCL's default" for an integer field of `ncclConfig_t`.
@@ -156,11 +156,11 @@ fn to_int(v: usize) -> Result<c_int> {
     c_int::try_from(v).map_err(|_| Error::Invalid(format!("{v} does not fit NCCL's int")))
 }
 
-/// A collective in flight: its device buffers and, once NCCL has really enqueued it, the
-/// event after it.
+/// A collective in flight: the device copies of its host buffers (none for device buffers,
+/// which NCCL uses in place) and, once NCCL has really enqueued it, the event after it.
 struct Staged {
-    out: CudaSlice<u8>,
-    _inp: CudaSlice<u8>,
+    out: Option<CudaSlice<u8>>,
+    _inp: Option<CudaSlice<u8>>,
     /// Recorded only after `ncclCommGetAsyncError` stops saying "in progress": on a
     /// non-blocking communicator a call may return before its kernels are on the stream, and
     /// an event recorded then would complete before the collective ran.
@@ -238,19 +238,41 @@ impl RealHandle {
             .map_err(|e| unavailable(format!("allocating a staging buffer: {e:?}")))
     }
 
-    /// Enqueues `op` on device copies of its buffers.
+    /// Enqueues `op` on its device buffers, or on device copies of its host buffers.
     fn launch(&mut self, op: &NcclOp<'_>) -> Result<Staged> {
-        let (inp_host, out_len, dtype) = staged_shape(op);
-        let inp = self.upload(inp_host)?;
-        let mut out = self.alloc(out_len * dtype.size())?;
+        let (input, output) = buffers(op);
+        // NCCL's stream does not wait for the compute stream that wrote a device buffer.
+        for dev in [input.device(), output.device()].into_iter().flatten() {
+            dev.synchronize()?;
+        }
+        let inp = match input {
+            Place::Device(_) => None,
+            Place::Host(b, _) => Some(self.upload(b)?),
+        };
+        let mut out = match output {
+            Place::Device(_) => None,
+            Place::Host(_, bytes) => Some(self.alloc(bytes)?),
+        };
         let s = self.stream.cu_stream() as sys::cudaStream_t;
-        let t = nccl_type(dtype);
+        let t = nccl_type(op_dtype(op));
         {
-            let (ip, _gi) = inp.device_ptr(&self.stream);
-            let (opp, _go) = out.device_ptr_mut(&self.stream);
+            let (ip, _gi) = match &inp {
+                Some(b) => {
+                    let (p, g) = b.device_ptr(&self.stream);
+                    (p, Some(g))
+                }
+                None => (input.device_ptr(), None),
+            };
+            let (opp, _go) = match &mut out {
+                Some(b) => {
+                    let (p, g) = b.device_ptr_mut(&self.stream);
+                    (p, Some(g))
+                }
+                None => (output.device_ptr(), None),
+            };
             let (ip, opp) = (ip as *const c_void, opp as *mut c_void);
-            // SAFETY: device buffers of the sizes NCCL reads and writes, alive until the
-            // event after the op has completed (they are kept in `Staged`).
+            // SAFETY: device buffers of the sizes NCCL reads and writes: the op's own (borrowed
+            // until the collective has completed) or staging copies kept in `Staged`.
             let r = unsafe { enqueue(op, ip, opp, t, self.comm, s)? };
             check(op.name(), r)?;
         }
@@ -262,15 +284,56 @@ impl RealHandle {
     }
 }
 
-/// The host input to upload, the output length and the dtype of `op`.
-fn staged_shape<'a>(op: &'a NcclOp<'_>) -> (BufRef<'a>, usize, DType) {
+/// Where one of an op's buffers lives: device memory (its address), or host memory (the
+/// elements to upload, and the bytes to stage).
+#[derive(Clone, Copy)]
+enum Place<'a> {
+    Device(CudaView<'a>),
+    Host(BufRef<'a>, usize),
+}
+
+impl Place<'_> {
+    fn of(v: View<'_>) -> Place<'_> {
+        match v {
+            View::Cuda(c) => Place::Device(c),
+            View::Host(b) => Place::Host(b, b.len() * b.dtype().size()),
+        }
+    }
+
+    fn device(&self) -> Option<&Arc<crate::backend::cuda::CudaDevice>> {
+        match self {
+            Place::Device(c) => Some(c.device()),
+            Place::Host(..) => None,
+        }
+    }
+
+    fn device_ptr(&self) -> u64 {
+        match self {
+            Place::Device(c) => c.ptr().0,
+            Place::Host(..) => 0,
+        }
+    }
+}
+
+/// The input and output of `op` (the same buffer for the in-place ones).
+fn buffers<'a>(op: &'a NcclOp<'_>) -> (Place<'a>, Place<'a>) {
     match op {
         NcclOp::AllReduce { buf, .. } | NcclOp::Broadcast { buf, .. } => {
-            (buf.as_ref(), buf.len(), buf.dtype())
+            let p = Place::of(buf.as_view());
+            (p, p)
         }
         NcclOp::ReduceScatter { input, output, .. }
         | NcclOp::AllGather { input, output }
-        | NcclOp::AllToAll { input, output } => (*input, output.len(), output.dtype()),
+        | NcclOp::AllToAll { input, output } => (Place::of(*input), Place::of(output.as_view())),
+    }
+}
+
+fn op_dtype(op: &NcclOp<'_>) -> DType {
+    match op {
+        NcclOp::AllReduce { buf, .. } | NcclOp::Broadcast { buf, .. } => buf.dtype(),
+        NcclOp::ReduceScatter { output, .. }
+        | NcclOp::AllGather { output, .. }
+        | NcclOp::AllToAll { output, .. } => output.dtype(),
     }
 }
 
@@ -327,8 +390,8 @@ unsafe fn enqueue(
 /// # Safety
 /// As [`enqueue`].
 unsafe fn all_to_all(
-    input: &BufRef<'_>,
-    output: &BufMut<'_>,
+    input: &View<'_>,
+    output: &ViewMut<'_>,
     ip: *const c_void,
     opp: *mut c_void,
     t: sys::ncclDataType_t,
@@ -363,13 +426,20 @@ unsafe fn all_to_all(
     Ok(unsafe { sys::ncclGroupEnd() })
 }
 
-/// Copies the staged result into the op's host output.
-fn download(stream: &Arc<CudaStream>, out: &CudaSlice<u8>, op: &mut NcclOp<'_>) -> Result<()> {
+/// Copies the staged result into the op's host output (a device output NCCL wrote in place).
+fn download(
+    stream: &Arc<CudaStream>,
+    out: Option<&CudaSlice<u8>>,
+    op: &mut NcclOp<'_>,
+) -> Result<()> {
     let dst = match op {
         NcclOp::AllReduce { buf, .. } | NcclOp::Broadcast { buf, .. } => buf.reborrow(),
         NcclOp::ReduceScatter { output, .. }
         | NcclOp::AllGather { output, .. }
         | NcclOp::AllToAll { output, .. } => output.reborrow(),
+    };
+    let (Some(out), ViewMut::Host(dst)) = (out, dst) else {
+        return Ok(());
     };
     let bytes = dst.bytes_mut();
     let n = bytes.len();
@@ -420,7 +490,7 @@ impl NcclHandle for RealHandle {
         let complete = st.done.as_ref().map(CudaEvent::try_is_complete);
         let outcome = match complete {
             Some(Ok(false)) => return Poll::Pending,
-            Some(Ok(true)) => download(&stream, &st.out, op),
+            Some(Ok(true)) => download(&stream, st.out.as_ref(), op),
             Some(Err(e)) => return Poll::Failed(format!("CUDA error while NCCL ran: {e:?}")),
             None => return Poll::Pending,
         };

@@ -1,5 +1,8 @@
 //! `Engine::save_checkpoint`: every rank writes its shard file into a temporary directory,
 //! rank 0 adds the metadata, publishes the directory by rename and then moves `latest`.
+//! Under hybrid sharding only the first shard group writes (the others hold copies of the
+//! same shards), so the checkpoint is that of a plain run over one group's ranks and loads
+//! at any world size, stage and group size.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -139,13 +142,6 @@ impl Engine {
     ) -> Result<PathBuf> {
         let dir = dir.as_ref();
         check_tag(tag)?;
-        if self.replicas() > 1 {
-            return Err(Error::Unavailable {
-                what: "saving a checkpoint with hybrid sharding",
-                why: "zero_hpz_partition_size splits the world into replicated groups and saving                       one group's shards is not implemented yet; save from a run without it                       (loading works at any group size)"
-                    .into(),
-            });
-        }
         if self.micro != 0 {
             return Err(Error::Invalid(
                 "save_checkpoint in the middle of gradient accumulation; save after step()".into(),
@@ -159,7 +155,10 @@ impl Engine {
         } else {
             Ok(())
         })?;
-        let mine = self.write_rank_file(&tmp);
+        // Under hybrid sharding every shard group holds the same state: the first group's
+        // ranks write it, and the checkpoint is the one a plain run over one group writes.
+        let writes = rank == self.shard_rank();
+        let mine = writes.then(|| self.write_rank_file(&tmp)).transpose();
         let mine = self.agree(mine)?;
         let files = self.gather_file_meta(mine)?;
         let publish = if rank == 0 {
@@ -174,7 +173,7 @@ impl Engine {
     }
 
     fn write_rank_file(&self, tmp: &Path) -> Result<FileMeta> {
-        let rank = self.rank();
+        let rank = self.shard_rank();
         // NVMe-resident state streams into the file one group at a time.
         let streamer = Streamer::default();
         let src = NvmeSources {
@@ -204,13 +203,13 @@ impl Engine {
         })
     }
 
-    /// Every rank's file size and checksum, on every rank. Values travel as 16-bit pieces in
+    /// Every written file's size and checksum, on every rank (the writers are the world's
+    /// first ranks: all of them, or the first shard group). Values travel as 16-bit pieces in
     /// f32, which the collectives carry exactly.
-    fn gather_file_meta(&self, mine: FileMeta) -> Result<Vec<FileMeta>> {
+    fn gather_file_meta(&self, mine: Option<FileMeta>) -> Result<Vec<FileMeta>> {
         let pieces = |x: u64| (0..4).map(move |i| ((x >> (16 * i)) & 0xffff) as f32);
-        let local: Vec<f32> = pieces(mine.bytes)
-            .chain(pieces(mine.crc32c as u64))
-            .collect();
+        let (bytes, crc) = mine.map_or((0, 0), |m| (m.bytes, m.crc32c));
+        let local: Vec<f32> = pieces(bytes).chain(pieces(crc as u64)).collect();
         let mut all = vec![0.0f32; local.len() * self.world_size()];
         self.comm
             .all_gather(BufRef::F32(&local), BufMut::F32(&mut all))?;
@@ -221,6 +220,7 @@ impl Engine {
         };
         Ok(all
             .chunks_exact(8)
+            .take(self.shard_world())
             .enumerate()
             .map(|(q, c)| FileMeta {
                 name: rank_file_name(q),
@@ -242,7 +242,7 @@ impl Engine {
             tag: tag.into(),
             step: self.steps,
             data_position: pos,
-            world_size: self.world_size(),
+            world_size: self.shard_world(),
             stage: self.cfg.zero.stage.number(),
             param_dtype: dtype_name(dtype).into(),
             has_master: self

@@ -322,6 +322,24 @@ impl Driver for EmuDriver {
         unsafe { self.copy_dtoh_async(src, dst.as_mut_ptr(), dst.len(), s) }
     }
 
+    fn check_live(&self, op: &str, what: &str, p: DevPtr, bytes: u64) -> Result<()> {
+        self.memory().check(op, what, p, bytes)
+    }
+
+    unsafe fn copy_unified(
+        &self,
+        src: DevPtr,
+        dst: DevPtr,
+        bytes: usize,
+        _s: StreamKind,
+    ) -> Result<()> {
+        // No table lock here: the ranges may belong to other drivers, whose owners keep them
+        // alive for the copy (the caller's contract); emulated device memory is host memory.
+        // SAFETY: the caller checked both ranges live and disjoint.
+        unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.0 as *mut u8, bytes) };
+        Ok(())
+    }
+
     fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, _s: StreamKind) -> Result<()> {
         let mem = self.memory();
         mem.check_copy(src, dst, bytes as u64)?;

@@ -444,6 +444,57 @@ pub trait Driver: Send + Sync + fmt::Debug {
 
     /// Bytes currently allocated through [`Driver::malloc`] and not freed, by this driver.
     fn allocated(&self) -> u64;
+
+    /// Checks that `p..p + bytes` lies inside one live allocation of this driver (the check
+    /// every copy makes, for a copy that another driver of the process issues: [`copy_peer`]).
+    fn check_live(&self, op: &str, what: &str, p: DevPtr, bytes: u64) -> Result<()>;
+
+    /// Queues a copy of `bytes` bytes between any two device addresses of this process
+    /// (unified addressing: either may belong to another driver, on this GPU or another) on
+    /// this driver's stream `s`.
+    ///
+    /// # Safety
+    /// Both ranges must lie in live device allocations, must not overlap, and must stay
+    /// allocated (and the source unchanged) until the stream has passed the copy; [`copy_peer`]
+    /// checks the first two with the owning drivers.
+    unsafe fn copy_unified(
+        &self,
+        src: DevPtr,
+        dst: DevPtr,
+        bytes: usize,
+        s: StreamKind,
+    ) -> Result<()>;
+}
+
+/// Copies `bytes` bytes from `src`, memory of driver `from`, to `dst`, memory of driver `to`,
+/// on stream `s` of driver `on`: how ranks that share a process (each with its own driver)
+/// exchange device buffers. Each range is checked by the driver that owns it.
+pub fn copy_peer(
+    on: &dyn Driver,
+    (from, src): (&dyn Driver, DevPtr),
+    (to, dst): (&dyn Driver, DevPtr),
+    bytes: usize,
+    s: StreamKind,
+) -> Result<()> {
+    const OP: &str = "cuMemcpyAsync";
+    from.check_live(OP, "source", src, bytes as u64)?;
+    to.check_live(OP, "destination", dst, bytes as u64)?;
+    if bytes == 0 {
+        return Ok(());
+    }
+    let b = bytes as u64;
+    if src.0 < dst.0 + b && dst.0 < src.0 + b {
+        return Err(Error::Device {
+            op: OP.into(),
+            detail: format!(
+                "CUDA_ERROR_INVALID_VALUE: source [{src}, +{bytes}) and destination \
+                 [{dst}, +{bytes}) overlap (undefined on a GPU)"
+            ),
+        });
+    }
+    // SAFETY: both ranges were checked against their owners' live allocations and are
+    // disjoint; the caller keeps both alive until it synchronizes `on`'s stream.
+    unsafe { on.copy_unified(src, dst, bytes, s) }
 }
 
 /// Opens GPU `ordinal` (primary context, three streams, cuBLASLt) with the builtin kernel

@@ -495,6 +495,26 @@ impl Driver for CudaDriver {
             .map_err(|e| cu_err("cuMemcpyDtoDAsync", e))
     }
 
+    fn check_live(&self, op: &str, what: &str, p: DevPtr, bytes: u64) -> Result<()> {
+        self.table().check(op, what, p, bytes)
+    }
+
+    unsafe fn copy_unified(
+        &self,
+        src: DevPtr,
+        dst: DevPtr,
+        bytes: usize,
+        s: StreamKind,
+    ) -> Result<()> {
+        self.bind()?;
+        // Ranks of one process open the primary context of their GPU, so with unified
+        // addressing cuMemcpyAsync reaches another rank's memory on this GPU or a peer one.
+        // SAFETY: the caller checked both ranges against their owners and keeps them alive.
+        unsafe { cusys::cuMemcpyAsync(dst.0, src.0, bytes, self.cu_stream(s)) }
+            .result()
+            .map_err(|e| cu_err("cuMemcpyAsync", e))
+    }
+
     unsafe fn copy_htod_async(
         &self,
         src: *const u8,

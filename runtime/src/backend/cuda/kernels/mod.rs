@@ -119,6 +119,8 @@ pub const SOURCES: &[KernelSource] = &[
             "cast_f16_to_f32",
             "cast_bf16_to_f16",
             "cast_f16_to_bf16",
+            "max_assign_f32",
+            "div_f32",
             "unscale_f32",
             "unscale_bf16",
             "unscale_f16",

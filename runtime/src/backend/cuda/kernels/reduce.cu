@@ -25,6 +25,13 @@
 //       *grad_scale = (float)(coef / loss_scale), read by the optimizer kernels from device
 //       memory. Launch: one block of 32 threads.
 //
+//   max_assign_f32(float* dst, const float* src, long long n)
+//       dst = src > dst || src is NaN ? src : dst: a maximum that keeps a NaN from either side
+//       (the local communicator's Max, comm/local/kernels.rs `max_nan`).
+//   div_f32(float* x, long long n, float d)
+//       x = x / d, an IEEE division (the local communicator's Avg divides the rank-order sum
+//       by the world size; multiplying by 1/d would round differently).
+//
 //   colsum_partial_T(const T* m, float* partial, long long rows, int cols, int rows_per_chunk)
 //       partial[c][j] = sum over the rows of chunk c of m[i, j], in row order (overwritten).
 //       Scratch: ceil(rows / rows_per_chunk) * cols floats. Launch: any 1-D grid, a thread per
@@ -47,6 +54,33 @@ struct Cast {
     float v[W];
     fz_load<W>(src + i, v);
     fz_store<W>(dst + i, v);
+  }
+};
+
+struct MaxAssign {
+  float* dst;
+  const float* src;
+  template <int W>
+  __device__ __forceinline__ void operator()(long long i, fz_int<W>) const {
+    float a[W], b[W];
+    fz_load<W>(dst + i, a);
+    fz_load<W>(src + i, b);
+#pragma unroll
+    for (int k = 0; k < W; ++k) a[k] = (b[k] > a[k] || b[k] != b[k]) ? b[k] : a[k];
+    fz_store<W>(dst + i, a);
+  }
+};
+
+struct DivBy {
+  float* x;
+  float d;
+  template <int W>
+  __device__ __forceinline__ void operator()(long long i, fz_int<W>) const {
+    float v[W];
+    fz_load<W>(x + i, v);
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = v[k] / d;
+    fz_store<W>(x + i, v);
   }
 };
 
@@ -158,6 +192,13 @@ extern "C" __global__ void cast_bf16_to_f16(const bf16_t* src, f16_t* dst, long 
 }
 extern "C" __global__ void cast_f16_to_bf16(const f16_t* src, bf16_t* dst, long long n) {
   cast(src, dst, n);
+}
+
+extern "C" __global__ void max_assign_f32(float* dst, const float* src, long long n) {
+  fz_grid_packs<fz_vec<float>::n>(n, fz_aligned16(dst) && fz_aligned16(src), MaxAssign{dst, src});
+}
+extern "C" __global__ void div_f32(float* x, long long n, float d) {
+  fz_grid_packs<fz_vec<float>::n>(n, fz_aligned16(x), DivBy{x, d});
 }
 
 extern "C" __global__ void unscale_f32(float* x, long long n, float s, int* nonfinite) {
