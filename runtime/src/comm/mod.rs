@@ -25,10 +25,10 @@ pub enum ReduceOp {
 /// How a communicator whose transport has its own reductions (MPI) forms sums.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Reduction {
-    /// The transport's own reduction (`MPI_Allreduce`, `MPI_Reduce_scatter_block`) for f32
-    /// `Sum`/`Avg`: its bandwidth, and its association order, which is deterministic for a
-    /// world size and length but is rank order only at two ranks. bf16/f16 and `Max` are
-    /// rank-ordered either way (MPI has no bf16).
+    /// The transport's own all-reduce (`MPI_Allreduce`) for f32 `Sum`/`Avg`: its bandwidth,
+    /// and its association order, which is deterministic for a world size and length but is
+    /// rank order only at two ranks. Reduce-scatters, bf16/f16 and `Max` are rank-ordered
+    /// either way (an all-to-all and a fold beat `MPI_Reduce_scatter_block`; MPI has no bf16).
     #[default]
     Native,
     /// Rank order `((x0 + x1) + x2) + ...` in f32, rounded once: bitwise equal to `local`
