@@ -88,9 +88,8 @@ pub(super) struct WriteBehind {
     /// The values of the step that the current backward ends; `None` between steps.
     armed: Option<StepValues>,
     /// Groups on the lane, in submission order; each comes back with its update's result.
+    /// Between arming and joining, these are exactly the groups the armed step has lent.
     lent: Vec<(usize, Lent)>,
-    /// Which groups the armed step has stepped or lent.
-    stepped: Vec<bool>,
 }
 
 impl WriteBehind {
@@ -100,7 +99,6 @@ impl WriteBehind {
             lane: Lane::new(&format!("fz-optim-{rank}"))?,
             armed: None,
             lent: Vec::new(),
-            stepped: Vec::new(),
         })
     }
 }
@@ -125,10 +123,8 @@ impl Engine {
             return;
         }
         let sv = self.step_values((1.0 / self.scaler.scale()) as f32);
-        let n = self.groups.len();
         if let Some(w) = &mut self.write_behind {
             w.armed = Some(sv);
-            w.stepped = vec![false; n];
         }
     }
 
@@ -148,7 +144,7 @@ impl Engine {
                 ..
             }
         );
-        if w.stepped[g] || gathered || self.groups[g].work.is_some() {
+        if w.lent.iter().any(|(x, _)| *x == g) || gathered || self.groups[g].work.is_some() {
             return Err(Error::Invalid(format!(
                 "group {g} reached the optimizer lane twice or still gathered"
             )));
@@ -168,7 +164,6 @@ impl Engine {
             Ok((group, r))
         });
         w.lent.push((g, t));
-        w.stepped[g] = true;
         Ok(())
     }
 
@@ -179,17 +174,16 @@ impl Engine {
         let Some(sv) = self.write_behind.as_mut().and_then(|w| w.armed.take()) else {
             return Ok(None);
         };
+        let mut stepped = vec![false; self.groups.len()];
+        for (g, _) in self.write_behind.iter().flat_map(|w| &w.lent) {
+            stepped[*g] = true;
+        }
         let t = Instant::now();
         let back = self.take_back_lent();
         self.timings.optimizer += t.elapsed().as_secs_f64();
         back?;
-        let stepped = self
-            .write_behind
-            .as_mut()
-            .map(|w| std::mem::take(&mut w.stepped))
-            .unwrap_or_default();
         let tile = self.cfg.zero.sub_group_size.max(1);
-        for g in (0..self.groups.len()).filter(|&g| stepped.get(g) != Some(&true)) {
+        for g in (0..self.groups.len()).filter(|&g| !stepped[g]) {
             let (group, nvme) = (&mut self.groups[g], self.nvme.as_deref());
             self.optimizer
                 .step_group(group, &sv, tile, nvme, &*self.be)?;
@@ -202,7 +196,6 @@ impl Engine {
     pub(super) fn disarm_write_behind(&mut self) -> Result<()> {
         if let Some(w) = self.write_behind.as_mut() {
             w.armed = None;
-            w.stepped.clear();
         }
         self.take_back_lent()
     }
