@@ -67,6 +67,10 @@ fn is_f32<T: 'static>() -> bool {
     std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
 }
 
+/// The scratch area's smallest size (8 MiB): allocated once with huge-page advice, so the
+/// small collectives' receive buffer is never a fresh run of 4 KiB pages.
+const SCRATCH_MIN_WORDS: usize = 1 << 20;
+
 impl MpiComm {
     /// An MPI error code as this crate's error (the default handler aborts before, so this
     /// is reached only where a library returns errors).
@@ -111,7 +115,7 @@ impl MpiComm {
         let mut s = self.scratch.borrow_mut();
         let words = (elems * std::mem::size_of::<T>()).div_ceil(8);
         if s.len() < words {
-            s.resize(words, 0);
+            *s = ferrozero_offload::huge::filled_vec(words.max(SCRATCH_MIN_WORDS), 0);
         }
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut s[..words]);
         f(bytemuck::cast_slice_mut(
