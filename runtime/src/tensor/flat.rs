@@ -7,8 +7,15 @@
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 use super::{BufMut, BufRef, DType};
+
+/// Buffers at least this long are filled, added and scanned on the rayon pool (elementwise
+/// work, so the result never depends on how it is split).
+const PAR_MIN: usize = 1 << 18;
+/// Elements per parallel task: large enough that a task outweighs its hand-off.
+const PAR_CHUNK: usize = 1 << 16;
 
 /// An owned flat buffer in one storage dtype.
 #[derive(Debug, Clone, PartialEq)]
@@ -135,8 +142,16 @@ impl FlatBuf {
     pub fn accumulate(&mut self, offset: usize, src: &FlatBuf, n: usize, scratch: &mut Vec<f32>) {
         match (self, src) {
             (FlatBuf::F32(d), FlatBuf::F32(s)) => {
-                for (a, b) in d[offset..offset + n].iter_mut().zip(&s[..n]) {
-                    *a += *b;
+                let add = |(d, s): (&mut [f32], &[f32])| {
+                    d.iter_mut().zip(s).for_each(|(a, b)| *a += *b);
+                };
+                let (d, s) = (&mut d[offset..offset + n], &s[..n]);
+                if n >= PAR_MIN {
+                    d.par_chunks_mut(PAR_CHUNK)
+                        .zip(s.par_chunks(PAR_CHUNK))
+                        .for_each(add);
+                } else {
+                    add((d, s));
                 }
             }
             (d, s) => {
@@ -162,31 +177,49 @@ impl FlatBuf {
 
     /// Sets every element to zero.
     pub fn fill_zero(&mut self) {
+        fn fill<T: Copy + Send + Sync>(v: &mut [T], zero: T) {
+            if v.len() >= PAR_MIN {
+                v.par_chunks_mut(PAR_CHUNK).for_each(|c| c.fill(zero));
+            } else {
+                v.fill(zero);
+            }
+        }
         match self {
-            FlatBuf::F32(v) => v.fill(0.0),
-            FlatBuf::Bf16(v) => v.fill(bf16::ZERO),
-            FlatBuf::F16(v) => v.fill(f16::ZERO),
+            FlatBuf::F32(v) => fill(v, 0.0),
+            FlatBuf::Bf16(v) => fill(v, bf16::ZERO),
+            FlatBuf::F16(v) => fill(v, f16::ZERO),
         }
     }
 
     /// Whether any element of `range` is infinite or NaN.
     pub fn has_non_finite(&self, range: std::ops::Range<usize>) -> bool {
+        // Exponent bits all ones means Inf or NaN. Each chunk is an OR over every element (no
+        // early exit), which the compiler vectorises; chunks run in parallel and stop early.
+        fn any_exp_ones<T: Copy + Sync>(v: &[T], bits: impl Fn(T) -> u32 + Sync, exp: u32) -> bool {
+            let chunk = |c: &[T]| {
+                c.iter()
+                    .fold(0u32, |a, &x| a | u32::from(bits(x) & exp == exp))
+                    != 0
+            };
+            if v.len() >= PAR_MIN {
+                v.par_chunks(PAR_CHUNK).any(chunk)
+            } else {
+                v.chunks(PAR_CHUNK).any(chunk)
+            }
+        }
         match self {
-            FlatBuf::F32(v) => v[range].iter().any(|x| !x.is_finite()),
-            // Exponent bits all ones means Inf or NaN.
-            FlatBuf::Bf16(v) => v[range]
-                .reinterpret_cast()
-                .iter()
-                .any(|b: &u16| b & 0x7f80 == 0x7f80),
-            FlatBuf::F16(v) => v[range]
-                .reinterpret_cast()
-                .iter()
-                .any(|b: &u16| b & 0x7c00 == 0x7c00),
+            FlatBuf::F32(v) => any_exp_ones(&v[range], f32::to_bits, 0x7f80_0000),
+            FlatBuf::Bf16(v) => any_exp_ones(&v[range], |x| u32::from(x.to_bits()), 0x7f80),
+            FlatBuf::F16(v) => any_exp_ones(&v[range], |x| u32::from(x.to_bits()), 0x7c00),
         }
     }
 
     /// Sum of squares of `range`, accumulated in f64 in index order.
     pub fn sum_squares(&self, range: std::ops::Range<usize>, scratch: &mut Vec<f32>) -> f64 {
+        if let FlatBuf::F32(v) = self {
+            // The same sum, read in place rather than through a copy.
+            return v[range].iter().map(|&x| (x as f64) * (x as f64)).sum();
+        }
         let n = range.len();
         scratch.resize(n, 0.0);
         self.load_f32(range.start, &mut scratch[..n]);
@@ -210,6 +243,46 @@ mod tests {
         b.accumulate(1, &add, 2, &mut scratch);
         b.load_f32(0, &mut out);
         assert_eq!(out[..3], [1.0, 3.5, -2.0]);
+    }
+
+    #[test]
+    fn parallel_passes_match_the_sequential_ones() {
+        let n = PAR_MIN + PAR_CHUNK / 3;
+        let src: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1013) as f32 * 0.37 - 150.0)
+            .collect();
+        let mut d = FlatBuf::F32((0..n).map(|i| i as f32 * 1e-3).collect());
+        let want: Vec<f32> = match &d {
+            FlatBuf::F32(v) => v.iter().zip(&src).map(|(a, b)| a + b).collect(),
+            _ => unreachable!(),
+        };
+        d.accumulate(0, &FlatBuf::F32(src.clone()), n, &mut Vec::new());
+        assert_eq!(d, FlatBuf::F32(want.clone()));
+        let seq: f64 = want[5..n - 9]
+            .iter()
+            .map(|&x| (x as f64) * (x as f64))
+            .sum();
+        assert_eq!(
+            d.sum_squares(5..n - 9, &mut Vec::new()).to_bits(),
+            seq.to_bits()
+        );
+        for dt in [DType::F32, DType::Bf16, DType::F16] {
+            let mut b = FlatBuf::zeros(dt, n);
+            b.store_f32(0, &src);
+            assert!(!b.has_non_finite(0..n), "{dt:?}");
+            for (at, bad) in [
+                (n - 1, f32::NAN),
+                (PAR_CHUNK + 3, f32::INFINITY),
+                (0, f32::NEG_INFINITY),
+            ] {
+                let mut c = b.clone();
+                c.store_f32(at, &[bad]);
+                assert!(c.has_non_finite(0..n), "{dt:?} {bad} at {at}");
+                assert!(!c.has_non_finite(at + 1..n), "{dt:?} past {at}");
+            }
+            b.fill_zero();
+            assert_eq!(b, FlatBuf::zeros(dt, n), "{dt:?}");
+        }
     }
 
     #[test]
