@@ -44,6 +44,8 @@ enum BenchCommand {
     Comm(cli::bench_comm::Args),
     /// CPU optimizer step throughput.
     Adam(cli::bench_adam::Args),
+    /// The per-step passes over the whole gradient (accumulate, norm and overflow, zeroing).
+    Grad(cli::bench_grad::Args),
     /// NVMe swap read/write bandwidth.
     Swap(cli::bench_swap::Args),
 }
@@ -61,6 +63,7 @@ fn main() -> ExitCode {
         Command::Bench { which } => match which {
             BenchCommand::Comm(a) => cli::bench_comm::run(a),
             BenchCommand::Adam(a) => cli::bench_adam::run(a),
+            BenchCommand::Grad(a) => cli::bench_grad::run(a),
             BenchCommand::Swap(a) => cli::bench_swap::run(a),
         },
     }

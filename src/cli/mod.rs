@@ -2,6 +2,7 @@
 
 pub mod bench_adam;
 pub mod bench_comm;
+pub mod bench_grad;
 pub mod bench_swap;
 pub mod checkpoint;
 pub mod config;

@@ -70,12 +70,14 @@ impl Engine {
         }
         let loss_sum = self.sum_across_ranks(local)?;
         let tokens = self.sum_across_ranks(self.tokens as f64)? as u64;
-        let overflow = self.any_overflow()?;
+        // One pass over the owned gradients serves both the overflow check and the norm.
+        let local_sumsq = self.local_sum_squares()?;
+        let overflow = self.any_overflow(!local_sumsq.is_finite())?;
         let scale = self.scaler.scale();
         let norm = if overflow {
             f64::NAN
         } else {
-            self.global_norm()? / scale
+            self.global_norm(local_sumsq)? / scale
         };
         let decision = self.scaler.update(overflow)?;
         let lr = self.schedule.lr_at(self.steps);
@@ -184,38 +186,34 @@ impl Engine {
         Ok(v[0] as f64 * 16_777_216.0 + v[1] as f64)
     }
 
-    /// Whether any rank's owned gradients contain Inf or NaN.
-    fn any_overflow(&self) -> Result<bool> {
-        let rank = self.shard_rank();
-        let mut local = false;
-        for g in &self.groups {
-            let r = g.layout.shard_range(rank);
-            if g.grad
-                .has_non_finite(r.start - g.grad_offset..r.end - g.grad_offset)?
-            {
-                local = true;
-                break;
-            }
-        }
+    /// Whether any rank's owned gradients contain Inf or NaN, given whether this rank's do.
+    fn any_overflow(&self, local: bool) -> Result<bool> {
         let mut v = [if local { 1.0f32 } else { 0.0 }];
         self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Max)?;
         Ok(v[0] > 0.0)
     }
 
-    /// The global L2 norm of the (still loss-scaled) gradients. Every stage sums the same
-    /// elements in the same order: each rank its shard range, groups in order, then ranks in
-    /// rank order, so the norm is bitwise equal across stages.
-    fn global_norm(&self) -> Result<f64> {
+    /// The sum of squares of this rank's owned (still loss-scaled) gradients: each group's
+    /// shard range in group order, each range in the storage's fixed blocked order. Every
+    /// stage sums the same elements in the same order, so it is bitwise equal across stages;
+    /// it is finite exactly when every element is (squares of finite values are exact in f64
+    /// and their sum cannot overflow), which makes it the overflow check too.
+    fn local_sum_squares(&self) -> Result<f64> {
         let rank = self.shard_rank();
-        let mut scratch = Vec::new();
         // -0.0 is what `Iterator::sum` starts from: the same bits for an all-zero gradient.
         let mut local = -0.0f64;
         for g in &self.groups {
             let r = g.layout.shard_range(rank);
             local += g
                 .grad
-                .sum_squares(r.start - g.grad_offset..r.end - g.grad_offset, &mut scratch)?;
+                .sum_squares(r.start - g.grad_offset..r.end - g.grad_offset)?;
         }
+        Ok(local)
+    }
+
+    /// The global L2 norm from each rank's [`Self::local_sum_squares`]: one copy of the
+    /// sharded gradient, summed over the shard group in rank order.
+    fn global_norm(&self, local: f64) -> Result<f64> {
         let mut v = [local as f32];
         // One copy of the sharded gradient: the shard group's sum (the world's, without
         // hybrid sharding).

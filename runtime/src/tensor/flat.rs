@@ -214,17 +214,50 @@ impl FlatBuf {
         }
     }
 
-    /// Sum of squares of `range`, accumulated in f64 in index order.
-    pub fn sum_squares(&self, range: std::ops::Range<usize>, scratch: &mut Vec<f32>) -> f64 {
-        if let FlatBuf::F32(v) = self {
-            // The same sum, read in place rather than through a copy.
-            return v[range].iter().map(|&x| (x as f64) * (x as f64)).sum();
+    /// Sum of squares of `range` in f64, in an order fixed by the range's length alone (see
+    /// [`sum_squares_blocked`]), so the result is the same whatever the thread count. Every
+    /// square is exact in f64 and the sum cannot overflow, so the result is finite exactly
+    /// when every element is.
+    pub fn sum_squares(&self, range: std::ops::Range<usize>) -> f64 {
+        match self {
+            FlatBuf::F32(v) => sum_squares_blocked(&v[range], |x| x),
+            FlatBuf::Bf16(v) => sum_squares_blocked(&v[range], bf16::to_f32),
+            FlatBuf::F16(v) => sum_squares_blocked(&v[range], f16::to_f32),
         }
-        let n = range.len();
-        scratch.resize(n, 0.0);
-        self.load_f32(range.start, &mut scratch[..n]);
-        scratch[..n].iter().map(|&x| (x as f64) * (x as f64)).sum()
     }
+}
+
+/// Lanes of one chunk's sum: element `i` goes to lane `i % LANES`, so the lanes are
+/// independent chains the compiler vectorises instead of one latency-bound chain.
+const LANES: usize = 8;
+
+/// Sum of squares in f64: [`PAR_CHUNK`]-element chunks from the start of `v`, each summed in
+/// [`LANES`] lanes combined pairwise ((0+1)+(2+3))+((4+5)+(6+7)), the chunk sums added in
+/// chunk order from -0.0. Chunks run on the rayon pool; the order of every addition depends
+/// only on `v.len()`.
+fn sum_squares_blocked<T: Copy + Sync>(v: &[T], f32_of: impl Fn(T) -> f32 + Sync) -> f64 {
+    let chunk = |c: &[T]| {
+        let mut lanes = [0.0f64; LANES];
+        let mut blocks = c.chunks_exact(LANES);
+        for b in &mut blocks {
+            for (l, &x) in lanes.iter_mut().zip(b) {
+                let x = f64::from(f32_of(x));
+                *l += x * x;
+            }
+        }
+        for (l, &x) in lanes.iter_mut().zip(blocks.remainder()) {
+            let x = f64::from(f32_of(x));
+            *l += x * x;
+        }
+        let [a, b, c, d, e, f, g, h] = lanes;
+        ((a + b) + (c + d)) + ((e + f) + (g + h))
+    };
+    let sums: Vec<f64> = if v.len() >= PAR_MIN {
+        v.par_chunks(PAR_CHUNK).map(chunk).collect()
+    } else {
+        v.chunks(PAR_CHUNK).map(chunk).collect()
+    };
+    sums.into_iter().fold(-0.0, |acc, s| acc + s)
 }
 
 #[cfg(test)]
@@ -262,14 +295,22 @@ mod tests {
             .iter()
             .map(|&x| (x as f64) * (x as f64))
             .sum();
+        let blocked = d.sum_squares(5..n - 9);
+        assert!((blocked - seq).abs() <= 1e-12 * seq, "{blocked} vs {seq}");
+        // The order is the length's alone: the same bits on one thread as on the pool.
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
         assert_eq!(
-            d.sum_squares(5..n - 9, &mut Vec::new()).to_bits(),
-            seq.to_bits()
+            one.install(|| d.sum_squares(5..n - 9)).to_bits(),
+            blocked.to_bits()
         );
         for dt in [DType::F32, DType::Bf16, DType::F16] {
             let mut b = FlatBuf::zeros(dt, n);
             b.store_f32(0, &src);
             assert!(!b.has_non_finite(0..n), "{dt:?}");
+            assert!(b.sum_squares(0..n).is_finite(), "{dt:?}");
             for (at, bad) in [
                 (n - 1, f32::NAN),
                 (PAR_CHUNK + 3, f32::INFINITY),
@@ -279,6 +320,8 @@ mod tests {
                 c.store_f32(at, &[bad]);
                 assert!(c.has_non_finite(0..n), "{dt:?} {bad} at {at}");
                 assert!(!c.has_non_finite(at + 1..n), "{dt:?} past {at}");
+                // The engine's overflow check: a non-finite sum of squares.
+                assert!(!c.sum_squares(0..n).is_finite(), "{dt:?} {bad} at {at}");
             }
             b.fill_zero();
             assert_eq!(b, FlatBuf::zeros(dt, n), "{dt:?}");

@@ -257,10 +257,10 @@ impl Storage {
     }
 
     /// Sum of squares of `range`, accumulated in f64 (device storage: read back).
-    pub fn sum_squares(&self, range: Range<usize>, scratch: &mut Vec<f32>) -> Result<f64> {
+    pub fn sum_squares(&self, range: Range<usize>) -> Result<f64> {
         check_span("sum_squares", range.start, range.len(), self.len())?;
         match self {
-            Storage::Host(b) => Ok(b.sum_squares(range, scratch)),
+            Storage::Host(b) => Ok(b.sum_squares(range)),
             Storage::Cuda(c) => c.sum_squares(range),
         }
     }

@@ -227,7 +227,7 @@ pub fn column_sums(mat: &[f32], cols: usize, acc: &mut [f32]) {
     cpu().sum_rows(v(mat), cols, m(acc)).unwrap();
 }
 
-/// Σ x² in f64, index order (the gradient norm's local part).
+/// Σ x² in f64 (the gradient norm's local part, in the CPU backend's blocked order).
 pub fn sum_squares(x: &[f32]) -> f64 {
-    FlatBuf::F32(x.to_vec()).sum_squares(0..x.len(), &mut Vec::new())
+    FlatBuf::F32(x.to_vec()).sum_squares(0..x.len())
 }
