@@ -100,9 +100,13 @@ pub trait MemoryOps {
     /// A zero-filled engine buffer (parameters, gradients, optimizer state, communication
     /// buffers) on this device; hand transient ones back with [`MemoryOps::recycle`].
     fn buffer(&self, dtype: DType, len: usize) -> Result<Storage>;
-    /// An engine buffer whose every element the caller overwrites before reading.
+    /// A buffer (an engine transient or a layer's activation) whose every element the caller
+    /// overwrites before reading: no fill, and on the CPU a reused allocation when one of this
+    /// size was recycled.
     fn buffer_uninit(&self, dtype: DType, len: usize) -> Result<Storage>;
-    /// Returns a transient engine buffer so a later one of the same size reuses its memory.
+    /// Hands back a transient buffer or an activation that died, so that a later one of the
+    /// same size reuses its memory (the CPU: the thread's buffer cache; a GPU: its caching
+    /// allocator).
     fn recycle(&self, buf: Storage);
     /// Host values as an engine buffer on this device (the CPU keeps the allocation; a device
     /// uploads it: an explicit copy).

@@ -392,7 +392,9 @@ impl Engine {
                 }
             }
             self.ledger.check_limit()?;
-            x = out;
+            // The unit kept what it needs of its input (a copy); the buffer is reused.
+            let input = std::mem::replace(&mut x, out);
+            self.be.recycle(input.storage);
         }
         self.timings.forward += t.elapsed().as_secs_f64();
         if x.numel() != 1 {
@@ -429,7 +431,8 @@ impl Engine {
                 self.unit_backward(unit, batch, &grad)
             });
             self.release_unit(unit);
-            grad = r?;
+            let grad_output = std::mem::replace(&mut grad, r?);
+            self.be.recycle(grad_output.storage);
             self.reduce_group(unit)?;
             self.ledger.check_limit()?;
             if let (Some(s), Some(first)) = (shared, first_shared_user) {

@@ -17,9 +17,14 @@ use crate::backend::Backend;
 use crate::tensor::{DType, Storage, Tensor};
 use crate::{Error, Result};
 
-/// A zero-filled activation buffer of `len` elements in the backend's activation dtype.
+/// An activation buffer of `len` elements in the backend's activation dtype whose contents
+/// are unspecified: every caller hands it to an op that overwrites each element before
+/// anything reads it (a layer that needs zeros uses [`Ctx::alloc`]). The CPU serves it from
+/// the thread's buffer cache without a fill, a GPU without a memset; layers hand their
+/// buffers back with [`crate::backend::MemoryOps::recycle`] when they die, so a step reuses
+/// the previous step's memory.
 pub(crate) fn act(be: &dyn Backend, len: usize) -> Result<Storage> {
-    be.zeros(be.act_dtype(), len)
+    be.buffer_uninit(be.act_dtype(), len)
 }
 
 /// A zero-filled f32 buffer of per-row statistics (norm means and reciprocal stds stay f32

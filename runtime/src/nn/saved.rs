@@ -11,6 +11,13 @@ macro_rules! saved_struct {
         pub(crate) struct $name {
             $(pub(crate) $field: $crate::tensor::Storage,)*
         }
+        impl $name {
+            /// Hands every buffer back to `be` for reuse (at the end of backward).
+            #[allow(dead_code)] // states without buffers never call it
+            pub(crate) fn recycle(self, _be: &dyn $crate::backend::Backend) {
+                $(_be.recycle(self.$field);)*
+            }
+        }
         impl $crate::nn::module::SavedState for $name {
             fn bytes(&self) -> usize {
                 0 $(+ self.$field.bytes() as usize)*

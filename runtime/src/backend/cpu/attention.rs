@@ -135,7 +135,9 @@ impl AttentionOps for CpuBackend {
         let tt = t * t;
         // The CPU keeps the probabilities for backward: the per-head products are small and
         // recomputing them would cost more than the memory.
-        let mut probs = vec![0.0f32; s.batch * hq * tt];
+        // Every element is written: the products fill each row up to the diagonal and the
+        // softmax zeroes the masked rest, so a reused buffer needs no fill.
+        let mut probs = crate::tensor::spare::take_f32(s.batch * hq * tt);
         let scale = 1.0 / (d as f32).sqrt();
         let group = hq / s.kv_heads;
         let out_ptr = SendPtr(out.as_mut_ptr());

@@ -50,7 +50,7 @@ impl MemoryOps for CpuBackend {
 
     fn copy(&self, src: View<'_>) -> Result<Storage> {
         match src {
-            View::Host(b) => Ok(Storage::Host(FlatBuf::from_ref(b))),
+            View::Host(b) => Ok(Storage::Host(crate::tensor::spare::copy_of(b))),
             View::Cuda(_) => Err(foreign("copy", "source")),
         }
     }

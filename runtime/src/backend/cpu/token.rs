@@ -6,7 +6,7 @@ use rayon::prelude::*;
 use super::{expect_len, f32_in, f32_out, math, CpuBackend};
 use crate::backend::{Accumulate, HeadLoss, HeadShape, MatmulShape, TokenOps, Transpose};
 use crate::nn::IGNORE_INDEX;
-use crate::tensor::{FlatBuf, Ids, Storage, View, ViewMut};
+use crate::tensor::{spare, FlatBuf, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
 
 /// Host indices, or an error naming the operation.
@@ -154,7 +154,8 @@ impl TokenOps for CpuBackend {
         let targets = host_ids(OP, targets)?;
         let (x, w) = (f32_in(OP, "x", x)?, f32_in(OP, "weight", w)?);
         expect_len(OP, "targets", targets.len(), shape.rows)?;
-        let mut logits = vec![0.0; shape.rows * shape.vocab];
+        // Overwritten whole by the product; handed back after backward (or below).
+        let mut logits = spare::take_f32(shape.rows * shape.vocab);
         self.matmul_host(
             logits_shape(shape),
             x,
@@ -163,9 +164,15 @@ impl TokenOps for CpuBackend {
             Accumulate::Overwrite,
         )?;
         let loss = self.cross_entropy_forward(&mut logits, shape.vocab, targets)?;
+        let saved = if keep {
+            Some(Storage::Host(FlatBuf::F32(logits)))
+        } else {
+            spare::give_f32(logits);
+            None
+        };
         Ok(HeadLoss {
             loss: Storage::from_f32(vec![loss as f32]),
-            saved: keep.then_some(Storage::Host(FlatBuf::F32(logits))),
+            saved,
         })
     }
 
@@ -213,7 +220,9 @@ impl TokenOps for CpuBackend {
             ta: Transpose::No,
             tb: Transpose::No,
         };
-        self.matmul_host(dx_shape, &dlogits, w, dx, Accumulate::Overwrite)
+        let r = self.matmul_host(dx_shape, &dlogits, w, dx, Accumulate::Overwrite);
+        spare::give_f32(dlogits);
+        r
     }
 
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>> {

@@ -211,10 +211,10 @@ impl Module for Block {
         )?;
         let (dw, db) = gr.pair_mut(10, 11);
         fc2.backward_params(be, s.g.view(), dm.view(), dw, Some(db))?;
-        drop(dm);
+        be.recycle(dm);
         let mut dh = act(be, n * 4 * c)?;
         be.gelu_backward(s.h.view(), dg.view(), dh.view_mut())?;
-        drop(dg);
+        be.recycle(dg);
         let mut dln2 = act(be, n * c)?;
         let fc1 = self.lin(c, 4 * c);
         fc1.backward_input(
@@ -226,7 +226,7 @@ impl Module for Block {
         )?;
         let (dw, db) = gr.pair_mut(8, 9);
         fc1.backward_params(be, s.ln2.view(), dh.view(), dw, Some(db))?;
-        drop(dh);
+        be.recycle(dh);
         let mut dx2 = act(be, n * c)?;
         let (g6, g7) = gr.pair_mut(6, 7);
         be.layernorm_backward(
@@ -290,6 +290,10 @@ impl Module for Block {
             g1,
         )?;
         be.add_assign(dx.view_mut(), dx2.view())?;
+        for dead in [dx2, dqkv, dln1] {
+            be.recycle(dead);
+        }
+        s.recycle(be);
         Tensor::new(grad_output.shape.clone(), dx)
     }
 

@@ -257,6 +257,9 @@ impl Module for Head {
             g0,
             g1,
         )?;
+        for dead in [dlnf, s.x, s.mean, s.rstd, s.lnf] {
+            be.recycle(dead);
+        }
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, c], dx)
     }
 

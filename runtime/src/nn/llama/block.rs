@@ -206,7 +206,7 @@ impl Module for Block {
             dgate.view_mut(),
             dup.view_mut(),
         )?;
-        drop(dact);
+        be.recycle(dact);
         let gu = Self::lin(hd, im);
         let mut dn2 = act(be, n * hd)?;
         gu.backward_input(
@@ -219,7 +219,8 @@ impl Module for Block {
         gu.backward_input(be, dup.view(), p.get(WU), dn2.view_mut(), Accumulate::Add)?;
         gu.backward_params(be, s.n2.view(), dgate.view(), gr.get_mut(WG), None)?;
         gu.backward_params(be, s.n2.view(), dup.view(), gr.get_mut(WU), None)?;
-        drop((dgate, dup));
+        be.recycle(dgate);
+        be.recycle(dup);
         let mut dx2 = act(be, n * hd)?;
         be.rmsnorm_backward(
             s.x2.view(),
@@ -283,6 +284,10 @@ impl Module for Block {
             gr.get_mut(NORM1),
         )?;
         be.add_assign(dx.view_mut(), dx2.view())?;
+        for dead in [dx2, datt, dq, dk, dv, dn1] {
+            be.recycle(dead);
+        }
+        s.recycle(be);
         Tensor::new(grad_output.shape.clone(), dx)
     }
 

@@ -235,6 +235,9 @@ impl Module for Head {
             dx.view_mut(),
             gr.get_mut(0),
         )?;
+        for dead in [dnormed, s.x, s.rstd, s.normed] {
+            be.recycle(dead);
+        }
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, h], dx)
     }
 
