@@ -35,9 +35,7 @@ pub struct Args {
 
 /// Runs the subcommand.
 pub fn run(args: Args) -> ExitCode {
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = super::threads_or_all(args.threads);
     let dtype = match args.dtype {
         Dtype::F32 => AdamDtype::F32,
         Dtype::Bf16 => AdamDtype::Bf16,

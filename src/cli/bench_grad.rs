@@ -26,9 +26,7 @@ pub struct Args {
 
 /// Runs the subcommand.
 pub fn run(args: Args) -> ExitCode {
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = super::threads_or_all(args.threads);
     let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
         Ok(p) => p,
         Err(e) => {

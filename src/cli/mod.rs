@@ -11,3 +11,8 @@ pub mod launch;
 pub mod report;
 pub mod schema;
 pub mod validate;
+
+/// The worker threads a benchmark asked for, or every core this process may use.
+pub(crate) fn threads_or_all(threads: Option<usize>) -> usize {
+    threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}

@@ -18,7 +18,8 @@ use std::collections::VecDeque;
 
 use half::{bf16, f16};
 
-use super::{BufRef, DType, FlatBuf};
+use super::storage::copy_view;
+use super::{BufRef, DType, FlatBuf, View, ViewMut};
 
 /// Buffers smaller than this are left to the allocator, which serves them well.
 pub const MIN_BYTES: usize = 1 << 20;
@@ -56,20 +57,13 @@ pub fn take(dtype: DType, len: usize) -> FlatBuf {
 
 /// A copy of `src` in a cached buffer when one of its shape is held.
 pub fn copy_of(src: BufRef<'_>) -> FlatBuf {
-    match (reuse(src.dtype(), src.len()), src) {
-        (Some(FlatBuf::F32(mut d)), BufRef::F32(s)) => {
-            d.copy_from_slice(s);
-            FlatBuf::F32(d)
-        }
-        (Some(FlatBuf::Bf16(mut d)), BufRef::Bf16(s)) => {
-            d.copy_from_slice(s);
-            FlatBuf::Bf16(d)
-        }
-        (Some(FlatBuf::F16(mut d)), BufRef::F16(s)) => {
-            d.copy_from_slice(s);
-            FlatBuf::F16(d)
-        }
-        (_, s) => FlatBuf::from_ref(s),
+    let Some(mut d) = reuse(src.dtype(), src.len()) else {
+        return FlatBuf::from_ref(src);
+    };
+    // Same dtype and length by construction, so the copy cannot fail.
+    match copy_view(View::Host(src), ViewMut::Host(d.as_mut())) {
+        Ok(()) => d,
+        Err(_) => FlatBuf::from_ref(src),
     }
 }
 
