@@ -6,6 +6,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::simd_kernel;
 use super::{f32_in, f32_out, gemm_raw, math, CpuBackend, SendPtr, StridedMat};
 use crate::backend::{Accumulate, AttentionGrads, AttentionOps, AttentionShape, Rotation, RowView};
 use crate::tensor::{FlatBuf, Storage, View, ViewMut};
@@ -79,30 +80,34 @@ unsafe fn zero_head(m: StridedMat, t: usize, d: usize) {
     }
 }
 
-/// Turns `dP` into `dS = P ∘ (dP - rowsum(dP ∘ P)) · scale` in place, zeroing the masked
-/// part (whose dP entries were never computed or are not needed).
-fn softmax_backward(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
-    for (i, (prow, dprow)) in p.chunks(t).zip(dp.chunks_mut(t)).enumerate() {
-        let (live, masked) = dprow.split_at_mut(i + 1);
-        let dot: f32 = prow[..=i].iter().zip(live.iter()).map(|(a, b)| a * b).sum();
-        for (x, &pv) in live.iter_mut().zip(prow) {
-            *x = pv * (*x - dot) * scale;
+simd_kernel! {
+    /// Turns `dP` into `dS = P ∘ (dP - rowsum(dP ∘ P)) · scale` in place, zeroing the masked
+    /// part (whose dP entries were never computed or are not needed).
+    fn softmax_backward(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
+        for (i, (prow, dprow)) in p.chunks(t).zip(dp.chunks_mut(t)).enumerate() {
+            let (live, masked) = dprow.split_at_mut(i + 1);
+            let dot: f32 = prow[..=i].iter().zip(live.iter()).map(|(a, b)| a * b).sum();
+            for (x, &pv) in live.iter_mut().zip(prow) {
+                *x = pv * (*x - dot) * scale;
+            }
+            masked.fill(0.0);
         }
-        masked.fill(0.0);
     }
 }
 
-/// Scales, masks and softmaxes each row of a `[t, t]` score block in place.
-fn causal_softmax(p: &mut [f32], t: usize, scale: f32) {
-    for (i, row) in p.chunks_mut(t).enumerate() {
-        let (live, masked) = row.split_at_mut(i + 1);
-        let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
-        live.iter_mut()
-            .for_each(|v| *v = math::exp(*v * scale - max));
-        let sum: f32 = live.iter().sum();
-        let inv = 1.0 / sum;
-        live.iter_mut().for_each(|v| *v *= inv);
-        masked.fill(0.0);
+simd_kernel! {
+    /// Scales, masks and softmaxes each row of a `[t, t]` score block in place.
+    fn causal_softmax(p: &mut [f32], t: usize, scale: f32) {
+        for (i, row) in p.chunks_mut(t).enumerate() {
+            let (live, masked) = row.split_at_mut(i + 1);
+            let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
+            live.iter_mut()
+                .for_each(|v| *v = math::exp(*v * scale - max));
+            let sum: f32 = live.iter().sum();
+            let inv = 1.0 / sum;
+            live.iter_mut().for_each(|v| *v *= inv);
+            masked.fill(0.0);
+        }
     }
 }
 

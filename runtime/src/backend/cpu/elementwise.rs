@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::simd_kernel;
 use super::{expect_len, f32_in, f32_out, math, CpuBackend};
 use crate::backend::rng;
 use crate::backend::ElementwiseOps;
@@ -12,12 +13,12 @@ const CHUNK: usize = 16 * 1024;
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044_715;
 
-#[inline]
+#[inline(always)]
 fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + math::tanh(SQRT_2_OVER_PI * (x + GELU_C * x * x * x)))
 }
 
-#[inline]
+#[inline(always)]
 fn gelu_grad(x: f32) -> f32 {
     let u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
     let t = math::tanh(u);
@@ -25,9 +26,61 @@ fn gelu_grad(x: f32) -> f32 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
 }
 
-#[inline]
+#[inline(always)]
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + math::exp(-x))
+}
+
+simd_kernel! {
+    fn gelu_chunk(y: &mut [f32], x: &[f32]) {
+        y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu(x));
+    }
+}
+
+simd_kernel! {
+    fn gelu_grad_chunk(dx: &mut [f32], x: &[f32], dy: &[f32]) {
+        for ((d, &x), &g) in dx.iter_mut().zip(x).zip(dy) {
+            *d = g * gelu_grad(x);
+        }
+    }
+}
+
+simd_kernel! {
+    fn swiglu_chunk(y: &mut [f32], gate: &[f32], up: &[f32]) {
+        for ((y, &g), &u) in y.iter_mut().zip(gate).zip(up) {
+            *y = g * sigmoid(g) * u;
+        }
+    }
+}
+
+simd_kernel! {
+    fn swiglu_grad_chunk(dg: &mut [f32], du: &mut [f32], g: &[f32], u: &[f32], dy: &[f32]) {
+        let n = dg.len();
+        let (du, g, u, dy) = (&mut du[..n], &g[..n], &u[..n], &dy[..n]);
+        for i in 0..n {
+            let s = sigmoid(g[i]);
+            let silu = g[i] * s;
+            du[i] = dy[i] * silu;
+            dg[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+        }
+    }
+}
+
+simd_kernel! {
+    /// `d += s` element-wise.
+    pub(super) fn add_chunk(d: &mut [f32], s: &[f32]) {
+        d.iter_mut().zip(s).for_each(|(d, s)| *d += s);
+    }
+}
+
+simd_kernel! {
+    /// `acc += row[j0..j0 + acc.len()]` for every row of `m` in order.
+    fn add_column_block(acc: &mut [f32], m: &[f32], cols: usize, j0: usize) {
+        let w = acc.len();
+        for row in m.chunks_exact(cols) {
+            acc.iter_mut().zip(&row[j0..j0 + w]).for_each(|(a, v)| *a += v);
+        }
+    }
 }
 
 impl ElementwiseOps for CpuBackend {
@@ -36,7 +89,7 @@ impl ElementwiseOps for CpuBackend {
         expect_len("gelu", "y", y.len(), x.len())?;
         y.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK))
-            .for_each(|(y, x)| y.iter_mut().zip(x).for_each(|(y, &x)| *y = gelu(x)));
+            .for_each(|(y, x)| gelu_chunk(y, x));
         Ok(())
     }
 
@@ -51,11 +104,7 @@ impl ElementwiseOps for CpuBackend {
         expect_len(OP, "dx", dx.len(), x.len())?;
         dx.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK)))
-            .for_each(|(dx, (x, dy))| {
-                for ((d, &x), &g) in dx.iter_mut().zip(x).zip(dy) {
-                    *d = g * gelu_grad(x);
-                }
-            });
+            .for_each(|(dx, (x, dy))| gelu_grad_chunk(dx, x, dy));
         Ok(())
     }
 
@@ -67,11 +116,7 @@ impl ElementwiseOps for CpuBackend {
         expect_len(OP, "y", y.len(), gate.len())?;
         y.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
-            .for_each(|(y, (g, u))| {
-                for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    *y = g * sigmoid(g) * u;
-                }
-            });
+            .for_each(|(y, (g, u))| swiglu_chunk(y, g, u));
         Ok(())
     }
 
@@ -103,14 +148,7 @@ impl ElementwiseOps for CpuBackend {
             .zip(dup.par_chunks_mut(CHUNK))
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
             .zip(dy.par_chunks(CHUNK))
-            .for_each(|(((dg, du), (g, u)), dy)| {
-                for i in 0..dg.len() {
-                    let s = sigmoid(g[i]);
-                    let silu = g[i] * s;
-                    du[i] = dy[i] * silu;
-                    dg[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
-                }
-            });
+            .for_each(|(((dg, du), (g, u)), dy)| swiglu_grad_chunk(dg, du, g, u, dy));
         Ok(())
     }
 
@@ -119,7 +157,7 @@ impl ElementwiseOps for CpuBackend {
         expect_len("add", "src", src.len(), dst.len())?;
         dst.par_chunks_mut(CHUNK)
             .zip(src.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s));
+            .for_each(|(d, s)| add_chunk(d, s));
         Ok(())
     }
 
@@ -154,15 +192,58 @@ impl ElementwiseOps for CpuBackend {
         }
         // Parallel over column blocks, serial over rows: a fixed summation order.
         const BLOCK: usize = 64;
-        acc.par_chunks_mut(BLOCK).enumerate().for_each(|(c, a)| {
-            let j0 = c * BLOCK;
-            for row in m.chunks(cols) {
-                let w = a.len();
-                a.iter_mut()
-                    .zip(&row[j0..j0 + w])
-                    .for_each(|(a, v)| *a += v);
-            }
-        });
+        acc.par_chunks_mut(BLOCK)
+            .enumerate()
+            .for_each(|(c, a)| add_column_block(a, m, cols, c * BLOCK));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values across GELU's and the sigmoid's interesting range, both signs, with a tail that
+    /// is not a multiple of any vector width.
+    fn inputs(n: usize, salt: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let h = (i ^ salt).wrapping_mul(2_654_435_761).rotate_left(13);
+                (h as f32 / u32::MAX as f32 - 0.5) * 24.0
+            })
+            .collect()
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    #[test]
+    fn dispatched_kernels_give_the_scalar_bits() {
+        let n = 1003;
+        let (x, u, dy) = (inputs(n, 1), inputs(n, 2), inputs(n, 3));
+        let mut y = vec![0.0; n];
+        gelu_chunk(&mut y, &x);
+        let want: Vec<f32> = x.iter().map(|&v| gelu(v)).collect();
+        assert!(same_bits(&y, &want), "gelu");
+        gelu_grad_chunk(&mut y, &x, &dy);
+        let want: Vec<f32> = x.iter().zip(&dy).map(|(&v, &g)| g * gelu_grad(v)).collect();
+        assert!(same_bits(&y, &want), "gelu grad");
+        swiglu_chunk(&mut y, &x, &u);
+        let want: Vec<f32> = x
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| g * sigmoid(g) * u)
+            .collect();
+        assert!(same_bits(&y, &want), "swiglu");
+        let mut acc = vec![0.5f32; 7];
+        add_column_block(&mut acc, &x[..1000], 20, 9);
+        let mut want = vec![0.5f32; 7];
+        for row in x[..1000].chunks(20) {
+            for (j, w) in want.iter_mut().enumerate() {
+                *w += row[9 + j];
+            }
+        }
+        assert!(same_bits(&acc, &want), "column sums");
     }
 }

@@ -7,6 +7,7 @@ mod matmul;
 mod norm;
 mod optim;
 mod rope;
+mod simd;
 mod token;
 
 use super::{Backend, MemoryOps};

@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::simd_kernel;
 use super::{expect_len, f32_in, f32_out, CpuBackend};
 use crate::backend::NormOps;
 use crate::tensor::{View, ViewMut};
@@ -14,7 +15,93 @@ const ROW_BLOCK: usize = 32;
 /// Sums per-block partial vectors (each `width` long) into `acc`, in block order.
 fn reduce_blocks(partials: Vec<Vec<f32>>, acc: &mut [f32]) {
     for p in partials {
-        acc.iter_mut().zip(&p).for_each(|(a, p)| *a += p);
+        super::elementwise::add_chunk(acc, &p);
+    }
+}
+
+simd_kernel! {
+    /// One LayerNorm row: writes `y` and returns the row's mean and reciprocal std.
+    fn layernorm_row(y: &mut [f32], x: &[f32], gamma: &[f32], beta: &[f32], eps: f32) -> (f32, f32) {
+        let d = gamma.len();
+        let (y, x, beta) = (&mut y[..d], &x[..d], &beta[..d]);
+        let mu = x.iter().sum::<f32>() / d as f32;
+        let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f32>() / d as f32;
+        let rs = 1.0 / (var + eps).sqrt();
+        for i in 0..d {
+            y[i] = (x[i] - mu) * rs * gamma[i] + beta[i];
+        }
+        (mu, rs)
+    }
+}
+
+simd_kernel! {
+    /// One LayerNorm backward row: writes `dx` and adds the row's terms to `dg` and `db`.
+    /// The two row sums are ordered chains in their own loop, so the element-wise loops
+    /// around them vectorise (each sum's order is the same as in one fused loop).
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward_row(
+        dx: &mut [f32],
+        x: &[f32],
+        dy: &[f32],
+        gamma: &[f32],
+        (mu, rs): (f32, f32),
+        dg: &mut [f32],
+        db: &mut [f32],
+    ) {
+        let d = gamma.len();
+        let (dx, x, dy, dg, db) = (&mut dx[..d], &x[..d], &dy[..d], &mut dg[..d], &mut db[..d]);
+        let mut s1 = 0.0f32;
+        let mut s2 = 0.0f32;
+        for i in 0..d {
+            let xh = (x[i] - mu) * rs;
+            let g = dy[i] * gamma[i];
+            s1 += g;
+            s2 += g * xh;
+        }
+        for i in 0..d {
+            let xh = (x[i] - mu) * rs;
+            dg[i] += dy[i] * xh;
+            db[i] += dy[i];
+        }
+        let (m1, m2) = (s1 / d as f32, s2 / d as f32);
+        for i in 0..d {
+            let xh = (x[i] - mu) * rs;
+            dx[i] = rs * (dy[i] * gamma[i] - m1 - xh * m2);
+        }
+    }
+}
+
+simd_kernel! {
+    /// One RMSNorm row: writes `y` and returns the row's reciprocal RMS.
+    fn rmsnorm_row(y: &mut [f32], x: &[f32], gamma: &[f32], eps: f32) -> f32 {
+        let d = gamma.len();
+        let (y, x) = (&mut y[..d], &x[..d]);
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let rs = 1.0 / (ms + eps).sqrt();
+        for i in 0..d {
+            y[i] = x[i] * rs * gamma[i];
+        }
+        rs
+    }
+}
+
+simd_kernel! {
+    /// One RMSNorm backward row: writes `dx` and adds the row's terms to `dg`.
+    fn rmsnorm_backward_row(dx: &mut [f32], x: &[f32], dy: &[f32], gamma: &[f32], rs: f32, dg: &mut [f32]) {
+        let d = gamma.len();
+        let (dx, x, dy, dg) = (&mut dx[..d], &x[..d], &dy[..d], &mut dg[..d]);
+        let mut s = 0.0f32;
+        for i in 0..d {
+            s += dy[i] * gamma[i] * x[i];
+        }
+        for i in 0..d {
+            dg[i] += dy[i] * x[i] * rs;
+        }
+        // d/dx of x·rs: rs·g - x·rs³·mean(g·x)
+        let c = s * rs * rs * rs / d as f32;
+        for i in 0..d {
+            dx[i] = dy[i] * gamma[i] * rs - x[i] * c;
+        }
     }
 }
 
@@ -36,16 +123,7 @@ impl CpuBackend {
             .zip(x.par_chunks(d))
             .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
             .with_min_len(super::rows_per_task(d))
-            .for_each(|((y, x), (m, r))| {
-                let mu = x.iter().sum::<f32>() / d as f32;
-                let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f32>() / d as f32;
-                let rs = 1.0 / (var + eps).sqrt();
-                for i in 0..d {
-                    y[i] = (x[i] - mu) * rs * gamma[i] + beta[i];
-                }
-                *m = mu;
-                *r = rs;
-            });
+            .for_each(|((y, x), (m, r))| (*m, *r) = layernorm_row(y, x, gamma, beta, eps));
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -70,22 +148,8 @@ impl CpuBackend {
                 for (r, dxr) in dxb.chunks_mut(d).enumerate() {
                     let row = b * ROW_BLOCK + r;
                     let (xr, dyr) = (&x[row * d..][..d], &dy[row * d..][..d]);
-                    let (mu, rs) = (mean[row], rstd[row]);
-                    let mut s1 = 0.0f32;
-                    let mut s2 = 0.0f32;
-                    for i in 0..d {
-                        let xh = (xr[i] - mu) * rs;
-                        let g = dyr[i] * gamma[i];
-                        s1 += g;
-                        s2 += g * xh;
-                        dg[i] += dyr[i] * xh;
-                        db[i] += dyr[i];
-                    }
-                    let (m1, m2) = (s1 / d as f32, s2 / d as f32);
-                    for i in 0..d {
-                        let xh = (xr[i] - mu) * rs;
-                        dxr[i] = rs * (dyr[i] * gamma[i] - m1 - xh * m2);
-                    }
+                    let stats = (mean[row], rstd[row]);
+                    layernorm_backward_row(dxr, xr, dyr, gamma, stats, &mut dg, &mut db);
                 }
                 (dg, db)
             })
@@ -109,14 +173,7 @@ impl CpuBackend {
             .zip(x.par_chunks(d))
             .zip(rstd.par_iter_mut())
             .with_min_len(super::rows_per_task(d))
-            .for_each(|((y, x), r)| {
-                let ms = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
-                let rs = 1.0 / (ms + eps).sqrt();
-                for i in 0..d {
-                    y[i] = x[i] * rs * gamma[i];
-                }
-                *r = rs;
-            });
+            .for_each(|((y, x), r)| *r = rmsnorm_row(y, x, gamma, eps));
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -138,17 +195,7 @@ impl CpuBackend {
                 for (r, dxr) in dxb.chunks_mut(d).enumerate() {
                     let row = b * ROW_BLOCK + r;
                     let (xr, dyr) = (&x[row * d..][..d], &dy[row * d..][..d]);
-                    let rs = rstd[row];
-                    let mut s = 0.0f32;
-                    for i in 0..d {
-                        s += dyr[i] * gamma[i] * xr[i];
-                        dg[i] += dyr[i] * xr[i] * rs;
-                    }
-                    // d/dx of x·rs: rs·g - x·rs³·mean(g·x)
-                    let c = s * rs * rs * rs / d as f32;
-                    for i in 0..d {
-                        dxr[i] = dyr[i] * gamma[i] * rs - xr[i] * c;
-                    }
+                    rmsnorm_backward_row(dxr, xr, dyr, gamma, rstd[row], &mut dg);
                 }
                 dg
             })
@@ -277,5 +324,79 @@ impl NormOps for CpuBackend {
         expect_len(OP, "dgamma", dgamma.len(), gamma.len())?;
         self.rmsnorm_backward_host(x, gamma, rstd, dy, dx, dgamma);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs(n: usize, salt: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let h = (i ^ salt).wrapping_mul(2_654_435_761).rotate_left(11);
+                (h as f32 / u32::MAX as f32 - 0.5) * 6.0
+            })
+            .collect()
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// The row kernels (dispatched per CPU, row sums in their own loops) give the bits of
+    /// the plain fused loops they replaced.
+    #[test]
+    fn row_kernels_give_the_fused_scalar_bits() {
+        let d = 389;
+        let (x, dy, gamma, beta) = (inputs(d, 1), inputs(d, 2), inputs(d, 3), inputs(d, 4));
+        let mut y = vec![0.0; d];
+        let (mu, rs) = layernorm_row(&mut y, &x, &gamma, &beta, 1e-5);
+        let want_mu = x.iter().sum::<f32>() / d as f32;
+        let var = x.iter().map(|v| (v - want_mu) * (v - want_mu)).sum::<f32>() / d as f32;
+        let want_rs = 1.0 / (var + 1e-5).sqrt();
+        assert_eq!(
+            (mu.to_bits(), rs.to_bits()),
+            (want_mu.to_bits(), want_rs.to_bits())
+        );
+        let want: Vec<f32> = (0..d)
+            .map(|i| (x[i] - mu) * rs * gamma[i] + beta[i])
+            .collect();
+        assert!(same_bits(&y, &want), "layernorm y");
+
+        let (mut dx, mut dg, mut db) = (vec![0.0; d], vec![0.25; d], vec![0.5; d]);
+        layernorm_backward_row(&mut dx, &x, &dy, &gamma, (mu, rs), &mut dg, &mut db);
+        let (mut s1, mut s2) = (0.0f32, 0.0f32);
+        let (mut wdg, mut wdb) = (vec![0.25f32; d], vec![0.5f32; d]);
+        for i in 0..d {
+            let xh = (x[i] - mu) * rs;
+            let g = dy[i] * gamma[i];
+            s1 += g;
+            s2 += g * xh;
+            wdg[i] += dy[i] * xh;
+            wdb[i] += dy[i];
+        }
+        let (m1, m2) = (s1 / d as f32, s2 / d as f32);
+        let wdx: Vec<f32> = (0..d)
+            .map(|i| rs * (dy[i] * gamma[i] - m1 - (x[i] - mu) * rs * m2))
+            .collect();
+        assert!(same_bits(&dx, &wdx) && same_bits(&dg, &wdg) && same_bits(&db, &wdb));
+
+        let r = rmsnorm_row(&mut y, &x, &gamma, 1e-6);
+        let want_r = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / d as f32 + 1e-6).sqrt();
+        assert_eq!(r.to_bits(), want_r.to_bits());
+        let (mut dg, mut wdg) = (vec![0.25f32; d], vec![0.25f32; d]);
+        rmsnorm_backward_row(&mut dx, &x, &dy, &gamma, r, &mut dg);
+        let mut s = 0.0f32;
+        for i in 0..d {
+            s += dy[i] * gamma[i] * x[i];
+            wdg[i] += dy[i] * x[i] * r;
+        }
+        let c = s * r * r * r / d as f32;
+        let wdx: Vec<f32> = (0..d).map(|i| dy[i] * gamma[i] * r - x[i] * c).collect();
+        assert!(
+            same_bits(&dx, &wdx) && same_bits(&dg, &wdg),
+            "rmsnorm backward"
+        );
     }
 }

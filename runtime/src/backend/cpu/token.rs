@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::simd_kernel;
 use super::{expect_len, f32_in, f32_out, math, CpuBackend};
 use crate::backend::{Accumulate, HeadLoss, HeadShape, MatmulShape, TokenOps, Transpose};
 use crate::nn::IGNORE_INDEX;
@@ -241,6 +242,20 @@ impl TokenOps for CpuBackend {
     }
 }
 
+simd_kernel! {
+    /// `v = e^(v - max)` element-wise.
+    fn exp_shifted(row: &mut [f32], max: f32) {
+        row.iter_mut().for_each(|v| *v = math::exp(*v - max));
+    }
+}
+
+simd_kernel! {
+    /// `v *= by` element-wise.
+    fn scale(row: &mut [f32], by: f32) {
+        row.iter_mut().for_each(|v| *v *= by);
+    }
+}
+
 /// Logits `[rows, vocab] = x · wᵀ` with `w` stored `[vocab, dim]`.
 fn logits_shape(s: HeadShape) -> MatmulShape {
     MatmulShape {
@@ -281,7 +296,7 @@ impl CpuBackend {
                     row[t as usize] - max
                 };
                 // Separate passes: the exp loop vectorises, the ordered sum cannot.
-                row.iter_mut().for_each(|v| *v = math::exp(*v - max));
+                exp_shifted(row, max);
                 let sum: f32 = row.iter().sum();
                 let inv = 1.0 / sum;
                 let loss = if t == IGNORE_INDEX {
@@ -290,7 +305,7 @@ impl CpuBackend {
                     // log-sum-exp minus the target logit, both shifted by the row max.
                     f64::from(sum.ln()) - f64::from(zt)
                 };
-                row.iter_mut().for_each(|v| *v *= inv);
+                scale(row, inv);
                 loss
             })
             .collect();
@@ -308,7 +323,7 @@ impl CpuBackend {
                     row.fill(0.0);
                     return;
                 }
-                row.iter_mut().for_each(|p| *p *= g);
+                scale(row, g);
                 row[t as usize] -= g;
             });
     }
