@@ -5,7 +5,7 @@ use crate::backend::{rng, Accumulate, AttentionGrads, AttentionShape, Backend, R
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
 use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params};
-use crate::tensor::{Tensor, ViewMut};
+use crate::tensor::{Storage, Tensor, View, ViewMut};
 use crate::Result;
 
 /// Dropout site tags within a block.
@@ -67,6 +67,23 @@ impl Block {
 
     fn drop(&self, be: &dyn Backend, seed: u64, site: u64, x: ViewMut<'_>) -> Result<()> {
         be.dropout(rng::derive(seed, site), self.cfg.resid_pdrop, x)
+    }
+
+    /// The gradient through a residual branch's dropout: a masked copy of `g`, or `None`
+    /// when dropout is off and the branch sees `g` itself (no copy to make).
+    fn drop_grad(
+        &self,
+        be: &dyn Backend,
+        seed: u64,
+        site: u64,
+        g: View<'_>,
+    ) -> Result<Option<Storage>> {
+        if self.cfg.resid_pdrop <= 0.0 {
+            return Ok(None);
+        }
+        let mut copy = be.copy(g)?;
+        self.drop(be, seed, site, copy.view_mut())?;
+        Ok(Some(copy))
     }
 }
 
@@ -198,20 +215,16 @@ impl Module for Block {
         let n = check_rows("gpt2 block backward", grad_output, b * t, c)?;
         crate::nn::check_same_batch(&self.prefix, s.x.len(), ctx.batch, c)?;
         // MLP branch.
-        let mut dm = be.copy(grad_output.view())?;
-        self.drop(be, ctx.rng_seed, SITE_MLP, dm.view_mut())?;
+        let dm_copy = self.drop_grad(be, ctx.rng_seed, SITE_MLP, grad_output.view())?;
+        let dm = dm_copy.as_ref().map_or(grad_output.view(), Storage::view);
         let mut dg = act(be, n * 4 * c)?;
         let fc2 = self.lin(4 * c, c);
-        fc2.backward_input(
-            be,
-            dm.view(),
-            p.get(10),
-            dg.view_mut(),
-            Accumulate::Overwrite,
-        )?;
+        fc2.backward_input(be, dm, p.get(10), dg.view_mut(), Accumulate::Overwrite)?;
         let (dw, db) = gr.pair_mut(10, 11);
-        fc2.backward_params(be, s.g.view(), dm.view(), dw, Some(db))?;
-        be.recycle(dm);
+        fc2.backward_params(be, s.g.view(), dm, dw, Some(db))?;
+        if let Some(copy) = dm_copy {
+            be.recycle(copy);
+        }
         let mut dh = act(be, n * 4 * c)?;
         be.gelu_backward(s.h.view(), dg.view(), dh.view_mut())?;
         be.recycle(dg);
@@ -241,19 +254,13 @@ impl Module for Block {
         )?;
         be.add_assign(dx2.view_mut(), grad_output.view())?;
         // Attention branch.
-        let mut da = be.copy(dx2.view())?;
-        self.drop(be, ctx.rng_seed, SITE_ATTN, da.view_mut())?;
+        let da_copy = self.drop_grad(be, ctx.rng_seed, SITE_ATTN, dx2.view())?;
+        let da = da_copy.as_ref().map_or(dx2.view(), Storage::view);
         let proj = self.lin(c, c);
         let mut datt = dln2;
-        proj.backward_input(
-            be,
-            da.view(),
-            p.get(4),
-            datt.view_mut(),
-            Accumulate::Overwrite,
-        )?;
+        proj.backward_input(be, da, p.get(4), datt.view_mut(), Accumulate::Overwrite)?;
         let (dw, db) = gr.pair_mut(4, 5);
-        proj.backward_params(be, s.att.view(), da.view(), dw, Some(db))?;
+        proj.backward_params(be, s.att.view(), da, dw, Some(db))?;
         let mut dqkv = act(be, n * 3 * c)?;
         let [qv, kv, vv] = self.qkv_views();
         be.attention_backward(
@@ -267,7 +274,10 @@ impl Module for Block {
             AttentionGrads::Fused(dqkv.view_mut()),
         )?;
         let qkv_lin = self.lin(c, 3 * c);
-        let mut dln1 = da;
+        let mut dln1 = match da_copy {
+            Some(copy) => copy,
+            None => act(be, n * c)?,
+        };
         qkv_lin.backward_input(
             be,
             dqkv.view(),
