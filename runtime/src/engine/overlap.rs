@@ -9,7 +9,9 @@ use std::time::Instant;
 use super::core::Engine;
 use super::group::{ParamStore, Shard};
 use super::ledger::{Category, Location};
-use super::stage::{gather_shards, reduce_gradient, to_storage};
+use super::stage::{
+    gather_buffer, gather_shards, reduce_gradient, reduce_output, to_storage, Reduced,
+};
 use super::topology::shard_comm;
 use crate::comm::worker::{CommWorker, Pending};
 use crate::tensor::Storage;
@@ -19,7 +21,7 @@ use crate::Result;
 pub(super) struct CommOverlap {
     worker: CommWorker,
     /// Reductions in submission order: (group, bytes counted in the ledger, result).
-    reductions: VecDeque<(usize, u64, Pending<Storage>)>,
+    reductions: VecDeque<(usize, u64, Pending<Reduced>)>,
     /// Stage-3 gathers started ahead of use, by group.
     prefetched: HashMap<usize, Pending<Storage>>,
 }
@@ -53,17 +55,18 @@ impl Engine {
             self.groups[g].layout.shard_len,
         );
         let bucket = self.cfg.zero.reduce_bucket_size;
+        let out = reduce_output(extent, &buf, world, s)?;
         match &mut self.overlap {
             Some(o) => {
                 let p = o.worker.submit("reduce_gradient", move |c| {
-                    reduce_gradient(extent, buf, world, s, c, bucket)
+                    reduce_gradient(extent, buf, out, world, s, c, bucket)
                 });
                 o.reductions.push_back((g, bytes, p));
                 self.bound_reductions()?;
             }
             None => {
                 let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
-                let red = reduce_gradient(extent, buf, world, s, shards, bucket);
+                let red = reduce_gradient(extent, buf, out, world, s, shards, bucket);
                 self.ledger
                     .free(Location::Device, Category::CommBuffers, bytes);
                 self.accumulate(g, red?)?;
@@ -73,11 +76,15 @@ impl Engine {
         Ok(())
     }
 
-    fn accumulate(&mut self, g: usize, reduced: Storage) -> Result<()> {
+    fn accumulate(&mut self, g: usize, reduced: Reduced) -> Result<()> {
         let mut scratch = Vec::new();
-        let n = reduced.len();
-        let r = self.groups[g].grad.accumulate(0, &reduced, n, &mut scratch);
-        self.be.recycle(reduced);
+        let Reduced { sum, spent } = reduced;
+        let n = sum.len();
+        let r = self.groups[g].grad.accumulate(0, &sum, n, &mut scratch);
+        self.be.recycle(sum);
+        if let Some(spent) = spent {
+            self.be.recycle(spent);
+        }
         r?;
         // At an armed boundary this was the gradient's last addition: its step can start.
         self.lend_for_step(g)
@@ -159,6 +166,9 @@ impl Engine {
             return;
         };
         let (world, s) = (grp.layout.world_size, grp.layout.shard_len);
+        let Ok(full) = gather_buffer(&shard, world, s) else {
+            return;
+        };
         self.ledger.alloc(
             Location::Device,
             Category::Prefetch,
@@ -166,7 +176,7 @@ impl Engine {
         );
         let be = self.be.clone();
         let p = o.worker.submit("prefetch_gather", move |c| {
-            gather_shards(&shard, world, s, c, bucket, &*be)
+            gather_shards(&shard, full, world, s, c, bucket, &*be)
         });
         o.prefetched.insert(g, p);
     }

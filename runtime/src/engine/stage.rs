@@ -64,7 +64,8 @@ pub trait Stage: Send + Sync {
         {
             let shard = shard.resident().ok_or_else(|| not_resident("gather"))?;
             let (world, s) = (g.layout.world_size, g.layout.shard_len);
-            let full = gather_shards(shard, world, s, comm, bucket, be)?;
+            let full = gather_buffer(shard, world, s)?;
+            let full = gather_shards(shard, full, world, s, comm, bucket, be)?;
             ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
             *gathered = Some(full);
         }
@@ -199,61 +200,104 @@ fn per_rank_chunk(bucket: usize, world: usize) -> usize {
     (bucket / world.max(1)).max(1)
 }
 
+/// What [`reduce_gradient`] hands back: the reduced gradient, and the micro-step buffer it
+/// was reduced from when that is another buffer, for the caller to recycle on its own thread
+/// (a reduction on the comm worker would otherwise free it where it is never reused).
+pub struct Reduced {
+    /// The whole sum (`Full`) or this rank's shard of it (`Shard`).
+    pub sum: Storage,
+    /// The consumed input, when `sum` is not that same buffer.
+    pub spent: Option<Storage>,
+}
+
+/// The output [`reduce_gradient`] writes for a shard reduction (`None` when it reduces in
+/// place), with unspecified contents, allocated by the thread that will recycle it.
+pub fn reduce_output(
+    extent: Extent,
+    buf: &Storage,
+    world: usize,
+    shard_len: usize,
+) -> Result<Option<Storage>> {
+    if world == 1 || extent == Extent::Full {
+        return Ok(None);
+    }
+    buf.uninit_like(buf.dtype(), shard_len).map(Some)
+}
+
 /// Reduces every rank's padded micro-step gradient `buf` with rank-order sums, `bucket`
-/// elements of input at a time: the whole sum (`Full`) or this rank's shard of it (`Shard`).
+/// elements of input at a time: the whole sum (`Full`) or this rank's shard of it (`Shard`,
+/// into `out` from [`reduce_output`], which the reduce-scatters overwrite whole).
 /// Pure over owned buffers, so it runs inline or on the communication worker alike; the
 /// collectives take the buffers where they live (device buffers stay on the device), and the
 /// staging buffers are allocated beside them.
 pub fn reduce_gradient(
     extent: Extent,
     mut buf: Storage,
+    out: Option<Storage>,
     world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
     bucket: usize,
-) -> Result<Storage> {
+) -> Result<Reduced> {
+    let in_place = |sum| Reduced { sum, spent: None };
     if world == 1 {
         // One rank's sum (or shard, which is everything) is its own buffer.
-        return Ok(buf);
+        return Ok(in_place(buf));
     }
     if extent == Extent::Full {
         for c in chunks(buf.len(), bucket) {
             comm.all_reduce_view(buf.range_mut(c)?, ReduceOp::Sum)?;
         }
-        return Ok(buf);
+        return Ok(in_place(buf));
     }
     let s = shard_len;
-    let mut out = buf.zeros_like(buf.dtype(), s)?;
+    let mut out = match out {
+        Some(o) => o,
+        None => buf.uninit_like(buf.dtype(), s)?,
+    };
     let k = per_rank_chunk(bucket, world);
     if k >= s {
         comm.reduce_scatter_view(buf.view(), out.view_mut(), ReduceOp::Sum)?;
-        return Ok(out);
-    }
-    let mut input = buf.zeros_like(buf.dtype(), k * world)?;
-    for c in chunks(s, k) {
-        let n = c.len();
-        for r in 0..world {
-            buf.copy_to(r * s + c.start, &mut input, r * n, n)?;
+    } else {
+        let mut input = buf.zeros_like(buf.dtype(), k * world)?;
+        for c in chunks(s, k) {
+            let n = c.len();
+            for r in 0..world {
+                buf.copy_to(r * s + c.start, &mut input, r * n, n)?;
+            }
+            comm.reduce_scatter_view(input.range(0..n * world)?, out.range_mut(c)?, ReduceOp::Sum)?;
         }
-        comm.reduce_scatter_view(input.range(0..n * world)?, out.range_mut(c)?, ReduceOp::Sum)?;
     }
-    Ok(out)
+    Ok(Reduced {
+        sum: out,
+        spent: Some(buf),
+    })
 }
 
 /// All-gathers every rank's shard into one full padded buffer, `bucket` elements of output
 /// at a time, placed on the compute device: gathered where the shard lives (device memory,
 /// or host memory for offloaded shards), then adopted by the backend.
+///
+/// `full` comes from [`gather_buffer`] on the thread that will release it, so that the
+/// thread's buffer cache serves the next step's gather of the same unit (a prefetch runs on
+/// the comm worker, whose cache would never see the buffer again).
 pub fn gather_shards(
     shard: &Storage,
+    mut full: Storage,
     world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
     bucket: usize,
     be: &dyn Backend,
 ) -> Result<Storage> {
-    let mut full = shard.zeros_like(shard.dtype(), shard_len * world)?;
     all_gather_chunked(comm, shard, &mut full, world, shard_len, bucket)?;
     be.adopt_storage(full)
+}
+
+/// The output of [`gather_shards`]: `world` shards of `shard_len` elements beside `shard`, with
+/// unspecified contents (the all-gather writes every element, padding included).
+pub fn gather_buffer(shard: &Storage, world: usize, shard_len: usize) -> Result<Storage> {
+    shard.uninit_like(shard.dtype(), shard_len * world)
 }
 
 /// All-gathers `src` (one shard) from every rank into `full` (padded).

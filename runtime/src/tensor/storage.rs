@@ -103,6 +103,18 @@ impl Storage {
         })
     }
 
+    /// `len` elements of `dtype` with unspecified contents where `self` lives, for an output
+    /// the caller overwrites whole: host buffers come from this thread's [`spare`] cache
+    /// (no fresh pages, no zero-fill), device buffers are zeroed as by [`Storage::zeros_like`].
+    ///
+    /// [`spare`]: crate::tensor::spare
+    pub fn uninit_like(&self, dtype: DType, len: usize) -> Result<Storage> {
+        Ok(match self {
+            Storage::Host(_) => Storage::Host(crate::tensor::spare::take(dtype, len)),
+            Storage::Cuda(c) => Storage::Cuda(c.zeros_like(dtype, len)?),
+        })
+    }
+
     /// A copy on the same device.
     pub fn try_clone(&self) -> Result<Storage> {
         Ok(match self {
