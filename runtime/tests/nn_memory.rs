@@ -213,9 +213,14 @@ fn cuda_is_reported_unavailable_with_a_reason() {
             other.map(|b| b.name())
         ),
     }
-    // `auto` without a usable GPU is the CPU, not an error.
-    assert_eq!(
-        backend::open(Device::Auto, DType::F32, 1).unwrap().name(),
-        "cpu"
-    );
+    // `auto` takes the GPU when there is one; without a usable GPU it is the CPU, not an error.
+    let auto = backend::open(Device::Auto, DType::F32, 1).unwrap().name();
+    if gpus > 0 {
+        assert!(
+            auto.starts_with("cuda:"),
+            "{gpus} GPUs, yet auto opened {auto}"
+        );
+    } else {
+        assert_eq!(auto, "cpu");
+    }
 }
