@@ -532,6 +532,16 @@ pub fn open(device: Device, act: DType, rank: usize) -> Result<Arc<dyn Backend>>
     }
 }
 
+/// Whether `device`'s memory is the host's RAM: the CPU, or `Auto` where no GPU is usable.
+/// The pre-flight check counts a rank's device working set against RAM only then.
+pub fn memory_is_host_ram(device: Device) -> bool {
+    match device {
+        Device::Cpu => true,
+        Device::Cuda(_) => false,
+        Device::Auto => !matches!(cuda::device_count(), Ok(n) if n > 0),
+    }
+}
+
 /// The GPU for a rank: the configured ordinal, else `LOCAL_RANK`, else the rank, modulo the
 /// GPUs present.
 fn gpu_ordinal(ordinal: Option<u32>, rank: usize) -> Result<usize> {

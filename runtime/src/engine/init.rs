@@ -211,18 +211,8 @@ fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) 
     super::estimate::check_device_cap(model, cfg, seq, &e)?;
     // Local ranks share this process's machine; other backends run one rank per process.
     let here = ranks_here(cfg);
-    let mut nvme = Vec::new();
-    for off in [&cfg.zero.offload_optimizer, &cfg.zero.offload_param] {
-        if let ferrozero_config::resolved::OffloadTarget::Nvme(p) = &off.target {
-            nvme.push((p.clone(), e.nvme.peak_bytes * here));
-        }
-    }
-    let req = ferrozero_offload::preflight::Requirement {
-        // On a CPU-only run the "device" working set lives in RAM too.
-        host_bytes: (e.device.peak_bytes + e.host_total_bytes()) * here,
-        locked_bytes: e.pinned_host_bytes * here,
-        nvme,
-    };
+    let device_in_ram = crate::backend::memory_is_host_ram(cfg.device);
+    let req = requirement(&e, cfg, here, device_in_ram);
     ferrozero_offload::preflight::preflight(&req)
         .map_err(|err| Error::Config(format!("pre-flight: {err}")))?;
     tracing::info!(
@@ -233,6 +223,33 @@ fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) 
         req.nvme.iter().map(|n| n.1).sum::<u64>() as f64 / 1048576.0
     );
     Ok(())
+}
+
+/// What `here` ranks need of this machine: RAM for their host state, and for their device
+/// working set too when the device's memory is the host's (a CPU run; a GPU's is not counted:
+/// it would refuse a run DeepSpeed starts), locked memory, NVMe space.
+fn requirement(
+    e: &super::estimate::Estimate,
+    cfg: &ferrozero_config::ResolvedConfig,
+    here: u64,
+    device_in_ram: bool,
+) -> ferrozero_offload::preflight::Requirement {
+    let mut nvme = Vec::new();
+    for off in [&cfg.zero.offload_optimizer, &cfg.zero.offload_param] {
+        if let ferrozero_config::resolved::OffloadTarget::Nvme(p) = &off.target {
+            nvme.push((p.clone(), e.nvme.peak_bytes * here));
+        }
+    }
+    let device_ram = if device_in_ram {
+        e.device.peak_bytes
+    } else {
+        0
+    };
+    ferrozero_offload::preflight::Requirement {
+        host_bytes: (device_ram + e.host_total_bytes()) * here,
+        locked_bytes: e.pinned_host_bytes * here,
+        nvme,
+    }
 }
 
 /// The default communicator, from the config's `comms` section: the MPI world (with the
@@ -333,5 +350,47 @@ impl Engine {
             }
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::estimate::{estimate, shape::preset};
+    use ferrozero_config::{Device, Format, ResolveContext};
+
+    fn resolved(device: &str) -> ferrozero_config::ResolvedConfig {
+        let src = format!(
+            "device = \"{device}\"\ntrain_micro_batch_size_per_gpu = 1\n\
+             [optimizer]\ntype = \"AdamW\"\nparams.lr = 1e-4\n\
+             [zero_optimization]\nstage = 3\n\
+             [zero_optimization.offload_optimizer]\ndevice = \"cpu\"\n"
+        );
+        let loaded = ferrozero_config::parse(&src, Format::Toml, "test").unwrap();
+        let ctx = ResolveContext {
+            world_size: 1,
+            hidden_size: None,
+            micro_batch_hint: None,
+        };
+        loaded.config.resolve(&ctx).unwrap()
+    }
+
+    /// A GPU's working set is not RAM: counting it refused 7B runs on hosts with less RAM than
+    /// the GPU holds (GPT-2 124M on an H100 asked for 23.9 GiB of RAM for a 7 GiB device peak).
+    #[test]
+    fn only_a_cpu_run_counts_its_device_working_set_as_ram() {
+        let shape = preset("llama-7b").unwrap();
+        let (cpu, gpu) = (resolved("cpu"), resolved("cuda"));
+        assert_eq!(cpu.device, Device::Cpu);
+        let e = estimate(&shape.model, &gpu, 1, 1024);
+        let host = e.host_total_bytes();
+        assert!(host > 0 && e.device.peak_bytes > 0);
+        assert!(crate::backend::memory_is_host_ram(cpu.device));
+        assert!(!crate::backend::memory_is_host_ram(gpu.device));
+        let on_gpu = requirement(&e, &gpu, 2, false);
+        assert_eq!(on_gpu.host_bytes, 2 * host);
+        assert_eq!(on_gpu.locked_bytes, 2 * e.pinned_host_bytes);
+        let on_cpu = requirement(&e, &cpu, 2, true);
+        assert_eq!(on_cpu.host_bytes, 2 * (host + e.device.peak_bytes));
     }
 }
