@@ -210,7 +210,8 @@ fn host_update(
     use crate::backend::OptimizerOps;
     let g = Staged::new(grads)?;
     let (mut p, mut m, mut v) = (StagedMut::new(p)?, StagedMut::new(m)?, StagedMut::new(v)?);
-    let mut lp = lp.map(StagedMut::new).transpose()?;
+    // The low-precision copy is only written (rounded from the updated master weights).
+    let mut lp = lp.map(StagedMut::overwrite);
     HOST.optimizer_update(
         rule,
         sv.step,

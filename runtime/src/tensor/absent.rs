@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::{BufRef, DType, FlatBuf};
+use super::{BufMut, BufRef, DType, FlatBuf};
 use crate::Result;
 
 /// Device memory of the CUDA backend (none exists in this build).
@@ -121,6 +121,10 @@ impl<'a> CudaView<'a> {
     }
     /// A copy in host memory.
     pub fn to_host(&self) -> Result<FlatBuf> {
+        match self.0 {}
+    }
+    /// Copies into host elements of the same dtype and length.
+    pub fn download(&self, _dst: BufMut<'_>) -> Result<()> {
         match self.0 {}
     }
     /// Copies into an equal-length view of the same dtype on the same device.

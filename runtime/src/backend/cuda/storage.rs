@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use super::device::{CudaDevice, STREAM};
 use super::driver::{DevPtr, DeviceBuffer};
 use super::launch::Args;
-use crate::tensor::{BufRef, DType, FlatBuf};
+use crate::tensor::{BufMut, BufRef, DType, FlatBuf};
 use crate::{Error, Result};
 
 /// A kernel's name for an element type: `base` with `_f32`, `_bf16` or `_f16`.
@@ -363,12 +363,26 @@ impl<'a> CudaView<'a> {
             DType::Bf16 => FlatBuf::Bf16(vec![bf16::ZERO; self.len]),
             DType::F16 => FlatBuf::F16(vec![f16::ZERO; self.len]),
         };
-        if self.len > 0 {
-            self.dev
-                .driver()
-                .copy_dtoh(self.ptr, host.as_mut().bytes_mut(), STREAM)?;
-        }
+        self.download(host.as_mut())?;
         Ok(host)
+    }
+
+    /// Copies into host elements of the same dtype and length (an explicit download into
+    /// memory the caller reuses; waits for the device).
+    pub fn download(&self, dst: BufMut<'_>) -> Result<()> {
+        if dst.len() != self.len || dst.dtype() != self.dtype {
+            return Err(Error::Shape {
+                op: "device download",
+                expected: format!("{} {:?} elements", self.len, self.dtype),
+                got: format!("{} {:?}", dst.len(), dst.dtype()),
+            });
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.dev
+            .driver()
+            .copy_dtoh(self.ptr, dst.bytes_mut(), STREAM)
     }
 
     /// Copies into an equal-length view of the same dtype on the same device.
