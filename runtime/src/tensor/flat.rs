@@ -137,6 +137,25 @@ impl FlatBuf {
         }
     }
 
+    /// Widens all of `src` into `dst` (same length), in parallel for long runs (widening is
+    /// exact, so the split changes no value).
+    pub fn widen_into(src: BufRef<'_>, dst: &mut [f32]) {
+        fn par<T: Sync>(s: &[T], d: &mut [f32], f: impl Fn(&[T], &mut [f32]) + Sync) {
+            if s.len() >= PAR_MIN {
+                d.par_chunks_mut(PAR_CHUNK)
+                    .zip(s.par_chunks(PAR_CHUNK))
+                    .for_each(|(d, s)| f(s, d));
+            } else {
+                f(s, d);
+            }
+        }
+        match src {
+            BufRef::F32(s) => par(s, dst, |s, d| d.copy_from_slice(s)),
+            BufRef::Bf16(s) => par(s, dst, |s, d| s.convert_to_f32_slice(d)),
+            BufRef::F16(s) => par(s, dst, |s, d| s.convert_to_f32_slice(d)),
+        }
+    }
+
     /// Adds the first `n` elements of `src` (same dtype) into `self[offset..offset + n]`, in
     /// f32 and rounded once per element.
     pub fn accumulate(&mut self, offset: usize, src: &FlatBuf, n: usize, scratch: &mut Vec<f32>) {
@@ -325,6 +344,11 @@ mod tests {
             }
             b.fill_zero();
             assert_eq!(b, FlatBuf::zeros(dt, n), "{dt:?}");
+            b.store_f32(0, &src);
+            let (mut seq, mut par) = (vec![0.0; n], vec![1.0; n]);
+            b.load_f32(0, &mut seq);
+            FlatBuf::widen_into(b.as_ref(), &mut par);
+            assert_eq!(seq, par, "{dt:?} widened");
         }
     }
 

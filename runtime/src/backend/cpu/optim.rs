@@ -17,8 +17,10 @@ fn f32_grads(grads: View<'_>) -> Result<Cow<'_, [f32]>> {
     match grads {
         View::Host(BufRef::F32(s)) => Ok(Cow::Borrowed(s)),
         View::Host(b) => {
+            // Straight from the staged half-precision copy, on every core: a GPU's offloaded
+            // step widens the whole owned gradient here.
             let mut w = spare::take_f32(b.len());
-            FlatBuf::from_ref(b).load_f32(0, &mut w);
+            FlatBuf::widen_into(b, &mut w);
             Ok(Cow::Owned(w))
         }
         View::Cuda(_) => f32_in(OP, "gradients", grads).map(Cow::Borrowed),
