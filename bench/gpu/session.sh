@@ -90,8 +90,8 @@ if [ "$phase" = all ] || [ "$phase" = breakdown ]; then
   echo "{$base, $wc, \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": false}}" > /tmp/b3n.json
   echo "{$base, $wc, \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": true}}" > /tmp/b3.json
   echo "{$base, $wc, \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": true, \"offload_optimizer\": $off}}" > /tmp/b3o.json
-  for run in "b0 16" "b3n 16" "b3 16" "b3o 16" "b3o 4"; do
-    read -r c t <<< "$run"
+  for run in ${BREAKDOWN_RUNS:-b0:16 b3n:16 b3:16 b3o:16 b3o:4}; do
+    c=${run%:*} t=${run#*:}
     RAYON_NUM_THREADS=$t timeout "$TRAIN_T" "$G/train_gpt" --device cuda --ranks 1 --model-config gpt2-124m \
       --config /tmp/$c.json --data /tmp/gpt2_tokens.bin --seq-len 1024 --steps 8 --no-progress \
       > "$OUT/breakdown_${c}_$t.log" 2>&1

@@ -69,6 +69,32 @@ fn real_driver_says_why_there_is_no_device() {
 // ---------------------------------------------------------------------------------------------
 // Emulated memory.
 
+/// Host memory registered for copies: copies through it round-trip, a second registration of
+/// the same pages and an unregistration of unregistered memory are refused with CUDA's names.
+fn host_registration_round_trips(d: &Arc<dyn Driver>) {
+    let mut a = vec![0u8; 3 << 20];
+    let p = a.as_mut_ptr();
+    // SAFETY: `a` outlives its registration (unregistered below).
+    unsafe { d.host_register(p, a.len()) }.unwrap();
+    let again = unsafe { d.host_register(p, a.len()) }.unwrap_err();
+    assert!(again.to_string().contains("ALREADY_REGISTERED"), "{again}");
+    let dp = d.malloc(a.len()).unwrap();
+    for (i, x) in a.iter_mut().enumerate() {
+        *x = (i % 251) as u8;
+    }
+    d.copy_htod(&a, dp, S).unwrap();
+    let mut back = vec![0u8; a.len()];
+    d.copy_dtoh(dp, &mut back, S).unwrap();
+    assert!(back == a, "round trip through registered memory");
+    a.fill(0);
+    d.copy_dtoh(dp, &mut a, S).unwrap();
+    assert!(a.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8));
+    unsafe { d.host_unregister(p) }.unwrap();
+    let none = unsafe { d.host_unregister(p) }.unwrap_err();
+    assert!(none.to_string().contains("NOT_REGISTERED"), "{none}");
+    unsafe { d.free(dp) }.unwrap();
+}
+
 fn memory_is_aligned_and_round_trips(d: &Arc<dyn Driver>) {
     let base_allocated = d.allocated();
     let p = d.malloc(1000).unwrap();
@@ -1069,7 +1095,11 @@ fn real_device_passes_the_same_checks() {
     };
     println!("{}", d.info());
     type Check = fn(&Arc<dyn Driver>);
-    let checks: [(&str, Check); 18] = [
+    let checks: [(&str, Check); 19] = [
+        (
+            "host_registration_round_trips",
+            host_registration_round_trips,
+        ),
         (
             "memory_is_aligned_and_round_trips",
             memory_is_aligned_and_round_trips,
@@ -1392,6 +1422,11 @@ fn allocator_is_thread_safe_and_buffers_cross_threads(d: &Arc<dyn Driver>) {
 
 // ---------------------------------------------------------------------------------------------
 // The shared checks on the emulator (`real_device_passes_the_same_checks` runs them on a GPU).
+
+#[test]
+fn emulated_host_registration_round_trips() {
+    host_registration_round_trips(&emu());
+}
 
 #[test]
 fn emulated_memory_is_aligned_and_round_trips() {

@@ -127,6 +127,18 @@ impl<'a> CudaView<'a> {
     pub fn download(&self, _dst: BufMut<'_>) -> Result<()> {
         match self.0 {}
     }
+    /// A host copy in the device's staging memory.
+    pub fn stage(&self) -> Result<FlatBuf> {
+        match self.0 {}
+    }
+    /// Staging memory shaped as this view, contents unspecified.
+    pub fn staging(&self) -> FlatBuf {
+        match self.0 {}
+    }
+    /// Takes back a staging buffer.
+    pub fn unstage(&self, _b: FlatBuf) {
+        match self.0 {}
+    }
     /// Copies into an equal-length view of the same dtype on the same device.
     pub fn copy_to(self, _dst: CudaViewMut<'_>) -> Result<()> {
         match self.0 {}

@@ -2,20 +2,27 @@
 //! or writing a view that may live in device memory gets host memory either way. Host views
 //! pass through untouched; device views are downloaded (or, for outputs the routine only
 //! writes, not), and the mutable ones uploaded again by `finish`. These are the explicit copies
-//! of ZeRO-Offload's data path. The host copies come from and go back to the thread's spare
-//! cache, so a step stages through the same memory as the last one: no fresh pages to fault in
-//! and zero every step (measured on an H100, GPT-2 124M at stage 3 with the optimizer on the
-//! CPU, that and a download of the write-only bf16 copy were most of the optimizer phase).
+//! of ZeRO-Offload's data path. The host copies are the device's staging buffers (page-locked
+//! where the driver allows, kept from step to step), handed back when a staging ends, on error
+//! paths too. Measured on an H100 (GPT-2 124M, stage 3, optimizer on the CPU): fresh pageable
+//! vectors and a download of the write-only bf16 copy were most of the optimizer phase.
 
-use super::{spare, BufMut, BufRef, FlatBuf, View, ViewMut};
+use std::mem;
+
+use super::{BufMut, BufRef, CudaView, CudaViewMut, FlatBuf, View, ViewMut};
 use crate::Result;
 
 /// A read-only view in host memory: the original, or a downloaded copy.
 pub enum Staged<'a> {
     /// Already host memory.
     Direct(View<'a>),
-    /// A host copy of device memory (back to the spare cache when dropped).
-    Copied(FlatBuf),
+    /// A host copy of device memory (handed back to the device when dropped).
+    Copied {
+        /// The host copy.
+        host: FlatBuf,
+        /// The device view it came from.
+        src: CudaView<'a>,
+    },
 }
 
 impl<'a> Staged<'a> {
@@ -23,11 +30,10 @@ impl<'a> Staged<'a> {
     pub fn new(v: View<'a>) -> Result<Self> {
         Ok(match v {
             View::Host(_) => Staged::Direct(v),
-            View::Cuda(c) => {
-                let mut host = spare::take(c.dtype(), c.len());
-                c.download(host.as_mut())?;
-                Staged::Copied(host)
-            }
+            View::Cuda(c) => Staged::Copied {
+                host: c.stage()?,
+                src: c,
+            },
         })
     }
 
@@ -35,15 +41,15 @@ impl<'a> Staged<'a> {
     pub fn view(&self) -> View<'_> {
         match self {
             Staged::Direct(v) => *v,
-            Staged::Copied(b) => View::Host(b.as_ref()),
+            Staged::Copied { host, .. } => View::Host(host.as_ref()),
         }
     }
 }
 
 impl Drop for Staged<'_> {
     fn drop(&mut self) {
-        if let Staged::Copied(b) = self {
-            spare::give(std::mem::replace(b, FlatBuf::F32(Vec::new())));
+        if let Staged::Copied { host, src } = self {
+            src.unstage(mem::replace(host, FlatBuf::F32(Vec::new())));
         }
     }
 }
@@ -52,12 +58,13 @@ impl Drop for Staged<'_> {
 pub enum StagedMut<'a> {
     /// Already host memory.
     Direct(ViewMut<'a>),
-    /// A host copy of device memory, and where it goes back.
+    /// A host copy of device memory, and where it goes back (the copy is handed back to the
+    /// device when dropped).
     Copied {
         /// The host copy.
         host: FlatBuf,
         /// The device view it came from.
-        dst: ViewMut<'a>,
+        dst: CudaViewMut<'a>,
     },
 }
 
@@ -66,14 +73,10 @@ impl<'a> StagedMut<'a> {
     pub fn new(v: ViewMut<'a>) -> Result<Self> {
         Ok(match v {
             ViewMut::Host(_) => StagedMut::Direct(v),
-            ViewMut::Cuda(c) => {
-                let mut host = spare::take(c.dtype(), c.len());
-                c.as_view().download(host.as_mut())?;
-                StagedMut::Copied {
-                    host,
-                    dst: ViewMut::Cuda(c),
-                }
-            }
+            ViewMut::Cuda(c) => StagedMut::Copied {
+                host: c.as_view().stage()?,
+                dst: c,
+            },
         })
     }
 
@@ -83,8 +86,8 @@ impl<'a> StagedMut<'a> {
         match v {
             ViewMut::Host(_) => StagedMut::Direct(v),
             ViewMut::Cuda(c) => StagedMut::Copied {
-                host: spare::take(c.dtype(), c.len()),
-                dst: ViewMut::Cuda(c),
+                host: c.as_view().staging(),
+                dst: c,
             },
         }
     }
@@ -98,17 +101,19 @@ impl<'a> StagedMut<'a> {
     }
 
     /// Writes a copy back to the device memory it came from.
-    pub fn finish(self) -> Result<()> {
-        match self {
+    pub fn finish(mut self) -> Result<()> {
+        match &mut self {
             StagedMut::Direct(_) => Ok(()),
-            StagedMut::Copied { host, dst } => {
-                let r = match dst {
-                    ViewMut::Cuda(c) => c.upload(host.as_ref()),
-                    ViewMut::Host(_) => Ok(()),
-                };
-                spare::give(host);
-                r
-            }
+            StagedMut::Copied { host, dst } => dst.reborrow().upload(host.as_ref()),
+        }
+    }
+}
+
+impl Drop for StagedMut<'_> {
+    fn drop(&mut self) {
+        if let StagedMut::Copied { host, dst } = self {
+            dst.as_view()
+                .unstage(mem::replace(host, FlatBuf::F32(Vec::new())));
         }
     }
 }
@@ -120,10 +125,9 @@ pub fn read_host<R>(v: View<'_>, f: impl FnOnce(BufRef<'_>) -> Result<R>) -> Res
     match v {
         View::Host(b) => f(b),
         View::Cuda(c) => {
-            let mut host = spare::take(c.dtype(), c.len());
-            c.download(host.as_mut())?;
+            let host = c.stage()?;
             let r = f(host.as_ref());
-            spare::give(host);
+            c.unstage(host);
             r
         }
     }
@@ -134,40 +138,54 @@ pub fn read_host<R>(v: View<'_>, f: impl FnOnce(BufRef<'_>) -> Result<R>) -> Res
 pub fn write_host<R>(v: ViewMut<'_>, f: impl FnOnce(BufMut<'_>) -> Result<R>) -> Result<R> {
     match v {
         ViewMut::Host(b) => f(b),
-        ViewMut::Cuda(c) => {
-            let mut host = spare::take(c.dtype(), c.len());
-            c.as_view().download(host.as_mut())?;
-            let r = f(host.as_mut())?;
-            c.upload(host.as_ref())?;
-            spare::give(host);
-            Ok(r)
+        ViewMut::Cuda(mut c) => {
+            let mut host = c.as_view().stage()?;
+            let r = f(host.as_mut()).and_then(|r| c.reborrow().upload(host.as_ref()).map(|()| r));
+            c.as_view().unstage(host);
+            r
         }
     }
 }
 
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
+    use crate::backend::cuda::driver::{EmuDriver, EmuOptions};
+    use crate::backend::cuda::{CudaBackend, CudaDevice};
     use crate::backend::MemoryOps;
     use crate::tensor::DType;
 
-    /// Staged copies of device views come from and return to the spare cache, a write-only
-    /// staging uploads what was written, and a read-write one round-trips.
+    fn host_ptr(s: &Staged<'_>) -> *const u8 {
+        match s.view() {
+            View::Host(b) => b.bytes().as_ptr(),
+            View::Cuda(_) => panic!("staged in host memory"),
+        }
+    }
+
+    /// Device views stage through the device's registered buffers, the same ones step after
+    /// step; a write-only staging uploads what was written, a read-write one round-trips, and
+    /// the buffers are unregistered when the device goes.
     #[test]
-    fn device_views_stage_through_the_spare_cache() {
-        let be = crate::backend::cuda::emulated(DType::F32).unwrap();
-        let n = 1 << 19; // 2 MiB of f32: a buffer the spare cache keeps
+    fn device_views_stage_through_registered_buffers() {
+        let drv = Arc::new(EmuDriver::new(EmuOptions::default()).unwrap());
+        let be = CudaBackend::new(CudaDevice::new(drv.clone(), None), DType::F32);
+        let n = 1 << 19; // 2 MiB of f32: worth registering
         let vals: Vec<f32> = (0..n).map(|i| i as f32).collect();
         let mut dev = be.upload(BufRef::F32(&vals)).unwrap();
-        {
+        let first = {
             let st = Staged::new(dev.view()).unwrap();
             let View::Host(BufRef::F32(h)) = st.view() else {
                 panic!("staged in host f32")
             };
             assert_eq!(h, &vals[..]);
-        }
-        let reused = spare::reuse(DType::F32, n).expect("the staged copy went back to the cache");
-        spare::give(reused);
+            assert_eq!(drv.registered_host_bytes(), n * 4);
+            host_ptr(&st)
+        };
+        let again = Staged::new(dev.view()).unwrap();
+        assert_eq!(host_ptr(&again), first, "the registered buffer is reused");
+        drop(again);
         let mut st = StagedMut::overwrite(dev.view_mut());
         let ViewMut::Host(BufMut::F32(h)) = st.view_mut() else {
             panic!("staged in host f32")
@@ -181,8 +199,27 @@ mod tests {
         };
         assert!(h.iter().all(|&x| x == 7.0), "read-write staging downloads");
         h[3] = 1.5;
-        st.finish().unwrap();
+        drop(st); // not finished: nothing uploaded, the buffer still goes back
+        assert_eq!(dev.to_vec_f32().unwrap()[3], 7.0);
+        write_host(dev.view_mut(), |b| {
+            if let BufMut::F32(h) = b {
+                h[3] = 1.5;
+            }
+            Ok(())
+        })
+        .unwrap();
         assert_eq!(dev.to_vec_f32().unwrap()[3], 1.5);
-        assert!(spare::reuse(DType::F32, n).is_some());
+        assert_eq!(
+            drv.registered_host_bytes(),
+            n * 4,
+            "one buffer, reused throughout"
+        );
+        drop(dev);
+        drop(be);
+        assert_eq!(
+            drv.registered_host_bytes(),
+            0,
+            "unregistered with the device"
+        );
     }
 }

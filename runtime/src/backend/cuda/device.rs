@@ -9,6 +9,8 @@ use super::driver::{
     Allocator, DeviceBuffer, DeviceInfo, Driver, Kernel, LaunchConfig, StreamKind,
 };
 use super::launch::Args;
+use super::pinned::PinnedPool;
+use crate::tensor::{DType, FlatBuf};
 use crate::Result;
 
 /// The stream every operation of the backend runs on: one compute stream keeps the order of
@@ -27,6 +29,8 @@ pub struct CudaDevice {
     /// RoPE cos/sin tables by (seq, head_dim, theta bits), built once (the CPU rebuilds its own
     /// per call; uploading one per call would cost a copy each time).
     rope_tables: Mutex<HashMap<(usize, usize, u32), Arc<DeviceBuffer>>>,
+    /// Page-locked host buffers for staging views through host memory.
+    pinned: PinnedPool,
 }
 
 impl CudaDevice {
@@ -34,9 +38,11 @@ impl CudaDevice {
     /// live bytes, if any).
     pub fn new(driver: Arc<dyn Driver>, limit: Option<u64>) -> Arc<Self> {
         let alloc = Allocator::with_limit(driver.clone(), limit);
+        let pinned = PinnedPool::new(driver.clone());
         Arc::new(CudaDevice {
             driver,
             alloc,
+            pinned,
             kernels: Mutex::new(HashMap::new()),
             rope_tables: Mutex::new(HashMap::new()),
         })
@@ -56,6 +62,17 @@ impl CudaDevice {
     /// communicator's fence around a collective, so peers on other streams see it).
     pub(crate) fn synchronize(&self) -> Result<()> {
         self.driver.synchronize(STREAM)
+    }
+
+    /// A host buffer of `len` elements of `dtype` (unspecified contents) for staging a view,
+    /// page-locked when the driver allows; hand it back with [`CudaDevice::give_staging`].
+    pub(crate) fn take_staging(&self, dtype: DType, len: usize) -> FlatBuf {
+        self.pinned.take(dtype, len)
+    }
+
+    /// Takes back a buffer from [`CudaDevice::take_staging`] for the next step.
+    pub(crate) fn give_staging(&self, b: FlatBuf) {
+        self.pinned.give(b)
     }
 
     /// What the device is.

@@ -30,6 +30,8 @@ mod optim;
 #[cfg(feature = "cuda")]
 pub(crate) mod peer;
 #[cfg(feature = "cuda")]
+mod pinned;
+#[cfg(feature = "cuda")]
 mod storage;
 #[cfg(feature = "cuda")]
 mod stream;

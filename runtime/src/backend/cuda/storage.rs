@@ -367,6 +367,31 @@ impl<'a> CudaView<'a> {
         Ok(host)
     }
 
+    /// A host copy in the device's staging memory (page-locked where the driver allows);
+    /// hand it back with [`CudaView::unstage`].
+    pub fn stage(&self) -> Result<FlatBuf> {
+        let mut b = self.dev.take_staging(self.dtype, self.len);
+        match self.download(b.as_mut()) {
+            Ok(()) => Ok(b),
+            Err(e) => {
+                self.dev.give_staging(b);
+                Err(e)
+            }
+        }
+    }
+
+    /// Staging memory shaped as this view, contents unspecified (for a host routine that
+    /// overwrites every element before it is uploaded); hand it back with
+    /// [`CudaView::unstage`].
+    pub fn staging(&self) -> FlatBuf {
+        self.dev.take_staging(self.dtype, self.len)
+    }
+
+    /// Takes back a buffer from [`CudaView::stage`] or [`CudaView::staging`].
+    pub fn unstage(&self, b: FlatBuf) {
+        self.dev.give_staging(b)
+    }
+
     /// Copies into host elements of the same dtype and length (an explicit download into
     /// memory the caller reuses; waits for the device).
     pub fn download(&self, dst: BufMut<'_>) -> Result<()> {

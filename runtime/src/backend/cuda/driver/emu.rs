@@ -143,7 +143,12 @@ pub struct EmuDriver {
     lib: Option<Arc<EmuLib>>,
     events: Mutex<HashSet<u64>>,
     next_event: AtomicU64,
+    /// Registered host ranges: start address -> (first page, page after the last, bytes).
+    registered: Mutex<HashMap<usize, (usize, usize, usize)>>,
 }
+
+/// The page size CUDA pins host memory in.
+const HOST_PAGE: usize = 4096;
 
 impl EmuDriver {
     /// An emulated device as `options` describe it (loads the library, if any, once per
@@ -178,7 +183,14 @@ impl EmuDriver {
             lib,
             events: Mutex::new(HashSet::new()),
             next_event: AtomicU64::new(1),
+            registered: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Host bytes currently registered with [`Driver::host_register`].
+    pub fn registered_host_bytes(&self) -> usize {
+        let r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+        r.values().map(|&(_, _, len)| len).sum()
     }
 
     /// The emulator with ferrozero's kernel registry; its library is built (once per process,
@@ -509,5 +521,41 @@ impl Driver for EmuDriver {
 
     fn allocated(&self) -> u64 {
         self.memory().allocated()
+    }
+
+    unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        let refuse = |why: &str| Error::Device {
+            op: "cuMemHostRegister".into(),
+            detail: why.into(),
+        };
+        if ptr.is_null() || len == 0 {
+            return Err(refuse(
+                "CUDA_ERROR_INVALID_VALUE: null pointer or zero bytes",
+            ));
+        }
+        let (first, end) = (
+            ptr as usize / HOST_PAGE,
+            (ptr as usize + len).div_ceil(HOST_PAGE),
+        );
+        let mut r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+        if r.values().any(|&(f, e, _)| first < e && f < end) {
+            return Err(refuse(
+                "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: part of the range is registered",
+            ));
+        }
+        r.insert(ptr as usize, (first, end, len));
+        Ok(())
+    }
+
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        let mut r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+        match r.remove(&(ptr as usize)) {
+            Some(_) => Ok(()),
+            None => Err(Error::Device {
+                op: "cuMemHostUnregister".into(),
+                detail: "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: no registered range starts there"
+                    .into(),
+            }),
+        }
     }
 }

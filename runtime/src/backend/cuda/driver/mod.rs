@@ -445,6 +445,21 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// Bytes currently allocated through [`Driver::malloc`] and not freed, by this driver.
     fn allocated(&self) -> u64;
 
+    /// Page-locks `len` bytes of host memory at `ptr` for every context of the process
+    /// (`cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`), so copies to and from it
+    /// run at the bus's speed without a bounce through the driver's own buffers. A range
+    /// that shares a page with one already registered is refused, as CUDA refuses it.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until [`Driver::host_unregister`] is called with `ptr`.
+    unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()>;
+
+    /// Undoes [`Driver::host_register`] for the range starting at `ptr`.
+    ///
+    /// # Safety
+    /// No queued copy may still use the range.
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
+
     /// Checks that `p..p + bytes` lies inside one live allocation of this driver (the check
     /// every copy makes, for a copy that another driver of the process issues: [`copy_peer`]).
     fn check_live(&self, op: &str, what: &str, p: DevPtr, bytes: u64) -> Result<()>;

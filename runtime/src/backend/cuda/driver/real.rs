@@ -555,6 +555,24 @@ impl Driver for CudaDriver {
             .map_err(|e| cu_err("cuMemcpyDtoHAsync", e))
     }
 
+    unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller keeps the range allocated until it is unregistered.
+        unsafe {
+            cusys::cuMemHostRegister_v2(ptr as *mut c_void, len, cusys::CU_MEMHOSTREGISTER_PORTABLE)
+        }
+        .result()
+        .map_err(|e| cu_err("cuMemHostRegister", e))
+    }
+
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees no queued copy uses the range.
+        unsafe { cusys::cuMemHostUnregister(ptr as *mut c_void) }
+            .result()
+            .map_err(|e| cu_err("cuMemHostUnregister", e))
+    }
+
     fn kernel(&self, name: &str) -> Result<Kernel> {
         let Some(k) = self.kernels.iter().position(|(_, n)| n == name) else {
             return Err(unknown_kernel(name, &self.programs));

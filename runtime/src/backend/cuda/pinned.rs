@@ -1,0 +1,123 @@
+//! Page-locked host buffers for staging device views: what the offloaded optimizer step copies
+//! down (gradients) and up (the low-precision copy) every step. Host vectors are registered
+//! with the driver once and kept, shaped as the views they stage, so each step copies through
+//! the same page-locked memory at the bus's speed instead of through fresh pageable pages that
+//! the driver bounces through its own buffers.
+//!
+//! Registration is best effort: a buffer the driver will not register (a small one sharing a
+//! page with a registered neighbour, a locked-memory limit) stages pageable, as before, and
+//! gives the same bytes. Registered buffers are unregistered before they are freed, always.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use super::driver::Driver;
+use crate::tensor::{spare, DType, FlatBuf};
+
+/// Smaller buffers are not worth a registration (a driver call each way).
+const MIN_BYTES: u64 = 1 << 20;
+/// Buffers held for reuse.
+const MAX_BUFFERS: usize = 32;
+/// Bytes held for reuse (beyond one buffer, which is always kept).
+const MAX_BYTES: u64 = 8 << 30;
+
+/// The pool of one opened device.
+#[derive(Debug)]
+pub(crate) struct PinnedPool {
+    driver: Arc<dyn Driver>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Registered buffers not lent out, oldest first.
+    held: VecDeque<FlatBuf>,
+    /// Start addresses of every registered buffer of this pool, held or lent.
+    registered: HashSet<usize>,
+}
+
+fn start(b: &FlatBuf) -> usize {
+    b.as_ref().bytes().as_ptr() as usize
+}
+
+impl PinnedPool {
+    pub(crate) fn new(driver: Arc<dyn Driver>) -> Self {
+        PinnedPool {
+            driver,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A buffer of `len` elements of `dtype` with unspecified contents, page-locked when the
+    /// driver allows.
+    pub(crate) fn take(&self, dtype: DType, len: usize) -> FlatBuf {
+        let mut st = self.state();
+        if let Some(i) = st
+            .held
+            .iter()
+            .position(|b| b.dtype() == dtype && b.len() == len)
+        {
+            if let Some(b) = st.held.remove(i) {
+                return b;
+            }
+        }
+        let mut b = spare::take(dtype, len);
+        if b.bytes() >= MIN_BYTES {
+            let bytes = b.as_mut().bytes_mut();
+            // SAFETY: the buffer stays allocated while registered: `give` keeps it or
+            // unregisters it before dropping it, and the pool unregisters what it holds when
+            // dropped.
+            match unsafe { self.driver.host_register(bytes.as_mut_ptr(), bytes.len()) } {
+                Ok(()) => {
+                    st.registered.insert(start(&b));
+                }
+                Err(e) => tracing::debug!("staging buffer left pageable: {e}"),
+            }
+        }
+        b
+    }
+
+    /// Takes back a buffer from [`PinnedPool::take`] for reuse.
+    pub(crate) fn give(&self, b: FlatBuf) {
+        let mut st = self.state();
+        if !st.registered.contains(&start(&b)) {
+            drop(st);
+            spare::give(b);
+            return;
+        }
+        st.held.push_back(b);
+        let held = |s: &State| s.held.iter().map(FlatBuf::bytes).sum::<u64>();
+        while st.held.len() > MAX_BUFFERS || (st.held.len() > 1 && held(&st) > MAX_BYTES) {
+            if let Some(old) = st.held.pop_front() {
+                self.release(&mut st, old);
+            }
+        }
+    }
+
+    /// Unregisters and frees `b`.
+    fn release(&self, st: &mut State, mut b: FlatBuf) {
+        st.registered.remove(&start(&b));
+        // SAFETY: copies are synchronous, so none still uses a buffer that came back.
+        if let Err(e) = unsafe {
+            self.driver
+                .host_unregister(b.as_mut().bytes_mut().as_mut_ptr())
+        } {
+            // Freeing memory the driver still holds locked would leave it locked; keep it.
+            tracing::warn!("staging buffer could not be unregistered, kept: {e}");
+            std::mem::forget(b);
+        }
+    }
+}
+
+impl Drop for PinnedPool {
+    fn drop(&mut self) {
+        let mut st = self.state();
+        while let Some(b) = st.held.pop_front() {
+            self.release(&mut st, b);
+        }
+    }
+}
