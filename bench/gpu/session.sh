@@ -82,7 +82,7 @@ if [ "$phase" = all ] || [ "$phase" = breakdown ]; then
   # Where a GPT-2 124M step goes at stage 3 on the GPU, with and without the optimizer on the
   # CPU (per-phase wall clock, the last steps), and the host optimizer alone at 16 and 8 threads.
   [ -f /tmp/gpt2_tokens.bin ] || python3 -c "import random,struct; r=random.Random(0); open('/tmp/gpt2_tokens.bin','wb').write(struct.pack('<%dH'%(1<<22),*[r.randrange(50257) for _ in range(1<<22)]))"
-  for t in 16 8; do
+  for t in ${ADAM_THREADS-16 8}; do
     "$G/ferrozero" bench adam --params 124439808 --dtype bf16 --threads $t --steps 5 --json 2>&1 | tail -1 | tee -a "$S"
   done
   wc='"wall_clock_breakdown": true, "steps_per_print": 1'
