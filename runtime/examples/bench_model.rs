@@ -1,12 +1,17 @@
-//! Forward + backward throughput of a GPT-2-style model on the CPU backend, printed as one
-//! JSON line (compare with `/tmp/fz-bench/run_gpt.sh single`, PyTorch eager, same shapes).
+//! Full training-step throughput of a GPT-2-style model on the CPU backend's layers, without the
+//! engine: forward, backward, an AdamW update of every parameter (the CPU backend's fused
+//! optimizer, as the engine runs it) and gradient zeroing, printed as one JSON line. For claims
+//! against PyTorch use `train_gpt` through `../shared/bench/gpt_ab.sh`, which times the whole
+//! engine the way users compare; this isolates the layers and the optimizer from the engine's
+//! bookkeeping.
 //!
 //! `cargo run --release -p ferrozero-runtime --example bench_model -- [--preset bench-15m]
 //!  [--batch 8] [--seq 128] [--steps 10] [--warmup 2] [--threads 2]`
 
 use std::time::Instant;
 
-use ferrozero_runtime::backend::Backend;
+use ferrozero_offload::optim::{AdamHyper, WeightDecay};
+use ferrozero_runtime::backend::{Backend, UpdateRule};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::{init, Batch, BatchIds, Ctx, Grads, Model, Params, Saved};
 use ferrozero_runtime::tensor::{Tensor, View, ViewMut};
@@ -71,6 +76,58 @@ fn buffers(model: &Model, fill: bool) -> Buffers {
             .collect(),
         shared: model.shared.iter().map(make).collect(),
     }
+}
+
+/// AdamW as `gpt_ab.sh` configures it on both sides.
+const ADAMW: AdamHyper = AdamHyper {
+    lr: 3e-4,
+    beta1: 0.9,
+    beta2: 0.95,
+    eps: 1e-8,
+    weight_decay: 0.1,
+    decay: WeightDecay::Decoupled,
+    bias_correction: true,
+};
+
+/// Every buffer, units first, in the same order for weights, gradients and moments.
+fn all_mut(b: &mut Buffers) -> impl Iterator<Item = &mut Vec<f32>> {
+    b.units.iter_mut().flatten().chain(b.shared.iter_mut())
+}
+
+/// One training step: forward and backward, then AdamW on every parameter and the gradients
+/// zeroed for the next step, as the engine does.
+fn train_step(
+    be: &dyn Backend,
+    model: &Model,
+    s: &mut State,
+    batch: &Batch,
+    t: u64,
+) -> ferrozero_runtime::Result<f32> {
+    let loss = step(be, model, &s.w, &mut s.g, batch)?;
+    let rule = UpdateRule::Adam(ADAMW);
+    let moments = all_mut(&mut s.m).zip(all_mut(&mut s.v));
+    for ((w, g), (m, v)) in all_mut(&mut s.w).zip(all_mut(&mut s.g)).zip(moments) {
+        be.optimizer_update(
+            &rule,
+            t,
+            1.0,
+            ViewMut::from(&mut w[..]),
+            View::from(&g[..]),
+            ViewMut::from(&mut m[..]),
+            ViewMut::from(&mut v[..]),
+            None,
+        )?;
+        g.fill(0.0);
+    }
+    Ok(loss)
+}
+
+/// Weights, gradients and the two moments.
+struct State {
+    w: Buffers,
+    g: Buffers,
+    m: Buffers,
+    v: Buffers,
 }
 
 fn step(
@@ -154,8 +211,12 @@ fn main() {
         std::process::exit(2);
     });
     let model = gpt2::build(&cfg).expect("preset is valid");
-    let w = buffers(&model, true);
-    let mut g = buffers(&model, false);
+    let mut state = State {
+        w: buffers(&model, true),
+        g: buffers(&model, false),
+        m: buffers(&model, false),
+        v: buffers(&model, false),
+    };
     let n = args.batch * args.seq;
     let tokens: Vec<u32> = (0..n)
         .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as u32)
@@ -183,7 +244,7 @@ fn main() {
                 cpu0 = process_cpu_s();
             }
             let t0 = Instant::now();
-            loss = step(&*be, &model, &w, &mut g, &batch).expect("step runs");
+            loss = train_step(&*be, &model, &mut state, &batch, i as u64 + 1).expect("step runs");
             if i >= args.warmup {
                 times.push(t0.elapsed().as_secs_f64());
             }
@@ -201,7 +262,7 @@ fn main() {
         .map(|u| u.module.saved_bytes(args.batch, args.seq))
         .sum();
     println!(
-        "{{\"bench\": \"ferrozero_fwd_bwd\", \"preset\": \"{}\", \"params\": {}, \"threads\": {}, \"micro_batch\": {}, \"seq\": {}, \"steps\": {}, \"tokens_per_s\": {:.1}, \"step_s_median\": {:.4}, \"loss\": {:.4}, \"saved_activation_bytes\": {}, \"cpu_s_per_step\": {}}}",
+        "{{\"bench\": \"ferrozero_train_step\", \"what\": \"forward, backward, AdamW, zero grads (layers and optimizer, no engine)\", \"preset\": \"{}\", \"params\": {}, \"threads\": {}, \"micro_batch\": {}, \"seq\": {}, \"steps\": {}, \"tokens_per_s\": {:.1}, \"step_s_median\": {:.4}, \"loss\": {:.4}, \"saved_activation_bytes\": {}, \"cpu_s_per_step\": {}}}",
         args.preset, model.num_params(), args.threads, args.batch, args.seq, args.steps,
         (n * times.len()) as f64 / total, times[times.len() / 2], loss, saved, cpu
     );
