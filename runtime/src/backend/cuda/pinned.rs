@@ -18,8 +18,9 @@ use crate::tensor::{spare, DType, FlatBuf};
 const MIN_BYTES: u64 = 1 << 20;
 /// Buffers held for reuse.
 const MAX_BUFFERS: usize = 32;
-/// Bytes held for reuse (beyond one buffer, which is always kept).
-const MAX_BYTES: u64 = 8 << 30;
+/// Bytes held for reuse (beyond one buffer, which is always kept): the bound the thread's
+/// spare cache had when staging went through it, so page-locking adds no host memory.
+const MAX_BYTES: u64 = 2 << 30;
 
 /// The pool of one opened device.
 #[derive(Debug)]
