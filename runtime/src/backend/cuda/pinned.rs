@@ -122,3 +122,47 @@ impl Drop for PinnedPool {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::driver::{EmuDriver, EmuOptions};
+
+    /// Buffers are registered once and reused by shape; the pool holds at most `MAX_BUFFERS`,
+    /// unregistering what it evicts; small buffers are never registered; dropping the pool
+    /// unregisters the rest.
+    #[test]
+    fn buffers_are_registered_once_reused_and_released() {
+        let drv = Arc::new(EmuDriver::new(EmuOptions::default()).unwrap());
+        let pool = PinnedPool::new(drv.clone());
+        let n = 1 << 18; // 1 MiB of f32: just worth registering
+        let a = pool.take(DType::F32, n);
+        let at = start(&a);
+        assert_eq!(drv.registered_host_bytes(), n * 4);
+        pool.give(a);
+        let again = pool.take(DType::F32, n);
+        assert_eq!(start(&again), at, "same shape, same registered buffer");
+        pool.give(again);
+        let small = pool.take(DType::F32, 1000);
+        assert_eq!(
+            drv.registered_host_bytes(),
+            n * 4,
+            "small buffers stay pageable"
+        );
+        pool.give(small);
+        let many: Vec<FlatBuf> = (0..MAX_BUFFERS + 3)
+            .map(|i| pool.take(DType::Bf16, (1 << 19) + i))
+            .collect();
+        for b in many {
+            pool.give(b);
+        }
+        let st = pool.state();
+        assert_eq!(st.held.len(), MAX_BUFFERS);
+        assert_eq!(st.registered.len(), MAX_BUFFERS);
+        let held: usize = st.held.iter().map(|b| b.bytes() as usize).sum();
+        drop(st);
+        assert_eq!(drv.registered_host_bytes(), held);
+        drop(pool);
+        assert_eq!(drv.registered_host_bytes(), 0);
+    }
+}
