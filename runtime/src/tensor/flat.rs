@@ -28,6 +28,15 @@ pub enum FlatBuf {
     F16(Vec<f16>),
 }
 
+/// `src` widened into `dst` (same length), on this thread.
+fn widen(src: BufRef<'_>, dst: &mut [f32]) {
+    match src {
+        BufRef::F32(s) => dst.copy_from_slice(s),
+        BufRef::Bf16(s) => s.convert_to_f32_slice(dst),
+        BufRef::F16(s) => s.convert_to_f32_slice(dst),
+    }
+}
+
 impl FlatBuf {
     /// A zero-filled buffer (a large one may be a reused buffer from [`super::spare`]).
     pub fn zeros(dtype: DType, len: usize) -> Self {
@@ -129,31 +138,18 @@ impl FlatBuf {
 
     /// Reads `self[offset..offset + dst.len()]` into `dst` as f32.
     pub fn load_f32(&self, offset: usize, dst: &mut [f32]) {
-        let r = offset..offset + dst.len();
-        match self {
-            FlatBuf::F32(v) => dst.copy_from_slice(&v[r]),
-            FlatBuf::Bf16(v) => v[r].convert_to_f32_slice(dst),
-            FlatBuf::F16(v) => v[r].convert_to_f32_slice(dst),
-        }
+        widen(self.as_ref().range(offset..offset + dst.len()), dst);
     }
 
     /// Widens all of `src` into `dst` (same length), in parallel for long runs (widening is
     /// exact, so the split changes no value).
     pub fn widen_into(src: BufRef<'_>, dst: &mut [f32]) {
-        fn par<T: Sync>(s: &[T], d: &mut [f32], f: impl Fn(&[T], &mut [f32]) + Sync) {
-            if s.len() >= PAR_MIN {
-                d.par_chunks_mut(PAR_CHUNK)
-                    .zip(s.par_chunks(PAR_CHUNK))
-                    .for_each(|(d, s)| f(s, d));
-            } else {
-                f(s, d);
-            }
+        if src.len() < PAR_MIN {
+            return widen(src, dst);
         }
-        match src {
-            BufRef::F32(s) => par(s, dst, |s, d| d.copy_from_slice(s)),
-            BufRef::Bf16(s) => par(s, dst, |s, d| s.convert_to_f32_slice(d)),
-            BufRef::F16(s) => par(s, dst, |s, d| s.convert_to_f32_slice(d)),
-        }
+        dst.par_chunks_mut(PAR_CHUNK)
+            .enumerate()
+            .for_each(|(i, d)| widen(src.range(i * PAR_CHUNK..i * PAR_CHUNK + d.len()), d));
     }
 
     /// Adds the first `n` elements of `src` (same dtype) into `self[offset..offset + n]`, in

@@ -15,7 +15,7 @@ use crate::Result;
 /// A read-only view in host memory: the original, or a downloaded copy.
 pub enum Staged<'a> {
     /// Already host memory.
-    Direct(View<'a>),
+    Direct(BufRef<'a>),
     /// A host copy of device memory (handed back to the device when dropped).
     Copied {
         /// The host copy.
@@ -29,7 +29,7 @@ impl<'a> Staged<'a> {
     /// Stages `v` (downloads it when it is in device memory).
     pub fn new(v: View<'a>) -> Result<Self> {
         Ok(match v {
-            View::Host(_) => Staged::Direct(v),
+            View::Host(b) => Staged::Direct(b),
             View::Cuda(c) => Staged::Copied {
                 host: c.stage()?,
                 src: c,
@@ -37,12 +37,17 @@ impl<'a> Staged<'a> {
         })
     }
 
+    /// The host elements.
+    pub fn host(&self) -> BufRef<'_> {
+        match self {
+            Staged::Direct(b) => *b,
+            Staged::Copied { host, .. } => host.as_ref(),
+        }
+    }
+
     /// The host view.
     pub fn view(&self) -> View<'_> {
-        match self {
-            Staged::Direct(v) => *v,
-            Staged::Copied { host, .. } => View::Host(host.as_ref()),
-        }
+        View::Host(self.host())
     }
 }
 
@@ -57,7 +62,7 @@ impl Drop for Staged<'_> {
 /// A mutable view in host memory: the original, or a copy written back by [`StagedMut::finish`].
 pub enum StagedMut<'a> {
     /// Already host memory.
-    Direct(ViewMut<'a>),
+    Direct(BufMut<'a>),
     /// A host copy of device memory, and where it goes back (the copy is handed back to the
     /// device when dropped).
     Copied {
@@ -72,7 +77,7 @@ impl<'a> StagedMut<'a> {
     /// Stages `v` for reading and writing (downloads it when it is in device memory).
     pub fn new(v: ViewMut<'a>) -> Result<Self> {
         Ok(match v {
-            ViewMut::Host(_) => StagedMut::Direct(v),
+            ViewMut::Host(b) => StagedMut::Direct(b),
             ViewMut::Cuda(c) => StagedMut::Copied {
                 host: c.as_view().stage()?,
                 dst: c,
@@ -84,7 +89,7 @@ impl<'a> StagedMut<'a> {
     /// view gets host memory of unspecified contents, nothing is downloaded.
     pub fn overwrite(v: ViewMut<'a>) -> Self {
         match v {
-            ViewMut::Host(_) => StagedMut::Direct(v),
+            ViewMut::Host(b) => StagedMut::Direct(b),
             ViewMut::Cuda(c) => StagedMut::Copied {
                 host: c.as_view().staging(),
                 dst: c,
@@ -92,12 +97,17 @@ impl<'a> StagedMut<'a> {
         }
     }
 
+    /// The host elements.
+    pub fn host_mut(&mut self) -> BufMut<'_> {
+        match self {
+            StagedMut::Direct(b) => b.reborrow(),
+            StagedMut::Copied { host, .. } => host.as_mut(),
+        }
+    }
+
     /// The host view.
     pub fn view_mut(&mut self) -> ViewMut<'_> {
-        match self {
-            StagedMut::Direct(v) => v.reborrow(),
-            StagedMut::Copied { host, .. } => ViewMut::Host(host.as_mut()),
-        }
+        ViewMut::Host(self.host_mut())
     }
 
     /// Writes a copy back to the device memory it came from.
@@ -122,29 +132,16 @@ impl Drop for StagedMut<'_> {
 /// explicit download (how a transport that reaches only host memory, such as MPI, reads
 /// device buffers).
 pub fn read_host<R>(v: View<'_>, f: impl FnOnce(BufRef<'_>) -> Result<R>) -> Result<R> {
-    match v {
-        View::Host(b) => f(b),
-        View::Cuda(c) => {
-            let host = c.stage()?;
-            let r = f(host.as_ref());
-            c.unstage(host);
-            r
-        }
-    }
+    f(Staged::new(v)?.host())
 }
 
 /// Runs `f` on `v`'s elements in host memory and keeps what it wrote: a host view directly, a
 /// device view through an explicit download and upload.
 pub fn write_host<R>(v: ViewMut<'_>, f: impl FnOnce(BufMut<'_>) -> Result<R>) -> Result<R> {
-    match v {
-        ViewMut::Host(b) => f(b),
-        ViewMut::Cuda(mut c) => {
-            let mut host = c.as_view().stage()?;
-            let r = f(host.as_mut()).and_then(|r| c.reborrow().upload(host.as_ref()).map(|()| r));
-            c.as_view().unstage(host);
-            r
-        }
-    }
+    let mut staged = StagedMut::new(v)?;
+    let r = f(staged.host_mut())?;
+    staged.finish()?;
+    Ok(r)
 }
 
 #[cfg(all(test, feature = "cuda"))]

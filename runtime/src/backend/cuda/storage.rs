@@ -64,6 +64,18 @@ pub struct CudaIds {
     dev: Arc<CudaDevice>,
 }
 
+/// Checks that a copy's two sides have the same length and dtype.
+fn same_shape(op: &'static str, want: (usize, DType), got: (usize, DType)) -> Result<()> {
+    if want == got {
+        return Ok(());
+    }
+    Err(Error::Shape {
+        op,
+        expected: format!("{} {:?} elements", want.0, want.1),
+        got: format!("{} {:?}", got.0, got.1),
+    })
+}
+
 fn out_of_range(op: &'static str, r: &Range<usize>, len: usize) -> Error {
     Error::Shape {
         op,
@@ -395,13 +407,11 @@ impl<'a> CudaView<'a> {
     /// Copies into host elements of the same dtype and length (an explicit download into
     /// memory the caller reuses; waits for the device).
     pub fn download(&self, dst: BufMut<'_>) -> Result<()> {
-        if dst.len() != self.len || dst.dtype() != self.dtype {
-            return Err(Error::Shape {
-                op: "device download",
-                expected: format!("{} {:?} elements", self.len, self.dtype),
-                got: format!("{} {:?}", dst.len(), dst.dtype()),
-            });
-        }
+        same_shape(
+            "device download",
+            (self.len, self.dtype),
+            (dst.len(), dst.dtype()),
+        )?;
         if self.len == 0 {
             return Ok(());
         }
@@ -412,13 +422,7 @@ impl<'a> CudaView<'a> {
 
     /// Copies into an equal-length view of the same dtype on the same device.
     pub fn copy_to(self, dst: CudaViewMut<'_>) -> Result<()> {
-        if self.len != dst.len || self.dtype != dst.dtype {
-            return Err(Error::Shape {
-                op: "device copy",
-                expected: format!("{} {:?} elements", self.len, self.dtype),
-                got: format!("{} {:?}", dst.len, dst.dtype),
-            });
-        }
+        same_shape("device copy", (self.len, self.dtype), (dst.len, dst.dtype))?;
         if !Arc::ptr_eq(self.dev, dst.dev) {
             return Err(Error::Invalid(
                 "device copy between two devices: copy through the host explicitly".into(),
@@ -539,13 +543,11 @@ impl<'a> CudaViewMut<'a> {
     /// Overwrites the elements with host values of the same dtype and length (an explicit
     /// upload).
     pub fn upload(self, src: BufRef<'_>) -> Result<()> {
-        if src.len() != self.len || src.dtype() != self.dtype {
-            return Err(Error::Shape {
-                op: "device upload",
-                expected: format!("{} {:?} elements", self.len, self.dtype),
-                got: format!("{} {:?}", src.len(), src.dtype()),
-            });
-        }
+        same_shape(
+            "device upload",
+            (self.len, self.dtype),
+            (src.len(), src.dtype()),
+        )?;
         if self.len == 0 {
             return Ok(());
         }
