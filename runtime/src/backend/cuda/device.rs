@@ -11,7 +11,7 @@ use super::driver::{
 use super::launch::Args;
 use super::pinned::PinnedPool;
 use crate::tensor::{DType, FlatBuf};
-use crate::Result;
+use crate::{Error, Result};
 
 /// The stream every operation of the backend runs on: one compute stream keeps the order of
 /// kernels, GEMMs and the copies between them without events.
@@ -102,14 +102,21 @@ impl CudaDevice {
         Ok(h)
     }
 
-    /// Launches kernel `name` on the compute stream with `args` (which must match its
-    /// parameters exactly, as each kernel's header comment lists them).
+    /// Launches kernel `name` on the compute stream with `args`, after checking them against
+    /// the kernel's declared parameters: a mismatch is an error naming the kernel and the
+    /// parameter, never a kernel reading the wrong bytes.
     pub(crate) fn launch(
         &self,
         name: &'static str,
         cfg: LaunchConfig,
         args: &mut Args,
     ) -> Result<()> {
+        super::kernels::params::check_launch(name, args.kinds()).map_err(|detail| {
+            Error::Device {
+                op: "cuLaunchKernel (arguments)".into(),
+                detail,
+            }
+        })?;
         let k = self.kernel(name)?;
         let mut params: Vec<*mut c_void> = args.pointers();
         // SAFETY: `args` holds one value per parameter, of the parameter's type, and its device

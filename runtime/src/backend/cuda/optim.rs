@@ -1,9 +1,10 @@
 //! The optimizer step on device state (`optim.cu`): one multi-tensor launch per call, with the
-//! gradient scale and the skip flag read from device memory, bit-identical to the CPU step.
+//! gradient scale read from device memory, bit-identical to the CPU step.
 
 use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::{BLOCK, STREAM};
 use super::driver::{DevPtr, LaunchConfig};
+use super::kernels::params::OptTensor;
 use super::launch::Args;
 use super::storage::CudaBuf;
 use crate::backend::{OptimizerOps, UpdateRule};
@@ -15,19 +16,6 @@ const OP: &str = "optimizer step";
 
 /// Elements per chunk of the multi-tensor launch (a multiple of 8, so aligned chunks vectorise).
 const CHUNK: usize = 1 << 16;
-
-/// `optim.cu`'s `OptTensor` descriptor.
-#[repr(C)]
-#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct OptTensor {
-    params: u64,
-    grads: u64,
-    m: u64,
-    v: u64,
-    lp: u64,
-    n: i64,
-    first_chunk: i64,
-}
 
 impl OptimizerOps for CudaBackend {
     fn optimizer_update(
@@ -101,8 +89,6 @@ impl OptimizerOps for CudaBackend {
         table.copy_from_host(bytemuck::bytes_of(&desc), STREAM)?;
         let scale = self.dev.alloc(4)?;
         scale.copy_from_host(&grad_scale.to_le_bytes(), STREAM)?;
-        let skip = self.dev.alloc(4)?;
-        self.dev.driver().memset_zero(skip.ptr(), 4, STREAM)?;
         let chunks = n.div_ceil(CHUNK);
         let head = Args::new()
             .ptr(table.ptr())
@@ -165,7 +151,7 @@ impl OptimizerOps for CudaBackend {
                 )
             }
         };
-        args = args.ptr(scale.ptr()).ptr(skip.ptr());
+        args = args.ptr(scale.ptr());
         self.dev.launch(name, cfg, &mut args)?;
         // An f32 "low-precision" copy is the parameters themselves, copied after the update.
         if let (Some(l), DType::F32) = (lp, lp_dtype) {

@@ -1,4 +1,4 @@
-// elementwise.cu: pointwise activations, residual adds, dropout, scale, fill.
+// elementwise.cu: pointwise activations, residual adds, dropout, fill.
 //
 // Every kernel has _f32, _bf16 and _f16 variants (T = float, bf16_t, f16_t) and computes in f32,
 // rounding once per output element. All are grid-stride loops: launch any 1-D grid, e.g.
@@ -21,8 +21,6 @@
 //       in place: x = keep ? x / (1 - p) : 0 with keep = uniform(seed, i) >= p, i the element's
 //       index in the buffer; the mask equals the CPU backend's bit for bit (backend/rng.rs), so
 //       backward is the same call on the gradient. p <= 0 leaves x untouched.
-//   scale_T(T* x, long long n, float s)
-//       x *= s
 //   fill_T(T* x, long long n, float value)
 //       x = value (rounded to T)
 //
@@ -168,20 +166,6 @@ struct Dropout {
 };
 
 template <class T>
-struct Scale {
-  T* x;
-  float s;
-  template <int W>
-  __device__ __forceinline__ void operator()(long long i, fz_int<W>) const {
-    float v[W];
-    fz_load<W>(x + i, v);
-#pragma unroll
-    for (int k = 0; k < W; ++k) v[k] *= s;
-    fz_store<W>(x + i, v);
-  }
-};
-
-template <class T>
 struct Fill {
   T* x;
   float value;
@@ -229,11 +213,6 @@ __device__ __forceinline__ void dropout(T* x, long long n, unsigned long long se
   if (p <= 0.0f) return;
   const Dropout<T> op{x, mix64(seed), p, 1.0f / (1.0f - p)};
   fz_grid_packs<fz_vec<T>::n>(n, fz_aligned16(x), op);
-}
-
-template <class T>
-__device__ __forceinline__ void scale(T* x, long long n, float s) {
-  fz_grid_packs<fz_vec<T>::n>(n, fz_aligned16(x), Scale<T>{x, s});
 }
 
 template <class T>
@@ -316,9 +295,6 @@ extern "C" __global__ void dropout_f16(f16_t* x, long long n, unsigned long long
   dropout(x, n, seed, p);
 }
 
-extern "C" __global__ void scale_f32(float* x, long long n, float s) { scale(x, n, s); }
-extern "C" __global__ void scale_bf16(bf16_t* x, long long n, float s) { scale(x, n, s); }
-extern "C" __global__ void scale_f16(f16_t* x, long long n, float s) { scale(x, n, s); }
 
 extern "C" __global__ void fill_f32(float* x, long long n, float value) { fill(x, n, value); }
 extern "C" __global__ void fill_bf16(bf16_t* x, long long n, float value) { fill(x, n, value); }

@@ -6,6 +6,8 @@
 //! kernel is `extern "C"` with a globally unique name; variants over the activation/parameter
 //! dtype carry the suffixes `_f32`, `_bf16`, `_f16`.
 
+pub mod params;
+
 /// One CUDA C source file of ferrozero's kernels.
 pub struct KernelSource {
     /// File name, e.g. `norm.cu` (the NVRTC program name).
@@ -43,9 +45,6 @@ pub const SOURCES: &[KernelSource] = &[
             "dropout_f32",
             "dropout_bf16",
             "dropout_f16",
-            "scale_f32",
-            "scale_bf16",
-            "scale_f16",
             "fill_f32",
             "fill_bf16",
             "fill_f16",
@@ -128,7 +127,6 @@ pub const SOURCES: &[KernelSource] = &[
             "sum_squares_bf16",
             "sum_squares_f16",
             "sum_squares_finalize",
-            "clip_grad_scale",
             "colsum_partial_f32",
             "colsum_partial_bf16",
             "colsum_partial_f16",
@@ -214,45 +212,12 @@ mod tests {
     use super::*;
     use std::collections::HashSet;
 
-    /// The code without comments, so a kernel named in prose is not taken for a definition.
-    fn strip_comments(code: &str) -> String {
-        let mut out = String::with_capacity(code.len());
-        let mut rest = code;
-        while !rest.is_empty() {
-            if let Some(r) = rest.strip_prefix("//") {
-                rest = r.find('\n').map_or("", |i| &r[i..]);
-            } else if let Some(r) = rest.strip_prefix("/*") {
-                rest = r.find("*/").map_or("", |i| &r[i + 2..]);
-            } else {
-                let c = rest.chars().next().unwrap_or(' ');
-                out.push(c);
-                rest = &rest[c.len_utf8()..];
-            }
-        }
-        out
-    }
-
-    /// Names of the `extern "C" __global__` functions defined in `code`, in order (a
-    /// `__launch_bounds__(...)` between the qualifiers and the name is skipped).
+    /// Names of the `extern "C" __global__` functions defined in `code`, in order.
     fn global_names(code: &str) -> Vec<String> {
-        let code = strip_comments(code);
-        let marker = "extern \"C\" __global__";
-        let mut names = Vec::new();
-        let mut rest = code.as_str();
-        while let Some(i) = rest.find(marker) {
-            rest = &rest[i + marker.len()..];
-            let mut decl = rest.trim_start();
-            if let Some(r) = decl.strip_prefix("__launch_bounds__") {
-                decl = r.find(')').map_or("", |j| &r[j + 1..]).trim_start();
-            }
-            let decl = decl.strip_prefix("void").unwrap_or(decl).trim_start();
-            let name: String = decl
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            names.push(name);
-        }
-        names
+        params::parse::signatures(code)
+            .into_iter()
+            .map(|s| s.name)
+            .collect()
     }
 
     #[test]

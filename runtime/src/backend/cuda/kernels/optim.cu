@@ -23,21 +23,19 @@
 // (then every chunk of an aligned tensor is vectorised; otherwise the kernel goes element by
 // element).
 //
-// `grad_scale` (loss-scale removal times the clip coefficient) is read from device memory, and a
-// nonzero `*skip` (set by the overflow check) makes the whole launch a no-op, so the host never
-// reads either before launching.
+// `grad_scale` (loss-scale removal times the clip coefficient) is read from device memory, so a
+// scale computed on the device needs no round trip through the host.
 //
 //   adam_multi_<lp>(const OptTensor* t, int ntensors, long long total_chunks, int chunk,
 //                   float lr, float beta1, float beta2, float eps, float weight_decay,
-//                   int decoupled, float step_size, float bc2_sqrt, const float* grad_scale,
-//                   const int* skip)
+//                   int decoupled, float step_size, float bc2_sqrt, const float* grad_scale)
 //       step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t) are computed by the host
 //       exactly as `adam_terms` does (lr and 1 without bias correction); decoupled = 1 is AdamW.
 //   sgd_multi_<lp>(..., float lr, float momentum, float dampening, float weight_decay,
-//                  int nesterov, int first_step, const float* grad_scale, const int* skip)
+//                  int nesterov, int first_step, const float* grad_scale)
 //       first_step = (step <= 1): the momentum buffer starts as the first gradient.
 //   lion_multi_<lp>(..., float lr, float beta1, float beta2, float weight_decay,
-//                   const float* grad_scale, const int* skip)
+//                   const float* grad_scale)
 //
 //   <lp> is f32 (no copy), bf16 or f16. Every element is computed with the reference's
 //   operations in the reference's order, each rounded separately (__fmul_rn & co. are never
@@ -167,9 +165,7 @@ __device__ __forceinline__ void adam_multi(const OptTensor* t, int ntensors,
                                            long long total_chunks, int chunk, float lr,
                                            float beta1, float beta2, float eps,
                                            float weight_decay, int decoupled, float step_size,
-                                           float bc2_sqrt, const float* grad_scale,
-                                           const int* skip) {
-  if (*skip) return;
+                                           float bc2_sqrt, const float* grad_scale) {
   // 1 - beta and lr * wd as the host computes them (f32, one rounding each).
   const AdamUpdate up{*grad_scale,  beta1, __fsub_rn(1.0f, beta1),      beta2,
                       __fsub_rn(1.0f, beta2), eps, weight_decay, __fmul_rn(lr, weight_decay),
@@ -181,9 +177,7 @@ template <class LP>
 __device__ __forceinline__ void sgd_multi(const OptTensor* t, int ntensors,
                                           long long total_chunks, int chunk, float lr,
                                           float momentum, float dampening, float weight_decay,
-                                          int nesterov, int first_step, const float* grad_scale,
-                                          const int* skip) {
-  if (*skip) return;
+                                          int nesterov, int first_step, const float* grad_scale) {
   const SgdUpdate up{*grad_scale, lr, momentum, __fsub_rn(1.0f, dampening), weight_decay,
                      nesterov, first_step};
   for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
@@ -193,8 +187,7 @@ template <class LP>
 __device__ __forceinline__ void lion_multi(const OptTensor* t, int ntensors,
                                            long long total_chunks, int chunk, float lr,
                                            float beta1, float beta2, float weight_decay,
-                                           const float* grad_scale, const int* skip) {
-  if (*skip) return;
+                                           const float* grad_scale) {
   const LionUpdate up{*grad_scale, lr, __fmul_rn(lr, weight_decay), beta1,
                       __fsub_rn(1.0f, beta1), beta2, __fsub_rn(1.0f, beta2)};
   for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
@@ -205,22 +198,22 @@ __device__ __forceinline__ void lion_multi(const OptTensor* t, int ntensors,
 #define FZ_ADAM_PARAMS                                                                       \
   const OptTensor *t, int ntensors, long long total_chunks, int chunk, float lr, float beta1, \
       float beta2, float eps, float weight_decay, int decoupled, float step_size,            \
-      float bc2_sqrt, const float *grad_scale, const int *skip
+      float bc2_sqrt, const float *grad_scale
 #define FZ_ADAM_ARGS                                                                       \
   t, ntensors, total_chunks, chunk, lr, beta1, beta2, eps, weight_decay, decoupled, step_size, \
-      bc2_sqrt, grad_scale, skip
+      bc2_sqrt, grad_scale
 #define FZ_SGD_PARAMS                                                                          \
   const OptTensor *t, int ntensors, long long total_chunks, int chunk, float lr, float momentum, \
       float dampening, float weight_decay, int nesterov, int first_step,                        \
-      const float *grad_scale, const int *skip
+      const float *grad_scale
 #define FZ_SGD_ARGS                                                                      \
   t, ntensors, total_chunks, chunk, lr, momentum, dampening, weight_decay, nesterov, \
-      first_step, grad_scale, skip
+      first_step, grad_scale
 #define FZ_LION_PARAMS                                                                      \
   const OptTensor *t, int ntensors, long long total_chunks, int chunk, float lr, float beta1, \
-      float beta2, float weight_decay, const float *grad_scale, const int *skip
+      float beta2, float weight_decay, const float *grad_scale
 #define FZ_LION_ARGS \
-  t, ntensors, total_chunks, chunk, lr, beta1, beta2, weight_decay, grad_scale, skip
+  t, ntensors, total_chunks, chunk, lr, beta1, beta2, weight_decay, grad_scale
 
 extern "C" __global__ void adam_multi_f32(FZ_ADAM_PARAMS) { adam_multi<float>(FZ_ADAM_ARGS); }
 extern "C" __global__ void adam_multi_bf16(FZ_ADAM_PARAMS) { adam_multi<bf16_t>(FZ_ADAM_ARGS); }

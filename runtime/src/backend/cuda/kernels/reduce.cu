@@ -19,11 +19,6 @@
 //   sum_squares_finalize(const double* partials, long long nparts, double* out, float* out_f32)
 //       *out = the partials summed in order (overwritten); out_f32, when not null, gets it
 //       rounded to f32 (what the engine all-reduces). Launch: one block of 32 threads.
-//   clip_grad_scale(const float* sumsq, double loss_scale, double clip, float* grad_scale)
-//       The engine's step (engine/step.rs): norm = sqrt(sumsq) / loss_scale;
-//       coef = clip / (norm + 1e-6) if clip > 0 and norm > clip, else 1;
-//       *grad_scale = (float)(coef / loss_scale), read by the optimizer kernels from device
-//       memory. Launch: one block of 32 threads.
 //
 //   max_assign_f32(float* dst, const float* src, long long n)
 //       dst = src > dst || src is NaN ? src : dst: a maximum that keeps a NaN from either side
@@ -228,14 +223,6 @@ extern "C" __global__ void sum_squares_finalize(const double* partials, long lon
   for (long long i = 0; i < nparts; ++i) s += partials[i];
   *out = s;
   if (out_f32) *out_f32 = static_cast<float>(s);
-}
-
-extern "C" __global__ void clip_grad_scale(const float* sumsq, double loss_scale, double clip,
-                                           float* grad_scale) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  const double norm = sqrt(static_cast<double>(*sumsq)) / loss_scale;
-  const double coef = (clip > 0.0 && norm > clip) ? clip / (norm + 1e-6) : 1.0;
-  *grad_scale = static_cast<float>(coef / loss_scale);
 }
 
 extern "C" __global__ void colsum_partial_f32(const float* m, float* partial, long long rows,
