@@ -1,4 +1,4 @@
-/* Direct-MPI baseline for `ferrozero bench comm --backend mpi --json` (issue 16): Open MPI's
+/* Direct-MPI baseline for `ferrozero bench comm --backend mpi --json`: Open MPI's
  * MPI_Allreduce, MPI_Reduce_scatter_block and MPI_Allgather on f32 sums, measured exactly as
  * ferrozero's bench measures (runtime/src/comm/bench.rs): buffers of ones, the largest buffer of
  * the call as "bytes", one warm-up call, a barrier, then max(3, min(1000, 1 GiB / bytes)) calls

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ferrozero's MPI communicator next to Open MPI called directly (issue 16), in one run:
+# ferrozero's MPI communicator next to Open MPI called directly, in one run:
 # bench/mpi_baseline.c (MPI_Allreduce / MPI_Reduce_scatter_block / MPI_Allgather) and
 # `ferrozero bench comm --backend mpi --json` in native and rank-ordered mode, both measuring
 # the same way (see mpi_baseline.c), alternated ROUNDS times per process count so a noisy

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs a command while busy loops keep every core busy (issue 16's "loaded machine"), and
+# Runs a command while busy loops keep every core busy (a "loaded machine": many builds on a few shared cores), and
 # stops the loops afterwards. Prints the load average before and after.
 # Usage: bash bench/under_load.sh [-n COUNT] -- command args...
 #   -n COUNT  run the command COUNT times in a row, stopping at the first failure

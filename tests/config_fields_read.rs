@@ -1,7 +1,7 @@
 //! Every field of the resolved configuration (`ResolvedConfig` and the types it holds, enum
 //! variants' fields included) must be read somewhere in the runtime, or be listed below with
 //! the reason it is not: a key the validator accepts either changes behaviour or says that it
-//! is ignored (issue 16 found `zero_hpz_partition_size` resolved and never used).
+//! is ignored (`zero_hpz_partition_size` was once resolved and never used, and nothing noticed).
 //!
 //! "Read" is judged from the source: a field access `.name` that is not an assignment, or a
 //! shorthand pattern `name,` / `name }` (match arms destructuring a variant). Struct literals

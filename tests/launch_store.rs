@@ -91,7 +91,7 @@ fn rank_main() {
     }
     // A final barrier through the store, as jobs end: rank 0 can see the count complete and
     // return while rank 1 is still polling; dropping rank 0's store then waits until rank 1
-    // has closed its connection, so rank 1 never reads from a vanished host (issue 16).
+    // has closed its connection, so rank 1 never reads from a vanished host (a race seen on a loaded machine).
     store.add("done", 1).unwrap();
     while store.get("done").unwrap() != Some((world as i64).to_le_bytes().to_vec()) {
         std::thread::sleep(Duration::from_millis(10));

@@ -1,5 +1,5 @@
-//! The colour rule of the logs (issue 16): ANSI colour only when stderr is a terminal, never
-//! with `NO_COLOR` set, and never in the JSON metrics file. `train_gpt` runs three times:
+//! The colour rule of the logs (escape codes in a log file or a CI page are noise): ANSI colour
+//! only when stderr is a terminal, never with `NO_COLOR` set, and never in the JSON metrics file. `train_gpt` runs three times:
 //! into pipes, and on a pseudo-terminal (util-linux `script`) with and without `NO_COLOR`.
 
 use std::path::{Path, PathBuf};

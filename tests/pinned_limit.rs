@@ -1,5 +1,5 @@
-//! `pin_memory = true` against a small `RLIMIT_MEMLOCK` (issue 16), decided at `initialize`,
-//! before step 1: refused with the exact lines that fix it; continued with pageable buffers
+//! `pin_memory = true` against a small `RLIMIT_MEMLOCK` (containers often have 64 KiB),
+//! decided at `initialize`, before step 1: refused with the exact lines that fix it; continued with pageable buffers
 //! when the config says `pin_memory_fallback = true`; and when only the soft limit is too
 //! low, raised to the hard limit without bothering anyone. `train_gpt` runs under util-linux
 //! `prlimit` (and, as root, `setpriv` dropping CAP_IPC_LOCK, which would lift the limit).

@@ -85,9 +85,9 @@ pub struct ZeroConfig {
     pub max_live_parameters: usize,
     /// Do not release a parameter that will be reused within this many elements (stage 3).
     pub max_reuse_distance: usize,
-    /// Secondary (hierarchical) partition size, ZeRO++ hpZ; 0 or 1 = off. Not acted on yet:
-    /// the hybrid-sharding work (issue 15) reads it; until then config-schema warns that
-    /// values above 1 are ignored.
+    /// Secondary (hierarchical) partition size, ZeRO++ hpZ; 0 or 1 = off. Above 1 the engine
+    /// shards the state within groups of this many ranks and replicates it across them (hybrid
+    /// sharding: `engine/topology.rs`, `comm/hybrid.rs`).
     pub hpz_partition_size: usize,
     /// Parameter offload (stage 3 only).
     pub offload_param: Offload,

@@ -102,8 +102,9 @@ fn a_garbage_client_does_not_take_the_server_down() {
     assert_eq!(st.wait("still").unwrap(), b"alive");
 }
 
-/// The race of issue 16: the hosting rank finishes first. Its handle must keep serving until
-/// the other rank has closed its connection, so that rank's last reads still succeed.
+/// A race seen on a loaded machine: the hosting rank finishes first. Its handle must keep
+/// serving until the other rank has closed its connection, so that rank's last reads still
+/// succeed.
 #[test]
 fn the_host_outlives_every_rank_that_still_uses_the_store() {
     let srv = StoreServer::host_job("127.0.0.1:0".parse().unwrap(), 2, Duration::from_secs(30))

@@ -56,7 +56,7 @@ fn emulated() -> Option<Arc<dyn Backend>> {
     match backend::cuda::emulated(DType::F32) {
         Ok(b) => Some(b),
         Err(e) => {
-            eprintln!("skipped: no emulated device: {e}");
+            backend::cuda::emu::skip_unless_required(&format!("no emulated device: {e}"));
             None
         }
     }

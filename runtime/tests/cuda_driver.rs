@@ -886,7 +886,9 @@ fn stub_library() -> Option<PathBuf> {
                 .is_ok_and(|o| o.status.success())
         });
         let Some(cxx) = cxx else {
-            eprintln!("skipped: no C++ compiler for the stand-in emulator library");
+            ferrozero_runtime::backend::cuda::emu::skip_unless_required(
+                "no C++ compiler for the stand-in emulator library",
+            );
             return None;
         };
         // Named by the sources' content, built once, published by rename: concurrent test

@@ -1,4 +1,4 @@
-//! The optimizer step overlapped with backward (issue 14's write-behind): each group's step
+//! The optimizer step overlapped with backward (the optimizer lane): each group's step
 //! starts on the optimizer lane when its gradient is final, and the parameters are bitwise
 //! those of the step taken after backward; with clipping or a dynamic loss scale it is off and
 //! the engine says why; NaN gradients skip a step taken after backward and stop an overlapped
@@ -15,8 +15,8 @@ use ferrozero_config::resolved::{
     LossScaling, OffloadTarget, Precision, ResolvedConfig, SchedulerConfig, WarmupType, ZeroStage,
 };
 use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::trace::Span;
-use ferrozero_runtime::engine::write_behind::OptimizerOverlap;
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::{Ctx, Grads, Module, ParamSpec, Params};
 use ferrozero_runtime::tensor::Tensor;

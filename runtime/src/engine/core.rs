@@ -12,6 +12,7 @@ use super::ledger::{Category, Ledger, Location};
 use super::loss_scale::LossScaler;
 use super::nvme::NvmeOffload;
 use super::optimizer::Optimizer;
+use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
 use super::overlap::CommOverlap;
 use super::param_swap::ParamSwap;
 use super::report::Timings;
@@ -19,7 +20,6 @@ use super::schedule::Schedule;
 use super::stage::{self, Stage};
 use super::topology::{check_backend, open_hybrid, shard_comm};
 use super::trace::{Span, Trace};
-use super::write_behind::{OptimizerOverlap, WriteBehind};
 use crate::backend::Backend;
 use crate::comm::Communicator;
 use crate::nn::{Batch, BatchIds, Ctx, Grads, Model, Params, Saved};
@@ -68,7 +68,7 @@ pub struct Engine {
     /// Whether the optimizer step overlaps backward (and why not).
     pub(super) opt_overlap: OptimizerOverlap,
     /// The optimizer lane when it does.
-    pub(super) write_behind: Option<WriteBehind>,
+    pub(super) optimizer_lane: Option<OptimizerLane>,
     /// The recorded schedule (off unless asked for).
     pub(super) trace: Trace,
 }
@@ -150,8 +150,8 @@ impl Engine {
         tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
         let opt_overlap = OptimizerOverlap::decide(&cfg);
         opt_overlap.log(&cfg);
-        let write_behind = match opt_overlap {
-            OptimizerOverlap::On => Some(WriteBehind::new(comm.rank())?),
+        let optimizer_lane = match opt_overlap {
+            OptimizerOverlap::On => Some(OptimizerLane::new(comm.rank())?),
             OptimizerOverlap::Off(_) => None,
         };
         Ok(Self {
@@ -181,7 +181,7 @@ impl Engine {
             param_swap,
             traffic_mark: Default::default(),
             opt_overlap,
-            write_behind,
+            optimizer_lane,
             trace: Trace::default(),
         })
     }

@@ -3,7 +3,7 @@
 //! marks a point in that order as an [`Event`], and [`Lane::wait`] makes later work on another
 //! lane start only after that point. Results come back through [`Ticket::wait`].
 //!
-//! The optimizer's write-behind (`write_behind.rs`) is one lane; the communication worker
+//! The optimizer lane (`optimizer_overlap.rs`) is one lane; the communication worker
 //! (`comm::worker`) is another of the same shape, with a communicator lent to each job.
 
 use std::sync::mpsc::{channel, Receiver, Sender};

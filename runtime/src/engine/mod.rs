@@ -16,6 +16,7 @@ pub mod ledger;
 pub mod loss_scale;
 pub mod nvme;
 pub mod optimizer;
+pub mod optimizer_overlap;
 mod overlap;
 pub mod param_swap;
 pub mod params;
@@ -28,7 +29,6 @@ pub(crate) mod swap;
 pub mod timeline;
 mod topology;
 pub mod trace;
-pub mod write_behind;
 
 pub use self::core::Engine;
 pub use build::storage_dtype;

@@ -6,9 +6,9 @@ use std::time::Instant;
 use super::core::Engine;
 use super::ledger::Location;
 use super::optimizer::StepValues;
+use super::optimizer_overlap::overlapped_overflow;
 use super::report::{StepReport, Timings};
 use super::topology::shard_comm;
-use super::write_behind::overlapped_overflow;
 use crate::comm::{BufMut, ReduceOp};
 use crate::nn::Batch;
 use crate::{Error, Result};
@@ -40,11 +40,11 @@ impl Engine {
             self.tokens += b.valid_targets() as u64;
             if i + 1 == gas {
                 // The step follows this backward at once: its groups may step while it runs.
-                self.arm_write_behind();
+                self.arm_optimizer_lane();
             }
             if let Err(e) = self.backward_pass((b, &ids), grad) {
                 // Lent groups come home before the error leaves the engine.
-                if let Err(lost) = self.disarm_write_behind() {
+                if let Err(lost) = self.disarm_optimizer_lane() {
                     tracing::error!("after a failed backward: {lost}");
                 }
                 return Err(e);
@@ -62,7 +62,7 @@ impl Engine {
         }
         // The optimizer lane gives every group back first, so no error below leaves a group
         // lent.
-        let stepped = self.join_write_behind()?;
+        let stepped = self.join_optimizer_lane()?;
         // The micro-steps' losses leave the device here, once per step, summed in order.
         let mut local = 0.0f64;
         for l in std::mem::take(&mut self.losses) {

@@ -128,6 +128,10 @@ pub fn device(name: &'static str) -> Option<Dev> {
     };
     match be {
         Ok(be) => Some(Dev { name, be }),
+        Err(why) if cfg!(feature = "cuda") && name.starts_with("cuda_emu") => {
+            backend::cuda::emu::skip_unless_required(&format!("{name}: {why}"));
+            None
+        }
         Err(why) => {
             eprintln!("skipped on {name}: {why}");
             None

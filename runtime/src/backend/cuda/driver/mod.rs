@@ -5,7 +5,7 @@
 //!   loaded at run time, so this compiles and runs on machines without CUDA: opening it then
 //!   fails with an error that says "no CUDA device" and why.
 //! - [`EmuDriver`] (`emu.rs`): device memory is host memory, streams are synchronous, kernels
-//!   run in the kernels engineer's CPU emulator library, GEMMs in a reference loop that reads
+//!   run in the CPU emulator library (`backend::cuda::emu`), GEMMs in a reference loop that reads
 //!   operands exactly as cuBLASLt does (column-major, leading dimensions, transposes,
 //!   epilogues), so the backend's tests in CI catch what would fail on a GPU.
 //!
@@ -71,7 +71,8 @@ impl fmt::Display for DevPtr {
     }
 }
 
-/// The streams the engine uses (compute now; copies and NCCL come later, keep it an enum).
+/// The streams the engine uses: compute and one per copy direction, so uploads, downloads and
+/// kernels can overlap.
 ///
 /// Work on one stream runs in issue order; work on different streams may overlap unless ordered
 /// with events ([`Driver::event_record`] and [`Driver::stream_wait_event`]).

@@ -24,6 +24,25 @@ use std::process::{Child, Command, Stdio};
 
 use super::kernels::{self, KernelSource};
 
+/// The environment variable that turns a missing emulator into a failure: with
+/// `FERROZERO_REQUIRE_EMULATOR=1` (CI sets it) a test that cannot build or open the emulator
+/// fails instead of printing "skipped" and passing, so a broken toolchain cannot hide.
+pub const REQUIRE_ENV: &str = "FERROZERO_REQUIRE_EMULATOR";
+
+/// Whether [`REQUIRE_ENV`] is `1`.
+pub fn required() -> bool {
+    std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1")
+}
+
+/// For a test that cannot run without the emulator: prints `skipped: <why>` so the pass is
+/// visibly a skip, or panics with `why` when [`required`].
+pub fn skip_unless_required(why: &str) {
+    if required() {
+        panic!("{REQUIRE_ENV}=1 but the emulator is unavailable: {why}");
+    }
+    println!("skipped: {why}");
+}
+
 /// The CUDA-in-C++ layer every translation unit includes first.
 const EMU_H: &str = include_str!("emu.h");
 /// The scheduler and `fz_emu_launch`.

@@ -4,9 +4,9 @@
 //! the emulator tests do the same. So a parameter changed, moved or added on either side fails
 //! a test naming the kernel and the parameter, instead of a kernel reading garbage.
 
-mod table;
 #[cfg(test)]
 pub(crate) mod parse;
+mod table;
 #[cfg(test)]
 mod tests;
 

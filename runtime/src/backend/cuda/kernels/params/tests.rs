@@ -54,7 +54,10 @@ fn every_declaration_has_a_kernel() {
         .collect();
     for f in TABLE {
         let names: Vec<String> = if f.per_dtype {
-            SUFFIXES.iter().map(|(s, _)| format!("{}{s}", f.name)).collect()
+            SUFFIXES
+                .iter()
+                .map(|(s, _)| format!("{}{s}", f.name))
+                .collect()
         } else {
             vec![f.name.to_string()]
         };
@@ -79,17 +82,29 @@ fn mutated(from: &str, to: &str) -> String {
 fn a_changed_type_fails_naming_kernel_and_parameter() {
     compare_code("elementwise.cu", GELU).unwrap();
     let e = mutated("long long n", "int n");
-    assert!(e.contains("parameter 3 is `int n`, declared as `long long n`"), "{e}");
+    assert!(
+        e.contains("parameter 3 is `int n`, declared as `long long n`"),
+        "{e}"
+    );
     let e = mutated("const bf16_t *dy", "const float* dy");
-    assert!(e.contains("`const float* dy`, declared as `const bf16_t* dy`"), "{e}");
+    assert!(
+        e.contains("`const float* dy`, declared as `const bf16_t* dy`"),
+        "{e}"
+    );
     let e = mutated("bf16_t* dx", "const bf16_t* dx");
     assert!(e.contains("parameter 2 is `const bf16_t* dx`"), "{e}");
 }
 
 #[test]
 fn a_reordered_parameter_fails_naming_it() {
-    let e = mutated("const bf16_t* x,\nconst bf16_t *dy", "const bf16_t* dy, const bf16_t* x");
-    assert!(e.contains("parameter 0 is `const bf16_t* dy`, declared as `const bf16_t* x`"), "{e}");
+    let e = mutated(
+        "const bf16_t* x,\nconst bf16_t *dy",
+        "const bf16_t* dy, const bf16_t* x",
+    );
+    assert!(
+        e.contains("parameter 0 is `const bf16_t* dy`, declared as `const bf16_t* x`"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -106,7 +121,10 @@ fn macro_parameter_lists_are_expanded() {
                 extern \"C\" __global__ void k(FZ_P) {}";
     let s = signatures(code);
     let want = [("const OptTensor*", "t"), ("int", "ntensors")];
-    let want: Vec<(String, String)> = want.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+    let want: Vec<(String, String)> = want
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
     assert_eq!(s[0].params, want);
 }
 
@@ -115,11 +133,20 @@ fn launches_are_checked_against_the_declaration() {
     use ArgKind::{Float, LongLong, Ptr};
     check_launch("gelu_forward_f16", &[Ptr, Ptr, LongLong]).unwrap();
     let e = check_launch("gelu_forward_f16", &[Ptr, Ptr, Float]).unwrap_err();
-    assert!(e.contains("gelu_forward_f16: argument 2 for parameter `n` (long long)"), "{e}");
+    assert!(
+        e.contains("gelu_forward_f16: argument 2 for parameter `n` (long long)"),
+        "{e}"
+    );
     let e = check_launch("gelu_forward_f16", &[Ptr]).unwrap_err();
-    assert!(e.contains("takes 3 arguments, the launch passes 1 (the first missing is `y`)"), "{e}");
+    assert!(
+        e.contains("takes 3 arguments, the launch passes 1 (the first missing is `y`)"),
+        "{e}"
+    );
     let e = check_launch("gelu_forward_f64", &[Ptr]).unwrap_err();
-    assert!(e.contains("gelu_forward_f64 has no declared parameter list"), "{e}");
+    assert!(
+        e.contains("gelu_forward_f64 has no declared parameter list"),
+        "{e}"
+    );
 }
 
 #[test]

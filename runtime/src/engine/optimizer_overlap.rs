@@ -1,4 +1,4 @@
-//! The optimizer step overlapped with backward (gradient write-behind). At the accumulation
+//! The optimizer step overlapped with backward (the optimizer lane). At the accumulation
 //! boundary of `train_batch`, each group is lent to the optimizer lane as soon as its
 //! gradient is final (reduced and accumulated: a unit's group right after its backward, the
 //! shared group after its first user, which backward reaches last) and stepped there while
@@ -83,7 +83,7 @@ impl OptimizerOverlap {
 type Lent = Ticket<(Group, Result<()>)>;
 
 /// The optimizer lane and the step in flight on it.
-pub(super) struct WriteBehind {
+pub(super) struct OptimizerLane {
     lane: Lane,
     /// The values of the step that the current backward ends; `None` between steps.
     armed: Option<StepValues>,
@@ -92,7 +92,7 @@ pub(super) struct WriteBehind {
     lent: Vec<(usize, Lent)>,
 }
 
-impl WriteBehind {
+impl OptimizerLane {
     /// The optimizer lane of rank `rank`.
     pub(super) fn new(rank: usize) -> Result<Self> {
         Ok(Self {
@@ -115,23 +115,23 @@ impl Engine {
         }
     }
 
-    /// Arms the write-behind for the backward that ends this accumulation (only `train_batch`
+    /// Arms the optimizer lane for the backward that ends this accumulation (only `train_batch`
     /// does: it takes the step right after, so no later micro-step can add to a gradient the
     /// lane already used). Without clipping the coefficient is 1, as the step computes it.
-    pub(super) fn arm_write_behind(&mut self) {
-        if self.write_behind.is_none() {
+    pub(super) fn arm_optimizer_lane(&mut self) {
+        if self.optimizer_lane.is_none() {
             return;
         }
         let sv = self.step_values((1.0 / self.scaler.scale()) as f32);
-        if let Some(w) = &mut self.write_behind {
+        if let Some(w) = &mut self.optimizer_lane {
             w.armed = Some(sv);
         }
     }
 
     /// Called when group `g`'s gradient is final: lends the group to the optimizer lane when
-    /// the write-behind is armed, leaving a stand-in in its place.
+    /// the optimizer lane is armed, leaving a stand-in in its place.
     pub(super) fn lend_for_step(&mut self, g: usize) -> Result<()> {
-        let Some(w) = self.write_behind.as_mut() else {
+        let Some(w) = self.optimizer_lane.as_mut() else {
             return Ok(());
         };
         let Some(sv) = w.armed else {
@@ -170,12 +170,12 @@ impl Engine {
     /// Ends the armed step's overlap: takes every lent group back and steps, here, any group
     /// backward did not lend. Returns the values the lane used, or `None` when this step was
     /// not armed (the step then runs after backward as usual).
-    pub(super) fn join_write_behind(&mut self) -> Result<Option<StepValues>> {
-        let Some(sv) = self.write_behind.as_mut().and_then(|w| w.armed.take()) else {
+    pub(super) fn join_optimizer_lane(&mut self) -> Result<Option<StepValues>> {
+        let Some(sv) = self.optimizer_lane.as_mut().and_then(|w| w.armed.take()) else {
             return Ok(None);
         };
         let mut stepped = vec![false; self.groups.len()];
-        for (g, _) in self.write_behind.iter().flat_map(|w| &w.lent) {
+        for (g, _) in self.optimizer_lane.iter().flat_map(|w| &w.lent) {
             stepped[*g] = true;
         }
         let t = Instant::now();
@@ -193,8 +193,8 @@ impl Engine {
 
     /// Abandons an armed step after its backward failed: lent groups come back (those the
     /// lane already stepped stay stepped: the error stops the run), no other group is stepped.
-    pub(super) fn disarm_write_behind(&mut self) -> Result<()> {
-        if let Some(w) = self.write_behind.as_mut() {
+    pub(super) fn disarm_optimizer_lane(&mut self) -> Result<()> {
+        if let Some(w) = self.optimizer_lane.as_mut() {
             w.armed = None;
         }
         self.take_back_lent()
@@ -204,7 +204,7 @@ impl Engine {
     /// (a failed update, or a lane that stopped and lost its group) comes after all others
     /// were taken back.
     fn take_back_lent(&mut self) -> Result<()> {
-        let lent = match self.write_behind.as_mut() {
+        let lent = match self.optimizer_lane.as_mut() {
             Some(w) => std::mem::take(&mut w.lent),
             None => return Ok(()),
         };

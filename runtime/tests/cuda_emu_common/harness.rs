@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 
 use bytemuck::Pod;
 use ferrozero_runtime::backend::cuda::emu;
+use ferrozero_runtime::backend::cuda::kernels::params::{self, ArgKind};
 use ferrozero_runtime::backend::cuda::kernels::KernelSource;
 
 type LaunchFn = unsafe extern "C" fn(
@@ -43,6 +44,19 @@ pub enum Arg {
 }
 
 impl Arg {
+    /// How the argument travels, as the declarations name it (no declared kernel takes a
+    /// `double`).
+    fn kind(self, kernel: &str) -> ArgKind {
+        match self {
+            Arg::Ptr(_) => ArgKind::Ptr,
+            Arg::I32(_) => ArgKind::Int,
+            Arg::I64(_) => ArgKind::LongLong,
+            Arg::U64(_) => ArgKind::ULongLong,
+            Arg::F32(_) => ArgKind::Float,
+            Arg::F64(_) => panic!("{kernel}: no declared kernel takes a double"),
+        }
+    }
+
     /// The value's bytes in the low end of a u64 (little-endian: a pointer to it is a pointer
     /// to the value itself).
     fn bits(self) -> u64 {
@@ -106,8 +120,8 @@ pub fn custom(sources: &'static [KernelSource]) -> Option<&'static Emu> {
 /// Says, in every test that cannot run, why it passes anyway.
 fn skip_note(lib: Option<&'static Emu>) -> Option<&'static Emu> {
     if lib.is_none() {
-        println!(
-            "skipped: no C++ compiler (g++ or c++ on PATH, or $CXX) to build the CUDA emulator"
+        emu::skip_unless_required(
+            "no C++ compiler (g++ or c++ on PATH, or $CXX) to build the CUDA emulator",
         );
     }
     lib
@@ -151,8 +165,14 @@ impl Emu {
         }
     }
 
-    /// Launches a 1-D grid and panics on failure.
+    /// Launches a 1-D grid and panics on failure. A registered kernel's arguments are first
+    /// checked against its declared parameters (`kernels::params`), as the backend's launches
+    /// are, so a test cannot drift from the kernel's signature.
     pub fn run(&self, kernel: &str, grid: u32, block: u32, args: &[Arg]) {
+        if params::params_of(kernel).is_some() {
+            let kinds: Vec<ArgKind> = args.iter().map(|a| a.kind(kernel)).collect();
+            params::check_launch(kernel, &kinds).unwrap_or_else(|e| panic!("{e}"));
+        }
         self.try_launch(kernel, [grid, 1, 1], [block, 1, 1], 0, args)
             .unwrap_or_else(|e| panic!("{kernel}: {e}"));
     }
