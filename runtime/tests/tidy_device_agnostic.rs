@@ -33,6 +33,11 @@ const ALLOWED: &[(&str, &str, &str)] = &[
         "offload placement: the optimizer state's location picks the host or the device step",
     ),
     (
+        "engine/optimizer.rs",
+        "let lp_host = lp.host_mut().ok_or_else(",
+        "offload placement: the NVMe optimizer step writes the host copy of the parameters",
+    ),
+    (
         "engine/param_swap.rs",
         "Storage::Host(",
         "parameter NVMe swap: its buffers are host memory the NVMe reads and writes",
