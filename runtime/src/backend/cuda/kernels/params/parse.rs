@@ -37,12 +37,12 @@ fn defines(code: &str) -> HashMap<String, String> {
     joined
         .lines()
         .filter_map(|l| l.trim_start().strip_prefix("#define"))
-        .filter_map(|l| {
+        .map(|l| {
             let l = l.trim_start();
             let end = l
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                 .unwrap_or(l.len());
-            Some((l[..end].to_string(), l[end..].trim().to_string()))
+            (l[..end].to_string(), l[end..].trim().to_string())
         })
         .collect()
 }
