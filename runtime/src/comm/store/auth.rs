@@ -195,3 +195,57 @@ pub(crate) fn prove(r: &mut impl Read, w: &mut impl Write, secret: &JobSecret) -
             ))
         })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::os::unix::net::UnixStream;
+
+    fn secret() -> JobSecret {
+        JobSecret::new("a secret for the handshake's tests").unwrap()
+    }
+
+    /// Both halves over a socket pair: what the server decided, what the client saw.
+    fn handshake(server_secret: JobSecret, client_secret: &JobSecret) -> (bool, io::Result<()>) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut r, mut w) = (&a, &a);
+            admit(&mut r, &mut w, &server_secret).unwrap()
+        });
+        let (mut r, mut w) = (&b, &b);
+        let client = prove(&mut r, &mut w, client_secret);
+        (server.join().unwrap(), client)
+    }
+
+    #[test]
+    fn the_secret_opens_the_store_and_another_does_not() {
+        let (admitted, client) = handshake(secret(), &secret());
+        assert!(admitted);
+        client.unwrap();
+        let other = JobSecret::new("the secret of another job").unwrap();
+        let (admitted, client) = handshake(secret(), &other);
+        assert!(!admitted);
+        let e = client.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        assert!(e.to_string().contains(SECRET_VAR), "{e}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// No answer without the secret opens the store: random bytes are refused or end
+        /// the connection, and never panic.
+        #[test]
+        fn random_answers_are_refused(answer in proptest::collection::vec(any::<u8>(), 0..100)) {
+            let mut out = Vec::new();
+            match admit(&mut answer.as_slice(), &mut out, &secret()) {
+                Ok(admitted) => {
+                    prop_assert!(!admitted);
+                    prop_assert_eq!(out.last(), Some(&REFUSED));
+                }
+                Err(e) => prop_assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof),
+            }
+        }
+    }
+}
