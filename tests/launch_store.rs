@@ -1,6 +1,7 @@
 //! `ferrozero launch` end to end over loopback: two ranks rendezvous through the TCP store
 //! (the path the NCCL backend will take) and verify each other's values; a failing rank
-//! stops the others well within their timeout; output is prefixed with the rank.
+//! stops the others well within their timeout; output is prefixed with the rank; a
+//! connection without the job's secret is refused and named in rank 0's log.
 //!
 //! The ranks are this test binary itself, re-entered through the ignored `rank_main` test
 //! with `FZ_LAUNCH_TEST_MODE` set, so no extra binary has to be built.
@@ -8,7 +9,7 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use ferrozero_runtime::comm::store::TcpStore;
+use ferrozero_runtime::comm::store::{JobSecret, TcpStore, SECRET_VAR};
 
 const MODE: &str = "FZ_LAUNCH_TEST_MODE";
 
@@ -62,6 +63,13 @@ fn rank_main() {
         std::env::var("LOCAL_WORLD_SIZE").unwrap(),
         world.to_string()
     );
+    // The store's refusals go to stderr, which the launcher prefixes with the rank.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
+    let secret = std::env::var(SECRET_VAR).expect("the launcher hands every rank the secret");
+    assert_eq!(secret.len(), 64, "{secret}");
     let store = TcpStore::from_env(Duration::from_secs(60)).expect("store");
     assert_eq!(store.is_host(), rank == 0);
     store
@@ -78,6 +86,12 @@ fn rank_main() {
     }
     // A fresh line: the test harness has printed "test rank_main ... " without one.
     println!("\nstore_check ok: rank {rank} of {world} saw {seen:?}");
+    if mode == "intruder" && rank == 1 {
+        let other = JobSecret::new("the secret of some other job").unwrap();
+        let e = TcpStore::connect(store.addr(), Duration::from_secs(30), &other)
+            .expect_err("another job's secret is refused");
+        println!("intruder refused: {e}");
+    }
     if mode == "fail" {
         if rank == 1 {
             eprintln!("rank 1 fails on purpose");
@@ -108,6 +122,32 @@ fn two_ranks_rendezvous_through_the_store_and_verify_values() {
         let line = format!("[rank {r}] store_check ok: rank {r} of 2 saw [\"7\", \"1007\"]");
         assert!(stdout.contains(&line), "missing {line:?} in:\n{stdout}");
     }
+}
+
+/// A client holding another job's secret cannot join; rank 0's log names its address.
+#[test]
+fn a_connection_without_the_jobs_secret_is_refused_and_named_by_rank_zero() {
+    let (out, _) = launch(2, "intruder");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("[rank 1] intruder refused: "))
+        .unwrap_or_else(|| panic!("no refusal in:\n{stdout}"));
+    assert!(line.contains("the store refused this connection"), "{line}");
+    let from = line
+        .split(" from ")
+        .nth(1)
+        .and_then(|r| r.split(": ").next())
+        .unwrap_or_else(|| panic!("no local address in {line}"));
+    let named = format!("refused a connection from {from}");
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("[rank 0]") && l.contains(&named)),
+        "rank 0 does not name {from}:\n{stderr}"
+    );
 }
 
 #[test]
@@ -146,6 +186,29 @@ fn bad_arguments_are_clear_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--nproc-per-node must be at least 1"));
     let out = run(&["launch", "--nnodes", "2", "--node-rank", "2", "--", "true"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("--node-rank 2 is not below --nnodes 2"));
+    // Every node must hand its ranks the same secret, which only the environment can give.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+        .args(["launch", "--nnodes", "2", "--", "true"])
+        .env_remove(SECRET_VAR)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("a job of 2 nodes needs one store secret"),
+        "{stderr}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+        .args(["launch", "--", "true"])
+        .env(SECRET_VAR, "short")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("{SECRET_VAR} is 5 bytes long")),
+        "{stderr}"
+    );
     let out = run(&["launch", "--", "/nonexistent/program"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("starting rank 0"));

@@ -16,15 +16,19 @@ use ferrozero_runtime::comm::hybrid::HybridComm;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::comm::nccl::fake::{FakeNccl, InjectedError};
 use ferrozero_runtime::comm::nccl::{NcclComm, NcclOptions};
-use ferrozero_runtime::comm::store::{StoreServer, TcpStore};
+use ferrozero_runtime::comm::store::{JobSecret, StoreServer, TcpStore};
 use ferrozero_runtime::comm::{BufMut, BufRef, Communicator, ReduceOp};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::{Error, Result};
 
 const TIMEOUT: Duration = Duration::from_millis(400);
 
+fn secret() -> JobSecret {
+    JobSecret::new("the fake NCCL jobs' store secret").unwrap()
+}
+
 fn server() -> StoreServer {
-    StoreServer::bind("127.0.0.1:0".parse().unwrap()).expect("store server")
+    StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret()).expect("store server")
 }
 
 fn comm(
@@ -44,7 +48,7 @@ fn comm_t(
     det: bool,
     timeout: Duration,
 ) -> Result<NcclComm> {
-    let store = Arc::new(TcpStore::connect(addr, Duration::from_secs(10))?);
+    let store = Arc::new(TcpStore::connect(addr, Duration::from_secs(10), &secret())?);
     let opts = NcclOptions {
         timeout,
         deterministic: det,

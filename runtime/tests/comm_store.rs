@@ -1,13 +1,26 @@
 //! The TCP rendezvous store over loopback: set/get/wait/add between concurrent clients,
-//! timeouts that are errors rather than hangs, and refusal of oversized requests.
+//! timeouts that are errors rather than hangs, and refusal of oversized requests. Who may
+//! use a store (the job's secret, the bind address) is in `comm_store_auth.rs`.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use ferrozero_runtime::comm::store::{StoreServer, TcpStore};
+use ferrozero_runtime::comm::store::{JobSecret, StoreServer, TcpStore};
+
+fn secret() -> JobSecret {
+    JobSecret::new("this test job's store secret").unwrap()
+}
 
 fn server() -> StoreServer {
-    StoreServer::bind("127.0.0.1:0".parse().unwrap()).expect("loopback bind")
+    StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret()).expect("loopback bind")
+}
+
+fn connect(addr: SocketAddr, timeout: Duration) -> ferrozero_runtime::Result<TcpStore> {
+    TcpStore::connect(addr, timeout, &secret())
+}
+
+fn connect_rank(addr: SocketAddr, rank: usize) -> TcpStore {
+    TcpStore::connect_rank(addr, Duration::from_secs(10), rank, &secret()).unwrap()
 }
 
 #[test]
@@ -19,7 +32,7 @@ fn ranks_exchange_values_through_wait_and_set() {
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 s.spawn(move || {
-                    let st = TcpStore::connect(addr, Duration::from_secs(10)).unwrap();
+                    let st = connect(addr, Duration::from_secs(10)).unwrap();
                     // Stagger so that some ranks wait before the key exists.
                     std::thread::sleep(Duration::from_millis(20 * r as u64));
                     st.set(&format!("rank{r}"), format!("hello from {r}").as_bytes())
@@ -39,12 +52,12 @@ fn ranks_exchange_values_through_wait_and_set() {
 #[test]
 fn get_add_and_overwrite() {
     let srv = server();
-    let st = TcpStore::connect(srv.addr(), Duration::from_secs(5)).unwrap();
+    let st = connect(srv.addr(), Duration::from_secs(5)).unwrap();
     assert_eq!(st.get("absent").unwrap(), None);
     st.set("k", b"v1").unwrap();
     st.set("k", b"").unwrap();
     assert_eq!(st.get("k").unwrap(), Some(Vec::new()));
-    let other = TcpStore::connect(srv.addr(), Duration::from_secs(5)).unwrap();
+    let other = connect(srv.addr(), Duration::from_secs(5)).unwrap();
     assert_eq!(st.add("count", 2).unwrap(), 2);
     assert_eq!(other.add("count", 5).unwrap(), 7);
     assert_eq!(other.add("count", -7).unwrap(), 0);
@@ -53,7 +66,7 @@ fn get_add_and_overwrite() {
 #[test]
 fn wait_for_a_key_nobody_sets_times_out() {
     let srv = server();
-    let st = TcpStore::connect(srv.addr(), Duration::from_millis(300)).unwrap();
+    let st = connect(srv.addr(), Duration::from_millis(300)).unwrap();
     let t = Instant::now();
     let e = st.wait("never").expect_err("nobody sets it");
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
@@ -72,7 +85,7 @@ fn connecting_to_a_missing_server_fails_after_the_timeout() {
         l.local_addr().unwrap()
     };
     let t = Instant::now();
-    let e = TcpStore::connect(addr, Duration::from_millis(300)).expect_err("nobody listens");
+    let e = connect(addr, Duration::from_millis(300)).expect_err("nobody listens");
     assert!(t.elapsed() >= Duration::from_millis(300));
     assert!(t.elapsed() < Duration::from_secs(5));
     assert!(e.to_string().contains("rendezvous store"), "{e}");
@@ -81,7 +94,7 @@ fn connecting_to_a_missing_server_fails_after_the_timeout() {
 #[test]
 fn oversized_keys_are_refused_client_side_and_the_connection_stays_usable() {
     let srv = server();
-    let st = TcpStore::connect(srv.addr(), Duration::from_secs(5)).unwrap();
+    let st = connect(srv.addr(), Duration::from_secs(5)).unwrap();
     let long = "k".repeat(5000);
     assert!(st.set(&long, b"x").is_err());
     st.set("ok", b"1").unwrap();
@@ -97,7 +110,7 @@ fn a_garbage_client_does_not_take_the_server_down() {
     raw.write_all(&[0]).unwrap();
     raw.write_all(&(1u64 << 60).to_le_bytes()).unwrap();
     drop(raw);
-    let st = TcpStore::connect(srv.addr(), Duration::from_secs(5)).unwrap();
+    let st = connect(srv.addr(), Duration::from_secs(5)).unwrap();
     st.set("still", b"alive").unwrap();
     assert_eq!(st.wait("still").unwrap(), b"alive");
 }
@@ -107,11 +120,16 @@ fn a_garbage_client_does_not_take_the_server_down() {
 /// succeed.
 #[test]
 fn the_host_outlives_every_rank_that_still_uses_the_store() {
-    let srv = StoreServer::host_job("127.0.0.1:0".parse().unwrap(), 2, Duration::from_secs(30))
-        .expect("loopback bind");
+    let srv = StoreServer::host_job(
+        "127.0.0.1:0".parse().unwrap(),
+        2,
+        Duration::from_secs(30),
+        secret(),
+    )
+    .expect("loopback bind");
     let addr = srv.addr();
-    let host = TcpStore::connect_rank(addr, Duration::from_secs(10), 0).unwrap();
-    let peer = TcpStore::connect_rank(addr, Duration::from_secs(10), 1).unwrap();
+    let host = connect_rank(addr, 0);
+    let peer = connect_rank(addr, 1);
     host.set("done", b"1").unwrap();
     drop(host);
     let (tx, rx) = std::sync::mpsc::channel();
@@ -144,9 +162,10 @@ fn a_host_whose_peers_never_come_stops_after_its_linger_limit() {
         "127.0.0.1:0".parse().unwrap(),
         3,
         Duration::from_millis(300),
+        secret(),
     )
     .expect("loopback bind");
-    let st = TcpStore::connect_rank(srv.addr(), Duration::from_secs(5), 0).unwrap();
+    let st = connect_rank(srv.addr(), 0);
     st.set("k", b"v").unwrap();
     drop(st);
     let t = Instant::now();

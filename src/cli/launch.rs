@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use ferrozero_runtime::comm::launch::slurm::SlurmJob;
 use ferrozero_runtime::comm::launch::{launch, LaunchOutcome, LaunchSpec};
+use ferrozero_runtime::comm::store::{JobSecret, SECRET_VAR};
 
 /// Arguments.
 #[derive(clap::Args)]
@@ -21,7 +22,10 @@ pub struct Args {
     #[arg(long)]
     node_rank: Option<usize>,
     /// Host where rank 0 serves the rendezvous store [default: the first host of
-    /// `SLURM_JOB_NODELIST`, else 127.0.0.1].
+    /// `SLURM_JOB_NODELIST`, else 127.0.0.1]. The store listens on this address only
+    /// (`FERROZERO_STORE_BIND` names another, e.g. 0.0.0.0) and admits only ranks holding the
+    /// job's secret, `FERROZERO_STORE_SECRET`: taken from the environment when set (needed,
+    /// the same on every node, for a job of several nodes), else drawn afresh.
     #[arg(long)]
     master_addr: Option<String>,
     /// Port of the rendezvous store.
@@ -61,6 +65,17 @@ pub fn run(args: Args) -> ExitCode {
         .or(slurm.nproc_per_node)
         .or_else(gpu_count)
         .unwrap_or(1);
+    let secret = match std::env::var(SECRET_VAR)
+        .ok()
+        .map(JobSecret::new)
+        .transpose()
+    {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("ferrozero launch: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let mut command = args.command.into_iter();
     let spec = LaunchSpec {
         nproc_per_node: nproc,
@@ -75,6 +90,7 @@ pub fn run(args: Args) -> ExitCode {
         args: command.collect(),
         grace: Duration::from_secs(args.grace_secs),
         cpu_binding: !args.no_cpu_bind,
+        secret,
     };
     match launch(&spec) {
         Ok(LaunchOutcome::Success) => ExitCode::SUCCESS,

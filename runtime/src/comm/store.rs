@@ -2,7 +2,12 @@
 //! `TCPStore`): rank 0 serves on `MASTER_ADDR:MASTER_PORT`, every rank connects, and ranks
 //! exchange small values such as the NCCL unique id with `set`, `get`, `wait` and `add`.
 //!
-//! Wire format, little-endian: a request is an opcode byte, a length-prefixed key and an
+//! Only the job's ranks may use it: every connection first proves that it holds the job's
+//! secret ([`SECRET_VAR`], which `ferrozero launch` creates) in a challenge-response that
+//! never sends the secret (`store/auth.rs`); rank 0's server listens on `MASTER_ADDR` only,
+//! or on [`BIND_VAR`] when that is set.
+//!
+//! Wire format after the handshake, little-endian: a request is an opcode byte, a length-prefixed key and an
 //! operand (a length-prefixed value for `set`, a timeout in ms for `wait`, an i64 for `add`,
 //! the rank for `hello`); a reply is a status byte and, for found values, a length-prefixed
 //! value or an i64.
@@ -11,6 +16,7 @@
 //! handle, when dropped, first closes its own connection, then waits until every rank of the
 //! job has connected and closed its connection (bounded by the store's timeout).
 
+mod auth;
 mod server;
 mod wire;
 
@@ -19,6 +25,7 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+pub use auth::{JobSecret, BIND_VAR, MIN_SECRET, SECRET_VAR};
 pub use server::StoreServer;
 use wire::{read_u8, read_value, write_request, Request, Status};
 
@@ -59,9 +66,10 @@ pub fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
 
 impl TcpStore {
     /// Connects to the store of a launched job (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-    /// `MASTER_PORT`): rank 0 hosts the server. On rank 0, dropping the handle waits until
-    /// every rank has closed its connection (at most `timeout`), so the host never leaves
-    /// while another rank still reads from the store.
+    /// `MASTER_PORT`, [`SECRET_VAR`]): rank 0 hosts the server, on `MASTER_ADDR` unless
+    /// [`BIND_VAR`] names another address. On rank 0, dropping the handle waits until every
+    /// rank has closed its connection (at most `timeout`), so the host never leaves while
+    /// another rank still reads from the store.
     pub fn from_env(timeout: Duration) -> Result<TcpStore> {
         let number = |name: &str| -> Result<usize> {
             env_var(name)?
@@ -79,12 +87,17 @@ impl TcpStore {
             .parse()
             .map_err(|_| Error::Config("MASTER_PORT is not a port number".into()))?;
         let addr = resolve(&env_var("MASTER_ADDR")?, port)?;
+        let secret = JobSecret::from_env()?;
         let host = if rank == 0 {
-            Some(StoreServer::host_job(addr, world, timeout)?)
+            let bind = match std::env::var(BIND_VAR) {
+                Ok(b) => resolve(&b, port)?,
+                Err(_) => addr,
+            };
+            Some(StoreServer::host_job(bind, world, timeout, secret.clone())?)
         } else {
             None
         };
-        let mut store = match TcpStore::connect_rank(addr, timeout, rank) {
+        let mut store = match TcpStore::connect_rank(addr, timeout, rank, &secret) {
             Ok(s) => s,
             Err(e) => {
                 // Nobody can have used a store its own host could not reach.
@@ -100,8 +113,13 @@ impl TcpStore {
 
     /// Connects as rank `rank` of a job: the server counts the rank as present until this
     /// connection closes (see [`StoreServer::host_job`]).
-    pub fn connect_rank(addr: SocketAddr, timeout: Duration, rank: usize) -> Result<TcpStore> {
-        let store = TcpStore::connect(addr, timeout)?;
+    pub fn connect_rank(
+        addr: SocketAddr,
+        timeout: Duration,
+        rank: usize,
+        secret: &JobSecret,
+    ) -> Result<TcpStore> {
+        let store = TcpStore::connect(addr, timeout, secret)?;
         store.call(Request::Hello(rank as u64), Duration::ZERO, |_, _| Ok(()))?;
         Ok(store)
     }
@@ -111,9 +129,10 @@ impl TcpStore {
         self.host.is_some()
     }
 
-    /// Connects to a store at `addr`, retrying until `timeout` while the server starts.
-    /// Every later request fails after `timeout` too.
-    pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStore> {
+    /// Connects to a store at `addr`, retrying until `timeout` while the server starts, and
+    /// proves `secret` to it (a store of another job refuses). Every later request fails
+    /// after `timeout` too.
+    pub fn connect(addr: SocketAddr, timeout: Duration, secret: &JobSecret) -> Result<TcpStore> {
         let start = Instant::now();
         let stream = loop {
             match TcpStream::connect_timeout(&addr, timeout.max(Duration::from_millis(1))) {
@@ -132,8 +151,20 @@ impl TcpStore {
         let reader = stream
             .try_clone()
             .map_err(io_err("cloning the store socket".into()))?;
+        let (mut reader, mut writer) = (BufReader::new(reader), BufWriter::new(stream));
+        // The local address is what the host's log names when it refuses this connection.
+        let local = reader
+            .get_ref()
+            .local_addr()
+            .map_err(io_err("reading the store socket's address".into()))?;
+        let handshake = format!("joining the rendezvous store at {addr} from {local}");
+        reader
+            .get_ref()
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .map_err(io_err(handshake.clone()))?;
+        auth::prove(&mut reader, &mut writer, secret).map_err(io_err(handshake))?;
         Ok(TcpStore {
-            conn: Mutex::new((BufReader::new(reader), BufWriter::new(stream))),
+            conn: Mutex::new((reader, writer)),
             timeout,
             addr,
             host: None,

@@ -1,6 +1,7 @@
 //! The torchrun-style launcher behind `ferrozero launch`: starts this node's ranks with the
 //! rendezvous environment, prefixes their output with `[rank N]`, forwards SIGINT/SIGTERM,
-//! and stops every rank as soon as one fails. Each rank is bound to cores of a NUMA node
+//! and stops every rank as soon as one fails. The ranks get the job's store secret in
+//! `FERROZERO_STORE_SECRET` (the store admits no one else). Each rank is bound to cores of a NUMA node
 //! unless `cpu_binding` is off (`affinity.rs`).
 
 pub mod affinity;
@@ -11,6 +12,7 @@ pub mod slurm;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::comm::store::{JobSecret, SECRET_VAR};
 use crate::{Error, Result};
 
 /// What to launch.
@@ -34,6 +36,9 @@ pub struct LaunchSpec {
     pub grace: Duration,
     /// Pins each rank to its share of a NUMA node's cores (see [`affinity`]).
     pub cpu_binding: bool,
+    /// The job's rendezvous store secret, handed to every rank; `None` draws a fresh one,
+    /// which only a job of one node may (see [`JobSecret::for_launch`]).
+    pub secret: Option<JobSecret>,
 }
 
 /// How a launch ended.
@@ -101,7 +106,7 @@ impl LaunchSpec {
         Ok(Some(affinity::plan(&nodes, &allowed, self.nproc_per_node)))
     }
 
-    fn command(&self, local: usize, cores: Option<&[usize]>) -> Command {
+    fn command(&self, local: usize, cores: Option<&[usize]>, secret: &JobSecret) -> Command {
         let mut c = Command::new(&self.program);
         if let Some(cores) = cores {
             use std::os::unix::process::CommandExt;
@@ -130,6 +135,7 @@ impl LaunchSpec {
             .env("GROUP_RANK", self.node_rank.to_string())
             .env("MASTER_ADDR", &self.master_addr)
             .env("MASTER_PORT", self.master_port.to_string())
+            .env(SECRET_VAR, secret.as_env_value())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -140,6 +146,10 @@ impl LaunchSpec {
 /// Runs the job to completion and says how it ended.
 pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
     spec.validate()?;
+    let secret = match &spec.secret {
+        Some(s) => s.clone(),
+        None => JobSecret::for_launch(spec.nnodes, |_| None)?,
+    };
     let cores = spec.cores()?;
     if let Some(cores) = &cores {
         let list: Vec<String> = cores
@@ -164,7 +174,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
     for local in 0..spec.nproc_per_node {
         let rank = spec.global_rank(local);
         let mine = cores.as_ref().map(|c| c[local].as_slice());
-        let mut child = match spec.command(local, mine).spawn() {
+        let mut child = match spec.command(local, mine, &secret).spawn() {
             Ok(c) => c,
             Err(source) => {
                 stop(&mut ranks, spec.grace);

@@ -6,6 +6,10 @@
 //! hosted for a job ([`StoreServer::host_job`]) keeps serving, when its handle is dropped,
 //! until every rank of the job has connected (each names itself with a hello) and closed its
 //! connection, or until the linger limit passes.
+//!
+//! A connection is served only after it proves the job's secret (`auth.rs`); one that does
+//! not is answered with a refusal, named by its address in the log, and closed, having read
+//! and written nothing.
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{BufReader, BufWriter, Write};
@@ -14,11 +18,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::auth::{admit, JobSecret, BIND_VAR};
 use super::wire::{read_request, write_bytes, Incoming, Status};
 use crate::{Error, Result};
 
-#[derive(Default)]
+/// How long a new connection has to prove the secret: a silent peer must not hold its
+/// thread (and the host's exit) for the store's whole lifetime.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
 struct Shared {
+    addr: SocketAddr,
+    secret: JobSecret,
     map: Mutex<HashMap<String, Vec<u8>>>,
     cv: Condvar,
     stop: AtomicBool,
@@ -57,20 +67,37 @@ impl std::fmt::Debug for Shared {
 }
 
 impl StoreServer {
-    /// Listens on `addr` (port 0 picks a free port) and serves in background threads.
-    pub fn bind(addr: SocketAddr) -> Result<StoreServer> {
-        let listener = TcpListener::bind(addr).map_err(|source| Error::Io {
-            context: format!(
-                "starting the rendezvous store on {addr} (is another job using this port? \
-                 choose another with --master-port)"
-            ),
-            source,
+    /// Listens on `addr` (port 0 picks a free port) and serves, in background threads, the
+    /// connections that prove `secret`.
+    pub fn bind(addr: SocketAddr, secret: JobSecret) -> Result<StoreServer> {
+        let listener = TcpListener::bind(addr).map_err(|source| {
+            let hint = if source.kind() == std::io::ErrorKind::AddrNotAvailable {
+                format!(
+                    "{} is not an address of this host; set {BIND_VAR} to one that is, or to \
+                     0.0.0.0 for every interface",
+                    addr.ip()
+                )
+            } else {
+                "is another job using this port? choose another with --master-port".into()
+            };
+            Error::Io {
+                context: format!("starting the rendezvous store on {addr} ({hint})"),
+                source,
+            }
         })?;
         let addr = listener.local_addr().map_err(|source| Error::Io {
             context: "reading the store's address".into(),
             source,
         })?;
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            addr,
+            secret,
+            map: Mutex::default(),
+            cv: Condvar::new(),
+            stop: AtomicBool::new(false),
+            presence: Mutex::default(),
+            presence_cv: Condvar::new(),
+        });
         let s = Arc::clone(&shared);
         std::thread::Builder::new()
             .name("fz-store".into())
@@ -89,8 +116,13 @@ impl StoreServer {
     /// Like [`StoreServer::bind`], for a job of `world_size` ranks: dropping the handle waits
     /// until ranks `0..world_size` have all connected and closed their connections, at most
     /// `linger` (then it warns and stops anyway).
-    pub fn host_job(addr: SocketAddr, world_size: usize, linger: Duration) -> Result<StoreServer> {
-        let mut s = StoreServer::bind(addr)?;
+    pub fn host_job(
+        addr: SocketAddr,
+        world_size: usize,
+        linger: Duration,
+        secret: JobSecret,
+    ) -> Result<StoreServer> {
+        let mut s = StoreServer::bind(addr, secret)?;
         s.job = Some(Job { world_size, linger });
         Ok(s)
     }
@@ -206,8 +238,24 @@ impl Drop for OpenConnection {
 
 fn serve(stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
+    let peer = stream.peer_addr()?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = BufWriter::new(stream);
+    reader.get_ref().set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let admitted = admit(&mut reader, &mut writer, &shared.secret);
+    if !matches!(admitted, Ok(true)) {
+        let why = match admitted {
+            Err(e) => format!("it closed or stalled before proving it ({e})"),
+            _ => "its proof does not match".into(),
+        };
+        tracing::warn!(
+            "rendezvous store at {}: refused a connection from {peer}: it does not hold the \
+             job's secret ({why})",
+            shared.addr
+        );
+        return Ok(());
+    }
+    reader.get_ref().set_read_timeout(None)?;
     while let Some(req) = read_request(&mut reader)? {
         answer(req, shared, &mut writer)?;
         writer.flush()?;

@@ -118,6 +118,41 @@ impl TensorKind {
 }
 
 impl GroupMeta {
+    /// Slots packed in order, each as large as its shape, filling the group, and shards that
+    /// cover it. The arithmetic is checked: a file's sizes are not to be trusted, and a
+    /// product that wrapped would pass the comparison and size a later allocation or slice.
+    fn check(&self, world_size: usize) -> std::result::Result<(), String> {
+        let mut end = 0usize;
+        for s in &self.slots {
+            let elems = s.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            if elems != Some(s.numel) {
+                return Err(format!(
+                    "`{}` has shape {:?} but {} elements",
+                    s.name, s.shape, s.numel
+                ));
+            }
+            if s.offset != end {
+                return Err(format!("`{}` starts at {}, not at {end}", s.name, s.offset));
+            }
+            end = end
+                .checked_add(s.numel)
+                .ok_or_else(|| format!("`{}` ends past the address space", s.name))?;
+        }
+        if end != self.numel {
+            return Err(format!(
+                "slots hold {end} elements, the group {}",
+                self.numel
+            ));
+        }
+        match self.shard_len.checked_mul(world_size) {
+            Some(covered) if covered >= self.numel => Ok(()),
+            _ => Err(format!(
+                "{world_size} shards of {} elements do not cover {}",
+                self.shard_len, self.numel
+            )),
+        }
+    }
+
     /// The metadata of an engine group's layout.
     pub fn from_layout(l: &GroupLayout) -> Self {
         Self {
@@ -195,10 +230,8 @@ impl CheckpointMeta {
             return Err(format!("unknown parameter dtype {:?}", self.param_dtype));
         }
         for (i, g) in self.groups.iter().enumerate() {
-            let packed: usize = g.slots.iter().map(|s| s.numel).sum();
-            if packed != g.numel || g.shard_len * self.world_size < g.numel {
-                return Err(format!("group {i}: inconsistent layout"));
-            }
+            g.check(self.world_size)
+                .map_err(|why| format!("group {i}: inconsistent layout ({why})"))?;
         }
         Ok(())
     }
