@@ -11,6 +11,7 @@ pub mod estimate;
 mod eval;
 pub mod group;
 mod init;
+mod load_params;
 pub mod lane;
 pub mod ledger;
 pub mod loss_scale;
