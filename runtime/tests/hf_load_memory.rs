@@ -22,8 +22,8 @@ use ferrozero_runtime::tensor::DType;
 
 mod common;
 
-/// What a load may add beyond the tensors in flight: allocator arenas, the mapped headers,
-/// page tables.
+/// What a load may add beyond the tensors in flight: the mapped slice being decoded (8 MiB
+/// per rank), allocator arenas, page tables.
 const SLACK: u64 = 16 << 20;
 
 const CHILD: &str = "FZ_HF_MEM_CHILD";

@@ -30,20 +30,23 @@ pub fn encode_into(data: &[f32], dtype: DType, out: &mut Vec<u8>) {
     }
 }
 
-/// `bytes` (whole elements of `dtype`) widened to f32.
-pub fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
+/// Appends `bytes` (whole elements of `dtype`) widened to f32 to `out`.
+pub fn decode_into(bytes: &[u8], dtype: DType, out: &mut Vec<f32>) {
     match dtype {
-        DType::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        DType::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        DType::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
+        DType::F32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
+        DType::Bf16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        DType::F16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
     }
 }

@@ -49,6 +49,9 @@ pub struct MappedFile {
     tensors: BTreeMap<String, TensorInfo>,
 }
 
+/// Bytes decoded between releases of the mapped pages (a multiple of every element size).
+const DECODE_SLICE: usize = 8 << 20;
+
 /// Headers over this are refused before they are parsed (safetensors' own limit).
 const MAX_HEADER: usize = 100 << 20;
 
@@ -95,15 +98,21 @@ impl MappedFile {
         }
         let size = t.dtype.size();
         let bytes = t.bytes.start + range.start * size..t.bytes.start + range.end * size;
-        let out = codec::decode(&self.map[bytes.clone()], t.dtype);
-        if !bytes.is_empty() {
+        // Decoded in slices, each slice's pages released before the next is touched: the
+        // tensor's file bytes are never all mapped in beside its f32 copy.
+        let mut out = Vec::with_capacity(range.len());
+        let mut at = bytes.start;
+        while at < bytes.end {
+            let end = (at + DECODE_SLICE).min(bytes.end);
+            codec::decode_into(&self.map[at..end], t.dtype, &mut out);
             // SAFETY: a shared read-only file mapping: dropping its pages loses nothing, a
             // later access reads them from the file again.
             // Best effort: failing to release only costs resident memory, never a value.
             let _ = unsafe {
                 self.map
-                    .unchecked_advise_range(UncheckedAdvice::DontNeed, bytes.start, bytes.len())
+                    .unchecked_advise_range(UncheckedAdvice::DontNeed, at, end - at)
             };
+            at = end;
         }
         Ok(out)
     }
