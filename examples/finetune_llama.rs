@@ -344,10 +344,7 @@ fn out_dir(args: &Args) -> Result<PathBuf, BoxError> {
 
 /// The weights to start from: `--init` (read before anything is written, so a bad file
 /// leaves no output behind), or stand-in weights written into `out` and read back.
-fn initial_weights(
-    args: &Args,
-    cfg: &LlamaConfig,
-) -> Result<(HfModel, PathBuf), BoxError> {
+fn initial_weights(args: &Args, cfg: &LlamaConfig) -> Result<(HfModel, PathBuf), BoxError> {
     let given = args.init.as_ref().map(|p| read_init(cfg, p)).transpose()?;
     let out = out_dir(args)?;
     println!("outputs in {}", out.display());

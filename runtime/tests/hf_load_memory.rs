@@ -87,7 +87,10 @@ fn child(dir: &Path, ranks: usize) {
         if barrier.wait().is_leader() {
             // "5" resets VmHWM to the current RSS (Linux 4.0+).
             std::fs::write("/proc/self/clear_refs", "5").unwrap();
-            before.store(status_kib("VmRSS:") << 10, std::sync::atomic::Ordering::Relaxed);
+            before.store(
+                status_kib("VmRSS:") << 10,
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
         barrier.wait();
         e.load_parameters(&src)?;
@@ -114,7 +117,11 @@ fn measure(dir: &Path, ranks: usize) -> serde_json::Value {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // The harness prints `test child_entry ... ` on the same line.
     let line = text
         .lines()
@@ -130,7 +137,11 @@ fn measure(dir: &Path, ranks: usize) -> serde_json::Value {
         mib(get("start_rss")), mib(get("shards")),
         mib(get("file_bytes"))
     );
-    assert!(get("peak") <= bound, "peak {} over the bound {bound}: {f}", get("peak"));
+    assert!(
+        get("peak") <= bound,
+        "peak {} over the bound {bound}: {f}",
+        get("peak")
+    );
     f
 }
 
@@ -178,7 +189,8 @@ fn one_billion_parameters_bf16_stays_within_the_bound() {
         max_position_embeddings: 2048,
         ..LlamaConfig::preset("tiny").unwrap()
     };
-    let tmp = tempfile::tempdir_in(std::env::var("FZ_HF_MEM_DIR").unwrap_or("/tmp".into())).unwrap();
+    let tmp =
+        tempfile::tempdir_in(std::env::var("FZ_HF_MEM_DIR").unwrap_or("/tmp".into())).unwrap();
     write_checkpoint(tmp.path(), &c);
     for ranks in [1, 2] {
         measure(tmp.path(), ranks);

@@ -58,8 +58,10 @@ fn write_dir(dir: &Path, c: &LlamaConfig, t: &[NamedTensor], dtype: DType, max_s
     let files = ModelFiles {
         files: vec![("config.json".into(), config_json(c))],
     };
-    let list: Vec<(String, Vec<usize>)> =
-        t.iter().map(|x| (x.name.clone(), x.shape.clone())).collect();
+    let list: Vec<(String, Vec<usize>)> = t
+        .iter()
+        .map(|x| (x.name.clone(), x.shape.clone()))
+        .collect();
     let mut read = |i: usize| Ok(t[i].data.clone());
     write_model_dir(dir, &files, &list, dtype, max_shard, &mut read).unwrap();
 }
@@ -83,7 +85,12 @@ fn rounded(t: &[NamedTensor], dtype: DType) -> Vec<NamedTensor> {
 }
 
 /// Loads `path` into engines of `world` ranks at `stage` and returns rank 0's parameters.
-fn load_into_engine(path: &Path, c: &LlamaConfig, stage: ZeroStage, world: usize) -> Vec<NamedTensor> {
+fn load_into_engine(
+    path: &Path,
+    c: &LlamaConfig,
+    stage: ZeroStage,
+    world: usize,
+) -> Vec<NamedTensor> {
     let zc = config(stage, world, 1, 1, Precision::Bf16);
     let src = HfModel::open(path, Naming::Exact).unwrap();
     let out = run_ranks(world, Duration::from_secs(60), |comm| {
@@ -106,10 +113,22 @@ fn every_stage_and_world_size_loads_single_file_and_shards_alike() {
         assert!(one.join("model.safetensors").is_file());
         assert!(many.join("model.safetensors.index.json").is_file());
         let want = rounded(&t, dtype);
-        for (stage, world) in [(ZeroStage::Stage0, 1), (ZeroStage::Stage2, 2), (ZeroStage::Stage3, 2)] {
-            assert_eq!(load_into_engine(&one, &c, stage, world), want, "{dtype:?} {stage:?}");
+        for (stage, world) in [
+            (ZeroStage::Stage0, 1),
+            (ZeroStage::Stage2, 2),
+            (ZeroStage::Stage3, 2),
+        ] {
+            assert_eq!(
+                load_into_engine(&one, &c, stage, world),
+                want,
+                "{dtype:?} {stage:?}"
+            );
             let idx = many.join("model.safetensors.index.json");
-            assert_eq!(load_into_engine(&idx, &c, stage, world), want, "{dtype:?} {stage:?}");
+            assert_eq!(
+                load_into_engine(&idx, &c, stage, world),
+                want,
+                "{dtype:?} {stage:?}"
+            );
         }
         // The directory form and the lone single file give the same tensors.
         let lone = weights::load(&one.join("model.safetensors"), Naming::Exact).unwrap();
@@ -122,8 +141,15 @@ fn gpt2_names_gain_the_transformer_prefix() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path().join("gpt2.safetensors");
     let v = [1.0f32, 2.0];
-    weights::save(&p, &[("h.0.ln_1.weight", &[2], &v), ("lm_head.weight", &[1, 2], &v)], DType::F32)
-        .unwrap();
+    weights::save(
+        &p,
+        &[
+            ("h.0.ln_1.weight", &[2], &v),
+            ("lm_head.weight", &[1, 2], &v),
+        ],
+        DType::F32,
+    )
+    .unwrap();
     let m = HfModel::open(&p, Naming::Gpt2).unwrap();
     let names: Vec<&str> = m.names().collect();
     assert_eq!(names, ["lm_head.weight", "transformer.h.0.ln_1.weight"]);
@@ -139,7 +165,8 @@ fn load_err(path: &Path, c: &LlamaConfig) -> String {
         let mut e = Engine::new(llama::build(c)?, zc.clone(), comm)?;
         e.load_parameters(&src)
     });
-    r.expect_err("a bad model directory must not load").to_string()
+    r.expect_err("a bad model directory must not load")
+        .to_string()
 }
 
 fn sharded(tmp: &Path, name: &str) -> (std::path::PathBuf, LlamaConfig) {
@@ -158,7 +185,10 @@ fn a_bad_model_directory_is_one_clear_error() {
     let shard = dir.join("model-00002-of-00003.safetensors");
     std::fs::remove_file(&shard).unwrap();
     let e = load_err(&dir, &c);
-    assert!(e.starts_with(&format!("{}: missing shard: ", shard.display())), "{e}");
+    assert!(
+        e.starts_with(&format!("{}: missing shard: ", shard.display())),
+        "{e}"
+    );
     assert!(e.contains("model.safetensors.index.json maps"), "{e}");
 
     let (dir, c) = sharded(tmp, "lacking");
@@ -167,14 +197,28 @@ fn a_bad_model_directory_is_one_clear_error() {
     v["weight_map"]["model.extra.weight"] = "model-00001-of-00003.safetensors".into();
     std::fs::write(&idx, serde_json::to_vec(&v).unwrap()).unwrap();
     let e = load_err(&dir, &c);
-    assert!(e.contains("model-00001-of-00003.safetensors: lacks tensor `model.extra.weight`, which"), "{e}");
+    assert!(
+        e.contains("model-00001-of-00003.safetensors: lacks tensor `model.extra.weight`, which"),
+        "{e}"
+    );
 
     let (dir, c) = sharded(tmp, "truncated");
     let f = dir.join("model-00003-of-00003.safetensors");
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 10).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len - 10)
+        .unwrap();
     let e = load_err(&dir, &c);
-    assert!(e.starts_with(&format!("{}: truncated or not safetensors: tensor `", f.display())), "{e}");
+    assert!(
+        e.starts_with(&format!(
+            "{}: truncated or not safetensors: tensor `",
+            f.display()
+        )),
+        "{e}"
+    );
     assert!(e.contains(&format!("the file has {}", len - 10)), "{e}");
 
     // A dtype nothing here loads: the header names it.
@@ -185,12 +229,21 @@ fn a_bad_model_directory_is_one_clear_error() {
     bytes.push(0);
     std::fs::write(&f, bytes).unwrap();
     let e = load_err(&f, &c);
-    assert_eq!(e, format!("{}: tensor `w` has dtype Q4; only F32, BF16 and F16 load", f.display()));
+    assert_eq!(
+        e,
+        format!(
+            "{}: tensor `w` has dtype Q4; only F32, BF16 and F16 load",
+            f.display()
+        )
+    );
 
     // A tensor whose shape differs from what config.json describes.
     let dir = tmp.join("shape");
     let mut t = pretrained(&c);
-    let norm = t.iter_mut().find(|x| x.name == "model.norm.weight").unwrap();
+    let norm = t
+        .iter_mut()
+        .find(|x| x.name == "model.norm.weight")
+        .unwrap();
     norm.shape = vec![2, 16];
     write_dir(&dir, &c, &t, DType::F32, u64::MAX);
     let e = load_err(&dir, &c);
@@ -205,7 +258,10 @@ fn a_bad_model_directory_is_one_clear_error() {
     let dir = tmp.join("fewer");
     write_dir(&dir, &cfg(3), &pretrained(&c), DType::F32, u64::MAX);
     let e = load_err(&dir, &cfg(3));
-    assert!(e.contains("model.safetensors: lacks 9 tensors of the model"), "{e}");
+    assert!(
+        e.contains("model.safetensors: lacks 9 tensors of the model"),
+        "{e}"
+    );
     assert!(e.contains("model.layers.2.self_attn.q_proj.weight"), "{e}");
 
     // config.json says 1 layer, the weights have 2: the first extra tensor is named.
@@ -216,7 +272,10 @@ fn a_bad_model_directory_is_one_clear_error() {
     assert!(e.contains("is not a parameter of the model"), "{e}");
 
     let e = load_err(&tmp.join("nothing-here"), &c);
-    assert!(e.starts_with(&format!("{}: ", tmp.join("nothing-here").display())), "{e}");
+    assert!(
+        e.starts_with(&format!("{}: ", tmp.join("nothing-here").display())),
+        "{e}"
+    );
     let empty = tmp.join("empty");
     std::fs::create_dir(&empty).unwrap();
     let e = load_err(&empty, &c);
@@ -254,22 +313,35 @@ fn a_consolidated_model_directory_loads_back_bit_for_bit() {
     assert_eq!(r1.weight_files, ["model.safetensors"]);
     assert!(rn.weight_files.len() > 1, "{:?}", rn.weight_files);
     assert_eq!(r1.other_files, ["config.json", "tokenizer.json"]);
-    assert_eq!(std::fs::read(many.join("config.json")).unwrap(), config_json(&c));
-    assert_eq!(std::fs::read(many.join("tokenizer.json")).unwrap(), b"{\"model\":{}}");
+    assert_eq!(
+        std::fs::read(many.join("config.json")).unwrap(),
+        config_json(&c)
+    );
+    assert_eq!(
+        std::fs::read(many.join("tokenizer.json")).unwrap(),
+        b"{\"model\":{}}"
+    );
 
     // HF's index: total_size is the data bytes, weight_map names every tensor's shard.
     let idx: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(many.join("model.safetensors.index.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(many.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
     let elems: usize = live.iter().map(|t| t.data.len()).sum();
     assert_eq!(idx["metadata"]["total_size"], serde_json::json!(elems * 4));
     assert_eq!(idx["weight_map"].as_object().unwrap().len(), live.len());
     for f in &rn.weight_files {
-        assert!(std::fs::metadata(many.join(f)).unwrap().len() < 30_000 + 4096, "{f}");
+        assert!(
+            std::fs::metadata(many.join(f)).unwrap().len() < 30_000 + 4096,
+            "{f}"
+        );
     }
 
     assert_eq!(load_into_engine(&one, &c, ZeroStage::Stage3, 2), live);
     assert_eq!(load_into_engine(&many, &c, ZeroStage::Stage1, 1), live);
     let bf = tmp.path().join("bf16");
     consolidate_dir(&ckpt, &Tag::Latest, &bf, OutputDType::Bf16, 30_000).unwrap();
-    assert_eq!(load_into_engine(&bf, &c, ZeroStage::Stage0, 1), rounded(&live, DType::Bf16));
+    assert_eq!(
+        load_into_engine(&bf, &c, ZeroStage::Stage0, 1),
+        rounded(&live, DType::Bf16)
+    );
 }

@@ -108,7 +108,11 @@ fn load_group(
             let vals = src.read(&s.name, need.start - s.offset..need.end - s.offset)?;
             let part = |r: &Range<usize>| &vals[r.start - need.start..r.end - need.start];
             if !keep.is_empty() {
-                let at = if replicated { keep.start } else { keep.start - shard.start };
+                let at = if replicated {
+                    keep.start
+                } else {
+                    keep.start - shard.start
+                };
                 b.store_f32(at, part(&keep));
             }
             if let (Some(mst), false) = (master.as_mut(), m.is_empty()) {

@@ -15,7 +15,6 @@ pub fn parse(name: &str) -> Option<DType> {
     }
 }
 
-
 /// Appends `data` encoded as `dtype` (round to nearest even for bf16 and f16) to `out`.
 pub fn encode_into(data: &[f32], dtype: DType, out: &mut Vec<u8>) {
     out.reserve(data.len() * dtype.size());

@@ -51,7 +51,9 @@ impl HfModel {
             } else {
                 return Err(file_err(
                     path,
-                    format!("a model directory needs {SINGLE_FILE} or {INDEX_FILE}; it has neither"),
+                    format!(
+                        "a model directory needs {SINGLE_FILE} or {INDEX_FILE}; it has neither"
+                    ),
                 ));
             }
         } else {
