@@ -23,8 +23,8 @@ use ferrozero_runtime::tensor::DType;
 mod common;
 
 /// What a load may add beyond the tensors in flight: the mapped slice being decoded (8 MiB
-/// per rank), allocator arenas, page tables.
-const SLACK: u64 = 16 << 20;
+/// per rank), allocator arenas, page tables (the 1.1B bench measured 24 MiB at one rank).
+const SLACK: u64 = 48 << 20;
 
 const CHILD: &str = "FZ_HF_MEM_CHILD";
 
