@@ -5,9 +5,10 @@
 //!
 //! The life cycle it walks through, as you would with a downloaded model:
 //! 1. Start from Hugging Face-named weights. Without `--init`, the example writes a stand-in
-//!    "pretrained" file first, so it runs offline; with `--init model.safetensors` it uses yours
+//!    "pretrained" file first, so it runs offline; with `--init DIR` (a model directory, an
+//!    index or one `.safetensors` file) it uses yours
 //!    (a `--model-config config.json` describes its shape).
-//! 2. Load them into the engine (`weights::load` + `Engine::set_parameters`): every rank passes
+//! 2. Load them into the engine (`HfModel::open` + `Engine::load_parameters`): every rank reads
 //!    the full values and keeps only what its stage stores (under ZeRO-3 a shard each).
 //! 3. Fine-tune with ZeRO stage 3, optimizer state and parameters offloaded to host memory, on
 //!    local ranks, on a synthetic next-token task (counting with a per-row stride).
@@ -27,7 +28,7 @@ use ferrozero::runtime::backend::rng;
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::engine::checkpoint::{consolidate, OutputDType, Tag};
 use ferrozero::runtime::nn::llama::{self, LlamaConfig};
-use ferrozero::runtime::nn::weights::{self, Naming};
+use ferrozero::runtime::nn::weights::{self, HfModel, Naming, ParamSource};
 use ferrozero::runtime::nn::{init, Batch, Model, ParamSpec};
 use ferrozero::runtime::tensor::DType;
 
@@ -168,24 +169,18 @@ fn write_pretrained(cfg: &LlamaConfig, path: &Path) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Reads the model's parameters from a safetensors file: a missing name or a wrong shape is
-/// an error naming it; extra tensors (e.g. rotary caches some exports carry) are ignored.
-fn read_init(cfg: &LlamaConfig, path: &Path) -> Result<Vec<NamedTensor>, BoxError> {
+/// Maps the model's weights (a model directory, an index with its shards, or one safetensors
+/// file) and checks them against the model: a missing name or a wrong shape is an error naming
+/// the file and tensor; buffers some exports carry (rotary caches) are ignored.
+fn read_init(cfg: &LlamaConfig, path: &Path) -> Result<HfModel, BoxError> {
     let specs = param_specs(&llama::build(cfg)?);
     let expected: Vec<(&str, &[usize])> = specs
         .iter()
         .map(|s| (s.name.as_str(), s.shape.as_slice()))
         .collect();
-    let values = weights::select(path, weights::load(path, Naming::Exact)?, &expected)?;
-    Ok(specs
-        .into_iter()
-        .zip(values)
-        .map(|(s, data)| NamedTensor {
-            name: s.name,
-            shape: s.shape,
-            data,
-        })
-        .collect())
+    let model = HfModel::open(path, Naming::Exact)?;
+    model.check(&expected)?;
+    Ok(model)
 }
 
 /// Row `r` of the task: `x, x+k, x+2k, ...` modulo the vocabulary, with a start `x` and a
@@ -263,7 +258,7 @@ fn fine_tune(
     args: &Args,
     cfg: &LlamaConfig,
     zero: &Config,
-    init: &[NamedTensor],
+    init: &HfModel,
     ckpt_dir: &Path,
 ) -> Result<Trained, BoxError> {
     let out = run_ranks(args.ranks, Duration::from_secs(300), |comm| {
@@ -277,7 +272,7 @@ fn fine_tune(
             .hidden_size(cfg.hidden_size)
             .sequence_length(args.seq_len)
             .build()?;
-        engine.set_parameters(init)?;
+        engine.load_parameters(init)?;
         let (first_loss, last_loss) = train(&mut engine, args, cfg.vocab_size)?;
         let tag = format!("step-{}", args.steps);
         let path = engine.save_checkpoint(ckpt_dir, &tag, args.steps)?;
@@ -349,10 +344,7 @@ fn out_dir(args: &Args) -> Result<PathBuf, BoxError> {
 
 /// The weights to start from: `--init` (read before anything is written, so a bad file
 /// leaves no output behind), or stand-in weights written into `out` and read back.
-fn initial_weights(
-    args: &Args,
-    cfg: &LlamaConfig,
-) -> Result<(Vec<NamedTensor>, PathBuf), BoxError> {
+fn initial_weights(args: &Args, cfg: &LlamaConfig) -> Result<(HfModel, PathBuf), BoxError> {
     let given = args.init.as_ref().map(|p| read_init(cfg, p)).transpose()?;
     let out = out_dir(args)?;
     println!("outputs in {}", out.display());
@@ -364,7 +356,11 @@ fn initial_weights(
             (read_init(cfg, &p)?, p)
         }
     };
-    println!("loaded {} tensors from {}", init.len(), path.display());
+    println!(
+        "loaded {} tensors from {}",
+        init.names().count(),
+        path.display()
+    );
     Ok((init, out))
 }
 

@@ -121,6 +121,29 @@ fn token_files_shuffling_and_init_from_consolidated_weights() {
     ]
     .concat());
     assert!(text.contains("trained 1 steps"), "{text}");
+
+    // The same checkpoint as a sharded model directory (a run from a preset has no
+    // config.json to carry: a warning says so), and a run from that directory.
+    let model_dir = dir.join("model");
+    let out = Command::new(bin)
+        .args(["checkpoint", "consolidate", ck.to_str().unwrap(), "-o"])
+        .args([model_dir.to_str().unwrap(), "--max-shard-size", "20kB"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: the checkpoint carries no config.json"),
+        "{err}"
+    );
+    // An index is written only for more than one shard.
+    assert!(model_dir.join("model.safetensors.index.json").is_file());
+    let text = run(&[
+        &base[..],
+        &["--steps", "1", "--init", model_dir.to_str().unwrap()],
+    ]
+    .concat());
+    assert!(text.contains("trained 1 steps"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -33,7 +33,9 @@ pub struct Args {
     /// llama-13b) or a Hugging Face config.json (GPT2Config or LlamaConfig).
     #[arg(long, default_value = "addition")]
     pub model_config: String,
-    /// Initial weights: a safetensors file with Hugging Face names (GPT-2's Conv1D layout).
+    /// Initial weights with Hugging Face names (GPT-2's Conv1D layout): a model directory
+    /// (`model.safetensors` or `model.safetensors.index.json` + shards), an index, or one
+    /// safetensors file; f32, bf16 or f16. Memory-mapped; each rank keeps only its part.
     #[arg(long)]
     pub init: Option<PathBuf>,
     /// Training data: raw little-endian u16 token ids, or a .txt file (bytes). Default: the

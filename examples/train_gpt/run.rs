@@ -9,7 +9,7 @@ use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::comm::Communicator;
 use ferrozero::runtime::engine::checkpoint::Tag;
 use ferrozero::runtime::engine::timeline::{Pool, Timeline};
-use ferrozero::runtime::nn::weights::{self, Naming};
+use ferrozero::runtime::nn::weights::{HfModel, ModelFiles, Naming};
 use ferrozero::runtime::nn::IGNORE_INDEX;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -80,8 +80,9 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
     if let Some(l) = args.device_memory_limit {
         config.device_memory_limit = Some(l);
     }
+    // Mapped, not read: each rank copies out only what its stage keeps.
     let init = match &args.init {
-        Some(p) => Some(weights::load(p, Naming::Gpt2)?),
+        Some(p) => Some(open_init(p, &spec)?),
         None => None,
     };
     let rank_body = |comm: Box<dyn Communicator>| {
@@ -97,8 +98,9 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             .hidden_size(spec.hidden())
             .sequence_length(data.train.seq_len())
             .build()?;
-        if let Some(init) = &init {
-            load_init(&mut engine, init)?;
+        if let Some((init, files)) = &init {
+            engine.load_parameters(init)?;
+            engine.set_model_files(files.clone());
         }
         let first = match &args.resume {
             Some(dir) => {
@@ -168,40 +170,20 @@ fn to_runtime(e: BoxError) -> ferrozero::runtime::Error {
     ferrozero::runtime::Error::Invalid(e.to_string())
 }
 
-/// Sets the parameters that the file provides (names checked against the model).
-fn load_init(
-    engine: &mut Engine,
-    file: &[ferrozero::engine::NamedTensor],
-) -> ferrozero::runtime::Result<()> {
-    let names: std::collections::HashSet<String> = engine
-        .model()
-        .units
-        .iter()
-        .flat_map(|u| u.module.param_specs())
-        .chain(engine.model().shared.clone())
-        .map(|p| p.name)
-        .collect();
-    let picked: Vec<_> = file
-        .iter()
-        .filter(|t| names.contains(&t.name))
-        .cloned()
-        .collect();
-    if picked.len() != names.len() {
-        let have: std::collections::HashSet<&str> =
-            picked.iter().map(|t| t.name.as_str()).collect();
-        let mut missing: Vec<&str> = names
-            .iter()
-            .map(String::as_str)
-            .filter(|n| !have.contains(n))
-            .collect();
-        missing.sort();
-        return Err(ferrozero::runtime::Error::Invalid(format!(
-            "--init file lacks {} parameters, e.g. {:?}",
-            missing.len(),
-            &missing[..missing.len().min(5)]
-        )));
-    }
-    engine.set_parameters(&picked)
+/// `--init`: a model directory, an index or a single safetensors file, under the
+/// architecture's own names (GPT-2's missing `transformer.` prefix added), and the directory's
+/// `config.json` and tokenizer files for the checkpoints to carry.
+fn open_init(path: &std::path::Path, spec: &ModelSpec) -> Result<(HfModel, ModelFiles), BoxError> {
+    let naming = match spec {
+        ModelSpec::Gpt2(_) => Naming::Gpt2,
+        ModelSpec::Llama(_) => Naming::Exact,
+    };
+    let model = HfModel::open(path, naming)?;
+    let files = match path.is_dir() {
+        true => ModelFiles::from_dir(path)?,
+        false => ModelFiles::default(),
+    };
+    Ok((model, files))
 }
 
 /// Row numbers: steps, then accumulation micro-steps, then ranks, then the micro-batch.

@@ -1,13 +1,14 @@
 //! `ferrozero checkpoint`: inspect a sharded checkpoint, or consolidate it into one
-//! Hugging Face-named safetensors file.
+//! Hugging Face-named safetensors file or a model directory `from_pretrained` loads.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use ferrozero_runtime::engine::checkpoint::{
-    consolidate, CheckpointReader, ConsolidateReport, OutputDType, Tag,
+    consolidate, consolidate_dir, CheckpointReader, ConsolidateReport, OutputDType, Tag,
 };
+use ferrozero_runtime::nn::weights::ExportReport;
 
 /// Arguments.
 #[derive(clap::Args)]
@@ -30,13 +31,20 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Write the full parameters to one safetensors file, one parameter at a time.
+    /// Write the full parameters, one parameter at a time, to one safetensors file (an output
+    /// ending in `.safetensors`) or to a model directory as `save_pretrained` writes it
+    /// (`config.json` and tokenizer files when the run had them, weights in one file or in
+    /// shards with `model.safetensors.index.json`).
     Consolidate {
         /// Checkpoint directory.
         dir: PathBuf,
-        /// Output file.
+        /// Output file (`*.safetensors`) or model directory (any other path).
         #[arg(short, long)]
         output: PathBuf,
+        /// Largest weight file of a model directory, in bytes or with a decimal unit (`5GB`,
+        /// `200MB`, `10kB`), as Hugging Face's `max_shard_size`.
+        #[arg(long, default_value = "5GB", value_parser = parse_size)]
+        max_shard_size: u64,
         /// Output dtype.
         #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
         dtype: DTypeArg,
@@ -63,6 +71,7 @@ pub fn run(args: Args) -> ExitCode {
         Command::Consolidate {
             dir,
             output,
+            max_shard_size,
             dtype,
             tag: t,
         } => {
@@ -70,9 +79,15 @@ pub fn run(args: Args) -> ExitCode {
                 DTypeArg::F32 => OutputDType::F32,
                 DTypeArg::Bf16 => OutputDType::Bf16,
             };
-            consolidate(&dir, &tag(t), &output, d)
-                .map(|r| report_consolidate(&output, &r))
-                .map_err(|e| e.to_string())
+            if output.extension().is_some_and(|e| e == "safetensors") {
+                consolidate(&dir, &tag(t), &output, d)
+                    .map(|r| report_consolidate(&output, &r))
+                    .map_err(|e| e.to_string())
+            } else {
+                consolidate_dir(&dir, &tag(t), &output, d, max_shard_size)
+                    .map(|r| report_dir(&output, &r))
+                    .map_err(|e| e.to_string())
+            }
         }
     };
     result.unwrap_or_else(|e| {
@@ -94,6 +109,47 @@ fn report_consolidate(out: &std::path::Path, r: &ConsolidateReport) -> ExitCode 
         ))
     );
     ExitCode::SUCCESS
+}
+
+fn report_dir(out: &std::path::Path, r: &ExportReport) -> ExitCode {
+    println!(
+        "wrote model directory {}: {} ({} bytes of weights){}",
+        out.display(),
+        r.weight_files.join(", "),
+        r.total_size,
+        match r.other_files.is_empty() {
+            true => String::new(),
+            false => format!(", {}", r.other_files.join(", ")),
+        }
+    );
+    if !r.other_files.iter().any(|f| f == "config.json") {
+        eprintln!(
+            "warning: the checkpoint carries no config.json (the run did not start from a model \
+             directory); add one before loading with from_pretrained"
+        );
+    }
+    ExitCode::SUCCESS
+}
+
+/// `5GB`, `200MB`, `10kB` or plain bytes; decimal units, as Hugging Face's `max_shard_size`.
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size such as 5GB, 200MB or 1000000"))?;
+    let scale = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => return Err(format!("`{s}`: unit `{unit}` is not one of B, kB, MB, GB")),
+    };
+    match n.checked_mul(scale) {
+        Some(0) | None => Err(format!("`{s}` is not a positive size that fits in 64 bits")),
+        Some(b) => Ok(b),
+    }
 }
 
 /// Peak resident set size of this process in KiB (Linux).

@@ -65,6 +65,8 @@ pub struct Engine {
     pub(super) param_swap: Option<ParamSwap>,
     /// NVMe traffic at the end of the last step (reports carry the difference).
     pub(super) traffic_mark: ferrozero_offload::store::Traffic,
+    /// The model directory's `config.json` and tokenizer files, saved with each checkpoint.
+    pub(super) model_files: crate::nn::weights::ModelFiles,
     /// Whether the optimizer step overlaps backward (and why not).
     pub(super) opt_overlap: OptimizerOverlap,
     /// The optimizer lane when it does.
@@ -180,6 +182,7 @@ impl Engine {
             nvme: nvme.map(Arc::new),
             param_swap,
             traffic_mark: Default::default(),
+            model_files: Default::default(),
             opt_overlap,
             optimizer_lane,
             trace: Trace::default(),

@@ -13,6 +13,7 @@ pub mod group;
 mod init;
 pub mod lane;
 pub mod ledger;
+mod load_params;
 pub mod loss_scale;
 pub mod nvme;
 pub mod optimizer;

@@ -10,9 +10,11 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
 use super::fsio::{self, io_err};
-use super::meta::CheckpointMeta;
+use super::meta::{CheckpointMeta, SlotMeta};
 use super::reader::CheckpointReader;
 use super::Tag;
+use crate::nn::weights::{write_model_dir, ExportReport};
+use crate::tensor::DType;
 use crate::{Error, Result};
 
 /// The dtype of consolidated weights.
@@ -84,6 +86,49 @@ pub fn consolidate(
         elements: meta.parameter_count(),
         bytes: 8 + header.len() as u64 + data_bytes as u64,
     })
+}
+
+impl From<OutputDType> for DType {
+    fn from(d: OutputDType) -> Self {
+        match d {
+            OutputDType::F32 => DType::F32,
+            OutputDType::Bf16 => DType::Bf16,
+        }
+    }
+}
+
+/// Writes checkpoint `tag` of `dir` as a model directory `out` (what `save_pretrained`
+/// writes): the `config.json` and tokenizer files the run carried, and the full parameters
+/// in `dtype`, in one file or in shards of at most `max_shard_bytes` with an index. Every
+/// shard file is verified first; one parameter is in memory at a time.
+pub fn consolidate_dir(
+    dir: impl AsRef<Path>,
+    tag: &Tag,
+    out: impl AsRef<Path>,
+    dtype: OutputDType,
+    max_shard_bytes: u64,
+) -> Result<ExportReport> {
+    let reader = CheckpointReader::open(dir, tag)?;
+    reader.verify_all()?;
+    let files = reader.model_files()?;
+    let slots: Vec<(usize, &SlotMeta)> = (reader.meta().groups.iter().enumerate())
+        .flat_map(|(gi, g)| g.slots.iter().map(move |s| (gi, s)))
+        .collect();
+    let tensors: Vec<(String, Vec<usize>)> = (slots.iter())
+        .map(|(_, s)| (s.name.clone(), s.shape.clone()))
+        .collect();
+    let mut read = |i: usize| {
+        let (gi, s) = slots[i];
+        reader.read_values(gi, s.offset..s.offset + s.numel)
+    };
+    write_model_dir(
+        out.as_ref(),
+        &files,
+        &tensors,
+        dtype.into(),
+        max_shard_bytes,
+        &mut read,
+    )
 }
 
 /// The safetensors header (padded) for every parameter in layout order, the tensor count and

@@ -18,6 +18,9 @@ pub const VERSION: u32 = 1;
 pub const META_FILE: &str = "meta.json";
 /// The file naming the newest complete tag.
 pub const LATEST_FILE: &str = "latest";
+/// The folder in a tag holding the model directory's `config.json` and tokenizer files, when
+/// the run had them (absent in older checkpoints and runs from presets).
+pub const MODEL_DIR: &str = "model";
 
 /// The metadata of one checkpoint.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -18,7 +18,7 @@ mod save;
 mod shard_file;
 mod stream;
 
-pub use consolidate::{consolidate, ConsolidateReport, OutputDType};
+pub use consolidate::{consolidate, consolidate_dir, ConsolidateReport, OutputDType};
 pub use meta::{CheckpointMeta, FileMeta, GroupMeta, SlotMeta, TensorKind};
 pub use reader::CheckpointReader;
 

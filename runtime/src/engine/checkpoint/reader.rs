@@ -91,6 +91,15 @@ impl CheckpointReader {
         &self.meta
     }
 
+    /// The model directory's files saved with the checkpoint (none for older checkpoints).
+    pub fn model_files(&self) -> Result<crate::nn::weights::ModelFiles> {
+        let dir = self.dir.join(super::meta::MODEL_DIR);
+        if !dir.is_dir() {
+            return Ok(Default::default());
+        }
+        crate::nn::weights::ModelFiles::from_dir(&dir)
+    }
+
     /// The tag directory.
     pub fn tag_dir(&self) -> &Path {
         &self.dir

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use super::fsio;
 use super::meta::{
     dtype_name, rank_file_name, CheckpointMeta, FileMeta, GroupMeta, TensorKind, FORMAT,
-    LATEST_FILE, META_FILE, VERSION,
+    LATEST_FILE, META_FILE, MODEL_DIR, VERSION,
 };
 use super::reader::st_dtype;
 use super::shard_file::{self, Bytes, RawTensor};
@@ -265,6 +265,14 @@ impl Engine {
         let json = serde_json::to_vec_pretty(&meta)
             .map_err(|e| Error::Invalid(format!("metadata does not serialise: {e}")))?;
         fsio::write_durable(&tmp.join(META_FILE), &json)?;
+        if !self.model_files.files.is_empty() {
+            let dir = tmp.join(MODEL_DIR);
+            std::fs::create_dir(&dir).map_err(|e| fsio::io_err("create", &dir, e))?;
+            for (name, bytes) in &self.model_files.files {
+                fsio::write_durable(&dir.join(name), bytes)?;
+            }
+            fsio::sync_dir(&dir)?;
+        }
         fsio::sync_dir(tmp)
     }
 

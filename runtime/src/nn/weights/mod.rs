@@ -1,12 +1,29 @@
-//! safetensors I/O over `(name, shape, &[f32])` lists, since the engine owns parameter
-//! storage. Files hold f32, bf16 or f16; loading always yields f32 (bf16/f16 widen
-//! exactly), so a file written here and read back reproduces every value bit for bit.
+//! Model weights in safetensors files, as Hugging Face ships and loads them.
+//!
+//! Reading: [`HfModel`] maps a model directory, an index with its shards, or a single file
+//! (`mapped.rs` per file, `model.rs` for the layouts) and implements [`ParamSource`], through
+//! which the engine loads each rank's part of each tensor; [`load`] and [`select`] give whole
+//! f32 lists for small models and tests. Writing: [`save`] (one file from f32 lists) and
+//! [`write_model_dir`] (`export.rs`: what `save_pretrained` writes, sharded with an index).
+//! Files hold f32, bf16 or f16; loading widens to f32 exactly, so a file written here and read
+//! back reproduces every value bit for bit.
+
+mod codec;
+mod export;
+mod mapped;
+mod model;
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
 
-use half::{bf16, f16};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, TensorView};
+
+pub use export::{
+    write_model_dir, ExportReport, ModelFiles, DEFAULT_MAX_SHARD_BYTES, TOKENIZER_FILES,
+};
+pub use mapped::{MappedFile, TensorInfo};
+pub use model::{HfModel, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -46,24 +63,10 @@ impl Naming {
     }
 }
 
-fn file_err(path: &Path, reason: impl ToString) -> Error {
+pub(crate) fn file_err(path: &Path, reason: impl ToString) -> Error {
     Error::File {
         path: path.display().to_string(),
         reason: reason.to_string(),
-    }
-}
-
-fn encode(data: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::Bf16 => data
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => data
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
     }
 }
 
@@ -73,6 +76,16 @@ fn st_dtype(dtype: DType) -> Dtype {
         DType::Bf16 => Dtype::BF16,
         DType::F16 => Dtype::F16,
     }
+}
+
+/// Where parameter values come from when the engine loads them tensor by tensor
+/// ([`crate::engine::Engine::load_parameters`]).
+pub trait ParamSource {
+    /// Checks that the source holds exactly the `(name, shape)` parameters the model has
+    /// (buffers a source may ignore aside), naming the file and tensor of the first problem.
+    fn check(&self, expected: &[(&str, &[usize])]) -> Result<()>;
+    /// Elements `range` of the row-major tensor `name`, widened to f32.
+    fn read(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>>;
 }
 
 /// Writes `tensors` to `path` in `dtype` (rounding to nearest for bf16/f16).
@@ -91,7 +104,9 @@ pub fn save(path: &Path, tensors: &[(&str, &[usize], &[f32])], dtype: DType) -> 
         if !seen.insert(name) {
             return Err(file_err(path, format!("tensor `{name}` is listed twice")));
         }
-        bufs.push((name, shape.to_vec(), encode(data, dtype)));
+        let mut bytes = Vec::new();
+        codec::encode_into(data, dtype, &mut bytes);
+        bufs.push((name, shape.to_vec(), bytes));
     }
     let views = bufs
         .iter()
@@ -104,47 +119,21 @@ pub fn save(path: &Path, tensors: &[(&str, &[usize], &[f32])], dtype: DType) -> 
     safetensors::tensor::serialize_to_file(views, None, path).map_err(|e| file_err(path, e))
 }
 
-fn decode(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>> {
-    let b = view.data();
-    Ok(match view.dtype() {
-        Dtype::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::BF16 => b
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => b
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(file_err(
-                path,
-                format!("tensor `{name}` has dtype {other:?}; only F32, BF16 and F16 load"),
-            ))
-        }
-    })
-}
-
-/// Reads every tensor of `path`, widened to f32, sorted by canonical name.
+/// Reads every tensor of a model (a directory, an index or a single file), widened to f32,
+/// sorted by canonical name. This holds the whole model in f32: the engine loads through
+/// [`HfModel`] and [`ParamSource`] instead, tensor by tensor.
 pub fn load(path: &Path, naming: Naming) -> Result<Vec<NamedTensor>> {
-    let bytes = std::fs::read(path).map_err(|e| file_err(path, e))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| file_err(path, e))?;
-    let mut out = st
-        .iter()
-        .map(|(name, view)| {
-            let data = decode(path, name, &view)?;
-            Ok(NamedTensor {
-                name: naming.canonical(name),
-                shape: view.shape().to_vec(),
-                data,
-            })
+    let model = HfModel::open(path, naming)?;
+    let names: Vec<String> = model.names().map(str::to_string).collect();
+    names
+        .into_iter()
+        .map(|name| {
+            let (_, info) = model.info(&name).expect("listed name");
+            let shape = info.shape.clone();
+            let data = model.read(&name, 0..info.numel())?;
+            Ok(NamedTensor { name, shape, data })
         })
-        .collect::<Result<Vec<_>>>()?;
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
+        .collect()
 }
 
 /// Picks, from `tensors`, one tensor per expected `(name, shape)`, in that order. Fails on a
