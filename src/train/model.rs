@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
-use ferrozero::runtime::nn::gpt2::{self, Gpt2Config};
-use ferrozero::runtime::nn::llama::{self, LlamaConfig};
-use ferrozero::runtime::nn::Model;
+use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
+use ferrozero_runtime::nn::Model;
 
 /// A model family with its config.
 #[derive(Debug, Clone)]
@@ -48,7 +48,7 @@ impl ModelSpec {
     }
 
     /// Builds the model.
-    pub fn build(&self) -> ferrozero::runtime::Result<Model> {
+    pub fn build(&self) -> ferrozero_runtime::Result<Model> {
         match self {
             ModelSpec::Gpt2(c) => gpt2::build(c),
             ModelSpec::Llama(c) => llama::build(c),
