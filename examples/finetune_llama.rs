@@ -253,7 +253,11 @@ fn rows(args: &Args, cfg: &LlamaConfig) -> Result<Box<dyn Rows>, BoxError> {
 }
 
 /// Fine-tunes and returns the first and last loss (global means, the same on every rank).
-fn train(engine: &mut Engine, args: &Args, rows: &dyn Rows) -> ferrozero::runtime::Result<(f64, f64)> {
+fn train(
+    engine: &mut Engine,
+    args: &Args,
+    rows: &dyn Rows,
+) -> ferrozero::runtime::Result<(f64, f64)> {
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let every = args.print_every.max(1);
     for step in 0..args.steps {

@@ -42,7 +42,10 @@ fn jsonl_documents_are_joined_with_the_end_of_text_token() {
     assert_eq!(tok.eos, 0, "<|endoftext|> is the trainer's first token");
     let docs = ["To be, or not to be", "that is the question"];
     let path = dir.join("docs.jsonl");
-    let lines: Vec<String> = docs.iter().map(|d| serde_json::json!({ "text": d }).to_string()).collect();
+    let lines: Vec<String> = docs
+        .iter()
+        .map(|d| serde_json::json!({ "text": d }).to_string())
+        .collect();
     std::fs::write(&path, lines.join("\n")).unwrap();
     let mut want = tok.encode(docs[0]).unwrap();
     want.push(0);
@@ -62,7 +65,14 @@ fn a_text_file_tokenized_by_paragraphs_equals_the_whole() {
     let dir = scratch("whole");
     let path = dir.join("input.txt");
     std::fs::write(&path, &text).unwrap();
-    let c = data::open(&path, &DataOptions { cache: false, ..opts(&tok_path, 64) }).unwrap();
+    let c = data::open(
+        &path,
+        &DataOptions {
+            cache: false,
+            ..opts(&tok_path, 64)
+        },
+    )
+    .unwrap();
     let mut want = tok.encode(&text).unwrap();
     want.push(tok.eos);
     assert_eq!(c.tokens, want.len());
@@ -89,7 +99,11 @@ fn the_cache_serves_a_second_read_and_misses_when_data_or_tokenizer_change() {
     let tok_path = dir.join("tokenizer.json");
     std::fs::copy(repo("data/shakespeare/tokenizer.json"), &tok_path).unwrap();
     let path = dir.join("play.txt");
-    std::fs::write(&path, "ROMEO:\nBut soft, what light through yonder window breaks?\n").unwrap();
+    std::fs::write(
+        &path,
+        "ROMEO:\nBut soft, what light through yonder window breaks?\n",
+    )
+    .unwrap();
     let o = opts(&tok_path, 4);
     let a = data::open(&path, &o).unwrap();
     assert!(!a.from_cache);
@@ -98,7 +112,11 @@ fn the_cache_serves_a_second_read_and_misses_when_data_or_tokenizer_change() {
     assert_eq!(stream(&a.train), stream(&b.train));
     let first = caches(&dir);
     assert_eq!(first.len(), 1, "{first:?}");
-    std::fs::write(&path, "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n").unwrap();
+    std::fs::write(
+        &path,
+        "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n",
+    )
+    .unwrap();
     let c = data::open(&path, &o).unwrap();
     assert!(!c.from_cache);
     assert_ne!(stream(&c.train), stream(&a.train));
@@ -120,10 +138,22 @@ fn token_files_carry_their_width_and_are_checked_against_the_vocabulary() {
     let path = dir.join("ids.bin");
     let ids: Vec<u32> = (0..100).map(|i| 65_000 + i * 7).collect();
     write_tokens(&path, &ids, 70_000).unwrap();
-    let o = DataOptions { tokenizer: None, vocab: 70_000, ..opts(Path::new("unused"), 9) };
+    let o = DataOptions {
+        tokenizer: None,
+        vocab: 70_000,
+        ..opts(Path::new("unused"), 9)
+    };
     let c = data::open(&path, &o).unwrap();
     assert_eq!(stream(&c.train), ids[..stream(&c.train).len()]);
-    let e = data::open(&path, &DataOptions { vocab: 65_536, ..o.clone() }).err().unwrap();
+    let e = data::open(
+        &path,
+        &DataOptions {
+            vocab: 65_536,
+            ..o.clone()
+        },
+    )
+    .err()
+    .unwrap();
     assert_eq!(
         e.to_string(),
         format!(
@@ -140,10 +170,16 @@ fn a_corpus_shorter_than_one_row_names_the_file() {
     let tok_path = repo("data/shakespeare/tokenizer.json");
     let path = dir.join("line.txt");
     std::fs::write(&path, "Now is the winter of our discontent").unwrap();
-    let e = data::open(&path, &DataOptions { cache: false, ..opts(&tok_path, 64) })
-        .err()
-        .unwrap()
-        .to_string();
+    let e = data::open(
+        &path,
+        &DataOptions {
+            cache: false,
+            ..opts(&tok_path, 64)
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(
         e.starts_with(&format!("{}: the corpus is too short:", path.display())),
         "{e}"

@@ -37,7 +37,11 @@ fn model_dir(dir: &Path) {
         "n_head": 2, "n_embd": 32, "vocab_size": 512, "n_positions": 64, "resid_pdrop": 0.0,
         "embd_pdrop": 0.0, "attn_pdrop": 0.0, "eos_token_id": 0}"#;
     std::fs::write(dir.join("config.json"), config).unwrap();
-    std::fs::copy(repo("data/shakespeare/tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    std::fs::copy(
+        repo("data/shakespeare/tokenizer.json"),
+        dir.join("tokenizer.json"),
+    )
+    .unwrap();
     let spec = ModelSpec::parse(&dir.join("config.json").to_string_lossy()).unwrap();
     let model = spec.build().unwrap();
     let specs: Vec<_> = model
@@ -98,11 +102,20 @@ fn fine_tunes_on_shakespeare_and_the_output_loads_back() {
     let corpus = tmp.0.join("shakespeare.txt");
     std::fs::copy(repo("data/shakespeare/input.txt"), &corpus).unwrap();
     let (m1, m2) = (tmp.0.join("m1.jsonl"), tmp.0.join("m2.jsonl"));
-    let common = ["--data", s(&corpus), "--ranks", "2", "--seq-len", "64", "--no-progress"];
+    let ck = tmp.0.join("ck");
+    let common = [
+        "--data",
+        s(&corpus),
+        "--ranks",
+        "2",
+        "--seq-len",
+        "64",
+        "--no-progress",
+    ];
     let first = [
         &common[..],
         &["--model", s(&model), "--steps", "30", "--eval-every", "10"],
-        &["--output", s(&out), "--metrics", s(&m1)],
+        &["--output", s(&out), "--metrics", s(&m1), "--save", s(&ck)],
     ]
     .concat();
     let (ok, text) = train(&tmp.0, &first);
@@ -110,7 +123,10 @@ fn fine_tunes_on_shakespeare_and_the_output_loads_back() {
     let losses = metrics(&m1, "loss");
     let evals = metrics(&m1, "eval_loss");
     assert_eq!(losses.len(), 30, "{text}");
-    assert!(losses[29] < losses[0] - 0.5, "loss did not fall: {losses:?}");
+    assert!(
+        losses[29] < losses[0] - 0.5,
+        "loss did not fall: {losses:?}"
+    );
     assert_eq!(evals.len(), 3, "{text}");
     assert!(evals[2] < evals[0], "held-out loss did not fall: {evals:?}");
     assert!(text.contains("step 30 eval_loss="), "{text}");
@@ -129,6 +145,18 @@ fn fine_tunes_on_shakespeare_and_the_output_loads_back() {
     assert!(ok, "{text}");
     assert!(text.contains("(cached)"), "{text}");
     assert_eq!(metrics(&m2, "eval_loss"), vec![evals[2]]);
+    // Resuming the checkpoint continues at step 31.
+    let m3 = tmp.0.join("m3.jsonl");
+    let third = [
+        &common[..],
+        &["--model", s(&model), "--steps", "35", "--resume", s(&ck)],
+        &["--metrics", s(&m3)],
+    ]
+    .concat();
+    let (ok, text) = train(&tmp.0, &third);
+    assert!(ok, "{text}");
+    assert_eq!(metrics(&m3, "step")[0], 31.0, "{text}");
+    assert_eq!(metrics(&m3, "loss").len(), 5, "{text}");
     let a = weights::load(&out.join("model.safetensors"), Naming::Exact).unwrap();
     let b = weights::load(&again.join("model.safetensors"), Naming::Exact).unwrap();
     assert_eq!(a.len(), b.len());
@@ -144,31 +172,51 @@ fn bad_inputs_are_clear_errors_naming_the_file() {
     let tmp = TempDir::new("errors");
     let model = tmp.0.join("model");
     model_dir(&model);
-    let run = |data: &Path| train(&tmp.0, &["--model", s(&model), "--data", s(data), "--seq-len", "32"]);
+    let run = |data: &Path| {
+        train(
+            &tmp.0,
+            &["--model", s(&model), "--data", s(data), "--seq-len", "32"],
+        )
+    };
     let csv = tmp.0.join("c.csv");
     std::fs::write(&csv, "a,b\n").unwrap();
     let (ok, text) = run(&csv);
     assert!(!ok);
-    assert!(text.contains(&format!("{}: unknown data extension `csv`", csv.display())), "{text}");
+    assert!(
+        text.contains(&format!("{}: unknown data extension `csv`", csv.display())),
+        "{text}"
+    );
     let empty = tmp.0.join("empty.txt");
     std::fs::write(&empty, "").unwrap();
     let (ok, text) = run(&empty);
     assert!(!ok);
-    assert!(text.contains(&format!("{}: the corpus is empty", empty.display())), "{text}");
+    assert!(
+        text.contains(&format!("{}: the corpus is empty", empty.display())),
+        "{text}"
+    );
     let bad = tmp.0.join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"To be\"}\n{\"txt\": \"or not\"}\n").unwrap();
     let (ok, text) = run(&bad);
     assert!(!ok);
-    assert!(text.contains(&format!("{}: line 2: no \"text\" field", bad.display())), "{text}");
+    assert!(
+        text.contains(&format!("{}: line 2: no \"text\" field", bad.display())),
+        "{text}"
+    );
     std::fs::write(model.join("tokenizer.json"), "{\"version\": ").unwrap();
     let ok_text = tmp.0.join("ok.txt");
     std::fs::write(&ok_text, "To be, or not to be, that is the question.").unwrap();
     let (ok, text) = run(&ok_text);
     assert!(!ok);
     let tok = model.join("tokenizer.json");
-    assert!(text.contains(&format!("{}: not a valid tokenizer.json", tok.display())), "{text}");
+    assert!(
+        text.contains(&format!("{}: not a valid tokenizer.json", tok.display())),
+        "{text}"
+    );
     std::fs::remove_file(&tok).unwrap();
     let (ok, text) = run(&ok_text);
     assert!(!ok);
-    assert!(text.contains(&format!("{}: cannot read the tokenizer", tok.display())), "{text}");
+    assert!(
+        text.contains(&format!("{}: cannot read the tokenizer", tok.display())),
+        "{text}"
+    );
 }

@@ -115,7 +115,10 @@ fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>>
     let positions = model.spec.positions();
     let seq = args.seq_len.unwrap_or(positions.min(512));
     if seq < 1 || seq > positions {
-        return Err(format!("--seq-len {seq} must be between 1 and the model's {positions} positions").into());
+        return Err(format!(
+            "--seq-len {seq} must be between 1 and the model's {positions} positions"
+        )
+        .into());
     }
     let tokenizer = model.tokenizer();
     let corpus = data::open(
@@ -139,12 +142,25 @@ fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>>
     let config = zero_config(args)?;
     let rows: Arc<dyn Rows> = if args.shuffle {
         let n = corpus.train.len();
-        Arc::new(Shuffled { inner: corpus.train.clone(), n, seed: args.seed })
+        Arc::new(Shuffled {
+            inner: corpus.train.clone(),
+            n,
+            seed: args.seed,
+        })
     } else {
         Arc::new(corpus.train.clone())
     };
     let eval = corpus.eval.clone();
-    let job = |comm: Box<dyn Communicator>| rank(args, &model, &config, &*rows, eval.as_ref().map(|e| e as &dyn Rows), comm);
+    let job = |comm: Box<dyn Communicator>| {
+        rank(
+            args,
+            &model,
+            &config,
+            &*rows,
+            eval.as_ref().map(|e| e as &dyn Rows),
+            comm,
+        )
+    };
     train::run_job(&config, args.ranks, job)?;
     Ok(())
 }
@@ -195,7 +211,10 @@ fn rank(
     }
     if engine.rank() == 0 {
         if let (Some(a), Some(b)) = (summary.losses.first(), summary.losses.last()) {
-            println!("trained {} steps: loss {a:.4} -> {b:.4}", summary.losses.len());
+            println!(
+                "trained {} steps: loss {a:.4} -> {b:.4}",
+                summary.losses.len()
+            );
         }
     }
     Ok(())

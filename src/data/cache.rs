@@ -17,7 +17,11 @@ const SUFFIX: &str = ".tokens.bin";
 
 /// The tokens of text file `path`: from the cache when it matches, else tokenized (and cached
 /// when `opts.cache`). Returns whether the cache served them.
-pub(super) fn tokens(path: &Path, tokenizer: &Path, opts: &DataOptions) -> Result<(Vec<u32>, bool)> {
+pub(super) fn tokens(
+    path: &Path,
+    tokenizer: &Path,
+    opts: &DataOptions,
+) -> Result<(Vec<u32>, bool)> {
     let tok = TextTokenizer::open(tokenizer, opts.eos)?;
     if tok.vocab_size() > opts.vocab {
         return Err(file_err(
@@ -37,8 +41,8 @@ pub(super) fn tokens(path: &Path, tokenizer: &Path, opts: &DataOptions) -> Resul
             return Ok((t, true));
         }
     }
-    let text = String::from_utf8(data)
-        .map_err(|e| file_err(path, format!("not UTF-8 text: {e}")))?;
+    let text =
+        String::from_utf8(data).map_err(|e| file_err(path, format!("not UTF-8 text: {e}")))?;
     let docs = documents(path, &text)?;
     let ids = if docs.iter().all(|d| d.trim().is_empty()) {
         Vec::new()
@@ -70,17 +74,24 @@ fn cache_path(path: &Path, data: &[u8], tokenizer: &[u8], eos: u32) -> PathBuf {
 /// be written (a read-only data directory) only costs the next run the tokenizing.
 fn store(path: &Path, cached: &Path, ids: &[u32], vocab: usize) {
     let tmp = cached.with_extension(format!("partial-{}", std::process::id()));
-    let written = write_tokens(&tmp, ids, vocab).and_then(|()| {
-        std::fs::rename(&tmp, cached).map_err(|e| file_err(cached, e))
-    });
+    let written = write_tokens(&tmp, ids, vocab)
+        .and_then(|()| std::fs::rename(&tmp, cached).map_err(|e| file_err(cached, e)));
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
         tracing::warn!("not caching the tokens: {e}");
         return;
     }
-    let prefix = format!("{}.", path.file_name().unwrap_or_default().to_string_lossy());
-    let dir = cached.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let prefix = format!(
+        "{}.",
+        path.file_name().unwrap_or_default().to_string_lossy()
+    );
+    let dir = cached
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let stale = name.starts_with(&prefix) && name.ends_with(SUFFIX) && e.path() != cached;

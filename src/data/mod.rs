@@ -93,7 +93,9 @@ pub(crate) fn file_err(path: &Path, reason: impl std::fmt::Display) -> Error {
 /// Reads `path` by its extension (`.txt`, `.jsonl`, `.bin`) and packs it into rows.
 pub fn open(path: &Path, opts: &DataOptions) -> Result<Corpus> {
     if opts.seq_len == 0 {
-        return Err(Error::Invalid("the sequence length must be positive".into()));
+        return Err(Error::Invalid(
+            "the sequence length must be positive".into(),
+        ));
     }
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     let (tokens, from_cache) = match ext {
@@ -114,5 +116,12 @@ pub fn open(path: &Path, opts: &DataOptions) -> Result<Corpus> {
         ("txt", None) => 256,
         _ => opts.vocab,
     };
-    packed::split(path, tokens, opts.seq_len, vocab, opts.eval_fraction, from_cache)
+    packed::split(
+        path,
+        tokens,
+        opts.seq_len,
+        vocab,
+        opts.eval_fraction,
+        from_cache,
+    )
 }

@@ -174,7 +174,10 @@ mod tests {
             .err()
             .unwrap()
             .to_string();
-        assert!(e.starts_with("short.txt: the corpus is too short: 8 tokens make 1 rows"), "{e}");
+        assert!(
+            e.starts_with("short.txt: the corpus is too short: 8 tokens make 1 rows"),
+            "{e}"
+        );
         let e = split(Path::new("e.txt"), vec![], 4, 64, 0.0, false)
             .err()
             .unwrap()

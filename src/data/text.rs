@@ -88,7 +88,13 @@ fn find_eos(path: &Path, tok: &tokenizers::Tokenizer) -> Result<u32> {
         };
         if let Some(name) = name {
             return tok.token_to_id(name).ok_or_else(|| {
-                file_err(path, format!("eos_token `{name}` of {} is not in the vocabulary", config.display()))
+                file_err(
+                    path,
+                    format!(
+                        "eos_token `{name}` of {} is not in the vocabulary",
+                        config.display()
+                    ),
+                )
             });
         }
     }
@@ -180,11 +186,15 @@ mod tests {
             jsonl(p, "{\"text\": \"a\"}\n\n{\"text\": \"b\"}\n").unwrap(),
             vec!["a", "b"]
         );
-        let e = jsonl(p, "{\"text\": \"a\"}\n{\"body\": \"b\"}\n").unwrap_err().to_string();
+        let e = jsonl(p, "{\"text\": \"a\"}\n{\"body\": \"b\"}\n")
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "c.jsonl: line 2: no \"text\" field");
         let e = jsonl(p, "{\"text\": 3}").unwrap_err().to_string();
         assert_eq!(e, "c.jsonl: line 1: the \"text\" field is not a string");
-        let e = jsonl(p, "{\"text\": \"a\"}\nnot json").unwrap_err().to_string();
+        let e = jsonl(p, "{\"text\": \"a\"}\nnot json")
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("c.jsonl: line 2: not valid JSON"), "{e}");
     }
 }

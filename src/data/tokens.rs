@@ -79,7 +79,10 @@ pub fn read_tokens(path: &Path, vocab: usize) -> Result<Vec<u32>> {
     if data.len() % w != 0 {
         return Err(file_err(
             path,
-            format!("{} bytes of ids is not a whole number of {w}-byte tokens", data.len()),
+            format!(
+                "{} bytes of ids is not a whole number of {w}-byte tokens",
+                data.len()
+            ),
         ));
     }
     let tokens: Vec<u32> = data
@@ -137,7 +140,10 @@ mod tests {
         );
         std::fs::write(&p, [1u8, 0, 9]).unwrap();
         let e = read_tokens(&p, 100).unwrap_err().to_string();
-        assert!(e.contains("3 bytes of ids is not a whole number of 2-byte tokens"), "{e}");
+        assert!(
+            e.contains("3 bytes of ids is not a whole number of 2-byte tokens"),
+            "{e}"
+        );
         std::fs::remove_file(&p).ok();
     }
 }

@@ -55,10 +55,16 @@ fn param_names(model: &Model) -> Vec<(String, Vec<usize>)> {
 pub fn load_model(dir: &Path) -> Result<HfModel> {
     let config = dir.join("config.json");
     if !dir.is_dir() {
-        return Err(file_err(dir, "not a model directory (config.json + model.safetensors)"));
+        return Err(file_err(
+            dir,
+            "not a model directory (config.json + model.safetensors)",
+        ));
     }
     if !config.is_file() {
-        return Err(file_err(&config, "missing: a model directory needs config.json"));
+        return Err(file_err(
+            &config,
+            "missing: a model directory needs config.json",
+        ));
     }
     let spec = ModelSpec::parse(&config.to_string_lossy()).map_err(|e| file_err(&config, e))?;
     let text = std::fs::read_to_string(&config).map_err(|e| file_err(&config, e))?;
@@ -71,15 +77,20 @@ pub fn load_model(dir: &Path) -> Result<HfModel> {
     .map(|x| x as u32);
     let weights_path = dir.join("model.safetensors");
     if !weights_path.is_file() {
-        return Err(file_err(&weights_path, "missing: a model directory needs model.safetensors"));
+        return Err(file_err(
+            &weights_path,
+            "missing: a model directory needs model.safetensors",
+        ));
     }
     let naming = match spec {
         ModelSpec::Gpt2(_) => Naming::Gpt2,
         ModelSpec::Llama(_) => Naming::Exact,
     };
     let expected = param_names(&spec.build()?);
-    let refs: Vec<(&str, &[usize])> =
-        expected.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
+    let refs: Vec<(&str, &[usize])> = expected
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.as_slice()))
+        .collect();
     let values = weights::select(&weights_path, weights::load(&weights_path, naming)?, &refs)?;
     let init = expected
         .into_iter()

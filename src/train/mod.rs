@@ -60,7 +60,12 @@ pub fn micro_batches(engine: &Engine, rows: &dyn Rows, step: u64) -> Vec<Batch> 
         cfg.train_micro_batch_size_per_gpu,
     );
     (0..gas)
-        .map(|m| rows.batch(((step * gas + m) * world + engine.rank() as u64) * mb as u64, mb))
+        .map(|m| {
+            rows.batch(
+                ((step * gas + m) * world + engine.rank() as u64) * mb as u64,
+                mb,
+            )
+        })
         .collect()
 }
 
@@ -134,6 +139,9 @@ pub fn evaluate_loss(engine: &mut Engine, rows: &dyn Rows, max_rows: usize) -> R
         tokens += e.tokens as f64;
         first += k;
     }
-    let (loss, tokens) = (engine.sum_across_ranks(loss)?, engine.sum_across_ranks(tokens)?);
+    let (loss, tokens) = (
+        engine.sum_across_ranks(loss)?,
+        engine.sum_across_ranks(tokens)?,
+    );
     Ok(loss / tokens.max(1.0))
 }

@@ -17,8 +17,36 @@ where
     if config.comms.backend == ferrozero_config::Backend::Nccl {
         return nccl_rank(config, ranks, body);
     }
+    check_not_launched(std::env::var("WORLD_SIZE").ok().as_deref())?;
     run_ranks(ranks, Duration::from_secs(600), body)?;
     Ok(())
+}
+
+/// Local ranks in a process that `ferrozero launch` started as one of several would train
+/// alone, each process its own job writing the same outputs: refused, with what would work.
+fn check_not_launched(world_size: Option<&str>) -> Result<()> {
+    match world_size.and_then(|w| w.parse::<usize>().ok()) {
+        Some(w) if w > 1 => Err(ferrozero_runtime::Error::Config(format!(
+            "this process is one of {w} ranks (WORLD_SIZE={w}, as `ferrozero launch` sets it) \
+             but comms.backend is \"local\" (ranks as threads): set comms.backend = \"nccl\" \
+             for one rank per process, or run without the launcher and use --ranks"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_not_launched;
+
+    #[test]
+    fn local_ranks_under_a_launched_world_are_refused() {
+        assert!(check_not_launched(None).is_ok());
+        assert!(check_not_launched(Some("1")).is_ok());
+        let e = check_not_launched(Some("4")).unwrap_err().to_string();
+        assert!(e.contains("one of 4 ranks (WORLD_SIZE=4"), "{e}");
+        assert!(e.contains("comms.backend = \"nccl\""), "{e}");
+    }
 }
 
 #[cfg(feature = "cuda")]
