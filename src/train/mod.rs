@@ -74,7 +74,7 @@ pub fn steps_for_epochs(engine: &Engine, rows: &dyn Rows, epochs: u64) -> u64 {
     let cfg = engine.config();
     let per_step = (cfg.gradient_accumulation_steps * cfg.train_micro_batch_size_per_gpu) as u64
         * engine.world_size() as u64;
-    (epochs * rows.len()).div_ceil(per_step.max(1))
+    epochs.saturating_mul(rows.len()).div_ceil(per_step.max(1))
 }
 
 /// Trains from step `first` up to `opts.steps` (collective: every rank calls it), evaluating
