@@ -185,5 +185,19 @@ fn a_corpus_shorter_than_one_row_names_the_file() {
         "{e}"
     );
     assert!(e.contains("make 0 rows of 64 + 1 tokens"), "{e}");
+    let e = data::open(
+        &path,
+        &DataOptions {
+            eval_fraction: 1.0,
+            ..opts(&tok_path, 4)
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("the held-out share is 1; it must be at least 0 and below 1"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -97,6 +97,12 @@ pub fn open(path: &Path, opts: &DataOptions) -> Result<Corpus> {
             "the sequence length must be positive".into(),
         ));
     }
+    if !(0.0..1.0).contains(&opts.eval_fraction) {
+        return Err(Error::Invalid(format!(
+            "the held-out share is {}; it must be at least 0 and below 1",
+            opts.eval_fraction
+        )));
+    }
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     let (tokens, from_cache) = match ext {
         "bin" => (read_tokens(path, opts.vocab)?, false),
