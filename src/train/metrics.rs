@@ -101,7 +101,7 @@ impl Writer {
             );
         }
         let every = engine.config().steps_per_print.max(1) as u64;
-        let print_now = self.lead && r.step % every == 0;
+        let print_now = self.lead && r.step.is_multiple_of(every);
         match &self.bar {
             Some(b) => {
                 b.set_message(line);

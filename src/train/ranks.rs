@@ -35,20 +35,6 @@ fn check_not_launched(world_size: Option<&str>) -> Result<()> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::check_not_launched;
-
-    #[test]
-    fn local_ranks_under_a_launched_world_are_refused() {
-        assert!(check_not_launched(None).is_ok());
-        assert!(check_not_launched(Some("1")).is_ok());
-        let e = check_not_launched(Some("4")).unwrap_err().to_string();
-        assert!(e.contains("one of 4 ranks (WORLD_SIZE=4"), "{e}");
-        assert!(e.contains("comms.backend = \"nccl\""), "{e}");
-    }
-}
-
 #[cfg(feature = "cuda")]
 fn nccl_rank<F>(config: &Config, ranks: usize, body: F) -> Result<()>
 where
@@ -77,4 +63,18 @@ where
 {
     run_ranks(ranks, Duration::from_secs(600), body)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_not_launched;
+
+    #[test]
+    fn local_ranks_under_a_launched_world_are_refused() {
+        assert!(check_not_launched(None).is_ok());
+        assert!(check_not_launched(Some("1")).is_ok());
+        let e = check_not_launched(Some("4")).unwrap_err().to_string();
+        assert!(e.contains("one of 4 ranks (WORLD_SIZE=4"), "{e}");
+        assert!(e.contains("comms.backend = \"nccl\""), "{e}");
+    }
 }
