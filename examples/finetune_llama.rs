@@ -23,14 +23,16 @@ use std::time::Duration;
 
 use clap::Parser;
 use ferrozero::config::{Config, Format};
+use ferrozero::data::{self, DataOptions, Rows};
 use ferrozero::engine::{Engine, EngineBuilder, NamedTensor};
 use ferrozero::runtime::backend::rng;
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::engine::checkpoint::{consolidate, OutputDType, Tag};
 use ferrozero::runtime::nn::llama::{self, LlamaConfig};
 use ferrozero::runtime::nn::weights::{self, HfModel, Naming, ParamSource};
-use ferrozero::runtime::nn::{init, Batch, Model, ParamSpec};
+use ferrozero::runtime::nn::{init, Model, ParamSpec};
 use ferrozero::runtime::tensor::DType;
+use ferrozero::train::micro_batches;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -64,6 +66,13 @@ struct Args {
     /// Print the loss every N steps.
     #[arg(long, default_value_t = 10)]
     print_every: u64,
+    /// Fine-tune on this file instead of the synthetic task: .txt or .jsonl (with
+    /// --tokenizer) or a .bin token file, read by `ferrozero::data`.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// The model's tokenizer.json, for --data text.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Output directory (checkpoints, model.safetensors); default: a fresh temporary one.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -194,46 +203,60 @@ fn task_row(row: u64, seq: usize, vocab: usize, tokens: &mut Vec<u32>, targets: 
     targets.extend((1..=seq).map(|t| at(t) as i32));
 }
 
-fn task_batch(first_row: u64, rows: usize, seq: usize, vocab: usize) -> Batch {
-    let (mut tokens, mut targets) = (Vec::new(), Vec::new());
-    for r in 0..rows as u64 {
-        task_row(first_row + r, seq, vocab, &mut tokens, &mut targets);
+/// The synthetic task as rows, for the library's batching.
+struct Counting {
+    seq: usize,
+    vocab: usize,
+}
+
+impl Rows for Counting {
+    fn seq_len(&self) -> usize {
+        self.seq
     }
-    Batch {
-        batch: rows,
-        seq,
-        tokens,
-        targets,
+    fn vocab(&self) -> usize {
+        self.vocab
+    }
+    fn len(&self) -> u64 {
+        // An endless stream: row k is drawn from k.
+        u64::MAX
+    }
+    fn row(&self, k: u64) -> (Vec<u32>, Vec<i32>) {
+        let (mut tokens, mut targets) = (Vec::new(), Vec::new());
+        task_row(k, self.seq, self.vocab, &mut tokens, &mut targets);
+        (tokens, targets)
     }
 }
 
-/// Row numbers: steps, then accumulation micro-steps, then ranks, then the micro-batch; so
-/// every rank reads different rows and the run does not depend on the world size.
-fn micro_batches(engine: &Engine, step: u64, seq: usize, vocab: usize) -> Vec<Batch> {
-    let cfg = engine.config();
-    let (gas, mb) = (
-        cfg.gradient_accumulation_steps as u64,
-        cfg.train_micro_batch_size_per_gpu,
-    );
-    let (world, rank) = (engine.world_size() as u64, engine.rank() as u64);
-    (0..gas)
-        .map(|m| {
-            task_batch(
-                ((step * gas + m) * world + rank) * mb as u64,
-                mb,
-                seq,
-                vocab,
-            )
-        })
-        .collect()
+/// The rows to fine-tune on: `--data` through the library's data path (a .txt or .jsonl file
+/// with `--tokenizer`, or a .bin token file), else the synthetic task.
+fn rows(args: &Args, cfg: &LlamaConfig) -> Result<Box<dyn Rows>, BoxError> {
+    let Some(path) = &args.data else {
+        return Ok(Box::new(Counting {
+            seq: args.seq_len,
+            vocab: cfg.vocab_size,
+        }));
+    };
+    let opts = DataOptions {
+        seq_len: args.seq_len,
+        vocab: cfg.vocab_size,
+        tokenizer: args.tokenizer.as_deref(),
+        eos: None,
+        eval_fraction: 0.0,
+        cache: true,
+    };
+    Ok(Box::new(data::open(path, &opts)?.train))
 }
 
 /// Fine-tunes and returns the first and last loss (global means, the same on every rank).
-fn train(engine: &mut Engine, args: &Args, vocab: usize) -> ferrozero::runtime::Result<(f64, f64)> {
+fn train(
+    engine: &mut Engine,
+    args: &Args,
+    rows: &dyn Rows,
+) -> ferrozero::runtime::Result<(f64, f64)> {
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     let every = args.print_every.max(1);
     for step in 0..args.steps {
-        let r = engine.train_batch(&micro_batches(engine, step, args.seq_len, vocab))?;
+        let r = engine.train_batch(&micro_batches(engine, rows, step))?;
         if step == 0 {
             first = r.loss;
         }
@@ -261,6 +284,7 @@ fn fine_tune(
     init: &HfModel,
     ckpt_dir: &Path,
 ) -> Result<Trained, BoxError> {
+    let rows = rows(args, cfg)?;
     let out = run_ranks(args.ranks, Duration::from_secs(300), |comm| {
         // Rank 0 speaks for all: the others would repeat the same summary lines.
         let _quiet = (comm.rank() != 0).then(|| {
@@ -273,7 +297,7 @@ fn fine_tune(
             .sequence_length(args.seq_len)
             .build()?;
         engine.load_parameters(init)?;
-        let (first_loss, last_loss) = train(&mut engine, args, cfg.vocab_size)?;
+        let (first_loss, last_loss) = train(&mut engine, args, &*rows)?;
         let tag = format!("step-{}", args.steps);
         let path = engine.save_checkpoint(ckpt_dir, &tag, args.steps)?;
         if engine.rank() == 0 {

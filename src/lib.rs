@@ -9,7 +9,9 @@
 //! This crate is the facade: it re-exports the engine, the configuration and the offload
 //! machinery, and hosts the `ferrozero` command-line tool.
 
+pub mod data;
 pub mod logging;
+pub mod train;
 
 pub use ferrozero_config as config;
 pub use ferrozero_offload as offload;

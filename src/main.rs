@@ -1,4 +1,4 @@
-//! The `ferrozero` command-line tool: validate configs, inspect schemas, launch ranks,
+//! The `ferrozero` command-line tool: validate configs, inspect schemas, train, launch ranks,
 //! benchmark the hot paths, estimate memory and manage checkpoints.
 
 mod cli;
@@ -23,6 +23,8 @@ enum Command {
     Schema(cli::schema::Args),
     /// Show or convert configs.
     Config(cli::config::Args),
+    /// Fine-tune a Hugging Face model directory on a text or token file.
+    Train(Box<cli::train::Args>),
     /// Start N ranks of a program (torchrun-style).
     Launch(cli::launch::Args),
     /// Inspect or consolidate a sharded checkpoint.
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
         Command::Validate(a) => cli::validate::run(a),
         Command::Schema(a) => cli::schema::run(a),
         Command::Config(a) => cli::config::run(a),
+        Command::Train(a) => cli::train::run(*a),
         Command::Launch(a) => cli::launch::run(a),
         Command::Checkpoint(a) => cli::checkpoint::run(a),
         Command::Estimate(a) => cli::estimate::run(*a),

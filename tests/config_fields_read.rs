@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 /// Fields deliberately not read by the runtime, with the reason. Keep this list short.
 const NOT_READ: &[(&str, &str)] = &[(
     "steps_per_print",
-    "the engine returns a StepReport every step; printing is the training loop's (train_gpt \
-         prints every steps_per_print steps)",
+    "the engine returns a StepReport every step; printing is the training loop's (ferrozero::train \
+         logs every steps_per_print steps)",
 )];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {

@@ -267,3 +267,27 @@ fn device_memory_limit_flag_refuses_or_holds() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn runs_outside_the_repository_on_the_built_in_config() {
+    let dir = std::env::temp_dir().join(format!("fz-smoke-cwd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(example().expect("example built"))
+        .args([
+            "--digits",
+            "2",
+            "--steps",
+            "2",
+            "--eval-rows",
+            "16",
+            "--no-progress",
+        ])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("heldout_accuracy="), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,36 +1,7 @@
-//! Training data: the built-in addition task, or a token file (raw little-endian u16 ids, or
-//! a `.txt` file read byte by byte), read as consecutive windows.
+//! The built-in addition task (a token file goes through the library's `ferrozero::data`).
 
-use std::path::Path;
-
-use ferrozero::runtime::nn::{Batch, IGNORE_INDEX};
-
-/// A source of fixed-length rows, addressed by row number.
-pub trait Rows: Send + Sync {
-    /// Tokens per row (the model's sequence length).
-    fn seq_len(&self) -> usize;
-    /// Vocabulary the rows need.
-    fn vocab(&self) -> usize;
-    /// Row `k`: inputs and targets (targets shifted by one; IGNORE_INDEX contributes no loss).
-    fn row(&self, k: u64) -> (Vec<u32>, Vec<i32>);
-
-    /// Rows `first..first + n` as one micro-batch.
-    fn batch(&self, first: u64, n: usize) -> Batch {
-        let mut tokens = Vec::with_capacity(n * self.seq_len());
-        let mut targets = Vec::with_capacity(n * self.seq_len());
-        for k in first..first + n as u64 {
-            let (t, y) = self.row(k);
-            tokens.extend(t);
-            targets.extend(y);
-        }
-        Batch {
-            batch: n,
-            seq: self.seq_len(),
-            tokens,
-            targets,
-        }
-    }
-}
+use ferrozero::data::Rows;
+use ferrozero::runtime::nn::IGNORE_INDEX;
 
 /// `a+b=` followed by the sum's digits in reverse (least significant first, as a carry
 /// propagates), with loss only on the answer. Exact-match accuracy under teacher forcing
@@ -96,6 +67,10 @@ impl Rows for Addition {
     fn vocab(&self) -> usize {
         12
     }
+    fn len(&self) -> u64 {
+        // An endless stream: problem k is drawn from k.
+        u64::MAX
+    }
     fn row(&self, k: u64) -> (Vec<u32>, Vec<i32>) {
         let s = self.sequence(k);
         let inputs = s[..s.len() - 1].to_vec();
@@ -110,113 +85,6 @@ impl Rows for Addition {
             })
             .collect();
         (inputs, targets)
-    }
-}
-
-/// Consecutive windows of a token file: row k takes inputs `tokens[kT .. kT+T]` and targets
-/// shifted by one; rows wrap around at the end of the file.
-pub struct TokenFile {
-    tokens: Vec<u32>,
-    seq: usize,
-    vocab: usize,
-}
-
-impl TokenFile {
-    /// Reads `path`: `.txt` as bytes (vocabulary 256), anything else as little-endian u16 ids.
-    pub fn open(path: &Path, seq: usize) -> Result<Self, String> {
-        let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let text = path.extension().is_some_and(|e| e == "txt");
-        let tokens: Vec<u32> = if text {
-            bytes.iter().map(|&b| b as u32).collect()
-        } else {
-            if bytes.len() % 2 != 0 {
-                return Err(format!(
-                    "{}: odd byte count {}, not a u16 token file",
-                    path.display(),
-                    bytes.len()
-                ));
-            }
-            bytes
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
-                .collect()
-        };
-        if tokens.len() < seq + 1 {
-            return Err(format!(
-                "{}: {} tokens, fewer than one row of {} + 1",
-                path.display(),
-                tokens.len(),
-                seq
-            ));
-        }
-        let vocab = if text {
-            256
-        } else {
-            tokens.iter().max().map_or(1, |&m| m as usize + 1)
-        };
-        Ok(Self { tokens, seq, vocab })
-    }
-
-    /// Rows before the windows wrap.
-    pub fn rows(&self) -> u64 {
-        ((self.tokens.len() - 1) / self.seq) as u64
-    }
-}
-
-impl Rows for TokenFile {
-    fn seq_len(&self) -> usize {
-        self.seq
-    }
-    fn vocab(&self) -> usize {
-        self.vocab
-    }
-    fn row(&self, k: u64) -> (Vec<u32>, Vec<i32>) {
-        let start = (k % self.rows()) as usize * self.seq;
-        let inputs = self.tokens[start..start + self.seq].to_vec();
-        let targets = self.tokens[start + 1..start + self.seq + 1]
-            .iter()
-            .map(|&t| t as i32)
-            .collect();
-        (inputs, targets)
-    }
-}
-
-/// A seeded permutation of row numbers per pass over `n` rows (for `--shuffle`).
-pub struct Shuffled<R> {
-    /// The underlying rows.
-    pub inner: R,
-    /// Rows per pass.
-    pub n: u64,
-    /// Seed.
-    pub seed: u64,
-}
-
-impl<R: Rows> Rows for Shuffled<R> {
-    fn seq_len(&self) -> usize {
-        self.inner.seq_len()
-    }
-    fn vocab(&self) -> usize {
-        self.inner.vocab()
-    }
-    fn row(&self, k: u64) -> (Vec<u32>, Vec<i32>) {
-        // A keyed affine permutation of 0..n per pass: cheap, no table, a bijection when the
-        // multiplier is coprime with n.
-        let (pass, i) = (k / self.n, k % self.n);
-        let key = mix(self.seed ^ mix(pass));
-        let mut a = (key | 1) % self.n.max(1);
-        while gcd(a, self.n) != 1 {
-            a = (a + 1) % self.n;
-        }
-        self.inner
-            .row(pass * self.n + (a.wrapping_mul(i) + (key >> 17)) % self.n)
-    }
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }
 

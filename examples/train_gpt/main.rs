@@ -4,7 +4,6 @@
 //!     cargo run --release --example train_gpt -- --help
 
 mod data;
-mod model;
 mod run;
 
 use std::path::PathBuf;
@@ -16,9 +15,9 @@ use clap::Parser;
 #[derive(Parser, Debug, Clone)]
 #[command(name = "train_gpt")]
 pub struct Args {
-    /// ZeRO config, TOML or DeepSpeed JSON.
-    #[arg(long, default_value = "configs/default.toml")]
-    pub config: PathBuf,
+    /// ZeRO config, TOML or DeepSpeed JSON [default: configs/default.toml, built in].
+    #[arg(long)]
+    pub config: Option<PathBuf>,
     /// Local ranks (threads in this process).
     #[arg(long, default_value_t = 2)]
     pub ranks: usize,
@@ -38,10 +37,20 @@ pub struct Args {
     /// safetensors file; f32, bf16 or f16. Memory-mapped; each rank keeps only its part.
     #[arg(long)]
     pub init: Option<PathBuf>,
-    /// Training data: raw little-endian u16 token ids, or a .txt file (bytes). Default: the
-    /// built-in addition task.
+    /// Training data: a .bin token file (`ferrozero::data`'s header, or raw little-endian u16
+    /// ids), a .txt file (bytes, or tokens with --tokenizer) or a .jsonl file (with
+    /// --tokenizer). Default: the built-in addition task.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json for .txt and .jsonl data.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Share of the --data rows held out for an evaluation loss (0: none).
+    #[arg(long, default_value_t = 0.0)]
+    pub eval_fraction: f64,
+    /// Held-out loss every N steps (with --eval-fraction).
+    #[arg(long)]
+    pub eval_every: Option<u64>,
     /// Sequence length for --data.
     #[arg(long, default_value_t = 128)]
     pub seq_len: usize,
@@ -73,7 +82,8 @@ pub struct Args {
     /// Continue from the latest checkpoint in this directory (data position included).
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Held-out problems to evaluate at the end (addition task).
+    /// Held-out problems to evaluate at the end (addition task), or at most this many
+    /// held-out rows per evaluation (--eval-fraction).
     #[arg(long, default_value_t = 1024)]
     pub eval_rows: usize,
     /// Log from every rank, prefixed, instead of rank 0 only.

@@ -10,6 +10,7 @@ pub mod estimate;
 pub mod launch;
 pub mod report;
 pub mod schema;
+pub mod train;
 pub mod validate;
 
 /// The worker threads a benchmark asked for, or every core this process may use.

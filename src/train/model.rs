@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
-use ferrozero::runtime::nn::gpt2::{self, Gpt2Config};
-use ferrozero::runtime::nn::llama::{self, LlamaConfig};
-use ferrozero::runtime::nn::Model;
+use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
+use ferrozero_runtime::nn::Model;
 
 /// A model family with its config.
 #[derive(Debug, Clone)]
@@ -17,6 +17,15 @@ pub enum ModelSpec {
 }
 
 impl ModelSpec {
+    /// How tensor names in this family's files map to the model's: GPT-2 exports may lack the
+    /// `transformer.` prefix, the others are used as stored.
+    pub fn naming(&self) -> ferrozero_runtime::nn::weights::Naming {
+        match self {
+            ModelSpec::Gpt2(_) => ferrozero_runtime::nn::weights::Naming::Gpt2,
+            ModelSpec::Llama(_) => ferrozero_runtime::nn::weights::Naming::Exact,
+        }
+    }
+
     /// From a preset name or a `config.json` path.
     pub fn parse(s: &str) -> Result<Self, String> {
         let path = Path::new(s);
@@ -48,7 +57,7 @@ impl ModelSpec {
     }
 
     /// Builds the model.
-    pub fn build(&self) -> ferrozero::runtime::Result<Model> {
+    pub fn build(&self) -> ferrozero_runtime::Result<Model> {
         match self {
             ModelSpec::Gpt2(c) => gpt2::build(c),
             ModelSpec::Llama(c) => llama::build(c),
