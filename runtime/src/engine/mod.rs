@@ -15,6 +15,7 @@ pub mod lane;
 pub mod ledger;
 pub mod loss_scale;
 pub mod nvme;
+mod observe;
 pub mod optimizer;
 mod overlap;
 pub mod param_swap;
