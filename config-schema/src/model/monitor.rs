@@ -53,7 +53,8 @@ pub struct CommsLoggerSection {
     /// Collectives to record when `prof_all` is off, by DeepSpeed's names: `all_reduce`,
     /// `reduce_scatter_tensor`, `all_gather_into_tensor`, `broadcast`, `barrier`.
     pub prof_ops: Vec<String>,
-    /// Name each record by its caller too (the engine's source line that issued it).
+    /// Name each record by its caller too: the name of the thread that issued it (the
+    /// training thread or the engine's communication worker).
     pub debug: bool,
 }
 
