@@ -8,8 +8,16 @@ use std::process::Command;
 /// `target/<profile>/examples/train_gpt`, built by `cargo test` next to this test binary.
 fn example() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().unwrap().parent().unwrap().join("examples/train_gpt");
-    assert!(p.exists(), "cargo test builds examples/train_gpt next to the tests");
+    let p = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/train_gpt");
+    assert!(
+        p.exists(),
+        "cargo test builds examples/train_gpt next to the tests"
+    );
     p
 }
 
@@ -32,7 +40,15 @@ fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
     std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
     let out = Command::new(example())
         .args(["--config", path.to_str().unwrap()])
-        .args(["--steps", "4", "--digits", "2", "--eval-rows", "16", "--no-progress"])
+        .args([
+            "--steps",
+            "4",
+            "--digits",
+            "2",
+            "--eval-rows",
+            "16",
+            "--no-progress",
+        ])
         .args(["--ranks", "2", "--device", "cpu"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
@@ -53,8 +69,7 @@ fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
         events.len() == 1 && events[0].starts_with("events.out.tfevents."),
         "{events:?}"
     );
-    let loss = std::fs::read_to_string(dir.join("csv/gpt/Train_Samples_train_loss.csv"))
-        .unwrap();
+    let loss = std::fs::read_to_string(dir.join("csv/gpt/Train_Samples_train_loss.csv")).unwrap();
     let rows: Vec<&str> = loss.lines().collect();
     assert_eq!(rows.len(), 5, "{loss}");
     assert_eq!(rows[0], "step,train_loss");
@@ -63,7 +78,12 @@ fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
 
     // The summary every steps_per_print steps and at the end, with DeepSpeed's columns.
     assert!(text.matches("Comm. Op").count() >= 3, "{text}");
-    for col in ["Message Size", "Count", "Total Latency(ms)", "busbw_avg (Gbps)"] {
+    for col in [
+        "Message Size",
+        "Count",
+        "Total Latency(ms)",
+        "busbw_avg (Gbps)",
+    ] {
         assert!(text.contains(col), "{text}");
     }
     assert!(text.contains("all_gather_into_tensor"), "{text}");

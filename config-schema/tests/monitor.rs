@@ -25,7 +25,10 @@ fn monitors_resolve_to_output_path_and_job_name_with_deepspeeds_defaults() {
     assert_eq!(tb.dir, PathBuf::from("logs/run"));
     assert!(!tb.all_ranks);
     // DeepSpeed's defaults: output_path "" (the working directory), job_name DeepSpeedJobName.
-    assert_eq!(r.monitor.csv_monitor.unwrap().dir, PathBuf::from("DeepSpeedJobName"));
+    assert_eq!(
+        r.monitor.csv_monitor.unwrap().dir,
+        PathBuf::from("DeepSpeedJobName")
+    );
     assert!(r.monitor.comms_logger.is_none());
 }
 
@@ -55,7 +58,8 @@ fn comms_logger_keys_and_defaults() {
 
 #[test]
 fn an_unknown_collective_in_prof_ops_is_an_error_naming_it() {
-    let src = format!(r#"{{{BASE}, "comms_logger": {{"enabled": true, "prof_ops": ["all_reduse"]}}}}"#);
+    let src =
+        format!(r#"{{{BASE}, "comms_logger": {{"enabled": true, "prof_ops": ["all_reduse"]}}}}"#);
     let err = parse(&src, Format::Json, "t.json").unwrap_err();
     let d = &err.diagnostics()[0];
     assert_eq!(d.path, "comms_logger.prof_ops[0]");
@@ -78,6 +82,9 @@ fn wandb_and_comet_warn_and_point_at_the_file_monitors() {
         let w = loaded.warnings.iter().find(|d| d.path == key).unwrap();
         let text = w.to_string();
         assert!(text.contains("network service"), "{text}");
-        assert!(text.contains("tensorboard") && text.contains("csv_monitor"), "{text}");
+        assert!(
+            text.contains("tensorboard") && text.contains("csv_monitor"),
+            "{text}"
+        );
     }
 }

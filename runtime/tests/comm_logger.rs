@@ -35,11 +35,20 @@ fn sizes_print_as_deepspeeds_convert_size() {
 fn bandwidths_follow_deepspeeds_calc_bw_log() {
     // 1e6 bytes in 1 ms = 8 Gbps.
     let (alg, bus) = bandwidth("all_reduce", 4, 1_000_000, 1.0);
-    assert!((alg - 16.0).abs() < 1e-9 && (bus - 12.0).abs() < 1e-9, "{alg} {bus}");
+    assert!(
+        (alg - 16.0).abs() < 1e-9 && (bus - 12.0).abs() < 1e-9,
+        "{alg} {bus}"
+    );
     let (alg, bus) = bandwidth("all_gather_into_tensor", 4, 1_000_000, 1.0);
-    assert!((alg - 32.0).abs() < 1e-9 && (bus - 24.0).abs() < 1e-9, "{alg} {bus}");
+    assert!(
+        (alg - 32.0).abs() < 1e-9 && (bus - 24.0).abs() < 1e-9,
+        "{alg} {bus}"
+    );
     let (alg, bus) = bandwidth("reduce_scatter_tensor", 2, 1_000_000, 2.0);
-    assert!((alg - 8.0).abs() < 1e-9 && (bus - 4.0).abs() < 1e-9, "{alg} {bus}");
+    assert!(
+        (alg - 8.0).abs() < 1e-9 && (bus - 4.0).abs() < 1e-9,
+        "{alg} {bus}"
+    );
     assert_eq!(bandwidth("broadcast", 8, 1_000_000, 1.0), (8.0, 8.0));
     assert_eq!(bandwidth("barrier", 8, 0, 0.0), (0.0, 0.0));
 }
@@ -108,8 +117,14 @@ fn every_collective_is_recorded_by_kind_and_size_and_results_are_unchanged() {
          Avg Latency(ms)     tput_avg (Gbps)     busbw_avg (Gbps)"
     );
     assert_eq!(lines[1], "all_reduce");
-    assert!(lines[2].starts_with(&format!("{:<20}{:<20}{:<20}", " ", "8.0 B", 1)), "{table}");
-    assert!(lines[3].starts_with(&format!("{:<20}{:<20}{:<20}", " ", "24.0 B", 2)), "{table}");
+    assert!(
+        lines[2].starts_with(&format!("{:<20}{:<20}{:<20}", " ", "8.0 B", 1)),
+        "{table}"
+    );
+    assert!(
+        lines[3].starts_with(&format!("{:<20}{:<20}{:<20}", " ", "24.0 B", 2)),
+        "{table}"
+    );
     assert_eq!(lines[4], "reduce_scatter_tensor");
     assert_eq!(lines.len(), 1 + 5 + 6, "{table}");
 }

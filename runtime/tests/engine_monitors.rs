@@ -160,11 +160,18 @@ fn comms_logger_bytes_equal_the_engines_schedule_two_rank_stage3() {
         cfg.monitor.comms_logger = Some(logger());
         let run = train(&cfg);
         let rows = run.comms.expect("the logger is enabled");
-        let (gather, reduce, scalars) =
-            expected_stage3_bytes(&toy::model(V, D, T, LAYERS), &cfg);
+        let (gather, reduce, scalars) = expected_stage3_bytes(&toy::model(V, D, T, LAYERS), &cfg);
         assert!(gather > 0 && reduce > 0);
-        assert_eq!(bytes_of(&rows, "all_gather_into_tensor"), gather, "reuse {reuse}");
-        assert_eq!(bytes_of(&rows, "reduce_scatter_tensor"), reduce, "reuse {reuse}");
+        assert_eq!(
+            bytes_of(&rows, "all_gather_into_tensor"),
+            gather,
+            "reuse {reuse}"
+        );
+        assert_eq!(
+            bytes_of(&rows, "reduce_scatter_tensor"),
+            reduce,
+            "reuse {reuse}"
+        );
         assert_eq!(bytes_of(&rows, "all_reduce"), scalars, "reuse {reuse}");
         let kinds: Vec<&str> = rows.iter().map(|r| r.op.as_str()).collect();
         assert!(
@@ -193,12 +200,14 @@ fn comms_logger_records_only_prof_ops_when_prof_all_is_off() {
     });
     let rows = train(&cfg).comms.unwrap();
     assert!(!rows.is_empty());
-    assert!(rows.iter().all(|r| r.op == "reduce_scatter_tensor"), "{rows:?}");
+    assert!(
+        rows.iter().all(|r| r.op == "reduce_scatter_tensor"),
+        "{rows:?}"
+    );
 }
 
 fn csv_rows(path: &Path) -> Vec<Vec<String>> {
-    let text = std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     text.lines()
         .map(|l| l.split(',').map(str::to_string).collect())
         .collect()
@@ -212,7 +221,10 @@ fn monitors_leave_cpu_training_bitwise_unchanged_and_write_every_step() {
         let mut watched = plain.clone();
         watched.monitor = monitors(&dir.path().join(format!("{stage:?}")));
         let (a, b) = (train(&plain), train(&watched));
-        assert!(bits(&a) == bits(&b), "monitors changed training at {stage:?}");
+        assert!(
+            bits(&a) == bits(&b),
+            "monitors changed training at {stage:?}"
+        );
 
         // The engine is gone, so its writer has flushed: one row per step, indexed by samples.
         let csv = dir.path().join(format!("{stage:?}")).join("csv");
@@ -276,5 +288,8 @@ fn an_unwritable_monitor_directory_is_an_error_naming_it() {
     })
     .unwrap_err()
     .to_string();
-    assert!(err.contains(&blocker.join("job").display().to_string()), "{err}");
+    assert!(
+        err.contains(&blocker.join("job").display().to_string()),
+        "{err}"
+    );
 }

@@ -95,7 +95,11 @@ fn tensorboard_reads_every_scalar_at_every_step() {
     let tb: BTreeMap<String, Vec<(u64, serde_json::Value)>> =
         serde_json::from_slice(&out.stdout).unwrap();
     let csv = csv_scalars(&dir.path().join("csv"));
-    assert!(csv.contains_key("Train/Samples/loss_scale"), "{:?}", csv.keys());
+    assert!(
+        csv.contains_key("Train/Samples/loss_scale"),
+        "{:?}",
+        csv.keys()
+    );
     assert_eq!(
         tb.keys().collect::<Vec<_>>(),
         csv.keys().collect::<Vec<_>>(),

@@ -309,7 +309,12 @@ impl Communicator for CommsLogger {
         let b = host_bytes(buf.len(), buf.dtype());
         self.timed(ALL_REDUCE, b, || self.inner.all_reduce_view(buf, op))
     }
-    fn reduce_scatter_view(&self, input: View<'_>, output: ViewMut<'_>, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter_view(
+        &self,
+        input: View<'_>,
+        output: ViewMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
         let b = host_bytes(output.len(), output.dtype());
         self.timed(REDUCE_SCATTER, b, || {
             self.inner.reduce_scatter_view(input, output, op)

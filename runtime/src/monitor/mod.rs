@@ -77,7 +77,8 @@ impl Monitor {
             .elapsed()
             .as_secs_f64();
         let step = report.step * self.samples_per_step;
-        self.writer.write(step, wall_time(), self.scalars(report, seconds))
+        self.writer
+            .write(step, wall_time(), self.scalars(report, seconds))
     }
 
     /// Asks the writer to push its buffers to the files (without waiting for the disk).
@@ -101,7 +102,10 @@ impl Monitor {
         ];
         for (place, by_cat) in peaks {
             for &(c, bytes) in by_cat.iter() {
-                out.push(s(&format!("peak_{place}_{}_bytes", category(c)), bytes as f64));
+                out.push(s(
+                    &format!("peak_{place}_{}_bytes", category(c)),
+                    bytes as f64,
+                ));
             }
         }
         out

@@ -92,7 +92,10 @@ mod tests {
         write_record(&mut out, b"abc").unwrap();
         assert_eq!(out.len(), 8 + 4 + 3 + 4);
         assert_eq!(&out[..8], &3u64.to_le_bytes());
-        assert_eq!(&out[8..12], &masked_crc32c(&3u64.to_le_bytes()).to_le_bytes());
+        assert_eq!(
+            &out[8..12],
+            &masked_crc32c(&3u64.to_le_bytes()).to_le_bytes()
+        );
         assert_eq!(&out[12..15], b"abc");
         assert_eq!(&out[15..], &masked_crc32c(b"abc").to_le_bytes());
     }

@@ -87,7 +87,12 @@ impl Writer {
     }
 
     /// Queues one step's scalars; fails with the first earlier write error, if any.
-    pub(super) fn write(&self, step: u64, wall_time: f64, scalars: Vec<(String, f64)>) -> Result<()> {
+    pub(super) fn write(
+        &self,
+        step: u64,
+        wall_time: f64,
+        scalars: Vec<(String, f64)>,
+    ) -> Result<()> {
         if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
             return Err(e);
         }
