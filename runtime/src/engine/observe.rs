@@ -52,7 +52,7 @@ impl Observers {
         if let Some(m) = &mut self.monitor {
             m.record(report)?;
         }
-        if report.step % self.every == 0 {
+        if report.step.is_multiple_of(self.every) {
             if let Some(m) = &self.monitor {
                 m.flush();
             }
