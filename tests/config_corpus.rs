@@ -72,13 +72,12 @@ const EXPECTED: &[(&str, &str, &str)] = &[
         "aio.thread_count",
     ),
     ("warn/flops_profiler.json", "warning", "flops_profiler"),
-    ("warn/hf_with_tensorboard.json", "warning", "tensorboard"),
     (
         "warn/untested_optimizer_flag.json",
         "warning",
         "zero_allow_untested_optimizer",
     ),
-    ("warn/wandb_csv_monitor.json", "warning", "csv_monitor"),
+    ("warn/wandb_csv_monitor.json", "warning", "wandb"),
     ("warn/zero_bool_form.json", "warning", "zero_optimization"),
     (
         "warn/template_number_checkpoints_false.json",

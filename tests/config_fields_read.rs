@@ -11,11 +11,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 /// Fields deliberately not read by the runtime, with the reason. Keep this list short.
-const NOT_READ: &[(&str, &str)] = &[(
-    "steps_per_print",
-    "the engine returns a StepReport every step; printing is the training loop's (ferrozero::train \
-         logs every steps_per_print steps)",
-)];
+const NOT_READ: &[(&str, &str)] = &[];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for e in std::fs::read_dir(dir).unwrap() {

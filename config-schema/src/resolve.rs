@@ -1,6 +1,7 @@
 //! Turning a [`Config`] into the engine's [`ResolvedConfig`]: `"auto"` replaced (Hugging Face's
 //! rules), stage-dependent defaults applied, and the batch rule checked at the real world size.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -166,6 +167,27 @@ impl Config {
         }
     }
 
+    /// The monitors and the communication logger, resolved (disabled ones are `None`).
+    pub fn resolve_monitor(&self) -> MonitorConfig {
+        let output = |m: &crate::model::MonitorSection| {
+            m.enabled.then(|| MonitorOutput {
+                dir: PathBuf::from(&m.output_path).join(&m.job_name),
+                all_ranks: m.all_ranks,
+            })
+        };
+        let c = &self.comms_logger;
+        MonitorConfig {
+            tensorboard: output(&self.tensorboard),
+            csv_monitor: output(&self.csv_monitor),
+            comms_logger: c.enabled.then(|| CommsLoggerConfig {
+                verbose: c.verbose,
+                prof_all: c.prof_all,
+                prof_ops: c.prof_ops.clone(),
+                debug: c.debug,
+            }),
+        }
+    }
+
     /// Like [`Config::resolve`], also returning each decision taken, for logging.
     pub fn resolve_explained(&self, ctx: &ResolveContext) -> Result<Resolution, LoadError> {
         let mut r = Resolver {
@@ -227,6 +249,7 @@ impl Config {
                 overlap_events: self.aio.overlap_events,
             },
             comms: self.resolve_comms(),
+            monitor: self.resolve_monitor(),
         };
         Ok(Resolution {
             config,

@@ -349,4 +349,39 @@ pub struct ResolvedConfig {
     pub aio: AioConfig,
     /// Communicator.
     pub comms: CommsConfig,
+    /// Monitors and the communication logger.
+    pub monitor: MonitorConfig,
+}
+
+/// `tensorboard`, `csv_monitor` and `comms_logger`, resolved: `None` where disabled.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct MonitorConfig {
+    /// TensorBoard event files.
+    pub tensorboard: Option<MonitorOutput>,
+    /// CSV files, one per scalar.
+    pub csv_monitor: Option<MonitorOutput>,
+    /// The communication logger.
+    pub comms_logger: Option<CommsLoggerConfig>,
+}
+
+/// Where one monitor writes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MonitorOutput {
+    /// `output_path/job_name`.
+    pub dir: PathBuf,
+    /// Every rank writes (into `dir/rank<N>`), not only rank 0.
+    pub all_ranks: bool,
+}
+
+/// `comms_logger`, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CommsLoggerConfig {
+    /// Log each collective as it completes.
+    pub verbose: bool,
+    /// Record every kind of collective.
+    pub prof_all: bool,
+    /// The kinds recorded when `prof_all` is off (DeepSpeed's names).
+    pub prof_ops: Vec<String>,
+    /// Name records by their caller too.
+    pub debug: bool,
 }

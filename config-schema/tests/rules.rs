@@ -109,13 +109,13 @@ fn monitors_warn_and_result_changing_sections_are_refused() {
     // A section that turns nothing on asks for nothing: accepted silently.
     let off = format!("{BASE}[tensorboard]\nenabled = false\n[compression_training]\nx = 1\n");
     assert!(diags(&off).is_empty(), "{:#?}", diags(&off));
-    let src = format!("{BASE}[tensorboard]\nenabled = true\n[compression_training.weight_quantization.shared_parameters]\nenabled = true\n");
+    let src = format!("{BASE}[wandb]\nenabled = true\n[compression_training.weight_quantization.shared_parameters]\nenabled = true\n");
     let ds = diags(&src);
     expect(
         &ds,
         Severity::Warning,
         DiagnosticKind::Unsupported,
-        "tensorboard",
+        "wandb",
         (2, 2),
         "ignored",
     );

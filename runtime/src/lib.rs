@@ -8,6 +8,7 @@ pub mod backend;
 pub mod comm;
 pub mod engine;
 pub mod error;
+pub mod monitor;
 pub mod nn;
 pub mod tensor;
 

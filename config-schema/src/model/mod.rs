@@ -3,6 +3,7 @@
 
 mod auto;
 mod device;
+mod monitor;
 mod offload;
 mod optimizer;
 mod precision;
@@ -20,6 +21,7 @@ use serde::Serialize;
 
 pub use auto::AutoOr;
 pub use device::Device;
+pub use monitor::{CommsLoggerSection, MonitorSection, COMM_OPS};
 pub use offload::{OffloadDevice, OffloadSection};
 pub use optimizer::{Optimizer, OptimizerParams, OptimizerType};
 pub use precision::{Bf16, Fp16};
@@ -100,6 +102,12 @@ pub struct Config {
     pub aio: Aio,
     /// The communicator between ranks (ferrozero's own table).
     pub comms: Comms,
+    /// TensorBoard event files of the training scalars (DeepSpeed's monitor).
+    pub tensorboard: MonitorSection,
+    /// CSV files of the training scalars, one per scalar (DeepSpeed's monitor).
+    pub csv_monitor: MonitorSection,
+    /// Per-collective counts, bytes, times and bandwidths (DeepSpeed's communication logger).
+    pub comms_logger: CommsLoggerSection,
     /// Where each key came from, so that resolution errors point into the file too.
     #[serde(skip)]
     #[schemars(skip)]
@@ -151,6 +159,9 @@ impl Default for Config {
             activation_checkpointing: None,
             aio: Aio::default(),
             comms: Comms::default(),
+            tensorboard: MonitorSection::default(),
+            csv_monitor: MonitorSection::default(),
+            comms_logger: CommsLoggerSection::default(),
             source: Arc::default(),
         }
     }
@@ -181,12 +192,9 @@ pub const DEFAULT_SEED: u64 = 42;
 /// reads), and what ferrozero does with it; `docs/deepspeed-keys.md` lists them with reasons.
 const TOP_SUPPORT: &[(&str, Support)] = &[
     // Monitors, profilers, logging: they cannot change training results.
-    ("tensorboard", Support::IgnoredIfEnabled(MONITOR)),
-    ("wandb", Support::IgnoredIfEnabled(MONITOR)),
-    ("csv_monitor", Support::IgnoredIfEnabled(MONITOR)),
-    ("comet", Support::IgnoredIfEnabled(MONITOR)),
+    ("wandb", Support::IgnoredIfEnabled(NETWORK_MONITOR)),
+    ("comet", Support::IgnoredIfEnabled(NETWORK_MONITOR)),
     ("flops_profiler", Support::IgnoredIfEnabled(PROFILER)),
-    ("comms_logger", Support::IgnoredIfEnabled(PROFILER)),
     ("timers", Support::IgnoredIfEnabled("throughput timers; ferrozero's StepReport carries tokens/s and, with wall_clock_breakdown, per-phase times")),
     ("memory_breakdown", Support::IgnoredUnless(off::is_false, PROFILER)),
     ("dump_state", Support::IgnoredUnless(off::is_false, "debug output only")),
@@ -230,7 +238,8 @@ const TOP_SUPPORT: &[(&str, Support)] = &[
     ("moe", Support::Refused("mixture-of-experts parallelism is not implemented")),
 ];
 
-const MONITOR: &str = "a monitor; it cannot change training results";
+const NETWORK_MONITOR: &str = "a monitor that needs a network service; enable `tensorboard` \
+     or `csv_monitor` for the same scalars in files under output_path/job_name";
 const PROFILER: &str = "a profiler; it cannot change training results";
 
 /// `tensor_parallel` asks for no tensor parallelism: `autotp_size` 0 or 1 and `tp.tp_size` 1.
@@ -313,6 +322,15 @@ pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
         aio: t.get(cx, "aio", &[], runtime::read_aio).unwrap_or_default(),
         comms: t
             .get(cx, "comms", &[], runtime::read_comms)
+            .unwrap_or_default(),
+        tensorboard: t
+            .get(cx, "tensorboard", &[], monitor::read_monitor)
+            .unwrap_or_default(),
+        csv_monitor: t
+            .get(cx, "csv_monitor", &[], monitor::read_monitor)
+            .unwrap_or_default(),
+        comms_logger: t
+            .get(cx, "comms_logger", &[], monitor::read_comms_logger)
             .unwrap_or_default(),
         source: Arc::default(),
     };

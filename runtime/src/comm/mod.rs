@@ -111,6 +111,7 @@ pub trait Communicator: Send {
 
 pub mod hybrid;
 pub mod local;
+pub mod logger;
 pub mod reference;
 
 pub mod bench;

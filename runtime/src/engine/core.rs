@@ -73,6 +73,8 @@ pub struct Engine {
     pub(super) optimizer_lane: Option<OptimizerLane>,
     /// The recorded schedule (off unless asked for).
     pub(super) trace: Trace,
+    /// Monitors and the communication logger.
+    pub(super) observers: super::observe::Observers,
 }
 
 impl Engine {
@@ -106,6 +108,7 @@ impl Engine {
                 comm.world_size()
             )));
         }
+        let (observers, comm) = super::observe::Observers::open(&cfg, comm)?;
         check_backend(&cfg, comm.as_ref())?;
         let hybrid = open_hybrid(&cfg, comm.as_ref())?;
         let shards = shard_comm(comm.as_ref(), &hybrid);
@@ -186,7 +189,18 @@ impl Engine {
             opt_overlap,
             optimizer_lane,
             trace: Trace::default(),
+            observers,
         })
+    }
+
+    /// What the communication logger recorded (`comms_logger`), if it is enabled.
+    pub fn comm_stats(&self) -> Option<&Arc<crate::comm::logger::CommStats>> {
+        self.observers.comms.as_ref()
+    }
+
+    /// The directories this rank's monitors write (empty when none is enabled here).
+    pub fn monitor_dirs(&self) -> &[std::path::PathBuf] {
+        self.observers.monitor.as_ref().map_or(&[], |m| m.dirs())
     }
 
     /// The resolved configuration.

@@ -16,6 +16,7 @@ pub mod ledger;
 mod load_params;
 pub mod loss_scale;
 pub mod nvme;
+mod observe;
 pub mod optimizer;
 pub mod optimizer_overlap;
 mod overlap;

@@ -108,6 +108,7 @@ impl Engine {
         };
 
         self.tokens = 0;
+        self.observers.step(&report)?;
         if !self.cfg.wall_clock_breakdown {
             return Ok(Some(StepReport {
                 timings: Timings::default(),

@@ -75,6 +75,7 @@ pub fn config(
             timeout: Duration::from_secs(30),
             reduction: CommReduction::RankOrdered,
         },
+        monitor: Default::default(),
     }
 }
 

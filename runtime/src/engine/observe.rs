@@ -1,0 +1,73 @@
+//! The engine's observers: the monitors (`tensorboard`, `csv_monitor`) and the communication
+//! logger (`comms_logger`), engine-level so that every program built on the engine gets them.
+//! Neither changes what is computed: the monitor reads the step's report, the logger only
+//! times the collectives it forwards.
+
+use std::sync::Arc;
+
+use ferrozero_config::resolved::ResolvedConfig;
+
+use super::StepReport;
+use crate::comm::logger::{CommStats, CommsLogger};
+use crate::comm::Communicator;
+use crate::monitor::Monitor;
+use crate::Result;
+
+/// What watches the engine's steps; at the end the communication summary is logged once more
+/// and the monitor's files are flushed.
+pub(super) struct Observers {
+    pub(super) monitor: Option<Monitor>,
+    pub(super) comms: Option<Arc<CommStats>>,
+    every: u64,
+}
+
+impl Observers {
+    /// Opens the configured observers; the communicator comes back wrapped in the logger
+    /// when `comms_logger` is enabled.
+    pub(super) fn open(
+        cfg: &ResolvedConfig,
+        comm: Box<dyn Communicator>,
+    ) -> Result<(Self, Box<dyn Communicator>)> {
+        let rank = comm.rank();
+        let (comms, comm) = match &cfg.monitor.comms_logger {
+            Some(c) => {
+                let stats = Arc::new(CommStats::new(c.clone(), rank));
+                let wrapped: Box<dyn Communicator> =
+                    Box::new(CommsLogger::new(comm, stats.clone()));
+                (Some(stats), wrapped)
+            }
+            None => (None, comm),
+        };
+        let observers = Observers {
+            monitor: Monitor::open(cfg, rank)?,
+            comms,
+            every: cfg.steps_per_print.max(1) as u64,
+        };
+        Ok((observers, comm))
+    }
+
+    /// After each optimizer step: the monitor's scalars; every `steps_per_print` steps a
+    /// flush and the communication summary.
+    pub(super) fn step(&mut self, report: &StepReport) -> Result<()> {
+        if let Some(m) = &mut self.monitor {
+            m.record(report)?;
+        }
+        if report.step.is_multiple_of(self.every) {
+            if let Some(m) = &self.monitor {
+                m.flush();
+            }
+            if let Some(c) = &self.comms {
+                c.log_summary();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Observers {
+    fn drop(&mut self) {
+        if let Some(c) = &self.comms {
+            c.log_summary();
+        }
+    }
+}
