@@ -281,6 +281,9 @@ pub struct AioConfig {
     pub overlap_events: bool,
 }
 
+/// A dtype gradients are reduced in (`communication_data_type`).
+pub use crate::model::CommDataType;
+
 /// Communicator backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum CommBackend {
@@ -301,6 +304,10 @@ pub struct CommsConfig {
     pub timeout: Duration,
     /// How MPI and NCCL form sums.
     pub reduction: CommReduction,
+    /// `communication_data_type`: the dtype gradient reductions carry on the wire (each
+    /// rank's contribution rounded to it once, sums in f32 rounded once per hop); `None`
+    /// reduces in the gradients' own dtype (the training precision).
+    pub data_type: Option<CommDataType>,
 }
 
 /// How the MPI backend forms sums (`comms.reduction`).

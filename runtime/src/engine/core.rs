@@ -35,6 +35,8 @@ pub struct Engine {
     pub(super) hybrid: Option<crate::comm::hybrid::HybridComm>,
     /// Cross-group payload bytes at the end of the last step (reports carry the difference).
     pub(super) cross_mark: u64,
+    /// Gradient bytes handed to reductions since the last step report.
+    pub(super) reduced_bytes: u64,
     /// The device the units compute on.
     pub(super) be: Arc<dyn Backend>,
     pub(super) stage: Box<dyn Stage>,
@@ -160,6 +162,7 @@ impl Engine {
             comm,
             hybrid,
             cross_mark: 0,
+            reduced_bytes: 0,
             be,
             stage,
             groups,

@@ -105,6 +105,7 @@ impl Engine {
             device_memory: self.be.memory_stats(),
             swap: self.step_traffic(),
             cross_group_bytes: self.take_cross_group_bytes(),
+            reduced_bytes: std::mem::take(&mut self.reduced_bytes),
         };
 
         self.tokens = 0;

@@ -74,6 +74,7 @@ pub fn config(
             backend: CommBackend::Local,
             timeout: Duration::from_secs(30),
             reduction: CommReduction::RankOrdered,
+            data_type: None,
         },
     }
 }

@@ -328,7 +328,9 @@ impl<'a> Replay<'a> {
         let padded = self.groups[g].layout.padded();
         self.ledger
             .free(Location::Device, Category::CommBuffers, (padded * 4) as u64);
-        let buf = self.lp(padded);
+        // The reduction's input is in the wire dtype (`communication_data_type`).
+        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
+        let buf = (padded * wire) as u64;
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, buf);
         if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
