@@ -85,10 +85,11 @@ pub struct ZeroConfig {
     pub max_live_parameters: usize,
     /// Do not release a parameter that will be reused within this many elements (stage 3).
     pub max_reuse_distance: usize,
-    /// Secondary (hierarchical) partition size, ZeRO++ hpZ; 0 or 1 = off. Not acted on yet:
-    /// the hybrid-sharding work (issue 15) reads it; until then config-schema warns that
-    /// values above 1 are ignored.
+    /// ZeRO++ hpZ's secondary parameter partition size (stage 3); 0 or 1 = off.
     pub hpz_partition_size: usize,
+    /// MiCS shard group size: all state sharded inside groups of this many ranks and
+    /// replicated across groups; 0 or 1 = off.
+    pub mics_shard_size: usize,
     /// Parameter offload (stage 3 only).
     pub offload_param: Offload,
     /// Optimizer-state offload.

@@ -141,6 +141,10 @@ impl Engine {
     /// `stage3_max_live_parameters` next to what is live now. A shard on NVMe is read ahead
     /// instead, with or without overlap.
     pub(super) fn prefetch(&mut self, g: usize) {
+        // hpZ: backward gathers from the secondary partition inside the group, on this thread.
+        if self.hpz_in_backward() {
+            return;
+        }
         let live: usize = self
             .groups
             .iter()

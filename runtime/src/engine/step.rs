@@ -172,6 +172,7 @@ impl Engine {
         for g in &mut self.groups {
             self.stage.publish(g, shards, bucket, &mut self.ledger)?;
         }
+        self.hpz_stale();
         self.ledger.check_limit()?;
         self.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
