@@ -68,7 +68,9 @@ fn a_flipped_byte_names_the_rank_the_file_the_tensor_and_both_checksums() {
     let mut bytes = std::fs::read(&file).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let start = header["group.0.exp_avg"]["data_offsets"][0].as_u64().unwrap() as usize;
+    let start = header["group.0.exp_avg"]["data_offsets"][0]
+        .as_u64()
+        .unwrap() as usize;
     bytes[8 + n + start + 1] ^= 0x10;
     std::fs::write(&file, bytes).unwrap();
     let errs = load_errors(dir.path(), Tag::Latest, 8);
@@ -261,7 +263,8 @@ fn an_unwritable_directory_fails_on_every_rank_without_hanging() {
     // Every rank names rank 0 and says what it could not do, with the path.
     for e in &errs {
         assert!(
-            e.contains("checkpoint aborted: rank 0 failed") && e.contains(&*not_a_dir.to_string_lossy()),
+            e.contains("checkpoint aborted: rank 0 failed")
+                && e.contains(&*not_a_dir.to_string_lossy()),
             "{errs:?}"
         );
     }

@@ -71,7 +71,11 @@ fn bf16_reductions_halve_the_bytes_and_track_f32() {
             let f32 = train(&cfg(stage, world, None));
             let bf16 = train(&cfg(stage, world, Some(CommDataType::Bf16)));
             let at = format!("world {world}, {stage:?}");
-            assert!(f32.reduced.iter().all(|&b| b > 0), "{at}: {:?}", f32.reduced);
+            assert!(
+                f32.reduced.iter().all(|&b| b > 0),
+                "{at}: {:?}",
+                f32.reduced
+            );
             for (a, b) in f32.reduced.iter().zip(&bf16.reduced) {
                 assert_eq!(2 * b, *a, "{at}: reduced bytes");
             }
@@ -119,6 +123,11 @@ fn the_estimator_counts_the_narrower_reduction_buffers() {
             T,
         );
         assert_eq!(est.device.peak_bytes, run.device_peak, "{wire:?}");
+        // `ferrozero estimate`'s reduced bytes are the step report's.
+        assert!(
+            run.reduced.iter().all(|&b| b == est.reduced_bytes_per_step),
+            "{wire:?}"
+        );
     }
 }
 

@@ -127,7 +127,10 @@ fn only_forward_gathers_cross_groups() {
     // micro-step; backward's gathers stay inside the group and add nothing.
     let want = (padded_elems() * 4 / 2 * cfg.gradient_accumulation_steps) as u64;
     for (rank, steps) in h.cross.iter().enumerate() {
-        assert!(steps.iter().all(|&b| b == want), "rank {rank}: {steps:?} vs {want}");
+        assert!(
+            steps.iter().all(|&b| b == want),
+            "rank {rank}: {steps:?} vs {want}"
+        );
     }
 }
 
@@ -149,12 +152,19 @@ fn a_group_size_that_does_not_divide_the_world_is_refused() {
         (8, "larger than the world size 4"),
     ] {
         let err = run_ranks(4, Duration::from_secs(10), |comm| {
-            Engine::new(toy::model(V, D, T, LAYERS), hpz(4, group, false, false), comm).map(|_| ())
+            Engine::new(
+                toy::model(V, D, T, LAYERS),
+                hpz(4, group, false, false),
+                comm,
+            )
+            .map(|_| ())
         })
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains(&format!("zero_optimization.zero_hpz_partition_size = {group}")),
+            err.contains(&format!(
+                "zero_optimization.zero_hpz_partition_size = {group}"
+            )),
             "{err}"
         );
         assert!(err.contains(words), "{err}");

@@ -90,7 +90,11 @@ pub fn write(
 /// file's checksum is the tensors' combined with the header's (and any gap's).
 pub fn checksums(path: &Path) -> Result<(u64, u32, BTreeMap<String, u32>)> {
     let f = ShardFile::open(path)?;
-    let len = f.file.metadata().map_err(|e| io_err("stat", path, e))?.len();
+    let len = f
+        .file
+        .metadata()
+        .map_err(|e| io_err("stat", path, e))?
+        .len();
     let mut spans: Vec<(u64, u64, &str)> = f
         .tensors
         .iter()
@@ -186,7 +190,10 @@ impl ShardFile {
 
     /// The first tensor (by name) whose bytes no longer have the CRC-32C `want` records:
     /// its name, the recorded and the found checksum.
-    pub fn changed_tensor(&self, want: &BTreeMap<String, u32>) -> Result<Option<(String, u32, u32)>> {
+    pub fn changed_tensor(
+        &self,
+        want: &BTreeMap<String, u32>,
+    ) -> Result<Option<(String, u32, u32)>> {
         for (name, &w) in want {
             let Some(t) = self.tensors.get(name) else {
                 return Err(self.bad(format!("missing tensor {name}")));

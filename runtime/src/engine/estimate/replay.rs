@@ -107,6 +107,14 @@ impl<'a> Replay<'a> {
         }
     }
 
+    /// Bytes one micro-step's gradient reductions take as input: every group's padded
+    /// gradient in the wire dtype (`Engine::reduce_group`).
+    pub(super) fn reduced_bytes_per_micro(&self) -> u64 {
+        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
+        let elems: usize = self.groups.iter().map(|g| g.layout.padded()).sum();
+        (elems * wire) as u64
+    }
+
     fn lp(&self, elems: usize) -> u64 {
         (elems * self.dtype.size()) as u64
     }
