@@ -164,6 +164,7 @@ impl Config {
                 crate::model::Reduction::Native => CommReduction::Native,
                 crate::model::Reduction::RankOrdered => CommReduction::RankOrdered,
             },
+            data_type: self.communication_data_type,
         }
     }
 

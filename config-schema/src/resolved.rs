@@ -85,10 +85,11 @@ pub struct ZeroConfig {
     pub max_live_parameters: usize,
     /// Do not release a parameter that will be reused within this many elements (stage 3).
     pub max_reuse_distance: usize,
-    /// Secondary (hierarchical) partition size, ZeRO++ hpZ; 0 or 1 = off. Above 1 the engine
-    /// shards the state within groups of this many ranks and replicates it across them (hybrid
-    /// sharding: `engine/topology.rs`, `comm/hybrid.rs`).
+    /// ZeRO++ hpZ's secondary parameter partition size (stage 3); 0 or 1 = off.
     pub hpz_partition_size: usize,
+    /// MiCS shard group size: all state sharded inside groups of this many ranks and
+    /// replicated across groups; 0 or 1 = off.
+    pub mics_shard_size: usize,
     /// Parameter offload (stage 3 only).
     pub offload_param: Offload,
     /// Optimizer-state offload.
@@ -281,6 +282,9 @@ pub struct AioConfig {
     pub overlap_events: bool,
 }
 
+/// A dtype gradients are reduced in (`communication_data_type`).
+pub use crate::model::CommDataType;
+
 /// Communicator backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum CommBackend {
@@ -301,6 +305,10 @@ pub struct CommsConfig {
     pub timeout: Duration,
     /// How MPI and NCCL form sums.
     pub reduction: CommReduction,
+    /// `communication_data_type`: the dtype gradient reductions carry on the wire (each
+    /// rank's contribution rounded to it once, sums in f32 rounded once per hop); `None`
+    /// reduces in the gradients' own dtype (the training precision).
+    pub data_type: Option<CommDataType>,
 }
 
 /// How the MPI backend forms sums (`comms.reduction`).

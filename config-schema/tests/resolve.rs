@@ -245,6 +245,7 @@ fn deepspeed_v0_19_defaults() {
             backend: CommBackend::Local,
             timeout: std::time::Duration::from_secs(300),
             reduction: ferrozero_config::resolved::CommReduction::Native,
+            data_type: None,
         }
     );
     assert_eq!(

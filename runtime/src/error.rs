@@ -88,6 +88,17 @@ pub enum Error {
         /// What refused it, in the driver's words where the driver refused.
         detail: String,
     },
+    /// A collective operation (a checkpoint save or load) failed on another rank (or on this
+    /// one): every rank reports the same message, the failing rank's own error included.
+    #[error("{op} aborted: rank {rank} failed: {cause}")]
+    RankFailed {
+        /// The operation, e.g. `checkpoint load`.
+        op: &'static str,
+        /// The lowest rank that failed.
+        rank: usize,
+        /// That rank's error, as it printed it.
+        cause: String,
+    },
     /// An error from the offload crate.
     #[error(transparent)]
     Offload(#[from] ferrozero_offload::Error),

@@ -1,5 +1,7 @@
 //! Damaged checkpoints and bad requests give errors that name the file and the fault, on
-//! every rank, without hanging; saving replaces tags atomically and refuses bad tags.
+//! every rank (each rank's message names the failing rank and carries its error: for a
+//! corrupt shard, the tensor and both checksums), without hanging; saving replaces tags
+//! atomically and refuses bad tags.
 
 mod common;
 
@@ -47,25 +49,46 @@ fn load_errors(dir: &Path, tag: Tag, dim: usize) -> Vec<String> {
 }
 
 fn assert_all(errs: &[String], parts: &[&str]) {
-    // The rank that found the fault names it; the others say which rank failed.
+    // Every rank reads the same message: the failing rank's own error, with its rank.
     assert!(
-        errs.iter().any(|e| parts.iter().all(|p| e.contains(p))),
-        "no error mentions {parts:?}: {errs:?}"
+        errs.iter().all(|e| parts.iter().all(|p| e.contains(p))),
+        "not every error mentions {parts:?}: {errs:?}"
     );
     assert!(errs.iter().all(|e| e != "loaded"), "{errs:?}");
 }
 
 #[test]
-fn a_flipped_byte_is_a_checksum_mismatch_naming_the_file() {
+fn a_flipped_byte_names_the_rank_the_file_the_tensor_and_both_checksums() {
     let (dir, file) = saved("t");
+    let recorded = CheckpointReader::open(dir.path(), &Tag::Latest)
+        .unwrap()
+        .meta()
+        .files[1]
+        .tensors["group.0.exp_avg"];
     let mut bytes = std::fs::read(&file).unwrap();
-    let at = bytes.len() - 3;
-    bytes[at] ^= 0x10;
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let start = header["group.0.exp_avg"]["data_offsets"][0]
+        .as_u64()
+        .unwrap() as usize;
+    bytes[8 + n + start + 1] ^= 0x10;
     std::fs::write(&file, bytes).unwrap();
+    let errs = load_errors(dir.path(), Tag::Latest, 8);
     assert_all(
-        &load_errors(dir.path(), Tag::Latest, 8),
-        &["rank-00001.safetensors", "checksum mismatch"],
+        &errs,
+        &[
+            "checkpoint aborted: rank 1 failed",
+            "rank-00001.safetensors",
+            "checksum mismatch in tensor group.0.exp_avg",
+            &format!("the metadata records {recorded:08x}"),
+        ],
     );
+    let found = errs[0]
+        .split("group.0.exp_avg: CRC-32C ")
+        .nth(1)
+        .map(|s| &s[..8])
+        .unwrap();
+    assert_ne!(found, format!("{recorded:08x}"), "{errs:?}");
 }
 
 #[test]
@@ -237,9 +260,12 @@ fn an_unwritable_directory_fails_on_every_rank_without_hanging() {
             .to_string())
     })
     .unwrap();
-    assert!(errs[0].contains("file"), "{errs:?}");
-    assert!(
-        errs[1..].iter().all(|e| e.contains("rank 0 failed")),
-        "{errs:?}"
-    );
+    // Every rank names rank 0 and says what it could not do, with the path.
+    for e in &errs {
+        assert!(
+            e.contains("checkpoint aborted: rank 0 failed")
+                && e.contains(&*not_a_dir.to_string_lossy()),
+            "{errs:?}"
+        );
+    }
 }

@@ -1,4 +1,4 @@
-//! Hybrid sharding (`zero_hpz_partition_size`): 4 local ranks as 2 groups of 2 train like
+//! Hybrid sharding (MiCS, `mics_shard_size`): 4 local ranks as 2 groups of 2 train like
 //! plain ZeRO-3 at world size 4 (within 1e-5 relative: only the sum order differs), hold the
 //! per-rank state of a 2-rank shard group (ledger and estimator agree), and report the bytes
 //! their gradient reductions send across groups; checkpoints saved under it resume bit for
@@ -84,7 +84,7 @@ fn train(cfg: &ResolvedConfig) -> Run {
 
 fn hybrid(world: usize, group: usize, overlap: bool) -> ResolvedConfig {
     let mut cfg = config(ZeroStage::Stage3, world, 2, 2, Precision::F32);
-    cfg.zero.hpz_partition_size = group;
+    cfg.zero.mics_shard_size = group;
     cfg.zero.overlap_comm = overlap;
     cfg
 }
@@ -188,7 +188,7 @@ fn a_group_size_that_does_not_divide_the_world_is_refused() {
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains(&format!("zero_hpz_partition_size = {group}")),
+            err.contains(&format!("zero_optimization.mics_shard_size = {group}")),
             "{err}"
         );
         assert!(err.contains(words), "{err}");

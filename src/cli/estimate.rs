@@ -7,7 +7,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{
+    CommDataType, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
+};
 use ferrozero_config::{parse, Format, ResolveContext};
 use ferrozero_runtime::engine::estimate::shape::{self, ModelShape};
 use ferrozero_runtime::engine::estimate::{estimate, suggest, Budget, Estimate, Placement};
@@ -271,6 +273,7 @@ fn json_report(p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) 
             "pinned_host_bytes": e.pinned_host_bytes,
             "other_host_bytes": e.other_host_bytes,
             "swap_buffer_bytes": e.swap_buffer_bytes,
+            "reduced_bytes_per_step": e.reduced_bytes_per_step,
             "categories": {
                 "device": placement_json(&e.device),
                 "host": placement_json(&e.host),
@@ -346,6 +349,18 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
         "activations: {} without checkpointing, {} with",
         human(e.activations.without_checkpointing),
         human(e.activations.with_checkpointing)
+    );
+    println!(
+        "gradient reductions: {} per rank per step (communication_data_type: {})",
+        human(e.reduced_bytes_per_step),
+        p.cfg
+            .comms
+            .data_type
+            .map_or("the training precision", |d| match d {
+                CommDataType::Fp32 => "fp32",
+                CommDataType::Fp16 => "fp16",
+                CommDataType::Bf16 => "bf16",
+            })
     );
     print_verdict(args, p, fits, sug);
 }

@@ -64,8 +64,11 @@ pub struct Config {
     pub steps_per_print: u64,
     /// Time forward, backward, gradient reduction and optimizer step separately in the logs.
     pub wall_clock_breakdown: bool,
-    /// The dtype gradients are reduced in: ferrozero reduces in the training precision (f32
-    /// accumulation, one rounding), so only that dtype is accepted; unset means the same.
+    /// The dtype gradient reductions carry on the wire (DeepSpeed's meaning; FSDP's
+    /// `reduce_dtype`): each rank rounds its gradient to it once, and every hop of the
+    /// reduction sums in f32 in rank order and rounds once to it, so the result is
+    /// reproducible. `"bf16"` or `"fp16"` in an fp32 run halves the reduced bytes; unset
+    /// reduces in the training precision.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub communication_data_type: Option<CommDataType>,
     /// Seed for parameter init and dropout (ferrozero's own key).

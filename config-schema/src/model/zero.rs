@@ -66,12 +66,21 @@ pub struct ZeroOptimization {
     /// for stages 1-2 with CPU offload; results are the same). Not implemented: `true` is
     /// ignored with a warning.
     pub round_robin_gradients: bool,
-    /// Hybrid sharding group size (ZeRO++ hpZ, MiCS, FSDP's `HYBRID_SHARD`): parameters,
-    /// gradients and optimizer state are sharded inside groups of this many consecutive ranks
-    /// (one node) and replicated across groups, so gathers stay inside a group and only
-    /// gradient shards cross groups. Unlike DeepSpeed's hpZ, optimizer state is sharded inside
-    /// the group too (as MiCS does). Must divide the world size; 1 = off.
+    /// ZeRO++ hpZ (stage 3; DeepSpeed's meaning): optimizer state, gradients and parameters
+    /// stay partitioned over all ranks, and each rank also keeps a *secondary* copy of the
+    /// low-precision parameters partitioned over the group of this many consecutive ranks
+    /// (one node), taken from forward's all-gather, so backward's all-gathers stay inside the
+    /// group. Costs `1 / G` of the parameters per rank; must divide the world size; 0 or 1 =
+    /// off.
     pub zero_hpz_partition_size: u64,
+    /// MiCS shard group size (DeepSpeed's meaning; FSDP's `HYBRID_SHARD`): parameters,
+    /// gradients and optimizer state are sharded inside groups of this many consecutive ranks
+    /// (one node) and replicated across the groups, so parameter gathers stay inside a group
+    /// and only gradient shards cross groups. Must divide the world size; -1, 0 or 1 = off.
+    pub mics_shard_size: i64,
+    /// MiCS's hierarchical parameter all-gather for shard groups that span nodes. ferrozero's
+    /// shard group gathers in one collective; `true` is ignored with a warning.
+    pub mics_hierarchical_params_gather: bool,
     /// Where parameters live between uses (stage 3 only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload_param: Option<OffloadSection>,
@@ -98,6 +107,8 @@ impl Default for ZeroOptimization {
             stage3_gather_16bit_weights_on_model_save: AutoOr::Value(false),
             round_robin_gradients: false,
             zero_hpz_partition_size: 1,
+            mics_shard_size: -1,
+            mics_hierarchical_params_gather: false,
             offload_param: None,
             offload_optimizer: None,
         }
@@ -127,8 +138,6 @@ const SUPPORT: &[(&str, Support)] = &[
     ("leaf_module", Support::IgnoredUnless(off::is_empty, "PyTorch module classes treated as ZeRO-3 leaves; ferrozero's units are its layers")),
     ("save_muon_momentum_buffer_in_memory", Support::IgnoredUnless(off::is_false, "the Muon optimizer is not implemented")),
     ("use_multi_rank_bucket_allreduce", Support::IgnoredUnless(off::is_true, "a communication schedule only")),
-    ("mics_shard_size", Support::RefusedUnless(off::is_at_most_one, "ferrozero's MiCS-style hybrid sharding is `zero_hpz_partition_size`: set that instead")),
-    ("mics_hierarchical_params_gather", Support::IgnoredUnless(off::is_false, "hybrid sharding (`zero_hpz_partition_size`) always gathers inside the group")),
     ("zeropp_loco_param", Support::IgnoredUnless(off::is_empty, "LoCo only applies to quantized gradients, which are not implemented")),
     ("zero_quantized_weights", Support::RefusedUnless(off::is_false, "ZeRO++ quantized weights change numerics")),
     ("zero_quantized_gradients", Support::RefusedUnless(off::is_false, "ZeRO++ quantized gradients change numerics")),
@@ -215,6 +224,14 @@ fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
         stage3_gather_16bit_weights_on_model_save: read_gather_16bit(cx, t),
         round_robin_gradients: t.bool(cx, "round_robin_gradients", d.round_robin_gradients),
         zero_hpz_partition_size: t.uint(cx, "zero_hpz_partition_size", d.zero_hpz_partition_size),
+        mics_shard_size: t
+            .get(cx, "mics_shard_size", &[], read_mics_size)
+            .unwrap_or(d.mics_shard_size),
+        mics_hierarchical_params_gather: t.bool(
+            cx,
+            "mics_hierarchical_params_gather",
+            d.mics_hierarchical_params_gather,
+        ),
         offload_param: t.get(cx, "offload_param", &[], read_offload),
         offload_optimizer: t.get(cx, "offload_optimizer", &[], |cx, p, n| {
             read_offload(cx, p, n)
@@ -225,11 +242,20 @@ fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
     z
 }
 
+/// `mics_shard_size`: any integer, negative meaning off as in DeepSpeed (default -1).
+fn read_mics_size(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<i64> {
+    match node.kind {
+        crate::parse::Kind::Int(n) => Some(n),
+        crate::parse::Kind::Null => Some(-1),
+        _ => to_uint(cx, path, node).map(|n| n as i64),
+    }
+}
+
 /// Keys kept in the schema (they are common in DeepSpeed configs) whose every value but one
 /// asks for something ferrozero does not do differently: that one is silent, the others are
 /// ignored with a warning naming what ferrozero does.
 fn warn_fixed_behaviour(cx: &mut Cx<'_>, t: &TableReader<'_>, z: &ZeroOptimization) {
-    let checks: [(&str, bool, &str); 4] = [
+    let checks: [(&str, bool, &str); 5] = [
         (
             "contiguous_gradients",
             !z.contiguous_gradients,
@@ -249,6 +275,11 @@ fn warn_fixed_behaviour(cx: &mut Cx<'_>, t: &TableReader<'_>, z: &ZeroOptimizati
             "stage3_gather_16bit_weights_on_model_save",
             z.stage3_gather_16bit_weights_on_model_save == AutoOr::Value(true),
             "ferrozero saves sharded checkpoints; `ferrozero checkpoint consolidate` writes the full weights from them at any time",
+        ),
+        (
+            "mics_hierarchical_params_gather",
+            z.mics_hierarchical_params_gather,
+            "the MiCS shard group gathers parameters in one all-gather; a hierarchical one moves the same values by another route",
         ),
     ];
     for (key, ignored, why) in checks {

@@ -57,15 +57,6 @@ pub(crate) mod off {
     pub(crate) fn is_zero_or_one(n: &Node) -> bool {
         number_is(n, 0.0) || number_is(n, 1.0)
     }
-    /// A negative number, 0 or 1 (or `null`): MiCS off.
-    pub(crate) fn is_at_most_one(n: &Node) -> bool {
-        match n.kind {
-            Kind::Int(i) => i <= 1,
-            Kind::Float(f) => f <= 1.0,
-            Kind::Null => true,
-            _ => false,
-        }
-    }
     /// An fp32 dtype name as DeepSpeed spells them (or `null`).
     pub(crate) fn is_fp32(n: &Node) -> bool {
         match &n.kind {

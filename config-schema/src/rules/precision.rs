@@ -2,7 +2,7 @@
 
 use super::{invalid, positive, report, Violation};
 use crate::diagnostic::DiagnosticKind;
-use crate::model::{AutoOr, CommDataType, Config};
+use crate::model::{AutoOr, Config};
 use crate::reader::Cx;
 
 pub(super) fn check_precision(cx: &mut Cx<'_>, c: &Config) {
@@ -21,7 +21,6 @@ pub(super) fn check_precision(cx: &mut Cx<'_>, c: &Config) {
             cx.relate(&s, "fp16 enabled here");
         }
     }
-    check_comm_dtype(cx, c);
     let f = &c.fp16;
     if f.loss_scale < 0.0 {
         invalid(
@@ -64,39 +63,6 @@ pub(super) fn check_precision(cx: &mut Cx<'_>, c: &Config) {
                     f.initial_scale_power,
                     2f64.powi(f.initial_scale_power as i32)
                 )],
-            },
-        );
-    }
-}
-
-/// `communication_data_type` is accepted when it names the dtype ferrozero reduces in anyway
-/// (the training precision's); any other would silently change the gradients' rounding.
-fn check_comm_dtype(cx: &mut Cx<'_>, c: &Config) {
-    let Some(want) = c.communication_data_type else {
-        return;
-    };
-    let on = |v: AutoOr<bool>| v == AutoOr::Value(true);
-    let (have, precision) = if on(c.fp16.enabled) {
-        (CommDataType::Fp16, "fp16")
-    } else if on(c.bf16.enabled) {
-        (CommDataType::Bf16, "bf16")
-    } else {
-        (CommDataType::Fp32, "fp32")
-    };
-    if want != have {
-        report(
-            cx,
-            Violation {
-                kind: DiagnosticKind::Unsupported,
-                path: "communication_data_type",
-                message: format!(
-                    "ferrozero reduces gradients in the training precision ({precision}), not {}",
-                    format!("{want:?}").to_lowercase()
-                ),
-                help: Some(format!(
-                    "remove the key, or set it to \"{precision}\"; reducing in another dtype would change the gradients' rounding"
-                )),
-                notes: vec![],
             },
         );
     }

@@ -41,6 +41,15 @@ pub(super) fn check_zero(cx: &mut Cx<'_>, c: &Config) {
             );
         }
     }
+    if z.zero_hpz_partition_size > 1 && z.mics_shard_size > 1 {
+        report(cx, Violation {
+            kind: DiagnosticKind::Conflict,
+            path: "zero_optimization.mics_shard_size",
+            message: "MiCS and hpZ are two ways to split the state and cannot be combined".into(),
+            help: Some("keep `mics_shard_size` (all state sharded inside groups, replicated across them) or `zero_hpz_partition_size` (state over all ranks, a secondary parameter copy per group), not both".into()),
+            notes: vec![format!("zero_hpz_partition_size = {}, mics_shard_size = {}", z.zero_hpz_partition_size, z.mics_shard_size)],
+        });
+    }
     stage_mismatch_warnings(cx, c);
 }
 
@@ -128,6 +137,11 @@ fn stage_mismatch_warnings(cx: &mut Cx<'_>, c: &Config) {
             "reduce_scatter",
             false,
             z.reduce_scatter != d.reduce_scatter,
+        ),
+        (
+            "zero_hpz_partition_size",
+            true,
+            z.zero_hpz_partition_size > 1,
         ),
     ];
     // A default value spelled out (as `config convert` writes) changes nothing either way.

@@ -1,4 +1,4 @@
-//! Hybrid sharding (FSDP's `HYBRID_SHARD`, DeepSpeed's MiCS; `zero_hpz_partition_size`):
+//! Hybrid sharding (DeepSpeed's MiCS, `mics_shard_size`; FSDP's `HYBRID_SHARD`):
 //! sharded state is split inside a *shard group* of `G` consecutive ranks (a node) and
 //! replicated across the `W / G` groups.
 //!
@@ -44,18 +44,18 @@ impl std::fmt::Debug for HybridComm {
     }
 }
 
-/// Checks that `group_size` splits `world` into equal groups.
-pub fn check_group_size(group_size: usize, world: usize) -> Result<()> {
+/// Checks that `group_size` (the config key `key` names it) splits `world` into equal groups.
+pub fn check_group_size(key: &str, group_size: usize, world: usize) -> Result<()> {
     if group_size > world {
         return Err(Error::Config(format!(
-            "zero_optimization.zero_hpz_partition_size = {group_size} is larger than the world \
+            "zero_optimization.{key} = {group_size} is larger than the world \
              size {world}: a shard group cannot have more ranks than the job (use the ranks per \
              node, at most {world})"
         )));
     }
     if group_size == 0 || !world.is_multiple_of(group_size) {
         return Err(Error::Config(format!(
-            "zero_optimization.zero_hpz_partition_size = {group_size} must divide the world size \
+            "zero_optimization.{key} = {group_size} must divide the world size \
              {world} (groups of consecutive ranks, one per node: use the ranks per node)"
         )));
     }
@@ -66,7 +66,7 @@ impl HybridComm {
     /// Splits `world` into shard groups of `group_size` consecutive ranks (rank `r` is in
     /// group `r / G` at position `r % G`) and replica groups across them (collective).
     pub fn new(world: &dyn Communicator, group_size: usize) -> Result<Self> {
-        check_group_size(group_size, world.world_size())?;
+        check_group_size("mics_shard_size", group_size, world.world_size())?;
         let r = world.rank();
         let shard = world.split(r / group_size, r)?;
         let replica = world.split(r % group_size, r)?;

@@ -2,7 +2,7 @@
 //! placement of each buffer (full or shard, device or host) that the stage and the offload
 //! settings decide.
 
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig};
+use ferrozero_config::resolved::{CommDataType, OffloadTarget, Precision, ResolvedConfig};
 
 use super::group::{Group, ParamStore, Shard};
 use super::ledger::{Category, Ledger, Location};
@@ -20,6 +20,17 @@ pub fn storage_dtype(p: &Precision) -> DType {
         Precision::F32 => DType::F32,
         Precision::Bf16 => DType::Bf16,
         Precision::Fp16(_) => DType::F16,
+    }
+}
+
+/// The dtype gradient reductions carry: `communication_data_type`, else the gradients' own
+/// (the training precision).
+pub fn reduce_dtype(cfg: &ResolvedConfig) -> DType {
+    match cfg.comms.data_type {
+        Some(CommDataType::Fp32) => DType::F32,
+        Some(CommDataType::Fp16) => DType::F16,
+        Some(CommDataType::Bf16) => DType::Bf16,
+        None => storage_dtype(&cfg.precision),
     }
 }
 

@@ -33,8 +33,12 @@ pub struct Engine {
     pub(super) comm: Box<dyn Communicator>,
     /// The shard-group communicator when hybrid sharding splits the world (see `topology`).
     pub(super) hybrid: Option<crate::comm::hybrid::HybridComm>,
+    /// ZeRO++ hpZ's secondary parameter partition and group (see `hpz`).
+    pub(super) hpz: Option<super::hpz::Hpz>,
     /// Cross-group payload bytes at the end of the last step (reports carry the difference).
     pub(super) cross_mark: u64,
+    /// Gradient bytes handed to reductions since the last step report.
+    pub(super) reduced_bytes: u64,
     /// The device the units compute on.
     pub(super) be: Arc<dyn Backend>,
     pub(super) stage: Box<dyn Stage>,
@@ -141,6 +145,7 @@ impl Engine {
             .collect::<Result<Vec<Group>>>()?;
         // The resident state alone may already exceed the cap: refuse at initialize.
         ledger.check_limit()?;
+        let hpz = super::hpz::open(&cfg, comm.as_ref(), stage.params(), groups.len())?;
         let n = model.units.len();
         let scaler = LossScaler::from_config(match &cfg.precision {
             ferrozero_config::resolved::Precision::Fp16(s) => Some(s),
@@ -164,7 +169,9 @@ impl Engine {
             model,
             comm,
             hybrid,
+            hpz,
             cross_mark: 0,
+            reduced_bytes: 0,
             be,
             stage,
             groups,
@@ -273,13 +280,23 @@ impl Engine {
     pub(super) fn gather_unit(&mut self, unit: usize) -> Result<()> {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
+        let shared = self
+            .shared_index()
+            .filter(|_| !self.model.units[unit].uses_shared.is_empty());
+        // Groups this call gathers (not kept from forward): hpZ follows forward's gathers.
+        let fresh: Vec<usize> = std::iter::once(unit)
+            .chain(shared)
+            .filter(|&g| self.groups[g].full_params().is_none())
+            .collect();
         self.take_prefetched(unit)?;
         self.gather_group(unit, bucket)?;
-        if let Some(s) = self
-            .shared_index()
-            .filter(|_| !self.model.units[unit].uses_shared.is_empty())
-        {
+        if let Some(s) = shared {
             self.gather_group(s, bucket)?;
+        }
+        if !self.hpz_in_backward() {
+            for g in fresh {
+                self.hpz_after_forward_gather(g)?;
+            }
         }
         self.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
@@ -288,13 +305,16 @@ impl Engine {
     /// Swaps group `g`'s shard in from NVMe if it lives there, gathers, and swaps it out.
     fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
         self.swap_in_for_gather(g)?;
-        let r = self.stage.gather(
-            &mut self.groups[g],
-            shard_comm(self.comm.as_ref(), &self.hybrid),
-            &*self.be,
-            bucket,
-            &mut self.ledger,
-        );
+        let r = match self.hpz_gather(g, bucket) {
+            Ok(false) => self.stage.gather(
+                &mut self.groups[g],
+                shard_comm(self.comm.as_ref(), &self.hybrid),
+                &*self.be,
+                bucket,
+                &mut self.ledger,
+            ),
+            done => done.map(|_| ()),
+        };
         self.swap_out_after_gather(g);
         r
     }
@@ -431,6 +451,15 @@ impl Engine {
         loss_grad: f32,
     ) -> Result<()> {
         let t = Instant::now();
+        self.hpz_backward(true);
+        let r = self.backward_units(batch, loss_grad);
+        self.hpz_backward(false);
+        r?;
+        self.timings.backward += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn backward_units(&mut self, batch: (&Batch, &BatchIds), loss_grad: f32) -> Result<()> {
         let mut grad = Tensor::scalar(loss_grad);
         let shared = self.shared_index();
         let first_shared_user = self
@@ -458,9 +487,7 @@ impl Engine {
                 }
             }
         }
-        self.finish_reductions()?;
-        self.timings.backward += t.elapsed().as_secs_f64();
-        Ok(())
+        self.finish_reductions()
     }
 
     fn unit_backward(

@@ -10,6 +10,7 @@ mod core;
 pub mod estimate;
 mod eval;
 pub mod group;
+mod hpz;
 mod init;
 pub mod lane;
 pub mod ledger;

@@ -45,8 +45,13 @@ impl Engine {
         let Some(micro) = self.groups[g].take_micro(&mut self.ledger) else {
             return Ok(());
         };
-        let buf = to_storage(micro, self.groups[g].grad.dtype(), &*self.be)?;
+        // The payload is rounded to the wire dtype once here; `accumulate` widens the sum back.
+        let wire = super::build::reduce_dtype(&self.cfg);
+        let buf = to_storage(micro, wire, &*self.be)?;
         let bytes = buf.bytes();
+        if self.comm.world_size() > 1 {
+            self.reduced_bytes += bytes;
+        }
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, bytes);
         let (extent, world, s) = (
@@ -79,6 +84,7 @@ impl Engine {
     fn accumulate(&mut self, g: usize, reduced: Reduced) -> Result<()> {
         let mut scratch = Vec::new();
         let Reduced { sum, spent } = reduced;
+        let sum = to_storage(sum, self.groups[g].grad.dtype(), &*self.be)?;
         let n = sum.len();
         let r = self.groups[g].grad.accumulate(0, &sum, n, &mut scratch);
         self.be.recycle(sum);
@@ -135,6 +141,10 @@ impl Engine {
     /// `stage3_max_live_parameters` next to what is live now. A shard on NVMe is read ahead
     /// instead, with or without overlap.
     pub(super) fn prefetch(&mut self, g: usize) {
+        // hpZ: backward gathers from the secondary partition inside the group, on this thread.
+        if self.hpz_in_backward() {
+            return;
+        }
         let live: usize = self
             .groups
             .iter()

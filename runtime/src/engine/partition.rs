@@ -89,10 +89,10 @@ pub fn shard_len(numel: usize, world_size: usize) -> usize {
 }
 
 /// Ranks one copy of the sharded state is split across: the hybrid-sharding group size
-/// (`zero_hpz_partition_size`) when it splits `world` into several equal groups, else `world`.
-pub fn shard_world(world: usize, hpz: usize) -> usize {
-    if hpz > 1 && hpz < world && world.is_multiple_of(hpz) {
-        hpz
+/// (`mics_shard_size`) when it splits `world` into several equal groups, else `world`.
+pub fn shard_world(world: usize, mics: usize) -> usize {
+    if mics > 1 && mics < world && world.is_multiple_of(mics) {
+        mics
     } else {
         world
     }

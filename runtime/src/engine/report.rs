@@ -51,6 +51,10 @@ pub struct StepReport {
     /// all-reduced between the groups, counted as a ring sends them: `2 (R - 1) / R` of the
     /// payload for `R` groups); zero without hybrid sharding.
     pub cross_group_bytes: u64,
+    /// Gradient bytes this rank handed to reductions during the step (every micro-step's
+    /// all-reduce or reduce-scatter input, in `communication_data_type`: half the f32 figure
+    /// in bf16 or fp16); zero at world size 1.
+    pub reduced_bytes: u64,
 }
 
 /// NVMe bytes moved by one rank in one step.

@@ -105,6 +105,7 @@ impl Engine {
             device_memory: self.be.memory_stats(),
             swap: self.step_traffic(),
             cross_group_bytes: self.take_cross_group_bytes(),
+            reduced_bytes: std::mem::take(&mut self.reduced_bytes),
         };
 
         self.tokens = 0;
@@ -172,6 +173,7 @@ impl Engine {
         for g in &mut self.groups {
             self.stage.publish(g, shards, bucket, &mut self.ledger)?;
         }
+        self.hpz_stale();
         self.ledger.check_limit()?;
         self.timings.gather += t.elapsed().as_secs_f64();
         Ok(())

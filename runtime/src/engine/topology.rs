@@ -1,5 +1,5 @@
 //! Which communicator carries what: the world (scalars, the batch's token count), the shard
-//! group (sharded state; hybrid sharding's [`HybridComm`] when `zero_hpz_partition_size`
+//! group (sharded state; hybrid sharding's [`HybridComm`] when `mics_shard_size`
 //! splits the world), and the check that the communicator is the one `comms.backend` names.
 
 use ferrozero_config::resolved::{CommBackend, ResolvedConfig, ZeroStage};
@@ -62,24 +62,24 @@ pub(super) fn check_backend(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Re
     )))
 }
 
-/// The hybrid-sharding communicator when `zero_hpz_partition_size` splits the world into
+/// The hybrid-sharding communicator when `mics_shard_size` splits the world into
 /// several groups (collective); `None` when it is 1 or the whole world (plain ZeRO).
 pub(super) fn open_hybrid(
     cfg: &ResolvedConfig,
     comm: &dyn Communicator,
 ) -> Result<Option<HybridComm>> {
-    let g = cfg.zero.hpz_partition_size;
+    let g = cfg.zero.mics_shard_size;
     let world = comm.world_size();
     if g <= 1 {
         return Ok(None);
     }
-    crate::comm::hybrid::check_group_size(g, world)?;
+    crate::comm::hybrid::check_group_size("mics_shard_size", g, world)?;
     if g == world {
         return Ok(None);
     }
     if cfg.zero.stage == ZeroStage::Stage0 && comm.rank() == 0 {
         tracing::warn!(
-            "zero_hpz_partition_size = {g} at stage 0 shards nothing: it only makes the gradient \
+            "mics_shard_size = {g} at stage 0 shards nothing: it only makes the gradient \
              all-reduce hierarchical (inside groups of {g}, then across them)"
         );
     }
@@ -104,13 +104,13 @@ impl Engine {
         shard_comm(&*self.comm, &self.hybrid).rank()
     }
 
-    /// Ranks one copy of the sharded state is split across: `zero_hpz_partition_size` with
+    /// Ranks one copy of the sharded state is split across: `mics_shard_size` with
     /// hybrid sharding, else the world size.
     pub fn shard_world(&self) -> usize {
         shard_comm(&*self.comm, &self.hybrid).world_size()
     }
 
-    /// Copies of the sharded state across the world: `world / zero_hpz_partition_size` with
+    /// Copies of the sharded state across the world: `world / mics_shard_size` with
     /// hybrid sharding, else 1.
     pub fn replicas(&self) -> usize {
         self.hybrid.as_ref().map_or(1, HybridComm::replicas)
@@ -138,8 +138,10 @@ impl Engine {
 
     /// Bytes this rank sent across shard groups since the last call, as a ring collective
     /// over the replicas sends them (`2 (R - 1) / R` of the reduced payload).
+    /// Under hpZ: the parameter bytes forward's gathers brought from other groups.
     pub(super) fn take_cross_group_bytes(&mut self) -> u64 {
-        let Some(h) = &self.hybrid else { return 0 };
+        let hpz = self.take_hpz_crossed();
+        let Some(h) = &self.hybrid else { return hpz };
         let total = h.cross_group_bytes();
         let payload = total - std::mem::replace(&mut self.cross_mark, total);
         let r = h.replicas() as u64;

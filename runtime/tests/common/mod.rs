@@ -49,6 +49,7 @@ pub fn config(
             max_live_parameters: 1_000_000,
             max_reuse_distance: 1_000_000,
             hpz_partition_size: 1,
+            mics_shard_size: 1,
             offload_param: off.clone(),
             offload_optimizer: off,
         },
@@ -74,6 +75,7 @@ pub fn config(
             backend: CommBackend::Local,
             timeout: Duration::from_secs(30),
             reduction: CommReduction::RankOrdered,
+            data_type: None,
         },
         monitor: Default::default(),
     }

@@ -1,5 +1,6 @@
 //! The checkpoint's metadata file and the names of everything in a checkpoint directory.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -92,6 +93,10 @@ pub struct FileMeta {
     pub bytes: u64,
     /// CRC-32C of the whole file.
     pub crc32c: u32,
+    /// CRC-32C of each tensor's bytes, so a corrupt file names the tensor that changed
+    /// (absent in checkpoints written before it was recorded).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tensors: BTreeMap<String, u32>,
 }
 
 /// The kinds of tensor a shard file holds per group.

@@ -9,6 +9,7 @@
 //! Invariant: a tag directory becomes visible only by a rename after every file in it is
 //! durable, and `latest` moves only after that rename, so a crash leaves the previous state.
 
+mod agree;
 mod consolidate;
 mod fsio;
 mod load;

@@ -118,10 +118,21 @@ impl CheckpointReader {
         let reason = if size != want.bytes {
             format!("size {size} bytes, the metadata records {}", want.bytes)
         } else if crc != want.crc32c {
-            format!(
-                "checksum mismatch: CRC-32C {crc:08x}, the metadata records {:08x}",
-                want.crc32c
-            )
+            let tensor = ShardFile::open(&path)
+                .and_then(|f| f.changed_tensor(&want.tensors))
+                .ok()
+                .flatten();
+            match tensor {
+                Some((name, expected, found)) => format!(
+                    "checksum mismatch in tensor {name}: CRC-32C {found:08x}, the metadata \
+                     records {expected:08x} (file CRC-32C {crc:08x}, recorded {:08x})",
+                    want.crc32c
+                ),
+                None => format!(
+                    "checksum mismatch: CRC-32C {crc:08x}, the metadata records {:08x}",
+                    want.crc32c
+                ),
+            }
         } else {
             return Ok(());
         };

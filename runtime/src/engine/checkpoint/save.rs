@@ -15,7 +15,7 @@ use super::meta::{
 use super::reader::st_dtype;
 use super::shard_file::{self, Bytes, RawTensor};
 use super::stream::Streamer;
-use crate::comm::{BufMut, BufRef, ReduceOp};
+use crate::comm::{BufMut, BufRef};
 use crate::engine::core::Engine;
 use crate::engine::group::{not_resident, Group, ParamStore, Shard};
 use crate::engine::nvme::NvmeOffload;
@@ -195,11 +195,12 @@ impl Engine {
         if let Some(e) = streamer.take_fault() {
             return Err(e);
         }
-        let (bytes, crc32c) = fsio::file_crc(&path)?;
+        let (bytes, crc32c, tensors) = shard_file::checksums(&path)?;
         Ok(FileMeta {
             name,
             bytes,
             crc32c,
+            tensors,
         })
     }
 
@@ -207,6 +208,11 @@ impl Engine {
     /// first ranks: all of them, or the first shard group). Values travel as 16-bit pieces in
     /// f32, which the collectives carry exactly.
     fn gather_file_meta(&self, mine: Option<FileMeta>) -> Result<Vec<FileMeta>> {
+        let per_tensor = mine.as_ref().map_or(Ok(String::new()), |m| {
+            serde_json::to_string(&m.tensors)
+                .map_err(|e| Error::Invalid(format!("tensor checksums do not serialise: {e}")))
+        })?;
+        let per_tensor = self.all_gather_text(&per_tensor)?;
         let pieces = |x: u64| (0..4).map(move |i| ((x >> (16 * i)) & 0xffff) as f32);
         let (bytes, crc) = mine.map_or((0, 0), |m| (m.bytes, m.crc32c));
         let local: Vec<f32> = pieces(bytes).chain(pieces(crc as u64)).collect();
@@ -226,6 +232,7 @@ impl Engine {
                 name: rank_file_name(q),
                 bytes: join(&c[..4]),
                 crc32c: join(&c[4..]) as u32,
+                tensors: serde_json::from_str(&per_tensor[q]).unwrap_or_default(),
             })
             .collect())
     }
@@ -274,26 +281,6 @@ impl Engine {
             fsio::sync_dir(&dir)?;
         }
         fsio::sync_dir(tmp)
-    }
-
-    /// Makes every rank fail when any rank failed, so no rank waits at a later collective for
-    /// a peer that gave up.
-    pub(super) fn agree<T>(&self, local: Result<T>) -> Result<T> {
-        let mut flag = [if local.is_err() {
-            1.0f32 + self.rank() as f32
-        } else {
-            0.0
-        }];
-        self.comm
-            .all_reduce(BufMut::F32(&mut flag), ReduceOp::Max)?;
-        match local {
-            Err(e) => Err(e),
-            Ok(_) if flag[0] > 0.0 => Err(Error::Invalid(format!(
-                "checkpoint aborted: rank {} failed (see its error)",
-                flag[0] as usize - 1
-            ))),
-            Ok(v) => Ok(v),
-        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! read back range by range (positioned reads), so loading never holds a whole file.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
@@ -86,6 +86,40 @@ pub fn write(
         .map_err(|e| io_err("fsync", path, e))
 }
 
+/// Size and CRC-32C of the file at `path`, and each tensor's CRC-32C, in one pass: the
+/// file's checksum is the tensors' combined with the header's (and any gap's).
+pub fn checksums(path: &Path) -> Result<(u64, u32, BTreeMap<String, u32>)> {
+    let f = ShardFile::open(path)?;
+    let len = f
+        .file
+        .metadata()
+        .map_err(|e| io_err("stat", path, e))?
+        .len();
+    let mut spans: Vec<(u64, u64, &str)> = f
+        .tensors
+        .iter()
+        .map(|(n, t)| {
+            let at = |o: usize| f.data_start + o as u64;
+            (at(t.data_offsets.0), at(t.data_offsets.1), n.as_str())
+        })
+        .collect();
+    spans.sort();
+    let (mut at, mut crc, mut out) = (0u64, 0u32, BTreeMap::new());
+    for (start, end, name) in spans.into_iter().chain([(len, len, "")]) {
+        if start < at {
+            return Err(f.bad(format!("tensor {name} overlaps the bytes before it")));
+        }
+        crc = crc32c::crc32c_combine(crc, f.crc_of(at..start)?, (start - at) as usize);
+        if !name.is_empty() {
+            let c = f.crc_of(start..end)?;
+            crc = crc32c::crc32c_combine(crc, c, (end - start) as usize);
+            out.insert(name.to_string(), c);
+        }
+        at = end;
+    }
+    Ok((len, crc, out))
+}
+
 /// An open shard file with its parsed header.
 pub struct ShardFile {
     path: PathBuf,
@@ -137,6 +171,40 @@ impl ShardFile {
             data_start,
             tensors,
         })
+    }
+
+    /// CRC-32C of the file's bytes `range`, read in bounded chunks.
+    fn crc_of(&self, range: Range<u64>) -> Result<u32> {
+        let mut buf = vec![0u8; (range.end - range.start).min(1 << 20) as usize];
+        let (mut at, mut crc) = (range.start, 0u32);
+        while at < range.end {
+            let n = (range.end - at).min(buf.len() as u64) as usize;
+            self.file
+                .read_exact_at(&mut buf[..n], at)
+                .map_err(|e| io_err("read", &self.path, e))?;
+            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            at += n as u64;
+        }
+        Ok(crc)
+    }
+
+    /// The first tensor (by name) whose bytes no longer have the CRC-32C `want` records:
+    /// its name, the recorded and the found checksum.
+    pub fn changed_tensor(
+        &self,
+        want: &BTreeMap<String, u32>,
+    ) -> Result<Option<(String, u32, u32)>> {
+        for (name, &w) in want {
+            let Some(t) = self.tensors.get(name) else {
+                return Err(self.bad(format!("missing tensor {name}")));
+            };
+            let at = |o: usize| self.data_start + o as u64;
+            let found = self.crc_of(at(t.data_offsets.0)..at(t.data_offsets.1))?;
+            if found != w {
+                return Ok(Some((name.clone(), w, found)));
+            }
+        }
+        Ok(None)
     }
 
     fn bad(&self, reason: String) -> Error {

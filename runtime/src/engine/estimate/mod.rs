@@ -78,6 +78,10 @@ pub struct Estimate {
     /// Peak activation bytes in both checkpointing modes (one of them is the config's), so a
     /// user sees what checkpointing buys.
     pub activations: ActivationFigures,
+    /// Gradient bytes each rank hands to reductions per optimizer step (every micro-step's
+    /// padded gradients in `communication_data_type`), as the step report's `reduced_bytes`
+    /// counts them; 0 at world size 1.
+    pub reduced_bytes_per_step: u64,
 }
 
 /// Peak activation bytes (device plus host) in both checkpointing modes.
@@ -152,7 +156,19 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: us
         other_host_bytes: other_host,
         swap_buffer_bytes,
         activations,
+        reduced_bytes_per_step: reduced_per_step(model, cfg),
     }
+}
+
+/// `Estimate::reduced_bytes_per_step`: each group's padded gradient in the wire dtype, once
+/// per micro-step, when there is anyone to reduce with.
+fn reduced_per_step(model: &Model, cfg: &ResolvedConfig) -> u64 {
+    if cfg.world_size <= 1 {
+        return 0;
+    }
+    let moments = Optimizer::new(cfg.optimizer.clone()).moments();
+    let per_micro = replay::Replay::build(model, cfg, moments).reduced_bytes_per_micro();
+    per_micro * cfg.gradient_accumulation_steps as u64
 }
 
 /// Checkpointing on every unit, activations kept on the device.

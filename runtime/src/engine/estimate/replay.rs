@@ -44,13 +44,17 @@ pub(super) struct Replay<'a> {
     swap_limit: Option<usize>,
     /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
     swapped_in: Vec<bool>,
+    /// hpZ's group size when it applies (stage 3, several groups), else 0.
+    hpz: usize,
+    /// Groups whose hpZ secondary partition exists (from their first forward gather).
+    secondary: Vec<bool>,
 }
 
 impl<'a> Replay<'a> {
     /// Lays out every group of `model` for `cfg`'s world size and counts the model states.
     pub(super) fn build(model: &'a Model, cfg: &'a ResolvedConfig, moments: usize) -> Self {
         let stage = stage::for_stage(cfg.zero.stage);
-        let world = shard_world(cfg.world_size.max(1), cfg.zero.hpz_partition_size);
+        let world = shard_world(cfg.world_size.max(1), cfg.zero.mics_shard_size);
         let mut specs: Vec<_> = model.units.iter().map(|u| u.module.param_specs()).collect();
         if !model.shared.is_empty() {
             specs.push(model.shared.clone());
@@ -84,11 +88,31 @@ impl<'a> Replay<'a> {
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
+            hpz: hpz_size(cfg),
+            secondary: vec![false; n],
         };
         for g in 0..n {
             r.build_group(g, moments);
         }
         r
+    }
+
+    /// `Engine::hpz_after_forward_gather`: a sharded group's first forward gather allocates
+    /// its secondary partition (`1 / G` of the padded parameters), kept from then on.
+    fn keep_secondary(&mut self, g: usize) {
+        if self.hpz > 1 && self.groups[g].params == Extent::Shard && !self.secondary[g] {
+            self.secondary[g] = true;
+            let b = self.lp(self.groups[g].layout.padded() / self.hpz);
+            self.ledger.alloc(Location::Device, Category::Parameters, b);
+        }
+    }
+
+    /// Bytes one micro-step's gradient reductions take as input: every group's padded
+    /// gradient in the wire dtype (`Engine::reduce_group`).
+    pub(super) fn reduced_bytes_per_micro(&self) -> u64 {
+        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
+        let elems: usize = self.groups.iter().map(|g| g.layout.padded()).sum();
+        (elems * wire) as u64
     }
 
     fn lp(&self, elems: usize) -> u64 {
@@ -293,6 +317,10 @@ impl<'a> Replay<'a> {
         let n = self.model.units.len();
         for unit in 0..n {
             self.gather_unit(unit);
+            self.keep_secondary(unit);
+            if let Some(s) = self.uses_shared(unit) {
+                self.keep_secondary(s);
+            }
             if unit + 1 < n {
                 self.prefetch(unit + 1);
             }
@@ -328,7 +356,9 @@ impl<'a> Replay<'a> {
         let padded = self.groups[g].layout.padded();
         self.ledger
             .free(Location::Device, Category::CommBuffers, (padded * 4) as u64);
-        let buf = self.lp(padded);
+        // The reduction's input is in the wire dtype (`communication_data_type`).
+        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
+        let buf = (padded * wire) as u64;
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, buf);
         if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
@@ -409,5 +439,20 @@ impl<'a> Replay<'a> {
     /// The ledger after the replay.
     pub(super) fn ledger(&self) -> &Ledger {
         &self.ledger
+    }
+}
+
+/// hpZ's group size when `Engine` opens it (`hpz::open`): stage 3 and a size that splits the
+/// world into several groups; else 0.
+fn hpz_size(cfg: &ResolvedConfig) -> usize {
+    let (g, w) = (cfg.zero.hpz_partition_size, cfg.world_size);
+    let on = cfg.zero.stage == ferrozero_config::resolved::ZeroStage::Stage3
+        && g > 1
+        && g < w
+        && w.is_multiple_of(g);
+    if on {
+        g
+    } else {
+        0
     }
 }
