@@ -8,7 +8,7 @@
 //!    "pretrained" file first, so it runs offline; with `--init DIR` (a model directory, an
 //!    index or one `.safetensors` file) it uses yours
 //!    (a `--model-config config.json` describes its shape).
-//! 2. Load them into the engine (`HfModel::open` + `Engine::load_parameters`): every rank reads
+//! 2. Load them into the engine (`ModelWeights::open` + `Engine::load_parameters`): every rank reads
 //!    the full values and keeps only what its stage stores (under ZeRO-3 a shard each).
 //! 3. Fine-tune with ZeRO stage 3, optimizer state and parameters offloaded to host memory, on
 //!    local ranks, on a synthetic next-token task (counting with a per-row stride).
@@ -29,7 +29,7 @@ use ferrozero::runtime::backend::rng;
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::engine::checkpoint::{consolidate, OutputDType, Tag};
 use ferrozero::runtime::nn::llama::{self, LlamaConfig};
-use ferrozero::runtime::nn::weights::{self, HfModel, Naming, ParamSource};
+use ferrozero::runtime::nn::weights::{self, ModelWeights, Naming, ParamSource};
 use ferrozero::runtime::nn::{init, Model, ParamSpec};
 use ferrozero::runtime::tensor::DType;
 use ferrozero::train::micro_batches;
@@ -181,13 +181,13 @@ fn write_pretrained(cfg: &LlamaConfig, path: &Path) -> Result<(), BoxError> {
 /// Maps the model's weights (a model directory, an index with its shards, or one safetensors
 /// file) and checks them against the model: a missing name or a wrong shape is an error naming
 /// the file and tensor; buffers some exports carry (rotary caches) are ignored.
-fn read_init(cfg: &LlamaConfig, path: &Path) -> Result<HfModel, BoxError> {
+fn read_init(cfg: &LlamaConfig, path: &Path) -> Result<ModelWeights, BoxError> {
     let specs = param_specs(&llama::build(cfg)?);
     let expected: Vec<(&str, &[usize])> = specs
         .iter()
         .map(|s| (s.name.as_str(), s.shape.as_slice()))
         .collect();
-    let model = HfModel::open(path, Naming::Exact)?;
+    let model = ModelWeights::open(path, Naming::Exact)?;
     model.check(&expected)?;
     Ok(model)
 }
@@ -281,7 +281,7 @@ fn fine_tune(
     args: &Args,
     cfg: &LlamaConfig,
     zero: &Config,
-    init: &HfModel,
+    init: &ModelWeights,
     ckpt_dir: &Path,
 ) -> Result<Trained, BoxError> {
     let rows = rows(args, cfg)?;
@@ -368,7 +368,7 @@ fn out_dir(args: &Args) -> Result<PathBuf, BoxError> {
 
 /// The weights to start from: `--init` (read before anything is written, so a bad file
 /// leaves no output behind), or stand-in weights written into `out` and read back.
-fn initial_weights(args: &Args, cfg: &LlamaConfig) -> Result<(HfModel, PathBuf), BoxError> {
+fn initial_weights(args: &Args, cfg: &LlamaConfig) -> Result<(ModelWeights, PathBuf), BoxError> {
     let given = args.init.as_ref().map(|p| read_init(cfg, p)).transpose()?;
     let out = out_dir(args)?;
     println!("outputs in {}", out.display());

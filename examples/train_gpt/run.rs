@@ -6,7 +6,7 @@ use ferrozero::data::{self, DataOptions, Rows, Shuffled};
 use ferrozero::engine::{Engine, EngineBuilder};
 use ferrozero::runtime::comm::Communicator;
 use ferrozero::runtime::engine::checkpoint::Tag;
-use ferrozero::runtime::nn::weights::{HfModel, ModelFiles, Naming};
+use ferrozero::runtime::nn::weights::{ModelWeights, ModelFiles, Naming};
 use ferrozero::runtime::nn::IGNORE_INDEX;
 use ferrozero::train::{self, model::ModelSpec, TrainOptions};
 
@@ -167,8 +167,8 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
 /// `--init`: a model directory, an index or a single safetensors file, under the
 /// architecture's own names (GPT-2's missing `transformer.` prefix added), and the directory's
 /// `config.json` and tokenizer files for the checkpoints to carry.
-fn open_init(path: &std::path::Path, spec: &ModelSpec) -> Result<(HfModel, ModelFiles), BoxError> {
-    let model = HfModel::open(path, spec.naming())?;
+fn open_init(path: &std::path::Path, spec: &ModelSpec) -> Result<(ModelWeights, ModelFiles), BoxError> {
+    let model = ModelWeights::open(path, spec.naming())?;
     let files = match path.is_dir() {
         true => ModelFiles::from_dir(path)?,
         false => ModelFiles::default(),

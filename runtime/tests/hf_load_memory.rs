@@ -17,7 +17,7 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
-use ferrozero_runtime::nn::weights::{write_model_dir, HfModel, ModelFiles, Naming};
+use ferrozero_runtime::nn::weights::{write_model_dir, ModelWeights, ModelFiles, Naming};
 use ferrozero_runtime::tensor::DType;
 
 mod common;
@@ -72,7 +72,7 @@ fn write_checkpoint(dir: &Path, c: &LlamaConfig) {
 /// The child: builds `ranks` stage-3 engines, resets the peak, loads, and prints the figures.
 fn child(dir: &Path, ranks: usize) {
     let c = model_config(dir);
-    let src = HfModel::open(dir, Naming::Exact).unwrap();
+    let src = ModelWeights::open(dir, Naming::Exact).unwrap();
     let zc = common::config(ZeroStage::Stage3, ranks, 1, 1, Precision::F32);
     let start_kib = status_kib("VmRSS:");
     let barrier = std::sync::Barrier::new(ranks);

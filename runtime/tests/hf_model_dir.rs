@@ -13,7 +13,7 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::{consolidate_dir, OutputDType, Tag};
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
-use ferrozero_runtime::nn::weights::{self, write_model_dir, HfModel, ModelFiles, Naming};
+use ferrozero_runtime::nn::weights::{self, write_model_dir, ModelWeights, ModelFiles, Naming};
 use ferrozero_runtime::nn::{init, Model};
 use ferrozero_runtime::tensor::DType;
 
@@ -92,7 +92,7 @@ fn load_into_engine(
     world: usize,
 ) -> Vec<NamedTensor> {
     let zc = config(stage, world, 1, 1, Precision::Bf16);
-    let src = HfModel::open(path, Naming::Exact).unwrap();
+    let src = ModelWeights::open(path, Naming::Exact).unwrap();
     let out = run_ranks(world, Duration::from_secs(60), |comm| {
         let mut e = Engine::new(llama::build(c)?, zc.clone(), comm)?;
         e.load_parameters(&src)?;
@@ -150,13 +150,13 @@ fn gpt2_names_gain_the_transformer_prefix() {
         DType::F32,
     )
     .unwrap();
-    let m = HfModel::open(&p, Naming::Gpt2).unwrap();
+    let m = ModelWeights::open(&p, Naming::Gpt2).unwrap();
     let names: Vec<&str> = m.names().collect();
     assert_eq!(names, ["lm_head.weight", "transformer.h.0.ln_1.weight"]);
 }
 
 fn load_err(path: &Path, c: &LlamaConfig) -> String {
-    let src = match HfModel::open(path, Naming::Exact) {
+    let src = match ModelWeights::open(path, Naming::Exact) {
         Ok(s) => s,
         Err(e) => return e.to_string(),
     };
@@ -290,7 +290,7 @@ fn a_consolidated_model_directory_loads_back_bit_for_bit() {
     write_dir(&src, &c, &pretrained(&c), DType::Bf16, u64::MAX);
     std::fs::write(src.join("tokenizer.json"), b"{\"model\":{}}").unwrap();
     let zc = config(ZeroStage::Stage3, 2, 1, 1, Precision::Bf16);
-    let model = HfModel::open(&src, Naming::Exact).unwrap();
+    let model = ModelWeights::open(&src, Naming::Exact).unwrap();
     let live = run_ranks(2, Duration::from_secs(60), |comm| {
         let mut e = Engine::new(llama::build(&c)?, zc.clone(), comm)?;
         e.load_parameters(&model)?;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ferrozero::config::{Config, Device, Format, RenderStyle};
 use ferrozero::data::{self, DataOptions, Rows, Shuffled};
 use ferrozero::engine::EngineBuilder;
-use ferrozero::train::{self, HfModel, TrainOptions};
+use ferrozero::train::{self, ModelDir, TrainOptions};
 use ferrozero_runtime::comm::Communicator;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::Result;
@@ -167,7 +167,7 @@ fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>>
 
 fn rank(
     args: &Args,
-    model: &HfModel,
+    model: &ModelDir,
     config: &Config,
     rows: &dyn Rows,
     eval: Option<&dyn Rows>,

@@ -22,7 +22,7 @@ const COMPANIONS: [&str; 6] = [
 ];
 
 /// A model directory read for training.
-pub struct HfModel {
+pub struct ModelDir {
     /// The directory.
     pub dir: PathBuf,
     /// The architecture and its sizes, from `config.json`.
@@ -33,7 +33,7 @@ pub struct HfModel {
     pub eos: Option<u32>,
 }
 
-impl HfModel {
+impl ModelDir {
     /// `tokenizer.json` of the directory.
     pub fn tokenizer(&self) -> PathBuf {
         self.dir.join("tokenizer.json")
@@ -52,7 +52,7 @@ fn param_names(model: &Model) -> Vec<(String, Vec<usize>)> {
 
 /// Reads `dir/config.json` and `dir/model.safetensors`: every parameter of the model must be
 /// there with its shape (extra tensors are ignored).
-pub fn load_model(dir: &Path) -> Result<HfModel> {
+pub fn load_model(dir: &Path) -> Result<ModelDir> {
     let config = dir.join("config.json");
     if !dir.is_dir() {
         return Err(file_err(
@@ -97,7 +97,7 @@ pub fn load_model(dir: &Path) -> Result<HfModel> {
         .zip(values)
         .map(|((name, shape), data)| NamedTensor { name, shape, data })
         .collect();
-    Ok(HfModel {
+    Ok(ModelDir {
         dir: dir.to_path_buf(),
         spec,
         init,

@@ -15,7 +15,7 @@ use ferrozero_runtime::engine::timeline::Timeline;
 use ferrozero_runtime::nn::Batch;
 use ferrozero_runtime::Result;
 
-pub use hf::{load_model, write_output, HfModel};
+pub use hf::{load_model, write_output, ModelDir};
 pub use metrics::vmhwm_mib;
 pub use ranks::run_job;
 

@@ -1,6 +1,6 @@
 //! Model weights in safetensors files, as Hugging Face ships and loads them.
 //!
-//! Reading: [`HfModel`] maps a model directory, an index with its shards, or a single file
+//! Reading: [`ModelWeights`] maps a model directory, an index with its shards, or a single file
 //! (`mapped.rs` per file, `model.rs` for the layouts) and implements [`ParamSource`], through
 //! which the engine loads each rank's part of each tensor; [`load`] and [`select`] give whole
 //! f32 lists for small models and tests. Writing: [`save`] (one file from f32 lists) and
@@ -23,7 +23,7 @@ pub use export::{
     write_model_dir, ExportReport, ModelFiles, DEFAULT_MAX_SHARD_BYTES, TOKENIZER_FILES,
 };
 pub use mapped::{MappedFile, TensorInfo};
-pub use model::{HfModel, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+pub use model::{ModelWeights, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -121,9 +121,9 @@ pub fn save(path: &Path, tensors: &[(&str, &[usize], &[f32])], dtype: DType) -> 
 
 /// Reads every tensor of a model (a directory, an index or a single file), widened to f32,
 /// sorted by canonical name. This holds the whole model in f32: the engine loads through
-/// [`HfModel`] and [`ParamSource`] instead, tensor by tensor.
+/// [`ModelWeights`] and [`ParamSource`] instead, tensor by tensor.
 pub fn load(path: &Path, naming: Naming) -> Result<Vec<NamedTensor>> {
-    let model = HfModel::open(path, naming)?;
+    let model = ModelWeights::open(path, naming)?;
     let names: Vec<String> = model.names().map(str::to_string).collect();
     names
         .into_iter()

@@ -27,7 +27,7 @@ struct Index {
 
 /// Mapped model weights, by canonical name.
 #[derive(Debug)]
-pub struct HfModel {
+pub struct ModelWeights {
     origin: PathBuf,
     config: Option<PathBuf>,
     files: Vec<MappedFile>,
@@ -35,7 +35,7 @@ pub struct HfModel {
     names: BTreeMap<String, (usize, String)>,
 }
 
-impl HfModel {
+impl ModelWeights {
     /// Opens a model directory, an index file or a single safetensors file; names are
     /// normalised by `naming`. Every shard is mapped and its header checked here.
     pub fn open(path: &Path, naming: Naming) -> Result<Self> {
@@ -123,7 +123,7 @@ impl HfModel {
 
 /// Opens an index and every shard it names, checking that each shard holds what the index
 /// maps to it.
-fn open_index(index: &Path) -> Result<HfModel> {
+fn open_index(index: &Path) -> Result<ModelWeights> {
     let text = std::fs::read_to_string(index).map_err(|e| file_err(index, e))?;
     let parsed: Index = serde_json::from_str(&text)
         .map_err(|e| file_err(index, format!("not a safetensors index: {e}")))?;
@@ -162,7 +162,7 @@ fn open_index(index: &Path) -> Result<HfModel> {
         }
         files.push(f);
     }
-    Ok(HfModel {
+    Ok(ModelWeights {
         origin: index.to_path_buf(),
         config: None,
         files,
@@ -179,7 +179,7 @@ fn ignorable(name: &str) -> bool {
         || name == "lm_head.weight"
 }
 
-impl ParamSource for HfModel {
+impl ParamSource for ModelWeights {
     fn check(&self, expected: &[(&str, &[usize])]) -> Result<()> {
         let by_config = match &self.config {
             Some(c) => format!("the model {} describes", c.display()),
