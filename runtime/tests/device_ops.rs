@@ -9,7 +9,8 @@ mod device_common;
 use device_common::{assert_close, cpu, get, rand, Dev, Tol};
 use ferrozero_offload::optim::{AdamHyper, LionHyper, SgdHyper, WeightDecay};
 use ferrozero_runtime::backend::{
-    Accumulate, Epilogue, HeadShape, MatmulShape, Rotation, Transpose, UpdateRule,
+    Accumulate, Epilogue, HeadShape, MatmulShape, Rope, RopeScaling, Rotation, Transpose,
+    UpdateRule,
 };
 use ferrozero_runtime::nn::IGNORE_INDEX;
 use ferrozero_runtime::tensor::{DType, FlatBuf, Storage, View, ViewMut};
@@ -359,9 +360,10 @@ fn rope(d: &Dev) {
     let x = d.round(&rand(b * t * h * hd, 16));
     for dir in [Rotation::Forward, Rotation::Inverse] {
         let mut dx = d.put(&x);
-        d.be.rope(dx.view_mut(), b, t, h, hd, 10000.0, dir).unwrap();
+        d.be.rope(dx.view_mut(), b, t, h, hd, &Rope::plain(10000.0), dir)
+            .unwrap();
         let mut want = x.clone();
-        c.be.rope(ViewMut::from(&mut want[..]), b, t, h, hd, 10000.0, dir)
+        c.be.rope(ViewMut::from(&mut want[..]), b, t, h, hd, &Rope::plain(10000.0), dir)
             .unwrap();
         assert_close(&format!("rope {dir:?}"), &get(&dx), &want, d.tol());
     }

@@ -124,12 +124,15 @@ pub fn from_size(
         num_hidden_layers: layers,
         num_attention_heads: heads,
         num_key_value_heads: None,
+        head_dim: None,
         rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
+        rope: crate::backend::Rope::plain(10000.0),
         vocab_size: vocab,
         max_position_embeddings: seq,
         tie_word_embeddings: false,
         initializer_range: 0.02,
+        qkv_bias: false,
+        sliding_window: None,
     };
     let what = format!("Llama-shaped, {params:.3e} params, {layers} layers, width {hidden}");
     from_llama(cfg, what)
