@@ -9,12 +9,11 @@ use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::comm::Communicator;
 use ferrozero::runtime::engine::checkpoint::Tag;
 use ferrozero::runtime::engine::timeline::{Pool, Timeline};
-use ferrozero::runtime::nn::weights::{self, Naming};
+use ferrozero::runtime::nn::weights;
 use ferrozero::runtime::nn::IGNORE_INDEX;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::data::{Addition, Rows, Shuffled, TokenFile};
-use crate::model::ModelSpec;
 use crate::Args;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -57,15 +56,15 @@ fn data(args: &Args) -> Result<Data, String> {
 
 /// Runs the whole job: one thread per rank, rank 0 reports.
 pub fn run(args: &Args) -> Result<(), BoxError> {
-    let spec = ModelSpec::parse(&args.model_config)?;
+    let spec = crate::model::parse(&args.model_config)?;
     let data = data(args)?;
-    if data.train.vocab() > spec.vocab() || data.train.seq_len() > spec.positions() {
+    if data.train.vocab() > spec.vocab() || data.train.seq_len() > spec.max_seq() {
         return Err(format!(
             "the data needs vocabulary {} and {} positions; the model has {} and {}",
             data.train.vocab(),
             data.train.seq_len(),
             spec.vocab(),
-            spec.positions()
+            spec.max_seq()
         )
         .into());
     }
@@ -81,7 +80,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         config.device_memory_limit = Some(l);
     }
     let init = match &args.init {
-        Some(p) => Some(weights::load(p, Naming::Gpt2)?),
+        Some(p) => Some(weights::load(p, spec.naming())?),
         None => None,
     };
     let rank_body = |comm: Box<dyn Communicator>| {

@@ -63,27 +63,12 @@ pub fn preset(name: &str) -> Result<ModelShape> {
     }
 }
 
-/// A Hugging Face `config.json`: `model_type` `gpt2` or `llama` (Llama-shaped types such as
-/// `mistral` are read as Llama); without `model_type`, the keys decide.
+/// A Hugging Face `config.json` of a supported architecture (read by [`crate::nn::hf`]).
 pub fn hf_config(path: &Path) -> Result<ModelShape> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::Config(format!("{}: not JSON: {e}", path.display())))?;
     let what = format!("{}", path.display());
-    let kind = v.get("model_type").and_then(|t| t.as_str());
-    match kind {
-        Some("gpt2") => from_gpt2(gpt2::Gpt2Config::from_json(&text)?, what),
-        Some(_) | None if v.get("hidden_size").is_some() => {
-            from_llama(llama::LlamaConfig::from_json(&text)?, what)
-        }
-        None if v.get("n_embd").is_some() => from_gpt2(gpt2::Gpt2Config::from_json(&text)?, what),
-        _ => Err(Error::Config(format!(
-            "{}: model_type {kind:?} is neither GPT-2 nor Llama-shaped (no hidden_size)",
-            path.display()
-        ))),
+    match crate::nn::hf::HfModel::from_file(path)?.config {
+        crate::nn::hf::ModelConfig::Gpt2(c) => from_gpt2(c, what),
+        crate::nn::hf::ModelConfig::Llama(c) => from_llama(c, what),
     }
 }
 
