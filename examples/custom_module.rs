@@ -23,11 +23,11 @@ use std::time::Duration;
 use clap::Parser;
 use ferrozero::config::{parse, Config, Format};
 use ferrozero::engine::{Engine, EngineBuilder};
+use ferrozero::runtime::backend::Rope;
 use ferrozero::runtime::backend::{rng, Accumulate};
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::nn::gradcheck::{self, Options, Report};
 use ferrozero::runtime::nn::linear::{Linear, WeightLayout};
-use ferrozero::runtime::backend::Rope;
 use ferrozero::runtime::nn::llama::{self, LlamaConfig};
 use ferrozero::runtime::nn::module::SavedState;
 use ferrozero::runtime::nn::{

@@ -363,8 +363,16 @@ fn rope(d: &Dev) {
         d.be.rope(dx.view_mut(), b, t, h, hd, &Rope::plain(10000.0), dir)
             .unwrap();
         let mut want = x.clone();
-        c.be.rope(ViewMut::from(&mut want[..]), b, t, h, hd, &Rope::plain(10000.0), dir)
-            .unwrap();
+        c.be.rope(
+            ViewMut::from(&mut want[..]),
+            b,
+            t,
+            h,
+            hd,
+            &Rope::plain(10000.0),
+            dir,
+        )
+        .unwrap();
         assert_close(&format!("rope {dir:?}"), &get(&dx), &want, d.tol());
     }
 }
@@ -395,16 +403,37 @@ fn rope_scaled(d: &Dev) {
         d.be.rope(dx.view_mut(), b, t, h, hd, &rope, Rotation::Forward)
             .unwrap();
         let mut want = x.clone();
-        c.be.rope(ViewMut::from(&mut want[..]), b, t, h, hd, &rope, Rotation::Forward)
-            .unwrap();
+        c.be.rope(
+            ViewMut::from(&mut want[..]),
+            b,
+            t,
+            h,
+            hd,
+            &rope,
+            Rotation::Forward,
+        )
+        .unwrap();
         assert_close(&format!("rope {scaling:?}"), &get(&dx), &want, d.tol());
         let mut dinv = d.put(&x);
         d.be.rope(dinv.view_mut(), b, t, h, hd, &rope, Rotation::Inverse)
             .unwrap();
         let mut inv = x.clone();
-        c.be.rope(ViewMut::from(&mut inv[..]), b, t, h, hd, &rope, Rotation::Inverse)
-            .unwrap();
-        assert_close(&format!("rope {scaling:?} inverse"), &get(&dinv), &inv, d.tol());
+        c.be.rope(
+            ViewMut::from(&mut inv[..]),
+            b,
+            t,
+            h,
+            hd,
+            &rope,
+            Rotation::Inverse,
+        )
+        .unwrap();
+        assert_close(
+            &format!("rope {scaling:?} inverse"),
+            &get(&dinv),
+            &inv,
+            d.tol(),
+        );
         outs.push(want);
     }
     assert_ne!(outs[0], outs[1], "llama3 scaling changes the rotation");

@@ -17,7 +17,9 @@ fn llama(extra: Value) -> Value {
         "torch_dtype": "bfloat16", "transformers_version": "4.45.0", "bos_token_id": 1,
         "eos_token_id": [2, 3], "use_cache": true, "hidden_act": "silu"
     });
-    v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    v.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
     v
 }
 
@@ -59,8 +61,14 @@ fn both_rope_forms_read_the_same_llama3_scaling() {
     };
     assert_eq!(llama_cfg(&v4).rope, want);
     // The older `type` spelling of linear scaling.
-    let lin = read(&llama(json!({"rope_scaling": {"type": "linear", "factor": 2.0}}))).unwrap();
-    assert_eq!(llama_cfg(&lin).rope.scaling, RopeScaling::Linear { factor: 2.0 });
+    let lin = read(&llama(
+        json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+    ))
+    .unwrap();
+    assert_eq!(
+        llama_cfg(&lin).rope.scaling,
+        RopeScaling::Linear { factor: 2.0 }
+    );
 }
 
 #[test]
@@ -94,17 +102,31 @@ fn each_architecture_is_named_and_built_with_its_naming() {
     assert_eq!(tied.architecture, Architecture::Llama);
     assert_eq!((tied.vocab(), tied.hidden(), tied.max_seq()), (61, 32, 64));
     assert_eq!(tied.naming(), Naming::Exact);
-    let names: Vec<String> = tied.build().unwrap().shared.iter().map(|p| p.name.clone()).collect();
+    let names: Vec<String> = tied
+        .build()
+        .unwrap()
+        .shared
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
     assert_eq!(names, ["model.embed_tokens.weight"]);
     let mut q = llama(json!({"model_type": "qwen2"}));
     q["architectures"] = json!(["Qwen2ForCausalLM"]);
     let qwen = read(&q).unwrap();
     assert!(llama_cfg(&qwen).qkv_bias);
     let specs = qwen.build().unwrap().units[1].module.param_specs();
-    assert!(specs.iter().any(|p| p.name == "model.layers.0.self_attn.k_proj.bias" && p.shape == [16]));
-    let gpt2 = read(&json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
-        "vocab_size": 10, "n_positions": 16, "attn_pdrop": 0.0})).unwrap();
-    assert_eq!((gpt2.architecture, gpt2.naming()), (Architecture::Gpt2, Naming::Gpt2));
+    assert!(specs
+        .iter()
+        .any(|p| p.name == "model.layers.0.self_attn.k_proj.bias" && p.shape == [16]));
+    let gpt2 = read(
+        &json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
+        "vocab_size": 10, "n_positions": 16, "attn_pdrop": 0.0}),
+    )
+    .unwrap();
+    assert_eq!(
+        (gpt2.architecture, gpt2.naming()),
+        (Architecture::Gpt2, Naming::Gpt2)
+    );
 }
 
 #[test]
@@ -112,32 +134,61 @@ fn unsupported_architectures_and_values_are_named_with_what_is_supported() {
     let mut v = llama(json!({}));
     v["architectures"] = json!(["FalconForCausalLM"]);
     let e = err(&v);
-    assert!(e.contains("model/config.json") && e.contains("`FalconForCausalLM`"), "{e}");
+    assert!(
+        e.contains("model/config.json") && e.contains("`FalconForCausalLM`"),
+        "{e}"
+    );
     assert!(e.contains("GPT2LMHeadModel (gpt2), LlamaForCausalLM (llama), MistralForCausalLM (mistral), Qwen2ForCausalLM (qwen2)"), "{e}");
     let e = err(&llama(json!({"hidden_act": "gelu"})));
-    assert!(e.contains("`hidden_act` = \"gelu\"") && e.contains("supported: silu, swish"), "{e}");
-    let e = err(&llama(json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})));
-    assert!(e.contains("\"yarn\"") && e.contains("supported: default, linear, llama3"), "{e}");
-    let e = err(&llama(json!({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})));
-    assert!(e.contains("`rope_parameters` lacks `low_freq_factor`"), "{e}");
+    assert!(
+        e.contains("`hidden_act` = \"gelu\"") && e.contains("supported: silu, swish"),
+        "{e}"
+    );
+    let e = err(&llama(
+        json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+    ));
+    assert!(
+        e.contains("\"yarn\"") && e.contains("supported: default, linear, llama3"),
+        "{e}"
+    );
+    let e = err(&llama(
+        json!({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}),
+    ));
+    assert!(
+        e.contains("`rope_parameters` lacks `low_freq_factor`"),
+        "{e}"
+    );
     let e = err(&llama(json!({"attention_bias": true})));
-    assert!(e.contains("LlamaForCausalLM config: key `attention_bias` = true"), "{e}");
+    assert!(
+        e.contains("LlamaForCausalLM config: key `attention_bias` = true"),
+        "{e}"
+    );
     let e = err(&llama(json!({"mlp_bias": true})));
     assert!(e.contains("`mlp_bias` = true"), "{e}");
     let e = err(&llama(json!({"attention_dropout": 0.1})));
     assert!(e.contains("`attention_dropout` = 0.1"), "{e}");
     let e = err(&llama(json!({"quantization_config": {"bits": 4}})));
-    assert!(e.contains("key `quantization_config` is not supported"), "{e}");
+    assert!(
+        e.contains("key `quantization_config` is not supported"),
+        "{e}"
+    );
     let e = err(&llama(json!({"hidden_size": "big"})));
     assert!(e.contains("`hidden_size` = \"big\""), "{e}");
     let mut q = llama(json!({"layer_types": ["full_attention", "chunked_attention"]}));
     q["architectures"] = json!(["Qwen2ForCausalLM"]);
     assert!(err(&q).contains("chunked_attention"), "{}", err(&q));
-    let e = err(&json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
-        "vocab_size": 10, "n_positions": 16}));
-    assert!(e.contains("attn_pdrop = 0.1") && e.contains("set it to 0.0"), "{e}");
-    let e = err(&json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
-        "vocab_size": 10, "n_positions": 16, "attn_pdrop": 0.0, "n_inner": 20}));
+    let e = err(
+        &json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
+        "vocab_size": 10, "n_positions": 16}),
+    );
+    assert!(
+        e.contains("attn_pdrop = 0.1") && e.contains("set it to 0.0"),
+        "{e}"
+    );
+    let e = err(
+        &json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
+        "vocab_size": 10, "n_positions": 16, "attn_pdrop": 0.0, "n_inner": 20}),
+    );
     assert!(e.contains("`n_inner` = 20"), "{e}");
 }
 
@@ -175,7 +226,10 @@ fn mistral_refuses_a_sequence_longer_than_its_window() {
     };
     run(8).expect("within the window");
     let e = run(9).unwrap_err().to_string();
-    assert!(e.contains("sequence length 9 exceeds the model's sliding_window 8"), "{e}");
+    assert!(
+        e.contains("sequence length 9 exceeds the model's sliding_window 8"),
+        "{e}"
+    );
     // `null`: no window.
     let mut v = v.clone();
     v["sliding_window"] = Value::Null;

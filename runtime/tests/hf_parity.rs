@@ -20,7 +20,9 @@ const STEPS: usize = 20;
 const TOLERANCE: f64 = 2e-5;
 
 fn fixture(arch: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(arch)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(arch)
 }
 
 fn take<'a>(f: &'a [NamedTensor], name: &str) -> &'a NamedTensor {
@@ -31,7 +33,11 @@ fn take<'a>(f: &'a [NamedTensor], name: &str) -> &'a NamedTensor {
 
 /// The optimizer of `gen_hf_parity.py`: AdamW (lr 3e-3, betas 0.9/0.95, eps 1e-6, weight
 /// decay 0.1), clipping at 1.0, f32.
-fn resolved(stage: ZeroStage, world: usize, micro: usize) -> ferrozero_config::resolved::ResolvedConfig {
+fn resolved(
+    stage: ZeroStage,
+    world: usize,
+    micro: usize,
+) -> ferrozero_config::resolved::ResolvedConfig {
     let mut cfg = config(stage, world, micro, 1, Precision::F32);
     cfg.optimizer = OptimizerConfig::Adam {
         lr: 3e-3,
@@ -62,7 +68,11 @@ fn train(arch: &str, stage: ZeroStage, world: usize) -> (Vec<f64>, Vec<f64>) {
         panic!("batch.tokens shape {:?}", tokens.shape)
     };
     assert_eq!(steps, STEPS);
-    let want: Vec<f64> = take(&file, "losses").data.iter().map(|&l| l as f64).collect();
+    let want: Vec<f64> = take(&file, "losses")
+        .data
+        .iter()
+        .map(|&l| l as f64)
+        .collect();
     let model = hf.build().unwrap();
     let specs = model.units.iter().flat_map(|u| u.module.param_specs());
     let names: Vec<String> = specs.chain(model.shared.clone()).map(|p| p.name).collect();
@@ -71,7 +81,11 @@ fn train(arch: &str, stage: ZeroStage, world: usize) -> (Vec<f64>, Vec<f64>) {
         .filter(|t| names.contains(&t.name))
         .cloned()
         .collect();
-    assert_eq!(init.len(), names.len(), "{arch}: fixture has every parameter");
+    assert_eq!(
+        init.len(),
+        names.len(),
+        "{arch}: fixture has every parameter"
+    );
     let rows = batch / world;
     let got = run_ranks(world, Duration::from_secs(120), |comm| {
         let r = comm.rank();
@@ -83,7 +97,10 @@ fn train(arch: &str, stage: ZeroStage, world: usize) -> (Vec<f64>, Vec<f64>) {
             let b = Batch {
                 batch: rows,
                 seq,
-                tokens: tokens.data[span.clone()].iter().map(|&t| t as u32).collect(),
+                tokens: tokens.data[span.clone()]
+                    .iter()
+                    .map(|&t| t as u32)
+                    .collect(),
                 targets: targets.data[span].iter().map(|&t| t as i32).collect(),
             };
             losses.push(e.train_batch(&[b])?.loss);

@@ -3,7 +3,9 @@
 
 mod nn_common;
 
-use ferrozero_runtime::backend::{self, Epilogue, HeadShape, MatmulShape, Rope, Rotation, Transpose};
+use ferrozero_runtime::backend::{
+    self, Epilogue, HeadShape, MatmulShape, Rope, Rotation, Transpose,
+};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::gradcheck::{self, Options};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};

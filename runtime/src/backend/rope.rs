@@ -50,8 +50,7 @@ impl Rope {
     /// `ROPE_INIT_FUNCTIONS` define them.
     pub fn inv_freq(&self, head_dim: usize) -> Vec<f64> {
         let base = self.theta as f64;
-        let plain =
-            (0..head_dim / 2).map(move |i| base.powf(-((2 * i) as f64) / head_dim as f64));
+        let plain = (0..head_dim / 2).map(move |i| base.powf(-((2 * i) as f64) / head_dim as f64));
         match self.scaling {
             RopeScaling::None => plain.collect(),
             RopeScaling::Linear { factor } => plain.map(|f| f / factor as f64).collect(),
@@ -61,7 +60,11 @@ impl Rope {
                 high_freq_factor,
                 original_max_position_embeddings,
             } => {
-                let (factor, lo, hi) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64);
+                let (factor, lo, hi) = (
+                    factor as f64,
+                    low_freq_factor as f64,
+                    high_freq_factor as f64,
+                );
                 let old = original_max_position_embeddings as f64;
                 let (low_wavelen, high_wavelen) = (old / lo, old / hi);
                 plain

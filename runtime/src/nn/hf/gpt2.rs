@@ -23,12 +23,22 @@ pub(super) fn read(k: &mut Keys<'_>) -> Result<Gpt2Config> {
             )));
         }
     }
-    k.require_bool("scale_attn_weights", true, true, "attention is scaled by 1/sqrt(d)")?;
+    k.require_bool(
+        "scale_attn_weights",
+        true,
+        true,
+        "attention is scaled by 1/sqrt(d)",
+    )?;
     let why = "per-layer attention scaling is not implemented";
     k.require_bool("scale_attn_by_inverse_layer_idx", false, false, why)?;
     let why = "the LM head is the embedding table";
     k.require_bool("tie_word_embeddings", true, true, why)?;
-    k.require_bool("add_cross_attention", false, false, "GPT-2 here is decoder-only")?;
+    k.require_bool(
+        "add_cross_attention",
+        false,
+        false,
+        "GPT-2 here is decoder-only",
+    )?;
     // Upcasting attention to f32 is what every backend does; `n_ctx` is an old alias of
     // `n_positions`; the summary_* keys configure a classification head this model lacks.
     k.accept(&[

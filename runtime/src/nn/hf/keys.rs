@@ -187,7 +187,9 @@ impl<'a> Keys<'a> {
         if v == want {
             return Ok(());
         }
-        Err(self.err(format!("key `{key}` = {v} is not supported ({why}; supported: {want})")))
+        Err(self.err(format!(
+            "key `{key}` = {v} is not supported ({why}; supported: {want})"
+        )))
     }
 
     /// Requires a number to be zero (dropout probabilities this model does not implement).

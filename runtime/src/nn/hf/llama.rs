@@ -58,9 +58,13 @@ fn qwen2_window(k: &mut Keys<'_>) -> Result<Option<usize>> {
     let mut on = k.bool_or("use_sliding_window", false)?;
     k.accept(&["max_window_layers"]);
     if let Some(types) = k.raw("layer_types") {
-        let list = types.as_array().map(|a| a.iter().map(|v| v.as_str()).collect::<Vec<_>>());
+        let list = types
+            .as_array()
+            .map(|a| a.iter().map(|v| v.as_str()).collect::<Vec<_>>());
         let Some(list) = list else {
-            return Err(k.err(format!("key `layer_types` = {types} is not a list of strings")));
+            return Err(k.err(format!(
+                "key `layer_types` = {types} is not a list of strings"
+            )));
         };
         for t in list {
             match t {

@@ -220,12 +220,18 @@ fn architecture(map: &Map<String, Value>, origin: &str) -> Result<Architecture> 
         ))
     };
     if let Some(v) = map.get("architectures").filter(|v| !v.is_null()) {
-        let names: Option<Vec<&str>> = v.as_array().and_then(|a| a.iter().map(Value::as_str).collect());
+        let names: Option<Vec<&str>> = v
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_str).collect());
         return match names.as_deref() {
             Some([one]) => Architecture::ALL
                 .into_iter()
                 .find(|a| a.class_name() == *one)
-                .ok_or_else(|| err(format!("architectures names `{one}`, which is not supported"))),
+                .ok_or_else(|| {
+                    err(format!(
+                        "architectures names `{one}`, which is not supported"
+                    ))
+                }),
             _ => Err(err(format!(
                 "key `architectures` = {v} must name exactly one model class"
             ))),
@@ -236,6 +242,8 @@ fn architecture(map: &Map<String, Value>, origin: &str) -> Result<Architecture> 
             .into_iter()
             .find(|a| a.model_type() == t)
             .ok_or_else(|| err(format!("model_type `{t}` is not supported"))),
-        None => Err(err("neither `architectures` nor `model_type` names the model".into())),
+        None => Err(err(
+            "neither `architectures` nor `model_type` names the model".into(),
+        )),
     }
 }

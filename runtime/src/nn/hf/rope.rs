@@ -46,8 +46,11 @@ fn number(k: &Keys<'_>, key: &str, obj: &Map<String, Value>, field: &str) -> Res
 }
 
 fn required(k: &Keys<'_>, key: &str, obj: &Map<String, Value>, field: &str) -> Result<f32> {
-    number(k, key, obj, field)?
-        .ok_or_else(|| k.err(format!("key `{key}` lacks `{field}`, which its rope_type needs")))
+    number(k, key, obj, field)?.ok_or_else(|| {
+        k.err(format!(
+            "key `{key}` lacks `{field}`, which its rope_type needs"
+        ))
+    })
 }
 
 /// The scaling an object names by `rope_type` (or the older `type`).

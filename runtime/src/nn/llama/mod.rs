@@ -142,7 +142,8 @@ impl LlamaConfig {
         if sizes.contains(&0) || self.num_attention_heads == 0 || self.vocab_size == 0 {
             return bad("sizes, layer and head counts must be positive".into());
         }
-        let split = self.head_dim.is_some() || self.hidden_size.is_multiple_of(self.num_attention_heads);
+        let split =
+            self.head_dim.is_some() || self.hidden_size.is_multiple_of(self.num_attention_heads);
         if !split || self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             return bad(format!(
                 "hidden_size {} must split into {} heads of even width (or head_dim {:?} be \
@@ -160,7 +161,9 @@ impl LlamaConfig {
         if self.max_position_embeddings == 0 || self.sliding_window == Some(0) {
             return bad("max_position_embeddings and sliding_window must be positive".into());
         }
-        self.rope.validate().map_err(|m| Error::Config(format!("Llama config: {m}")))?;
+        self.rope
+            .validate()
+            .map_err(|m| Error::Config(format!("Llama config: {m}")))?;
         Ok(())
     }
 }
