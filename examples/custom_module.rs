@@ -23,6 +23,7 @@ use std::time::Duration;
 use clap::Parser;
 use ferrozero::config::{parse, Config, Format};
 use ferrozero::engine::{Engine, EngineBuilder};
+use ferrozero::runtime::backend::Rope;
 use ferrozero::runtime::backend::{rng, Accumulate};
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::nn::gradcheck::{self, Options, Report};
@@ -337,12 +338,15 @@ fn ends_config(args: &Args) -> LlamaConfig {
         num_hidden_layers: args.blocks,
         num_attention_heads: 1,
         num_key_value_heads: None,
+        head_dim: None,
         rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
+        rope: Rope::plain(10000.0),
         vocab_size: VOCAB,
         max_position_embeddings: SEQ,
         tie_word_embeddings: false,
         initializer_range: 0.02,
+        qkv_bias: false,
+        sliding_window: None,
     }
 }
 

@@ -80,7 +80,7 @@ fn estimate_reads_hf_config_json() {
     std::fs::write(
         &path,
         r#"{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64,
-            "vocab_size": 100, "n_positions": 64}"#,
+            "vocab_size": 100, "n_positions": 64, "attn_pdrop": 0.0}"#,
     )
     .unwrap();
     let (code, out, err) = ferrozero(&[

@@ -8,7 +8,6 @@ use std::process::Command;
 use ferrozero::runtime::nn::init;
 use ferrozero::runtime::nn::weights::{self, Naming};
 use ferrozero::runtime::tensor::DType;
-use ferrozero::train::model::ModelSpec;
 
 fn repo(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
@@ -42,7 +41,7 @@ fn model_dir(dir: &Path) {
         dir.join("tokenizer.json"),
     )
     .unwrap();
-    let spec = ModelSpec::parse(&dir.join("config.json").to_string_lossy()).unwrap();
+    let spec = ferrozero::train::model::parse(&dir.join("config.json").to_string_lossy()).unwrap();
     let model = spec.build().unwrap();
     let specs: Vec<_> = model
         .units

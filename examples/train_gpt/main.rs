@@ -29,7 +29,8 @@ pub struct Args {
     #[arg(long, value_parser = parse_limit)]
     pub device_memory_limit: Option<ferrozero::config::ByteSize>,
     /// Model: a preset (addition, tiny, bench-15m, gpt2-124m, llama-tiny, llama-7b,
-    /// llama-13b) or a Hugging Face config.json (GPT2Config or LlamaConfig).
+    /// llama-13b) or a Hugging Face config.json (GPT2LMHeadModel, LlamaForCausalLM,
+    /// MistralForCausalLM or Qwen2ForCausalLM).
     #[arg(long, default_value = "addition")]
     pub model_config: String,
     /// Initial weights with Hugging Face names (GPT-2's Conv1D layout): a model directory

@@ -6,9 +6,10 @@ use ferrozero::data::{self, DataOptions, Rows, Shuffled};
 use ferrozero::engine::{Engine, EngineBuilder};
 use ferrozero::runtime::comm::Communicator;
 use ferrozero::runtime::engine::checkpoint::Tag;
-use ferrozero::runtime::nn::weights::{ModelWeights, ModelFiles, Naming};
+use ferrozero::runtime::nn::weights::{ModelFiles, ModelWeights};
 use ferrozero::runtime::nn::IGNORE_INDEX;
-use ferrozero::train::{self, model::ModelSpec, TrainOptions};
+use ferrozero::runtime::nn::hf::HfModel;
+use ferrozero::train::{self, TrainOptions};
 
 use crate::data::Addition;
 use crate::Args;
@@ -93,15 +94,15 @@ fn zero_config(args: &Args) -> Result<ferrozero::config::Config, BoxError> {
 /// Runs the whole job: one thread per rank (or this process as one rank of a launched job),
 /// rank 0 reports.
 pub fn run(args: &Args) -> Result<(), BoxError> {
-    let spec = ModelSpec::parse(&args.model_config)?;
+    let spec = train::model::parse(&args.model_config)?;
     let data = data(args, spec.vocab())?;
-    if data.train.vocab() > spec.vocab() || data.train.seq_len() > spec.positions() {
+    if data.train.vocab() > spec.vocab() || data.train.seq_len() > spec.max_seq() {
         return Err(format!(
             "the data needs vocabulary {} and {} positions; the model has {} and {}",
             data.train.vocab(),
             data.train.seq_len(),
             spec.vocab(),
-            spec.positions()
+            spec.max_seq()
         )
         .into());
     }
@@ -167,7 +168,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
 /// `--init`: a model directory, an index or a single safetensors file, under the
 /// architecture's own names (GPT-2's missing `transformer.` prefix added), and the directory's
 /// `config.json` and tokenizer files for the checkpoints to carry.
-fn open_init(path: &std::path::Path, spec: &ModelSpec) -> Result<(ModelWeights, ModelFiles), BoxError> {
+fn open_init(path: &std::path::Path, spec: &HfModel) -> Result<(ModelWeights, ModelFiles), BoxError> {
     let model = ModelWeights::open(path, spec.naming())?;
     let files = match path.is_dir() {
         true => ModelFiles::from_dir(path)?,

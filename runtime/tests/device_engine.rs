@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::{config, toy};
 use device_common::Dev;
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
-use ferrozero_runtime::backend::{Accumulate, Backend};
+use ferrozero_runtime::backend::{Accumulate, Backend, Rope};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
@@ -148,12 +148,15 @@ fn model() -> Model {
         num_hidden_layers: 2,
         num_attention_heads: 1,
         num_key_value_heads: None,
+        head_dim: None,
         rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
+        rope: Rope::plain(10000.0),
         vocab_size: V,
         max_position_embeddings: T,
         tie_word_embeddings: true,
         initializer_range: 0.3,
+        qkv_bias: false,
+        sliding_window: None,
     };
     let mut units = vec![Unit {
         name: "embed".into(),

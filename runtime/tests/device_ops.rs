@@ -9,7 +9,8 @@ mod device_common;
 use device_common::{assert_close, cpu, get, rand, Dev, Tol};
 use ferrozero_offload::optim::{AdamHyper, LionHyper, SgdHyper, WeightDecay};
 use ferrozero_runtime::backend::{
-    Accumulate, Epilogue, HeadShape, MatmulShape, Rotation, Transpose, UpdateRule,
+    Accumulate, Epilogue, HeadShape, MatmulShape, Rope, RopeScaling, Rotation, Transpose,
+    UpdateRule,
 };
 use ferrozero_runtime::nn::IGNORE_INDEX;
 use ferrozero_runtime::tensor::{DType, FlatBuf, Storage, View, ViewMut};
@@ -359,14 +360,86 @@ fn rope(d: &Dev) {
     let x = d.round(&rand(b * t * h * hd, 16));
     for dir in [Rotation::Forward, Rotation::Inverse] {
         let mut dx = d.put(&x);
-        d.be.rope(dx.view_mut(), b, t, h, hd, 10000.0, dir).unwrap();
-        let mut want = x.clone();
-        c.be.rope(ViewMut::from(&mut want[..]), b, t, h, hd, 10000.0, dir)
+        d.be.rope(dx.view_mut(), b, t, h, hd, &Rope::plain(10000.0), dir)
             .unwrap();
+        let mut want = x.clone();
+        c.be.rope(
+            ViewMut::from(&mut want[..]),
+            b,
+            t,
+            h,
+            hd,
+            &Rope::plain(10000.0),
+            dir,
+        )
+        .unwrap();
         assert_close(&format!("rope {dir:?}"), &get(&dx), &want, d.tol());
     }
 }
 test_device!(rope);
+
+/// Scaled frequencies (Llama 3's bands, linear interpolation) rotate alike on every device:
+/// each backend builds its table from `Rope::angles`, and a device keyed its cached table by
+/// every scaling parameter (a scaled rope after a plain one gets its own table).
+fn rope_scaled(d: &Dev) {
+    let c = cpu();
+    // head_dim 16: with base 1e4 and 256/4..256/1 the 8 wavelengths fall in all three bands.
+    let (b, t, h, hd) = (2, 9, 2, 16);
+    let x = d.round(&rand(b * t * h * hd, 18));
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 256,
+    };
+    let linear = RopeScaling::Linear { factor: 2.0 };
+    let mut outs = vec![];
+    for scaling in [RopeScaling::None, llama3, linear] {
+        let rope = Rope {
+            theta: 10000.0,
+            scaling,
+        };
+        let mut dx = d.put(&x);
+        d.be.rope(dx.view_mut(), b, t, h, hd, &rope, Rotation::Forward)
+            .unwrap();
+        let mut want = x.clone();
+        c.be.rope(
+            ViewMut::from(&mut want[..]),
+            b,
+            t,
+            h,
+            hd,
+            &rope,
+            Rotation::Forward,
+        )
+        .unwrap();
+        assert_close(&format!("rope {scaling:?}"), &get(&dx), &want, d.tol());
+        let mut dinv = d.put(&x);
+        d.be.rope(dinv.view_mut(), b, t, h, hd, &rope, Rotation::Inverse)
+            .unwrap();
+        let mut inv = x.clone();
+        c.be.rope(
+            ViewMut::from(&mut inv[..]),
+            b,
+            t,
+            h,
+            hd,
+            &rope,
+            Rotation::Inverse,
+        )
+        .unwrap();
+        assert_close(
+            &format!("rope {scaling:?} inverse"),
+            &get(&dinv),
+            &inv,
+            d.tol(),
+        );
+        outs.push(want);
+    }
+    assert_ne!(outs[0], outs[1], "llama3 scaling changes the rotation");
+    assert_ne!(outs[0], outs[2], "linear scaling changes the rotation");
+}
+test_device!(rope_scaled);
 
 fn embeddings(d: &Dev) {
     let c = cpu();

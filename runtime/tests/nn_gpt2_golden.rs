@@ -27,7 +27,8 @@ fn get<'a>(f: &'a [weights::NamedTensor], name: &str) -> &'a [f32] {
 fn config() -> Gpt2Config {
     Gpt2Config::from_json(
         r#"{"n_layer": 2, "n_head": 3, "n_embd": 24, "vocab_size": 53, "n_positions": 16,
-            "layer_norm_epsilon": 1e-5, "model_type": "gpt2", "activation_function": "gelu_new"}"#,
+            "layer_norm_epsilon": 1e-5, "model_type": "gpt2", "activation_function": "gelu_new",
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}"#,
     )
     .expect("valid config")
 }

@@ -3,7 +3,9 @@
 
 mod nn_common;
 
-use ferrozero_runtime::backend::{self, Epilogue, HeadShape, MatmulShape, Rotation, Transpose};
+use ferrozero_runtime::backend::{
+    self, Epilogue, HeadShape, MatmulShape, Rope, Rotation, Transpose,
+};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::gradcheck::{self, Options};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
@@ -253,7 +255,7 @@ fn rope_inverse_undoes_forward_and_preserves_norms() {
         5,
         3,
         6,
-        10000.0,
+        &Rope::plain(10000.0),
         Rotation::Forward,
     )
     .unwrap();
@@ -266,7 +268,7 @@ fn rope_inverse_undoes_forward_and_preserves_norms() {
         5,
         3,
         6,
-        10000.0,
+        &Rope::plain(10000.0),
         Rotation::Inverse,
     )
     .unwrap();

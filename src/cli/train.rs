@@ -112,7 +112,7 @@ fn zero_config(args: &Args) -> std::result::Result<Config, String> {
 
 fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>> {
     let model = train::load_model(&args.model)?;
-    let positions = model.spec.positions();
+    let positions = model.spec.max_seq();
     let seq = args.seq_len.unwrap_or(positions.min(512));
     if seq < 1 || seq > positions {
         return Err(format!(
@@ -182,7 +182,8 @@ fn rank(
         .hidden_size(model.spec.hidden())
         .sequence_length(rows.seq_len())
         .build()?;
-    engine.set_parameters(&model.init)?;
+    engine.load_parameters(&model.weights)?;
+    engine.set_model_files(model.files.clone());
     let first = match &args.resume {
         Some(dir) => engine.load_checkpoint(dir, &Tag::Latest)?.data_position,
         None => 0,
@@ -205,7 +206,7 @@ fn rank(
     if let Some(out) = &args.output {
         let params = engine.parameters()?;
         if engine.rank() == 0 {
-            train::write_output(out, &model.dir, &params)?;
+            train::write_output(out, &model.files, &params)?;
             println!("wrote {}", out.display());
         }
     }

@@ -1,34 +1,30 @@
 //! A Hugging Face model directory in and out, as `ferrozero train` needs it: `config.json`
-//! and `model.safetensors` in; the trained weights, the config and the tokenizer files out.
+//! (read by `nn::hf`) and the weights (mapped by `nn::weights`, one file or an index with its
+//! shards) in; the trained weights, the config and the tokenizer files out.
 
 use std::path::{Path, PathBuf};
 
-use super::model::ModelSpec;
 use crate::data::file_err;
 use crate::engine::NamedTensor;
-use ferrozero_runtime::nn::weights::{self, Naming};
+use ferrozero_runtime::nn::hf::HfModel;
+use ferrozero_runtime::nn::weights::{
+    write_model_dir, ModelFiles, ModelWeights, ParamSource, DEFAULT_MAX_SHARD_BYTES,
+};
 use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::DType;
 use ferrozero_runtime::Result;
 
-/// Files that travel with the weights when a run writes its output directory.
-const COMPANIONS: [&str; 6] = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "merges.txt",
-];
-
-/// A model directory read for training.
+/// A model directory opened for training: nothing of the weights is read yet beyond the
+/// headers; each rank copies out its part when it loads them.
 pub struct ModelDir {
     /// The directory.
     pub dir: PathBuf,
     /// The architecture and its sizes, from `config.json`.
-    pub spec: ModelSpec,
-    /// Every parameter the model declares, from `model.safetensors`.
-    pub init: Vec<NamedTensor>,
+    pub spec: HfModel,
+    /// The weights, mapped and checked against the model's parameters.
+    pub weights: ModelWeights,
+    /// `config.json` and the tokenizer files, for checkpoints and the output directory.
+    pub files: ModelFiles,
     /// `eos_token_id` of `config.json` (the first, when it lists several).
     pub eos: Option<u32>,
 }
@@ -50,75 +46,67 @@ fn param_names(model: &Model) -> Vec<(String, Vec<usize>)> {
         .collect()
 }
 
-/// Reads `dir/config.json` and `dir/model.safetensors`: every parameter of the model must be
-/// there with its shape (extra tensors are ignored).
+fn eos_of(config: &Path) -> Result<Option<u32>> {
+    let text = std::fs::read_to_string(config).map_err(|e| file_err(config, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| file_err(config, e))?;
+    Ok(match v.get("eos_token_id") {
+        Some(serde_json::Value::Array(a)) => a.first().and_then(|x| x.as_u64()),
+        Some(x) => x.as_u64(),
+        None => None,
+    }
+    .map(|x| x as u32))
+}
+
+/// Opens `dir`: `config.json` and the weights (`model.safetensors`, or the index and its
+/// shards); every parameter of the model must be there with its shape (extra tensors are
+/// ignored).
 pub fn load_model(dir: &Path) -> Result<ModelDir> {
-    let config = dir.join("config.json");
     if !dir.is_dir() {
         return Err(file_err(
             dir,
-            "not a model directory (config.json + model.safetensors)",
+            "not a model directory (config.json + model.safetensors or its index and shards)",
         ));
     }
+    let config = dir.join("config.json");
     if !config.is_file() {
         return Err(file_err(
             &config,
             "missing: a model directory needs config.json",
         ));
     }
-    let spec = ModelSpec::parse(&config.to_string_lossy()).map_err(|e| file_err(&config, e))?;
-    let text = std::fs::read_to_string(&config).map_err(|e| file_err(&config, e))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| file_err(&config, e))?;
-    let eos = match v.get("eos_token_id") {
-        Some(serde_json::Value::Array(a)) => a.first().and_then(|x| x.as_u64()),
-        Some(x) => x.as_u64(),
-        None => None,
-    }
-    .map(|x| x as u32);
-    let weights_path = dir.join("model.safetensors");
-    if !weights_path.is_file() {
-        return Err(file_err(
-            &weights_path,
-            "missing: a model directory needs model.safetensors",
-        ));
-    }
-    let naming = match spec {
-        ModelSpec::Gpt2(_) => Naming::Gpt2,
-        ModelSpec::Llama(_) => Naming::Exact,
-    };
+    let spec = HfModel::from_file(&config)?;
+    let eos = eos_of(&config)?;
+    let weights = ModelWeights::open(dir, spec.naming())?;
     let expected = param_names(&spec.build()?);
     let refs: Vec<(&str, &[usize])> = expected
         .iter()
         .map(|(n, s)| (n.as_str(), s.as_slice()))
         .collect();
-    let values = weights::select(&weights_path, weights::load(&weights_path, naming)?, &refs)?;
-    let init = expected
-        .into_iter()
-        .zip(values)
-        .map(|((name, shape), data)| NamedTensor { name, shape, data })
-        .collect();
+    weights.check(&refs)?;
     Ok(ModelDir {
         dir: dir.to_path_buf(),
         spec,
-        init,
+        weights,
+        files: ModelFiles::from_dir(dir)?,
         eos,
     })
 }
 
-/// Writes a model directory: `model.safetensors` (f32) from `params`, and the config and
-/// tokenizer files of `source` that exist.
-pub fn write_output(out: &Path, source: &Path, params: &[NamedTensor]) -> Result<()> {
-    std::fs::create_dir_all(out).map_err(|e| file_err(out, e))?;
-    let tensors: Vec<(&str, &[usize], &[f32])> = params
+/// Writes a model directory as `save_pretrained` does: the weights in f32 (one file, or
+/// shards of at most 5 GB with an index) and `files` (the config and tokenizer files).
+pub fn write_output(out: &Path, files: &ModelFiles, params: &[NamedTensor]) -> Result<()> {
+    let tensors: Vec<(String, Vec<usize>)> = params
         .iter()
-        .map(|t| (t.name.as_str(), t.shape.as_slice(), t.data.as_slice()))
+        .map(|t| (t.name.clone(), t.shape.clone()))
         .collect();
-    weights::save(&out.join("model.safetensors"), &tensors, DType::F32)?;
-    for name in COMPANIONS {
-        let from = source.join(name);
-        if from.is_file() && source != out {
-            std::fs::copy(&from, out.join(name)).map_err(|e| file_err(&from, e))?;
-        }
-    }
+    let mut read = |i: usize| Ok(params[i].data.clone());
+    write_model_dir(
+        out,
+        files,
+        &tensors,
+        DType::F32,
+        DEFAULT_MAX_SHARD_BYTES,
+        &mut read,
+    )?;
     Ok(())
 }

@@ -20,11 +20,13 @@
 mod cpu;
 pub mod cuda;
 pub mod rng;
+mod rope;
 pub mod stream;
 
 use std::sync::Arc;
 
 pub use cpu::CpuBackend;
+pub use rope::{Rope, RopeScaling};
 pub use stream::{Stream, StreamEvent, StreamOps};
 
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
@@ -370,7 +372,8 @@ pub trait AttentionOps {
     ) -> Result<()>;
     /// Rotary embedding in place on `[batch*seq, heads*head_dim]` (Hugging Face's
     /// rotate-half convention: element `i` pairs with `i + head_dim/2`). `direction` Inverse
-    /// rotates by `-θ`, which is the backward of Forward.
+    /// rotates by `-θ`, which is the backward of Forward. The angles are [`Rope::angles`]'s
+    /// on every backend.
     #[allow(clippy::too_many_arguments)]
     fn rope(
         &self,
@@ -379,7 +382,7 @@ pub trait AttentionOps {
         seq: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: &Rope,
         direction: Rotation,
     ) -> Result<()>;
 }

@@ -2,6 +2,7 @@
 
 pub mod gpt2;
 pub mod gradcheck;
+pub mod hf;
 pub mod init;
 pub mod linear;
 pub mod llama;

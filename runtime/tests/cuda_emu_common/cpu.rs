@@ -1,7 +1,7 @@
 //! Every call to the CPU backend and the CPU-side helpers in one place, with plain slices
 //! wrapped into the backend's views here.
 
-use ferrozero_runtime::backend::{cpu, Accumulate, HeadShape, Rotation};
+use ferrozero_runtime::backend::{cpu, Accumulate, HeadShape, Rope, Rotation};
 use ferrozero_runtime::tensor::{FlatBuf, IdBuf, View, ViewMut};
 
 fn v(x: &[f32]) -> View<'_> {
@@ -143,7 +143,7 @@ pub fn rope(
         Rotation::Forward
     };
     cpu()
-        .rope(m(x), batch, seq, heads, head_dim, theta, dir)
+        .rope(m(x), batch, seq, heads, head_dim, &Rope::plain(theta), dir)
         .unwrap();
 }
 

@@ -8,7 +8,9 @@ use rayon::prelude::*;
 
 use super::simd::simd_kernel;
 use super::{f32_in, f32_out, gemm_raw, math, CpuBackend, SendPtr, StridedMat};
-use crate::backend::{Accumulate, AttentionGrads, AttentionOps, AttentionShape, Rotation, RowView};
+use crate::backend::{
+    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Rope, Rotation, RowView,
+};
 use crate::tensor::{FlatBuf, Storage, View, ViewMut};
 use crate::{Error, Result};
 
@@ -339,7 +341,7 @@ impl AttentionOps for CpuBackend {
         seq: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: &Rope,
         dir: Rotation,
     ) -> Result<()> {
         let x = f32_out("rope", "x", x)?;
@@ -352,7 +354,7 @@ impl AttentionOps for CpuBackend {
                 got: format!("{} elements", x.len()),
             });
         }
-        super::rope::apply(x, batch, seq, heads, head_dim, theta, dir);
+        super::rope::apply(x, batch, seq, heads, head_dim, rope, dir);
         Ok(())
     }
 }

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::Rotation;
+use crate::backend::{Rope, Rotation};
 
 /// Rotates every head of every row by its position's angles; `Inverse` undoes `Forward`.
 pub(super) fn apply(
@@ -11,25 +11,15 @@ pub(super) fn apply(
     seq: usize,
     heads: usize,
     head_dim: usize,
-    theta: f32,
+    rope: &Rope,
     dir: Rotation,
 ) {
     let half = head_dim / 2;
-    let sign = match dir {
-        Rotation::Forward => 1.0f64,
-        Rotation::Inverse => -1.0,
-    };
-    // cos/sin per (position, frequency), computed once in f64 like HF's float32 tables
-    // rounded from exact values.
-    let table: Vec<(f32, f32)> = (0..seq)
-        .flat_map(|pos| {
-            (0..half).map(move |i| {
-                let inv = (theta as f64).powf(-((2 * i) as f64) / head_dim as f64);
-                let a = pos as f64 * inv;
-                (a.cos() as f32, (sign * a.sin()) as f32)
-            })
-        })
-        .collect();
+    let mut table = rope.angles(seq, head_dim);
+    if dir == Rotation::Inverse {
+        // sin(-a) = -sin(a) exactly, so the inverse negates the rounded sine.
+        table.iter_mut().for_each(|cs| cs.1 = -cs.1);
+    }
     let row = heads * head_dim;
     x.par_chunks_mut(row)
         .enumerate()

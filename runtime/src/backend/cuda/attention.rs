@@ -14,24 +14,17 @@ use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
 use super::storage::{by_dtype, CudaBuf};
-use crate::backend::{AttentionGrads, AttentionOps, AttentionShape, Rotation, RowView};
+use crate::backend::{AttentionGrads, AttentionOps, AttentionShape, Rope, Rotation, RowView};
 use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::{Error, Result};
 
-/// The `[seq][head_dim / 2][2]` cos/sin table for `+θ`, computed in f64 and rounded, as
-/// `backend/cpu/rope.rs` computes its own.
-fn rope_table(seq: usize, head_dim: usize, theta: f32) -> Vec<f32> {
-    let half = head_dim / 2;
-    let mut t = Vec::with_capacity(seq * half * 2);
-    for pos in 0..seq {
-        for i in 0..half {
-            let inv = (theta as f64).powf(-((2 * i) as f64) / head_dim as f64);
-            let a = pos as f64 * inv;
-            t.push(a.cos() as f32);
-            t.push(a.sin() as f32);
-        }
-    }
-    t
+/// The `[seq][head_dim / 2][2]` cos/sin table for `+θ`: [`Rope::angles`], the table
+/// `backend/cpu/rope.rs` rotates by, flattened.
+fn rope_table(seq: usize, head_dim: usize, rope: &Rope) -> Vec<f32> {
+    rope.angles(seq, head_dim)
+        .into_iter()
+        .flat_map(|(c, s)| [c, s])
+        .collect()
 }
 
 /// Head dims the kernels are compiled for (their `_dDP` infix); a call runs the smallest one
@@ -508,7 +501,7 @@ impl AttentionOps for CudaBackend {
         seq: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: &Rope,
         dir: Rotation,
     ) -> Result<()> {
         let x = self.dev_out("rope", "x", x)?;
@@ -525,8 +518,8 @@ impl AttentionOps for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let table = self.dev.rope_table((seq, head_dim, theta.to_bits()), || {
-            rope_table(seq, head_dim, theta)
+        let table = self.dev.rope_table((seq, head_dim, rope.key()), || {
+            rope_table(seq, head_dim, rope)
         })?;
         let mut args = Args::new()
             .ptr(x.ptr())

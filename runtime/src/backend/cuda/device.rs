@@ -17,6 +17,9 @@ use crate::{Error, Result};
 /// kernels, GEMMs and the copies between them without events.
 pub(crate) const STREAM: StreamKind = StreamKind::Compute;
 
+/// A RoPE table's identity: sequence length, head width and `Rope::key`.
+type RopeKey = (usize, usize, [u32; 6]);
+
 /// Threads per block for grid-stride kernels.
 pub(crate) const BLOCK: u32 = 256;
 
@@ -26,9 +29,9 @@ pub struct CudaDevice {
     driver: Arc<dyn Driver>,
     alloc: Arc<Allocator>,
     kernels: Mutex<HashMap<&'static str, Kernel>>,
-    /// RoPE cos/sin tables by (seq, head_dim, theta bits), built once (the CPU rebuilds its own
-    /// per call; uploading one per call would cost a copy each time).
-    rope_tables: Mutex<HashMap<(usize, usize, u32), Arc<DeviceBuffer>>>,
+    /// RoPE cos/sin tables by (seq, head_dim, `Rope::key`), built once (the CPU rebuilds its
+    /// own per call; uploading one per call would cost a copy each time).
+    rope_tables: Mutex<HashMap<RopeKey, Arc<DeviceBuffer>>>,
     /// Page-locked host buffers for staging views through host memory.
     pinned: PinnedPool,
 }
@@ -124,10 +127,10 @@ impl CudaDevice {
         unsafe { self.driver.launch(k, &cfg, &mut params, STREAM) }
     }
 
-    /// The RoPE table for `(seq, head_dim, theta)`, uploaded on first use.
+    /// The RoPE table for `(seq, head_dim, rope parameters)`, uploaded on first use.
     pub(crate) fn rope_table(
         &self,
-        key: (usize, usize, u32),
+        key: RopeKey,
         build: impl FnOnce() -> Vec<f32>,
     ) -> Result<Arc<DeviceBuffer>> {
         let mut t = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner());

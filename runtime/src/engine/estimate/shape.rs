@@ -63,27 +63,12 @@ pub fn preset(name: &str) -> Result<ModelShape> {
     }
 }
 
-/// A Hugging Face `config.json`: `model_type` `gpt2` or `llama` (Llama-shaped types such as
-/// `mistral` are read as Llama); without `model_type`, the keys decide.
+/// A Hugging Face `config.json` of a supported architecture (read by [`crate::nn::hf`]).
 pub fn hf_config(path: &Path) -> Result<ModelShape> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| Error::Config(format!("{}: not JSON: {e}", path.display())))?;
     let what = format!("{}", path.display());
-    let kind = v.get("model_type").and_then(|t| t.as_str());
-    match kind {
-        Some("gpt2") => from_gpt2(gpt2::Gpt2Config::from_json(&text)?, what),
-        Some(_) | None if v.get("hidden_size").is_some() => {
-            from_llama(llama::LlamaConfig::from_json(&text)?, what)
-        }
-        None if v.get("n_embd").is_some() => from_gpt2(gpt2::Gpt2Config::from_json(&text)?, what),
-        _ => Err(Error::Config(format!(
-            "{}: model_type {kind:?} is neither GPT-2 nor Llama-shaped (no hidden_size)",
-            path.display()
-        ))),
+    match crate::nn::hf::HfModel::from_file(path)?.config {
+        crate::nn::hf::ModelConfig::Gpt2(c) => from_gpt2(c, what),
+        crate::nn::hf::ModelConfig::Llama(c) => from_llama(c, what),
     }
 }
 
@@ -124,12 +109,15 @@ pub fn from_size(
         num_hidden_layers: layers,
         num_attention_heads: heads,
         num_key_value_heads: None,
+        head_dim: None,
         rms_norm_eps: 1e-5,
-        rope_theta: 10000.0,
+        rope: crate::backend::Rope::plain(10000.0),
         vocab_size: vocab,
         max_position_embeddings: seq,
         tie_word_embeddings: false,
         initializer_range: 0.02,
+        qkv_bias: false,
+        sliding_window: None,
     };
     let what = format!("Llama-shaped, {params:.3e} params, {layers} layers, width {hidden}");
     from_llama(cfg, what)

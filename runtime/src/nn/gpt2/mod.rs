@@ -20,16 +20,15 @@
 mod block;
 mod ends;
 
-use serde::Deserialize;
-
 pub use block::Block;
 pub use ends::{Embed, Head};
 
 use crate::nn::{Init, Model, ParamSpec, Unit};
 use crate::{Error, Result};
 
-/// GPT-2 hyper-parameters, field names as in Hugging Face's `GPT2Config` (`config.json`).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+/// GPT-2 hyper-parameters, field names as in Hugging Face's `GPT2Config` (`config.json`,
+/// read by [`crate::nn::hf`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Gpt2Config {
     /// Blocks.
     pub n_layer: usize,
@@ -42,27 +41,15 @@ pub struct Gpt2Config {
     /// Longest sequence (rows of `wpe`).
     pub n_positions: usize,
     /// LayerNorm epsilon.
-    #[serde(default = "default_ln_eps")]
     pub layer_norm_epsilon: f32,
     /// Residual dropout probability.
-    #[serde(default)]
     pub resid_pdrop: f32,
     /// Embedding dropout probability.
-    #[serde(default)]
     pub embd_pdrop: f32,
     /// Attention-probability dropout (must be 0 here).
-    #[serde(default)]
     pub attn_pdrop: f32,
     /// Std of the normal initialiser.
-    #[serde(default = "default_init_range")]
     pub initializer_range: f32,
-}
-
-fn default_ln_eps() -> f32 {
-    1e-5
-}
-fn default_init_range() -> f32 {
-    0.02
 }
 
 impl Gpt2Config {
@@ -93,12 +80,10 @@ impl Gpt2Config {
         })
     }
 
-    /// Parses a Hugging Face `config.json` (unknown keys are ignored, as `transformers` does).
+    /// Parses a Hugging Face `GPT2LMHeadModel` `config.json` (see [`crate::nn::hf`]: keys
+    /// that would change the math and are not implemented are refused).
     pub fn from_json(text: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text)
-            .map_err(|e| Error::Config(format!("GPT-2 config.json: {e}")))?;
-        cfg.validate()?;
-        Ok(cfg)
+        crate::nn::hf::gpt2_from_json(text, "config.json")
     }
 
     /// Reads and parses a `config.json` file.
@@ -107,7 +92,7 @@ impl Gpt2Config {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        Self::from_json(&text)
+        crate::nn::hf::gpt2_from_json(&text, &path.display().to_string())
     }
 
     /// Checks that the sizes are usable.
@@ -135,7 +120,8 @@ impl Gpt2Config {
         }
         if self.attn_pdrop != 0.0 {
             return bad(format!(
-                "attn_pdrop = {} is not supported (only 0)",
+                "attn_pdrop = {} is not supported (attention dropout is not implemented; \
+                 set it to 0.0 to train without it)",
                 self.attn_pdrop
             ));
         }

@@ -1,12 +1,13 @@
 //! One Llama block: RMSNorm → GQA attention with RoPE → residual, RMSNorm → SwiGLU MLP →
-//! residual.
+//! residual. With `qkv_bias` (Qwen2) the q/k/v projections add their biases, declared after
+//! the nine weights so the weights keep their indices.
 
 use super::LlamaConfig;
 use crate::backend::{Accumulate, AttentionGrads, AttentionShape, Backend, Rotation, RowView};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
 use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params};
-use crate::tensor::{Tensor, ViewMut};
+use crate::tensor::{Tensor, View, ViewMut};
 use crate::Result;
 
 saved_struct!(
@@ -24,6 +25,10 @@ const WU: usize = 5;
 const WD: usize = 6;
 const NORM1: usize = 7;
 const NORM2: usize = 8;
+/// Bias of the projection at index `w` (`WQ`, `WK`, `WV`), when `qkv_bias`.
+const fn bias_of(w: usize) -> usize {
+    9 + w
+}
 
 /// A Llama block (`model.layers.{index}`).
 pub struct Block {
@@ -79,8 +84,41 @@ impl Block {
         t: usize,
         dir: Rotation,
     ) -> Result<()> {
-        let (d, theta) = (self.cfg.head_dim(), self.cfg.rope_theta);
-        be.rope(x, b, t, heads, d, theta, dir)
+        be.rope(x, b, t, heads, self.cfg.head_dim(), &self.cfg.rope, dir)
+    }
+
+    /// `y = x · Wᵀ (+ b)` for projection `w` of q, k, v.
+    fn project(
+        &self,
+        be: &dyn Backend,
+        p: &Params<'_>,
+        w: usize,
+        x: View<'_>,
+        y: ViewMut<'_>,
+    ) -> Result<()> {
+        let (qw, kvw) = self.widths();
+        let out = if w == WQ { qw } else { kvw };
+        let bias = self.cfg.qkv_bias.then(|| p.get(bias_of(w)));
+        Self::lin(self.cfg.hidden_size, out).forward(be, x, p.get(w), bias, y)
+    }
+
+    /// `dW += dyᵀ · x` (and `db += Σ dy`) for projection `w` of q, k, v.
+    fn project_grads(
+        &self,
+        be: &dyn Backend,
+        gr: &mut Grads<'_>,
+        w: usize,
+        x: View<'_>,
+        dy: View<'_>,
+    ) -> Result<()> {
+        let (qw, kvw) = self.widths();
+        let lin = Self::lin(self.cfg.hidden_size, if w == WQ { qw } else { kvw });
+        if self.cfg.qkv_bias {
+            let (dw, db) = gr.pair_mut(w, bias_of(w));
+            lin.backward_params(be, x, dy, dw, Some(db))
+        } else {
+            lin.backward_params(be, x, dy, gr.get_mut(w), None)
+        }
     }
 }
 
@@ -100,7 +138,7 @@ impl Module for Block {
             shape,
             init,
         };
-        vec![
+        let mut specs = vec![
             p("self_attn.q_proj.weight", vec![qw, h], w),
             p("self_attn.k_proj.weight", vec![kvw, h], w),
             p("self_attn.v_proj.weight", vec![kvw, h], w),
@@ -110,7 +148,13 @@ impl Module for Block {
             p("mlp.down_proj.weight", vec![h, i], w),
             p("input_layernorm.weight", vec![h], Init::Ones),
             p("post_attention_layernorm.weight", vec![h], Init::Ones),
-        ]
+        ];
+        if self.cfg.qkv_bias {
+            specs.push(p("self_attn.q_proj.bias", vec![qw], Init::Zeros));
+            specs.push(p("self_attn.k_proj.bias", vec![kvw], Init::Zeros));
+            specs.push(p("self_attn.v_proj.bias", vec![kvw], Init::Zeros));
+        }
+        specs
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
@@ -125,9 +169,9 @@ impl Module for Block {
         let (mut rstd1, mut n1) = (stats(be, n)?, act(be, n * hd)?);
         be.rmsnorm_forward(x.view(), p.get(NORM1), eps, n1.view_mut(), rstd1.view_mut())?;
         let (mut q, mut k, mut v) = (act(be, n * qw)?, act(be, n * kvw)?, act(be, n * kvw)?);
-        Self::lin(hd, qw).forward(be, n1.view(), p.get(WQ), None, q.view_mut())?;
-        Self::lin(hd, kvw).forward(be, n1.view(), p.get(WK), None, k.view_mut())?;
-        Self::lin(hd, kvw).forward(be, n1.view(), p.get(WV), None, v.view_mut())?;
+        self.project(be, p, WQ, n1.view(), q.view_mut())?;
+        self.project(be, p, WK, n1.view(), k.view_mut())?;
+        self.project(be, p, WV, n1.view(), v.view_mut())?;
         self.rope(be, q.view_mut(), hq, b, t, Rotation::Forward)?;
         self.rope(be, k.view_mut(), hkv, b, t, Rotation::Forward)?;
         let mut att = act(be, n * qw)?;
@@ -271,9 +315,9 @@ impl Module for Block {
         )?;
         lkv.backward_input(be, dk.view(), p.get(WK), dn1.view_mut(), Accumulate::Add)?;
         lkv.backward_input(be, dv.view(), p.get(WV), dn1.view_mut(), Accumulate::Add)?;
-        lq.backward_params(be, s.n1.view(), dq.view(), gr.get_mut(WQ), None)?;
-        lkv.backward_params(be, s.n1.view(), dk.view(), gr.get_mut(WK), None)?;
-        lkv.backward_params(be, s.n1.view(), dv.view(), gr.get_mut(WV), None)?;
+        self.project_grads(be, gr, WQ, s.n1.view(), dq.view())?;
+        self.project_grads(be, gr, WK, s.n1.view(), dk.view())?;
+        self.project_grads(be, gr, WV, s.n1.view(), dv.view())?;
         let mut dx = act(be, n * hd)?;
         be.rmsnorm_backward(
             s.x.view(),

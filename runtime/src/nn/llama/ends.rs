@@ -9,7 +9,7 @@ use crate::nn::{
     act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params,
 };
 use crate::tensor::{Storage, Tensor, View};
-use crate::Result;
+use crate::{Error, Result};
 
 saved_struct!(
     /// The embedding keeps nothing; the marker proves forward ran.
@@ -28,6 +28,19 @@ fn table_spec(cfg: &LlamaConfig, name: &str) -> ParamSpec {
         init: Init::Normal {
             std: cfg.initializer_range,
         },
+    }
+}
+
+/// Refuses a sequence longer than Mistral's attention window: windowed attention is not
+/// implemented, and within the window it is full causal attention.
+fn check_window(cfg: &LlamaConfig, seq: usize) -> Result<()> {
+    match cfg.sliding_window {
+        Some(w) if seq > w => Err(Error::Invalid(format!(
+            "sequence length {seq} exceeds the model's sliding_window {w}: sliding-window \
+             attention is not implemented (within the window it is full causal attention); \
+             use a sequence length of at most {w}"
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -61,6 +74,7 @@ impl Module for Embed {
         crate::nn::check_views("embed", p, None, &self.lens())?;
         let (b, t, h) = (ctx.batch.batch, ctx.batch.seq, self.cfg.hidden_size);
         check_tokens(ctx.batch, self.cfg.max_position_embeddings)?;
+        check_window(&self.cfg, ctx.batch.seq)?;
         let mut out = act(ctx.be, b * t * h)?;
         ctx.be.embedding_forward(
             ctx.tokens(),

@@ -13,21 +13,27 @@
 //! `mlp.up_proj.weight [I, H]`, `mlp.down_proj.weight [H, I]`, `input_layernorm.weight [H]`,
 //! `post_attention_layernorm.weight [H]`. All are `nn.Linear` weights stored `[out, in]`
 //! (`y = x · Wᵀ`), exactly as in Hugging Face checkpoints. RoPE follows Hugging Face's
-//! rotate-half convention (dimension `i` pairs with `i + D/2`).
+//! rotate-half convention (dimension `i` pairs with `i + D/2`), with its frequency scalings
+//! (`linear`, `llama3`).
+//!
+//! The same code is Mistral (a `sliding_window`: the run's sequence must fit in it, where
+//! windowed attention is full causal attention) and Qwen2 (`qkv_bias`: q/k/v projections
+//! carry `bias [width]` parameters after their weights). [`crate::nn::hf`] reads each
+//! architecture's `config.json` into a [`LlamaConfig`].
 
 mod block;
 mod ends;
 
-use serde::Deserialize;
-
 pub use block::Block;
 pub use ends::{Embed, Head};
 
+use crate::backend::Rope;
 use crate::nn::{Init, Model, ParamSpec, Unit};
 use crate::{Error, Result};
 
-/// Llama hyper-parameters, field names as in Hugging Face's `LlamaConfig` (`config.json`).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+/// Llama hyper-parameters, field names as in Hugging Face's `LlamaConfig` (`config.json`,
+/// read by [`crate::nn::hf`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
     /// Model width.
     pub hidden_size: usize,
@@ -38,34 +44,26 @@ pub struct LlamaConfig {
     /// Query heads.
     pub num_attention_heads: usize,
     /// Key/value heads (defaults to the query heads).
-    #[serde(default)]
     pub num_key_value_heads: Option<usize>,
+    /// Head width (defaults to `hidden_size / num_attention_heads`).
+    pub head_dim: Option<usize>,
     /// RMSNorm epsilon.
-    #[serde(default = "default_eps")]
     pub rms_norm_eps: f32,
-    /// RoPE base.
-    #[serde(default = "default_theta")]
-    pub rope_theta: f32,
+    /// RoPE base and frequency scaling (`rope_theta`, `rope_scaling` / `rope_parameters`).
+    pub rope: Rope,
     /// Vocabulary size.
     pub vocab_size: usize,
     /// Longest sequence.
     pub max_position_embeddings: usize,
     /// Whether the LM head reuses the embedding table.
-    #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Std of the normal initialiser.
-    #[serde(default = "default_init_range")]
     pub initializer_range: f32,
-}
-
-fn default_eps() -> f32 {
-    1e-6
-}
-fn default_theta() -> f32 {
-    10000.0
-}
-fn default_init_range() -> f32 {
-    0.02
+    /// Whether the q, k and v projections have biases (Qwen2).
+    pub qkv_bias: bool,
+    /// Mistral's attention window; a run's sequence may not exceed it (within it, windowed
+    /// attention is full causal attention).
+    pub sliding_window: Option<usize>,
 }
 
 impl LlamaConfig {
@@ -87,21 +85,22 @@ impl LlamaConfig {
             num_hidden_layers: l,
             num_attention_heads: q,
             num_key_value_heads: Some(kv),
+            head_dim: None,
             rms_norm_eps: if name == "tiny" { 1e-6 } else { 1e-5 },
-            rope_theta: 10000.0,
+            rope: Rope::plain(10000.0),
             vocab_size: v,
             max_position_embeddings: pos,
             tie_word_embeddings: false,
             initializer_range: 0.02,
+            qkv_bias: false,
+            sliding_window: None,
         })
     }
 
-    /// Parses a Hugging Face `config.json` (unknown keys are ignored, as `transformers` does).
+    /// Parses a Hugging Face `LlamaForCausalLM` `config.json` (see [`crate::nn::hf`]: keys that
+    /// would change the math and are not implemented are refused).
     pub fn from_json(text: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text)
-            .map_err(|e| Error::Config(format!("Llama config.json: {e}")))?;
-        cfg.validate()?;
-        Ok(cfg)
+        crate::nn::hf::llama_from_json(text, "config.json")
     }
 
     /// Reads and parses a `config.json` file.
@@ -110,7 +109,7 @@ impl LlamaConfig {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        Self::from_json(&text)
+        crate::nn::hf::llama_from_json(&text, &path.display().to_string())
     }
 
     /// Key/value heads.
@@ -120,7 +119,16 @@ impl LlamaConfig {
 
     /// Head width.
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_attention_heads.max(1)
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The longest sequence a run may use: the positions, and Mistral's window.
+    pub fn max_seq(&self) -> usize {
+        self.sliding_window
+            .map_or(self.max_position_embeddings, |w| {
+                w.min(self.max_position_embeddings)
+            })
     }
 
     /// Checks that the sizes are usable.
@@ -134,12 +142,13 @@ impl LlamaConfig {
         if sizes.contains(&0) || self.num_attention_heads == 0 || self.vocab_size == 0 {
             return bad("sizes, layer and head counts must be positive".into());
         }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads)
-            || !self.head_dim().is_multiple_of(2)
-        {
+        let split =
+            self.head_dim.is_some() || self.hidden_size.is_multiple_of(self.num_attention_heads);
+        if !split || self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             return bad(format!(
-                "hidden_size {} must split into {} heads of even width",
-                self.hidden_size, self.num_attention_heads
+                "hidden_size {} must split into {} heads of even width (or head_dim {:?} be \
+                 even and positive)",
+                self.hidden_size, self.num_attention_heads, self.head_dim
             ));
         }
         let kv = self.kv_heads();
@@ -149,9 +158,12 @@ impl LlamaConfig {
                 self.num_attention_heads
             ));
         }
-        if self.max_position_embeddings == 0 || self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
-            return bad("max_position_embeddings and rope_theta must be positive".into());
+        if self.max_position_embeddings == 0 || self.sliding_window == Some(0) {
+            return bad("max_position_embeddings and sliding_window must be positive".into());
         }
+        self.rope
+            .validate()
+            .map_err(|m| Error::Config(format!("Llama config: {m}")))?;
         Ok(())
     }
 }

@@ -1,0 +1,249 @@
+//! Models from a Hugging Face `config.json`: the architecture it names (`architectures`, or
+//! `model_type` when that is absent), read key by key into one of ferrozero's model configs.
+//!
+//! Supported: `GPT2LMHeadModel` ([`crate::nn::gpt2`]), and `LlamaForCausalLM`,
+//! `MistralForCausalLM`, `Qwen2ForCausalLM` ([`crate::nn::llama`], which carries the
+//! differences: q/k/v biases, a sliding window). Every key is either read and its value
+//! checked against what the model implements, known not to change training's math (token
+//! ids, dtypes, generation settings), or refused with an error naming it: a checkpoint never
+//! trains as a different model than the one it was saved from.
+//!
+//! Adding an architecture: a variant of [`Architecture`] with its class name and
+//! `model_type`, a reader (a file beside `llama.rs`) that reads every key its transformers
+//! config defines, and a parity fixture (`runtime/tests/fixtures/gen_hf_parity.py`).
+
+mod gpt2;
+mod keys;
+mod llama;
+mod rope;
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::nn::gpt2::Gpt2Config;
+use crate::nn::llama::LlamaConfig;
+use crate::nn::weights::Naming;
+use crate::nn::Model;
+use crate::{Error, Result};
+use keys::Keys;
+
+/// A Hugging Face model class ferrozero implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// `GPT2LMHeadModel` (`model_type` `gpt2`).
+    Gpt2,
+    /// `LlamaForCausalLM` (`llama`).
+    Llama,
+    /// `MistralForCausalLM` (`mistral`).
+    Mistral,
+    /// `Qwen2ForCausalLM` (`qwen2`).
+    Qwen2,
+}
+
+impl Architecture {
+    /// Every supported architecture.
+    pub const ALL: [Architecture; 4] = [Self::Gpt2, Self::Llama, Self::Mistral, Self::Qwen2];
+
+    /// The transformers class name (`architectures` in `config.json`).
+    pub fn class_name(self) -> &'static str {
+        match self {
+            Self::Gpt2 => "GPT2LMHeadModel",
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// The `model_type` in `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Gpt2 => "gpt2",
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+        }
+    }
+
+    fn supported() -> String {
+        let names: Vec<String> = Self::ALL
+            .iter()
+            .map(|a| format!("{} ({})", a.class_name(), a.model_type()))
+            .collect();
+        names.join(", ")
+    }
+}
+
+/// The model a `config.json` describes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelConfig {
+    /// GPT-2.
+    Gpt2(Gpt2Config),
+    /// The Llama family (Llama, Mistral, Qwen2).
+    Llama(LlamaConfig),
+}
+
+/// A model read from a Hugging Face `config.json`: what to build and what callers need.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HfModel {
+    /// The class it was saved as.
+    pub architecture: Architecture,
+    /// Its hyper-parameters.
+    pub config: ModelConfig,
+}
+
+impl HfModel {
+    /// Reads `config.json` at `path`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::from_json(&text, &path.display().to_string())
+    }
+
+    /// Parses `config.json` text; `origin` names it in errors.
+    pub fn from_json(text: &str, origin: &str) -> Result<Self> {
+        let map = object(text, origin)?;
+        let architecture = architecture(&map, origin)?;
+        Self::read(&map, origin, architecture)
+    }
+
+    /// Reads `map` as `architecture` (whatever it names itself).
+    fn read(map: &Map<String, Value>, origin: &str, architecture: Architecture) -> Result<Self> {
+        let mut k = Keys::new(origin, architecture.class_name(), map);
+        let config = match architecture {
+            Architecture::Gpt2 => ModelConfig::Gpt2(gpt2::read(&mut k)?),
+            arch => ModelConfig::Llama(llama::read(&mut k, arch)?),
+        };
+        k.finish()?;
+        Ok(Self {
+            architecture,
+            config,
+        })
+    }
+
+    /// Builds the model (parameter names as in the architecture's checkpoints).
+    pub fn build(&self) -> Result<Model> {
+        match &self.config {
+            ModelConfig::Gpt2(c) => crate::nn::gpt2::build(c),
+            ModelConfig::Llama(c) => crate::nn::llama::build(c),
+        }
+    }
+
+    /// Model width.
+    pub fn hidden(&self) -> usize {
+        match &self.config {
+            ModelConfig::Gpt2(c) => c.n_embd,
+            ModelConfig::Llama(c) => c.hidden_size,
+        }
+    }
+
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        match &self.config {
+            ModelConfig::Gpt2(c) => c.vocab_size,
+            ModelConfig::Llama(c) => c.vocab_size,
+        }
+    }
+
+    /// The longest sequence a run may use (positions, and Mistral's window).
+    pub fn max_seq(&self) -> usize {
+        match &self.config {
+            ModelConfig::Gpt2(c) => c.n_positions,
+            ModelConfig::Llama(c) => c.max_seq(),
+        }
+    }
+
+    /// How names in this architecture's weight files map to the model's parameter names.
+    pub fn naming(&self) -> Naming {
+        match self.architecture {
+            Architecture::Gpt2 => Naming::Gpt2,
+            _ => Naming::Exact,
+        }
+    }
+}
+
+/// Parses `text` as a Llama-family config (`LlamaConfig::from_json`): `architectures` and
+/// `model_type` may be absent, and then it is read as `LlamaForCausalLM`.
+pub fn llama_from_json(text: &str, origin: &str) -> Result<LlamaConfig> {
+    let map = object(text, origin)?;
+    let arch = if has_name(&map) {
+        architecture(&map, origin)?
+    } else {
+        Architecture::Llama
+    };
+    match HfModel::read(&map, origin, arch)?.config {
+        ModelConfig::Llama(c) => Ok(c),
+        ModelConfig::Gpt2(_) => Err(Error::Config(format!(
+            "{origin}: a GPT-2 config where a Llama-family one was expected"
+        ))),
+    }
+}
+
+/// Parses `text` as a GPT-2 config (`Gpt2Config::from_json`; `architectures` may be absent).
+pub fn gpt2_from_json(text: &str, origin: &str) -> Result<Gpt2Config> {
+    let map = object(text, origin)?;
+    let arch = if has_name(&map) {
+        architecture(&map, origin)?
+    } else {
+        Architecture::Gpt2
+    };
+    match HfModel::read(&map, origin, arch)?.config {
+        ModelConfig::Gpt2(c) => Ok(c),
+        ModelConfig::Llama(_) => Err(Error::Config(format!(
+            "{origin}: a Llama-family config where a GPT-2 one was expected"
+        ))),
+    }
+}
+
+fn object(text: &str, origin: &str) -> Result<Map<String, Value>> {
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(other) => Err(Error::Config(format!(
+            "{origin}: a config.json is a JSON object, not {other}"
+        ))),
+        Err(e) => Err(Error::Config(format!("{origin}: not JSON: {e}"))),
+    }
+}
+
+fn has_name(map: &Map<String, Value>) -> bool {
+    map.contains_key("architectures") || map.contains_key("model_type")
+}
+
+/// The architecture `architectures` names (exactly one), else `model_type`'s.
+fn architecture(map: &Map<String, Value>, origin: &str) -> Result<Architecture> {
+    let err = |m: String| {
+        Error::Config(format!(
+            "{origin}: {m} (supported: {})",
+            Architecture::supported()
+        ))
+    };
+    if let Some(v) = map.get("architectures").filter(|v| !v.is_null()) {
+        let names: Option<Vec<&str>> = v
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_str).collect());
+        return match names.as_deref() {
+            Some([one]) => Architecture::ALL
+                .into_iter()
+                .find(|a| a.class_name() == *one)
+                .ok_or_else(|| {
+                    err(format!(
+                        "architectures names `{one}`, which is not supported"
+                    ))
+                }),
+            _ => Err(err(format!(
+                "key `architectures` = {v} must name exactly one model class"
+            ))),
+        };
+    }
+    match map.get("model_type").and_then(Value::as_str) {
+        Some(t) => Architecture::ALL
+            .into_iter()
+            .find(|a| a.model_type() == t)
+            .ok_or_else(|| err(format!("model_type `{t}` is not supported"))),
+        None => Err(err(
+            "neither `architectures` nor `model_type` names the model".into(),
+        )),
+    }
+}
