@@ -14,6 +14,7 @@ use crate::engine::build::{optimizer_location, param_location, storage_dtype};
 use crate::engine::ledger::{Category, Ledger, Location};
 use crate::engine::partition::{shard_world, GroupLayout};
 use crate::engine::stage::{self, Extent, Stage};
+use crate::engine::write_behind::{snapshot_bytes, OptimizerOverlap};
 use crate::nn::Model;
 use crate::tensor::DType;
 
@@ -87,6 +88,15 @@ impl<'a> Replay<'a> {
         };
         for g in 0..n {
             r.build_group(g, moments);
+        }
+        // Mirrors `WriteBehind::new`: a speculative optimizer overlap keeps one host snapshot
+        // of each group's optimizer values.
+        if let OptimizerOverlap::Speculative(_) = OptimizerOverlap::decide(cfg) {
+            for g in 0..n {
+                let owned = r.stage.optimizer().range(&r.groups[g].layout, 0).len();
+                let b = snapshot_bytes(owned, moments, r.dtype);
+                r.ledger.alloc(Location::Host, Category::OptimizerState, b);
+            }
         }
         r
     }
