@@ -394,15 +394,23 @@ fn speculative_offload_changes_no_bit(d: &Dev) {
     let mut norms = grad_norms(&d.be, &probe, 4);
     norms.sort_by(f64::total_cmp);
     let clip = norms[2];
-    for stage in [ZeroStage::Stage2, ZeroStage::Stage3] {
-        let mut cfg = cfg_for(d, stage, 1);
+    let runs = [
+        (ZeroStage::Stage2, 1),
+        (ZeroStage::Stage3, 1),
+        (ZeroStage::Stage1, 2),
+        (ZeroStage::Stage3, 2),
+    ];
+    for (stage, world) in runs {
+        let mut cfg = cfg_for(d, stage, world);
         cfg.gradient_clipping = clip;
-        let seen = grad_norms(&d.be, &cfg, 4);
-        assert!(
-            seen.iter().any(|&n| n > clip) && seen.iter().any(|&n| n <= clip),
-            "{}: clip {clip} binds in every step or in none: {seen:?}",
-            d.name
-        );
+        if world == 1 {
+            let seen = grad_norms(&d.be, &cfg, 4);
+            assert!(
+                seen.iter().any(|&n| n > clip) && seen.iter().any(|&n| n <= clip),
+                "{}: clip {clip} binds in every step or in none: {seen:?}",
+                d.name
+            );
+        }
         let (plain, _) = train(&d.be, &cfg, 4);
         let mut on = cfg.clone();
         on.zero.offload_optimizer.target = OffloadTarget::Cpu;
@@ -413,7 +421,7 @@ fn speculative_offload_changes_no_bit(d: &Dev) {
         let (p, _) = train(&d.be, &on, 4);
         assert!(
             bits(&plain) == bits(&p),
-            "{}: {stage:?} the speculative optimizer overlap differs",
+            "{}: {stage:?} world {world}: the speculative optimizer overlap differs",
             d.name
         );
     }
