@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 
 use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
 
-use crate::engine::build::{optimizer_location, param_location, storage_dtype};
+use crate::engine::build::{optimizer_location, param_location, state_dtype, storage_dtype};
 use crate::engine::ledger::{Category, Ledger, Location};
 use crate::engine::partition::{shard_world, GroupLayout};
 use crate::engine::stage::{self, Extent, Stage};
@@ -45,6 +45,8 @@ pub(super) struct Replay<'a> {
     swap_limit: Option<usize>,
     /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
     swapped_in: Vec<bool>,
+    /// Each group's optimizer-state bytes.
+    opt_bytes: Vec<u64>,
 }
 
 impl<'a> Replay<'a> {
@@ -85,6 +87,7 @@ impl<'a> Replay<'a> {
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
+            opt_bytes: vec![0; n],
         };
         for g in 0..n {
             r.build_group(g, moments);
@@ -94,7 +97,7 @@ impl<'a> Replay<'a> {
         if let OptimizerOverlap::Speculative(_) = OptimizerOverlap::decide(cfg) {
             for g in 0..n {
                 let owned = r.stage.optimizer().range(&r.groups[g].layout, 0).len();
-                let b = snapshot_bytes(owned, moments, r.dtype);
+                let b = snapshot_bytes(owned, r.opt_bytes[g], r.dtype);
                 r.ledger.alloc(Location::Host, Category::OptimizerState, b);
             }
         }
@@ -114,12 +117,15 @@ impl<'a> Replay<'a> {
         };
         let grad_elems = self.stage.grads().range(layout, 0).len();
         let owned = self.stage.optimizer().range(layout, 0).len();
-        let master = if self.dtype == DType::F32 { 0 } else { owned };
-        let opt_bytes = ((master + owned * moments) * 4) as u64;
+        let own_master = self.dtype == DType::F32 || self.cfg.bf16_state.master_weights_and_grads;
+        let master = if own_master { 0 } else { owned };
+        let state = state_dtype(self.cfg).size();
+        let opt_bytes = (master * 4 + owned * moments * state) as u64;
         let (pb, gb) = (self.lp(param_elems), self.lp(grad_elems));
         self.ledger.alloc(param_loc, Category::Parameters, pb);
         self.ledger.alloc(Location::Device, Category::Gradients, gb);
         let opt_loc = optimizer_location(self.cfg);
+        self.opt_bytes[g] = opt_bytes;
         self.ledger
             .alloc(opt_loc, Category::OptimizerState, opt_bytes);
     }

@@ -32,10 +32,12 @@ impl Snapshot {
             ParamStore::Replicated(b) => b.dtype(),
             ParamStore::Partitioned { shard, .. } => shard.dtype(),
         };
+        // The values updated are the f32 master weights, or the parameters themselves.
+        let p_dtype = g.master.as_ref().map_or(lp_dtype, |m| m.dtype());
         let s = Snapshot {
-            p: FlatBuf::zeros(DType::F32, n),
-            m: FlatBuf::zeros(DType::F32, g.m.len()),
-            v: FlatBuf::zeros(DType::F32, g.v.len()),
+            p: FlatBuf::zeros(p_dtype, n),
+            m: FlatBuf::zeros(g.m.dtype(), g.m.len()),
+            v: FlatBuf::zeros(g.v.dtype(), g.v.len()),
             lp: g.master.as_ref().map(|_| FlatBuf::zeros(lp_dtype, n)),
         };
         ledger.alloc(Location::Host, Category::OptimizerState, s.bytes());
@@ -91,15 +93,11 @@ impl Snapshot {
     }
 }
 
-/// The host bytes of one group's [`Snapshot`] from sizes alone: the f32 values the optimizer
-/// updates, `moments` f32 moments, and the rounded copy in `dtype` when it is not f32.
-pub(in crate::engine) fn snapshot_bytes(owned: usize, moments: usize, dtype: DType) -> u64 {
-    let lp = if dtype == DType::F32 {
-        0
-    } else {
-        owned * dtype.size()
-    };
-    (owned * 4 * (1 + moments) + lp) as u64
+/// The host bytes of one group's [`Snapshot`] from sizes alone: the group's optimizer state
+/// (`opt_bytes`: master weights, if any, and moments) and the `owned` parameters in their
+/// storage `dtype` (the rounded copy beside master weights, or the values updated themselves).
+pub(in crate::engine) fn snapshot_bytes(owned: usize, opt_bytes: u64, dtype: DType) -> u64 {
+    opt_bytes + (owned * dtype.size()) as u64
 }
 
 fn mismatch(what: &str, want: (DType, usize), got: (DType, usize)) -> Error {
