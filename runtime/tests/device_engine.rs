@@ -376,7 +376,9 @@ fn grad_norms(be: &Arc<dyn Backend>, cfg: &ResolvedConfig, steps: usize) -> Vec<
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
         (0..steps)
             .map(|s| {
-                let batches: Vec<_> = (0..2).map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2)).collect();
+                let batches: Vec<_> = (0..2)
+                    .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
+                    .collect();
                 e.train_batch(&batches).map(|r| r.grad_norm)
             })
             .collect::<Result<Vec<f64>>>()

@@ -150,7 +150,10 @@ fn path_of_step(spans: &[Span], groups: usize, skipped: bool, what: &str) -> boo
     let after = count(spans, "compute", "step");
     let rolled = count(spans, "compute", "rollback");
     if !skipped && rolled == 0 && after == 0 {
-        assert_eq!(lane, groups, "{what}: the lane stepped every group: {spans:?}");
+        assert_eq!(
+            lane, groups,
+            "{what}: the lane stepped every group: {spans:?}"
+        );
         return true;
     }
     assert_eq!(rolled, lane, "{what}: every lane step is undone: {spans:?}");
@@ -164,7 +167,10 @@ fn clipped_steps_are_bitwise_those_of_the_step_after_backward() {
     for world in [1, 2] {
         for precision in [Precision::Bf16, Precision::F32] {
             // A threshold between the toy's gradient norms: clipping binds in some steps.
-            let probe = train(&base(ZeroStage::Stage0, world, precision.clone(), 0.0), plain);
+            let probe = train(
+                &base(ZeroStage::Stage0, world, precision.clone(), 0.0),
+                plain,
+            );
             let mut norms: Vec<f64> = probe[0]
                 .reports
                 .iter()
@@ -203,11 +209,7 @@ fn an_fp16_overflow_step_is_skipped_and_the_lane_undone_exactly() {
                 let stood = same_bits(&cfg, with_nan, &what);
                 // Step 3 overflowed (the lane had stepped the later units' groups: undone);
                 // every other step stood.
-                assert_eq!(
-                    stood,
-                    [true, true, false, true, true, true],
-                    "{what}"
-                );
+                assert_eq!(stood, [true, true, false, true, true, true], "{what}");
             }
         }
     }

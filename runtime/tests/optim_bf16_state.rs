@@ -112,9 +112,26 @@ fn bf16_parameters_and_moments_step_as_the_reference_does() {
                     true => (BufMut::Bf16(&mut m16), BufMut::Bf16(&mut v16)),
                     false => (BufMut::F32(&mut m32), BufMut::F32(&mut v32)),
                 };
-                be.optimizer_update(&rule, step, 0.5, pv, gv, ViewMut::Host(mv), ViewMut::Host(vv), None)
-                    .unwrap();
-                reference_step(&rule, step, &mut want_p, &g, &mut want_m, &mut want_v, bf16_moments);
+                be.optimizer_update(
+                    &rule,
+                    step,
+                    0.5,
+                    pv,
+                    gv,
+                    ViewMut::Host(mv),
+                    ViewMut::Host(vv),
+                    None,
+                )
+                .unwrap();
+                reference_step(
+                    &rule,
+                    step,
+                    &mut want_p,
+                    &g,
+                    &mut want_m,
+                    &mut want_v,
+                    bf16_moments,
+                );
             }
             let what = format!("{rule:?} bf16 moments {bf16_moments}");
             assert_eq!(bits(&p), bits(&want_p), "{what}: parameters");
@@ -207,7 +224,11 @@ fn the_engine_trains_with_bf16_optimizer_values_and_counts_half_the_bytes() {
                     "{what}: optimizer state {opt} bytes, want about {want} (f32 state {full}, {n} parameters)"
                 );
                 let est = estimate(&toy::model(11, 6, 5, 3), &cfg, 2, 5);
-                assert_eq!(est.host.category(Category::OptimizerState), opt, "{what}: estimate");
+                assert_eq!(
+                    est.host.category(Category::OptimizerState),
+                    opt,
+                    "{what}: estimate"
+                );
                 per_stage.push(bits);
             }
             // The update is element-wise: stages give the same bits here too.

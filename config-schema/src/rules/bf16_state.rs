@@ -82,7 +82,10 @@ pub(super) fn check_bf16_state(cx: &mut Cx<'_>, c: &Config) {
              state",
             "set `zero_optimization.offload_optimizer.device = \"cpu\"` (the host step \
              keeps bf16 moments), or `device = \"cpu\"`",
-            format!("device = \"{}\", offload_optimizer.device = \"none\"", c.device),
+            format!(
+                "device = \"{}\", offload_optimizer.device = \"none\"",
+                c.device
+            ),
         );
     } else if !states && device != OffloadDevice::Cpu {
         conflict(

@@ -1,7 +1,7 @@
 //! Cross-field rules, checked once the typed config is built. Each failure names every value
 //! involved, so the user sees the whole conflict at once.
-mod optim;
 mod bf16_state;
+mod optim;
 mod precision;
 mod zero;
 

@@ -151,7 +151,9 @@ impl Engine {
         let opt_overlap = OptimizerOverlap::decide(&cfg);
         opt_overlap.log(&cfg);
         let write_behind = match opt_overlap {
-            OptimizerOverlap::On => Some(WriteBehind::new(comm.rank(), &groups, false, &mut ledger)?),
+            OptimizerOverlap::On => {
+                Some(WriteBehind::new(comm.rank(), &groups, false, &mut ledger)?)
+            }
             OptimizerOverlap::Speculative(_) => {
                 Some(WriteBehind::new(comm.rank(), &groups, true, &mut ledger)?)
             }

@@ -118,7 +118,9 @@ pub(super) fn update(
             UpdateRule::Adam(hp) => {
                 optim::adam_step(hp, step, grad_scale, &mut pf, g, &mut mf, &mut vf, lp_out)
             }
-            UpdateRule::Sgd(hp) => optim::sgd_step(hp, step, grad_scale, &mut pf, g, &mut mf, lp_out),
+            UpdateRule::Sgd(hp) => {
+                optim::sgd_step(hp, step, grad_scale, &mut pf, g, &mut mf, lp_out)
+            }
             UpdateRule::Lion(hp) => optim::lion_step(hp, grad_scale, &mut pf, g, &mut mf, lp_out),
         }?;
         if let Vals::F32(s) = &mut p {

@@ -269,7 +269,11 @@ impl Engine {
             w.armed = None;
         }
         let back = self.take_back_lent()?;
-        if self.write_behind.as_ref().is_some_and(WriteBehind::speculative) {
+        if self
+            .write_behind
+            .as_ref()
+            .is_some_and(WriteBehind::speculative)
+        {
             let mut stepped = vec![false; self.groups.len()];
             for (g, o) in back {
                 stepped[g] = o.stepped;

@@ -131,6 +131,9 @@ fn restore_view(what: &str, dst: ViewMut<'_>, src: &FlatBuf) -> Result<()> {
     }
     // Every element is overwritten: a device view is uploaded without a download first.
     let mut staged = StagedMut::overwrite(dst);
-    staged.host_mut().bytes_mut().copy_from_slice(src.as_ref().bytes());
+    staged
+        .host_mut()
+        .bytes_mut()
+        .copy_from_slice(src.as_ref().bytes());
     staged.finish()
 }

@@ -176,7 +176,9 @@ impl Engine {
         };
         for g in (0..self.groups.len()).filter(|&g| stepped[g]) {
             let snap = w.snapshots.get(g).and_then(Option::as_ref).ok_or_else(|| {
-                Error::Invalid(format!("group {g} was stepped on the lane without a snapshot"))
+                Error::Invalid(format!(
+                    "group {g} was stepped on the lane without a snapshot"
+                ))
             })?;
             let group = &mut self.groups[g];
             self.trace
