@@ -102,7 +102,7 @@ impl LaneStep {
         let r = group.layout.shard_range(self.rank);
         let base = group.grad_offset;
         let sumsq = group.grad.sum_squares(r.start - base..r.end - base)?;
-        let go = self.watch.lock().map_or(false, |mut w| w.admit(sumsq));
+        let go = self.watch.lock().is_ok_and(|mut w| w.admit(sumsq));
         if !go {
             return Ok(Outcome {
                 sumsq,
