@@ -47,11 +47,19 @@ pub(super) struct Replay<'a> {
     swapped_in: Vec<bool>,
     /// Each group's optimizer-state bytes.
     opt_bytes: Vec<u64>,
+    /// Host bytes of the speculative overlap's snapshots (0 without them).
+    pub(super) snapshot_bytes: u64,
 }
 
 impl<'a> Replay<'a> {
-    /// Lays out every group of `model` for `cfg`'s world size and counts the model states.
-    pub(super) fn build(model: &'a Model, cfg: &'a ResolvedConfig, moments: usize) -> Self {
+    /// Lays out every group of `model` for `cfg`'s world size and counts the model states,
+    /// with the speculative overlap's snapshots when `overlap` is speculative.
+    pub(super) fn build(
+        model: &'a Model,
+        cfg: &'a ResolvedConfig,
+        moments: usize,
+        overlap: &OptimizerOverlap,
+    ) -> Self {
         let stage = stage::for_stage(cfg.zero.stage);
         let world = shard_world(cfg.world_size.max(1), cfg.zero.hpz_partition_size);
         let mut specs: Vec<_> = model.units.iter().map(|u| u.module.param_specs()).collect();
@@ -88,17 +96,19 @@ impl<'a> Replay<'a> {
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
             opt_bytes: vec![0; n],
+            snapshot_bytes: 0,
         };
         for g in 0..n {
             r.build_group(g, moments);
         }
         // Mirrors `WriteBehind::new`: a speculative optimizer overlap keeps one host snapshot
         // of each group's optimizer values.
-        if let OptimizerOverlap::Speculative(_) = OptimizerOverlap::decide(cfg) {
+        if let OptimizerOverlap::Speculative(_) = overlap {
             for g in 0..n {
                 let owned = r.stage.optimizer().range(&r.groups[g].layout, 0).len();
                 let b = snapshot_bytes(owned, r.opt_bytes[g], r.dtype);
                 r.ledger.alloc(Location::Host, Category::OptimizerState, b);
+                r.snapshot_bytes += b;
             }
         }
         r

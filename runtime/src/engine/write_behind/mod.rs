@@ -14,6 +14,7 @@
 //! the step overflows, and the step then runs after backward as without overlap. The
 //! schedule's learning rate and momentum of step `k` depend on `k` alone.
 
+mod host;
 mod snapshot;
 mod speculate;
 
@@ -30,6 +31,7 @@ use super::optimizer::StepValues;
 use crate::backend::Stream;
 use crate::{Error, Result};
 
+pub use host::HostNeed;
 pub(super) use snapshot::snapshot_bytes;
 use snapshot::Snapshot;
 pub(super) use speculate::Overlapped;
