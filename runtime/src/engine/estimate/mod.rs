@@ -196,7 +196,9 @@ fn pinned_state(cfg: &ResolvedConfig, host: &Placement, snapshots: u64) -> u64 {
         b += host.category(Category::Parameters);
     }
     if z.offload_optimizer.pin_memory && z.offload_optimizer.target == OffloadTarget::Cpu {
-        b += host.category(Category::OptimizerState).saturating_sub(snapshots);
+        b += host
+            .category(Category::OptimizerState)
+            .saturating_sub(snapshots);
     }
     b
 }

@@ -25,7 +25,11 @@ impl HostNeed {
     /// estimate with the snapshots counted), the device working set included when the
     /// device's memory is the host's.
     pub fn of(e: &Estimate, here: u64, device_in_ram: bool) -> Self {
-        let device = if device_in_ram { e.device.peak_bytes } else { 0 };
+        let device = if device_in_ram {
+            e.device.peak_bytes
+        } else {
+            0
+        };
         HostNeed {
             with_snapshots: (device + e.host_total_bytes()).saturating_mul(here),
             snapshots: e.snapshot_host_bytes.saturating_mul(here),
@@ -97,7 +101,10 @@ mod tests {
         let n = e.num_params;
         assert!(e.snapshot_host_bytes >= 14 * n && e.snapshot_host_bytes < 15 * n);
         let need = HostNeed::of(&e, 1, false);
-        assert!(need.with_snapshots - need.snapshots < HOST_128G, "fits without them");
+        assert!(
+            need.with_snapshots - need.snapshots < HOST_128G,
+            "fits without them"
+        );
         assert!(need.with_snapshots > HOST_128G);
         let OptimizerOverlap::Off(why) = OptimizerOverlap::decide_for_host(&cfg, need, HOST_128G)
         else {
@@ -109,7 +116,10 @@ mod tests {
             need.with_snapshots - need.snapshots,
             HOST_128G,
         ] {
-            assert!(why.contains(&format!("({figure} bytes)")), "{figure}: {why}");
+            assert!(
+                why.contains(&format!("({figure} bytes)")),
+                "{figure}: {why}"
+            );
         }
         assert!(why.contains("gradient_clipping=1.0"), "{why}");
         assert!(why.contains("128.0 GiB"), "{why}");
