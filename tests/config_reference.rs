@@ -297,12 +297,17 @@ fn probe(path: &str) -> Value {
     let mut b = Vec::new();
     branches(&root, site, &mut b);
     if let Some(table) = b.iter().find(|s| s.get("properties").is_some()) {
-        // A table alias: flip its first boolean key.
-        let (k, _) = table["properties"]
-            .as_object()
-            .unwrap()
-            .iter()
-            .find(|(_, p)| p.get("default") == Some(&json!(false)))
+        // A table alias: flip its `enabled` switch, else its first boolean key (other keys of
+        // a switched section may be valid only with the switch on).
+        let props = table["properties"].as_object().unwrap();
+        let (k, _) = props
+            .get_key_value("enabled")
+            .filter(|(_, p)| p.get("default") == Some(&json!(false)))
+            .or_else(|| {
+                props
+                    .iter()
+                    .find(|(_, p)| p.get("default") == Some(&json!(false)))
+            })
             .expect("a boolean key to probe the table alias with");
         return json!({ k: true });
     }

@@ -234,6 +234,11 @@ impl Config {
             device: self.device,
             device_memory_limit: self.device_memory_limit.map(ByteSize::bytes),
             zero,
+            bf16_state: Bf16State {
+                master_weights_and_grads: precision == Precision::Bf16
+                    && self.bf16.bf16_master_weights_and_grads,
+                optimizer_states: precision == Precision::Bf16 && self.bf16.bf16_optimizer_states,
+            },
             precision,
             optimizer: optimizer.expect("a missing optimizer is reported as an error"),
             scheduler,

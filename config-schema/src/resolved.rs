@@ -320,6 +320,16 @@ pub enum CommReduction {
     RankOrdered,
 }
 
+/// Which of the optimizer's values stay in bf16 instead of f32 (`bf16.bf16_master_weights_and_grads`,
+/// `bf16.bf16_optimizer_states`); both off outside bf16.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Bf16State {
+    /// No f32 master weights: the optimizer updates the bf16 parameters themselves.
+    pub master_weights_and_grads: bool,
+    /// The optimizer's moments are stored in bf16.
+    pub optimizer_states: bool,
+}
+
 /// The whole resolved configuration.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ResolvedConfig {
@@ -347,6 +357,8 @@ pub struct ResolvedConfig {
     pub zero: ZeroConfig,
     /// Precision and loss scaling.
     pub precision: Precision,
+    /// Optimizer values kept in bf16 (bf16 precision only).
+    pub bf16_state: Bf16State,
     /// Optimizer.
     pub optimizer: OptimizerConfig,
     /// LR schedule, if any.

@@ -754,3 +754,95 @@ fn device_memory_limit_takes_bytes_or_sizes_and_refuses_nonsense() {
         );
     }
 }
+
+#[test]
+fn bf16_optimizer_values_follow_deepspeeds_conditions() {
+    let err = |src: String, pos: (usize, usize), path: &str, msg: &str| {
+        let kind = DiagnosticKind::Conflict;
+        expect(&diags(&src), Severity::Error, kind, path, pos, msg);
+    };
+    const MASTER: &str = "bf16.bf16_master_weights_and_grads";
+    const STATES: &str = "bf16.bf16_optimizer_states";
+    err(
+        format!("{BASE}[bf16]\nbf16_master_weights_and_grads = true\n"),
+        (3, 33),
+        MASTER,
+        "need bf16 training",
+    );
+    err(
+        format!("{BASE}[bf16]\nenabled = true\nbf16_optimizer_states = true\n"),
+        (4, 25),
+        STATES,
+        "requires bf16_master_weights_and_grads",
+    );
+    let master = "[bf16]\nenabled = true\nbf16_master_weights_and_grads = true\n";
+    err(
+        format!("{BASE}[zero_optimization]\nstage = 2\n{master}"),
+        (6, 33),
+        MASTER,
+        "need the optimizer offloaded to the CPU",
+    );
+    err(
+        format!(
+            "{BASE}[zero_optimization]\nstage = 0\n[zero_optimization.offload_optimizer]\n\
+             device = \"cpu\"\n{master}"
+        ),
+        (8, 33),
+        MASTER,
+        "stage 1, 2 or 3",
+    );
+    err(
+        format!(
+            "{BASE}[zero_optimization]\nstage = 3\n[zero_optimization.offload_optimizer]\n\
+             device = \"nvme\"\nnvme_path = \"/x\"\n{master}"
+        ),
+        (9, 33),
+        MASTER,
+        "optimizer state on NVMe",
+    );
+    err(
+        format!(
+            "device = \"cuda\"\n{BASE}[zero_optimization]\nstage = 2\n{master}\
+             bf16_optimizer_states = true\n"
+        ),
+        (8, 25),
+        STATES,
+        "on a GPU are not implemented",
+    );
+}
+
+#[test]
+fn bf16_optimizer_values_resolve_where_deepspeed_allows_them() {
+    let resolve = |src: &str| {
+        let ctx = ferrozero_config::ResolveContext {
+            world_size: 1,
+            hidden_size: None,
+            micro_batch_hint: None,
+        };
+        parse(src, Format::Toml, "t.toml")
+            .unwrap()
+            .config
+            .resolve(&ctx)
+            .unwrap()
+            .bf16_state
+    };
+    let base = format!(
+        "{BASE}[optimizer]\ntype = \"AdamW\"\nparams.lr = 1e-4\n[zero_optimization]\nstage = 2\n\
+         [zero_optimization.offload_optimizer]\ndevice = \"cpu\"\n[bf16]\nenabled = true\n"
+    );
+    let off = resolve(&base);
+    assert!(!off.master_weights_and_grads && !off.optimizer_states);
+    let master = resolve(&format!("{base}bf16_master_weights_and_grads = true\n"));
+    assert!(master.master_weights_and_grads && !master.optimizer_states);
+    let both = resolve(&format!(
+        "{base}bf16_master_weights_and_grads = true\nbf16_optimizer_states = true\n"
+    ));
+    assert!(both.master_weights_and_grads && both.optimizer_states);
+    // On the CPU device the bf16 moments may stay where the compute runs.
+    let on_cpu = format!(
+        "device = \"cpu\"\n{BASE}[optimizer]\ntype = \"AdamW\"\nparams.lr = 1e-4\n\
+         [zero_optimization]\nstage = 1\n[bf16]\nenabled = true\n\
+         bf16_master_weights_and_grads = true\nbf16_optimizer_states = true\n"
+    );
+    assert!(resolve(&on_cpu).optimizer_states);
+}

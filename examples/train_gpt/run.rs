@@ -6,9 +6,9 @@ use ferrozero::data::{self, DataOptions, Rows, Shuffled};
 use ferrozero::engine::{Engine, EngineBuilder};
 use ferrozero::runtime::comm::Communicator;
 use ferrozero::runtime::engine::checkpoint::Tag;
+use ferrozero::runtime::nn::hf::HfModel;
 use ferrozero::runtime::nn::weights::{ModelFiles, ModelWeights};
 use ferrozero::runtime::nn::IGNORE_INDEX;
-use ferrozero::runtime::nn::hf::HfModel;
 use ferrozero::train::{self, TrainOptions};
 
 use crate::data::Addition;
@@ -168,7 +168,10 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
 /// `--init`: a model directory, an index or a single safetensors file, under the
 /// architecture's own names (GPT-2's missing `transformer.` prefix added), and the directory's
 /// `config.json` and tokenizer files for the checkpoints to carry.
-fn open_init(path: &std::path::Path, spec: &HfModel) -> Result<(ModelWeights, ModelFiles), BoxError> {
+fn open_init(
+    path: &std::path::Path,
+    spec: &HfModel,
+) -> Result<(ModelWeights, ModelFiles), BoxError> {
     let model = ModelWeights::open(path, spec.naming())?;
     let files = match path.is_dir() {
         true => ModelFiles::from_dir(path)?,

@@ -373,6 +373,66 @@ fn overlapped_offload_changes_no_bit(d: &Dev) {
 }
 test_device!(overlapped_offload_changes_no_bit);
 
+/// Rank 0's gradient norm per step.
+fn grad_norms(be: &Arc<dyn Backend>, cfg: &ResolvedConfig, steps: usize) -> Vec<f64> {
+    let out = run_ranks(1, Duration::from_secs(120), |comm| {
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
+        (0..steps)
+            .map(|s| {
+                let batches: Vec<_> = (0..2)
+                    .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
+                    .collect();
+                e.train_batch(&batches).map(|r| r.grad_norm)
+            })
+            .collect::<Result<Vec<f64>>>()
+    })
+    .expect("training failed");
+    out.into_iter().next().unwrap()
+}
+
+/// The speculative overlap (offloaded optimizer, `overlap_comm`, clipping at a threshold that
+/// binds in some steps and not in others): the lane's speculation stands or is undone on the
+/// device's buffers too, and the bits are those of the plain run.
+fn speculative_offload_changes_no_bit(d: &Dev) {
+    let mut probe = cfg_for(d, ZeroStage::Stage2, 1);
+    probe.gradient_clipping = 0.0;
+    let mut norms = grad_norms(&d.be, &probe, 4);
+    norms.sort_by(f64::total_cmp);
+    let clip = norms[2];
+    let runs = [
+        (ZeroStage::Stage2, 1),
+        (ZeroStage::Stage3, 1),
+        (ZeroStage::Stage1, 2),
+        (ZeroStage::Stage3, 2),
+    ];
+    for (stage, world) in runs {
+        let mut cfg = cfg_for(d, stage, world);
+        cfg.gradient_clipping = clip;
+        if world == 1 {
+            let seen = grad_norms(&d.be, &cfg, 4);
+            assert!(
+                seen.iter().any(|&n| n > clip) && seen.iter().any(|&n| n <= clip),
+                "{}: clip {clip} binds in every step or in none: {seen:?}",
+                d.name
+            );
+        }
+        let (plain, _) = train(&d.be, &cfg, 4);
+        let mut on = cfg.clone();
+        on.zero.offload_optimizer.target = OffloadTarget::Cpu;
+        on.zero.overlap_comm = true;
+        if stage == ZeroStage::Stage3 {
+            on.zero.offload_param.target = OffloadTarget::Cpu;
+        }
+        let (p, _) = train(&d.be, &on, 4);
+        assert!(
+            bits(&plain) == bits(&p),
+            "{}: {stage:?} world {world}: the speculative optimizer overlap differs",
+            d.name
+        );
+    }
+}
+test_device!(speculative_offload_changes_no_bit);
+
 /// Save after two steps, load into a fresh engine, two more steps: the uninterrupted run's bits.
 fn checkpoint_resumes_exactly(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage3, 1);

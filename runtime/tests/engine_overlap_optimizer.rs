@@ -1,8 +1,9 @@
 //! The optimizer step overlapped with backward (the optimizer lane): each group's step
 //! starts on the optimizer lane when its gradient is final, and the parameters are bitwise
-//! those of the step taken after backward; with clipping or a dynamic loss scale it is off and
-//! the engine says why; NaN gradients skip a step taken after backward and stop an overlapped
-//! one with an error naming the step.
+//! those of the step taken after backward; with clipping or a dynamic loss scale it is
+//! speculative (`engine_overlap_speculative.rs`), or off where it cannot be (NVMe optimizer
+//! state) and the engine says why; without either, NaN gradients skip a step taken after
+//! backward and stop an overlapped one with an error naming the step.
 
 mod common;
 
@@ -18,9 +19,6 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::trace::Span;
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::{Ctx, Grads, Module, ParamSpec, Params};
-use ferrozero_runtime::tensor::Tensor;
-use ferrozero_runtime::Result;
 
 fn swap_dir() -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
@@ -179,15 +177,25 @@ fn the_step_of_a_group_starts_while_backward_of_earlier_units_runs() {
 }
 
 #[test]
-fn with_clipping_or_a_dynamic_scale_the_step_follows_backward_and_says_why() {
+fn a_global_value_makes_the_overlap_speculative_or_keeps_the_step_after_backward() {
     let mut clipped = overlapped(&base(ZeroStage::Stage2, 1, Precision::Bf16));
     clipped.gradient_clipping = 1.0;
-    let (traces, units, off) = traced(&clipped, 2);
-    let OptimizerOverlap::Off(why) = off else {
-        panic!("overlap on with clipping")
+    let OptimizerOverlap::Speculative(why) = OptimizerOverlap::decide(&clipped) else {
+        panic!("clipping does not make the overlap speculative")
     };
     assert!(
-        why.contains("gradient_clipping=1.0 needs the global norm first"),
+        why.contains("gradient_clipping=1.0 needs the global norm"),
+        "{why}"
+    );
+    // Optimizer state on NVMe is not snapshotted: with clipping the step follows backward.
+    let mut on_nvme = clipped.clone();
+    on_nvme.zero.offload_optimizer.target = OffloadTarget::Nvme(swap_dir());
+    let (traces, units, off) = traced(&on_nvme, 2);
+    let OptimizerOverlap::Off(why) = off else {
+        panic!("overlap on with clipping and NVMe optimizer state")
+    };
+    assert!(
+        why.contains("gradient_clipping=1.0") && why.contains("NVMe is not snapshotted"),
         "{why}"
     );
     for spans in &traces {
@@ -199,7 +207,7 @@ fn with_clipping_or_a_dynamic_scale_the_step_follows_backward_and_says_why() {
             "{spans:?}"
         );
     }
-    let dynamic = overlapped(&base(
+    let mut dynamic = overlapped(&base(
         ZeroStage::Stage2,
         1,
         Precision::Fp16(LossScaling::Dynamic {
@@ -210,8 +218,9 @@ fn with_clipping_or_a_dynamic_scale_the_step_follows_backward_and_says_why() {
             min_loss_scale: 1.0,
         }),
     ));
-    let OptimizerOverlap::Off(why) = OptimizerOverlap::decide(&dynamic) else {
-        panic!("overlap on with a dynamic loss scale")
+    dynamic.gradient_clipping = 0.0;
+    let OptimizerOverlap::Speculative(why) = OptimizerOverlap::decide(&dynamic) else {
+        panic!("a dynamic loss scale does not make the overlap speculative")
     };
     assert!(why.contains("dynamic loss scale"), "{why}");
     let mut static_scale = dynamic.clone();
@@ -228,54 +237,12 @@ fn with_clipping_or_a_dynamic_scale_the_step_follows_backward_and_says_why() {
     ));
 }
 
-/// A residual layer whose bias gradient turns NaN in its `at`-th backward (0-based).
-struct NanAt {
-    inner: toy::Residual,
-    at: usize,
-    calls: AtomicUsize,
-}
-
-impl Module for NanAt {
-    fn param_specs(&self) -> Vec<ParamSpec> {
-        self.inner.param_specs()
-    }
-    fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
-        self.inner.forward(ctx, p, x)
-    }
-    fn backward(
-        &self,
-        ctx: &mut Ctx<'_>,
-        p: &Params<'_>,
-        g: &mut Grads<'_>,
-        dy: &Tensor,
-    ) -> Result<Tensor> {
-        let dx = self.inner.backward(ctx, p, g, dy)?;
-        if self.calls.fetch_add(1, Ordering::Relaxed) == self.at {
-            g.get_mut(1).host()?[0] = f32::NAN;
-        }
-        Ok(dx)
-    }
-    fn saved_bytes(&self, b: usize, s: usize) -> usize {
-        self.inner.saved_bytes(b, s)
-    }
-    fn output_bytes(&self, b: usize, s: usize) -> usize {
-        self.inner.output_bytes(b, s)
-    }
-}
-
 /// Four steps of a toy whose layer h.1 gets a NaN gradient in step 3's last micro-step:
 /// each step's `skipped`, or the first error.
 fn train_with_nan(cfg: &ResolvedConfig) -> std::result::Result<Vec<bool>, String> {
     let out = run_ranks(1, Duration::from_secs(60), |comm| {
         let mut model = toy::model(11, 6, 5, 3);
-        model.units[2].module = Box::new(NanAt {
-            inner: toy::Residual {
-                name: "h.1".into(),
-                dim: 6,
-            },
-            at: 5,
-            calls: AtomicUsize::new(0),
-        });
+        model.units[2].module = Box::new(toy::NanAt::new("h.1", 6, 5));
         let mut e = Engine::new(model, cfg.clone(), comm)?;
         let mut skipped = Vec::new();
         for s in 0..4 {

@@ -17,7 +17,7 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
-use ferrozero_runtime::nn::weights::{write_model_dir, ModelWeights, ModelFiles, Naming};
+use ferrozero_runtime::nn::weights::{write_model_dir, ModelFiles, ModelWeights, Naming};
 use ferrozero_runtime::tensor::DType;
 
 mod common;

@@ -13,7 +13,7 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::{consolidate_dir, OutputDType, Tag};
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
-use ferrozero_runtime::nn::weights::{self, write_model_dir, ModelWeights, ModelFiles, Naming};
+use ferrozero_runtime::nn::weights::{self, write_model_dir, ModelFiles, ModelWeights, Naming};
 use ferrozero_runtime::nn::{init, Model};
 use ferrozero_runtime::tensor::DType;
 

@@ -47,18 +47,29 @@ impl Default for Fp16 {
     }
 }
 
-/// `bf16`: bfloat16 compute with f32 master weights; no loss scaling is needed.
+/// `bf16`: bfloat16 compute with f32 master weights (unless told otherwise); no loss scaling
+/// is needed.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Bf16 {
     /// bf16 mixed precision; `"auto"` resolves to off unless the caller asks for it.
     pub enabled: AutoOr<bool>,
+    /// Keep the optimizer's master weights in bf16: no f32 copy, the optimizer updates the
+    /// bf16 parameters themselves (computing in f32 and rounding to nearest even); gradients
+    /// are bf16 already. ZeRO stages 1-3; without `bf16_optimizer_states` the optimizer state
+    /// must be offloaded (`offload_optimizer.device = "cpu"`), as in DeepSpeed.
+    pub bf16_master_weights_and_grads: bool,
+    /// Keep the optimizer's moments (Adam's two, SGD's momentum, Lion's one) in bf16, widened
+    /// to f32 for the update and rounded back; needs `bf16_master_weights_and_grads`.
+    pub bf16_optimizer_states: bool,
 }
 
 impl Default for Bf16 {
     fn default() -> Self {
         Bf16 {
             enabled: AutoOr::Value(false),
+            bf16_master_weights_and_grads: false,
+            bf16_optimizer_states: false,
         }
     }
 }
@@ -82,14 +93,6 @@ const BF16_SUPPORT: &[(&str, Support)] = &[
     (
         "check_grad_overflow",
         Support::Ignored("bf16 has f32's range; no overflow check is needed"),
-    ),
-    (
-        "bf16_master_weights_and_grads",
-        Support::RefusedUnless(off::is_false, "master weights are always f32 in ferrozero"),
-    ),
-    (
-        "bf16_optimizer_states",
-        Support::RefusedUnless(off::is_false, "optimizer state is always f32 in ferrozero"),
     ),
 ];
 
@@ -140,6 +143,8 @@ pub(crate) fn read_bf16(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Bf16
         enabled: t
             .get(cx, "enabled", &[], auto_bool)
             .unwrap_or(AutoOr::Value(false)),
+        bf16_master_weights_and_grads: t.bool(cx, "bf16_master_weights_and_grads", false),
+        bf16_optimizer_states: t.bool(cx, "bf16_optimizer_states", false),
     };
     t.finish(cx, BF16_SUPPORT);
     Some(b)

@@ -1,5 +1,6 @@
 //! Cross-field rules, checked once the typed config is built. Each failure names every value
 //! involved, so the user sees the whole conflict at once.
+mod bf16_state;
 mod optim;
 mod precision;
 mod zero;
@@ -59,6 +60,7 @@ pub(super) fn invalid(cx: &mut Cx<'_>, path: &str, message: String, help: Option
 pub(crate) fn check(cx: &mut Cx<'_>, c: &Config) {
     check_batch(cx, c);
     precision::check_precision(cx, c);
+    bf16_state::check_bf16_state(cx, c);
     zero::check_zero(cx, c);
     optim::check_optimizer(cx, c);
     optim::check_scheduler(cx, c);

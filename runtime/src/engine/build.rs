@@ -34,6 +34,14 @@ pub fn reduce_dtype(cfg: &ResolvedConfig) -> DType {
     }
 }
 
+/// The dtype of the optimizer's moments: bf16 with `bf16.bf16_optimizer_states`, else f32.
+pub fn state_dtype(cfg: &ResolvedConfig) -> DType {
+    match cfg.bf16_state.optimizer_states {
+        true => DType::Bf16,
+        false => DType::F32,
+    }
+}
+
 /// `sub_group_size = 0` is DeepSpeed's "one sub-group per parameter"; the engine's tiles are
 /// cut from each unit's owned range, so 0 becomes tiles as large as the model's largest
 /// parameter (the working set DeepSpeed's per-parameter sub-groups bound). Every other value
@@ -174,7 +182,8 @@ impl GroupPlan<'_> {
                 )?;
                 (None, Some(a))
             }
-            None if dtype != DType::F32 => {
+            // `bf16_master_weights_and_grads`: the bf16 parameters are the master weights.
+            None if dtype != DType::F32 && !self.cfg.bf16_state.master_weights_and_grads => {
                 let mut m = place(self.be, opt_loc, DType::F32, owned.len())?;
                 m.write_f32(0, &full[owned.clone()])?;
                 (Some(m), None)
@@ -186,16 +195,17 @@ impl GroupPlan<'_> {
         ledger.alloc(Location::Device, Category::Gradients, grad.bytes());
         // With the state on NVMe the moments live there too; empty buffers stand in.
         let state_len = if nvme_adam.is_some() { 0 } else { owned.len() };
-        let m = place(self.be, opt_loc, DType::F32, state_len)?;
+        let state = state_dtype(self.cfg);
+        let m = place(self.be, opt_loc, state, state_len)?;
         let v = place(
             self.be,
             opt_loc,
-            DType::F32,
+            state,
             if self.moments > 1 { state_len } else { 0 },
         )?;
         // The ledger counts the moments where they live (NVMe included) at their full size.
-        let opt_elems = master.as_ref().map_or(0, Storage::len) + owned.len() * self.moments;
-        let opt_bytes = (opt_elems * 4) as u64;
+        let master_bytes = master.as_ref().map_or(0, Storage::bytes);
+        let opt_bytes = master_bytes + (owned.len() * self.moments * state.size()) as u64;
         ledger.alloc(opt_loc, Category::OptimizerState, opt_bytes);
         Ok(Group {
             layout,

@@ -85,13 +85,25 @@ impl Engine {
     /// Builds an engine for `model` on this rank of `comm` with a resolved config, computing
     /// on the config's `device` (activations in the precision's dtype where the device can).
     /// The backend is this rank's own, so `device_memory_limit` caps its allocator too.
+    /// The optimizer overlap is the config's ([`OptimizerOverlap::decide`]); the builder's
+    /// `build` also weighs the host's memory ([`OptimizerOverlap::decide_for_host`]).
     pub fn new(model: Model, cfg: ResolvedConfig, comm: Box<dyn Communicator>) -> Result<Self> {
+        Self::with_overlap(model, cfg, comm, None)
+    }
+
+    /// As [`Engine::new`], with the optimizer overlap already decided when `overlap` is set.
+    pub(super) fn with_overlap(
+        model: Model,
+        cfg: ResolvedConfig,
+        comm: Box<dyn Communicator>,
+        overlap: Option<OptimizerOverlap>,
+    ) -> Result<Self> {
         let act = super::build::storage_dtype(&cfg.precision);
         let be = crate::backend::open(cfg.device, act, comm.rank())?;
         if let Some(limit) = cfg.device_memory_limit {
             be.set_memory_limit(Some(limit))?;
         }
-        Self::with_backend(model, cfg, comm, be)
+        Self::assemble(model, cfg, comm, be, overlap)
     }
 
     /// Builds an engine whose units compute on `be`. The caller's backend may be shared (ranks
@@ -102,6 +114,17 @@ impl Engine {
         cfg: ResolvedConfig,
         comm: Box<dyn Communicator>,
         be: Arc<dyn Backend>,
+    ) -> Result<Self> {
+        Self::assemble(model, cfg, comm, be, None)
+    }
+
+    /// The engine, with the config's optimizer overlap unless `decided` is set.
+    fn assemble(
+        model: Model,
+        cfg: ResolvedConfig,
+        comm: Box<dyn Communicator>,
+        be: Arc<dyn Backend>,
+        decided: Option<OptimizerOverlap>,
     ) -> Result<Self> {
         let mut cfg = cfg;
         cfg.zero.sub_group_size = super::build::effective_sub_group_size(&cfg, &model);
@@ -158,10 +181,18 @@ impl Engine {
             None
         };
         tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
-        let opt_overlap = OptimizerOverlap::decide(&cfg);
+        let opt_overlap = decided.unwrap_or_else(|| OptimizerOverlap::decide(&cfg));
         opt_overlap.log(&cfg);
         let optimizer_lane = match opt_overlap {
-            OptimizerOverlap::On => Some(OptimizerLane::new(comm.rank())?),
+            OptimizerOverlap::On => Some(OptimizerLane::new(
+                comm.rank(),
+                &groups,
+                false,
+                &mut ledger,
+            )?),
+            OptimizerOverlap::Speculative(_) => {
+                Some(OptimizerLane::new(comm.rank(), &groups, true, &mut ledger)?)
+            }
             OptimizerOverlap::Off(_) => None,
         };
         Ok(Self {

@@ -194,8 +194,8 @@ impl Group {
     }
 }
 
-/// The f32 values the optimizer updates over the owned range (the master weights in mixed
-/// precision, the parameters themselves in f32), and the stored buffer with the offset of the
+/// The values the optimizer updates over the owned range (the f32 master weights in mixed
+/// precision, the parameters themselves in f32 or with bf16 master weights), and the stored buffer with the offset of the
 /// owned range in it when a rounded copy must be written in the same pass.
 pub fn owned_params<'a>(
     params: &'a mut ParamStore,
@@ -205,7 +205,9 @@ pub fn owned_params<'a>(
     let (lp, lp_offset) = owned_lp(params, owned)?;
     Ok(match master {
         Some(master) => (master.view_mut(), Some((lp, lp_offset))),
-        None if lp.dtype() == DType::F32 => {
+        // f32 parameters, or bf16 ones that are their own master weights
+        // (`bf16_master_weights_and_grads`).
+        None if lp.dtype() != DType::F16 => {
             (lp.range_mut(lp_offset..lp_offset + owned.len())?, None)
         }
         None => {

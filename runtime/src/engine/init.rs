@@ -8,6 +8,8 @@ use ferrozero_config::{Config, ResolveContext};
 
 use super::core::Engine;
 use super::ledger::{Category, Location};
+use super::optimizer_overlap::{HostNeed, OptimizerOverlap};
+use crate::backend::memory_is_host_ram;
 use crate::comm::local::LocalComm;
 use crate::comm::Communicator;
 use crate::nn::Model;
@@ -107,20 +109,18 @@ impl EngineBuilder {
         // Before anything is allocated: pinned buffers need a locked-memory limit that holds
         // them (raised here when the hard limit allows, else refused or, where the config
         // allows it, pinning turned off).
-        check_locked_memory(
-            &self.model,
-            &mut resolution.config,
-            self.seq_len.unwrap_or(1),
-        )?;
+        let seq = self.seq_len.unwrap_or(1);
+        let overlap = overlap_for_host(&self.model, &resolution.config, seq);
+        check_locked_memory(&self.model, &mut resolution.config, seq, &overlap)?;
         if let Some(seq) = self.seq_len {
-            preflight(&self.model, &resolution.config, seq)?;
+            preflight(&self.model, &resolution.config, seq, &overlap)?;
         }
         if comm.rank() == 0 {
             for d in &resolution.decisions {
                 tracing::info!("config: {} = {} ({})", d.path, d.value, d.rule);
             }
         }
-        let engine = Engine::new(self.model, resolution.config, comm)?;
+        let engine = Engine::with_overlap(self.model, resolution.config, comm, Some(overlap))?;
         if engine.rank() == 0 {
             tracing::info!("{}", engine.summary());
         }
@@ -150,6 +150,7 @@ fn check_locked_memory(
     model: &Model,
     cfg: &mut ferrozero_config::ResolvedConfig,
     seq: usize,
+    overlap: &OptimizerOverlap,
 ) -> Result<()> {
     use ferrozero_offload::preflight::{memlock_fix, MemlockLimits};
     use ferrozero_offload::sys::{self, MemlockLimit};
@@ -158,7 +159,8 @@ fn check_locked_memory(
         return Ok(());
     }
     let here = ranks_here(cfg);
-    let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
+    let mb = cfg.train_micro_batch_size_per_gpu;
+    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, overlap);
     let need = e.pinned_host_bytes.saturating_mul(here);
     let MemlockLimit::Bytes(soft) = sys::memlock_limit() else {
         return Ok(());
@@ -206,12 +208,18 @@ fn check_locked_memory(
 /// Compares what this process's ranks need with what the machine has (RAM, locked memory,
 /// NVMe free space) and with `device_memory_limit`, and refuses with every shortfall and its
 /// numbers.
-fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) -> Result<()> {
-    let e = super::estimate::estimate(model, cfg, cfg.train_micro_batch_size_per_gpu, seq);
+fn preflight(
+    model: &Model,
+    cfg: &ferrozero_config::ResolvedConfig,
+    seq: usize,
+    overlap: &OptimizerOverlap,
+) -> Result<()> {
+    let mb = cfg.train_micro_batch_size_per_gpu;
+    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, overlap);
     super::estimate::check_device_cap(model, cfg, seq, &e)?;
     // Local ranks share this process's machine; other backends run one rank per process.
     let here = ranks_here(cfg);
-    let device_in_ram = crate::backend::memory_is_host_ram(cfg.device);
+    let device_in_ram = memory_is_host_ram(cfg.device);
     let req = requirement(&e, cfg, here, device_in_ram);
     ferrozero_offload::preflight::preflight(&req)
         .map_err(|err| Error::Config(format!("pre-flight: {err}")))?;
@@ -223,6 +231,31 @@ fn preflight(model: &Model, cfg: &ferrozero_config::ResolvedConfig, seq: usize) 
         req.nvme.iter().map(|n| n.1).sum::<u64>() as f64 / 1048576.0
     );
     Ok(())
+}
+
+/// The optimizer overlap for this machine: the config's, unless it is speculative and its
+/// snapshots do not fit in `MemAvailable` beside everything else the pre-flight counts
+/// (then off, the reason giving the numbers). Where the host cannot be measured the config
+/// decides (the pre-flight, when asked for, refuses such a host anyway).
+fn overlap_for_host(
+    model: &Model,
+    cfg: &ferrozero_config::ResolvedConfig,
+    seq: usize,
+) -> OptimizerOverlap {
+    let decided = OptimizerOverlap::decide(cfg);
+    if !matches!(decided, OptimizerOverlap::Speculative(_)) {
+        return decided;
+    }
+    let mb = cfg.train_micro_batch_size_per_gpu;
+    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, &decided);
+    let need = HostNeed::of(&e, ranks_here(cfg), memory_is_host_ram(cfg.device));
+    match ferrozero_offload::sys::mem_available() {
+        Ok(available) => OptimizerOverlap::decide_for_host(cfg, need, available),
+        Err(err) => {
+            tracing::warn!("speculative optimizer overlap: host memory unknown ({err})");
+            decided
+        }
+    }
 }
 
 /// What `here` ranks need of this machine: RAM for their host state, and for their device
@@ -240,13 +273,8 @@ fn requirement(
             nvme.push((p.clone(), e.nvme.peak_bytes * here));
         }
     }
-    let device_ram = if device_in_ram {
-        e.device.peak_bytes
-    } else {
-        0
-    };
     ferrozero_offload::preflight::Requirement {
-        host_bytes: (device_ram + e.host_total_bytes()) * here,
+        host_bytes: HostNeed::of(e, here, device_in_ram).with_snapshots,
         locked_bytes: e.pinned_host_bytes * here,
         nvme,
     }

@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::core::Engine;
 use super::ledger::Location;
 use super::optimizer::StepValues;
-use super::optimizer_overlap::overlapped_overflow;
+use super::optimizer_overlap::Overlapped;
 use super::report::{StepReport, Timings};
 use super::topology::shard_comm;
 use crate::comm::{BufMut, ReduceOp};
@@ -62,7 +62,7 @@ impl Engine {
         }
         // The optimizer lane gives every group back first, so no error below leaves a group
         // lent.
-        let stepped = self.join_optimizer_lane()?;
+        let lane = self.join_optimizer_lane()?;
         // The micro-steps' losses leave the device here, once per step, summed in order.
         let mut local = 0.0f64;
         for l in std::mem::take(&mut self.losses) {
@@ -71,7 +71,8 @@ impl Engine {
         let loss_sum = self.sum_across_ranks(local)?;
         let tokens = self.sum_across_ranks(self.tokens as f64)? as u64;
         // One pass over the owned gradients serves both the overflow check and the norm.
-        let local_sumsq = self.local_sum_squares()?;
+        let known = lane.as_ref().map(|l| l.sumsq.as_slice());
+        let local_sumsq = self.local_sum_squares(known)?;
         let overflow = self.any_overflow(!local_sumsq.is_finite())?;
         let scale = self.scaler.scale();
         let norm = if overflow {
@@ -83,9 +84,9 @@ impl Engine {
         let lr = self.schedule.lr_at(self.steps);
         if !decision.skip_step {
             let sv = self.step_values((self.clip_coef(norm) / scale) as f32);
-            self.apply_update(&sv, stepped)?;
-        } else if stepped.is_some() {
-            return Err(overlapped_overflow(self.steps + 1));
+            self.apply_update(&sv, lane)?;
+        } else {
+            self.settle_overlap(None, lane)?;
         }
         for g in &mut self.groups {
             g.grad.fill_zero()?;
@@ -129,28 +130,21 @@ impl Engine {
         }
     }
 
-    /// Updates every group with `sv` (unless the optimizer lane already did, with `stepped`
-    /// values that must be the same) and publishes the result.
-    fn apply_update(&mut self, sv: &StepValues, stepped: Option<StepValues>) -> Result<()> {
-        match stepped {
-            None => self.update_groups(sv)?,
-            Some(used) if used == *sv => {}
-            Some(used) => {
-                return Err(Error::Invalid(format!(
-                    "the optimizer lane stepped with {used:?} but the step's values are {sv:?}"
-                )))
-            }
-        }
+    /// Updates every group with `sv` (except those the optimizer lane stepped with the same
+    /// values; its speculation is undone when they differ) and publishes the result.
+    fn apply_update(&mut self, sv: &StepValues, lane: Option<Overlapped>) -> Result<()> {
+        let done = self.settle_overlap(Some(sv), lane)?;
+        self.update_groups(sv, &done)?;
         self.publish()
     }
 
-    /// The update of every group, in order, on this thread.
-    fn update_groups(&mut self, sv: &StepValues) -> Result<()> {
+    /// The update of every group not `done`, in order, on this thread.
+    fn update_groups(&mut self, sv: &StepValues, done: &[bool]) -> Result<()> {
         let t = Instant::now();
         let tile = self.cfg.zero.sub_group_size.max(1);
         let mut writing = std::collections::VecDeque::new();
         let trace = self.trace.clone();
-        for gi in 0..self.groups.len() {
+        for gi in (0..self.groups.len()).filter(|&g| !done[g]) {
             self.swap_in_for_step(gi)?;
             let (g, nvme) = (&mut self.groups[gi], self.nvme.as_deref());
             trace.span("compute", "step", gi, || {
@@ -200,12 +194,17 @@ impl Engine {
     /// shard range in group order, each range in the storage's fixed blocked order. Every
     /// stage sums the same elements in the same order, so it is bitwise equal across stages;
     /// it is finite exactly when every element is (squares of finite values are exact in f64
-    /// and their sum cannot overflow), which makes it the overflow check too.
-    fn local_sum_squares(&self) -> Result<f64> {
+    /// and their sum cannot overflow), which makes it the overflow check too. A group's term
+    /// the optimizer lane already computed (`known`) is taken as it is: the same bits.
+    fn local_sum_squares(&self, known: Option<&[Option<f64>]>) -> Result<f64> {
         let rank = self.shard_rank();
         // -0.0 is what `Iterator::sum` starts from: the same bits for an all-zero gradient.
         let mut local = -0.0f64;
-        for g in &self.groups {
+        for (i, g) in self.groups.iter().enumerate() {
+            if let Some(s) = known.and_then(|k| k.get(i).copied().flatten()) {
+                local += s;
+                continue;
+            }
             let r = g.layout.shard_range(rank);
             local += g
                 .grad

@@ -54,6 +54,7 @@ pub fn config(
             offload_optimizer: off,
         },
         precision,
+        bf16_state: Default::default(),
         optimizer: OptimizerConfig::Adam {
             lr: 3e-2,
             betas: (0.9, 0.95),

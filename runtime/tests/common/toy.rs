@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use std::any::Any;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ferrozero_runtime::nn::module::SavedState;
 use ferrozero_runtime::nn::{
@@ -286,5 +287,54 @@ pub fn batch(vocab: usize, seq: usize, first: usize, rows: usize) -> Batch {
         seq,
         tokens,
         targets,
+    }
+}
+
+/// A residual layer whose bias gradient turns NaN in its `at`-th backward (0-based).
+pub struct NanAt {
+    inner: Residual,
+    at: usize,
+    calls: AtomicUsize,
+}
+
+impl NanAt {
+    /// Residual layer `name` of width `dim` whose bias gradient is NaN in backward `at`.
+    pub fn new(name: &str, dim: usize, at: usize) -> Self {
+        Self {
+            inner: Residual {
+                name: name.into(),
+                dim,
+            },
+            at,
+            calls: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Module for NanAt {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        self.inner.param_specs()
+    }
+    fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, x: &Tensor) -> Result<Tensor> {
+        self.inner.forward(ctx, p, x)
+    }
+    fn backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        g: &mut Grads<'_>,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let dx = self.inner.backward(ctx, p, g, dy)?;
+        if self.calls.fetch_add(1, Ordering::Relaxed) == self.at {
+            g.get_mut(1).host()?[0] = f32::NAN;
+        }
+        Ok(dx)
+    }
+    fn saved_bytes(&self, b: usize, s: usize) -> usize {
+        self.inner.saved_bytes(b, s)
+    }
+    fn output_bytes(&self, b: usize, s: usize) -> usize {
+        self.inner.output_bytes(b, s)
     }
 }

@@ -6,6 +6,7 @@ mod math;
 mod matmul;
 mod norm;
 mod optim;
+mod optim_wide;
 mod rope;
 mod simd;
 mod token;

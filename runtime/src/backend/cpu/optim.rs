@@ -1,5 +1,6 @@
 //! The optimizer step on host memory: the offload crate's SIMD kernels, fed f32 gradients
-//! (half-precision ones widened into a reused buffer first).
+//! (half-precision ones widened into a reused buffer first); bf16 optimizer values go through
+//! `optim_wide.rs`.
 
 use std::borrow::Cow;
 
@@ -7,7 +8,7 @@ use ferrozero_offload::optim::{self, LowPrecision};
 
 use super::{f32_in, f32_out, CpuBackend};
 use crate::backend::{OptimizerOps, UpdateRule};
-use crate::tensor::{spare, BufMut, BufRef, FlatBuf, View, ViewMut};
+use crate::tensor::{spare, BufMut, BufRef, DType, FlatBuf, View, ViewMut};
 use crate::{Error, Result};
 
 const OP: &str = "optimizer step";
@@ -39,6 +40,17 @@ impl OptimizerOps for CpuBackend {
         v: ViewMut<'_>,
         lp: Option<ViewMut<'_>>,
     ) -> Result<()> {
+        let f32_state = [params.dtype(), m.dtype(), v.dtype()]
+            .iter()
+            .all(|d| *d == DType::F32);
+        if !f32_state {
+            let g = f32_grads(grads)?;
+            let r = super::optim_wide::update(rule, step, grad_scale, params, &g, m, v, lp);
+            if let Cow::Owned(w) = g {
+                spare::give_f32(w);
+            }
+            return r;
+        }
         let (p, m, v) = (
             f32_out(OP, "parameters", params)?,
             f32_out(OP, "first moment", m)?,

@@ -17,6 +17,7 @@ use serde::Serialize;
 
 use super::ledger::{Category, Ledger, Location};
 use super::optimizer::Optimizer;
+use super::optimizer_overlap::OptimizerOverlap;
 use crate::nn::Model;
 
 pub use cap::check_device_cap;
@@ -72,6 +73,9 @@ pub struct Estimate {
     pub pinned_host_bytes: u64,
     /// Host bytes that are ordinary pageable memory.
     pub other_host_bytes: u64,
+    /// Host bytes of the speculative optimizer overlap's snapshots (pageable; included in
+    /// `host`), 0 when the overlap estimated is not speculative.
+    pub snapshot_host_bytes: u64,
     /// Pinned staging buffers for NVMe swaps (see `swap_buffers`). The engine's ledger does
     /// not count these yet; they are included in `pinned_host_bytes`.
     pub swap_buffer_bytes: u64,
@@ -100,14 +104,20 @@ impl Estimate {
     }
 }
 
-/// Replays one step and returns the resulting ledger.
-fn replay_ledger(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: usize) -> Ledger {
+/// Replays one step and returns the resulting ledger and the snapshots' host bytes.
+fn replay_ledger(
+    model: &Model,
+    cfg: &ResolvedConfig,
+    micro_batch: usize,
+    seq: usize,
+    overlap: &OptimizerOverlap,
+) -> (Ledger, u64) {
     let moments = Optimizer::new(cfg.optimizer.clone()).moments();
-    let mut r = replay::Replay::build(model, cfg, moments);
+    let mut r = replay::Replay::build(model, cfg, moments, overlap);
     r.forward(micro_batch, seq);
     r.backward(micro_batch, seq);
     r.step();
-    r.ledger().clone()
+    (r.ledger().clone(), r.snapshot_bytes)
 }
 
 fn activation_peak(l: &Ledger) -> u64 {
@@ -115,19 +125,32 @@ fn activation_peak(l: &Ledger) -> u64 {
 }
 
 /// Estimates per-rank peak memory for training `model` under `cfg` with micro-batches of
-/// `micro_batch` rows of `seq` tokens. Allocates nothing model-sized.
+/// `micro_batch` rows of `seq` tokens, with the optimizer overlap the config alone decides
+/// ([`OptimizerOverlap::decide`]). Allocates nothing model-sized.
 pub fn estimate(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: usize) -> Estimate {
+    estimate_with_overlap(model, cfg, micro_batch, seq, &OptimizerOverlap::decide(cfg))
+}
+
+/// As [`estimate`], for an engine built with `overlap` (the builder's memory-aware decision
+/// may turn a speculative overlap off, and then no snapshot is counted).
+pub fn estimate_with_overlap(
+    model: &Model,
+    cfg: &ResolvedConfig,
+    micro_batch: usize,
+    seq: usize,
+    overlap: &OptimizerOverlap,
+) -> Estimate {
     // As the engine does: `sub_group_size = 0` sizes tiles by the largest parameter.
     let mut own = cfg.clone();
     own.zero.sub_group_size = super::build::effective_sub_group_size(cfg, model);
     let cfg = &own;
-    let ledger = replay_ledger(model, cfg, micro_batch, seq);
+    let (ledger, snapshot_host_bytes) = replay_ledger(model, cfg, micro_batch, seq, overlap);
     let mut flipped = cfg.clone();
     flipped.activation_checkpointing = match &cfg.activation_checkpointing {
         Some(_) => None,
         None => Some(default_checkpointing()),
     };
-    let other = activation_peak(&replay_ledger(model, &flipped, micro_batch, seq));
+    let other = activation_peak(&replay_ledger(model, &flipped, micro_batch, seq, overlap).0);
     let this = activation_peak(&ledger);
     let activations = match cfg.activation_checkpointing {
         Some(_) => ActivationFigures {
@@ -141,8 +164,9 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: us
     };
     let host = Placement::from_ledger(&ledger, Location::Host);
     let swap_buffer_bytes = swap_buffers(cfg);
-    let pinned = pinned_state(cfg, &host) + swap_buffer_bytes;
-    let other_host = host.peak_bytes.saturating_sub(pinned_state(cfg, &host));
+    let pinned_state = pinned_state(cfg, &host, snapshot_host_bytes);
+    let pinned = pinned_state + swap_buffer_bytes;
+    let other_host = host.peak_bytes.saturating_sub(pinned_state);
     Estimate {
         num_params: model.num_params() as u64,
         world_size: cfg.world_size,
@@ -154,6 +178,7 @@ pub fn estimate(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: us
         nvme: Placement::from_ledger(&ledger, Location::Nvme),
         pinned_host_bytes: pinned,
         other_host_bytes: other_host,
+        snapshot_host_bytes,
         swap_buffer_bytes,
         activations,
         reduced_bytes_per_step: reduced_per_step(model, cfg),
@@ -167,7 +192,8 @@ fn reduced_per_step(model: &Model, cfg: &ResolvedConfig) -> u64 {
         return 0;
     }
     let moments = Optimizer::new(cfg.optimizer.clone()).moments();
-    let per_micro = replay::Replay::build(model, cfg, moments).reduced_bytes_per_micro();
+    let per_micro = replay::Replay::build(model, cfg, moments, &OptimizerOverlap::decide(cfg))
+        .reduced_bytes_per_micro();
     per_micro * cfg.gradient_accumulation_steps as u64
 }
 
@@ -178,15 +204,18 @@ pub fn default_checkpointing() -> ferrozero_config::resolved::ActivationCheckpoi
     }
 }
 
-/// Host-resident model state that `pin_memory` page-locks.
-fn pinned_state(cfg: &ResolvedConfig, host: &Placement) -> u64 {
+/// Host-resident model state that `pin_memory` page-locks; the speculative overlap's
+/// `snapshots`, counted as host optimizer state, are ordinary pageable buffers.
+fn pinned_state(cfg: &ResolvedConfig, host: &Placement, snapshots: u64) -> u64 {
     let z = &cfg.zero;
     let mut b = 0;
     if z.offload_param.pin_memory && z.offload_param.target == OffloadTarget::Cpu {
         b += host.category(Category::Parameters);
     }
     if z.offload_optimizer.pin_memory && z.offload_optimizer.target == OffloadTarget::Cpu {
-        b += host.category(Category::OptimizerState);
+        b += host
+            .category(Category::OptimizerState)
+            .saturating_sub(snapshots);
     }
     b
 }

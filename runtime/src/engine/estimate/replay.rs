@@ -10,8 +10,9 @@ use std::collections::VecDeque;
 
 use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
 
-use crate::engine::build::{optimizer_location, param_location, storage_dtype};
+use crate::engine::build::{optimizer_location, param_location, state_dtype, storage_dtype};
 use crate::engine::ledger::{Category, Ledger, Location};
+use crate::engine::optimizer_overlap::{snapshot_bytes, OptimizerOverlap};
 use crate::engine::partition::{shard_world, GroupLayout};
 use crate::engine::stage::{self, Extent, Stage};
 use crate::nn::Model;
@@ -48,11 +49,21 @@ pub(super) struct Replay<'a> {
     hpz: usize,
     /// Groups whose hpZ secondary partition exists (from their first forward gather).
     secondary: Vec<bool>,
+    /// Each group's optimizer-state bytes.
+    opt_bytes: Vec<u64>,
+    /// Host bytes of the speculative overlap's snapshots (0 without them).
+    pub(super) snapshot_bytes: u64,
 }
 
 impl<'a> Replay<'a> {
-    /// Lays out every group of `model` for `cfg`'s world size and counts the model states.
-    pub(super) fn build(model: &'a Model, cfg: &'a ResolvedConfig, moments: usize) -> Self {
+    /// Lays out every group of `model` for `cfg`'s world size and counts the model states,
+    /// with the speculative overlap's snapshots when `overlap` is speculative.
+    pub(super) fn build(
+        model: &'a Model,
+        cfg: &'a ResolvedConfig,
+        moments: usize,
+        overlap: &OptimizerOverlap,
+    ) -> Self {
         let stage = stage::for_stage(cfg.zero.stage);
         let world = shard_world(cfg.world_size.max(1), cfg.zero.mics_shard_size);
         let mut specs: Vec<_> = model.units.iter().map(|u| u.module.param_specs()).collect();
@@ -90,9 +101,21 @@ impl<'a> Replay<'a> {
             swapped_in: vec![false; n],
             hpz: hpz_size(cfg),
             secondary: vec![false; n],
+            opt_bytes: vec![0; n],
+            snapshot_bytes: 0,
         };
         for g in 0..n {
             r.build_group(g, moments);
+        }
+        // Mirrors `OptimizerLane::new`: a speculative optimizer overlap keeps one host snapshot
+        // of each group's optimizer values.
+        if let OptimizerOverlap::Speculative(_) = overlap {
+            for g in 0..n {
+                let owned = r.stage.optimizer().range(&r.groups[g].layout, 0).len();
+                let b = snapshot_bytes(owned, r.opt_bytes[g], r.dtype);
+                r.ledger.alloc(Location::Host, Category::OptimizerState, b);
+                r.snapshot_bytes += b;
+            }
         }
         r
     }
@@ -128,12 +151,15 @@ impl<'a> Replay<'a> {
         };
         let grad_elems = self.stage.grads().range(layout, 0).len();
         let owned = self.stage.optimizer().range(layout, 0).len();
-        let master = if self.dtype == DType::F32 { 0 } else { owned };
-        let opt_bytes = ((master + owned * moments) * 4) as u64;
+        let own_master = self.dtype == DType::F32 || self.cfg.bf16_state.master_weights_and_grads;
+        let master = if own_master { 0 } else { owned };
+        let state = state_dtype(self.cfg).size();
+        let opt_bytes = (master * 4 + owned * moments * state) as u64;
         let (pb, gb) = (self.lp(param_elems), self.lp(grad_elems));
         self.ledger.alloc(param_loc, Category::Parameters, pb);
         self.ledger.alloc(Location::Device, Category::Gradients, gb);
         let opt_loc = optimizer_location(self.cfg);
+        self.opt_bytes[g] = opt_bytes;
         self.ledger
             .alloc(opt_loc, Category::OptimizerState, opt_bytes);
     }

@@ -1,0 +1,210 @@
+//! The lane's side of a speculative step and its undoing.
+//!
+//! The lane steps each group with clipping coefficient 1 as soon as its gradient is final,
+//! after saving the group's optimizer values ([`Snapshot`]). After backward the step learns
+//! the global norm and whether any rank overflowed: when its values equal the lane's, the
+//! speculation stands and only groups the lane did not step are stepped; when clipping binds
+//! or the step is skipped, every stepped group's values are written back from its snapshot
+//! and the step runs (or is skipped) exactly as without overlap.
+//!
+//! The lane also stops speculating as soon as this rank's own gradients prove that the
+//! speculation must fail: an Inf or NaN (the step will be skipped), or a partial sum of
+//! squares whose norm alone exceeds the clipping threshold (the global norm is at least as
+//! large). Groups after that point are not stepped or saved, so a binding step wastes only
+//! the lane's work up to the point where the bound was crossed. Stopping never changes a bit:
+//! groups the lane leaves alone are stepped after backward with the step's real values.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::snapshot::Snapshot;
+use crate::backend::Backend;
+use crate::engine::core::Engine;
+use crate::engine::group::Group;
+use crate::engine::nvme::NvmeOffload;
+use crate::engine::optimizer::{Optimizer, StepValues};
+use crate::engine::trace::Trace;
+use crate::{Error, Result};
+
+/// Relative margin on the clipping threshold before the lane stops speculating: far above the
+/// rounding between the lane's partial sum (in lending order, f64) and the step's norm (group
+/// order, then f32 across ranks), so a stop is only ever taken when clipping surely binds.
+const STOP_MARGIN: f64 = 1e-4;
+
+/// What the lane knows of the step while backward runs: this rank's sum of squares so far.
+#[derive(Debug)]
+pub(super) struct Watch {
+    /// The (loss-scaled) sum of squares past which clipping surely binds; `None` without
+    /// clipping.
+    limit: Option<f64>,
+    partial: f64,
+    stopped: bool,
+}
+
+impl Watch {
+    /// The watch of a step with clipping threshold `clip` (0: none) and loss scale `scale`.
+    pub(super) fn new(clip: f64, scale: f64) -> Self {
+        let limit = (clip > 0.0).then(|| (clip * (1.0 + STOP_MARGIN) * scale).powi(2));
+        Self {
+            limit,
+            partial: 0.0,
+            stopped: false,
+        }
+    }
+
+    /// Adds a group's sum of squares; whether the lane should still step it.
+    fn admit(&mut self, sumsq: f64) -> bool {
+        if !self.stopped {
+            self.partial += sumsq;
+            let binds = self.limit.is_some_and(|l| self.partial > l);
+            self.stopped = !self.partial.is_finite() || binds;
+        }
+        !self.stopped
+    }
+}
+
+/// What the lane did with one group.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Outcome {
+    /// The group's owned gradient's sum of squares, as the step's norm computes it.
+    pub(super) sumsq: f64,
+    /// Whether the lane updated the group.
+    pub(super) stepped: bool,
+}
+
+/// One group's job on the optimizer lane.
+pub(super) struct LaneStep {
+    pub(super) g: usize,
+    /// The rank in the shard group (which range of the gradient the norm sums).
+    pub(super) rank: usize,
+    pub(super) sv: StepValues,
+    pub(super) watch: Arc<Mutex<Watch>>,
+    pub(super) opt: Optimizer,
+    pub(super) be: Arc<dyn Backend>,
+    pub(super) trace: Trace,
+    pub(super) tile: usize,
+    pub(super) nvme: Option<Arc<NvmeOffload>>,
+}
+
+impl LaneStep {
+    /// Sums the group's squared gradient, then saves and steps it unless the watch says
+    /// stop; the group and its snapshot come back whatever happened.
+    pub(super) fn run(
+        self,
+        mut group: Group,
+        mut snap: Option<Snapshot>,
+    ) -> (Group, Option<Snapshot>, Result<Outcome>) {
+        let r = self.step(&mut group, snap.as_mut());
+        (group, snap, r)
+    }
+
+    fn step(&self, group: &mut Group, snap: Option<&mut Snapshot>) -> Result<Outcome> {
+        let r = group.layout.shard_range(self.rank);
+        let base = group.grad_offset;
+        let sumsq = group.grad.sum_squares(r.start - base..r.end - base)?;
+        let go = self.watch.lock().is_ok_and(|mut w| w.admit(sumsq));
+        if !go {
+            return Ok(Outcome {
+                sumsq,
+                stepped: false,
+            });
+        }
+        self.trace.span("optimizer", "step", self.g, || {
+            if let Some(s) = snap {
+                s.save(group)?;
+            }
+            let nvme = self.nvme.as_deref();
+            self.opt
+                .step_group(group, &self.sv, self.tile, nvme, &*self.be)
+        })?;
+        Ok(Outcome {
+            sumsq,
+            stepped: true,
+        })
+    }
+}
+
+/// What the optimizer lane did during the backward that ended a step.
+#[derive(Debug)]
+pub(in crate::engine) struct Overlapped {
+    /// The values it stepped with.
+    pub(in crate::engine) sv: StepValues,
+    /// Which groups it stepped.
+    pub(in crate::engine) stepped: Vec<bool>,
+    /// Each lent group's owned sum of squares (the norm's term for that group).
+    pub(in crate::engine) sumsq: Vec<Option<f64>>,
+    /// Whether its steps were saved first and can be undone.
+    pub(in crate::engine) speculative: bool,
+}
+
+impl Engine {
+    /// Which groups still need the update with the step's values `sv` (and `None` when
+    /// the step is skipped), after undoing the lane's work when it does not stand.
+    pub(in crate::engine) fn settle_overlap(
+        &mut self,
+        sv: Option<&StepValues>,
+        lane: Option<Overlapped>,
+    ) -> Result<Vec<bool>> {
+        let n = self.groups.len();
+        let Some(lane) = lane else {
+            return Ok(vec![false; n]);
+        };
+        if sv == Some(&lane.sv) {
+            return Ok(lane.stepped);
+        }
+        if !lane.stepped.iter().any(|&s| s) {
+            return Ok(vec![false; n]);
+        }
+        match (lane.speculative, sv) {
+            (true, _) => {
+                self.roll_back(&lane.stepped)?;
+                Ok(vec![false; n])
+            }
+            (false, None) => Err(super::overlapped_overflow(self.steps + 1)),
+            (false, Some(sv)) => Err(Error::Invalid(format!(
+                "the optimizer lane stepped with {:?} but the step's values are {sv:?}",
+                lane.sv
+            ))),
+        }
+    }
+
+    /// Writes every `stepped` group's saved optimizer values back.
+    pub(in crate::engine) fn roll_back(&mut self, stepped: &[bool]) -> Result<()> {
+        let t = Instant::now();
+        let Some(w) = self.optimizer_lane.as_ref() else {
+            return Ok(());
+        };
+        for g in (0..self.groups.len()).filter(|&g| stepped[g]) {
+            let snap = w.snapshots.get(g).and_then(Option::as_ref).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "group {g} was stepped on the lane without a snapshot"
+                ))
+            })?;
+            let group = &mut self.groups[g];
+            self.trace
+                .span("compute", "rollback", g, || snap.restore(group))?;
+        }
+        self.timings.optimizer += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Watch;
+
+    #[test]
+    fn the_watch_stops_at_a_non_finite_sum_or_a_norm_past_the_threshold() {
+        // Scale 4, threshold 1: stop once the scaled sum of squares passes (4 * 1.0001)^2.
+        let mut w = Watch::new(1.0, 4.0);
+        assert!(w.admit(10.0));
+        assert!(w.admit(6.0));
+        assert!(w.admit(0.0));
+        assert!(!w.admit(0.01), "16.01 > 16.0032");
+        assert!(!w.admit(0.0), "stays stopped");
+        let mut nan = Watch::new(0.0, 1.0);
+        assert!(nan.admit(1e30), "no clipping: no threshold");
+        assert!(!nan.admit(f64::INFINITY));
+        assert!(!nan.admit(1.0));
+    }
+}
