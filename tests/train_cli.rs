@@ -219,3 +219,60 @@ fn bad_inputs_are_clear_errors_naming_the_file() {
         "{text}"
     );
 }
+
+/// A DeepSpeed config with the three observers on runs unchanged through `ferrozero train`
+/// (they live in the engine, so the command gets them as `train_gpt` does): an event file,
+/// one CSV row per step, and DeepSpeed's communication summary.
+#[test]
+fn a_deepspeed_config_with_monitors_runs_through_ferrozero_train() {
+    let tmp = TempDir::new("monitors");
+    let model = tmp.0.join("model");
+    model_dir(&model);
+    let d = tmp.0.display().to_string();
+    let config = serde_json::json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 2,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "tensorboard": {"enabled": true, "output_path": format!("{d}/tb"), "job_name": "ft"},
+        "csv_monitor": {"enabled": true, "output_path": format!("{d}/csv"), "job_name": "ft"},
+        "comms_logger": {"enabled": true}
+    });
+    let ds = tmp.0.join("ds_config.json");
+    std::fs::write(&ds, config.to_string()).unwrap();
+    let corpus = repo("data/shakespeare/input.txt");
+    let args = [
+        "--model",
+        s(&model),
+        "--data",
+        s(&corpus),
+        "--config",
+        s(&ds),
+        "--ranks",
+        "2",
+        "--steps",
+        "4",
+        "--seq-len",
+        "32",
+        "--no-cache",
+        "--no-progress",
+    ];
+    let (ok, text) = train(&tmp.0, &args);
+    assert!(ok, "{text}");
+    let events: Vec<_> = std::fs::read_dir(tmp.0.join("tb/ft"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        events.len() == 1 && events[0].starts_with("events.out.tfevents."),
+        "{events:?}"
+    );
+    let loss = std::fs::read_to_string(tmp.0.join("csv/ft/Train_Samples_train_loss.csv")).unwrap();
+    let rows: Vec<&str> = loss.lines().collect();
+    assert_eq!(rows.len(), 5, "{loss}");
+    assert_eq!(rows[0], "step,train_loss");
+    // Indexed by samples: 2 per rank per step, 2 ranks.
+    assert!(rows[4].starts_with("16,"), "{loss}");
+    assert!(text.contains("Comm. Op"), "{text}");
+    assert!(text.contains("reduce_scatter_tensor"), "{text}");
+}
