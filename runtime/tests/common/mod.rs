@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod runs;
 pub mod toy;
 
 use std::time::Duration;
