@@ -31,7 +31,10 @@ fn launch(args: &[&str]) -> (Option<i32>, String) {
         .args(["--steps", "1", "--no-progress"])
         .output()
         .unwrap();
-    (out.status.code(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 /// The verdict block: the launcher's "rank N failed" line and the rank's quoted lines.
@@ -44,7 +47,10 @@ fn verdict(stderr: &str) -> String {
 
 fn assert_names(stderr: &str, file: &Path, cause: &str) {
     let v = verdict(stderr);
-    let rank = v["ferrozero launch: rank ".len()..].split(' ').next().unwrap();
+    let rank = v["ferrozero launch: rank ".len()..]
+        .split(' ')
+        .next()
+        .unwrap();
     assert!(rank == "0" || rank == "1", "{v}");
     assert!(v.contains("failed (exit status: 1)"), "{v}");
     let said = format!("rank {rank} said:\n    error: {}: {cause}", file.display());

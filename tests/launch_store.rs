@@ -193,7 +193,10 @@ fn a_panicking_rank_is_named_with_its_panic_message() {
         .unwrap_or_else(|| panic!("no verdict for rank 1 in:\n{stderr}"))
         .1;
     assert!(verdict.starts_with("\n  rank 1 said:\n"), "{verdict}");
-    assert!(verdict.contains("panicked at tests/launch_store.rs:"), "{verdict}");
+    assert!(
+        verdict.contains("panicked at tests/launch_store.rs:"),
+        "{verdict}"
+    );
     assert!(verdict.contains("rank 1 panics on purpose"), "{verdict}");
     assert!(!stdout.contains("was not stopped"), "{stdout}");
 }

@@ -6,8 +6,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use ferrozero_runtime::comm::local::{run_ranks, LocalComm};
-use ferrozero_runtime::nn::weights::MappedFile;
 use ferrozero_runtime::comm::{BufMut, BufRef, Communicator, ReduceOp};
+use ferrozero_runtime::nn::weights::MappedFile;
 use ferrozero_runtime::Error;
 
 const TIMEOUT: Duration = Duration::from_millis(400);
