@@ -103,6 +103,11 @@ fn rank_main() {
         std::thread::sleep(Duration::from_secs(60));
         println!("rank {rank} was not stopped");
     }
+    if mode == "panic" {
+        assert_ne!(rank, 1, "rank 1 panics on purpose");
+        std::thread::sleep(Duration::from_secs(60));
+        println!("rank {rank} was not stopped");
+    }
     // A final barrier through the store, as jobs end: rank 0 can see the count complete and
     // return while rank 1 is still polling; dropping rank 0's store then waits until rank 1
     // has closed its connection, so rank 1 never reads from a vanished host (a race seen on a loaded machine).
@@ -165,12 +170,35 @@ fn a_failing_rank_stops_the_others_and_is_named() {
         "{stderr}"
     );
     assert!(
-        stderr.contains("rank 1 failed (exit status: 3); stopped ranks [0, 2]"),
+        stderr.contains(
+            "rank 1 failed (exit status: 3); stopped ranks [0, 2]\n  rank 1 said:\n    \
+             rank 1 fails on purpose"
+        ),
         "{stderr}"
     );
     assert!(!stdout.contains("was not stopped"), "{stdout}");
     // The survivors would hang for 60 s; SIGTERM ends them at once.
     assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
+}
+
+/// A rank's panic reaches the verdict: its message and where it happened, after the rank.
+#[test]
+fn a_panicking_rank_is_named_with_its_panic_message() {
+    let (out, _) = launch(2, "panic");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(101), "{stdout}\n{stderr}");
+    let verdict = stderr
+        .split_once("ferrozero launch: rank 1 failed (exit status: 101); stopped ranks [0]")
+        .unwrap_or_else(|| panic!("no verdict for rank 1 in:\n{stderr}"))
+        .1;
+    assert!(verdict.starts_with("\n  rank 1 said:\n"), "{verdict}");
+    assert!(
+        verdict.contains("panicked at tests/launch_store.rs:"),
+        "{verdict}"
+    );
+    assert!(verdict.contains("rank 1 panics on purpose"), "{verdict}");
+    assert!(!stdout.contains("was not stopped"), "{stdout}");
 }
 
 #[test]

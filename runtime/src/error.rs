@@ -88,8 +88,9 @@ pub enum Error {
         /// What refused it, in the driver's words where the driver refused.
         detail: String,
     },
-    /// A collective operation (a checkpoint save or load) failed on another rank (or on this
-    /// one): every rank reports the same message, the failing rank's own error included.
+    /// A collective operation (a checkpoint save or load, or a whole job of thread ranks)
+    /// failed on another rank (or on this one): the message names that rank and carries its
+    /// own error text.
     #[error("{op} aborted: rank {rank} failed: {cause}")]
     RankFailed {
         /// The operation, e.g. `checkpoint load`.

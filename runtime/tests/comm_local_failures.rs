@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use ferrozero_runtime::comm::local::{run_ranks, LocalComm};
 use ferrozero_runtime::comm::{BufMut, BufRef, Communicator, ReduceOp};
+use ferrozero_runtime::nn::weights::MappedFile;
 use ferrozero_runtime::Error;
 
 const TIMEOUT: Duration = Duration::from_millis(400);
@@ -249,15 +250,60 @@ fn run_ranks_surfaces_the_root_cause() {
         c.barrier()
     })
     .expect_err("rank 1 failed");
-    assert!(e.to_string().contains("rank 1 gave up"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("job aborted: rank 1 failed: invalid argument: rank 1 gave up"),
+        "{e}"
+    );
     let e = run_ranks(2, Duration::from_secs(30), |c: Box<dyn Communicator>| {
         assert!(c.rank() != 0, "boom on rank 0");
         c.barrier()
     })
     .expect_err("rank 0 panicked");
     assert!(
-        e.to_string().contains("rank 0 panicked: boom on rank 0"),
+        e.to_string()
+            .contains("job aborted: rank 0 failed: panicked: boom on rank 0"),
         "{e}"
     );
     assert!(run_ranks(0, TIMEOUT, |_c: Box<dyn Communicator>| Ok(())).is_err());
+}
+
+/// A rank that cannot read its file fails the job with one message naming the rank, the file
+/// and the reader's own words, not only the other ranks' "peer is dead".
+#[test]
+fn run_ranks_names_the_rank_and_file_of_a_loader_error() {
+    let dir = std::env::temp_dir().join(format!("fz-loader-err-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("rank1.safetensors");
+    std::fs::write(&bad, b"\x08\0\0\0\0\0\0\0{not js").unwrap();
+    let e = run_ranks(3, Duration::from_secs(30), |c: Box<dyn Communicator>| {
+        if c.rank() == 1 {
+            MappedFile::open(&bad)?;
+        }
+        c.barrier()
+    })
+    .expect_err("rank 1 cannot read its file");
+    let s = e.to_string();
+    assert!(s.starts_with("job aborted: rank 1 failed: "), "{s}");
+    assert!(s.contains(&bad.display().to_string()), "{s}");
+    assert!(s.contains("header"), "{s}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A rank that stops answering is named by the collective that timed out, with the op and
+/// how long its peers waited.
+#[test]
+fn run_ranks_names_the_rank_that_timed_out() {
+    let e = run_ranks(3, TIMEOUT, |c: Box<dyn Communicator>| {
+        if c.rank() == 2 {
+            std::thread::sleep(TIMEOUT * 3);
+        }
+        let mut v = vec![1.0f32; 8];
+        c.all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)
+    })
+    .expect_err("rank 2 is too slow");
+    let s = e.to_string();
+    assert!(s.contains("collective all_reduce failed on rank 0"), "{s}");
+    assert!(s.contains("rank 2 stopped answering"), "{s}");
+    assert!(s.contains(&format!("waited {TIMEOUT:?}")), "{s}");
 }

@@ -106,5 +106,9 @@ fn a_dead_rank_fails_its_subgroup_too() {
         sub.barrier()
     })
     .expect_err("rank 3 died");
-    assert!(e.to_string().contains("rank 3 panicked"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("job aborted: rank 3 failed: panicked: rank 3 dies"),
+        "{e}"
+    );
 }

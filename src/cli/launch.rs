@@ -99,8 +99,13 @@ pub fn run(args: Args) -> ExitCode {
             status,
             code,
             stopped,
+            last_words,
         }) => {
             eprintln!("ferrozero launch: rank {rank} failed ({status}); stopped ranks {stopped:?}");
+            match last_words.is_empty() {
+                true => eprintln!("  (rank {rank} wrote nothing to stderr)"),
+                false => eprintln!("  rank {rank} said:\n    {}", last_words.join("\n    ")),
+            }
             ExitCode::from(code)
         }
         Ok(LaunchOutcome::Interrupted { signal }) => {

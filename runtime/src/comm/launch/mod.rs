@@ -56,6 +56,9 @@ pub enum LaunchOutcome {
         code: u8,
         /// Ranks that were still running and had to be stopped.
         stopped: Vec<usize>,
+        /// The failing rank's last stderr lines (its error, or its panic's message), so the
+        /// verdict says why and not only who.
+        last_words: Vec<String>,
     },
     /// The launcher received a signal, forwarded it, and the ranks exited.
     Interrupted {
@@ -171,6 +174,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
     signals::install();
     let mut ranks: Vec<(usize, Child)> = Vec::with_capacity(spec.nproc_per_node);
     let mut pumps = Vec::new();
+    let mut tails = Vec::new();
     for local in 0..spec.nproc_per_node {
         let rank = spec.global_rank(local);
         let mine = cores.as_ref().map(|c| c[local].as_slice());
@@ -184,11 +188,20 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
                 });
             }
         };
-        pumps.extend(output::pump(rank, &mut child));
+        let (done, tail) = output::pump(rank, &mut child);
+        pumps.extend(done);
+        tails.push(tail);
         ranks.push((rank, child));
     }
-    let outcome = supervise(&mut ranks, spec.grace);
+    let mut outcome = supervise(&mut ranks, spec.grace);
     output::drain(pumps, Duration::from_secs(2));
+    if let Ok(LaunchOutcome::RankFailed {
+        rank, last_words, ..
+    }) = &mut outcome
+    {
+        let local = *rank - spec.global_rank(0);
+        *last_words = output::last_words(&tails[local]);
+    }
     outcome
 }
 
@@ -242,6 +255,7 @@ fn failed(rank: usize, status: ExitStatus, stopped: Vec<usize>) -> LaunchOutcome
         status: status.to_string(),
         code,
         stopped,
+        last_words: Vec::new(),
     }
 }
 

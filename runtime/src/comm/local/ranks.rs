@@ -14,7 +14,11 @@ use crate::{Error, Result};
 /// A rank that panics leaves the group (its communicator is dropped while unwinding), so its
 /// peers' collectives fail instead of hanging. When ranks fail, the error returned is the
 /// root cause: a panic first, then an error that is not a collective failure (the others'
-/// collective errors are echoes of it), then the lowest rank's collective error.
+/// collective errors are echoes of it), then the lowest rank's collective error (which names
+/// the peer at fault). With more than one rank, a panic or a rank's own error comes back as
+/// [`Error::RankFailed`] naming the rank and carrying its text, since the text alone (a file
+/// that cannot be read) does not say which rank met it; an error that already names its rank
+/// (`RankFailed`, a collective's) comes back as it is.
 pub fn run_ranks<T, F>(world_size: usize, timeout: Duration, f: F) -> Result<Vec<T>>
 where
     T: Send,
@@ -46,11 +50,12 @@ where
             })
             .collect()
     });
-    collect(outcomes)
+    collect(outcomes, world_size > 1)
 }
 
-/// Results in rank order, or the most telling failure.
-fn collect<T>(outcomes: Vec<std::thread::Result<Result<T>>>) -> Result<Vec<T>> {
+/// Results in rank order, or the most telling failure; `name_rank` wraps a failure that does
+/// not say its rank in [`Error::RankFailed`].
+fn collect<T>(outcomes: Vec<std::thread::Result<Result<T>>>, name_rank: bool) -> Result<Vec<T>> {
     let mut panic = None;
     let mut own = None;
     let mut echo = None;
@@ -59,10 +64,24 @@ fn collect<T>(outcomes: Vec<std::thread::Result<Result<T>>>) -> Result<Vec<T>> {
         match o {
             Err(p) => {
                 let msg = panic_message(p.as_ref());
-                panic.get_or_insert(Error::Invalid(format!("rank {rank} panicked: {msg}")));
+                panic.get_or_insert(Error::RankFailed {
+                    op: "job",
+                    rank,
+                    cause: format!("panicked: {msg}"),
+                });
             }
             Ok(Err(e @ Error::Comm { .. })) => {
                 echo.get_or_insert(e);
+            }
+            Ok(Err(e @ Error::RankFailed { .. })) => {
+                own.get_or_insert(e);
+            }
+            Ok(Err(e)) if name_rank => {
+                own.get_or_insert(Error::RankFailed {
+                    op: "job",
+                    rank,
+                    cause: e.to_string(),
+                });
             }
             Ok(Err(e)) => {
                 own.get_or_insert(e);
