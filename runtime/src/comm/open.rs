@@ -66,6 +66,8 @@ fn opener(backend: CommBackend) -> Result<Opener> {
 
 /// Refuses `--ranks N > 1` for a communicator that runs one rank per process, naming what
 /// starts `N` processes instead.
+// Only the process-per-rank openers call it, and a build without `cuda` or `mpi` has none.
+#[cfg_attr(not(any(feature = "cuda", feature = "mpi")), allow(dead_code))]
 pub(crate) fn one_per_process(name: &str, ranks: Option<usize>) -> Result<()> {
     match ranks {
         Some(n) if n != 1 => Err(Error::Invalid(format!(
