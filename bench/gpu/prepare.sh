@@ -16,7 +16,8 @@ cp target/release/examples/train_gpt target/release/ferrozero .gpu/
 # The test executables cargo reports for the GPU-facing tests.
 cargo test --release --features cuda -p ferrozero-runtime --no-run --message-format=json \
   --test device_ops --test device_engine --test device_modules --test device_streams --test nn_memory \
-  --test cuda_driver --test kernels_compile 2>/dev/null |
+  --test cuda_driver_memory --test cuda_driver_gemm --test cuda_driver_launches \
+  --test cuda_driver_allocator --test kernels_compile 2>/dev/null |
   python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -1,16 +1,24 @@
-//! The collectives' test bodies, written once and run on every kind of buffer the engine
-//! hands a communicator (burn's one suite for all backends): host memory, and device memory
-//! of the CUDA backend on its CPU emulator, with one device per rank (as `train_gpt --ranks N
-//! --device cuda` opens them: every exchange is a copy between two devices' memory) and with
-//! one device shared by every rank (as the engine tests run). Every result is compared bit
-//! for bit with the sequential reference, whose sums are in rank order.
+//! The collectives' test bodies, written once and run on every communicator this build can
+//! run in one process and every kind of buffer the engine hands one (burn's one suite for
+//! all backends, as `test_device!` is for devices). Communicators: `local` (ranks as threads)
+//! and `nccl_fake` (the NCCL communicator over the fake library, rank-ordered sums as
+//! `comms.reduction = "rank_ordered"` asks; a GPU's real NCCL runs under `ferrozero launch`).
+//! MPI's ranks are processes, so its bodies run under `mpirun` in `comm_mpi.rs`. Memory: host,
+//! and device memory of the CUDA backend on its CPU emulator, with one device per rank (as
+//! `train_gpt --ranks N --device cuda` opens them: every exchange is a copy between two
+//! devices' memory) and with one device shared by every rank (as the engine tests run).
+//! Every result is compared bit for bit with the sequential reference, whose sums are in rank
+//! order.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use ferrozero_runtime::backend::{self, Backend};
-use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::comm::local::LocalComm;
+use ferrozero_runtime::comm::nccl::fake::FakeNccl;
+use ferrozero_runtime::comm::nccl::{NcclComm, NcclOptions};
 use ferrozero_runtime::comm::reference::{self, RefElem};
+use ferrozero_runtime::comm::store::{JobSecret, StoreServer, TcpStore};
 use ferrozero_runtime::comm::{Communicator, ReduceOp};
 use ferrozero_runtime::tensor::{DType, FlatBuf, Storage};
 use ferrozero_runtime::{Error, Result};
@@ -18,9 +26,63 @@ use half::bf16;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Makes each rank's buffers in one kind of memory.
+/// Runs `f` on every rank of a fresh `world`-rank group of the communicator `comm`, each
+/// rank on its own thread, and returns every rank's outcome in rank order.
+fn each_rank<T: Send>(
+    comm: &str,
+    world: usize,
+    f: &(dyn Fn(&dyn Communicator) -> Result<T> + Sync),
+) -> Vec<Result<T>> {
+    match comm {
+        "local" => std::thread::scope(|s| {
+            let hs: Vec<_> = LocalComm::group(world, TIMEOUT)
+                .into_iter()
+                .map(|c| s.spawn(move || f(&c)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("no panic"))
+                .collect()
+        }),
+        "nccl_fake" => nccl_fake_ranks(world, f),
+        other => panic!("no communicator {other}: add its arm here"),
+    }
+}
+
+/// NCCL's ranks initialise together (rank 0 publishes the unique id through the store), so
+/// each one is made on its own thread.
+fn nccl_fake_ranks<T: Send>(
+    world: usize,
+    f: &(dyn Fn(&dyn Communicator) -> Result<T> + Sync),
+) -> Vec<Result<T>> {
+    let secret = JobSecret::new("comm_views' store secret").expect("secret");
+    let srv = StoreServer::bind("127.0.0.1:0".parse().unwrap(), secret.clone()).expect("store");
+    let (lib, addr) = (FakeNccl::default(), srv.addr());
+    let opts = NcclOptions {
+        timeout: TIMEOUT,
+        deterministic: true,
+    };
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let (lib, secret, opts) = (&lib, &secret, opts.clone());
+                s.spawn(move || {
+                    let store = Arc::new(TcpStore::connect(addr, TIMEOUT, secret)?);
+                    let c = NcclComm::init(lib, store, "views", (r, world), opts)?;
+                    f(&c)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("no panic"))
+            .collect()
+    })
+}
+
+/// Makes each rank's buffers in one kind of memory, and runs them on one communicator.
 struct Maker {
     name: &'static str,
+    /// The communicator, a row of [`test_comm!`].
+    comm: &'static str,
     /// The backend rank `r` allocates on (`r % len`).
     backends: Vec<Arc<dyn Backend>>,
 }
@@ -38,17 +100,34 @@ impl Maker {
     fn on_device(&self) -> bool {
         self.name != "host"
     }
+
+    /// Every rank's result of `f`, in rank order; a failure on any rank fails the test.
+    fn on_ranks<T: Send>(
+        &self,
+        world: usize,
+        f: impl Fn(&dyn Communicator) -> Result<T> + Sync,
+    ) -> Vec<T> {
+        each_rank(self.comm, world, &f)
+            .into_iter()
+            .enumerate()
+            .map(|(r, o)| o.unwrap_or_else(|e| panic!("{} rank {r}/{world}: {e}", self.comm)))
+            .collect()
+    }
 }
 
-/// The maker called `name` for `world` ranks, or `None` (with a line saying why) when this
-/// build has no such memory.
-fn maker(name: &'static str, world: usize) -> Option<Maker> {
+/// The maker called `name` for `world` ranks on `comm`, or `None` (with a line saying why)
+/// when this build has no such memory.
+fn maker(comm: &'static str, name: &'static str, world: usize) -> Option<Maker> {
     let backends: Vec<Arc<dyn Backend>> = match name {
         "host" => vec![backend::cpu()],
         "cuda_emu_per_rank" => (0..world).map(|_| emulated()).collect::<Option<_>>()?,
         _ => vec![emulated()?],
     };
-    Some(Maker { name, backends })
+    Some(Maker {
+        name,
+        comm,
+        backends,
+    })
 }
 
 #[cfg(feature = "cuda")]
@@ -68,30 +147,44 @@ fn emulated() -> Option<Arc<dyn Backend>> {
     None
 }
 
-/// Runs `body` for world sizes 1 to 4 on the memory `place` names.
-fn run(place: &'static str, body: fn(&Maker, usize)) {
+/// Runs `body` for world sizes 1 to 4 on communicator `comm` with the memory `place` names.
+fn run(comm: &'static str, place: &'static str, body: fn(&Maker, usize)) {
     for world in 1..=4 {
-        let Some(m) = maker(place, world) else { return };
+        let Some(m) = maker(comm, place, world) else {
+            return;
+        };
         body(&m, world);
     }
 }
 
-/// One test per kind of memory for a body `fn(&Maker, world)`.
+/// One test per kind of memory on communicator `$comm`.
 macro_rules! on_every_memory {
-    ($body:ident) => {
-        mod $body {
+    ($comm:ident, $body:ident) => {
+        mod $comm {
             #[test]
             fn host() {
-                super::run("host", super::$body);
+                super::super::run(stringify!($comm), "host", super::super::$body);
             }
             #[test]
             fn cuda_emu_per_rank() {
-                super::run("cuda_emu_per_rank", super::$body);
+                super::super::run(stringify!($comm), "cuda_emu_per_rank", super::super::$body);
             }
             #[test]
             fn cuda_emu_shared() {
-                super::run("cuda_emu_shared", super::$body);
+                super::super::run(stringify!($comm), "cuda_emu_shared", super::super::$body);
             }
+        }
+    };
+}
+
+/// One test per communicator and kind of memory for a body `fn(&Maker, world)`, as
+/// `test_device!` is for devices: a new communicator is one row here and its arm in
+/// [`each_rank`].
+macro_rules! test_comm {
+    ($body:ident) => {
+        mod $body {
+            on_every_memory!(local, $body);
+            on_every_memory!(nccl_fake, $body);
         }
     };
 }
@@ -150,17 +243,12 @@ const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
 /// Lengths that do not divide evenly among ranks or into the communicator's 64-element units.
 const LENGTHS: [usize; 4] = [0, 1, 67, 1000];
 
-/// Rank `rank`'s results of `f` for every rank, or the first error.
-fn on_ranks<T: Send>(world: usize, f: impl Fn(&dyn Communicator) -> Result<T> + Sync) -> Vec<T> {
-    run_ranks(world, TIMEOUT, |c| f(&*c)).expect("the collective succeeds")
-}
-
 fn all_reduce_matches_the_reference(m: &Maker, world: usize) {
     for dtype in DTYPES {
         for op in OPS {
             for len in LENGTHS {
                 let seed = len as u64 * 31 + 7;
-                let got = on_ranks(world, |c| {
+                let got = m.on_ranks(world, |c| {
                     let mut b = m.put(c.rank(), dtype, &values(seed, c.rank(), len));
                     c.all_reduce_view(b.view_mut(), op)?;
                     Ok(bits(&b))
@@ -184,14 +272,14 @@ fn all_reduce_matches_the_reference(m: &Maker, world: usize) {
         }
     }
 }
-on_every_memory!(all_reduce_matches_the_reference);
+test_comm!(all_reduce_matches_the_reference);
 
 fn reduce_scatter_matches_the_reference(m: &Maker, world: usize) {
     for dtype in DTYPES {
         for op in OPS {
             for per in [0, 1, 67, 300] {
                 let (seed, len) = (per as u64 * 13 + 3, per * world);
-                let got = on_ranks(world, |c| {
+                let got = m.on_ranks(world, |c| {
                     let input = m.put(c.rank(), dtype, &values(seed, c.rank(), len));
                     let mut out = m.put(c.rank(), dtype, &vec![0.0; per]);
                     c.reduce_scatter_view(input.view(), out.view_mut(), op)?;
@@ -217,13 +305,13 @@ fn reduce_scatter_matches_the_reference(m: &Maker, world: usize) {
         }
     }
 }
-on_every_memory!(reduce_scatter_matches_the_reference);
+test_comm!(reduce_scatter_matches_the_reference);
 
 fn all_gather_and_broadcast_copy_exactly(m: &Maker, world: usize) {
     for dtype in DTYPES {
         for per in [0, 1, 67, 300] {
             let seed = per as u64 + 99;
-            let got = on_ranks(world, |c| {
+            let got = m.on_ranks(world, |c| {
                 let input = m.put(c.rank(), dtype, &values(seed, c.rank(), per));
                 let mut out = m.put(c.rank(), dtype, &vec![0.0; per * world]);
                 c.all_gather_view(input.view(), out.view_mut())?;
@@ -257,7 +345,7 @@ fn all_gather_and_broadcast_copy_exactly(m: &Maker, world: usize) {
         }
     }
 }
-on_every_memory!(all_gather_and_broadcast_copy_exactly);
+test_comm!(all_gather_and_broadcast_copy_exactly);
 
 /// `((1e8 + 1) - 1e8)` is 0 in f32, whereas any other association of three ranks gives 1:
 /// the sum is in rank order on every kind of memory; and `Max` keeps a NaN from any rank.
@@ -265,7 +353,7 @@ fn sums_are_in_rank_order(m: &Maker, world: usize) {
     if world != 3 {
         return;
     }
-    let got = on_ranks(3, |c| {
+    let got = m.on_ranks(3, |c| {
         let x = [1e8f32, 1.0, -1e8][c.rank()];
         let mut b = m.put(c.rank(), DType::F32, &[x; 130]);
         c.all_reduce_view(b.view_mut(), ReduceOp::Sum)?;
@@ -285,7 +373,7 @@ fn sums_are_in_rank_order(m: &Maker, world: usize) {
         assert_eq!(nan[2], 1.0, "{}", m.name);
     }
 }
-on_every_memory!(sums_are_in_rank_order);
+test_comm!(sums_are_in_rank_order);
 
 /// Ranks that disagree (lengths; host against device memory; input and output in different
 /// places) get an error on every rank, naming the mismatch, never a hang or a wrong result.
@@ -293,14 +381,18 @@ fn mismatches_are_errors_on_every_rank(m: &Maker, world: usize) {
     if world < 2 {
         return;
     }
+    if m.comm == "nccl_fake" {
+        // NCCL takes each rank's call on trust: ranks that disagree on a length make the
+        // fake panic and a GPU's NCCL read past a buffer or hang. `NcclComm` has no
+        // check-in of the calls (local's entry barrier, MPI's descriptor exchange) yet.
+        eprintln!("skipped: the NCCL communicator does not check that ranks' calls match");
+        return;
+    }
     let outcome = |f: &(dyn Fn(&dyn Communicator) -> Result<()> + Sync)| -> Vec<Error> {
-        let comms = ferrozero_runtime::comm::local::LocalComm::group(world, TIMEOUT);
-        std::thread::scope(|s| {
-            let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(&c))).collect();
-            hs.into_iter()
-                .map(|h| h.join().expect("no panic").expect_err("a mismatch fails"))
-                .collect()
-        })
+        each_rank(m.comm, world, f)
+            .into_iter()
+            .map(|o| o.expect_err("a mismatch fails"))
+            .collect()
     };
     let errs = outcome(&|c| {
         let mut b = m.put(c.rank(), DType::F32, &vec![1.0; 10 + c.rank()]);
@@ -312,7 +404,7 @@ fn mismatches_are_errors_on_every_rank(m: &Maker, world: usize) {
     if !m.on_device() {
         return;
     }
-    let host = maker("host", world).expect("host memory");
+    let host = maker(m.comm, "host", world).expect("host memory");
     let errs = outcome(&|c| {
         let place = if c.rank() == 0 { &host } else { m };
         let mut b = place.put(c.rank(), DType::F32, &[1.0; 8]);
@@ -330,4 +422,4 @@ fn mismatches_are_errors_on_every_rank(m: &Maker, world: usize) {
         assert!(e.to_string().contains("one device"), "{}: {e}", m.name);
     }
 }
-on_every_memory!(mismatches_are_errors_on_every_rank);
+test_comm!(mismatches_are_errors_on_every_rank);

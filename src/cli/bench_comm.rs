@@ -4,8 +4,9 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use ferrozero_config::resolved::{CommBackend, CommReduction, CommsConfig};
+use ferrozero_runtime::comm;
 use ferrozero_runtime::comm::bench::{self, BenchOp, BenchRow};
-use ferrozero_runtime::comm::local::run_ranks;
 
 /// Communicator backend to measure.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -15,7 +16,8 @@ pub enum Backend {
     /// One rank per MPI process (start with `mpirun -n N ferrozero bench comm --backend mpi`).
     Mpi,
     /// One rank per GPU over NCCL (start with `ferrozero launch -- ferrozero bench comm
-    /// --backend nccl`; CUDA build). Compare busbw with nccl-tests' `all_reduce_perf -g 1`.
+    /// --backend nccl`; CUDA build). Compare busbw with nccl-tests' `all_reduce_perf -g 1`;
+    /// host buffers are staged through the GPU, so the figures include the PCIe copies.
     Nccl,
 }
 
@@ -111,11 +113,22 @@ pub fn run(args: Args) -> ExitCode {
     } else {
         args.ops.iter().map(|o| o.op()).collect()
     };
-    let result = match args.backend {
-        Backend::Local => local(args.ranks, timeout, &ops, &sizes),
-        Backend::Mpi => mpi(timeout, args.reduction, &ops, &sizes),
-        Backend::Nccl => nccl(timeout, args.reduction, &ops, &sizes),
+    let comms = CommsConfig {
+        backend: match args.backend {
+            Backend::Local => CommBackend::Local,
+            Backend::Mpi => CommBackend::Mpi,
+            Backend::Nccl => CommBackend::Nccl,
+        },
+        timeout,
+        reduction: match args.reduction {
+            ReductionArg::Native => CommReduction::Native,
+            ReductionArg::RankOrdered => CommReduction::RankOrdered,
+        },
+        data_type: None,
     };
+    // `--ranks` counts threads of the local backend; the others take the launcher's world.
+    let ranks = matches!(args.backend, Backend::Local).then_some(args.ranks);
+    let result = bench(&comms, ranks, &ops, &sizes);
     match result {
         Ok(Some(rows)) => {
             print(&rows, args.json);
@@ -129,81 +142,18 @@ pub fn run(args: Args) -> ExitCode {
     }
 }
 
-fn local(
-    ranks: usize,
-    timeout: Duration,
+/// Runs on every rank of this process; only rank 0's rows come back to print.
+fn bench(
+    comms: &CommsConfig,
+    ranks: Option<usize>,
     ops: &[BenchOp],
     sizes: &[usize],
 ) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
-    let mut all = run_ranks(ranks, timeout, |c| bench::run(&*c, ops, sizes))?;
-    Ok(Some(all.swap_remove(0)))
-}
-
-/// Runs on every MPI process; only rank 0 returns rows to print.
-#[cfg(feature = "mpi")]
-fn mpi(
-    timeout: Duration,
-    reduction: ReductionArg,
-    ops: &[BenchOp],
-    sizes: &[usize],
-) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
-    use ferrozero_runtime::comm::mpi::MpiComm;
-    use ferrozero_runtime::comm::{Communicator, Reduction};
-    let reduction = match reduction {
-        ReductionArg::Native => Reduction::Native,
-        ReductionArg::RankOrdered => Reduction::RankOrdered,
-    };
-    let comm = MpiComm::world(timeout)?.with_reduction(reduction);
-    let rows = bench::run(&comm, ops, sizes)?;
-    Ok((comm.rank() == 0).then_some(rows))
-}
-
-#[cfg(not(feature = "mpi"))]
-fn mpi(
-    _timeout: Duration,
-    _reduction: ReductionArg,
-    _ops: &[BenchOp],
-    _sizes: &[usize],
-) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
-    Err(ferrozero_runtime::Error::Unavailable {
-        what: "the MPI backend",
-        why: "this ferrozero was built without the `mpi` feature (cargo build --features mpi)"
-            .into(),
-    })
-}
-
-/// Runs on every launched process; only rank 0 returns rows to print. Host buffers are
-/// staged through the GPU today, so these figures include the PCIe copies.
-#[cfg(feature = "cuda")]
-fn nccl(
-    timeout: Duration,
-    reduction: ReductionArg,
-    ops: &[BenchOp],
-    sizes: &[usize],
-) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
-    use ferrozero_runtime::comm::nccl::{NcclComm, NcclOptions};
-    use ferrozero_runtime::comm::Communicator;
-    let opts = NcclOptions {
-        timeout,
-        deterministic: matches!(reduction, ReductionArg::RankOrdered),
-    };
-    let comm = NcclComm::from_env(opts)?;
-    let rows = bench::run(&comm, ops, sizes)?;
-    Ok((comm.rank() == 0).then_some(rows))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn nccl(
-    _timeout: Duration,
-    _reduction: ReductionArg,
-    _ops: &[BenchOp],
-    _sizes: &[usize],
-) -> ferrozero_runtime::Result<Option<Vec<BenchRow>>> {
-    Err(ferrozero_runtime::Error::Unavailable {
-        what: "the NCCL backend",
-        why: "this ferrozero was built without the `cuda` feature (cargo build --features cuda)"
-            .into(),
-    })
+    let rows = comm::open(comms, ranks, |c| {
+        let rows = bench::run(&*c, ops, sizes)?;
+        Ok((c.rank() == 0).then_some(rows))
+    })?;
+    Ok(rows.into_iter().flatten().next())
 }
 
 fn print(rows: &[BenchRow], json: bool) {

@@ -121,5 +121,7 @@ pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;
+pub mod open;
+pub use open::{open, open_rank};
 pub mod store;
 pub mod worker;

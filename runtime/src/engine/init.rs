@@ -291,7 +291,7 @@ fn single_rank(config: &Config) -> Result<Box<dyn Communicator>> {
         .and_then(|w| w.parse().ok())
         .unwrap_or(1);
     match comms.backend {
-        CommBackend::Mpi => mpi_world(&comms),
+        CommBackend::Mpi => crate::comm::open_rank(&comms),
         _ if world > 1 => Err(Error::Unavailable {
             what: "multi-process communicator",
             why: format!(
@@ -307,32 +307,6 @@ fn single_rank(config: &Config) -> Result<Box<dyn Communicator>> {
             Ok(Box::new(group.remove(0)))
         }
     }
-}
-
-/// The MPI world communicator the config asks for.
-#[cfg(feature = "mpi")]
-fn mpi_world(comms: &ferrozero_config::resolved::CommsConfig) -> Result<Box<dyn Communicator>> {
-    use crate::comm::Reduction;
-    use ferrozero_config::resolved::CommReduction;
-    let reduction = match comms.reduction {
-        CommReduction::Native => Reduction::Native,
-        CommReduction::RankOrdered => Reduction::RankOrdered,
-    };
-    Ok(Box::new(
-        crate::comm::mpi::MpiComm::world(comms.timeout)?.with_reduction(reduction),
-    ))
-}
-
-#[cfg(not(feature = "mpi"))]
-fn mpi_world(comms: &ferrozero_config::resolved::CommsConfig) -> Result<Box<dyn Communicator>> {
-    Err(Error::Unavailable {
-        what: "the MPI backend",
-        why: format!(
-            "comms.backend = \"mpi\" (reduction {:?}, timeout {:?}) but this build has no MPI: \
-             build with --features mpi",
-            comms.reduction, comms.timeout
-        ),
-    })
 }
 
 /// Loads `config` and builds an engine for `model` on a single local rank (or fails with a

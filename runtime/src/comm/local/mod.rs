@@ -32,6 +32,7 @@ use desc::{Desc, OpKind};
 use group::{Abort, Departure, Group, Phase};
 
 pub use ranks::run_ranks;
+pub(crate) use ranks::{open, run_each};
 
 use crate::{Error, Result};
 

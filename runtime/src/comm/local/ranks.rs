@@ -4,9 +4,42 @@
 use std::any::Any;
 use std::time::Duration;
 
+use ferrozero_config::resolved::CommsConfig;
+
 use super::LocalComm;
+use crate::comm::open::Opened;
 use crate::comm::Communicator;
 use crate::{Error, Result};
+
+/// The `local` row of [`crate::comm::open::COMMUNICATORS`]: `ranks` (default 1) ranks of a
+/// fresh group, to run as threads; refused in a process that is one of several launched
+/// ranks, where each process would train alone and write the same outputs.
+pub(crate) fn open(ranks: Option<usize>, cfg: &CommsConfig) -> Result<Opened> {
+    check_not_launched(std::env::var("WORLD_SIZE").ok().as_deref())?;
+    let n = ranks.unwrap_or(1);
+    if n == 0 {
+        return Err(Error::Invalid("--ranks must be at least 1".into()));
+    }
+    let comms = LocalComm::group(n, cfg.timeout).into_iter();
+    Ok(Opened::Threads(
+        comms
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .collect(),
+    ))
+}
+
+/// Refuses local ranks when `WORLD_SIZE` (as `ferrozero launch` sets it) says this process is
+/// one of several, naming what would work.
+fn check_not_launched(world_size: Option<&str>) -> Result<()> {
+    match world_size.and_then(|w| w.parse::<usize>().ok()) {
+        Some(w) if w > 1 => Err(Error::Config(format!(
+            "this process is one of {w} ranks (WORLD_SIZE={w}, as `ferrozero launch` sets it) \
+             but comms.backend is \"local\" (ranks as threads): set comms.backend = \"nccl\" \
+             for one rank per process, or run without the launcher and use --ranks"
+        ))),
+        _ => Ok(()),
+    }
+}
 
 /// Runs `f` on `world_size` threads, each with its own rank of a fresh [`LocalComm`] group,
 /// and returns the results in rank order.
@@ -27,7 +60,20 @@ where
     if world_size == 0 {
         return Err(Error::Invalid("run_ranks needs at least one rank".into()));
     }
-    let comms = LocalComm::group(world_size, timeout);
+    let comms = LocalComm::group(world_size, timeout)
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Communicator>)
+        .collect();
+    run_each(comms, f)
+}
+
+/// Runs `f` once per communicator, each on its own thread named after its position, and
+/// returns the results in that order (the root cause of a failure first, as [`run_ranks`]).
+pub(crate) fn run_each<T, F>(comms: Vec<Box<dyn Communicator>>, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Box<dyn Communicator>) -> Result<T> + Sync,
+{
     let outcomes: Vec<std::thread::Result<Result<T>>> = std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = comms
@@ -36,7 +82,7 @@ where
             .map(|(rank, comm)| {
                 std::thread::Builder::new()
                     .name(format!("fz-rank-{rank}"))
-                    .spawn_scoped(s, move || f(Box::new(comm)))
+                    .spawn_scoped(s, move || f(comm))
             })
             .collect();
         handles
@@ -101,4 +147,18 @@ fn panic_message(p: &(dyn Any + Send)) -> String {
         .map(|s| (*s).to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_not_launched;
+
+    #[test]
+    fn local_ranks_under_a_launched_world_are_refused() {
+        assert!(check_not_launched(None).is_ok());
+        assert!(check_not_launched(Some("1")).is_ok());
+        let e = check_not_launched(Some("4")).unwrap_err().to_string();
+        assert!(e.contains("one of 4 ranks (WORLD_SIZE=4"), "{e}");
+        assert!(e.contains("comms.backend = \"nccl\""), "{e}");
+    }
 }

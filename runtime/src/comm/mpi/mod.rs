@@ -96,6 +96,21 @@ impl std::fmt::Debug for MpiComm {
     }
 }
 
+/// The `mpi` row of [`crate::comm::open::COMMUNICATORS`]: the world communicator with the
+/// section's timeout and reduction.
+pub(crate) fn open(
+    cfg: &ferrozero_config::resolved::CommsConfig,
+) -> Result<Box<dyn crate::comm::Communicator>> {
+    use ferrozero_config::resolved::CommReduction;
+    let reduction = match cfg.reduction {
+        CommReduction::Native => Reduction::Native,
+        CommReduction::RankOrdered => Reduction::RankOrdered,
+    };
+    Ok(Box::new(
+        MpiComm::world(cfg.timeout)?.with_reduction(reduction),
+    ))
+}
+
 impl MpiComm {
     /// The world communicator of this process (initializes MPI on first use).
     pub fn world(timeout: Duration) -> Result<MpiComm> {

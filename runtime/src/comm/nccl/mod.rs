@@ -353,6 +353,31 @@ impl Communicator for NcclComm {
     }
 }
 
+/// The `nccl` row of [`crate::comm::open::COMMUNICATORS`]: this process's rank of a job
+/// `ferrozero launch` started ([`NcclComm::from_env`]).
+#[cfg(feature = "cuda")]
+pub(crate) fn open(
+    ranks: Option<usize>,
+    cfg: &ferrozero_config::resolved::CommsConfig,
+) -> Result<super::open::Opened> {
+    super::open::one_per_process("nccl", ranks)?;
+    let comm = NcclComm::from_env(NcclOptions::from_config(cfg))?;
+    Ok(super::open::Opened::Process(Box::new(comm)))
+}
+
+/// Without the CUDA build there is no NCCL library to open.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn open(
+    _ranks: Option<usize>,
+    _cfg: &ferrozero_config::resolved::CommsConfig,
+) -> Result<super::open::Opened> {
+    Err(Error::Unavailable {
+        what: "the NCCL backend",
+        why: "this ferrozero was built without the `cuda` feature (cargo build --features cuda)"
+            .into(),
+    })
+}
+
 #[cfg(feature = "cuda")]
 impl NcclComm {
     /// The world communicator of a job started by `ferrozero launch` (which sets `RANK`,
