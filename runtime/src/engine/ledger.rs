@@ -125,11 +125,6 @@ impl Ledger {
         }
     }
 
-    /// The cap on device bytes, if any.
-    pub fn device_limit(&self) -> Option<u64> {
-        self.limit
-    }
-
     /// The first breach of the cap, as the same error a GPU's allocator gives.
     pub fn check_limit(&self) -> Result<()> {
         let Some(b) = self.breach else {

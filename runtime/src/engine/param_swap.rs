@@ -199,11 +199,6 @@ impl SwapSlot {
         !matches!(self.state, SlotState::Out)
     }
 
-    /// Whether an updated shard is still being written.
-    pub fn is_writing(&self) -> bool {
-        matches!(self.state, SlotState::Writing(_))
-    }
-
     /// Starts reading the shard ahead of use; no-op unless it is swapped out.
     pub fn start_read(&mut self, swap: &mut ParamSwap) {
         if let SlotState::Out = self.state {

@@ -74,6 +74,7 @@ where
     T: Send,
     F: Fn(Box<dyn Communicator>) -> Result<T> + Sync,
 {
+    let several = comms.len() > 1;
     let outcomes: Vec<std::thread::Result<Result<T>>> = std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = comms
@@ -96,7 +97,7 @@ where
             })
             .collect()
     });
-    collect(outcomes, world_size > 1)
+    collect(outcomes, several)
 }
 
 /// Results in rank order, or the most telling failure; `name_rank` wraps a failure that does

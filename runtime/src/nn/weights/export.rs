@@ -49,11 +49,6 @@ impl ModelFiles {
         }
         Ok(Self { files })
     }
-
-    /// Whether `config.json` is among them.
-    pub fn has_config(&self) -> bool {
-        self.files.iter().any(|(n, _)| n == CONFIG_FILE)
-    }
 }
 
 /// What [`write_model_dir`] wrote.

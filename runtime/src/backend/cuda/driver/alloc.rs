@@ -144,11 +144,6 @@ impl Allocator {
         &self.driver
     }
 
-    /// The stream blocks belong to.
-    pub fn home_stream(&self) -> StreamKind {
-        self.home
-    }
-
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
