@@ -5,57 +5,15 @@
 
 mod common;
 
-use std::time::Duration;
-
+use common::runs::{train_steps, Run, D, LAYERS, T, V};
 use common::{config, toy};
 use ferrozero_config::resolved::{CommDataType, Precision, ResolvedConfig, ZeroStage};
-use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::estimate::estimate;
-use ferrozero_runtime::engine::ledger::Location;
-use ferrozero_runtime::engine::{Engine, NamedTensor};
 
-const V: usize = 11;
-const D: usize = 6;
-const T: usize = 5;
-const LAYERS: usize = 2;
 const STEPS: usize = 20;
 
-/// Rank 0's losses, final parameters, reduced bytes per step and device peak.
-struct Run {
-    losses: Vec<f64>,
-    params: Vec<NamedTensor>,
-    reduced: Vec<u64>,
-    device_peak: u64,
-}
-
 fn train(cfg: &ResolvedConfig) -> Run {
-    let world = cfg.world_size;
-    let (micro, gas) = (
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-    );
-    let mut out = run_ranks(world, Duration::from_secs(60), |comm| {
-        let rank = comm.rank();
-        let mut e = Engine::new(toy::model(V, D, T, LAYERS), cfg.clone(), comm)?;
-        let (mut losses, mut reduced) = (Vec::new(), Vec::new());
-        for s in 0..STEPS {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            let r = e.train_batch(&batches)?;
-            losses.push(r.loss);
-            reduced.push(r.reduced_bytes);
-        }
-        let peak = e.ledger().peak_total(Location::Device);
-        Ok(Run {
-            losses,
-            params: e.parameters()?,
-            reduced,
-            device_peak: peak,
-        })
-    })
-    .expect("training failed");
-    out.swap_remove(0)
+    train_steps(cfg, STEPS)
 }
 
 fn cfg(stage: ZeroStage, world: usize, wire: Option<CommDataType>) -> ResolvedConfig {

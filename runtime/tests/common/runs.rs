@@ -25,10 +25,17 @@ pub struct Run {
     pub optim_bytes: u64,
     pub device_peak: u64,
     pub cross: Vec<Vec<u64>>,
+    /// Rank 0's reduced gradient bytes per step (`StepReport::reduced_bytes`).
+    pub reduced: Vec<u64>,
 }
 
 /// Trains the toy model `STEPS` steps under `cfg` on local ranks.
 pub fn train(cfg: &ResolvedConfig) -> Run {
+    train_steps(cfg, STEPS)
+}
+
+/// Trains the toy model `steps` steps under `cfg` on local ranks.
+pub fn train_steps(cfg: &ResolvedConfig, steps: usize) -> Run {
     let world = cfg.world_size;
     let (micro, gas) = (
         cfg.train_micro_batch_size_per_gpu,
@@ -37,40 +44,31 @@ pub fn train(cfg: &ResolvedConfig) -> Run {
     let out = run_ranks(world, Duration::from_secs(60), |comm| {
         let rank = comm.rank();
         let mut e = Engine::new(toy::model(V, D, T, LAYERS), cfg.clone(), comm)?;
-        let (mut losses, mut cross) = (Vec::new(), Vec::new());
-        for s in 0..STEPS {
+        let (mut losses, mut cross, mut reduced) = (Vec::new(), Vec::new(), Vec::new());
+        for s in 0..steps {
             let batches: Vec<_> = (0..gas)
                 .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
                 .collect();
             let r = e.train_batch(&batches)?;
             losses.push(r.loss);
             cross.push(r.cross_group_bytes);
+            reduced.push(r.reduced_bytes);
         }
         let l = e.ledger();
-        let (param_bytes, optim_bytes, device_peak) = (
-            l.current(Location::Device, Category::Parameters),
-            l.current(Location::Device, Category::OptimizerState),
-            l.peak_total(Location::Device),
-        );
-        Ok((
-            e.parameters()?,
+        Ok(Run {
+            param_bytes: l.current(Location::Device, Category::Parameters),
+            optim_bytes: l.current(Location::Device, Category::OptimizerState),
+            device_peak: l.peak_total(Location::Device),
+            params: e.parameters()?,
             losses,
-            param_bytes,
-            optim_bytes,
-            device_peak,
-            cross,
-        ))
+            cross: vec![cross],
+            reduced,
+        })
     })
     .expect("training failed");
-    let cross = out.iter().map(|o| o.5.clone()).collect();
-    let (params, losses, param_bytes, optim_bytes, device_peak, _) =
-        out.into_iter().next().unwrap();
-    Run {
-        params,
-        losses,
-        param_bytes,
-        optim_bytes,
-        device_peak,
-        cross,
-    }
+    // Rank 0's run, with every rank's cross-group bytes.
+    let cross = out.iter().flat_map(|r| r.cross.clone()).collect();
+    let mut first = out.into_iter().next().unwrap();
+    first.cross = cross;
+    first
 }
