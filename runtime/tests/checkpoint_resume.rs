@@ -135,8 +135,9 @@ fn the_scaler_state_really_moves_during_the_run() {
 
 #[test]
 fn nvme_resident_optimizer_state_resumes_bit_exactly_and_moves_between_placements() {
-    let swap =
-        |tag: &str| std::env::temp_dir().join(format!("fz-ckpt-nvme-{tag}-{}", std::process::id()));
+    // Removed when the test ends, pass or fail (swap files are preallocated).
+    let scratch = tempfile::tempdir().unwrap();
+    let swap = |tag: &str| scratch.path().join(format!("nvme-{tag}"));
     for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
         for precision in [Precision::Bf16, fp16()] {
             let mut cfg = config(stage, WORLD, 2, 1, precision.clone());
@@ -152,7 +153,7 @@ fn nvme_resident_optimizer_state_resumes_bit_exactly_and_moves_between_placement
         check(cfg, &format!("nvme params, optimizer {opt:?}"));
     }
     // Saved with NVMe-resident state, resumed in memory, and the reverse: same training.
-    let dir = std::env::temp_dir().join(format!("fz-ckpt-nvme-mix-{}", std::process::id()));
+    let dir = scratch.path().join("mix");
     let mut nvme = config(ZeroStage::Stage3, WORLD, 2, 1, Precision::Bf16);
     nvme.zero.offload_optimizer.target = OffloadTarget::Nvme(swap("b"));
     nvme.zero.offload_param.target = OffloadTarget::Nvme(swap("e"));
@@ -172,5 +173,4 @@ fn nvme_resident_optimizer_state_resumes_bit_exactly_and_moves_between_placement
             "parameters after a placement change"
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

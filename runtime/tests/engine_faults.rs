@@ -6,21 +6,15 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use common::scratch::Scratch;
 use common::{config, toy};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::Engine;
 
 const V: usize = 11;
-
-fn scratch(tag: &str) -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let n = N.fetch_add(1, Ordering::Relaxed);
-    std::env::temp_dir().join(format!("fz-faults-{tag}-{}-{n}", std::process::id()))
-}
 
 /// Stage 3, bf16, parameters and optimizer state on NVMe under `swap`.
 fn nvme_config(swap: &Path) -> ResolvedConfig {
@@ -57,7 +51,8 @@ fn reference() -> Vec<u32> {
 /// Trains 2 steps and checkpoints, damages a swap file, checks the next step fails naming
 /// it, then resumes from the checkpoint in a fresh engine and finishes 4 steps.
 fn fault_then_resume(target: &str, damage: impl Fn(&Path), expect: &str) {
-    let (swap, ckpt) = (scratch("swap"), scratch("ckpt"));
+    let root = Scratch::new();
+    let (swap, ckpt) = (root.dir(), root.dir());
     let cfg = nvme_config(&swap);
     let mut e = engine(&cfg).unwrap();
     (0..2).for_each(|s| step(&mut e, s).unwrap());
@@ -73,7 +68,7 @@ fn fault_then_resume(target: &str, damage: impl Fn(&Path), expect: &str) {
         "{target}: error should name {name} and say {expect:?}: {msg}"
     );
     drop(e);
-    let mut fresh = engine(&nvme_config(&scratch("swap"))).unwrap();
+    let mut fresh = engine(&nvme_config(&root.dir())).unwrap();
     let l = fresh.load_checkpoint(&ckpt, &Tag::Latest).unwrap();
     assert_eq!((l.step, l.data_position), (2, 2));
     (2..4).for_each(|s| step(&mut fresh, s).unwrap());
@@ -125,7 +120,8 @@ fn a_full_swap_disk_is_refused_at_start_naming_the_file_and_the_checkpoint_resum
         eprintln!("SKIPPED: cannot mount a small tmpfs here (needs root)");
         return;
     };
-    let ckpt = scratch("ckpt");
+    let root = Scratch::new();
+    let ckpt = root.dir();
     let mut good = engine(&config(ZeroStage::Stage3, 1, 2, 1, Precision::Bf16)).unwrap();
     (0..2).for_each(|s| step(&mut good, s).unwrap());
     good.save_checkpoint(&ckpt, "good", 2).unwrap();
@@ -140,7 +136,7 @@ fn a_full_swap_disk_is_refused_at_start_naming_the_file_and_the_checkpoint_resum
         err.contains(".swp") && err.contains("No space left"),
         "the error should name the swap file and ENOSPC: {err}"
     );
-    let mut fresh = engine(&nvme_config(&scratch("swap"))).unwrap();
+    let mut fresh = engine(&nvme_config(&root.dir())).unwrap();
     fresh.load_checkpoint(&ckpt, &Tag::Latest).unwrap();
     (2..4).for_each(|s| step(&mut fresh, s).unwrap());
     assert!(bits(&fresh) == reference(), "resumed run differs");
@@ -152,7 +148,7 @@ struct SmallFs(PathBuf);
 
 impl SmallFs {
     fn mount() -> Option<SmallFs> {
-        let dir = scratch("tmpfs");
+        let dir = std::env::temp_dir().join(format!("fz-faults-tmpfs-{}", std::process::id()));
         std::fs::create_dir_all(&dir).ok()?;
         let c = |s: &str| std::ffi::CString::new(s).unwrap();
         let target = c(dir.to_str()?);
@@ -181,7 +177,8 @@ impl Drop for SmallFs {
 
 #[test]
 fn a_save_over_a_damaged_swap_file_fails_and_latest_still_points_at_the_good_checkpoint() {
-    let (swap, ckpt) = (scratch("swap"), scratch("ckpt"));
+    let root = Scratch::new();
+    let (swap, ckpt) = (root.dir(), root.dir());
     let mut e = engine(&nvme_config(&swap)).unwrap();
     (0..2).for_each(|s| step(&mut e, s).unwrap());
     e.save_checkpoint(&ckpt, "good", 2).unwrap();
@@ -200,7 +197,7 @@ fn a_save_over_a_damaged_swap_file_fails_and_latest_still_points_at_the_good_che
     );
     assert!(!ckpt.join("bad").exists(), "a failed save was published");
     drop(e);
-    let mut fresh = engine(&nvme_config(&scratch("swap"))).unwrap();
+    let mut fresh = engine(&nvme_config(&root.dir())).unwrap();
     fresh.load_checkpoint(&ckpt, &Tag::Latest).unwrap();
     (2..4).for_each(|s| step(&mut fresh, s).unwrap());
     assert!(bits(&fresh) == reference(), "resumed run differs");

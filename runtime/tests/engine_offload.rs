@@ -3,24 +3,14 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use common::scratch::Scratch;
 use common::{config, toy};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
-
-fn swap_dir() -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    std::env::temp_dir().join(format!(
-        "fz-offload-test-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
-}
 
 fn train(cfg: &ResolvedConfig, steps: usize) -> (Vec<Vec<u32>>, u64) {
     let world = cfg.world_size;
@@ -47,6 +37,7 @@ fn train(cfg: &ResolvedConfig, steps: usize) -> (Vec<Vec<u32>>, u64) {
 
 #[test]
 fn every_offload_combination_is_bitwise_identical() {
+    let scratch = Scratch::new();
     for world in [1, 2] {
         let base = config(ZeroStage::Stage3, world, 2, 1, Precision::Bf16);
         let (reference, dev_none) = train(&base, 20);
@@ -54,7 +45,7 @@ fn every_offload_combination_is_bitwise_identical() {
             [
                 OffloadTarget::None,
                 OffloadTarget::Cpu,
-                OffloadTarget::Nvme(swap_dir()),
+                OffloadTarget::Nvme(scratch.dir()),
             ]
         };
         let combos = targets()
@@ -77,6 +68,7 @@ fn every_offload_combination_is_bitwise_identical() {
 
 #[test]
 fn nvme_parameters_in_f32_and_with_overlap_and_checkpointing() {
+    let scratch = Scratch::new();
     // f32 has no master copy, so the step reads each shard before updating it in place;
     // overlap and checkpointing change when shards are read ahead and re-gathered.
     // max_in_cpu = 0 turns read-ahead off: every shard is read when its gather needs it.
@@ -92,7 +84,7 @@ fn nvme_parameters_in_f32_and_with_overlap_and_checkpointing() {
             base.activation_checkpointing = Some(common::checkpointing(false));
         }
         let mut nv = base.clone();
-        nv.zero.offload_param.target = OffloadTarget::Nvme(swap_dir());
+        nv.zero.offload_param.target = OffloadTarget::Nvme(scratch.dir());
         nv.zero.offload_param.buffer_count = 2;
         nv.zero.offload_param.max_in_cpu = max_in_cpu;
         assert!(
@@ -104,8 +96,9 @@ fn nvme_parameters_in_f32_and_with_overlap_and_checkpointing() {
 
 #[test]
 fn nvme_parameter_shards_larger_than_a_swap_buffer_are_refused() {
+    let scratch = Scratch::new();
     let mut cfg = config(ZeroStage::Stage3, 1, 2, 1, Precision::Bf16);
-    cfg.zero.offload_param.target = OffloadTarget::Nvme(swap_dir());
+    cfg.zero.offload_param.target = OffloadTarget::Nvme(scratch.dir());
     cfg.zero.offload_param.buffer_size = 8;
     let err = run_ranks(1, Duration::from_secs(10), |comm| {
         Engine::new(toy::model(11, 6, 5, 1), cfg.clone(), comm).map(|_| ())
@@ -120,18 +113,20 @@ fn nvme_parameter_shards_larger_than_a_swap_buffer_are_refused() {
 
 #[test]
 fn nvme_optimizer_offload_in_stage_1_and_2() {
+    let scratch = Scratch::new();
     for stage in [ZeroStage::Stage1, ZeroStage::Stage2] {
         let base = config(stage, 2, 2, 1, Precision::Bf16);
         let mut nv = base.clone();
-        nv.zero.offload_optimizer.target = OffloadTarget::Nvme(swap_dir());
+        nv.zero.offload_optimizer.target = OffloadTarget::Nvme(scratch.dir());
         assert!(train(&base, 8).0 == train(&nv, 8).0, "{stage:?}");
     }
 }
 
 #[test]
 fn unsupported_offload_is_refused_clearly() {
+    let scratch = Scratch::new();
     let mut cfg = config(ZeroStage::Stage3, 1, 2, 1, Precision::F32);
-    cfg.zero.offload_optimizer.target = OffloadTarget::Nvme(swap_dir());
+    cfg.zero.offload_optimizer.target = OffloadTarget::Nvme(scratch.dir());
     let err = run_ranks(1, Duration::from_secs(10), |comm| {
         Engine::new(toy::model(11, 6, 5, 1), cfg.clone(), comm).map(|_| ())
     })
@@ -142,7 +137,8 @@ fn unsupported_offload_is_refused_clearly() {
 
 #[test]
 fn nvme_parameters_leave_memory_and_the_ledger_says_so() {
-    let dir = swap_dir();
+    let scratch = Scratch::new();
+    let dir = scratch.dir();
     let mut cfg = config(ZeroStage::Stage3, 2, 2, 1, Precision::Bf16);
     cfg.zero.offload_param.target = OffloadTarget::Nvme(dir.clone());
     cfg.zero.offload_param.buffer_count = 2;

@@ -7,10 +7,9 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use common::scratch::Scratch;
 use common::{config, toy};
 use ferrozero_config::resolved::{
     LossScaling, OffloadTarget, Precision, ResolvedConfig, SchedulerConfig, WarmupType, ZeroStage,
@@ -19,15 +18,6 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::trace::Span;
 use ferrozero_runtime::engine::Engine;
-
-fn swap_dir() -> PathBuf {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    std::env::temp_dir().join(format!(
-        "fz-overlap-opt-test-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
-}
 
 /// Stage, world and precision as given; gradient accumulation 2, no clipping, a warmup
 /// schedule (a learning rate that changes every step).
@@ -72,6 +62,7 @@ fn train(cfg: &ResolvedConfig, steps: usize) -> Run {
 
 #[test]
 fn overlapped_steps_are_bitwise_identical_to_steps_after_backward() {
+    let scratch = Scratch::new();
     for stage in [
         ZeroStage::Stage0,
         ZeroStage::Stage1,
@@ -87,7 +78,7 @@ fn overlapped_steps_are_bitwise_identical_to_steps_after_backward() {
                 let mut targets = vec![OffloadTarget::Cpu];
                 if precision == Precision::Bf16 {
                     // NVMe optimizer state keeps fp32 masters there: bf16 or fp16 only.
-                    targets.push(OffloadTarget::Nvme(swap_dir()));
+                    targets.push(OffloadTarget::Nvme(scratch.dir()));
                 }
                 for target in targets {
                     let mut cfg = reference.clone();
@@ -178,6 +169,7 @@ fn the_step_of_a_group_starts_while_backward_of_earlier_units_runs() {
 
 #[test]
 fn a_global_value_makes_the_overlap_speculative_or_keeps_the_step_after_backward() {
+    let scratch = Scratch::new();
     let mut clipped = overlapped(&base(ZeroStage::Stage2, 1, Precision::Bf16));
     clipped.gradient_clipping = 1.0;
     let OptimizerOverlap::Speculative(why) = OptimizerOverlap::decide(&clipped) else {
@@ -189,7 +181,7 @@ fn a_global_value_makes_the_overlap_speculative_or_keeps_the_step_after_backward
     );
     // Optimizer state on NVMe is not snapshotted: with clipping the step follows backward.
     let mut on_nvme = clipped.clone();
-    on_nvme.zero.offload_optimizer.target = OffloadTarget::Nvme(swap_dir());
+    on_nvme.zero.offload_optimizer.target = OffloadTarget::Nvme(scratch.dir());
     let (traces, units, off) = traced(&on_nvme, 2);
     let OptimizerOverlap::Off(why) = off else {
         panic!("overlap on with clipping and NVMe optimizer state")
@@ -230,7 +222,7 @@ fn a_global_value_makes_the_overlap_speculative_or_keeps_the_step_after_backward
         OptimizerOverlap::On
     );
     let mut nvme_params = overlapped(&base(ZeroStage::Stage3, 1, Precision::Bf16));
-    nvme_params.zero.offload_param.target = OffloadTarget::Nvme(swap_dir());
+    nvme_params.zero.offload_param.target = OffloadTarget::Nvme(scratch.dir());
     assert!(matches!(
         OptimizerOverlap::decide(&nvme_params),
         OptimizerOverlap::Off(w) if w.contains("offload_param")

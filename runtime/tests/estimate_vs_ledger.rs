@@ -7,6 +7,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::scratch::Scratch;
 use common::{checkpointing, config, toy};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
@@ -62,13 +63,6 @@ fn measure(which: Which, cfg: &ResolvedConfig) -> (u64, u64, u64) {
     out[0]
 }
 
-/// A fresh swap directory per engine (each run owns and locks its own).
-fn nvme_dir() -> std::path::PathBuf {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    std::env::temp_dir().join(format!("fz-est-swap-{}-{n}", std::process::id()))
-}
-
 fn close(est: u64, got: u64) -> bool {
     let (a, b) = (est as f64, got as f64);
     let dev = (a - b).abs() / b.max(1.0);
@@ -95,6 +89,7 @@ enum Offload {
 }
 
 fn make_config(
+    scratch: &Scratch,
     stage: ZeroStage,
     world: usize,
     precision: Precision,
@@ -111,7 +106,7 @@ fn make_config(
         }
         Offload::ParamsOnNvme => {
             cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
-            cfg.zero.offload_param.target = OffloadTarget::Nvme(nvme_dir());
+            cfg.zero.offload_param.target = OffloadTarget::Nvme(scratch.dir());
             // Two buffers make the read-ahead and write-behind limits bind.
             cfg.zero.offload_param.buffer_count = 2;
         }
@@ -161,6 +156,7 @@ fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
 }
 
 fn sweep(which: Which, precisions: &[Precision]) {
+    let scratch = Scratch::new();
     let mut failures = Vec::new();
     let mut runs = 0;
     for stage in [
@@ -183,7 +179,7 @@ fn sweep(which: Which, precisions: &[Precision]) {
                         continue;
                     }
                     for ckpt in [Ckpt::Off, Ckpt::Device, Ckpt::Cpu] {
-                        let cfg = make_config(stage, world, p.clone(), offload, ckpt);
+                        let cfg = make_config(&scratch, stage, world, p.clone(), offload, ckpt);
                         check(which, &cfg, &mut failures);
                         // The comm worker (queued reductions, stage-3 prefetch) and the
                         // opposite stage-3 reuse rule must be replayed exactly too.
@@ -224,10 +220,12 @@ fn llama_matches_the_ledger_in_every_mode() {
 fn large_buckets_and_persistence_threshold_match_too() {
     // Buckets above every group size take the unchunked paths; the persistence threshold
     // keeps small stage-3 groups whole.
+    let scratch = Scratch::new();
     let mut failures = Vec::new();
     for threshold in [0, 2_000, 100_000] {
         for which in [Which::Toy, Which::Gpt2] {
             let mut cfg = make_config(
+                &scratch,
                 ZeroStage::Stage3,
                 2,
                 Precision::Bf16,
@@ -246,7 +244,9 @@ fn large_buckets_and_persistence_threshold_match_too() {
 #[test]
 fn checkpointing_lowers_device_activations_and_the_figures_say_so() {
     let model = build(Which::Gpt2);
+    let scratch = Scratch::new();
     let off = make_config(
+        &scratch,
         ZeroStage::Stage2,
         1,
         Precision::Bf16,
@@ -254,6 +254,7 @@ fn checkpointing_lowers_device_activations_and_the_figures_say_so() {
         Ckpt::Off,
     );
     let on = make_config(
+        &scratch,
         ZeroStage::Stage2,
         1,
         Precision::Bf16,

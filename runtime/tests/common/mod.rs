@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod runs;
+pub mod scratch;
 pub mod toy;
 
 use std::time::Duration;
