@@ -133,6 +133,46 @@ pub trait MemoryOps {
     fn memory_stats(&self) -> Option<DeviceMemory> {
         None
     }
+    /// What the device was asked to do since it was opened, counted by its driver (the CPU
+    /// has no driver: `None`). Differences of two readings give per-step figures.
+    fn activity(&self) -> Option<DeviceActivity> {
+        None
+    }
+}
+
+/// Counts of device operations, taken in the driver layer so the emulator counts exactly what
+/// a GPU would be asked to do.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceActivity {
+    /// Times the host waited for the device: stream and event synchronizations, synchronous
+    /// copies, frees.
+    pub host_syncs: u64,
+    /// Kernels launched, cuBLASLt matmuls included.
+    pub kernel_launches: u64,
+    /// cuBLASLt matmuls.
+    pub gemms: u64,
+    /// Memsets.
+    pub memsets: u64,
+    /// Copies of any direction.
+    pub copies: u64,
+    /// Bytes those copies moved.
+    pub copy_bytes: u64,
+}
+
+impl std::ops::Sub for DeviceActivity {
+    type Output = DeviceActivity;
+
+    /// The activity between two readings (`later - earlier`).
+    fn sub(self, earlier: DeviceActivity) -> DeviceActivity {
+        DeviceActivity {
+            host_syncs: self.host_syncs - earlier.host_syncs,
+            kernel_launches: self.kernel_launches - earlier.kernel_launches,
+            gemms: self.gemms - earlier.gemms,
+            memsets: self.memsets - earlier.memsets,
+            copies: self.copies - earlier.copies,
+            copy_bytes: self.copy_bytes - earlier.copy_bytes,
+        }
+    }
 }
 
 /// What a device's allocator holds, measured rather than estimated.

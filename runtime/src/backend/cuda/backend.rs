@@ -156,6 +156,10 @@ impl MemoryOps for CudaBackend {
         Ok(())
     }
 
+    fn activity(&self) -> Option<crate::backend::DeviceActivity> {
+        Some(self.dev.observed().activity())
+    }
+
     fn memory_stats(&self) -> Option<crate::backend::DeviceMemory> {
         let a = self.dev.allocator();
         let s = a.stats();

@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use super::driver::{
-    Allocator, DeviceBuffer, DeviceInfo, Driver, Kernel, LaunchConfig, StreamKind,
+    Allocator, DeviceBuffer, DeviceInfo, Driver, Kernel, LaunchConfig, Observed, StreamKind,
 };
 use super::launch::Args;
 use super::pinned::PinnedPool;
@@ -26,7 +26,9 @@ pub(crate) const BLOCK: u32 = 256;
 /// An opened device.
 #[derive(Debug)]
 pub struct CudaDevice {
+    /// `observed` as the driver everything here calls.
     driver: Arc<dyn Driver>,
+    observed: Arc<Observed>,
     alloc: Arc<Allocator>,
     kernels: Mutex<HashMap<&'static str, Kernel>>,
     /// RoPE cos/sin tables by (seq, head_dim, `Rope::key`), built once (the CPU rebuilds its
@@ -38,12 +40,16 @@ pub struct CudaDevice {
 
 impl CudaDevice {
     /// A device over `driver`, its buffers allocated by a caching allocator (with `limit` on
-    /// live bytes, if any).
+    /// live bytes, if any). Every call to the driver, the allocator's and the page-locked
+    /// pool's included, goes through one [`Observed`] layer that counts it.
     pub fn new(driver: Arc<dyn Driver>, limit: Option<u64>) -> Arc<Self> {
+        let observed = Observed::new(driver);
+        let driver: Arc<dyn Driver> = observed.clone();
         let alloc = Allocator::with_limit(driver.clone(), limit);
         let pinned = PinnedPool::new(driver.clone());
         Arc::new(CudaDevice {
             driver,
+            observed,
             alloc,
             pinned,
             kernels: Mutex::new(HashMap::new()),
@@ -54,6 +60,11 @@ impl CudaDevice {
     /// The driver.
     pub fn driver(&self) -> &dyn Driver {
         &*self.driver
+    }
+
+    /// The driver's counters and issue trace.
+    pub fn observed(&self) -> &Observed {
+        &self.observed
     }
 
     /// The allocator (live and peak bytes for the ledger; the device-memory limit).

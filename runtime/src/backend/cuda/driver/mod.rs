@@ -16,6 +16,8 @@
 //! - [`Allocator`] (`alloc.rs`): the stream-ordered caching allocator every device buffer comes
 //!   from, with live/peak counters and the device-memory limit.
 //! - [`nvrtc`]: compilation of kernel sources to CUBIN (or PTX) with a disk cache.
+//! - [`Observed`] (`observed.rs`): the layer the backend calls through, counting host syncs,
+//!   launches and copies (both drivers alike) and recording the issue order on request.
 //! - [`Gemm`] (`gemm.rs`): one cuBLASLt matmul in cuBLASLt's own terms, validated by one function
 //!   both drivers call, so both reject the same requests with the same words.
 //!
@@ -27,6 +29,7 @@ mod cublaslt;
 mod emu;
 mod gemm;
 pub mod nvrtc;
+mod observed;
 mod real;
 mod registry;
 mod table;
@@ -41,6 +44,7 @@ pub use alloc::{
 };
 pub use emu::{EmuDriver, EmuOptions, EMU_DEFAULT_TOTAL_MEMORY};
 pub use gemm::{Batch, Epilogue, Gemm, Op};
+pub use observed::{Observed, TraceOp, Traced};
 pub use real::{device_count, CudaDriver};
 pub use registry::{build_builtin_emulator, builtin_programs};
 
