@@ -77,7 +77,12 @@ run_side() {  # side dir name model ranks config
     --metrics "$out/m.jsonl" --save "$out/ck" --eval-rows 64 > "$out/log" 2>&1
   python3 -c "$fields" "$out/m.jsonl" > "$out/steps"
   "$OLD/ferrozero" checkpoint consolidate "$out/ck" -o "$out/model.st" > /dev/null
-  python3 -c "$digest" "$out/model.st" > "$out/params"
+  # consolidate writes a model directory now (config, shards); older binaries wrote one file.
+  if [ -d "$out/model.st" ]; then
+    find "$out/model.st" -type f | sort | while read -r f; do
+      case "$f" in *.safetensors) python3 -c "$digest" "$f";; *) sha256sum < "$f";; esac
+    done > "$out/params"
+  else python3 -c "$digest" "$out/model.st" > "$out/params"; fi
   grep -o 'heldout_loss=.*' "$out/log" > "$out/heldout" || true
 }
 for job in "${JOBS[@]}"; do
