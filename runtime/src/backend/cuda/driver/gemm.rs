@@ -83,6 +83,20 @@ pub enum Epilogue {
         /// The bias-gradient output, n elements of C's type.
         bias_grad: DevPtr,
     },
+    /// `CUBLASLT_EPILOGUE_DGELU_BGRAD`: the backward of [`Epilogue::GeluAuxBias`] through the
+    /// next layer: `D = (alpha * op(A) op(B)) * gelu_tanh'(aux)` with `aux` the saved
+    /// pre-activation, and also writes (overwrites) `bias_grad[i] = sum over j of D[i, j]`
+    /// (length m; the sum of the unrounded products, rounded once), the gradient of the bias
+    /// that produced `aux`. Only with `alpha = 1`, `beta = 0` and no batch.
+    DGeluBiasGrad {
+        /// The pre-activation saved by the forward GELU: an m x n column-major matrix of C's
+        /// type, 16-byte aligned.
+        aux: DevPtr,
+        /// Its leading dimension: at least m and a multiple of 8 (cuBLASLt's rule).
+        aux_ld: u64,
+        /// The bias-gradient output, m elements of C's type.
+        bias_grad: DevPtr,
+    },
 }
 
 impl Epilogue {
@@ -94,6 +108,7 @@ impl Epilogue {
             Epilogue::GeluAuxBias { .. } => "CUBLASLT_EPILOGUE_GELU_AUX_BIAS",
             Epilogue::BiasGradA { .. } => "CUBLASLT_EPILOGUE_BGRADA",
             Epilogue::BiasGradB { .. } => "CUBLASLT_EPILOGUE_BGRADB",
+            Epilogue::DGeluBiasGrad { .. } => "CUBLASLT_EPILOGUE_DGELU_BGRAD",
         }
     }
 }
@@ -341,11 +356,46 @@ impl Gemm {
                 bytes: vec_bytes(self.n)?,
                 written: true,
             }),
+            Epilogue::DGeluBiasGrad {
+                aux,
+                aux_ld,
+                bias_grad,
+            } => {
+                let e = extent(self.m, self.n, aux_ld, 1, 0).ok_or_else(overflow)?;
+                out.push(Range {
+                    what: "aux",
+                    start: aux.0,
+                    bytes: vec_bytes(e)?,
+                    written: false,
+                });
+                out.push(Range {
+                    what: "bias_grad",
+                    start: bias_grad.0,
+                    bytes: vec_bytes(self.m)?,
+                    written: true,
+                });
+            }
         }
         for r in &out {
             r.start.checked_add(r.bytes).ok_or_else(overflow)?;
         }
         Ok(out)
+    }
+
+    /// The rules of an epilogue with an aux matrix: no batch, and cuBLASLt's leading
+    /// dimension for it.
+    fn check_aux(&self, which: &str, aux_ld: u64) -> Result<()> {
+        if self.batch_count() > 1 {
+            return Err(self.invalid(format!("the {which} epilogue is not batched here")));
+        }
+        if aux_ld < self.m || aux_ld % 8 != 0 {
+            return Err(self.invalid(format!(
+                "the aux leading dimension {aux_ld} must be at least m = {} and a multiple of \
+                 8 (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)",
+                self.m
+            )));
+        }
+        Ok(())
     }
 
     /// Checks everything cuBLASLt would reject (or silently get wrong) before any device work,
@@ -408,16 +458,14 @@ impl Gemm {
         let batched = self.batch_count() > 1;
         match self.epilogue {
             Epilogue::None | Epilogue::Bias { .. } => {}
-            Epilogue::GeluAuxBias { aux_ld, .. } => {
-                if batched {
-                    return Err(self.invalid("the GELU_AUX_BIAS epilogue is not batched here"));
-                }
-                if aux_ld < self.m || aux_ld % 8 != 0 {
-                    return Err(self.invalid(format!(
-                        "the aux leading dimension {aux_ld} must be at least m = {} and a \
-                         multiple of 8 (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)",
-                        self.m
-                    )));
+            Epilogue::GeluAuxBias { aux_ld, .. } => self.check_aux("GELU_AUX_BIAS", aux_ld)?,
+            Epilogue::DGeluBiasGrad { aux_ld, .. } => {
+                self.check_aux("DGELU_BGRAD", aux_ld)?;
+                if self.alpha != 1.0 || self.beta != 0.0 {
+                    return Err(self.invalid(
+                        "the DGELU_BGRAD epilogue requires alpha = 1 and beta = 0 (its output \
+                         and bias gradient are the gradient of the product alone)",
+                    ));
                 }
             }
             Epilogue::BiasGradA { .. } | Epilogue::BiasGradB { .. } => {
@@ -460,7 +508,9 @@ impl Gemm {
                 )));
             }
         }
-        if let Epilogue::GeluAuxBias { aux, .. } = self.epilogue {
+        if let Epilogue::GeluAuxBias { aux, .. } | Epilogue::DGeluBiasGrad { aux, .. } =
+            self.epilogue
+        {
             if aux.0 % 16 != 0 {
                 return Err(self.invalid(format!(
                     "aux at {aux} must be 16-byte aligned (cuBLASLt stores it in 16-byte vectors, \
@@ -486,8 +536,9 @@ impl Gemm {
     /// The emulator's GEMM: exactly the documented operation on host memory. Each product is a
     /// dot product of op(A)'s row and op(B)'s column accumulated in f64 (so the result does not
     /// depend on summation order) and rounded to f32; then, in f32, `alpha * dot` plus
-    /// `beta * C` (C is not read when beta is 0), plus the bias, then GELU; rounded once
-    /// (round-to-nearest-even) into C's type. Bias gradients are f64 sums rounded once. Inputs
+    /// `beta * C` (C is not read when beta is 0), plus the bias, then GELU (or times GELU's
+    /// derivative at aux); rounded once (round-to-nearest-even) into C's type. Bias gradients
+    /// are f64 sums (of the inputs, or for DGELU_BGRAD of the f32 results) rounded once. Inputs
     /// in bf16/f16 are widened to f32 exactly.
     ///
     /// # Safety
@@ -502,6 +553,14 @@ impl Gemm {
             Epilogue::Bias { bias } => (Some(bias), None),
             Epilogue::GeluAuxBias { bias, aux, aux_ld } => (Some(bias), Some((aux, aux_ld))),
             _ => (None, None),
+        };
+        let dgelu = match self.epilogue {
+            Epilogue::DGeluBiasGrad {
+                aux,
+                aux_ld,
+                bias_grad,
+            } => Some((aux, aux_ld, bias_grad)),
+            _ => None,
         };
         // SAFETY (all loads and stores below): the caller guarantees every range is valid.
         let bias: Option<Vec<f32>> = bias.map(|p| {
@@ -550,7 +609,9 @@ impl Gemm {
                 }
                 _ => {}
             }
-            let column = |j: usize| {
+            // Each column's values before rounding, kept only for DGELU_BGRAD's bias gradient.
+            let column = |j: usize| -> Vec<f32> {
+                let mut kept = Vec::with_capacity(if dgelu.is_some() { m } else { 0 });
                 let bj = &opb[j * k..(j + 1) * k];
                 for i in 0..m {
                     let dot = dot_f64(&opa[i * k..(i + 1) * k], bj);
@@ -566,8 +627,15 @@ impl Gemm {
                         unsafe { store(aux, i as u64 + j as u64 * aux_ld, self.c_type, v) };
                         v = gelu_tanh(v);
                     }
+                    if let Some((aux, aux_ld, _)) = dgelu {
+                        v *= gelu_tanh_grad(unsafe {
+                            load(aux, i as u64 + j as u64 * aux_ld, self.c_type)
+                        });
+                        kept.push(v);
+                    }
                     unsafe { store(c, ci, self.c_type, v) };
                 }
+                kept
             };
             // Columns of C are disjoint (ldc >= m), so large products split them across plain
             // scoped threads. Not rayon: the caller holds the emulator's memory lock, and a
@@ -575,16 +643,32 @@ impl Gemm {
             let threads = std::thread::available_parallelism()
                 .map_or(1, |t| t.get())
                 .min(n);
-            if m * n * k >= 1 << 18 && threads > 1 {
+            let columns: Vec<Vec<f32>> = if m * n * k >= 1 << 18 && threads > 1 {
                 let per = n.div_ceil(threads);
                 std::thread::scope(|scope| {
-                    for t in 0..threads {
-                        let column = &column;
-                        scope.spawn(move || (t * per..((t + 1) * per).min(n)).for_each(column));
-                    }
-                });
+                    let parts: Vec<_> = (0..threads)
+                        .map(|t| {
+                            let column = &column;
+                            scope.spawn(move || {
+                                (t * per..((t + 1) * per).min(n))
+                                    .map(column)
+                                    .collect::<Vec<_>>()
+                            })
+                        })
+                        .collect();
+                    parts
+                        .into_iter()
+                        .flat_map(|p| p.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                        .collect()
+                })
             } else {
-                (0..n).for_each(column);
+                (0..n).map(column).collect()
+            };
+            if let Some((_, _, bias_grad)) = dgelu {
+                for i in 0..m {
+                    let s: f64 = columns.iter().map(|col| f64::from(col[i])).sum();
+                    unsafe { store(bias_grad, i as u64, self.c_type, s as f32) };
+                }
             }
         }
     }
@@ -612,6 +696,15 @@ fn dot_f64(x: &[f32], y: &[f32]) -> f64 {
 pub(crate) fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// The derivative of [`gelu_tanh`] (cuBLASLt's DGELU).
+pub(crate) fn gelu_tanh_grad(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const C: f32 = 0.044_715;
+    let t = (SQRT_2_OVER_PI * (x + C * x * x * x)).tanh();
+    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * C * x * x);
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
 }
 
 /// Element `idx` of type `t` at `p`, widened to f32.
