@@ -110,6 +110,29 @@ fn weight_grad_with_bias_grad(d: &Dev) {
         msg.contains("bias gradient of operand A needs it stored [k, len]"),
         "{msg}"
     );
+    // A bias gradient of the wrong length is named, and nothing is written.
+    let s = MatmulShape {
+        ta: Transpose::Yes,
+        ..s
+    };
+    let mut short = d.put_f32(&[0.0; 3]);
+    let epi = Epilogue::AccumulateBiasGrad {
+        of: Operand::A,
+        bias_grad: short.view_mut(),
+    };
+    let err = d.be.matmul(s, a.view(), a.view(), w.view_mut(), epi);
+    let msg = err.unwrap_err().to_string();
+    assert!(msg.contains("bias gradient with 4 elements"), "{msg}");
+    assert_eq!(get(&w), vec![0.0; 16], "{}", d.name);
+    let pre = d.put(&[0.0; 5]);
+    let epi = Epilogue::GeluBackwardBiasGrad {
+        pre: pre.view(),
+        bias_grad: g.view_mut(),
+    };
+    let mut c = d.zeros(16);
+    let err = d.be.matmul(s, a.view(), a.view(), c.view_mut(), epi);
+    let msg = err.unwrap_err().to_string();
+    assert!(msg.contains("pre-activation with 16 elements"), "{msg}");
 }
 test_device!(weight_grad_with_bias_grad);
 

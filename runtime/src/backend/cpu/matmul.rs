@@ -236,9 +236,10 @@ impl MatmulOps for CpuBackend {
                 self.gelu_forward(View::from(&*pre), ViewMut::from(c))
             }
             Epilogue::AccumulateBiasGrad { of, bias_grad } => {
+                let len = s.bias_grad_len(of)?;
+                check_len("bias gradient", bias_grad.len(), len)?;
                 self.matmul_host(s, &a, &b, c, Accumulate::Add)?;
                 // The same column sums of the same operand as a separate `sum_rows` call.
-                let len = s.bias_grad_len(of)?;
                 let grad: &[f32] = if of == Operand::A { &a } else { &b };
                 use crate::backend::ElementwiseOps;
                 self.sum_rows(View::from(grad), len, bias_grad)
@@ -263,6 +264,8 @@ impl CpuBackend {
         bias_grad: ViewMut<'_>,
     ) -> Result<()> {
         use crate::backend::{ElementwiseOps, MemoryOps};
+        check_len("pre-activation", pre.len(), s.m * s.n)?;
+        check_len("bias gradient", bias_grad.len(), s.n)?;
         let mut scratch = self.buffer_uninit(crate::tensor::DType::F32, s.m * s.n)?;
         let product = super::f32_out("matmul", "product", scratch.view_mut())?;
         self.matmul_host(s, a, b, product, Accumulate::Overwrite)?;
