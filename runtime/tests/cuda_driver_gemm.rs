@@ -480,6 +480,66 @@ fn gemm_dgelu_bgrad_as_cublaslt_documents_it(d: &Arc<dyn Driver>) {
     }
 }
 
+/// BGRADA and BGRADB as a linear layer's weight gradient uses them: bf16 inputs, an f32 C
+/// accumulated (beta = 1), transa = N and transb = T; the f32 bias gradient is the sum over
+/// k of the reduced operand, overwritten.
+fn gemm_weight_grad_bias_grads_into_f32(d: &Arc<dyn Driver>) {
+    let (m, n, k) = (16usize, 8usize, 40usize);
+    let t = DType::Bf16;
+    let a = values(m * k, 41, t); // N: m x k, lda = m
+    let bt = values(n * k, 42, t); // T: stored n x k, ldb = n
+    let c0 = values(m * n, 43, DType::F32);
+    let (ap, bp) = (upload(d, &a, t), upload(d, &bt, t));
+    let gradp = upload(d, &vec![f32::NAN; m], DType::F32);
+    for bgrad_of_a in [true, false] {
+        let cp = upload(d, &c0, DType::F32);
+        let mut g = Gemm::new(
+            Op::N,
+            Op::T,
+            m as u64,
+            n as u64,
+            k as u64,
+            ap,
+            m as u64,
+            bp,
+            n as u64,
+            cp,
+            m as u64,
+            t,
+        );
+        (g.c_type, g.beta) = (DType::F32, 1.0);
+        g.epilogue = if bgrad_of_a {
+            Epilogue::BiasGradA { bias_grad: gradp }
+        } else {
+            Epilogue::BiasGradB { bias_grad: gradp }
+        };
+        d.gemm(&g, S).unwrap();
+        let c = download(d, cp, m * n, DType::F32);
+        for i in 0..m {
+            for j in 0..n {
+                let (dot, scale) = dot_scale(|l| a[i + l * m], |l| bt[j + l * n], k);
+                let want = dot + f64::from(c0[i + j * m]);
+                let scale = scale + f64::from(c0[i + j * m].abs());
+                assert!(close(c[i + j * m], want, scale, DType::F32), "C ({i}, {j})");
+            }
+        }
+        let (len, which) = if bgrad_of_a {
+            (m, "BGRADA")
+        } else {
+            (n, "BGRADB")
+        };
+        let grad = download(d, gradp, len, DType::F32);
+        for (i, &got) in grad.iter().enumerate() {
+            let (want, scale) = if bgrad_of_a {
+                dot_scale(|l| a[i + l * m], |_| 1.0, k)
+            } else {
+                dot_scale(|l| bt[i + l * n], |_| 1.0, k)
+            };
+            assert!(close(got, want, scale, DType::F32), "{which}[{i}]");
+        }
+    }
+}
+
 fn gemm_rejects_what_cublaslt_would(d: &Arc<dyn Driver>) {
     let t = DType::F32;
     let a = upload(d, &vec![1.0; 64], t);
@@ -687,6 +747,11 @@ fn emulated_gemm_dgelu_bgrad_as_cublaslt_documents_it() {
 }
 
 #[test]
+fn emulated_gemm_weight_grad_bias_grads_into_f32() {
+    gemm_weight_grad_bias_grads_into_f32(&emu());
+}
+
+#[test]
 fn emulated_gemm_rejects_what_cublaslt_would() {
     gemm_rejects_what_cublaslt_would(&emu());
 }
@@ -714,6 +779,10 @@ fn real_device_passes_the_gemm_checks() {
         (
             "gemm_dgelu_bgrad_as_cublaslt_documents_it",
             gemm_dgelu_bgrad_as_cublaslt_documents_it,
+        ),
+        (
+            "gemm_weight_grad_bias_grads_into_f32",
+            gemm_weight_grad_bias_grads_into_f32,
         ),
         (
             "gemm_rejects_what_cublaslt_would",
