@@ -216,6 +216,7 @@ test_device!(gelu_input_grad_with_bias_grad);
 ///
 /// 8 + 4 + 1 + 4 + 3 + 2 = 22. Before the backward epilogues: 26 (four 2-kernel column sums
 /// instead of the 4 adds and the cast, and a separate GELU backward).
+#[cfg(feature = "cuda")]
 const GPT2_BLOCK_BACKWARD_LAUNCHES: u64 = 22;
 
 #[cfg(feature = "cuda")]

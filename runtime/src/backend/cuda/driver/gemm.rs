@@ -388,7 +388,7 @@ impl Gemm {
         if self.batch_count() > 1 {
             return Err(self.invalid(format!("the {which} epilogue is not batched here")));
         }
-        if aux_ld < self.m || aux_ld % 8 != 0 {
+        if aux_ld < self.m || !aux_ld.is_multiple_of(8) {
             return Err(self.invalid(format!(
                 "the aux leading dimension {aux_ld} must be at least m = {} and a multiple of \
                  8 (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)",
