@@ -48,45 +48,49 @@ fn weight_grad_with_bias_grad(d: &Dev) {
         } else {
             (&x, &dy)
         };
-        let (w0, b0) = (rand(m * n, 3), rand(d_out, 4));
-        let (da, db) = (d.put(a), d.put(b));
-        let (mut dw, mut dbias) = (d.put_f32(&w0), d.put_f32(&b0));
-        let epi = Epilogue::AccumulateBiasGrad {
-            of,
-            bias_grad: dbias.view_mut(),
-        };
-        let before = d.be.activity();
-        d.be.matmul(s, da.view(), db.view(), dw.view_mut(), epi)
+        // dW in f32 (the engine's gradients: cuBLASLt's bias gradient, of C's type, is f32)
+        // and, on a device with narrower activations, in those (the column sums run apart).
+        let narrow = d.act() != DType::F32;
+        for wide in [true, false].into_iter().filter(|&w| w || narrow) {
+            let (w0, b0) = (d.round(&rand(m * n, 3)), rand(d_out, 4));
+            let (da, db) = (d.put(a), d.put(b));
+            let mut dw = if wide { d.put_f32(&w0) } else { d.put(&w0) };
+            let mut dbias = d.put_f32(&b0);
+            let epi = Epilogue::AccumulateBiasGrad {
+                of,
+                bias_grad: dbias.view_mut(),
+            };
+            let before = d.be.activity();
+            d.be.matmul(s, da.view(), db.view(), dw.view_mut(), epi)
+                .unwrap();
+            if let (Some(before), Some(after)) = (before, d.be.activity()) {
+                // One matmul writing the bias gradient to a scratch and one add into the
+                // gradient; apart: the matmul and the column sums' two kernels.
+                let used = after - before;
+                let want = if wide { (1, 2) } else { (1, 3) };
+                let got = (used.gemms, used.kernel_launches);
+                assert_eq!(got, want, "{} wide={wide}: {used:?}", d.name);
+            }
+            let (mut want_w, mut want_b) = (w0.clone(), b0.clone());
+            c.be.matmul(
+                s,
+                View::from(&a[..]),
+                View::from(&b[..]),
+                ViewMut::from(&mut want_w[..]),
+                Epilogue::Accumulate,
+            )
             .unwrap();
-        if let (Some(before), Some(after)) = (before, d.be.activity()) {
-            // One matmul writing the bias gradient to a scratch, one add into the gradient.
-            let used = after - before;
-            assert_eq!(
-                (used.gemms, used.kernel_launches),
-                (1, 2),
-                "{}: {used:?}",
-                d.name
+            c.be.sum_rows(View::from(&dy[..]), d_out, ViewMut::from(&mut want_b[..]))
+                .unwrap();
+            let what = format!("{} bias grad of {of:?} wide={wide}", d.name);
+            assert_close(&format!("{what}: dW"), &get(&dw), &want_w, tol_k(d, rows));
+            assert_close(
+                &format!("{what}: db"),
+                &get(&dbias),
+                &want_b,
+                tol_k(d, rows),
             );
         }
-        let (mut want_w, mut want_b) = (w0.clone(), b0.clone());
-        c.be.matmul(
-            s,
-            View::from(&a[..]),
-            View::from(&b[..]),
-            ViewMut::from(&mut want_w[..]),
-            Epilogue::Accumulate,
-        )
-        .unwrap();
-        c.be.sum_rows(View::from(&dy[..]), d_out, ViewMut::from(&mut want_b[..]))
-            .unwrap();
-        let what = format!("{} bias grad of {of:?}", d.name);
-        assert_close(&format!("{what}: dW"), &get(&dw), &want_w, tol_k(d, rows));
-        assert_close(
-            &format!("{what}: db"),
-            &get(&dbias),
-            &want_b,
-            tol_k(d, rows),
-        );
     }
     let s = MatmulShape {
         m: 4,
