@@ -8,8 +8,15 @@ use cuda_emu_common::*;
 
 // ---- norms ---------------------------------------------------------------------------------
 
-/// (rows, dim, grid): one row, odd widths, rows beyond grid * warps, a GPT-2 width.
-const NORM_SHAPES: &[(usize, usize, u32)] = &[(1, 7, 1), (70, 64, 2), (33, 768, 3), (5, 100, 1)];
+/// (rows, dim, grid): one row, odd widths, rows beyond grid * warps, a GPT-2 width, and
+/// enough 32-row chunks (10) for the finalize's eight-at-a-time sums.
+const NORM_SHAPES: &[(usize, usize, u32)] = &[
+    (1, 7, 1),
+    (70, 64, 2),
+    (33, 768, 3),
+    (5, 100, 1),
+    (300, 40, 4),
+];
 
 fn check_norms<T: Elem>(emu: &Emu) {
     let eps = 1e-5f32;

@@ -66,6 +66,23 @@ pub struct MatmulShape {
     pub tb: Transpose,
 }
 
+impl MatmulShape {
+    /// The length of the bias gradient [`Epilogue::AccumulateBiasGrad`] takes from operand
+    /// `of`; refused unless the operand is stored `[k, len]` (A used transposed, B as stored),
+    /// the only layout whose column sums cuBLASLt's BGRADA/BGRADB reduce.
+    pub fn bias_grad_len(&self, of: Operand) -> Result<usize> {
+        match (of, self.ta, self.tb) {
+            (Operand::A, Transpose::Yes, _) => Ok(self.m),
+            (Operand::B, _, Transpose::No) => Ok(self.n),
+            _ => Err(crate::Error::Invalid(format!(
+                "matmul: a bias gradient of operand {of:?} needs it stored [k, len] (A used \
+                 transposed, B as stored); got ta = {:?}, tb = {:?}",
+                self.ta, self.tb
+            ))),
+        }
+    }
+}
+
 /// What a matrix product does with its result.
 #[derive(Debug)]
 pub enum Epilogue<'a> {
@@ -82,6 +99,33 @@ pub enum Epilogue<'a> {
         /// Receives the pre-activation, `[m, n]` like `C`.
         pre: ViewMut<'a>,
     },
+    /// `C += A·B` and `bias_grad += Σ_l` over the contraction of the operand `of`, which must be
+    /// stored `[k, len]` (A used transposed, B as stored): a linear layer's weight gradient
+    /// and, from the output gradient in the same product, its bias gradient.
+    AccumulateBiasGrad {
+        /// Which operand holds the output gradient.
+        of: Operand,
+        /// The bias gradient (f32, length `m` for A, `n` for B), accumulated.
+        bias_grad: ViewMut<'a>,
+    },
+    /// `C = (A·B) ⊙ gelu_tanh'(pre)` and `bias_grad += Σ_rows C`: the gradient through the
+    /// next layer and the GELU that [`Epilogue::BiasGelu`] applied, with the gradient of the
+    /// bias that produced `pre`, in one product.
+    GeluBackwardBiasGrad {
+        /// The pre-activation saved by [`Epilogue::BiasGelu`], `[m, n]` like `C`.
+        pre: View<'a>,
+        /// The bias gradient (f32, length `n`), accumulated.
+        bias_grad: ViewMut<'a>,
+    },
+}
+
+/// One operand of a matrix product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operand {
+    /// The left operand.
+    A,
+    /// The right operand.
+    B,
 }
 
 /// Allocation, copies and the activation dtype: what layers need instead of `vec!`.

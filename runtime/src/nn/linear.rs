@@ -1,6 +1,6 @@
 //! Dense (affine) layers over engine-owned weight views, in both Hugging Face layouts.
 
-use crate::backend::{Accumulate, Backend, Epilogue, MatmulShape, Transpose};
+use crate::backend::{Accumulate, Backend, Epilogue, MatmulShape, Operand, Transpose};
 use crate::tensor::{View, ViewMut};
 use crate::Result;
 
@@ -89,8 +89,17 @@ impl Linear {
         dx: ViewMut<'_>,
         acc: Accumulate,
     ) -> Result<()> {
-        let shape = MatmulShape {
-            m: dy.len() / self.d_out.max(1),
+        let epilogue = match acc {
+            Accumulate::Overwrite => Epilogue::Store,
+            Accumulate::Add => Epilogue::Accumulate,
+        };
+        be.matmul(self.input_grad_shape(dy.len()), dy, w, dx, epilogue)
+    }
+
+    /// The product `[rows, d_in] = dy · Wᵀ` for `dy` of `dy_len` elements.
+    fn input_grad_shape(&self, dy_len: usize) -> MatmulShape {
+        MatmulShape {
+            m: dy_len / self.d_out.max(1),
             n: self.d_in,
             k: self.d_out,
             ta: Transpose::No,
@@ -98,15 +107,30 @@ impl Linear {
                 WeightLayout::InOut => Transpose::Yes,
                 WeightLayout::OutIn => Transpose::No,
             },
-        };
-        let epilogue = match acc {
-            Accumulate::Overwrite => Epilogue::Store,
-            Accumulate::Add => Epilogue::Accumulate,
-        };
-        be.matmul(shape, dy, w, dx, epilogue)
+        }
     }
 
-    /// `dW += xᵀ · dy` (stored in the layout) and `db += Σ_rows dy`.
+    /// `dx = (dy · Wᵀ) ⊙ gelu_tanh'(pre)` and `db_pre += Σ_rows dx`: the input gradient of a
+    /// layer fed by [`Linear::forward_gelu`]'s output `gelu(pre)`, through that GELU, and the
+    /// gradient of the bias that produced `pre`, in one product (cuBLASLt's DGELU_BGRAD).
+    pub fn backward_input_gelu(
+        &self,
+        be: &dyn Backend,
+        dy: View<'_>,
+        w: View<'_>,
+        pre: View<'_>,
+        dx: ViewMut<'_>,
+        db_pre: ViewMut<'_>,
+    ) -> Result<()> {
+        let epilogue = Epilogue::GeluBackwardBiasGrad {
+            pre,
+            bias_grad: db_pre,
+        };
+        be.matmul(self.input_grad_shape(dy.len()), dy, w, dx, epilogue)
+    }
+
+    /// `dW += xᵀ · dy` (stored in the layout) and `db += Σ_rows dy`, the bias gradient from
+    /// the same product (cuBLASLt's BGRADA/BGRADB on a GPU).
     pub fn backward_params(
         &self,
         be: &dyn Backend,
@@ -116,9 +140,10 @@ impl Linear {
         db: Option<ViewMut<'_>>,
     ) -> Result<()> {
         let rows = x.len() / self.d_in.max(1);
-        let (m, n, a, b) = match self.layout {
-            WeightLayout::InOut => (self.d_in, self.d_out, x, dy),
-            WeightLayout::OutIn => (self.d_out, self.d_in, dy, x),
+        // dy is the operand stored [rows, d_out]: our B in the InOut product, A in the OutIn.
+        let (m, n, a, b, dy_is) = match self.layout {
+            WeightLayout::InOut => (self.d_in, self.d_out, x, dy, Operand::B),
+            WeightLayout::OutIn => (self.d_out, self.d_in, dy, x, Operand::A),
         };
         let s = MatmulShape {
             m,
@@ -127,10 +152,13 @@ impl Linear {
             ta: Transpose::Yes,
             tb: Transpose::No,
         };
-        be.matmul(s, a, b, dw, Epilogue::Accumulate)?;
-        if let Some(db) = db {
-            be.sum_rows(dy, self.d_out, db)?;
-        }
-        Ok(())
+        let epilogue = match db {
+            Some(bias_grad) => Epilogue::AccumulateBiasGrad {
+                of: dy_is,
+                bias_grad,
+            },
+            None => Epilogue::Accumulate,
+        };
+        be.matmul(s, a, b, dw, epilogue)
     }
 }

@@ -8,7 +8,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::CpuBackend;
-use crate::backend::{Accumulate, Epilogue, MatmulOps, MatmulShape, Transpose};
+use crate::backend::{Accumulate, Epilogue, MatmulOps, MatmulShape, Operand, Transpose};
 use crate::tensor::{BufRef, View, ViewMut};
 use crate::{Error, Result};
 
@@ -235,6 +235,42 @@ impl MatmulOps for CpuBackend {
                 use crate::backend::ElementwiseOps;
                 self.gelu_forward(View::from(&*pre), ViewMut::from(c))
             }
+            Epilogue::AccumulateBiasGrad { of, bias_grad } => {
+                let len = s.bias_grad_len(of)?;
+                check_len("bias gradient", bias_grad.len(), len)?;
+                self.matmul_host(s, &a, &b, c, Accumulate::Add)?;
+                // The same column sums of the same operand as a separate `sum_rows` call.
+                let grad: &[f32] = if of == Operand::A { &a } else { &b };
+                use crate::backend::ElementwiseOps;
+                self.sum_rows(View::from(grad), len, bias_grad)
+            }
+            Epilogue::GeluBackwardBiasGrad { pre, bias_grad } => {
+                self.gelu_backward_bias_grad(s, &a, &b, c, pre, bias_grad)
+            }
         }
+    }
+}
+
+impl CpuBackend {
+    /// `c = (a·b) ⊙ gelu'(pre)` and `bias_grad += Σ_rows c`, exactly as a product into a
+    /// scratch, `gelu_backward` and `sum_rows` in turn.
+    fn gelu_backward_bias_grad(
+        &self,
+        s: MatmulShape,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+        pre: View<'_>,
+        bias_grad: ViewMut<'_>,
+    ) -> Result<()> {
+        use crate::backend::{ElementwiseOps, MemoryOps};
+        check_len("pre-activation", pre.len(), s.m * s.n)?;
+        check_len("bias gradient", bias_grad.len(), s.n)?;
+        let mut scratch = self.buffer_uninit(crate::tensor::DType::F32, s.m * s.n)?;
+        let product = super::f32_out("matmul", "product", scratch.view_mut())?;
+        self.matmul_host(s, a, b, product, Accumulate::Overwrite)?;
+        self.gelu_backward(pre, scratch.view(), ViewMut::from(&mut *c))?;
+        self.recycle(scratch);
+        self.sum_rows(View::from(&*c), s.n, bias_grad)
     }
 }

@@ -11,9 +11,10 @@
 use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::STREAM;
 use super::driver::{Epilogue as LtEpilogue, Gemm, Op};
-use super::storage::{by_dtype, CudaView};
-use crate::backend::{ElementwiseOps, Epilogue, MatmulOps, MatmulShape, Transpose};
-use crate::tensor::{View, ViewMut};
+use super::launch::Args;
+use super::storage::{by_dtype, CudaBuf, CudaView, CudaViewMut};
+use crate::backend::{ElementwiseOps, Epilogue, MatmulOps, MatmulShape, Operand, Transpose};
+use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
 
 const OP: &str = "matmul";
@@ -72,6 +73,10 @@ impl MatmulOps for CudaBackend {
         expect_len(OP, "B", b.len(), s.k * s.n)?;
         expect_len(OP, "C", c.len(), s.m * s.n)?;
         expect_dtype(OP, a.dtype(), &[("B", b.dtype())])?;
+        // Before the empty-product exits: a bias gradient can be due when dW has no elements.
+        if let Epilogue::AccumulateBiasGrad { of, bias_grad } = epilogue {
+            return self.accumulate_bias_grad(s, (a, b, c), of, bias_grad);
+        }
         if s.m == 0 || s.n == 0 {
             return Ok(());
         }
@@ -84,6 +89,12 @@ impl MatmulOps for CudaBackend {
         }
         let mut g = gemm(s, a, b, c.ptr(), c.dtype());
         match epilogue {
+            Epilogue::AccumulateBiasGrad { of, bias_grad } => {
+                return self.accumulate_bias_grad(s, (a, b, c), of, bias_grad);
+            }
+            Epilogue::GeluBackwardBiasGrad { pre, bias_grad } => {
+                return self.gelu_backward_bias_grad(s, g, c, pre, bias_grad);
+            }
             Epilogue::Store => {}
             Epilogue::Accumulate => g.beta = 1.0,
             Epilogue::Bias(bias) => {
@@ -122,20 +133,112 @@ impl MatmulOps for CudaBackend {
 }
 
 impl CudaBackend {
+    /// `C += op(A)·op(B)` and the bias gradient of operand `of` in the same cuBLASLt product
+    /// (BGRADA when it is our B, BGRADB when our A: the operands swap in the row-major
+    /// translation). cuBLASLt overwrites its bias-gradient output while the layer accumulates
+    /// over micro-steps, so it lands in a scratch that one `add_assign` adds to the gradient.
+    /// Without an f32 C (cuBLASLt's vectors have C's type) the column sums run separately.
+    fn accumulate_bias_grad(
+        &self,
+        s: MatmulShape,
+        (a, b, c): (CudaView<'_>, CudaView<'_>, CudaViewMut<'_>),
+        of: Operand,
+        bias_grad: ViewMut<'_>,
+    ) -> Result<()> {
+        let grad = self.dev_out(OP, "bias gradient", bias_grad)?;
+        let len = s.bias_grad_len(of)?;
+        expect_len(OP, "bias gradient", grad.len(), len)?;
+        expect_dtype(OP, DType::F32, &[("bias gradient", grad.dtype())])?;
+        let operand = if of == Operand::A { a } else { b };
+        let fused = c.dtype() == DType::F32 && s.m > 0 && s.n > 0 && s.k > 0;
+        if !fused {
+            self.matmul(
+                s,
+                View::Cuda(a),
+                View::Cuda(b),
+                ViewMut::Cuda(c),
+                Epilogue::Accumulate,
+            )?;
+            return self.sum_rows(View::Cuda(operand), len, ViewMut::Cuda(grad));
+        }
+        let scratch = CudaBuf::uninit(&self.dev, DType::F32, len)?;
+        let mut g = gemm(s, a, b, c.ptr(), c.dtype());
+        g.beta = 1.0;
+        let bias_grad = scratch.view().ptr();
+        g.epilogue = match of {
+            Operand::A => LtEpilogue::BiasGradB { bias_grad },
+            Operand::B => LtEpilogue::BiasGradA { bias_grad },
+        };
+        self.dev.driver().gemm(&g, STREAM)?;
+        self.add_f32(grad, &scratch)
+    }
+
+    /// `C = op(A)·op(B) ⊙ gelu'(pre)` and `bias_grad += Σ_rows C`: cuBLASLt's DGELU_BGRAD,
+    /// its (overwritten) bias gradient in C's type in a scratch added to the f32 gradient (a
+    /// bf16 C rounds each micro-step's bias gradient to bf16 once, as the engine rounds every
+    /// gradient it accumulates in bf16). Where cuBLASLt's aux layout rules fail, the product,
+    /// the GELU gradient and the column sums run separately.
+    fn gelu_backward_bias_grad(
+        &self,
+        s: MatmulShape,
+        mut g: Gemm,
+        mut c: CudaViewMut<'_>,
+        pre: View<'_>,
+        bias_grad: ViewMut<'_>,
+    ) -> Result<()> {
+        let pre = self.dev_in(OP, "pre-activation", pre)?;
+        let grad = self.dev_out(OP, "bias gradient", bias_grad)?;
+        expect_len(OP, "pre-activation", pre.len(), s.m * s.n)?;
+        expect_len(OP, "bias gradient", grad.len(), s.n)?;
+        expect_dtype(OP, c.dtype(), &[("pre-activation", pre.dtype())])?;
+        expect_dtype(OP, DType::F32, &[("bias gradient", grad.dtype())])?;
+        if !s.n.is_multiple_of(8) || !pre.ptr().0.is_multiple_of(16) {
+            let product = CudaBuf::uninit(&self.dev, c.dtype(), s.m * s.n)?;
+            g.c = product.view().ptr();
+            self.dev.driver().gemm(&g, STREAM)?;
+            let dy = View::Cuda(product.view());
+            self.gelu_backward(View::Cuda(pre), dy, ViewMut::Cuda(c.reborrow()))?;
+            return self.sum_rows(View::Cuda(c.as_view()), s.n, ViewMut::Cuda(grad));
+        }
+        let scratch = CudaBuf::uninit(&self.dev, c.dtype(), s.n)?;
+        g.epilogue = LtEpilogue::DGeluBiasGrad {
+            aux: pre.ptr(),
+            aux_ld: s.n as u64,
+            bias_grad: scratch.view().ptr(),
+        };
+        self.dev.driver().gemm(&g, STREAM)?;
+        if scratch.dtype() == DType::F32 {
+            return self.add_f32(grad, &scratch);
+        }
+        let mut wide = CudaBuf::uninit(&self.dev, DType::F32, s.n)?;
+        scratch.cast_into(&mut wide)?;
+        self.add_f32(grad, &wide)
+    }
+
+    /// `dst += src` over f32 elements of equal length (the `add_assign` kernel).
+    fn add_f32(&self, dst: CudaViewMut<'_>, src: &CudaBuf) -> Result<()> {
+        let mut args = Args::new()
+            .ptr(dst.ptr())
+            .ptr(src.view().ptr())
+            .len(dst.len());
+        self.dev
+            .launch("add_assign_f32", self.dev.grid_for(dst.len()), &mut args)
+    }
+
     /// `C = 0` for an empty contraction (cuBLASLt rejects `k = 0`); with a bias it is refused
     /// rather than emulated, as no layer has zero input features.
-    fn fill_product_of_nothing(
-        &self,
-        c: super::storage::CudaViewMut<'_>,
-        epilogue: Epilogue<'_>,
-    ) -> Result<()> {
-        if !matches!(epilogue, Epilogue::Store) {
+    fn fill_product_of_nothing(&self, c: CudaViewMut<'_>, epilogue: Epilogue<'_>) -> Result<()> {
+        // The GELU gradient of an empty product is zero, and so its bias gradient's increment.
+        if !matches!(
+            epilogue,
+            Epilogue::Store | Epilogue::GeluBackwardBiasGrad { .. }
+        ) {
             return Err(crate::Error::Invalid(format!(
                 "{OP}: a bias epilogue over an empty contraction (k = 0) is not supported on CUDA"
             )));
         }
         let n = c.len();
-        let mut args = super::launch::Args::new().ptr(c.ptr()).len(n).f32(0.0);
+        let mut args = Args::new().ptr(c.ptr()).len(n).f32(0.0);
         self.dev.launch(
             by_dtype!("fill", c.dtype()),
             self.dev.grid_for(n),

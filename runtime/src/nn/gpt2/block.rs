@@ -217,17 +217,15 @@ impl Module for Block {
         // MLP branch.
         let dm_copy = self.drop_grad(be, ctx.rng_seed, SITE_MLP, grad_output.view())?;
         let dm = dm_copy.as_ref().map_or(grad_output.view(), Storage::view);
-        let mut dg = act(be, n * 4 * c)?;
+        // The gradient at fc1's output, through the GELU, with fc1's bias gradient.
+        let mut dh = act(be, n * 4 * c)?;
         let fc2 = self.lin(4 * c, c);
-        fc2.backward_input(be, dm, p.get(10), dg.view_mut(), Accumulate::Overwrite)?;
+        fc2.backward_input_gelu(be, dm, p.get(10), s.h.view(), dh.view_mut(), gr.get_mut(9))?;
         let (dw, db) = gr.pair_mut(10, 11);
         fc2.backward_params(be, s.g.view(), dm, dw, Some(db))?;
         if let Some(copy) = dm_copy {
             be.recycle(copy);
         }
-        let mut dh = act(be, n * 4 * c)?;
-        be.gelu_backward(s.h.view(), dg.view(), dh.view_mut())?;
-        be.recycle(dg);
         let mut dln2 = act(be, n * c)?;
         let fc1 = self.lin(c, 4 * c);
         fc1.backward_input(
@@ -237,8 +235,7 @@ impl Module for Block {
             dln2.view_mut(),
             Accumulate::Overwrite,
         )?;
-        let (dw, db) = gr.pair_mut(8, 9);
-        fc1.backward_params(be, s.ln2.view(), dh.view(), dw, Some(db))?;
+        fc1.backward_params(be, s.ln2.view(), dh.view(), gr.get_mut(8), None)?;
         be.recycle(dh);
         let mut dx2 = act(be, n * c)?;
         let (g6, g7) = gr.pair_mut(6, 7);

@@ -383,6 +383,17 @@ fn describe(g: &Gemm) -> Result<Desc> {
         ),
         Epilogue::BiasGradA { bias_grad } => (E::CUBLASLT_EPILOGUE_BGRADA, Some(bias_grad), None),
         Epilogue::BiasGradB { bias_grad } => (E::CUBLASLT_EPILOGUE_BGRADB, Some(bias_grad), None),
+        // The bias gradient goes where the bias would (BIAS_POINTER), the saved pre-activation
+        // is read through the aux pointer.
+        Epilogue::DGeluBiasGrad {
+            aux,
+            aux_ld,
+            bias_grad,
+        } => (
+            E::CUBLASLT_EPILOGUE_DGELU_BGRAD,
+            Some(bias_grad),
+            Some((aux, aux_ld)),
+        ),
     };
     // SAFETY: `desc` is live; each value has its attribute's C type: cublasOperation_t (int32),
     // cublasLtEpilogue_t (uint32), pointers (void*, 64-bit), int64 for AUX_LD.

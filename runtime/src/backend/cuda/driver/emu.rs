@@ -1,5 +1,6 @@
 //! The emulated driver: device memory is host memory, streams and events are synchronous,
-//! kernels run in the CPU emulator library (`fz_emu_launch`), GEMMs in the reference loop of `gemm.rs`.
+//! kernels run in the CPU emulator library (`fz_emu_launch`), GEMMs in the reference loop of
+//! `gemm/reference.rs`.
 //!
 //! It is how the CUDA backend is tested without a GPU, so it is strict where a GPU would fault
 //! or silently misbehave: every copy, memset, free and GEMM operand is checked against a table

@@ -18,7 +18,7 @@
 //! - [`nvrtc`]: compilation of kernel sources to CUBIN (or PTX) with a disk cache.
 //! - [`Observed`] (`observed.rs`): the layer the backend calls through, counting host syncs,
 //!   launches and copies (both drivers alike) and recording the issue order on request.
-//! - [`Gemm`] (`gemm.rs`): one cuBLASLt matmul in cuBLASLt's own terms, validated by one function
+//! - [`Gemm`] (`gemm/`): one cuBLASLt matmul in cuBLASLt's own terms, validated by one function
 //!   both drivers call, so both reject the same requests with the same words.
 //!
 //! Everything here speaks in raw device addresses ([`DevPtr`]); ownership and typing are the

@@ -27,7 +27,9 @@
 //   norm_dparams_finalize(const float* partial, long long nchunks, int dim, float* dgamma,
 //                         float* dbeta)
 //       dgamma[j] += partial sums in chunk order (accumulated), likewise dbeta for LayerNorm;
-//       dbeta null reads the RMSNorm layout. Launch: any 1-D grid covering dim, e.g. 256 threads.
+//       dbeta null reads the RMSNorm layout. A thread per output element (dgamma's, then
+//       dbeta's): 2 * dim threads for LayerNorm, dim for RMSNorm. Launch: any 1-D grid; small
+//       blocks (e.g. 64 threads) spread the 2 * dim serial sums over many multiprocessors.
 //
 // Determinism: row statistics use a fixed warp butterfly; parameter gradients are summed per
 // chunk in row order, then across chunks in chunk order, whatever the grid. With
@@ -344,18 +346,27 @@ extern "C" __global__ void rmsnorm_backward_f16(const f16_t* x, const f16_t* gam
   rmsnorm_backward(x, gamma, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
 }
 
+// The sum over chunks is serial per element (the CPU's order, hence its bits); eight
+// independent loads at a time keep it from waiting on memory once per chunk.
 extern "C" __global__ void norm_dparams_finalize(const float* partial, long long nchunks, int dim,
                                                  float* dgamma, float* dbeta) {
   const long long stride = dbeta ? 2ll * dim : static_cast<long long>(dim);
-  for (long long j = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; j < dim;
-       j += static_cast<long long>(gridDim.x) * blockDim.x) {
-    float g = dgamma[j];
-    for (long long c = 0; c < nchunks; ++c) g = __fadd_rn(g, partial[c * stride + j]);
-    dgamma[j] = g;
-    if (dbeta) {
-      float b = dbeta[j];
-      for (long long c = 0; c < nchunks; ++c) b = __fadd_rn(b, partial[c * stride + dim + j]);
-      dbeta[j] = b;
+  const long long outputs = dbeta ? 2ll * dim : static_cast<long long>(dim);
+  for (long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; t < outputs;
+       t += static_cast<long long>(gridDim.x) * blockDim.x) {
+    // t < dim: dgamma[t] from column t of each chunk; else dbeta[t - dim] from column t.
+    float* out = t < dim ? dgamma + t : dbeta + (t - dim);
+    const float* p = partial + t;
+    float acc = *out;
+    long long c = 0;
+    for (; c + 8 <= nchunks; c += 8) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = p[(c + u) * stride];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc = __fadd_rn(acc, v[u]);
     }
+    for (; c < nchunks; ++c) acc = __fadd_rn(acc, p[c * stride]);
+    *out = acc;
   }
 }

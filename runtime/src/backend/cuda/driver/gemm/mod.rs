@@ -1,5 +1,5 @@
-//! One cuBLASLt matmul in cuBLASLt's own terms, the one validation both drivers apply, and the
-//! emulator's reference implementation.
+//! One cuBLASLt matmul in cuBLASLt's own terms and the one validation both drivers apply; the
+//! emulator's reference implementation is in `reference.rs`.
 //!
 //! cuBLASLt is column-major: element `(i, j)` of a matrix with leading dimension `ld` lives at
 //! element offset `i + j * ld`. It computes
@@ -15,7 +15,7 @@
 //! `m = N, n = M, k = K`, A = W with [`Op::T`] and `lda = K`, B = X with [`Op::N`] and
 //! `ldb = K`, C = Y with `ldc = N`.
 
-use half::{bf16, f16};
+mod reference;
 
 use super::DevPtr;
 use crate::tensor::DType;
@@ -83,6 +83,20 @@ pub enum Epilogue {
         /// The bias-gradient output, n elements of C's type.
         bias_grad: DevPtr,
     },
+    /// `CUBLASLT_EPILOGUE_DGELU_BGRAD`: the backward of [`Epilogue::GeluAuxBias`] through the
+    /// next layer: `D = (alpha * op(A) op(B)) * gelu_tanh'(aux)` with `aux` the saved
+    /// pre-activation, and also writes (overwrites) `bias_grad[i] = sum over j of D[i, j]`
+    /// (length m; the sum of the unrounded products, rounded once), the gradient of the bias
+    /// that produced `aux`. Only with `alpha = 1`, `beta = 0` and no batch.
+    DGeluBiasGrad {
+        /// The pre-activation saved by the forward GELU: an m x n column-major matrix of C's
+        /// type, 16-byte aligned.
+        aux: DevPtr,
+        /// Its leading dimension: at least m and a multiple of 8 (cuBLASLt's rule).
+        aux_ld: u64,
+        /// The bias-gradient output, m elements of C's type.
+        bias_grad: DevPtr,
+    },
 }
 
 impl Epilogue {
@@ -94,6 +108,7 @@ impl Epilogue {
             Epilogue::GeluAuxBias { .. } => "CUBLASLT_EPILOGUE_GELU_AUX_BIAS",
             Epilogue::BiasGradA { .. } => "CUBLASLT_EPILOGUE_BGRADA",
             Epilogue::BiasGradB { .. } => "CUBLASLT_EPILOGUE_BGRADB",
+            Epilogue::DGeluBiasGrad { .. } => "CUBLASLT_EPILOGUE_DGELU_BGRAD",
         }
     }
 }
@@ -341,11 +356,46 @@ impl Gemm {
                 bytes: vec_bytes(self.n)?,
                 written: true,
             }),
+            Epilogue::DGeluBiasGrad {
+                aux,
+                aux_ld,
+                bias_grad,
+            } => {
+                let e = extent(self.m, self.n, aux_ld, 1, 0).ok_or_else(overflow)?;
+                out.push(Range {
+                    what: "aux",
+                    start: aux.0,
+                    bytes: vec_bytes(e)?,
+                    written: false,
+                });
+                out.push(Range {
+                    what: "bias_grad",
+                    start: bias_grad.0,
+                    bytes: vec_bytes(self.m)?,
+                    written: true,
+                });
+            }
         }
         for r in &out {
             r.start.checked_add(r.bytes).ok_or_else(overflow)?;
         }
         Ok(out)
+    }
+
+    /// The rules of an epilogue with an aux matrix: no batch, and cuBLASLt's leading
+    /// dimension for it.
+    fn check_aux(&self, which: &str, aux_ld: u64) -> Result<()> {
+        if self.batch_count() > 1 {
+            return Err(self.invalid(format!("the {which} epilogue is not batched here")));
+        }
+        if aux_ld < self.m || !aux_ld.is_multiple_of(8) {
+            return Err(self.invalid(format!(
+                "the aux leading dimension {aux_ld} must be at least m = {} and a multiple of \
+                 8 (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)",
+                self.m
+            )));
+        }
+        Ok(())
     }
 
     /// Checks everything cuBLASLt would reject (or silently get wrong) before any device work,
@@ -408,16 +458,14 @@ impl Gemm {
         let batched = self.batch_count() > 1;
         match self.epilogue {
             Epilogue::None | Epilogue::Bias { .. } => {}
-            Epilogue::GeluAuxBias { aux_ld, .. } => {
-                if batched {
-                    return Err(self.invalid("the GELU_AUX_BIAS epilogue is not batched here"));
-                }
-                if aux_ld < self.m || aux_ld % 8 != 0 {
-                    return Err(self.invalid(format!(
-                        "the aux leading dimension {aux_ld} must be at least m = {} and a \
-                         multiple of 8 (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD)",
-                        self.m
-                    )));
+            Epilogue::GeluAuxBias { aux_ld, .. } => self.check_aux("GELU_AUX_BIAS", aux_ld)?,
+            Epilogue::DGeluBiasGrad { aux_ld, .. } => {
+                self.check_aux("DGELU_BGRAD", aux_ld)?;
+                if self.alpha != 1.0 || self.beta != 0.0 {
+                    return Err(self.invalid(
+                        "the DGELU_BGRAD epilogue requires alpha = 1 and beta = 0 (its output \
+                         and bias gradient are the gradient of the product alone)",
+                    ));
                 }
             }
             Epilogue::BiasGradA { .. } | Epilogue::BiasGradB { .. } => {
@@ -460,7 +508,9 @@ impl Gemm {
                 )));
             }
         }
-        if let Epilogue::GeluAuxBias { aux, .. } = self.epilogue {
+        if let Epilogue::GeluAuxBias { aux, .. } | Epilogue::DGeluBiasGrad { aux, .. } =
+            self.epilogue
+        {
             if aux.0 % 16 != 0 {
                 return Err(self.invalid(format!(
                     "aux at {aux} must be 16-byte aligned (cuBLASLt stores it in 16-byte vectors, \
@@ -481,167 +531,5 @@ impl Gemm {
             }
         }
         Ok(())
-    }
-
-    /// The emulator's GEMM: exactly the documented operation on host memory. Each product is a
-    /// dot product of op(A)'s row and op(B)'s column accumulated in f64 (so the result does not
-    /// depend on summation order) and rounded to f32; then, in f32, `alpha * dot` plus
-    /// `beta * C` (C is not read when beta is 0), plus the bias, then GELU; rounded once
-    /// (round-to-nearest-even) into C's type. Bias gradients are f64 sums rounded once. Inputs
-    /// in bf16/f16 are widened to f32 exactly.
-    ///
-    /// # Safety
-    /// [`Gemm::validate`] passed, and every range of [`Gemm::ranges`] is valid host memory.
-    pub(crate) unsafe fn reference(&self) {
-        let (count, sa, sb, sc) = match self.batch {
-            Some(b) => (b.count as u64, b.stride_a, b.stride_b, b.stride_c),
-            None => (1, 0, 0, 0),
-        };
-        let (m, n, k) = (self.m as usize, self.n as usize, self.k as usize);
-        let (bias, aux) = match self.epilogue {
-            Epilogue::Bias { bias } => (Some(bias), None),
-            Epilogue::GeluAuxBias { bias, aux, aux_ld } => (Some(bias), Some((aux, aux_ld))),
-            _ => (None, None),
-        };
-        // SAFETY (all loads and stores below): the caller guarantees every range is valid.
-        let bias: Option<Vec<f32>> = bias.map(|p| {
-            (0..m)
-                .map(|i| unsafe { load(p, i as u64, self.c_type) })
-                .collect()
-        });
-        for p in 0..count {
-            let a = DevPtr(self.a.0 + p * sa * self.a_type.size() as u64);
-            let b = DevPtr(self.b.0 + p * sb * self.b_type.size() as u64);
-            let c = DevPtr(self.c.0 + p * sc * self.c_type.size() as u64);
-            // op(A) row-major (m x k) and op(B) column-major (k x n) in f32, so every dot
-            // product reads two contiguous slices.
-            let mut opa = vec![0f32; m * k];
-            for i in 0..m {
-                for l in 0..k {
-                    let idx = match self.transa {
-                        Op::N => i as u64 + l as u64 * self.lda,
-                        Op::T => l as u64 + i as u64 * self.lda,
-                    };
-                    opa[i * k + l] = unsafe { load(a, idx, self.a_type) };
-                }
-            }
-            let mut opb = vec![0f32; k * n];
-            for j in 0..n {
-                for l in 0..k {
-                    let idx = match self.transb {
-                        Op::N => l as u64 + j as u64 * self.ldb,
-                        Op::T => j as u64 + l as u64 * self.ldb,
-                    };
-                    opb[j * k + l] = unsafe { load(b, idx, self.b_type) };
-                }
-            }
-            match self.epilogue {
-                Epilogue::BiasGradA { bias_grad } => {
-                    for i in 0..m {
-                        let s: f64 = opa[i * k..(i + 1) * k].iter().map(|&x| f64::from(x)).sum();
-                        unsafe { store(bias_grad, i as u64, self.c_type, s as f32) };
-                    }
-                }
-                Epilogue::BiasGradB { bias_grad } => {
-                    for j in 0..n {
-                        let s: f64 = opb[j * k..(j + 1) * k].iter().map(|&x| f64::from(x)).sum();
-                        unsafe { store(bias_grad, j as u64, self.c_type, s as f32) };
-                    }
-                }
-                _ => {}
-            }
-            let column = |j: usize| {
-                let bj = &opb[j * k..(j + 1) * k];
-                for i in 0..m {
-                    let dot = dot_f64(&opa[i * k..(i + 1) * k], bj);
-                    let ci = i as u64 + j as u64 * self.ldc;
-                    let mut v = self.alpha * (dot as f32);
-                    if self.beta != 0.0 {
-                        v += self.beta * unsafe { load(c, ci, self.c_type) };
-                    }
-                    if let Some(bias) = &bias {
-                        v += bias[i];
-                    }
-                    if let Some((aux, aux_ld)) = aux {
-                        unsafe { store(aux, i as u64 + j as u64 * aux_ld, self.c_type, v) };
-                        v = gelu_tanh(v);
-                    }
-                    unsafe { store(c, ci, self.c_type, v) };
-                }
-            };
-            // Columns of C are disjoint (ldc >= m), so large products split them across plain
-            // scoped threads. Not rayon: the caller holds the emulator's memory lock, and a
-            // rayon wait may run another job of the caller's pool that needs the same lock.
-            let threads = std::thread::available_parallelism()
-                .map_or(1, |t| t.get())
-                .min(n);
-            if m * n * k >= 1 << 18 && threads > 1 {
-                let per = n.div_ceil(threads);
-                std::thread::scope(|scope| {
-                    for t in 0..threads {
-                        let column = &column;
-                        scope.spawn(move || (t * per..((t + 1) * per).min(n)).for_each(column));
-                    }
-                });
-            } else {
-                (0..n).for_each(column);
-            }
-        }
-    }
-}
-
-/// `sum x[l] * y[l]` in f64 over four interleaved partial sums (a fixed order, so the result
-/// is reproducible; f32 products are exact in f64).
-fn dot_f64(x: &[f32], y: &[f32]) -> f64 {
-    let mut acc = [0f64; 4];
-    let mut xs = x.chunks_exact(4);
-    let mut ys = y.chunks_exact(4);
-    for (a, b) in (&mut xs).zip(&mut ys) {
-        for l in 0..4 {
-            acc[l] += f64::from(a[l]) * f64::from(b[l]);
-        }
-    }
-    let mut tail = 0f64;
-    for (&a, &b) in xs.remainder().iter().zip(ys.remainder()) {
-        tail += f64::from(a) * f64::from(b);
-    }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + tail
-}
-
-/// cuBLASLt's GELU: the tanh approximation, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
-pub(crate) fn gelu_tanh(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
-}
-
-/// Element `idx` of type `t` at `p`, widened to f32.
-///
-/// # Safety
-/// The element is valid, aligned host memory.
-unsafe fn load(p: DevPtr, idx: u64, t: DType) -> f32 {
-    let addr = p.0 + idx * t.size() as u64;
-    // SAFETY: the caller guarantees the element is valid and aligned.
-    unsafe {
-        match t {
-            DType::F32 => std::ptr::read(addr as *const f32),
-            DType::Bf16 => bf16::from_bits(std::ptr::read(addr as *const u16)).to_f32(),
-            DType::F16 => f16::from_bits(std::ptr::read(addr as *const u16)).to_f32(),
-        }
-    }
-}
-
-/// Rounds `v` to type `t` (round-to-nearest-even) and stores it as element `idx` at `p`.
-///
-/// # Safety
-/// The element is valid, aligned host memory that nothing else accesses concurrently.
-unsafe fn store(p: DevPtr, idx: u64, t: DType, v: f32) {
-    let addr = p.0 + idx * t.size() as u64;
-    // SAFETY: the caller guarantees the element is valid, aligned and exclusively ours.
-    unsafe {
-        match t {
-            DType::F32 => std::ptr::write(addr as *mut f32, v),
-            DType::Bf16 => std::ptr::write(addr as *mut u16, bf16::from_f32(v).to_bits()),
-            DType::F16 => std::ptr::write(addr as *mut u16, f16::from_f32(v).to_bits()),
-        }
     }
 }
