@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ferrozero_config::resolved::ResolvedConfig;
 
-use super::StepReport;
+use super::{StepReport, Timings};
 use crate::comm::logger::{CommStats, CommsLogger};
 use crate::comm::Communicator;
 use crate::backend::Backend;
@@ -79,10 +79,16 @@ impl Observers {
         }
     }
 
-    /// After the update of optimizer step `step`: its profile, if it was profiled.
-    pub(super) fn step_end(&mut self, step: u64, be: &dyn Backend) -> Result<Option<FlopsProfile>> {
+    /// After the update of optimizer step `step`, timed by phase in `t`: its profile, if it
+    /// was profiled.
+    pub(super) fn step_end(
+        &mut self,
+        step: u64,
+        be: &dyn Backend,
+        t: &Timings,
+    ) -> Result<Option<FlopsProfile>> {
         match &mut self.profiler {
-            Some(p) => p.end(step, be),
+            Some(p) => p.end(step, be, t.optimizer),
             None => Ok(None),
         }
     }

@@ -16,6 +16,9 @@
 //!   by kernel family (depth 2), which needs no change to any layer.
 //! - Collectives are timed by a communication logger of the profiler's own over the
 //!   engine's communicator (the `communication` family).
+//! - The optimizer update of state in host memory (the CPU's, or offloaded) runs the host
+//!   kernels directly, not through the backend: the engine's own timing of the update
+//!   (`Timings::optimizer`) supplies the `optimizer` row's time beyond its operations.
 //!
 //! Nothing is installed unless `flops_profiler.enabled`: a disabled profiler costs nothing;
 //! an enabled one costs one atomic load per operation outside the profiled step.
@@ -133,9 +136,15 @@ impl Profiler {
         Ok(())
     }
 
-    /// After the update of optimizer step `step`: the profile when this step was recorded;
-    /// rank 0 prints its table to `output_file` or standard output.
-    pub fn end(&mut self, step: u64, be: &dyn Backend) -> Result<Option<FlopsProfile>> {
+    /// After the update of optimizer step `step`, whose update took `optimizer_seconds` by
+    /// the engine's clock: the profile when this step was recorded; rank 0 prints its table
+    /// to `output_file` or standard output.
+    pub fn end(
+        &mut self,
+        step: u64,
+        be: &dyn Backend,
+        optimizer_seconds: f64,
+    ) -> Result<Option<FlopsProfile>> {
         let Some((t, ms0, calls0)) = self.started.take() else {
             return Ok(None);
         };
@@ -152,6 +161,7 @@ impl Profiler {
             step_seconds,
             comm_seconds: (ms - ms0) / 1e3,
             comm_calls: calls - calls0,
+            optimizer_seconds,
         };
         let profile = FlopsProfile::build(measured, cells);
         if self.rank == 0 {

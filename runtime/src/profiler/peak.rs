@@ -40,11 +40,11 @@ pub fn stated_peak_tflops(backend_name: &str, dtype: DType) -> Option<f64> {
     })
 }
 
-/// Model FLOPs utilisation: `tokens_per_second` (of one device) × `flops_per_token` over
-/// the peak; `None` without a peak.
-pub fn mfu(tokens_per_second: f64, flops_per_token: u64, peak_tflops: Option<f64>) -> Option<f64> {
+/// Model FLOPs utilisation: the model FLOPs one device achieved per second over its peak;
+/// `None` without a peak.
+pub fn mfu(flops_per_second: f64, peak_tflops: Option<f64>) -> Option<f64> {
     let peak = peak_tflops.filter(|p| *p > 0.0)?;
-    Some(tokens_per_second * flops_per_token as f64 / (peak * 1e12))
+    Some(flops_per_second / (peak * 1e12))
 }
 
 #[cfg(test)]
@@ -71,8 +71,9 @@ mod tests {
     fn mfu_is_achieved_over_peak_and_absent_without_a_peak() {
         // The figure: 192k tokens/s of GPT-2 124M (6N + 6LCT at T = 1024) on an H100.
         let per_token = 6 * 124_439_808u64 + 6 * 12 * 768 * 1024;
-        let m = mfu(192_000.0, per_token, Some(989.0)).unwrap();
+        let m = mfu(192_000.0 * per_token as f64, Some(989.0)).unwrap();
         assert!((m - 0.16).abs() < 0.01, "{m}");
-        assert_eq!(mfu(192_000.0, per_token, None), None);
+        assert_eq!(mfu(1e12, None), None);
+        assert_eq!(mfu(1e12, Some(2.0)), Some(0.5));
     }
 }

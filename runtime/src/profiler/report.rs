@@ -115,11 +115,21 @@ pub(super) struct Measured {
     pub step_seconds: f64,
     pub comm_seconds: f64,
     pub comm_calls: u64,
+    /// The engine's time for the update on the training thread.
+    pub optimizer_seconds: f64,
 }
 
 impl FlopsProfile {
-    pub(super) fn build(m: Measured, cells: BTreeMap<(Arc<str>, Family), Cell>) -> Self {
+    pub(super) fn build(m: Measured, mut cells: BTreeMap<(Arc<str>, Family), Cell>) -> Self {
         let step = m.step_seconds;
+        let update = cells
+            .entry((Arc::from(OPTIMIZER), Family::Optimizer))
+            .or_default();
+        // Host kernels updated what the backend did not see: their time is the update's rest.
+        update.seconds = update.seconds.max(m.optimizer_seconds);
+        if update.seconds == 0.0 && update.calls == 0 {
+            cells.remove(&(Arc::from(OPTIMIZER), Family::Optimizer));
+        }
         let mut by_module: BTreeMap<Arc<str>, Vec<(Family, Cell)>> = BTreeMap::new();
         let mut by_family: BTreeMap<Family, Cell> = BTreeMap::new();
         for ((module, family), c) in &cells {
