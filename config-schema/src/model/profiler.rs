@@ -17,9 +17,11 @@ pub struct FlopsProfilerSection {
     /// Profile the step `profile_step`.
     pub enabled: bool,
     /// The global optimizer step (1-based) that is profiled.
+    #[schemars(range(min = 1))]
     pub profile_step: u64,
     /// How deep the table goes: 0 the whole model, 1 its units (embedding, blocks, head), 2
     /// each unit split by kernel family; -1 every level.
+    #[schemars(range(min = -1))]
     pub module_depth: i64,
     /// How many of the heaviest modules (by time) the summary names at each depth.
     pub top_modules: u64,
