@@ -123,22 +123,34 @@ fn no_peak_on_the_cpu_is_a_null_mfu_and_a_disabled_profiler_prints_nothing() {
     let (ok, text, lines) = run(dir.path(), &config(serde_json::json!({})), &[]);
     assert!(ok, "{text}");
     assert!(!text.contains("Profile Summary"), "{text}");
-    assert!(lines.iter().all(|l| l["mfu"].is_null() && l.get("mfu").is_some()));
+    assert!(lines
+        .iter()
+        .all(|l| l["mfu"].is_null() && l.get("mfu").is_some()));
     assert!(lines.iter().all(|l| l.get("flops_profile").is_none()));
     assert!(bench_line(&text)["mfu"].is_null());
     // The config's peak counts with the profiler off.
     let cfg = config(serde_json::json!({"peak_tflops": 1.0}));
     let (ok, text, lines) = run(dir.path(), &cfg, &[]);
     assert!(ok, "{text}");
-    assert!(lines.iter().all(|l| l["mfu"].as_f64().is_some()), "{lines:?}");
+    assert!(
+        lines.iter().all(|l| l["mfu"].as_f64().is_some()),
+        "{lines:?}"
+    );
 }
 
 #[test]
 fn a_bad_peak_flag_or_key_is_refused_by_name() {
     let dir = TempDir::new("profile-bad");
-    let (ok, text, _) = run(dir.path(), &config(serde_json::json!({})), &["--peak-tflops=-3"]);
+    let (ok, text, _) = run(
+        dir.path(),
+        &config(serde_json::json!({})),
+        &["--peak-tflops=-3"],
+    );
     assert!(!ok);
-    assert!(text.contains("--peak-tflops") && text.contains("positive"), "{text}");
+    assert!(
+        text.contains("--peak-tflops") && text.contains("positive"),
+        "{text}"
+    );
     let cfg = config(serde_json::json!({"enabled": true, "profile_step": 0}));
     let (ok, text, _) = run(dir.path(), &cfg, &[]);
     assert!(!ok);

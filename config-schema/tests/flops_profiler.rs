@@ -68,16 +68,52 @@ fn a_disabled_profiler_is_none_but_its_peak_still_counts() {
 #[test]
 fn bad_values_are_errors_naming_the_key() {
     let cases = [
-        (r#"{"enabled": true, "profile_step": 0}"#, "flops_profiler.profile_step", "at least 1"),
-        (r#"{"enabled": true, "profile_step": "1"}"#, "flops_profiler.profile_step", "integer"),
-        (r#"{"enabled": true, "module_depth": -2}"#, "flops_profiler.module_depth", "-1 or more"),
-        (r#"{"enabled": true, "module_depth": 1.5}"#, "flops_profiler.module_depth", "integer"),
-        (r#"{"enabled": true, "top_modules": -1}"#, "flops_profiler.top_modules", "negative"),
-        (r#"{"enabled": true, "detailed": 1}"#, "flops_profiler.detailed", "boolean"),
-        (r#"{"enabled": true, "output_file": 3}"#, "flops_profiler.output_file", "string"),
-        (r#"{"peak_tflops": 0}"#, "flops_profiler.peak_tflops", "positive"),
+        (
+            r#"{"enabled": true, "profile_step": 0}"#,
+            "flops_profiler.profile_step",
+            "at least 1",
+        ),
+        (
+            r#"{"enabled": true, "profile_step": "1"}"#,
+            "flops_profiler.profile_step",
+            "integer",
+        ),
+        (
+            r#"{"enabled": true, "module_depth": -2}"#,
+            "flops_profiler.module_depth",
+            "-1 or more",
+        ),
+        (
+            r#"{"enabled": true, "module_depth": 1.5}"#,
+            "flops_profiler.module_depth",
+            "integer",
+        ),
+        (
+            r#"{"enabled": true, "top_modules": -1}"#,
+            "flops_profiler.top_modules",
+            "negative",
+        ),
+        (
+            r#"{"enabled": true, "detailed": 1}"#,
+            "flops_profiler.detailed",
+            "boolean",
+        ),
+        (
+            r#"{"enabled": true, "output_file": 3}"#,
+            "flops_profiler.output_file",
+            "string",
+        ),
+        (
+            r#"{"peak_tflops": 0}"#,
+            "flops_profiler.peak_tflops",
+            "positive",
+        ),
         (r#"{"enabled": "yes"}"#, "flops_profiler.enabled", "boolean"),
-        (r#"{"enabled": true, "profile_stp": 2}"#, "flops_profiler.profile_stp", "profile_step"),
+        (
+            r#"{"enabled": true, "profile_stp": 2}"#,
+            "flops_profiler.profile_stp",
+            "profile_step",
+        ),
         (r#"true"#, "flops_profiler", "table"),
     ];
     for (section, path, says) in cases {

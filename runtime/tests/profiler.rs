@@ -138,24 +138,34 @@ fn check_profile(d: &Dev, model: fn() -> Model, vocab: usize, want_flops: u64, u
     let matmul_and_more: u64 = p.families.iter().map(|f| f.flops).sum();
     assert_eq!(matmul_and_more, want_flops);
     let attention = p.families.iter().find(|f| f.family == Family::Attention);
-    assert!(attention.is_some_and(|a| a.flops > 0 && a.calls > 0), "{p:?}");
+    assert!(
+        attention.is_some_and(|a| a.flops > 0 && a.calls > 0),
+        "{p:?}"
+    );
     for u in units {
         let row = p.modules.iter().find(|m| m.name == *u);
         let row = row.unwrap_or_else(|| panic!("{}: no row for {u}: {p:?}", d.name));
         assert!(row.calls > 0 && row.seconds > 0.0, "{u}: {row:?}");
     }
-    let share: f64 = p
-        .training_thread_modules()
-        .map(|m| m.percent_of_step)
-        .sum();
-    assert!((share - 100.0).abs() < 0.5, "{}: shares sum to {share}", d.name);
+    let share: f64 = p.training_thread_modules().map(|m| m.percent_of_step).sum();
+    assert!(
+        (share - 100.0).abs() < 0.5,
+        "{}: shares sum to {share}",
+        d.name
+    );
     assert!(p.step_seconds > 0.0 && p.tflops_per_s > 0.0);
     let table = std::fs::read_to_string(&file).expect("the table was written");
     assert!(table.contains("Profile Summary at step 2:"), "{table}");
     for u in units {
-        assert!(table.contains(&format!("\n  {u} ")), "{u} missing:\n{table}");
+        assert!(
+            table.contains(&format!("\n  {u} ")),
+            "{u} missing:\n{table}"
+        );
     }
-    assert!(table.contains("Top 2 modules in terms of time at depth 1"), "{table}");
+    assert!(
+        table.contains("Top 2 modules in terms of time at depth 1"),
+        "{table}"
+    );
 }
 
 fn gpt2_step_flops_are_the_analytic_count(d: &Dev) {
@@ -194,7 +204,10 @@ fn module_depth_and_detailed_shape_the_table() {
     let _ = train(&d.be, &cfg_for(&d, Some(p.clone())), gpt2_model, 37);
     let table = std::fs::read_to_string(&file).unwrap();
     assert!(table.contains("\n  h.0 "), "{table}");
-    assert!(!table.contains("\n    matmul "), "depth 1 shows no families:\n{table}");
+    assert!(
+        !table.contains("\n    matmul "),
+        "depth 1 shows no families:\n{table}"
+    );
     p.detailed = false;
     let _ = train(&d.be, &cfg_for(&d, Some(p)), gpt2_model, 37);
     let table = std::fs::read_to_string(&file).unwrap();

@@ -90,7 +90,14 @@ impl Writer {
         Ok(r)
     }
 
-    fn log(&self, engine: &Engine, r: &StepReport, speed: (f64, Option<f64>), peak_dev: f64, dt: f64) {
+    fn log(
+        &self,
+        engine: &Engine,
+        r: &StepReport,
+        speed: (f64, Option<f64>),
+        peak_dev: f64,
+        dt: f64,
+    ) {
         let (tps, mfu) = speed;
         let mfu = mfu.map_or(String::new(), |m| format!(" (MFU {:.1}%)", m * 100.0));
         let mut line = format!(

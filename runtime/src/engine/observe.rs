@@ -8,9 +8,9 @@ use std::sync::Arc;
 use ferrozero_config::resolved::ResolvedConfig;
 
 use super::{StepReport, Timings};
+use crate::backend::Backend;
 use crate::comm::logger::{CommStats, CommsLogger};
 use crate::comm::Communicator;
-use crate::backend::Backend;
 use crate::monitor::Monitor;
 use crate::nn::Model;
 use crate::profiler::{FlopsProfile, Profiler};

@@ -93,7 +93,9 @@ impl Engine {
         }
         self.steps += 1;
         self.micro = 0;
-        let flops_profile = self.observers.step_end(self.steps, &*self.be, &self.timings)?;
+        let flops_profile = self
+            .observers
+            .step_end(self.steps, &*self.be, &self.timings)?;
         let report = StepReport {
             step: self.steps,
             loss: loss_sum / tokens.max(1) as f64,

@@ -108,7 +108,9 @@ impl ElementwiseOps for ProfilingBackend {
         self.timed(Family::Elementwise, 0, || self.inner.gelu_forward(x, y))
     }
     fn gelu_backward(&self, x: View<'_>, dy: View<'_>, dx: ViewMut<'_>) -> Result<()> {
-        self.timed(Family::Elementwise, 0, || self.inner.gelu_backward(x, dy, dx))
+        self.timed(Family::Elementwise, 0, || {
+            self.inner.gelu_backward(x, dy, dx)
+        })
     }
     fn swiglu_forward(&self, gate: View<'_>, up: View<'_>, y: ViewMut<'_>) -> Result<()> {
         self.timed(Family::Elementwise, 0, || {

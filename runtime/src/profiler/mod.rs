@@ -99,7 +99,12 @@ impl Profiler {
             .units
             .iter()
             .map(|u| {
-                let own = u.module.param_specs().iter().map(|p| p.numel() as u64).sum();
+                let own = u
+                    .module
+                    .param_specs()
+                    .iter()
+                    .map(|p| p.numel() as u64)
+                    .sum();
                 (Arc::<str>::from(u.name.as_str()), own)
             })
             .collect();
@@ -124,9 +129,10 @@ impl Profiler {
     }
 
     /// Before the first forward of optimizer step `step` (1-based): starts recording when it
-    /// is `profile_step`, after the device's earlier work has finished.
+    /// is `profile_step`, after the device's earlier work has finished (afresh when a failed
+    /// attempt at the step is retried).
     pub fn begin(&mut self, step: u64, be: &dyn Backend) -> Result<()> {
-        if step != self.cfg.profile_step || self.started.is_some() {
+        if step != self.cfg.profile_step {
             return Ok(());
         }
         be.record(Stream::Compute)?.synchronize()?;

@@ -56,15 +56,24 @@ mod tests {
         let h100 = "cuda:0 (NVIDIA H100 80GB HBM3)";
         assert_eq!(stated_peak_tflops(h100, DType::Bf16), Some(989.0));
         assert_eq!(stated_peak_tflops(h100, DType::F32), Some(67.0));
-        assert_eq!(stated_peak_tflops("cuda:1 (NVIDIA H100 PCIe)", DType::Bf16), Some(756.0));
-        assert_eq!(stated_peak_tflops("cuda:0 (NVIDIA H200)", DType::Bf16), Some(989.0));
+        assert_eq!(
+            stated_peak_tflops("cuda:1 (NVIDIA H100 PCIe)", DType::Bf16),
+            Some(756.0)
+        );
+        assert_eq!(
+            stated_peak_tflops("cuda:0 (NVIDIA H200)", DType::Bf16),
+            Some(989.0)
+        );
         assert_eq!(
             stated_peak_tflops("cuda:0 (NVIDIA A100-SXM4-80GB)", DType::F16),
             Some(312.0)
         );
         assert_eq!(stated_peak_tflops("cpu", DType::F32), None);
         assert_eq!(stated_peak_tflops("cuda:emulated", DType::Bf16), None);
-        assert_eq!(stated_peak_tflops("cuda:0 (Some Future GPU)", DType::Bf16), None);
+        assert_eq!(
+            stated_peak_tflops("cuda:0 (Some Future GPU)", DType::Bf16),
+            None
+        );
     }
 
     #[test]

@@ -101,7 +101,11 @@ pub fn render(p: &FlopsProfile, cfg: &FlopsProfilerConfig) -> String {
     kv(&mut out, "device", p.device.clone());
     kv(&mut out, "params of model", si(p.params as f64));
     kv(&mut out, "FLOPs of the step", si(p.flops as f64));
-    kv(&mut out, "step latency", format!("{:.3} ms", p.step_seconds * 1e3));
+    kv(
+        &mut out,
+        "step latency",
+        format!("{:.3} ms", p.step_seconds * 1e3),
+    );
     kv(&mut out, "achieved FLOP/s", si(p.tflops_per_s * 1e12));
     top_modules(&mut out, p, cfg);
     if cfg.detailed {
@@ -144,9 +148,9 @@ fn top_modules(out: &mut String, p: &FlopsProfile, cfg: &FlopsProfilerConfig) {
     let mut by_time = units.clone();
     by_time.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
     let mut by_flops = units.clone();
-    by_flops.sort_by(|a, b| b.flops.cmp(&a.flops));
+    by_flops.sort_by_key(|r| std::cmp::Reverse(r.flops));
     let mut by_params = units;
-    by_params.sort_by(|a, b| b.params.cmp(&a.params));
+    by_params.sort_by_key(|r| std::cmp::Reverse(r.params));
     let names = |rows: &[&ModuleRow], f: &dyn Fn(&ModuleRow) -> String| {
         rows.iter()
             .take(k)
@@ -154,12 +158,25 @@ fn top_modules(out: &mut String, p: &FlopsProfile, cfg: &FlopsProfilerConfig) {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let _ = writeln!(out, "Top {k} modules in terms of time at depth 1: {}",
-        names(&by_time, &|r| format!("{:.3} ms, {:.1}%", r.seconds * 1e3, r.percent_of_step)));
-    let _ = writeln!(out, "Top {k} modules in terms of FLOPs at depth 1: {}",
-        names(&by_flops, &|r| si(r.flops as f64)));
-    let _ = writeln!(out, "Top {k} modules in terms of params at depth 1: {}",
-        names(&by_params, &|r| si(r.params as f64)));
+    let _ = writeln!(
+        out,
+        "Top {k} modules in terms of time at depth 1: {}",
+        names(&by_time, &|r| format!(
+            "{:.3} ms, {:.1}%",
+            r.seconds * 1e3,
+            r.percent_of_step
+        ))
+    );
+    let _ = writeln!(
+        out,
+        "Top {k} modules in terms of FLOPs at depth 1: {}",
+        names(&by_flops, &|r| si(r.flops as f64))
+    );
+    let _ = writeln!(
+        out,
+        "Top {k} modules in terms of params at depth 1: {}",
+        names(&by_params, &|r| si(r.params as f64))
+    );
     if shown(cfg, 2) {
         let mut cells: Vec<(&str, &FamilyRow)> = p
             .training_thread_modules()
@@ -171,6 +188,10 @@ fn top_modules(out: &mut String, p: &FlopsProfile, cfg: &FlopsProfilerConfig) {
             .take(k)
             .map(|(m, f)| format!("{m}.{} ({:.3} ms)", f.family.name(), f.seconds * 1e3))
             .collect();
-        let _ = writeln!(out, "Top {k} modules in terms of time at depth 2: {}", top.join(", "));
+        let _ = writeln!(
+            out,
+            "Top {k} modules in terms of time at depth 2: {}",
+            top.join(", ")
+        );
     }
 }
