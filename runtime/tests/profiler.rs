@@ -13,7 +13,9 @@ use std::time::Duration;
 use common::config;
 use common::scratch::Scratch;
 use device_common::Dev;
-use ferrozero_config::resolved::{FlopsProfilerConfig, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{
+    FlopsProfilerConfig, MonitorOutput, Precision, ResolvedConfig, ZeroStage,
+};
 use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor, StepReport};
@@ -229,4 +231,35 @@ fn model_flops_per_token_is_six_n_plus_six_lct() {
         model_flops_per_token(&m, T),
         6 * m.num_params() as u64 + 6 * width * T as u64
     );
+}
+
+#[test]
+fn the_monitors_get_the_profiled_steps_figures() {
+    let d = device_common::cpu();
+    let scratch = Scratch::new();
+    let dir = scratch.dir();
+    let mut cfg = cfg_for(&d, Some(profiler_at(2, &scratch.dir())));
+    cfg.monitor.csv_monitor = Some(MonitorOutput {
+        dir: dir.clone(),
+        all_ranks: false,
+    });
+    let (reports, _) = train(&d.be, &cfg, gpt2_model, 37);
+    drop(reports);
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+    // One row, at the profiled step's samples (2 steps of B rows).
+    let rate = read("Train_Samples_profile_tflops_per_second.csv");
+    let rows: Vec<&str> = rate.lines().collect();
+    assert_eq!(rows.len(), 2, "{rate}");
+    assert!(rows[1].starts_with(&format!("{},", 2 * B)), "{rate}");
+    let matmul = read("Train_Samples_profile_matmul_ms.csv");
+    let ms: f64 = matmul
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(ms > 0.0, "{matmul}");
 }
