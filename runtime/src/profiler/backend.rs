@@ -14,9 +14,10 @@ use crate::backend::{
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
 
-/// Forwards every operation to `inner`; while recording, each one ends with a wait on a
-/// compute-stream event so that the time taken is the operation's own on every device
-/// (the CPU's events are complete when recorded: the wait costs nothing there).
+/// Forwards every operation to `inner`; while recording, each one starts and ends with a
+/// wait on a compute-stream event so that the time taken is the operation's own on every
+/// device, not work queued before it (the CPU's events are complete when recorded: the
+/// waits cost nothing there).
 pub struct ProfilingBackend {
     inner: Arc<dyn Backend>,
     rec: Arc<Recorder>,
@@ -32,6 +33,8 @@ impl ProfilingBackend {
         if !self.rec.active() {
             return op();
         }
+        // Work queued before (the engine's own buffer kernels) is not this operation's.
+        self.inner.record(Stream::Compute)?.synchronize()?;
         let t = Instant::now();
         let out = op()?;
         self.inner.record(Stream::Compute)?.synchronize()?;

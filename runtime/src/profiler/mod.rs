@@ -6,10 +6,10 @@
 //! - [`ProfilingBackend`] wraps the engine's `Arc<dyn Backend>` and forwards every
 //!   operation; while a step is profiled it times each one and counts its FLOPs from the
 //!   operation's shape (`flops`), under the module the training thread is in. The time is
-//!   the operation's own on every device: each ends with a wait on a compute-stream event
-//!   through [`crate::backend::StreamOps`] (complete at once on the CPU, a device event on a
-//!   GPU), so the same code measures both, at the price of one host sync per operation in
-//!   the profiled step only.
+//!   the operation's own on every device: each starts and ends with a wait on a
+//!   compute-stream event through [`crate::backend::StreamOps`] (complete at once on the
+//!   CPU, a device event on a GPU), so the same code measures both, at the price of two host
+//!   syncs per operation in the profiled step only.
 //! - Each unit's module is wrapped (`scoped`) so that its forward and backward name the
 //!   unit; operations outside every unit count as `engine`, those of other threads (the
 //!   communication worker, the optimizer lane) as `background`. Within a unit the split is
