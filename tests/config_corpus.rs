@@ -71,7 +71,6 @@ const EXPECTED: &[(&str, &str, &str)] = &[
         "warning",
         "aio.thread_count",
     ),
-    ("warn/flops_profiler.json", "warning", "flops_profiler"),
     (
         "warn/untested_optimizer_flag.json",
         "warning",
@@ -95,6 +94,12 @@ const EXPECTED: &[(&str, &str, &str)] = &[
         "compression_training",
     ),
     ("invalid/fp16_and_bf16.json", "error", "bf16.enabled"),
+    // DeepSpeed counts global steps from 1: a profile at step 0 would never be taken.
+    (
+        "invalid/flops_profiler_step_zero.json",
+        "error",
+        "flops_profiler.profile_step",
+    ),
     ("invalid/loss_scale_range.json", "error", "fp16.hysteresis"),
     (
         "invalid/max_grad_norm_in_optimizer.json",

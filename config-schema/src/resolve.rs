@@ -186,6 +186,17 @@ impl Config {
                 prof_ops: c.prof_ops.clone(),
                 debug: c.debug,
             }),
+            flops_profiler: self.flops_profiler.enabled.then(|| {
+                let f = &self.flops_profiler;
+                FlopsProfilerConfig {
+                    profile_step: f.profile_step,
+                    module_depth: usize::try_from(f.module_depth).ok(),
+                    top_modules: to_usize(f.top_modules),
+                    detailed: f.detailed,
+                    output_file: f.output_file.as_ref().map(PathBuf::from),
+                }
+            }),
+            peak_tflops: self.flops_profiler.peak_tflops,
         }
     }
 

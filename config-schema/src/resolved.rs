@@ -373,7 +373,8 @@ pub struct ResolvedConfig {
     pub monitor: MonitorConfig,
 }
 
-/// `tensorboard`, `csv_monitor` and `comms_logger`, resolved: `None` where disabled.
+/// `tensorboard`, `csv_monitor`, `comms_logger` and `flops_profiler`, resolved: `None` where
+/// disabled.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct MonitorConfig {
     /// TensorBoard event files.
@@ -382,6 +383,27 @@ pub struct MonitorConfig {
     pub csv_monitor: Option<MonitorOutput>,
     /// The communication logger.
     pub comms_logger: Option<CommsLoggerConfig>,
+    /// The FLOPs profiler.
+    pub flops_profiler: Option<FlopsProfilerConfig>,
+    /// The device's peak dense TFLOP/s for `mfu` (`flops_profiler.peak_tflops`), when given;
+    /// otherwise the device's datasheet figure where it is known.
+    pub peak_tflops: Option<f64>,
+}
+
+/// `flops_profiler`, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FlopsProfilerConfig {
+    /// The global optimizer step (1-based) profiled.
+    pub profile_step: u64,
+    /// Levels of the module tree printed (0 the model, 1 its units, 2 units by kernel
+    /// family); `None` every level.
+    pub module_depth: Option<usize>,
+    /// The heaviest modules named per level.
+    pub top_modules: usize,
+    /// Print the per-module table.
+    pub detailed: bool,
+    /// Where the table goes; `None` standard output.
+    pub output_file: Option<PathBuf>,
 }
 
 /// Where one monitor writes.

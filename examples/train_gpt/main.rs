@@ -94,6 +94,11 @@ pub struct Args {
     /// two (warm-up), peak ledger bytes per rank and the process's peak RSS.
     #[arg(long)]
     pub bench_json: bool,
+    /// The device's peak dense TFLOP/s for `mfu` in the metrics and the benchmark line
+    /// (overrides the config's `flops_profiler.peak_tflops`; known GPUs need none, the CPU
+    /// reports no MFU without it).
+    #[arg(long, value_parser = ferrozero::train::parse_peak_tflops)]
+    pub peak_tflops: Option<f64>,
     /// No progress bar (logs a line every `steps_per_print` steps instead).
     #[arg(long)]
     pub no_progress: bool,

@@ -88,6 +88,9 @@ fn zero_config(args: &Args) -> Result<ferrozero::config::Config, BoxError> {
     if let Some(l) = args.device_memory_limit {
         config.device_memory_limit = Some(l);
     }
+    if let Some(p) = args.peak_tflops {
+        config.flops_profiler.peak_tflops = Some(p);
+    }
     Ok(config)
 }
 

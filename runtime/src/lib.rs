@@ -10,6 +10,7 @@ pub mod engine;
 pub mod error;
 pub mod monitor;
 pub mod nn;
+pub mod profiler;
 pub mod tensor;
 
 pub use error::{Error, Result};

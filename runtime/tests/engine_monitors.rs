@@ -43,6 +43,7 @@ fn monitors(dir: &Path) -> MonitorConfig {
         tensorboard: out("tb"),
         csv_monitor: out("csv"),
         comms_logger: Some(logger()),
+        ..MonitorConfig::default()
     }
 }
 

@@ -80,6 +80,10 @@ pub struct Args {
     /// No progress bar (a log line every `steps_per_print` steps instead).
     #[arg(long)]
     no_progress: bool,
+    /// The device's peak dense TFLOP/s for `mfu` in the metrics (overrides the config's
+    /// `flops_profiler.peak_tflops`; known GPUs need none, the CPU reports no MFU without it).
+    #[arg(long, value_parser = ferrozero::train::parse_peak_tflops)]
+    peak_tflops: Option<f64>,
 }
 
 /// Runs the subcommand.
@@ -106,6 +110,9 @@ fn zero_config(args: &Args) -> std::result::Result<Config, String> {
     let mut config = loaded.config;
     if let Some(d) = args.device {
         config.device = d;
+    }
+    if let Some(p) = args.peak_tflops {
+        config.flops_profiler.peak_tflops = Some(p);
     }
     Ok(config)
 }

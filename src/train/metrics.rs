@@ -11,6 +11,7 @@ use crate::engine::{Engine, StepReport};
 use ferrozero_runtime::engine::ledger::Location;
 use ferrozero_runtime::engine::timeline::{Pool, Timeline};
 use ferrozero_runtime::nn::Batch;
+use ferrozero_runtime::profiler::{self, model_flops_per_token, stated_peak_tflops};
 use ferrozero_runtime::{Error, Result};
 
 fn io(context: &str, e: std::io::Error) -> Error {
@@ -28,6 +29,8 @@ pub(super) struct Writer {
     tokens: u64,
     warm: (f64, f64),
     steps: u64,
+    /// Model FLOPs over the warm steps (after the first two), for the benchmark's `mfu`.
+    warm_flops: f64,
 }
 
 impl Writer {
@@ -46,6 +49,7 @@ impl Writer {
             tokens: 0,
             warm: (0.0, 0.0),
             steps: 0,
+            warm_flops: 0.0,
         })
     }
 
@@ -61,13 +65,17 @@ impl Writer {
         let dt = t.elapsed().as_secs_f64();
         let tokens =
             engine.sum_across_ranks(batches.iter().map(|b| (b.batch * b.seq) as f64).sum())?;
+        let seq = batches.first().map_or(0, |b| b.seq);
+        let flops = tokens * model_flops_per_token(engine.model(), seq) as f64;
         self.tokens += tokens as u64;
         if self.steps >= 2 {
             self.warm.0 += tokens;
             self.warm.1 += dt;
+            self.warm_flops += flops;
         }
         self.steps += 1;
         let tps = tokens / dt.max(1e-9);
+        let mfu = mfu(engine, flops / dt.max(1e-9));
         // On a GPU its allocator's peak is the truth; on the CPU the ledger's.
         let measured = r.device_memory.map(|m| m.peak);
         let peak_dev =
@@ -75,16 +83,25 @@ impl Writer {
         let peak_host = engine.max_across_ranks(r.memory.peak_host_bytes as f64)?;
         timeline.record(r.step, &r.memory);
         if let Some(m) = self.file.as_mut() {
-            writeln!(m, "{}", step_line(&r, tps, peak_dev, peak_host))
+            writeln!(m, "{}", step_line(&r, tps, mfu, peak_dev, peak_host))
                 .map_err(|e| io("write metrics", e))?;
         }
-        self.log(engine, &r, tps, peak_dev, dt);
+        self.log(engine, &r, (tps, mfu), peak_dev, dt);
         Ok(r)
     }
 
-    fn log(&self, engine: &Engine, r: &StepReport, tps: f64, peak_dev: f64, dt: f64) {
+    fn log(
+        &self,
+        engine: &Engine,
+        r: &StepReport,
+        speed: (f64, Option<f64>),
+        peak_dev: f64,
+        dt: f64,
+    ) {
+        let (tps, mfu) = speed;
+        let mfu = mfu.map_or(String::new(), |m| format!(" (MFU {:.1}%)", m * 100.0));
         let mut line = format!(
-            "loss {:.4} lr {:.2e} scale {} | {:.0} tok/s | peak {:.1} MiB/rank",
+            "loss {:.4} lr {:.2e} scale {} | {:.0} tok/s{mfu} | peak {:.1} MiB/rank",
             r.loss,
             r.lr,
             r.loss_scale,
@@ -167,6 +184,7 @@ impl Writer {
                     "offload_optimizer": format!("{:?}", cfg.zero.offload_optimizer.target),
                     "params": engine.model().num_params(), "steps": opts.steps,
                     "tokens_per_s": self.warm.0 / self.warm.1.max(1e-9),
+                    "mfu": mfu(engine, self.warm_flops / self.warm.1.max(1e-9)),
                     "peak_device_bytes_per_rank": peak_dev as u64, "process_vmhwm_mib": vmhwm_mib(),
                 })
             );
@@ -192,25 +210,41 @@ fn progress(steps: u64) -> ProgressBar {
     b
 }
 
-fn step_line(r: &StepReport, tps: f64, peak_dev: f64, peak_host: f64) -> String {
+/// Model FLOPs utilisation of `flops_per_s` (over every rank) against the peak of the
+/// devices the ranks compute on: the config's or `--peak-tflops`, else the device's stated
+/// figure; `None` (JSON `null`) without one, as on the CPU.
+fn mfu(engine: &Engine, flops_per_s: f64) -> Option<f64> {
+    let be = engine.backend();
+    let peak = engine
+        .config()
+        .monitor
+        .peak_tflops
+        .or_else(|| stated_peak_tflops(&be.name(), be.act_dtype()))?;
+    profiler::mfu(flops_per_s / engine.world_size() as f64, Some(peak))
+}
+
+fn step_line(r: &StepReport, tps: f64, mfu: Option<f64>, peak_dev: f64, peak_host: f64) -> String {
     let by_cat: serde_json::Map<String, serde_json::Value> = r
         .memory
         .peak_device_by_category
         .iter()
         .map(|(c, b)| (format!("{c:?}").to_lowercase(), serde_json::json!(b)))
         .collect();
-    serde_json::json!({
+    let mut line = serde_json::json!({
         "step": r.step, "loss": r.loss, "lr": r.lr, "loss_scale": r.loss_scale, "skipped": r.skipped,
         "grad_norm": if r.grad_norm.is_finite() { serde_json::json!(r.grad_norm) } else { serde_json::Value::Null },
-        "tokens_per_s": tps, "peak_device_bytes": peak_dev as u64, "peak_host_bytes": peak_host as u64,
+        "tokens_per_s": tps, "mfu": mfu, "peak_device_bytes": peak_dev as u64, "peak_host_bytes": peak_host as u64,
         "peak_device_bytes_by_category": by_cat,
         "ledger_peak_device_bytes": r.memory.peak_device_bytes,
         "device_memory_limit": r.memory.device_memory_limit,
         "device_allocator": r.device_memory,
         "swap_read_bytes": r.swap.read_bytes, "swap_written_bytes": r.swap.written_bytes,
         "cross_group_bytes": r.cross_group_bytes,
-    })
-    .to_string()
+    });
+    if let Some(p) = &r.flops_profile {
+        line["flops_profile"] = serde_json::json!(p);
+    }
+    line.to_string()
 }
 
 /// The process's peak resident set (VmHWM) in MiB; NaN where /proc is unavailable.

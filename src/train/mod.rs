@@ -51,6 +51,16 @@ pub struct TrainSummary {
     pub evals: Vec<(u64, f64)>,
 }
 
+/// A positive TFLOP/s figure for `--peak-tflops`.
+pub fn parse_peak_tflops(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!(
+            "expected a positive number of TFLOP/s (e.g. 989 for an H100's bf16), found `{s}`"
+        )),
+    }
+}
+
 /// Row numbers: steps, then accumulation micro-steps, then ranks, then the micro-batch.
 pub fn micro_batches(engine: &Engine, rows: &dyn Rows, step: u64) -> Vec<Batch> {
     let cfg = engine.config();

@@ -7,6 +7,7 @@ mod monitor;
 mod offload;
 mod optimizer;
 mod precision;
+mod profiler;
 mod runtime;
 mod scheduler;
 mod size;
@@ -25,6 +26,7 @@ pub use monitor::{CommsLoggerSection, MonitorSection, COMM_OPS};
 pub use offload::{OffloadDevice, OffloadSection};
 pub use optimizer::{Optimizer, OptimizerParams, OptimizerType};
 pub use precision::{Bf16, Fp16};
+pub use profiler::FlopsProfilerSection;
 pub use runtime::{ActivationCheckpointingSection, Aio, Backend, Comms, Reduction};
 pub use scheduler::{Scheduler, SchedulerParams, SchedulerType, WarmupKind};
 pub use size::{parse_size, ByteSize};
@@ -111,6 +113,9 @@ pub struct Config {
     pub csv_monitor: MonitorSection,
     /// Per-collective counts, bytes, times and bandwidths (DeepSpeed's communication logger).
     pub comms_logger: CommsLoggerSection,
+    /// DeepSpeed's FLOPs profiler: time, FLOPs and TFLOP/s per module and kernel family at
+    /// one step; also the device peak behind every step's `mfu`.
+    pub flops_profiler: FlopsProfilerSection,
     /// Where each key came from, so that resolution errors point into the file too.
     #[serde(skip)]
     #[schemars(skip)]
@@ -165,6 +170,7 @@ impl Default for Config {
             tensorboard: MonitorSection::default(),
             csv_monitor: MonitorSection::default(),
             comms_logger: CommsLoggerSection::default(),
+            flops_profiler: FlopsProfilerSection::default(),
             source: Arc::default(),
         }
     }
@@ -197,7 +203,6 @@ const TOP_SUPPORT: &[(&str, Support)] = &[
     // Monitors, profilers, logging: they cannot change training results.
     ("wandb", Support::IgnoredIfEnabled(NETWORK_MONITOR)),
     ("comet", Support::IgnoredIfEnabled(NETWORK_MONITOR)),
-    ("flops_profiler", Support::IgnoredIfEnabled(PROFILER)),
     ("timers", Support::IgnoredIfEnabled("throughput timers; ferrozero's StepReport carries tokens/s and, with wall_clock_breakdown, per-phase times")),
     ("memory_breakdown", Support::IgnoredUnless(off::is_false, PROFILER)),
     ("dump_state", Support::IgnoredUnless(off::is_false, "debug output only")),
@@ -334,6 +339,9 @@ pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
             .unwrap_or_default(),
         comms_logger: t
             .get(cx, "comms_logger", &[], monitor::read_comms_logger)
+            .unwrap_or_default(),
+        flops_profiler: t
+            .get(cx, "flops_profiler", &[], profiler::read_flops_profiler)
             .unwrap_or_default(),
         source: Arc::default(),
     };

@@ -135,7 +135,8 @@ impl Engine {
                 comm.world_size()
             )));
         }
-        let (observers, comm) = super::observe::Observers::open(&cfg, comm)?;
+        let (mut observers, comm) = super::observe::Observers::open(&cfg, comm)?;
+        let (be, model) = observers.instrument(be, model);
         check_backend(&cfg, comm.as_ref())?;
         let hybrid = open_hybrid(&cfg, comm.as_ref())?;
         let shards = shard_comm(comm.as_ref(), &hybrid);
@@ -433,6 +434,9 @@ impl Engine {
         batch: (&Batch, &BatchIds),
         training: bool,
     ) -> Result<Tensor> {
+        if training && self.micro == 0 && self.losses.is_empty() {
+            self.observers.step_begin(self.steps + 1, &*self.be)?;
+        }
         let t = Instant::now();
         let mut x = Tensor::default();
         let n = self.model.units.len();

@@ -1,16 +1,19 @@
-//! The engine's observers: the monitors (`tensorboard`, `csv_monitor`) and the communication
-//! logger (`comms_logger`), engine-level so that every program built on the engine gets them.
-//! Neither changes what is computed: the monitor reads the step's report, the logger only
-//! times the collectives it forwards.
+//! The engine's observers: the monitors (`tensorboard`, `csv_monitor`), the communication
+//! logger (`comms_logger`) and the FLOPs profiler (`flops_profiler`), engine-level so that
+//! every program built on the engine gets them. None changes what is computed: the monitor
+//! reads the step's report, the logger and the profiler only time what they forward.
 
 use std::sync::Arc;
 
 use ferrozero_config::resolved::ResolvedConfig;
 
-use super::StepReport;
+use super::{StepReport, Timings};
+use crate::backend::Backend;
 use crate::comm::logger::{CommStats, CommsLogger};
 use crate::comm::Communicator;
 use crate::monitor::Monitor;
+use crate::nn::Model;
+use crate::profiler::{FlopsProfile, Profiler};
 use crate::Result;
 
 /// What watches the engine's steps; at the end the communication summary is logged once more
@@ -18,6 +21,7 @@ use crate::Result;
 pub(super) struct Observers {
     pub(super) monitor: Option<Monitor>,
     pub(super) comms: Option<Arc<CommStats>>,
+    profiler: Option<Profiler>,
     every: u64,
 }
 
@@ -38,12 +42,55 @@ impl Observers {
             }
             None => (None, comm),
         };
+        let (profiler, comm) = match &cfg.monitor.flops_profiler {
+            Some(p) => {
+                let (p, comm) = Profiler::open(p.clone(), comm);
+                (Some(p), comm)
+            }
+            None => (None, comm),
+        };
         let observers = Observers {
             monitor: Monitor::open(cfg, rank)?,
             comms,
+            profiler,
             every: cfg.steps_per_print.max(1) as u64,
         };
         Ok((observers, comm))
+    }
+
+    /// The backend and the model as the engine runs them: wrapped by the profiler when it
+    /// is enabled, else as they are.
+    pub(super) fn instrument(
+        &mut self,
+        be: Arc<dyn Backend>,
+        model: Model,
+    ) -> (Arc<dyn Backend>, Model) {
+        match &mut self.profiler {
+            Some(p) => p.instrument(be, model),
+            None => (be, model),
+        }
+    }
+
+    /// Before the first forward of optimizer step `step`.
+    pub(super) fn step_begin(&mut self, step: u64, be: &dyn Backend) -> Result<()> {
+        match &mut self.profiler {
+            Some(p) => p.begin(step, be),
+            None => Ok(()),
+        }
+    }
+
+    /// After the update of optimizer step `step`, timed by phase in `t`: its profile, if it
+    /// was profiled.
+    pub(super) fn step_end(
+        &mut self,
+        step: u64,
+        be: &dyn Backend,
+        t: &Timings,
+    ) -> Result<Option<FlopsProfile>> {
+        match &mut self.profiler {
+            Some(p) => p.end(step, be, t.optimizer),
+            None => Ok(None),
+        }
     }
 
     /// After each optimizer step: the monitor's scalars; every `steps_per_print` steps a

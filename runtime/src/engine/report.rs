@@ -55,6 +55,8 @@ pub struct StepReport {
     /// all-reduce or reduce-scatter input, in `communication_data_type`: half the f32 figure
     /// in bf16 or fp16); zero at world size 1.
     pub reduced_bytes: u64,
+    /// The FLOPs profiler's measurements when this is `flops_profiler.profile_step`.
+    pub flops_profile: Option<crate::profiler::FlopsProfile>,
 }
 
 /// NVMe bytes moved by one rank in one step.

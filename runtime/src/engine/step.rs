@@ -93,6 +93,9 @@ impl Engine {
         }
         self.steps += 1;
         self.micro = 0;
+        let flops_profile = self
+            .observers
+            .step_end(self.steps, &*self.be, &self.timings)?;
         let report = StepReport {
             step: self.steps,
             loss: loss_sum / tokens.max(1) as f64,
@@ -107,6 +110,7 @@ impl Engine {
             swap: self.step_traffic(),
             cross_group_bytes: self.take_cross_group_bytes(),
             reduced_bytes: std::mem::take(&mut self.reduced_bytes),
+            flops_profile,
         };
 
         self.tokens = 0;

@@ -5,7 +5,9 @@
 //! Scalars: `Train/Samples/train_loss`, `Train/Samples/lr`, `Train/Samples/loss_scale`
 //! (fp16 only, as in DeepSpeed), and ferrozero's own `Train/Samples/grad_norm`,
 //! `Train/Samples/tokens_per_second` and the memory ledger's peaks,
-//! `Train/Samples/peak_<location>_<category>_bytes`.
+//! `Train/Samples/peak_<location>_<category>_bytes`; at `flops_profiler.profile_step` the
+//! profile's `Train/Samples/profile_tflops_per_second` and per kernel family
+//! `Train/Samples/profile_<family>_ms`.
 
 mod sinks;
 pub mod tfevents;
@@ -105,6 +107,15 @@ impl Monitor {
                 out.push(s(
                     &format!("peak_{place}_{}_bytes", category(c)),
                     bytes as f64,
+                ));
+            }
+        }
+        if let Some(p) = &r.flops_profile {
+            out.push(s("profile_tflops_per_second", p.tflops_per_s));
+            for f in &p.families {
+                out.push(s(
+                    &format!("profile_{}_ms", f.family.name()),
+                    f.seconds * 1e3,
                 ));
             }
         }

@@ -253,6 +253,12 @@ pub trait Module: Send + Sync {
     /// Bytes of this module's output for one micro-batch (the unit boundary activation).
     fn output_bytes(&self, batch: usize, seq: usize) -> usize;
 
+    /// Query heads × head dim of the causal self-attention this module runs (0: none), the
+    /// `C` of the `6·L·C·T` attention term in a model's FLOPs per token (`mfu`).
+    fn attention_width(&self) -> usize {
+        0
+    }
+
     /// Evaluation hook for a model's last unit: the arg-max token at every position of the
     /// batch (teacher-forced), in host memory, so the engine can report accuracy. `None`: not
     /// a prediction head.

@@ -315,4 +315,8 @@ impl Module for Block {
     fn output_bytes(&self, batch: usize, seq: usize) -> usize {
         batch * seq * self.cfg.n_embd * 4
     }
+
+    fn attention_width(&self) -> usize {
+        self.cfg.n_head * self.cfg.head_dim()
+    }
 }

@@ -350,4 +350,8 @@ impl Module for Block {
     fn output_bytes(&self, batch: usize, seq: usize) -> usize {
         batch * seq * self.cfg.hidden_size * 4
     }
+
+    fn attention_width(&self) -> usize {
+        self.cfg.num_attention_heads * self.cfg.head_dim()
+    }
 }
