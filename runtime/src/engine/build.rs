@@ -208,6 +208,7 @@ impl GroupPlan<'_> {
         let opt_bytes = master_bytes + (owned.len() * self.moments * state.size()) as u64;
         ledger.alloc(opt_loc, Category::OptimizerState, opt_bytes);
         Ok(Group {
+            landing: Default::default(),
             layout,
             params,
             work: None,

@@ -319,6 +319,11 @@ impl Engine {
             .chain(shared)
             .filter(|&g| self.groups[g].full_params().is_none())
             .collect();
+        // The parameters' first use since the optimizer uploaded them.
+        self.await_landing(unit)?;
+        if let Some(s) = shared {
+            self.await_landing(s)?;
+        }
         self.take_prefetched(unit)?;
         self.gather_group(unit, bucket)?;
         if let Some(s) = shared {

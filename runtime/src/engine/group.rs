@@ -7,6 +7,7 @@
 use std::ops::Range;
 
 use super::ledger::{Category, Ledger, Location};
+use super::offload_copies::Landing;
 use super::param_swap::SwapSlot;
 use super::partition::GroupLayout;
 use crate::backend::Backend;
@@ -82,6 +83,9 @@ pub fn not_resident(what: &str) -> crate::Error {
 /// compute device, or in host memory when the config offloads them.
 #[derive(Debug)]
 pub struct Group {
+    /// The optimizer's uploads of this group's parameters still owed to the compute stream
+    /// (first, so it is dropped, waiting for them, before the buffers they write).
+    pub landing: Landing,
     /// Layout and shard arithmetic.
     pub layout: GroupLayout,
     /// Parameters in the storage dtype.
@@ -172,6 +176,7 @@ impl Group {
             },
         };
         Group {
+            landing: Landing::default(),
             layout: self.layout.clone(),
             params,
             work: None,

@@ -28,6 +28,8 @@ impl Engine {
     /// [`ParamSource::check`] runs first, so a bad source changes nothing). Collective only in
     /// that every rank reads the same source; no communication happens.
     pub fn load_parameters(&mut self, src: &dyn ParamSource) -> Result<()> {
+        // Parameters are read or written here: the optimizer's uploads land first.
+        self.await_landings()?;
         let expected: Vec<(String, Vec<usize>)> = self
             .groups
             .iter()

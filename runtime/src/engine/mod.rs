@@ -18,6 +18,7 @@ mod load_params;
 pub mod loss_scale;
 pub mod nvme;
 mod observe;
+pub mod offload_copies;
 pub mod optimizer;
 pub mod optimizer_overlap;
 mod overlap;

@@ -158,6 +158,11 @@ impl Engine {
         let bucket = self.cfg.zero.allgather_bucket_size;
         // Shards on NVMe are read ahead instead; their gather runs when they arrive.
         self.prefetch_swap(g);
+        // The worker gathers from a copy taken here, the shard's first use since its upload;
+        // a failed wait leaves the gather to `gather_unit`, which reports it.
+        if self.overlap.is_none() || self.await_landing(g).is_err() {
+            return;
+        }
         let Some(o) = &mut self.overlap else { return };
         let grp = &self.groups[g];
         let ParamStore::Partitioned {

@@ -26,6 +26,8 @@ impl Engine {
         dir: impl AsRef<Path>,
         tag: &Tag,
     ) -> Result<LoadedCheckpoint> {
+        // Parameters are read or written here: the optimizer's uploads land first.
+        self.await_landings()?;
         if self.micro != 0 {
             return Err(Error::Invalid(
                 "load_checkpoint in the middle of gradient accumulation".into(),

@@ -1,0 +1,292 @@
+//! The offloaded optimizer's copies on the copy streams, read from the emulated device's issue
+//! trace (its streams run synchronously, so the trace is the order the engine asked for):
+//! gradients go down on the device-to-host stream behind an event of the compute stream and
+//! without the host waiting at issue, updated parameters go up on the host-to-device stream,
+//! and the compute stream waits for an upload only where the next forward uses it. The bits
+//! are those of the run without offload on the same device.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{config, toy};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_runtime::backend::cuda::driver::{Event, StreamKind, TraceOp, Traced};
+use ferrozero_runtime::backend::cuda::{self, CudaBackend};
+use ferrozero_runtime::backend::{Backend, Rope};
+use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::ledger::{Category, Location};
+use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
+use ferrozero_runtime::nn::Model;
+use ferrozero_runtime::tensor::DType;
+
+const V: usize = 23;
+const T: usize = 6;
+
+fn model() -> Model {
+    llama::build(&LlamaConfig {
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        num_key_value_heads: None,
+        head_dim: None,
+        rms_norm_eps: 1e-6,
+        rope: Rope::plain(10000.0),
+        vocab_size: V,
+        max_position_embeddings: T,
+        tie_word_embeddings: true,
+        initializer_range: 0.3,
+        qkv_bias: false,
+        sliding_window: None,
+    })
+    .expect("a valid Llama")
+}
+
+fn device() -> Arc<CudaBackend> {
+    cuda::emulated(DType::Bf16).expect("the emulated device")
+}
+
+fn cfg(stage: ZeroStage, offload: bool, overlap: bool) -> ResolvedConfig {
+    let mut c = config(stage, 1, 2, 2, Precision::Bf16);
+    c.gradient_clipping = 0.0;
+    c.zero.overlap_comm = overlap;
+    if offload {
+        c.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    }
+    c
+}
+
+fn batches(step: usize) -> Vec<ferrozero_runtime::nn::Batch> {
+    (0..2)
+        .map(|m| toy::batch(V, T, (step * 2 + m) * 2, 2))
+        .collect()
+}
+
+/// What one traced step shows, with the bytes it should move.
+struct Traces {
+    /// `train_batch` of the traced step.
+    step: Vec<Traced>,
+    /// The forward after it.
+    forward: Vec<Traced>,
+    /// Device bytes of the gradients and the parameters (the ledger's).
+    grad_bytes: u64,
+    param_bytes: u64,
+}
+
+/// One untraced step, one traced step and a traced forward on a fresh emulated device.
+fn traced(cfg: &ResolvedConfig) -> Traces {
+    let dev = device();
+    let be: Arc<dyn Backend> = dev.clone();
+    let out = run_ranks(1, Duration::from_secs(300), |comm| {
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
+        e.train_batch(&batches(0))?;
+        let obs = dev.device().observed();
+        obs.start_trace();
+        e.train_batch(&batches(1))?;
+        let step = obs.take_trace();
+        obs.start_trace();
+        e.forward(&batches(2)[0])?;
+        let forward = obs.take_trace();
+        let bytes = |c: Category| e.ledger().current(Location::Device, c);
+        Ok(Traces {
+            step,
+            forward,
+            grad_bytes: bytes(Category::Gradients),
+            param_bytes: bytes(Category::Parameters),
+        })
+    })
+    .expect("training on the emulated device");
+    out.into_iter().next().unwrap()
+}
+
+fn on(t: &[Traced], s: StreamKind) -> impl Iterator<Item = (usize, &TraceOp)> {
+    t.iter()
+        .enumerate()
+        .filter(move |(_, (k, _))| *k == Some(s))
+        .map(|(i, (_, op))| (i, op))
+}
+
+/// Events recorded on stream `s`.
+fn recorded_on(t: &[Traced], s: StreamKind) -> HashSet<Event> {
+    on(t, s)
+        .filter_map(|(_, op)| match op {
+            TraceOp::Record(e) => Some(*e),
+            _ => None,
+        })
+        .collect()
+}
+
+fn is_kernel(op: &TraceOp) -> bool {
+    matches!(op, TraceOp::Launch(_) | TraceOp::Gemm)
+}
+
+/// Each download on the device-to-host stream: issued without a host wait, after a wait on
+/// an event recorded on the compute stream. Returns the downloads' total bytes.
+fn check_downloads(t: &[Traced]) -> u64 {
+    let compute = recorded_on(t, StreamKind::Compute);
+    let mut ordered = false;
+    let mut bytes = 0;
+    for (i, op) in on(t, StreamKind::DeviceToHost) {
+        match op {
+            TraceOp::Wait(e) => ordered = compute.contains(e),
+            TraceOp::CopyDtoH { bytes: b, wait } => {
+                assert!(!wait, "download at {i} waited at issue: {op:?}");
+                assert!(
+                    ordered,
+                    "download at {i} not ordered after the compute stream"
+                );
+                bytes += *b as u64;
+            }
+            _ => {}
+        }
+    }
+    bytes
+}
+
+/// Each upload on the host-to-device stream: issued without a host wait and followed by an
+/// event on that stream. Returns the uploads' total bytes and their events.
+fn check_uploads(t: &[Traced]) -> (u64, Vec<Event>) {
+    let (mut bytes, mut events, mut last_copy) = (0, Vec::new(), false);
+    for (i, op) in on(t, StreamKind::HostToDevice) {
+        match op {
+            TraceOp::CopyHtoD { bytes: b, wait } => {
+                assert!(!wait, "upload at {i} waited at issue");
+                bytes += *b as u64;
+                last_copy = true;
+            }
+            TraceOp::Record(e) if last_copy => {
+                events.push(*e);
+                last_copy = false;
+            }
+            _ => {}
+        }
+    }
+    assert!(!last_copy, "an upload without an event after it");
+    (bytes, events)
+}
+
+/// Position of the compute stream's wait for `e`, if any.
+fn compute_waits_for(t: &[Traced], e: Event) -> Option<usize> {
+    on(t, StreamKind::Compute)
+        .find(|(_, op)| **op == TraceOp::Wait(e))
+        .map(|(i, _)| i)
+}
+
+fn copies_follow_the_stream_order(overlap: bool) {
+    for stage in [ZeroStage::Stage2, ZeroStage::Stage3] {
+        let what = format!("{stage:?}, overlap {overlap}");
+        let t = traced(&cfg(stage, true, overlap));
+        assert_eq!(
+            check_downloads(&t.step),
+            t.grad_bytes,
+            "{what}: every gradient byte goes down on the copy stream, once"
+        );
+        let (up, events) = check_uploads(&t.step);
+        assert_eq!(
+            up, t.param_bytes,
+            "{what}: every parameter byte goes up on the copy stream, once"
+        );
+        assert!(!events.is_empty(), "{what}: no uploads");
+        let syncs = on(&t.step, StreamKind::Compute)
+            .filter(|(_, op)| **op == TraceOp::Synchronize)
+            .count();
+        // Stage 3 still gathers through the communicator, whose fence synchronizes.
+        if stage == ZeroStage::Stage2 {
+            assert_eq!(syncs, 0, "{what}: the compute stream was synchronized");
+        }
+        for &e in &events {
+            assert_eq!(
+                compute_waits_for(&t.step, e),
+                None,
+                "{what}: compute waited for an upload inside the step"
+            );
+            assert!(
+                compute_waits_for(&t.forward, e).is_some(),
+                "{what}: the next forward did not wait for upload {e:?}"
+            );
+        }
+        // The first unit's parameters (and the tied table) are waited for before any kernel.
+        let first_kernel = on(&t.forward, StreamKind::Compute)
+            .find(|(_, op)| is_kernel(op))
+            .map(|(i, _)| i)
+            .expect("the forward runs kernels");
+        let first_wait = events
+            .iter()
+            .filter_map(|&e| compute_waits_for(&t.forward, e))
+            .min()
+            .unwrap();
+        assert!(
+            first_wait < first_kernel,
+            "{what}: a kernel ran before the first wait"
+        );
+        // Some wait comes after a kernel: the later units' uploads are waited for where
+        // those units start, not all up front.
+        let last_wait = events
+            .iter()
+            .filter_map(|&e| compute_waits_for(&t.forward, e))
+            .max()
+            .unwrap();
+        assert!(
+            last_wait > first_kernel,
+            "{what}: every wait came before the forward"
+        );
+        if overlap {
+            // Gradients leave while backward still runs: a kernel follows the first download.
+            let first_down = on(&t.step, StreamKind::DeviceToHost)
+                .find(|(_, op)| matches!(op, TraceOp::CopyDtoH { .. }))
+                .map(|(i, _)| i)
+                .unwrap();
+            assert!(
+                on(&t.step, StreamKind::Compute).any(|(i, op)| i > first_down && is_kernel(op)),
+                "{what}: the downloads waited for the end of backward"
+            );
+        }
+    }
+}
+
+#[test]
+fn offloaded_step_copies_on_the_copy_streams() {
+    copies_follow_the_stream_order(false);
+}
+
+#[test]
+fn overlapped_offloaded_step_copies_on_the_copy_streams() {
+    copies_follow_the_stream_order(true);
+}
+
+fn train(cfg: &ResolvedConfig, steps: usize) -> Vec<NamedTensor> {
+    let be: Arc<dyn Backend> = device();
+    let out = run_ranks(1, Duration::from_secs(300), |comm| {
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
+        for s in 0..steps {
+            e.train_batch(&batches(s))?;
+        }
+        e.parameters()
+    })
+    .expect("training on the emulated device");
+    out.into_iter().next().unwrap()
+}
+
+fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
+    p.iter()
+        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+/// Stages 1-3 with the optimizer offloaded, overlapped or not: the bits of the device's own
+/// optimizer.
+#[test]
+fn offloaded_copies_change_no_bit() {
+    for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
+        let plain = bits(&train(&cfg(stage, false, false), 3));
+        for overlap in [false, true] {
+            let got = bits(&train(&cfg(stage, true, overlap), 3));
+            assert!(plain == got, "{stage:?} overlap {overlap}: offload differs");
+        }
+    }
+}
