@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{config, toy};
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{
+    CommsLoggerConfig, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
+};
 use ferrozero_runtime::backend::cuda::driver::{Event, StreamKind, TraceOp, Traced};
 use ferrozero_runtime::backend::cuda::{self, CudaBackend};
 use ferrozero_runtime::backend::{Backend, Rope};
@@ -55,6 +57,12 @@ fn cfg(stage: ZeroStage, offload: bool, overlap: bool) -> ResolvedConfig {
     let mut c = config(stage, 1, 2, 2, Precision::Bf16);
     c.gradient_clipping = 0.0;
     c.zero.overlap_comm = overlap;
+    c.monitor.comms_logger = Some(CommsLoggerConfig {
+        verbose: false,
+        prof_all: true,
+        prof_ops: Vec::new(),
+        debug: false,
+    });
     if offload {
         c.zero.offload_optimizer.target = OffloadTarget::Cpu;
     }
@@ -73,9 +81,13 @@ struct Traces {
     step: Vec<Traced>,
     /// The forward after it.
     forward: Vec<Traced>,
+    /// That forward's backward.
+    backward: Vec<Traced>,
     /// Device bytes of the gradients and the parameters (the ledger's).
     grad_bytes: u64,
     param_bytes: u64,
+    /// Bytes all-gathered by the communicator over both steps and the forward.
+    gathered: u64,
 }
 
 /// One untraced step, one traced step and a traced forward on a fresh emulated device.
@@ -92,12 +104,18 @@ fn traced(cfg: &ResolvedConfig) -> Traces {
         obs.start_trace();
         e.forward(&batches(2)[0])?;
         let forward = obs.take_trace();
+        obs.start_trace();
+        e.backward()?;
+        let backward = obs.take_trace();
         let bytes = |c: Category| e.ledger().current(Location::Device, c);
+        let stats = e.comm_stats().expect("the comms logger is on");
         Ok(Traces {
             step,
             forward,
+            backward,
             grad_bytes: bytes(Category::Gradients),
             param_bytes: bytes(Category::Parameters),
+            gathered: stats.bytes("all_gather_into_tensor"),
         })
     })
     .expect("training on the emulated device");
@@ -195,10 +213,7 @@ fn copies_follow_the_stream_order(overlap: bool) {
         let syncs = on(&t.step, StreamKind::Compute)
             .filter(|(_, op)| **op == TraceOp::Synchronize)
             .count();
-        // Stage 3 still gathers through the communicator, whose fence synchronizes.
-        if stage == ZeroStage::Stage2 {
-            assert_eq!(syncs, 0, "{what}: the compute stream was synchronized");
-        }
+        assert_eq!(syncs, 0, "{what}: the compute stream was synchronized");
         for &e in &events {
             assert_eq!(
                 compute_waits_for(&t.step, e),
@@ -249,6 +264,72 @@ fn copies_follow_the_stream_order(overlap: bool) {
     }
 }
 
+/// In `t`: every upload on the host-to-device stream waited for by the compute stream once,
+/// and each issued before the kernels of the unit before it; no stream synchronized.
+fn uploads_run_ahead(t: &[Traced], units: usize, what: &str) {
+    let h2d = recorded_on(t, StreamKind::HostToDevice);
+    let waits: Vec<(usize, Event)> = on(t, StreamKind::Compute)
+        .filter_map(|(i, op)| match op {
+            TraceOp::Wait(e) if h2d.contains(e) => Some((i, *e)),
+            _ => None,
+        })
+        .collect();
+    // Every unit gathered with parameters of its own, and the tied table, is waited for once.
+    assert_eq!(waits.len(), units, "{what}: waits {waits:?}");
+    assert_eq!(waits.len(), h2d.len(), "{what}: an upload never waited for");
+    let record_at = |e: Event| {
+        t.iter()
+            .position(|x| *x == (Some(StreamKind::HostToDevice), TraceOp::Record(e)))
+            .unwrap()
+    };
+    for pair in waits.windows(2) {
+        let ((at, _), (_, next)) = (pair[0], pair[1]);
+        let first_kernel = on(t, StreamKind::Compute)
+            .find(|(i, op)| *i > at && is_kernel(op))
+            .map_or(usize::MAX, |(i, _)| i);
+        assert!(
+            record_at(next) < first_kernel,
+            "{what}: an upload was issued after the previous unit's kernels"
+        );
+    }
+    for (i, op) in on(t, StreamKind::HostToDevice) {
+        if let TraceOp::CopyHtoD { wait, .. } = op {
+            assert!(!wait, "{what}: upload at {i} waited at issue");
+        }
+    }
+    let syncs = t.iter().filter(|(_, op)| *op == TraceOp::Synchronize);
+    assert_eq!(syncs.count(), 0, "{what}: a stream was synchronized");
+}
+
+/// Stage 3 with the parameters in host memory at one rank: no all-gather, each unit's shard
+/// goes up on the host-to-device stream before the previous unit's kernels are issued, and
+/// the compute stream waits for it where the unit starts; in forward, and in backward when
+/// units are released after forward.
+fn parameter_uploads_run_ahead(overlap: bool) {
+    let mut c = cfg(ZeroStage::Stage3, true, overlap);
+    c.zero.offload_param.target = OffloadTarget::Cpu;
+    // Room to prefetch any one unit (`stage3_prefetch_bucket_size` bounds uploads ahead too).
+    c.zero.prefetch_bucket_size = 1 << 20;
+    let t = traced(&c);
+    assert_eq!(
+        t.gathered, 0,
+        "overlap {overlap}: a collective gathered parameters"
+    );
+    // The tied table, the two layers and the head (the embedding has no parameters of its own).
+    uploads_run_ahead(&t.forward, 4, &format!("forward, overlap {overlap}"));
+    c.zero.max_reuse_distance = 0;
+    let t = traced(&c);
+    // The head and the table stay gathered from forward (used again at once): the two layers
+    // and the table again for the embedding.
+    uploads_run_ahead(&t.backward, 3, &format!("backward, overlap {overlap}"));
+}
+
+#[test]
+fn offloaded_parameters_upload_ahead_without_a_gather() {
+    parameter_uploads_run_ahead(false);
+    parameter_uploads_run_ahead(true);
+}
+
 #[test]
 fn offloaded_step_copies_on_the_copy_streams() {
     copies_follow_the_stream_order(false);
@@ -278,15 +359,25 @@ fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
         .collect()
 }
 
-/// Stages 1-3 with the optimizer offloaded, overlapped or not: the bits of the device's own
-/// optimizer.
+/// Stages 1-3 with the optimizer offloaded (and at stage 3 the parameters too), overlapped or
+/// not: the bits of the device's own optimizer.
 #[test]
 fn offloaded_copies_change_no_bit() {
     for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
         let plain = bits(&train(&cfg(stage, false, false), 3));
-        for overlap in [false, true] {
-            let got = bits(&train(&cfg(stage, true, overlap), 3));
-            assert!(plain == got, "{stage:?} overlap {overlap}: offload differs");
+        for (overlap, params) in [(false, false), (true, false), (false, true), (true, true)] {
+            if params && stage != ZeroStage::Stage3 {
+                continue;
+            }
+            let mut c = cfg(stage, true, overlap);
+            if params {
+                c.zero.offload_param.target = OffloadTarget::Cpu;
+            }
+            let got = bits(&train(&c, 3));
+            assert!(
+                plain == got,
+                "{stage:?} overlap {overlap} parameters offloaded {params}: offload differs"
+            );
         }
     }
 }

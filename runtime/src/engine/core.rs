@@ -67,6 +67,8 @@ pub struct Engine {
     pub(super) nvme: Option<Arc<NvmeOffload>>,
     /// The NVMe store when stage-3 parameter shards live there.
     pub(super) param_swap: Option<ParamSwap>,
+    /// Stage 3 at one rank: shards copied to the device without a collective.
+    pub(super) param_uploads: super::param_upload::ParamUploads,
     /// NVMe traffic at the end of the last step (reports carry the difference).
     pub(super) traffic_mark: ferrozero_offload::store::Traffic,
     /// The model directory's `config.json` and tokenizer files, saved with each checkpoint.
@@ -222,6 +224,7 @@ impl Engine {
             overlap,
             nvme: nvme.map(Arc::new),
             param_swap,
+            param_uploads: Default::default(),
             traffic_mark: Default::default(),
             model_files: Default::default(),
             opt_overlap,
@@ -341,7 +344,10 @@ impl Engine {
     /// Swaps group `g`'s shard in from NVMe if it lives there, gathers, and swaps it out.
     fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
         self.swap_in_for_gather(g)?;
-        let r = match self.hpz_gather(g, bucket) {
+        let r = match self
+            .gather_direct(g)
+            .and_then(|()| self.hpz_gather(g, bucket))
+        {
             Ok(false) => self.stage.gather(
                 &mut self.groups[g],
                 shard_comm(self.comm.as_ref(), &self.hybrid),

@@ -23,6 +23,7 @@ pub mod optimizer;
 pub mod optimizer_overlap;
 mod overlap;
 pub mod param_swap;
+mod param_upload;
 pub mod params;
 pub mod partition;
 pub mod report;

@@ -81,6 +81,17 @@ impl HostCopy {
         Ok(self.host.as_ref())
     }
 
+    /// Whether the copy in flight has completed, without waiting for it.
+    pub fn poll(&mut self) -> Result<bool> {
+        if let Some(e) = &self.busy {
+            if !e.is_complete()? {
+                return Ok(false);
+            }
+            self.busy = None;
+        }
+        Ok(true)
+    }
+
     /// The event that marks the end of the copy in flight, for ordering a stream after it
     /// ([`crate::backend::StreamOps::wait_event`]); `None` when the host already waited.
     pub fn event(&self) -> Option<&StreamEvent> {
@@ -133,6 +144,29 @@ impl View<'_> {
 }
 
 impl ViewMut<'_> {
+    /// Copies `src` (same dtype and length) into these elements: host memory into device
+    /// memory goes through staging memory on stream `s` and comes back with the copy in
+    /// flight (order the reader after [`HostCopy::event`]); any other pair is the plain copy,
+    /// complete on return (`None`).
+    pub fn copy_from_async(self, src: View<'_>, s: Stream) -> Result<Option<HostCopy>> {
+        match (src, self) {
+            (View::Host(h), ViewMut::Cuda(c)) => {
+                if (h.len(), h.dtype()) != (c.len(), c.dtype()) {
+                    return Err(crate::Error::Shape {
+                        op: "upload",
+                        expected: format!("{} {:?} elements", c.len(), c.dtype()),
+                        got: format!("{} {:?}", h.len(), h.dtype()),
+                    });
+                }
+                let mut copy = c.as_view().staging_copy();
+                copy.ready()?.bytes_mut().copy_from_slice(h.bytes());
+                copy.upload_async(ViewMut::Cuda(c), s)?;
+                Ok(Some(copy))
+            }
+            (src, dst) => super::storage::copy_view(src, dst).map(|()| None),
+        }
+    }
+
     /// Staging memory shaped as this view, contents unspecified, for a host routine that
     /// overwrites every element before [`HostCopy::upload_async`]; `None` for a host view,
     /// which is written in place.
