@@ -85,3 +85,73 @@ impl CudaViewMut<'_> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::backend::cuda::driver::{EmuDriver, EmuOptions, StreamKind, TraceOp};
+    use crate::backend::cuda::CudaBackend;
+    use crate::backend::{MemoryOps, StreamOps};
+    use crate::tensor::{DType, View};
+
+    /// A download queued on the device-to-host stream lands in a registered staging buffer
+    /// without the host waiting at issue; the same buffer goes up again on the host-to-device
+    /// stream; a host view needs no copy; mismatched shapes are refused by name.
+    #[test]
+    fn copies_in_flight_go_on_the_copy_streams() {
+        let drv = Arc::new(EmuDriver::new(EmuOptions::default()).unwrap());
+        let be = CudaBackend::new(CudaDevice::new(drv.clone(), None), DType::F32);
+        let n = 1 << 19;
+        let vals: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let src = be.upload(BufRef::F32(&vals)).unwrap();
+        let mut dst = be.zeros(DType::F32, n).unwrap();
+        let obs = be.device().observed();
+        obs.start_trace();
+        let mut down = src
+            .view()
+            .download_async(Stream::DeviceToHost)
+            .unwrap()
+            .expect("a device view is copied");
+        assert!(down.event().is_some(), "the copy is in flight");
+        let BufRef::F32(h) = down.ready_ref().unwrap() else {
+            panic!("f32 staging")
+        };
+        assert_eq!(h, &vals[..]);
+        assert_eq!(drv.registered_host_bytes(), n * 4, "page-locked staging");
+        down.upload_async(dst.view_mut(), Stream::HostToDevice)
+            .unwrap();
+        let up = down.event().expect("the upload is in flight");
+        be.wait_event(Stream::Compute, up).unwrap();
+        let trace = obs.take_trace();
+        let bytes = n * 4;
+        assert!(trace.contains(&(
+            Some(StreamKind::DeviceToHost),
+            TraceOp::CopyDtoH { bytes, wait: false }
+        )));
+        assert!(trace.contains(&(
+            Some(StreamKind::HostToDevice),
+            TraceOp::CopyHtoD { bytes, wait: false }
+        )));
+        drop(down);
+        assert_eq!(dst.to_vec_f32().unwrap(), vals);
+        let host = [1.0f32, 2.0];
+        assert!(View::Host(BufRef::F32(&host))
+            .download_async(Stream::DeviceToHost)
+            .unwrap()
+            .is_none());
+        let mut small = be.zeros(DType::F32, 2).unwrap();
+        let c = small
+            .view_mut()
+            .copy_from_async(View::Host(BufRef::F32(&host)), Stream::HostToDevice)
+            .unwrap();
+        drop(c);
+        assert_eq!(small.to_vec_f32().unwrap(), host);
+        let err = small
+            .view_mut()
+            .copy_from_async(View::Host(BufRef::F32(&vals[..3])), Stream::HostToDevice)
+            .unwrap_err();
+        assert!(err.to_string().contains("upload"), "{err}");
+    }
+}

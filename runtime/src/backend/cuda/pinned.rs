@@ -102,7 +102,8 @@ impl PinnedPool {
     /// Unregisters and frees `b`.
     fn release(&self, st: &mut State, mut b: FlatBuf) {
         st.registered.remove(&start(&b));
-        // SAFETY: copies are synchronous, so none still uses a buffer that came back.
+        // SAFETY: a buffer comes back only when no copy uses it: synchronous copies have
+        // returned, and a `HostCopy` waits for its copy's event before giving it back.
         if let Err(e) = unsafe {
             self.driver
                 .host_unregister(b.as_mut().bytes_mut().as_mut_ptr())
@@ -150,8 +151,11 @@ mod tests {
             "small buffers stay pageable"
         );
         pool.give(small);
+        // 32 MiB and more: glibc maps each afresh whatever other tests freed before (a freed
+        // mapping raises its threshold for mapping), so no two share a page and every one is
+        // registered; zeroed f32 is mapped lazily, so nothing is touched.
         let many: Vec<FlatBuf> = (0..MAX_BUFFERS + 3)
-            .map(|i| pool.take(DType::Bf16, (1 << 19) + i))
+            .map(|i| pool.take(DType::F32, (1 << 23) + i))
             .collect();
         for b in many {
             pool.give(b);
