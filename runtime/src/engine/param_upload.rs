@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use super::build::param_location;
 use super::core::Engine;
 use super::group::ParamStore;
 use super::ledger::{Category, Location};
@@ -64,9 +65,11 @@ impl Engine {
         Ok((full, copy))
     }
 
-    /// Starts uploading group `g` ahead of its unit; false when `g` is not uploaded directly.
+    /// Starts uploading group `g` ahead of its unit; false when `g` is not uploaded directly
+    /// or its shard is on the device (a copy on the compute stream gains nothing by starting
+    /// early and would hold a unit's memory sooner).
     pub(super) fn prefetch_upload(&mut self, g: usize) -> Result<bool> {
-        if !self.uploads_directly(g) {
+        if !self.uploads_directly(g) || param_location(&self.cfg) != Location::Host {
             return Ok(false);
         }
         if !self.param_uploads.ahead.contains_key(&g) {

@@ -262,16 +262,18 @@ impl<'a> Replay<'a> {
     }
 
     /// `Engine::prefetch`: a sharded group is gathered ahead of use on the comm worker, or at
-    /// one rank uploaded ahead with or without it (with the tied group when the unit uses it),
-    /// when it fits the prefetch bucket and the live-parameter limit.
+    /// one rank a host shard is uploaded ahead with or without it (with the tied group when
+    /// the unit uses it), when it fits the prefetch bucket and the live-parameter limit.
     fn prefetch(&mut self, g: usize) {
         if self.swap_limit.is_some() {
             // Every partitioned shard is on NVMe: read ahead, never gathered ahead.
             self.prefetch_swap(g);
             return;
         }
-        let one = self.cfg.world_size == 1;
-        if !(self.cfg.zero.overlap_comm || one) {
+        // One rank uploads a host shard ahead (`param_upload.rs`); more gather on the worker.
+        let z = &self.cfg.zero;
+        let upload = self.cfg.world_size == 1 && z.offload_param.target == OffloadTarget::Cpu;
+        if !(upload || (z.overlap_comm && self.cfg.world_size > 1)) {
             return;
         }
         let live: usize = (0..self.groups.len())
@@ -279,13 +281,12 @@ impl<'a> Replay<'a> {
             .map(|i| self.groups[i].layout.padded())
             .sum();
         let n = self.groups[g].layout.padded();
-        let z = &self.cfg.zero;
         if n > z.prefetch_bucket_size || live + n > z.max_live_parameters {
             return;
         }
         let shared = (self.groups.len() > self.model.units.len())
             .then_some(self.model.units.len())
-            .filter(|_| one && !self.model.units[g].uses_shared.is_empty());
+            .filter(|_| upload && !self.model.units[g].uses_shared.is_empty());
         if self.gather_ahead(g) {
             if let Some(s) = shared {
                 self.gather_ahead(s);
