@@ -75,7 +75,7 @@ impl Engine {
 
     /// Orders the compute stream after every group's parameter uploads (before parameters
     /// are read or written wholesale: checkpoints, `parameters`, `set_parameters`).
-    pub(super) fn await_landings(&self) -> Result<()> {
+    pub(in crate::engine) fn await_landings(&self) -> Result<()> {
         (0..self.groups.len()).try_for_each(|g| self.await_landing(g))
     }
 }

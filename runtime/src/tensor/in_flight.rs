@@ -133,6 +133,41 @@ impl Drop for HostCopy {
     }
 }
 
+/// Host memory page-locked with a device's driver for as long as this guard lives: drop it
+/// before the memory is freed (a struct holds it in a field declared before the buffer's).
+pub struct HostPin {
+    bytes: u64,
+    release: Box<dyn FnMut() + Send + Sync>,
+}
+
+impl HostPin {
+    /// A guard over `bytes` of registered memory that `release` unregisters.
+    // Only a device registers memory; a build without one has no caller.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn new(bytes: u64, release: Box<dyn FnMut() + Send + Sync>) -> Self {
+        HostPin { bytes, release }
+    }
+
+    /// Bytes page-locked.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl fmt::Debug for HostPin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostPin")
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for HostPin {
+    fn drop(&mut self) {
+        (self.release)()
+    }
+}
+
 impl View<'_> {
     /// Queues a copy of these elements into page-locked host memory on stream `s` (a copy
     /// stream; order it after the work that wrote them with an event first) and returns at
@@ -165,6 +200,21 @@ impl ViewMut<'_> {
                 copy.upload_async(ViewMut::Cuda(c), s)?;
                 Ok(Some(copy))
             }
+            (src, dst) => super::storage::copy_view(src, dst).map(|()| None),
+        }
+    }
+
+    /// Queues a copy of `src` (same dtype and length) into these elements on stream `s`
+    /// straight from `src`'s memory (at the bus's speed when it is page-locked, see
+    /// [`HostPin`]); the event after it, `None` when the copy was complete on return (any
+    /// pair but host memory into device memory is the plain copy).
+    ///
+    /// # Safety
+    /// Nothing may write `src`'s elements, or free them, until the event has completed.
+    pub unsafe fn upload_async_from(self, src: View<'_>, s: Stream) -> Result<Option<StreamEvent>> {
+        match (src, self) {
+            // SAFETY: the caller keeps `src` as it is until the event completes.
+            (View::Host(h), ViewMut::Cuda(c)) => unsafe { c.upload_async(h, s) },
             (src, dst) => super::storage::copy_view(src, dst).map(|()| None),
         }
     }

@@ -12,6 +12,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use super::driver::Driver;
+use crate::tensor::in_flight::HostPin;
 use crate::tensor::{spare, DType, FlatBuf};
 
 /// Smaller buffers are not worth a registration (a driver call each way).
@@ -122,6 +123,30 @@ impl Drop for PinnedPool {
             self.release(&mut st, b);
         }
     }
+}
+
+/// Registers `b` with `dev`'s driver for as long as the returned guard lives (a stage-3
+/// parameter store in host memory, registered once); `None` when the driver refuses.
+pub(crate) fn pin(dev: &Arc<super::device::CudaDevice>, b: &mut FlatBuf) -> Option<HostPin> {
+    let bytes = b.as_mut().bytes_mut();
+    let (ptr, len) = (bytes.as_mut_ptr(), bytes.len());
+    if len == 0 {
+        return None;
+    }
+    // SAFETY: the guard's owner drops it before freeing `b` (its contract), and the guard
+    // unregisters.
+    if let Err(e) = unsafe { dev.driver().host_register(ptr, len) } {
+        tracing::debug!("host buffer of {len} bytes left pageable: {e}");
+        return None;
+    }
+    let (dev, at) = (dev.clone(), ptr as usize);
+    let release = move || {
+        // SAFETY: registered above; the owner waits for copies from it before dropping.
+        if let Err(e) = unsafe { dev.driver().host_unregister(at as *mut u8) } {
+            tracing::warn!("host buffer could not be unregistered: {e}");
+        }
+    };
+    Some(HostPin::new(len as u64, Box::new(release)))
 }
 
 #[cfg(test)]
