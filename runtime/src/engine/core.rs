@@ -42,6 +42,9 @@ pub struct Engine {
     /// The device the units compute on.
     pub(super) be: Arc<dyn Backend>,
     pub(super) stage: Box<dyn Stage>,
+    /// Stage 3 at one rank: shards copied to the device without a collective (before
+    /// `groups`, so copies still reading the shards finish before the shards are freed).
+    pub(super) param_uploads: super::param_upload::ParamUploads,
     /// One group per unit, then the shared group (if the model has shared parameters).
     pub(super) groups: Vec<Group>,
     pub(super) optimizer: Optimizer,
@@ -67,8 +70,6 @@ pub struct Engine {
     pub(super) nvme: Option<Arc<NvmeOffload>>,
     /// The NVMe store when stage-3 parameter shards live there.
     pub(super) param_swap: Option<ParamSwap>,
-    /// Stage 3 at one rank: shards copied to the device without a collective.
-    pub(super) param_uploads: super::param_upload::ParamUploads,
     /// NVMe traffic at the end of the last step (reports carry the difference).
     pub(super) traffic_mark: ferrozero_offload::store::Traffic,
     /// The model directory's `config.json` and tokenizer files, saved with each checkpoint.

@@ -34,6 +34,17 @@ pub struct ParamUploads {
     ahead: HashMap<usize, Ahead>,
 }
 
+impl Drop for ParamUploads {
+    fn drop(&mut self) {
+        // A copy may still read its shard, which is freed after this: wait for it.
+        for (g, (_, done, _)) in self.ahead.drain() {
+            if let Some(Err(e)) = done.map(|e| e.synchronize()) {
+                tracing::error!("an upload of group {g} ahead of its use failed: {e}");
+            }
+        }
+    }
+}
+
 impl Engine {
     /// Whether group `g` is a stage-3 shard of one rank, in memory and not gathered.
     fn uploads_directly(&self, g: usize) -> bool {
