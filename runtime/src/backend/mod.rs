@@ -165,6 +165,13 @@ pub trait MemoryOps {
             device => Ok(device),
         }
     }
+    /// Page-locks host memory `b` for fast copies to and from this device, when the device
+    /// has a bus to cross and its driver agrees (best effort: `None` otherwise, and copies
+    /// stay correct); the memory stays registered while the guard lives.
+    fn pin_host(&self, b: &mut FlatBuf) -> Option<crate::tensor::in_flight::HostPin> {
+        let _ = b;
+        None
+    }
     /// Caps the bytes this device's own allocator may hand out (`device_memory_limit`). The
     /// CPU has no device allocator: the engine's ledger enforces the cap there (and on every
     /// device besides).

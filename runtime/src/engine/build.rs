@@ -139,7 +139,7 @@ impl GroupPlan<'_> {
             b.write_f32(0, &full[r])?;
             Ok(b)
         };
-        let params = match self.param_extent(layout.numel) {
+        let mut params = match self.param_extent(layout.numel) {
             Extent::Full => ParamStore::Replicated(store(Location::Device, 0..layout.padded())?),
             Extent::Shard => {
                 let r = layout.shard_range(self.rank);
@@ -168,6 +168,14 @@ impl GroupPlan<'_> {
             Location::Device
         };
         ledger.alloc(param_loc, Category::Parameters, param_bytes);
+        // A host shard is page-locked once, so its uploads run at the bus's speed from it.
+        let pin = match &mut params {
+            ParamStore::Partitioned {
+                shard: Shard::Memory(b),
+                ..
+            } if param_loc == Location::Host => b.pin_host(self.be),
+            _ => None,
+        };
 
         let owned = self.stage.optimizer().range(&layout, self.rank);
         let opt_loc = optimizer_location(self.cfg);
@@ -208,6 +216,8 @@ impl GroupPlan<'_> {
         let opt_bytes = master_bytes + (owned.len() * self.moments * state.size()) as u64;
         ledger.alloc(opt_loc, Category::OptimizerState, opt_bytes);
         Ok(Group {
+            landing: Default::default(),
+            pin,
             layout,
             params,
             work: None,

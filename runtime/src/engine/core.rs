@@ -42,6 +42,9 @@ pub struct Engine {
     /// The device the units compute on.
     pub(super) be: Arc<dyn Backend>,
     pub(super) stage: Box<dyn Stage>,
+    /// Stage 3 at one rank: shards copied to the device without a collective (before
+    /// `groups`, so copies still reading the shards finish before the shards are freed).
+    pub(super) param_uploads: super::param_upload::ParamUploads,
     /// One group per unit, then the shared group (if the model has shared parameters).
     pub(super) groups: Vec<Group>,
     pub(super) optimizer: Optimizer,
@@ -223,6 +226,7 @@ impl Engine {
             overlap,
             nvme: nvme.map(Arc::new),
             param_swap,
+            param_uploads: Default::default(),
             traffic_mark: Default::default(),
             model_files: Default::default(),
             opt_overlap,
@@ -320,6 +324,11 @@ impl Engine {
             .chain(shared)
             .filter(|&g| self.groups[g].full_params().is_none())
             .collect();
+        // The parameters' first use since the optimizer uploaded them.
+        self.await_landing(unit)?;
+        if let Some(s) = shared {
+            self.await_landing(s)?;
+        }
         self.take_prefetched(unit)?;
         self.gather_group(unit, bucket)?;
         if let Some(s) = shared {
@@ -337,7 +346,10 @@ impl Engine {
     /// Swaps group `g`'s shard in from NVMe if it lives there, gathers, and swaps it out.
     fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
         self.swap_in_for_gather(g)?;
-        let r = match self.hpz_gather(g, bucket) {
+        let r = match self
+            .gather_direct(g)
+            .and_then(|()| self.hpz_gather(g, bucket))
+        {
             Ok(false) => self.stage.gather(
                 &mut self.groups[g],
                 shard_comm(self.comm.as_ref(), &self.hybrid),

@@ -7,9 +7,11 @@
 use std::ops::Range;
 
 use super::ledger::{Category, Ledger, Location};
+use super::offload_copies::Landing;
 use super::param_swap::SwapSlot;
 use super::partition::GroupLayout;
 use crate::backend::Backend;
+use crate::tensor::in_flight::HostPin;
 use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::Result;
 
@@ -82,6 +84,12 @@ pub fn not_resident(what: &str) -> crate::Error {
 /// compute device, or in host memory when the config offloads them.
 #[derive(Debug)]
 pub struct Group {
+    /// The optimizer's uploads of this group's parameters still owed to the compute stream
+    /// (first, so it is dropped, waiting for them, before the buffers they write).
+    pub landing: Landing,
+    /// The page-locking of a stage-3 shard in host memory (before `params`, so it is released
+    /// before the shard is freed).
+    pub pin: Option<HostPin>,
     /// Layout and shard arithmetic.
     pub layout: GroupLayout,
     /// Parameters in the storage dtype.
@@ -172,6 +180,8 @@ impl Group {
             },
         };
         Group {
+            landing: Landing::default(),
+            pin: None,
             layout: self.layout.clone(),
             params,
             work: None,

@@ -28,6 +28,10 @@ impl Engine {
     /// [`ParamSource::check`] runs first, so a bad source changes nothing). Collective only in
     /// that every rank reads the same source; no communication happens.
     pub fn load_parameters(&mut self, src: &dyn ParamSource) -> Result<()> {
+        // Parameters are written here: the optimizer's uploads land first, and uploads
+        // started ahead from the shards are dropped.
+        self.await_landings()?;
+        self.drop_uploads_ahead()?;
         let expected: Vec<(String, Vec<usize>)> = self
             .groups
             .iter()

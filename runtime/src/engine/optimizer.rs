@@ -1,7 +1,8 @@
 //! The engine's optimizer driver: updates each group's owned range in `sub_group_size`
 //! tiles, writing the low-precision copy in the same pass, on the device that holds the
-//! optimizer state (the compute device, or the host when the state is offloaded: then each
-//! tile's gradients and parameters are staged through host memory). NVMe-resident state goes
+//! optimizer state (the compute device, or the host when the state is offloaded: then the
+//! gradients come down and the parameters go up on the copy streams, `offload_copies.rs`).
+//! NVMe-resident state goes
 //! through the offload crate's pipelined tile driver.
 
 use ferrozero_config::resolved::OptimizerConfig;
@@ -9,14 +10,11 @@ use ferrozero_offload::optim::{AdamHyper, LionHyper, LowPrecision, SgdHyper, Wei
 
 use super::group::{owned_lp, owned_params, Group};
 use super::nvme::NvmeOffload;
+use super::offload_copies::{self, Inbound, Landing};
 use super::partition::chunks;
-use crate::backend::{Backend, CpuBackend, UpdateRule};
-use crate::tensor::staging::{Staged, StagedMut};
-use crate::tensor::{FlatBuf, View, ViewMut};
+use crate::backend::{Backend, UpdateRule};
+use crate::tensor::FlatBuf;
 use crate::{Error, Result};
-
-/// The host executor of offloaded optimizer state.
-static HOST: CpuBackend = CpuBackend;
 
 /// Per-step values that the schedule decides.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,8 +49,20 @@ impl Optimizer {
         }
     }
 
+    /// Queues the downloads group `g`'s step reads when its optimizer state is in host
+    /// memory (see `offload_copies`); nothing otherwise.
+    pub fn fetch(&self, g: &Group, be: &dyn Backend) -> Result<Inbound> {
+        let Group { m, nvme_adam, .. } = g;
+        let offloaded = m.host().is_some();
+        match offloaded && nvme_adam.is_none() {
+            true => offload_copies::fetch(g, be),
+            false => Ok(Inbound::default()),
+        }
+    }
+
     /// Updates the group's owned range, `tile` elements at a time, on `be` when the state
-    /// lives on the compute device and on the host when it is offloaded.
+    /// lives on the compute device and on the host when it is offloaded (reading what
+    /// `inbound` fetched; the uploads it queues wait in the group's `landing`).
     pub fn step_group(
         &self,
         g: &mut Group,
@@ -60,11 +70,20 @@ impl Optimizer {
         tile: usize,
         nvme: Option<&NvmeOffload>,
         be: &dyn Backend,
+        inbound: Inbound,
     ) -> Result<()> {
         if let (Some(_), Some(n)) = (&g.nvme_adam, nvme) {
             return self.step_nvme(g, n, sv);
         }
         let rule = self.rule(sv)?;
+        let Group { m, .. } = &*g;
+        let offloaded = m.host().is_some();
+        if offloaded {
+            // The previous step's uploads are complete by now; their staging goes back first.
+            g.landing = Landing::default();
+            g.landing = offload_copies::host_step(&rule, sv, tile, g, inbound, be)?;
+            return Ok(());
+        }
         let Group {
             params,
             master,
@@ -75,7 +94,6 @@ impl Optimizer {
             owned,
             ..
         } = g;
-        let offloaded = m.host().is_some();
         let (mut p, mut lp) = owned_params(params, master, owned)?;
         let g_base = owned.start - *grad_offset;
         for t in chunks(owned.len(), tile) {
@@ -89,11 +107,7 @@ impl Optimizer {
             // SGD and Lion keep no second moment: an empty view stands in.
             let vn = v.len();
             let vt = v.range_mut(t.start.min(vn)..t.end.min(vn))?;
-            if offloaded {
-                host_update(&rule, sv, pt, grads, mt, vt, lp_t)?;
-            } else {
-                be.optimizer_update(&rule, sv.step, sv.grad_scale, pt, grads, mt, vt, lp_t)?;
-            }
+            be.optimizer_update(&rule, sv.step, sv.grad_scale, pt, grads, mt, vt, lp_t)?;
         }
         Ok(())
     }
@@ -193,37 +207,4 @@ impl Optimizer {
             }),
         })
     }
-}
-
-/// One tile of offloaded state updated on the host: views already in host memory are used
-/// in place; the gradients and parameters that live on the device are copied down and the
-/// updated ones back up (ZeRO-Offload's data path).
-fn host_update(
-    rule: &UpdateRule,
-    sv: &StepValues,
-    p: ViewMut<'_>,
-    grads: View<'_>,
-    m: ViewMut<'_>,
-    v: ViewMut<'_>,
-    lp: Option<ViewMut<'_>>,
-) -> Result<()> {
-    use crate::backend::OptimizerOps;
-    let g = Staged::new(grads)?;
-    let (mut p, mut m, mut v) = (StagedMut::new(p)?, StagedMut::new(m)?, StagedMut::new(v)?);
-    // The low-precision copy is only written (rounded from the updated master weights).
-    let mut lp = lp.map(StagedMut::overwrite);
-    HOST.optimizer_update(
-        rule,
-        sv.step,
-        sv.grad_scale,
-        p.view_mut(),
-        g.view(),
-        m.view_mut(),
-        v.view_mut(),
-        lp.as_mut().map(StagedMut::view_mut),
-    )?;
-    for s in [Some(p), Some(m), Some(v), lp].into_iter().flatten() {
-        s.finish()?;
-    }
-    Ok(())
 }

@@ -138,8 +138,9 @@ impl Engine {
 
     /// Starts gathering group `g` on the worker (stage 3, overlap on), if it is partitioned
     /// in memory, not gathered or in flight yet, and fits `stage3_prefetch_bucket_size` and
-    /// `stage3_max_live_parameters` next to what is live now. A shard on NVMe is read ahead
-    /// instead, with or without overlap.
+    /// `stage3_max_live_parameters` next to what is live now. At one rank the shard is
+    /// uploaded instead (`param_upload.rs`), with or without overlap; a shard on NVMe is read
+    /// ahead, with or without overlap.
     pub(super) fn prefetch(&mut self, g: usize) {
         // hpZ: backward gathers from the secondary partition inside the group, on this thread.
         if self.hpz_in_backward() {
@@ -158,6 +159,35 @@ impl Engine {
         let bucket = self.cfg.zero.allgather_bucket_size;
         // Shards on NVMe are read ahead instead; their gather runs when they arrive.
         self.prefetch_swap(g);
+        let n = self.groups[g].layout.padded();
+        if n > prefetch_limit || live + n > live_limit {
+            return;
+        }
+        // The copy taken here is the shard's first use since the optimizer's upload; a failed
+        // wait or upload leaves the gather to `gather_unit`, which reports it.
+        if self.await_landing(g).is_err() {
+            return;
+        }
+        // One rank: the shard goes up on the copy stream, with or without the worker, and the
+        // tied parameters with it when the unit uses them and they are not gathered.
+        let shared = self
+            .shared_index()
+            .filter(|_| !self.model.units[g].uses_shared.is_empty());
+        let started = self.prefetch_upload(g).and_then(|up| match shared {
+            Some(s) if up => self.await_landing(s).and_then(|()| self.prefetch_upload(s)),
+            _ => Ok(up),
+        });
+        match started {
+            Ok(false) => {}
+            Ok(true) => return,
+            Err(e) => {
+                tracing::debug!("parameter upload of group {g} not started ahead: {e}");
+                return;
+            }
+        }
+        if self.overlap.is_none() {
+            return;
+        }
         let Some(o) = &mut self.overlap else { return };
         let grp = &self.groups[g];
         let ParamStore::Partitioned {
@@ -167,8 +197,7 @@ impl Engine {
         else {
             return;
         };
-        let n = grp.layout.padded();
-        if o.prefetched.contains_key(&g) || n > prefetch_limit || live + n > live_limit {
+        if o.prefetched.contains_key(&g) {
             return;
         }
         // The worker gathers from a copy, so the shard stays usable here meanwhile.

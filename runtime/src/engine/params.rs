@@ -50,6 +50,8 @@ fn shard_values(
 impl Engine {
     /// Every parameter's fp32 value (collective: every rank must call it).
     pub fn parameters(&self) -> Result<Vec<NamedTensor>> {
+        // Parameters are read or written here: the optimizer's uploads land first.
+        self.await_landings()?;
         let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
         let (rank, world) = (shards.rank(), shards.world_size());
         let mut out = Vec::new();
@@ -71,6 +73,10 @@ impl Engine {
     /// Sets parameters by name from full fp32 values (every rank passes the same values).
     /// Names not in the model are an error; parameters not named keep their values.
     pub fn set_parameters(&mut self, values: &[NamedTensor]) -> Result<()> {
+        // Parameters are written here: the optimizer's uploads land first, and uploads
+        // started ahead from the shards are dropped.
+        self.await_landings()?;
+        self.drop_uploads_ahead()?;
         let mut index = HashMap::new();
         for (gi, g) in self.groups.iter().enumerate() {
             for (si, s) in g.layout.slots.iter().enumerate() {

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use super::core::Engine;
 use super::ledger::Location;
+use super::offload_copies::Inbound;
 use super::optimizer::StepValues;
 use super::optimizer_overlap::Overlapped;
 use super::report::{StepReport, Timings};
@@ -148,11 +149,22 @@ impl Engine {
         let tile = self.cfg.zero.sub_group_size.max(1);
         let mut writing = std::collections::VecDeque::new();
         let trace = self.trace.clone();
-        for gi in (0..self.groups.len()).filter(|&g| !done[g]) {
+        let todo: Vec<usize> = (0..self.groups.len()).filter(|&g| !done[g]).collect();
+        // Group g+1's gradient goes down on the copy stream while the host steps group g.
+        let mut next = match todo.first() {
+            Some(&g) => self.optimizer.fetch(&self.groups[g], &*self.be)?,
+            None => Inbound::default(),
+        };
+        for (i, &gi) in todo.iter().enumerate() {
             self.swap_in_for_step(gi)?;
+            let inbound = std::mem::take(&mut next);
+            if let Some(&after) = todo.get(i + 1) {
+                next = self.optimizer.fetch(&self.groups[after], &*self.be)?;
+            }
             let (g, nvme) = (&mut self.groups[gi], self.nvme.as_deref());
             trace.span("compute", "step", gi, || {
-                self.optimizer.step_group(g, sv, tile, nvme, &*self.be)
+                self.optimizer
+                    .step_group(g, sv, tile, nvme, &*self.be, inbound)
             })?;
             self.swap_out_after_step(gi, &mut writing)?;
         }
@@ -169,6 +181,10 @@ impl Engine {
         let bucket = self.cfg.zero.allgather_bucket_size;
         let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
         for g in &mut self.groups {
+            // The all-gather reads the updated parameters on the device.
+            if g.layout.world_size > 1 {
+                g.landing.await_on(&*self.be)?;
+            }
             self.stage.publish(g, shards, bucket, &mut self.ledger)?;
         }
         self.hpz_stale();

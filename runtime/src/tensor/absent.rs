@@ -7,7 +7,9 @@ use std::convert::Infallible;
 use std::marker::PhantomData;
 use std::ops::Range;
 
+use super::in_flight::HostCopy;
 use super::{BufMut, BufRef, DType, FlatBuf};
+use crate::backend::{Stream, StreamEvent};
 use crate::Result;
 
 /// Device memory of the CUDA backend (none exists in this build).
@@ -131,6 +133,14 @@ impl<'a> CudaView<'a> {
     pub fn stage(&self) -> Result<FlatBuf> {
         match self.0 {}
     }
+    /// A download into staging memory queued on a copy stream.
+    pub fn download_async(&self, _s: Stream) -> Result<HostCopy> {
+        match self.0 {}
+    }
+    /// Staging memory shaped as this view, no copy in flight.
+    pub fn staging_copy(&self) -> HostCopy {
+        match self.0 {}
+    }
     /// Staging memory shaped as this view, contents unspecified.
     pub fn staging(&self) -> FlatBuf {
         match self.0 {}
@@ -176,6 +186,17 @@ impl<'a> CudaViewMut<'a> {
     }
     /// Overwrites the elements with host values of the same dtype and length.
     pub fn upload(self, _src: BufRef<'_>) -> Result<()> {
+        match self.0 {}
+    }
+    /// An upload queued on a copy stream.
+    ///
+    /// # Safety
+    /// `src` must stay unwritten until the returned event has completed.
+    pub(crate) unsafe fn upload_async(
+        self,
+        _src: BufRef<'_>,
+        _s: Stream,
+    ) -> Result<Option<StreamEvent>> {
         match self.0 {}
     }
 }

@@ -10,6 +10,7 @@
 mod absent;
 mod flat;
 mod host;
+pub mod in_flight;
 pub mod spare;
 pub mod staging;
 mod storage;

@@ -277,6 +277,18 @@ impl Storage {
         }
     }
 
+    /// Page-locks host storage with `be`'s driver (see [`crate::backend::MemoryOps::pin_host`]);
+    /// `None` for device storage or when the driver refuses. Drop the guard before `self`.
+    pub fn pin_host(
+        &mut self,
+        be: &dyn crate::backend::MemoryOps,
+    ) -> Option<super::in_flight::HostPin> {
+        match self {
+            Storage::Host(b) => be.pin_host(b),
+            Storage::Cuda(_) => None,
+        }
+    }
+
     /// Copies `n` elements from `self[src_off..]` to `dst[dst_off..]` (same dtype and device).
     pub fn copy_to(
         &self,

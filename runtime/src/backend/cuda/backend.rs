@@ -151,6 +151,10 @@ impl MemoryOps for CudaBackend {
         self.upload(host.as_ref())
     }
 
+    fn pin_host(&self, b: &mut FlatBuf) -> Option<crate::tensor::in_flight::HostPin> {
+        super::pinned::pin(&self.dev, b)
+    }
+
     fn set_memory_limit(&self, limit: Option<u64>) -> Result<()> {
         self.dev.allocator().set_limit(limit);
         Ok(())

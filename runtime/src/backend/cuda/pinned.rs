@@ -12,6 +12,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use super::driver::Driver;
+use crate::tensor::in_flight::HostPin;
 use crate::tensor::{spare, DType, FlatBuf};
 
 /// Smaller buffers are not worth a registration (a driver call each way).
@@ -102,7 +103,8 @@ impl PinnedPool {
     /// Unregisters and frees `b`.
     fn release(&self, st: &mut State, mut b: FlatBuf) {
         st.registered.remove(&start(&b));
-        // SAFETY: copies are synchronous, so none still uses a buffer that came back.
+        // SAFETY: a buffer comes back only when no copy uses it: synchronous copies have
+        // returned, and a `HostCopy` waits for its copy's event before giving it back.
         if let Err(e) = unsafe {
             self.driver
                 .host_unregister(b.as_mut().bytes_mut().as_mut_ptr())
@@ -121,6 +123,30 @@ impl Drop for PinnedPool {
             self.release(&mut st, b);
         }
     }
+}
+
+/// Registers `b` with `dev`'s driver for as long as the returned guard lives (a stage-3
+/// parameter store in host memory, registered once); `None` when the driver refuses.
+pub(crate) fn pin(dev: &Arc<super::device::CudaDevice>, b: &mut FlatBuf) -> Option<HostPin> {
+    let bytes = b.as_mut().bytes_mut();
+    let (ptr, len) = (bytes.as_mut_ptr(), bytes.len());
+    if len == 0 {
+        return None;
+    }
+    // SAFETY: the guard's owner drops it before freeing `b` (its contract), and the guard
+    // unregisters.
+    if let Err(e) = unsafe { dev.driver().host_register(ptr, len) } {
+        tracing::debug!("host buffer of {len} bytes left pageable: {e}");
+        return None;
+    }
+    let (dev, at) = (dev.clone(), ptr as usize);
+    let release = move || {
+        // SAFETY: registered above; the owner waits for copies from it before dropping.
+        if let Err(e) = unsafe { dev.driver().host_unregister(at as *mut u8) } {
+            tracing::warn!("host buffer could not be unregistered: {e}");
+        }
+    };
+    Some(HostPin::new(len as u64, Box::new(release)))
 }
 
 #[cfg(test)]
@@ -150,8 +176,11 @@ mod tests {
             "small buffers stay pageable"
         );
         pool.give(small);
+        // 32 MiB and more: glibc maps each afresh whatever other tests freed before (a freed
+        // mapping raises its threshold for mapping), so no two share a page and every one is
+        // registered; zeroed f32 is mapped lazily, so nothing is touched.
         let many: Vec<FlatBuf> = (0..MAX_BUFFERS + 3)
-            .map(|i| pool.take(DType::Bf16, (1 << 19) + i))
+            .map(|i| pool.take(DType::F32, (1 << 23) + i))
             .collect();
         for b in many {
             pool.give(b);

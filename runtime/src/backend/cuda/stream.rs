@@ -44,7 +44,8 @@ impl Drop for CudaEvent {
     }
 }
 
-fn kind(s: Stream) -> StreamKind {
+/// The driver's stream for an engine's stream name.
+pub(crate) fn kind(s: Stream) -> StreamKind {
     match s {
         Stream::Compute => StreamKind::Compute,
         Stream::HostToDevice => StreamKind::HostToDevice,
@@ -52,15 +53,20 @@ fn kind(s: Stream) -> StreamKind {
     }
 }
 
+/// An event marking the work issued on `dev`'s stream `s` so far.
+pub(crate) fn record_on(dev: &Arc<CudaDevice>, s: Stream) -> Result<StreamEvent> {
+    let ev = CudaEvent {
+        dev: dev.clone(),
+        e: dev.driver().event_create()?,
+    };
+    // On a failed record `ev` is dropped, which destroys the driver's event.
+    dev.driver().event_record(ev.e, kind(s))?;
+    Ok(StreamEvent::Device(Box::new(ev)))
+}
+
 impl StreamOps for CudaBackend {
     fn record(&self, s: Stream) -> Result<StreamEvent> {
-        let ev = CudaEvent {
-            dev: self.dev.clone(),
-            e: self.dev.driver().event_create()?,
-        };
-        // On a failed record `ev` is dropped, which destroys the driver's event.
-        self.dev.driver().event_record(ev.e, kind(s))?;
-        Ok(StreamEvent::Device(Box::new(ev)))
+        record_on(&self.dev, s)
     }
 
     fn wait_event(&self, s: Stream, e: &StreamEvent) -> Result<()> {

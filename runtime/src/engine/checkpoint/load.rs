@@ -26,6 +26,10 @@ impl Engine {
         dir: impl AsRef<Path>,
         tag: &Tag,
     ) -> Result<LoadedCheckpoint> {
+        // Parameters are written here: the optimizer's uploads land first, and uploads
+        // started ahead from the shards are dropped.
+        self.await_landings()?;
+        self.drop_uploads_ahead()?;
         if self.micro != 0 {
             return Err(Error::Invalid(
                 "load_checkpoint in the middle of gradient accumulation".into(),

@@ -140,6 +140,8 @@ impl Engine {
         tag: &str,
         data_position: u64,
     ) -> Result<PathBuf> {
+        // Parameters are read or written here: the optimizer's uploads land first.
+        self.await_landings()?;
         let dir = dir.as_ref();
         check_tag(tag)?;
         if self.micro != 0 {

@@ -261,15 +261,19 @@ impl<'a> Replay<'a> {
         }
     }
 
-    /// `Engine::prefetch`: with the comm worker, a sharded group is gathered ahead of use
-    /// when it fits the prefetch bucket and the live-parameter limit.
+    /// `Engine::prefetch`: a sharded group is gathered ahead of use on the comm worker, or at
+    /// one rank a host shard is uploaded ahead with or without it (with the tied group when
+    /// the unit uses it), when it fits the prefetch bucket and the live-parameter limit.
     fn prefetch(&mut self, g: usize) {
         if self.swap_limit.is_some() {
             // Every partitioned shard is on NVMe: read ahead, never gathered ahead.
             self.prefetch_swap(g);
             return;
         }
-        if !(self.cfg.zero.overlap_comm && self.cfg.world_size > 1) {
+        // One rank uploads a host shard ahead (`param_upload.rs`); more gather on the worker.
+        let z = &self.cfg.zero;
+        let upload = self.cfg.world_size == 1 && z.offload_param.target == OffloadTarget::Cpu;
+        if !(upload || (z.overlap_comm && self.cfg.world_size > 1)) {
             return;
         }
         let live: usize = (0..self.groups.len())
@@ -277,18 +281,29 @@ impl<'a> Replay<'a> {
             .map(|i| self.groups[i].layout.padded())
             .sum();
         let n = self.groups[g].layout.padded();
-        let z = &self.cfg.zero;
-        if self.groups[g].params != Extent::Shard
-            || self.gathered[g]
-            || n > z.prefetch_bucket_size
-            || live + n > z.max_live_parameters
-        {
+        if n > z.prefetch_bucket_size || live + n > z.max_live_parameters {
             return;
         }
+        let shared = (self.groups.len() > self.model.units.len())
+            .then_some(self.model.units.len())
+            .filter(|_| upload && !self.model.units[g].uses_shared.is_empty());
+        if self.gather_ahead(g) {
+            if let Some(s) = shared {
+                self.gather_ahead(s);
+            }
+        }
+    }
+
+    /// A sharded group not gathered yet is gathered ahead; whether it was.
+    fn gather_ahead(&mut self, g: usize) -> bool {
+        if self.groups[g].params != Extent::Shard || self.gathered[g] {
+            return false;
+        }
         self.gathered[g] = true;
-        let full = self.lp(n);
+        let full = self.lp(self.groups[g].layout.padded());
         self.ledger
             .alloc(Location::Device, Category::Prefetch, full);
+        true
     }
 
     /// `Engine::reused_soon`: stage 3 keeps a unit gathered between its forward and

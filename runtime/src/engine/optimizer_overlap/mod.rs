@@ -28,7 +28,6 @@ use super::group::{Group, ParamStore};
 use super::lane::{Lane, Ticket};
 use super::ledger::Ledger;
 use super::optimizer::StepValues;
-use crate::backend::Stream;
 use crate::{Error, Result};
 
 pub use host::HostNeed;
@@ -212,8 +211,9 @@ impl Engine {
             )));
         }
         // The gradient's last addition may still be running on the device's compute stream:
-        // the lane waits for this event, the engine's thread goes on with backward.
-        let ready = self.be.record(Stream::Compute)?;
+        // its download is queued behind it on the copy stream, the lane waits for that copy
+        // alone and the engine's thread goes on with backward.
+        let inbound = self.optimizer.fetch(&self.groups[g], &*self.be)?;
         let stand_in = self.groups[g].stand_in();
         let group = std::mem::replace(&mut self.groups[g], stand_in);
         let job = speculate::LaneStep {
@@ -227,10 +227,9 @@ impl Engine {
             tile: self.cfg.zero.sub_group_size.max(1),
             nvme: self.nvme.clone(),
         };
-        let t = w.lane.submit("optimizer step", move || {
-            ready.synchronize()?;
-            Ok(job.run(group, snap))
-        });
+        let t = w
+            .lane
+            .submit("optimizer step", move || Ok(job.run(group, snap, inbound)));
         w.lent.push((g, t));
         Ok(())
     }

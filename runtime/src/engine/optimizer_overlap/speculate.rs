@@ -22,6 +22,7 @@ use crate::backend::Backend;
 use crate::engine::core::Engine;
 use crate::engine::group::Group;
 use crate::engine::nvme::NvmeOffload;
+use crate::engine::offload_copies::Inbound;
 use crate::engine::optimizer::{Optimizer, StepValues};
 use crate::engine::trace::Trace;
 use crate::{Error, Result};
@@ -93,12 +94,18 @@ impl LaneStep {
         self,
         mut group: Group,
         mut snap: Option<Snapshot>,
+        inbound: Inbound,
     ) -> (Group, Option<Snapshot>, Result<Outcome>) {
-        let r = self.step(&mut group, snap.as_mut());
+        let r = self.step(&mut group, snap.as_mut(), inbound);
         (group, snap, r)
     }
 
-    fn step(&self, group: &mut Group, snap: Option<&mut Snapshot>) -> Result<Outcome> {
+    fn step(
+        &self,
+        group: &mut Group,
+        snap: Option<&mut Snapshot>,
+        inbound: Inbound,
+    ) -> Result<Outcome> {
         let r = group.layout.shard_range(self.rank);
         let base = group.grad_offset;
         let sumsq = group.grad.sum_squares(r.start - base..r.end - base)?;
@@ -115,7 +122,7 @@ impl LaneStep {
             }
             let nvme = self.nvme.as_deref();
             self.opt
-                .step_group(group, &self.sv, self.tile, nvme, &*self.be)
+                .step_group(group, &self.sv, self.tile, nvme, &*self.be, inbound)
         })?;
         Ok(Outcome {
             sumsq,
@@ -181,6 +188,8 @@ impl Engine {
                 ))
             })?;
             let group = &mut self.groups[g];
+            // The lane's uploads land before the saved values are written over them.
+            group.landing.await_on(&*self.be)?;
             self.trace
                 .span("compute", "rollback", g, || snap.restore(group))?;
         }

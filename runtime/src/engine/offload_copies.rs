@@ -1,0 +1,202 @@
+//! The offloaded optimizer's copies on the copy streams, ordered by events (ZeRO-Offload's data
+//! path without a stalled compute stream). For each group whose optimizer state is in host
+//! memory:
+//!
+//! 1. [`fetch`]: once its gradient is final, an event recorded on the compute stream, the
+//!    device-to-host stream waiting for it, and the owned gradient (and the parameters, when
+//!    they are their own master weights) downloaded on that stream into page-locked staging
+//!    memory. The issuing thread does not wait.
+//! 2. [`host_step`]: the host update waits for that group's download alone (a host wait on
+//!    its event), runs in `sub_group_size` tiles, writes the stored parameters into staging
+//!    memory and queues their upload on the host-to-device stream.
+//! 3. [`Landing::await_on`]: the compute stream waits for the upload's event only where the
+//!    parameters are next used (the unit's gather in the next forward, a publish, a rollback,
+//!    a read by the caller); the host never waits for it.
+//!
+//! On the CPU every view is host memory: nothing is copied, every event is complete, and the
+//! update runs in place on the same tiles with the same arithmetic, so no bit changes.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::core::Engine;
+use super::group::{owned_params, Group, ParamStore};
+use super::optimizer::StepValues;
+use super::partition::chunks;
+use crate::backend::{Backend, CpuBackend, OptimizerOps, Stream, UpdateRule};
+use crate::tensor::in_flight::HostCopy;
+use crate::tensor::{View, ViewMut};
+use crate::Result;
+
+/// The host executor of offloaded optimizer state.
+static HOST: CpuBackend = CpuBackend;
+
+/// What a group's host step reads from device memory, on its way down. The default is
+/// "not fetched": the step then fetches it itself and waits at once.
+#[derive(Debug, Default)]
+pub struct Inbound {
+    fetched: bool,
+    /// The owned range of the gradient.
+    grads: Option<HostCopy>,
+    /// The owned parameters, when the step updates them in place (no separate master weights).
+    params: Option<HostCopy>,
+}
+
+/// A group's updated parameters on their way up; held by the group until the next step, so
+/// the staging memory outlives the copy.
+#[derive(Debug, Default)]
+pub struct Landing {
+    copies: Vec<HostCopy>,
+    /// Whether the compute stream already waits (readers of parameters hold `&Group`).
+    awaited: AtomicBool,
+}
+
+impl Landing {
+    /// Orders the compute stream after the uploads (the host does not wait); a no-op when
+    /// nothing is in flight or the compute stream already waits.
+    pub fn await_on(&self, be: &dyn Backend) -> Result<()> {
+        if self.awaited.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        // The host-to-device stream runs in issue order: the last upload's event covers all.
+        if let Some(e) = self.copies.iter().rev().find_map(HostCopy::event) {
+            be.wait_event(Stream::Compute, e)?;
+        }
+        self.awaited.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Engine {
+    /// Orders the compute stream after group `g`'s parameter uploads: called where the
+    /// parameters are next used.
+    pub(super) fn await_landing(&self, g: usize) -> Result<()> {
+        self.groups[g].landing.await_on(&*self.be)
+    }
+
+    /// Orders the compute stream after every group's parameter uploads (before parameters
+    /// are read or written wholesale: checkpoints, `parameters`, `set_parameters`).
+    pub(in crate::engine) fn await_landings(&self) -> Result<()> {
+        (0..self.groups.len()).try_for_each(|g| self.await_landing(g))
+    }
+}
+
+/// Queues the downloads group `g`'s host step reads, after the compute stream's work so far.
+pub(super) fn fetch(g: &Group, be: &dyn Backend) -> Result<Inbound> {
+    let ready = be.record(Stream::Compute)?;
+    be.wait_event(Stream::DeviceToHost, &ready)?;
+    let r = g.owned.start - g.grad_offset..g.owned.end - g.grad_offset;
+    let grads = g.grad.range(r)?.download_async(Stream::DeviceToHost)?;
+    let own = match &g.params {
+        ParamStore::Replicated(b) => Some((b, g.owned.start)),
+        // A shard on NVMe that is not in yet is host memory when it comes in.
+        ParamStore::Partitioned { shard, .. } => shard.resident().map(|b| (b, 0)),
+    };
+    let params = match (&g.master, own) {
+        (None, Some((b, off))) => b
+            .range(off..off + g.owned.len())?
+            .download_async(Stream::DeviceToHost)?,
+        _ => None,
+    };
+    Ok(Inbound {
+        fetched: true,
+        grads,
+        params,
+    })
+}
+
+/// Device views the step uploads into, with the staging copies that go up.
+type Outbound<'a> = Vec<(HostCopy, ViewMut<'a>)>;
+
+/// The update of a group whose optimizer state is in host memory, `tile` elements at a time,
+/// from what [`fetch`] queued (or the views themselves where they are host memory); the
+/// updated device values go up on the host-to-device stream and come back as a [`Landing`].
+pub(super) fn host_step(
+    rule: &UpdateRule,
+    sv: &StepValues,
+    tile: usize,
+    g: &mut Group,
+    inbound: Inbound,
+    be: &dyn Backend,
+) -> Result<Landing> {
+    let inbound = match inbound.fetched {
+        true => inbound,
+        false => fetch(g, be)?,
+    };
+    let Group {
+        params,
+        master,
+        grad,
+        grad_offset,
+        m,
+        v,
+        owned,
+        ..
+    } = g;
+    let n = owned.len();
+    let Inbound {
+        mut grads,
+        params: mut p_in,
+        ..
+    } = inbound;
+    let (p, lp) = owned_params(params, master, owned)?;
+    let mut up: Outbound<'_> = Vec::new();
+    let p = match p_in.take() {
+        Some(c) => {
+            up.push((c, p));
+            None
+        }
+        None => Some(p),
+    };
+    let lp = match lp {
+        Some((b, off)) => {
+            let view = b.range_mut(off..off + n)?;
+            match view.staging_copy() {
+                Some(c) => {
+                    up.push((c, view));
+                    None
+                }
+                None => Some(view),
+            }
+        }
+        None => None,
+    };
+    {
+        let gv = match grads.as_mut() {
+            Some(c) => View::from(c.ready_ref()?),
+            None => grad.range(owned.start - *grad_offset..owned.end - *grad_offset)?,
+        };
+        // The staged copies, in the order pushed: the parameters first when they went down.
+        let mut staged = up.iter_mut().map(|(c, _)| c);
+        let mut pv = match p {
+            Some(p) => p,
+            None => ViewMut::from(staged.next().expect("pushed above").ready()?),
+        };
+        let mut lpv = match lp {
+            Some(v) => Some(v),
+            None => staged
+                .next()
+                .map(|c| c.ready().map(ViewMut::from))
+                .transpose()?,
+        };
+        for t in chunks(n, tile) {
+            // SGD and Lion keep no second moment: an empty view stands in.
+            let vn = v.len();
+            HOST.optimizer_update(
+                rule,
+                sv.step,
+                sv.grad_scale,
+                pv.reborrow().range(t.clone())?,
+                gv.range(t.clone())?,
+                m.range_mut(t.clone())?,
+                v.range_mut(t.start.min(vn)..t.end.min(vn))?,
+                lpv.as_mut().map(|x| x.reborrow().range(t)).transpose()?,
+            )?;
+        }
+    }
+    let mut landing = Landing::default();
+    for (mut c, dst) in up {
+        c.upload_async(dst, Stream::HostToDevice)?;
+        landing.copies.push(c);
+    }
+    Ok(landing)
+}

@@ -1,0 +1,139 @@
+//! Stage 3 at one rank: the rank's shard is the whole parameter, so a unit's "gather" is a copy
+//! to the compute device, not a collective. A shard in host memory (`offload_param.device =
+//! "cpu"`, page-locked once when the engine is built: `Group::pin`) goes up straight from the
+//! store on the host-to-device stream, started for unit i+1 while unit i computes (in forward
+//! and in backward, with or without `overlap_comm`); the compute stream waits for that copy's
+//! event where the unit starts, and the host never waits for it. A shard on the device is
+//! copied on the compute stream. Either way the bits are the shard's, as the all-gather of one
+//! rank gives them.
+//!
+//! Why the store may be read by a copy in flight: the host writes a shard only in the
+//! optimizer step (and in `set_parameters` and loads, which first drop the uploads started
+//! ahead, waiting for them). An upload of group g is either awaited by the compute stream
+//! before unit g's kernels, and the step of g writes only after the host waited for g's
+//! gradient download, which the copy stream starts after an event recorded behind those
+//! kernels (`offload_copies.rs`); or it is dropped unused, after a host wait.
+
+use std::collections::HashMap;
+
+use super::build::param_location;
+use super::core::Engine;
+use super::group::ParamStore;
+use super::ledger::{Category, Location};
+use crate::backend::{Stream, StreamEvent};
+use crate::tensor::Storage;
+use crate::Result;
+
+/// An upload started ahead of its unit: the device buffer, the event after the copy into it,
+/// and the optimizer step it belongs to (a later step changed the shard).
+type Ahead = (Storage, Option<StreamEvent>, u64);
+
+/// The parameter uploads of a one-rank stage-3 engine.
+#[derive(Debug, Default)]
+pub struct ParamUploads {
+    ahead: HashMap<usize, Ahead>,
+}
+
+impl Drop for ParamUploads {
+    fn drop(&mut self) {
+        // A copy may still read its shard, which is freed after this: wait for it.
+        for (g, (_, done, _)) in self.ahead.drain() {
+            if let Some(Err(e)) = done.map(|e| e.synchronize()) {
+                tracing::error!("an upload of group {g} ahead of its use failed: {e}");
+            }
+        }
+    }
+}
+
+impl Engine {
+    /// Whether group `g` is a stage-3 shard of one rank, in memory and not gathered.
+    fn uploads_directly(&self, g: usize) -> bool {
+        let grp = &self.groups[g];
+        let ParamStore::Partitioned {
+            shard,
+            gathered: None,
+        } = &grp.params
+        else {
+            return false;
+        };
+        grp.layout.world_size == 1 && shard.resident().is_some()
+    }
+
+    /// Starts the copy of group `g`'s shard to the device, counted as prefetched parameters.
+    fn start_upload(&mut self, g: usize) -> Result<(Storage, Option<StreamEvent>)> {
+        let ParamStore::Partitioned { shard, .. } = &self.groups[g].params else {
+            return Err(crate::Error::Invalid(format!(
+                "group {g} is not partitioned"
+            )));
+        };
+        let shard = shard
+            .resident()
+            .ok_or_else(|| super::group::not_resident("upload"))?;
+        let mut full = self.be.buffer_uninit(shard.dtype(), shard.len())?;
+        // SAFETY: the shard is not written before the copy completes (the module's comment).
+        let done = unsafe {
+            full.view_mut()
+                .upload_async_from(shard.view(), Stream::HostToDevice)?
+        };
+        self.ledger
+            .alloc(Location::Device, Category::Prefetch, full.bytes());
+        Ok((full, done))
+    }
+
+    /// Starts uploading group `g` ahead of its unit; false when `g` is not uploaded directly
+    /// or its shard is on the device (a copy on the compute stream gains nothing by starting
+    /// early and would hold a unit's memory sooner).
+    pub(super) fn prefetch_upload(&mut self, g: usize) -> Result<bool> {
+        if !self.uploads_directly(g) || param_location(&self.cfg) != Location::Host {
+            return Ok(false);
+        }
+        if !self.param_uploads.ahead.contains_key(&g) {
+            let (full, done) = self.start_upload(g)?;
+            let step = self.steps;
+            self.param_uploads.ahead.insert(g, (full, done, step));
+        }
+        Ok(true)
+    }
+
+    /// Installs group `g`'s parameters without a collective when it is uploaded directly:
+    /// the upload started ahead, else one started now; the compute stream waits for it.
+    pub(super) fn gather_direct(&mut self, g: usize) -> Result<()> {
+        if !self.uploads_directly(g) {
+            return Ok(());
+        }
+        let (full, done) = match self.param_uploads.ahead.remove(&g) {
+            Some((full, done, step)) if step == self.steps => (full, done),
+            stale => {
+                if let Some(old) = stale {
+                    self.drop_ahead(old)?;
+                }
+                self.start_upload(g)?
+            }
+        };
+        if let Some(e) = &done {
+            self.be.wait_event(Stream::Compute, e)?;
+        }
+        if let ParamStore::Partitioned { gathered, .. } = &mut self.groups[g].params {
+            *gathered = Some(full);
+        }
+        Ok(())
+    }
+
+    /// Drops every upload started ahead and not used (before the host writes shards outside
+    /// the optimizer step).
+    pub(in crate::engine) fn drop_uploads_ahead(&mut self) -> Result<()> {
+        let ahead: Vec<Ahead> = self.param_uploads.ahead.drain().map(|(_, a)| a).collect();
+        ahead.into_iter().try_for_each(|a| self.drop_ahead(a))
+    }
+
+    /// Frees an unused upload's device buffer once its copy has completed.
+    fn drop_ahead(&mut self, (full, done, _): Ahead) -> Result<()> {
+        if let Some(e) = done {
+            e.synchronize()?;
+        }
+        self.ledger
+            .free(Location::Device, Category::Prefetch, full.bytes());
+        self.be.recycle(full);
+        Ok(())
+    }
+}
