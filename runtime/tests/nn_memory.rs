@@ -2,7 +2,7 @@
 
 mod nn_common;
 
-use ferrozero_runtime::backend::{self, Device};
+use ferrozero_runtime::backend::{self, Device, MemoryModel};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::{init, BatchIds, Ctx, Init, Params, Saved};
@@ -26,13 +26,13 @@ fn saved_and_output_bytes_match_what_forward_keeps() {
         let s = step(&model, &w, &b, 0, 1.0).unwrap();
         for (u, unit) in model.units.iter().enumerate() {
             assert_eq!(
-                unit.module.saved_bytes(3, 5),
+                unit.module.saved_bytes(3, 5, &MemoryModel::cpu()),
                 s.saved[u],
                 "saved bytes of {}",
                 unit.name
             );
             assert_eq!(
-                unit.module.output_bytes(3, 5),
+                unit.module.output_bytes(3, 5, &MemoryModel::cpu()),
                 s.outputs[u],
                 "output bytes of {}",
                 unit.name

@@ -21,6 +21,7 @@ mod observe;
 pub mod optimizer;
 pub mod optimizer_overlap;
 mod overlap;
+pub mod rules;
 pub mod param_swap;
 pub mod params;
 pub mod partition;

@@ -13,7 +13,7 @@
 
 use std::any::Any;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, MemoryModel};
 use crate::tensor::{IdBuf, Ids, Storage, Tensor, View, ViewMut};
 use crate::{Error, Result};
 
@@ -246,12 +246,15 @@ pub trait Module: Send + Sync {
         grad_output: &Tensor,
     ) -> Result<Tensor>;
 
-    /// Bytes of saved activations for one micro-batch of `batch` rows of `seq` tokens
-    /// (used by the estimator; must match what forward actually saves).
-    fn saved_bytes(&self, batch: usize, seq: usize) -> usize;
+    /// Bytes of saved activations for one micro-batch of `batch` rows of `seq` tokens on a
+    /// device described by `m` (used by the estimator; must match what forward actually saves
+    /// on that device: price each saved buffer with `m`'s `bytes`, `act_bytes`,
+    /// `attention_saved` and `head_saved`).
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize;
 
-    /// Bytes of this module's output for one micro-batch (the unit boundary activation).
-    fn output_bytes(&self, batch: usize, seq: usize) -> usize;
+    /// Bytes of this module's output for one micro-batch (the unit boundary activation) on a
+    /// device described by `m`.
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize;
 
     /// Evaluation hook for a model's last unit: the arg-max token at every position of the
     /// batch (teacher-forced), in host memory, so the engine can report accuracy. `None`: not

@@ -7,6 +7,7 @@
 //! the engine's ledger counts them, and the engine's pre-flight check and `ferrozero
 //! estimate` give the same answer.
 
+mod book;
 mod cap;
 mod replay;
 pub mod shape;
@@ -18,6 +19,7 @@ use serde::Serialize;
 use super::ledger::{Category, Ledger, Location};
 use super::optimizer::Optimizer;
 use super::optimizer_overlap::OptimizerOverlap;
+use crate::backend::MemoryModel;
 use crate::nn::Model;
 
 pub use cap::check_device_cap;
@@ -113,7 +115,7 @@ fn replay_ledger(
     overlap: &OptimizerOverlap,
 ) -> (Ledger, u64) {
     let moments = Optimizer::new(cfg.optimizer.clone()).moments();
-    let mut r = replay::Replay::build(model, cfg, moments, overlap);
+    let mut r = replay::Replay::build(model, cfg, moments, overlap, memory_model(cfg));
     r.forward(micro_batch, seq);
     r.backward(micro_batch, seq);
     r.step();
@@ -192,9 +194,16 @@ fn reduced_per_step(model: &Model, cfg: &ResolvedConfig) -> u64 {
         return 0;
     }
     let moments = Optimizer::new(cfg.optimizer.clone()).moments();
-    let per_micro = replay::Replay::build(model, cfg, moments, &OptimizerOverlap::decide(cfg))
+    let overlap = OptimizerOverlap::decide(cfg);
+    let per_micro = replay::Replay::build(model, cfg, moments, &overlap, memory_model(cfg))
         .reduced_bytes_per_micro();
     per_micro * cfg.gradient_accumulation_steps as u64
+}
+
+/// The device `cfg` runs on, described without opening it: its `device` key, activations in
+/// the precision's storage dtype (as `Engine::new` opens it).
+pub fn memory_model(cfg: &ResolvedConfig) -> MemoryModel {
+    MemoryModel::for_device(cfg.device, super::build::storage_dtype(&cfg.precision))
 }
 
 /// Checkpointing on every unit, activations kept on the device.

@@ -11,9 +11,12 @@ use std::collections::VecDeque;
 use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
 
 use crate::engine::build::{optimizer_location, param_location, state_dtype, storage_dtype};
+use super::book::Book;
+use crate::backend::MemoryModel;
 use crate::engine::ledger::{Category, Ledger, Location};
 use crate::engine::optimizer_overlap::{snapshot_bytes, OptimizerOverlap};
 use crate::engine::partition::{shard_world, GroupLayout};
+use crate::engine::rules;
 use crate::engine::stage::{self, Extent, Stage};
 use crate::nn::Model;
 use crate::tensor::DType;
@@ -32,7 +35,9 @@ pub(super) struct Replay<'a> {
     stage: Box<dyn Stage>,
     dtype: DType,
     groups: Vec<GroupShape>,
-    ledger: Ledger,
+    ledger: Book,
+    /// The device's memory behaviour: what layers save, working copies, block rounding.
+    mem: MemoryModel,
     micro_alive: Vec<bool>,
     /// Stage-3 groups whose gathered copy exists (gathered, prefetched or kept for reuse).
     gathered: Vec<bool>,
@@ -63,6 +68,7 @@ impl<'a> Replay<'a> {
         cfg: &'a ResolvedConfig,
         moments: usize,
         overlap: &OptimizerOverlap,
+        mem: MemoryModel,
     ) -> Self {
         let stage = stage::for_stage(cfg.zero.stage);
         let world = shard_world(cfg.world_size.max(1), cfg.zero.mics_shard_size);
@@ -74,24 +80,20 @@ impl<'a> Replay<'a> {
             .iter()
             .map(|s| {
                 let layout = GroupLayout::new(s, world);
-                // Mirrors `GroupPlan::param_extent`.
-                let params = match stage.params() {
-                    Extent::Shard if layout.numel < cfg.zero.param_persistence_threshold => {
-                        Extent::Full
-                    }
-                    e => e,
-                };
+                let params = rules::param_extent(cfg, stage.params(), layout.numel);
                 GroupShape { layout, params }
             })
             .collect::<Vec<_>>();
         let n = groups.len();
+        let hpz = rules::hpz_size(cfg, cfg.world_size, stage.params());
         let mut r = Replay {
             model,
             cfg,
             stage,
             dtype: storage_dtype(&cfg.precision),
             groups,
-            ledger: Ledger::default(),
+            ledger: Book::new(mem),
+            mem,
             micro_alive: vec![false; n],
             gathered: vec![false; n],
             work: vec![false; n],
@@ -99,7 +101,7 @@ impl<'a> Replay<'a> {
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
-            hpz: hpz_size(cfg),
+            hpz,
             secondary: vec![false; n],
             opt_bytes: vec![0; n],
             snapshot_bytes: 0,
@@ -186,13 +188,19 @@ impl<'a> Replay<'a> {
             self.ledger
                 .alloc(Location::Device, Category::Prefetch, full);
         }
-        if self.dtype != DType::F32 && !self.work[g] {
+        if let Some(b) = self.work_bytes(g).filter(|_| !self.work[g]) {
             self.work[g] = true;
-            self.ledger
-                .alloc(Location::Device, Category::Prefetch, (padded * 4) as u64);
+            self.ledger.alloc(Location::Device, Category::Prefetch, b);
         }
         // `Engine::swap_out_after_gather`: the file still holds the shard.
         self.swap_buffer(g, false);
+    }
+
+    /// `Group::ensure_work`: bytes of group `g`'s working copy in the dtype layers read
+    /// parameters in, or `None` where they read the stored dtype (no copy).
+    fn work_bytes(&self, g: usize) -> Option<u64> {
+        let want = self.mem.param_dtype(self.dtype);
+        (want != self.dtype).then(|| (self.groups[g].layout.padded() * want.size()) as u64)
     }
 
     /// Whether group `g`'s parameter shard lives on NVMe (`Shard::Nvme`).
@@ -252,8 +260,8 @@ impl<'a> Replay<'a> {
     fn release_group(&mut self, g: usize) {
         let padded = self.groups[g].layout.padded();
         if std::mem::take(&mut self.work[g]) {
-            self.ledger
-                .free(Location::Device, Category::Prefetch, (padded * 4) as u64);
+            let b = self.work_bytes(g).unwrap_or(0);
+            self.ledger.free(Location::Device, Category::Prefetch, b);
         }
         if self.groups[g].params == Extent::Shard && std::mem::take(&mut self.gathered[g]) {
             let full = self.lp(padded);
@@ -277,11 +285,9 @@ impl<'a> Replay<'a> {
             .map(|i| self.groups[i].layout.padded())
             .sum();
         let n = self.groups[g].layout.padded();
-        let z = &self.cfg.zero;
         if self.groups[g].params != Extent::Shard
             || self.gathered[g]
-            || n > z.prefetch_bucket_size
-            || live + n > z.max_live_parameters
+            || !rules::prefetch_fits(self.cfg, n, live)
         {
             return;
         }
@@ -291,14 +297,13 @@ impl<'a> Replay<'a> {
             .alloc(Location::Device, Category::Prefetch, full);
     }
 
-    /// `Engine::reused_soon`: stage 3 keeps a unit gathered between its forward and
-    /// backward when the parameters gathered in between stay within `max_reuse_distance`.
+    /// `Engine::reused_soon`: [`rules::reused_soon`] over the replay's layouts.
     fn reused_soon(&self, unit: usize) -> bool {
         let later: usize = self.groups[unit + 1..self.model.units.len()]
             .iter()
             .map(|g| g.layout.padded())
             .sum();
-        self.groups[unit].params == Extent::Shard && 2 * later <= self.cfg.zero.max_reuse_distance
+        rules::reused_soon(self.cfg, self.groups[unit].params == Extent::Shard, later)
     }
 
     fn gather_unit(&mut self, unit: usize) {
@@ -320,22 +325,19 @@ impl<'a> Replay<'a> {
     }
 
     fn ckpt_location(&self) -> Location {
-        match self.checkpointing() {
-            Some(a) if a.cpu_checkpointing => Location::Host,
-            _ => Location::Device,
-        }
+        rules::ckpt_location(self.cfg)
     }
 
     /// Bytes of a unit's input tensor: its predecessor's output (the first unit gets none).
     fn input_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
         match unit {
             0 => 0,
-            u => self.model.units[u - 1].module.output_bytes(mb, seq) as u64,
+            u => self.model.units[u - 1].module.output_bytes(mb, seq, &self.mem) as u64,
         }
     }
 
     fn saved_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
-        self.model.units[unit].module.saved_bytes(mb, seq) as u64
+        self.model.units[unit].module.saved_bytes(mb, seq, &self.mem) as u64
     }
 
     /// One training forward over every unit.
@@ -390,8 +392,11 @@ impl<'a> Replay<'a> {
         if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
             self.queued.push_back((buf, padded));
             // `Engine::bound_reductions`: the double buffer, always keeping the newest.
-            let limit = 2 * self.cfg.zero.reduce_bucket_size;
-            while self.queued.len() > 1 && self.queued.iter().map(|q| q.1).sum::<usize>() > limit {
+            while rules::reductions_over_bound(
+                self.cfg,
+                self.queued.len(),
+                self.queued.iter().map(|q| q.1).sum(),
+            ) {
                 if let Some((b, _)) = self.queued.pop_front() {
                     self.ledger.free(Location::Device, Category::CommBuffers, b);
                 }
@@ -464,21 +469,6 @@ impl<'a> Replay<'a> {
 
     /// The ledger after the replay.
     pub(super) fn ledger(&self) -> &Ledger {
-        &self.ledger
-    }
-}
-
-/// hpZ's group size when `Engine` opens it (`hpz::open`): stage 3 and a size that splits the
-/// world into several groups; else 0.
-fn hpz_size(cfg: &ResolvedConfig) -> usize {
-    let (g, w) = (cfg.zero.hpz_partition_size, cfg.world_size);
-    let on = cfg.zero.stage == ferrozero_config::resolved::ZeroStage::Stage3
-        && g > 1
-        && g < w
-        && w.is_multiple_of(g);
-    if on {
-        g
-    } else {
-        0
+        self.ledger.ledger()
     }
 }
