@@ -19,6 +19,9 @@ const CUDA_BLOCK: u64 = 512;
 #[cfg(feature = "cuda")]
 const _: () = assert!(CUDA_BLOCK == super::cuda::driver::MIN_BLOCK);
 
+/// The most bytes of logits a chunked loss head holds at once (256 MiB).
+pub const LOGIT_CHUNK_BYTES: usize = 256 << 20;
+
 /// What attention's forward keeps for backward besides Q, K, V and its output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionState {
@@ -52,6 +55,11 @@ pub struct MemoryModel {
     /// Every device buffer occupies a multiple of this many bytes (the caching allocator's
     /// smallest block; 1 where allocations are exact).
     pub block: u64,
+    /// The device's own count of its memory sees every buffer, also those a layer or the
+    /// engine holds only during one call (a caching allocator's live bytes), so an estimate
+    /// of its peak prices them ([`crate::nn::Module::transient_bytes`]). The CPU's count is
+    /// the engine's ledger, which sees only what outlives a call.
+    pub counts_transients: bool,
 }
 
 impl MemoryModel {
@@ -63,6 +71,7 @@ impl MemoryModel {
             attention: AttentionState::Probabilities,
             head: HeadState::Probabilities,
             block: 1,
+            counts_transients: false,
         }
     }
 
@@ -76,6 +85,7 @@ impl MemoryModel {
             attention: AttentionState::LogSumExp,
             head: HeadState::LogSumExp,
             block: CUDA_BLOCK,
+            counts_transients: true,
         }
     }
 
@@ -121,6 +131,40 @@ impl MemoryModel {
             AttentionState::LogSumExp => 1,
         };
         self.bytes(DType::F32, s.batch * s.q_heads * s.seq * per_row)
+    }
+
+    /// Rows of logits the loss head computes at once: all of them where it keeps
+    /// probabilities, else as many as fit [`LOGIT_CHUNK_BYTES`] (at least one).
+    pub fn head_chunk_rows(&self, s: HeadShape) -> usize {
+        match self.head {
+            HeadState::Probabilities => s.rows,
+            HeadState::LogSumExp => {
+                (LOGIT_CHUNK_BYTES / (s.vocab.max(1) * self.act.size())).clamp(1, s.rows.max(1))
+            }
+        }
+    }
+
+    /// Bytes the loss head's operation holds only while it runs, as `(forward, backward)`:
+    /// a chunked head's chunk of logits, and in forward the per-row losses and an error flag.
+    /// (A head keeping probabilities computes them into its saved state.)
+    pub fn head_transient(&self, s: HeadShape) -> (usize, usize) {
+        match self.head {
+            HeadState::Probabilities => (0, 0),
+            HeadState::LogSumExp => {
+                let logits = self.act_bytes(self.head_chunk_rows(s) * s.vocab);
+                let fwd = logits + self.bytes(DType::F32, s.rows) + self.bytes(DType::F32, 1);
+                (fwd, logits)
+            }
+        }
+    }
+
+    /// Bytes attention's backward holds while it runs: flash-style backward's per-row
+    /// `rowsum(dO * O)`; the probabilities' backward works in the saved buffer.
+    pub fn attention_transient(&self, s: AttentionShape) -> usize {
+        match self.attention {
+            AttentionState::Probabilities => 0,
+            AttentionState::LogSumExp => self.bytes(DType::F32, s.batch * s.q_heads * s.seq),
+        }
     }
 
     /// Bytes the loss head keeps for backward beyond its input and weight (one buffer).

@@ -221,6 +221,15 @@ impl Ctx<'_> {
     }
 }
 
+/// Peak bytes of a module's buffers that live only during one forward or backward call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Transients {
+    /// During forward.
+    pub forward: usize,
+    /// During backward.
+    pub backward: usize,
+}
+
 /// A layer or block with explicit forward and backward.
 ///
 /// Data flow between the units of a [`Model`]: the first unit receives an empty tensor and
@@ -255,6 +264,16 @@ pub trait Module: Send + Sync {
     /// Bytes of this module's output for one micro-batch (the unit boundary activation) on a
     /// device described by `m`.
     fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize;
+
+    /// The most bytes forward and backward hold at once besides the saved state and the
+    /// tensors between units (input, output, their gradients): buffers that live only during
+    /// the call, on a device described by `m`. The estimator prices them where the device's
+    /// own count sees them ([`MemoryModel::counts_transients`]). A module that does not say
+    /// is priced without any.
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let _ = (batch, seq, m);
+        Transients::default()
+    }
 
     /// Evaluation hook for a model's last unit: the arg-max token at every position of the
     /// batch (teacher-forced), in host memory, so the engine can report accuracy. `None`: not

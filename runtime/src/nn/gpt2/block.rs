@@ -6,7 +6,7 @@ use crate::backend::{
 };
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params};
+use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params, Transients};
 use crate::tensor::{DType, Storage, Tensor, View, ViewMut};
 use crate::Result;
 
@@ -321,5 +321,21 @@ impl Module for Block {
 
     fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
         m.act_bytes(batch * seq * self.cfg.n_embd)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let nc = batch * seq * self.cfg.n_embd;
+        let attn = m.attention_transient(self.attn_shape(batch, seq));
+        // Backward's three crowded moments: dg and dh; dh and dln2; then datt (the input
+        // gradient it returns, priced by the caller), dx2, dqkv and dln1 around attention.
+        let backward = [
+            2 * m.act_bytes(4 * nc),
+            m.act_bytes(4 * nc) + m.act_bytes(nc),
+            2 * m.act_bytes(nc) + m.act_bytes(3 * nc) + attn,
+        ];
+        Transients {
+            forward: 0,
+            backward: backward.into_iter().max().unwrap_or(0),
+        }
     }
 }

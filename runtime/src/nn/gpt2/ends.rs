@@ -6,7 +6,7 @@ use crate::backend::{rng, Accumulate, Backend, HeadShape, MemoryModel};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
 use crate::nn::{
-    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params,
+    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params, Transients,
 };
 use crate::tensor::{DType, Storage, Tensor, View};
 use crate::Result;
@@ -109,6 +109,14 @@ impl Module for Embed {
 
     fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
         m.act_bytes(batch * seq * self.cfg.n_embd)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        // Backward drops out a copy of the incoming gradient.
+        Transients {
+            forward: 0,
+            backward: m.act_bytes(batch * seq * self.cfg.n_embd),
+        }
     }
 }
 
@@ -273,6 +281,16 @@ impl Module for Head {
 
     fn output_bytes(&self, _batch: usize, _seq: usize, m: &MemoryModel) -> usize {
         m.bytes(DType::F32, 1)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let n = batch * seq;
+        let (forward, backward) = m.head_transient(self.head_shape(n));
+        // Backward also holds dlnf beside the loss's own buffers.
+        Transients {
+            forward,
+            backward: backward + m.act_bytes(n * self.cfg.n_embd),
+        }
     }
 
     fn predict(

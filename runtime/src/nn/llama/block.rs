@@ -8,7 +8,7 @@ use crate::backend::{
 };
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params};
+use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params, Transients};
 use crate::tensor::{DType, Tensor, View, ViewMut};
 use crate::Result;
 
@@ -356,5 +356,26 @@ impl Module for Block {
 
     fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
         m.act_bytes(batch * seq * self.cfg.hidden_size)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let n = batch * seq;
+        let (qw, kvw) = self.widths();
+        let (hd, im) = (
+            m.act_bytes(n * self.cfg.hidden_size),
+            m.act_bytes(n * self.cfg.intermediate_size),
+        );
+        let attn = m.attention_transient(self.attn_shape(batch, seq));
+        // Backward's crowded moments: dact, dgate and dup; dgate, dup and dn2; then dn2, dx2,
+        // datt, dq, dk and dv around attention (dx, returned, is priced by the caller).
+        let backward = [
+            3 * im,
+            2 * im + hd,
+            2 * hd + 2 * m.act_bytes(n * qw) + 2 * m.act_bytes(n * kvw) + attn,
+        ];
+        Transients {
+            forward: 0,
+            backward: backward.into_iter().max().unwrap_or(0),
+        }
     }
 }

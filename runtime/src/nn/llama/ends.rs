@@ -6,7 +6,7 @@ use crate::backend::{Accumulate, Backend, HeadShape, MemoryModel};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
 use crate::nn::{
-    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params,
+    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params, Transients,
 };
 use crate::tensor::{DType, Storage, Tensor, View};
 use crate::{Error, Result};
@@ -268,5 +268,20 @@ impl Module for Head {
 
     fn output_bytes(&self, _batch: usize, _seq: usize, m: &MemoryModel) -> usize {
         m.bytes(DType::F32, 1)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let (n, h) = (batch * seq, self.cfg.hidden_size);
+        let shape = HeadShape {
+            rows: n,
+            dim: h,
+            vocab: self.cfg.vocab_size,
+        };
+        let (forward, backward) = m.head_transient(shape);
+        // Backward also holds dnormed beside the loss's own buffers.
+        Transients {
+            forward,
+            backward: backward + m.act_bytes(n * h),
+        }
     }
 }

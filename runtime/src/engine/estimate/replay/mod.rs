@@ -6,6 +6,8 @@
 //! layout arithmetic ([`GroupLayout`]) and [`crate::nn::Module::saved_bytes`]; the
 //! `estimate_*` tests run the engine beside this replay to keep the two in step.
 
+mod transient;
+
 use std::collections::VecDeque;
 
 use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
@@ -58,6 +60,11 @@ pub(super) struct Replay<'a> {
     opt_bytes: Vec<u64>,
     /// Host bytes of the speculative overlap's snapshots (0 without them).
     pub(super) snapshot_bytes: u64,
+    /// Device bytes of the tensor between units: forward's latest output, then backward's
+    /// latest input gradient (priced where the device counts transients).
+    boundary: u64,
+    /// Device bytes of the loss backward started from, kept until the step.
+    loss: u64,
 }
 
 impl<'a> Replay<'a> {
@@ -105,6 +112,8 @@ impl<'a> Replay<'a> {
             secondary: vec![false; n],
             opt_bytes: vec![0; n],
             snapshot_bytes: 0,
+            boundary: 0,
+            loss: 0,
         };
         for g in 0..n {
             r.build_group(g, moments);
@@ -342,6 +351,7 @@ impl<'a> Replay<'a> {
 
     /// One training forward over every unit.
     pub(super) fn forward(&mut self, mb: usize, seq: usize) {
+        self.begin_forward_transients(mb, seq);
         let n = self.model.units.len();
         for unit in 0..n {
             self.gather_unit(unit);
@@ -352,6 +362,7 @@ impl<'a> Replay<'a> {
             if unit + 1 < n {
                 self.prefetch(unit + 1);
             }
+            self.unit_forward_transients(unit, mb, seq);
             if !self.reused_soon(unit) {
                 self.release_unit(unit);
             }
@@ -364,6 +375,7 @@ impl<'a> Replay<'a> {
                 self.ledger
                     .alloc(Location::Device, Category::Activations, b);
             }
+            self.pass_boundary(unit, mb, seq);
         }
     }
 
@@ -421,6 +433,7 @@ impl<'a> Replay<'a> {
             }
             let saved = self.saved_bytes(unit, mb, seq);
             if self.checkpointing().is_some() {
+                self.unit_forward_transients(unit, mb, seq);
                 let b = self.input_bytes(unit, mb, seq);
                 self.ledger
                     .free(self.ckpt_location(), Category::Activations, b);
@@ -431,6 +444,7 @@ impl<'a> Replay<'a> {
             if let Some(s) = self.uses_shared(unit) {
                 self.ensure_micro(s);
             }
+            self.unit_backward_transients(unit, mb, seq);
             self.ledger
                 .free(Location::Device, Category::Activations, saved);
             self.release_unit(unit);
@@ -444,11 +458,13 @@ impl<'a> Replay<'a> {
         for (b, _) in std::mem::take(&mut self.queued) {
             self.ledger.free(Location::Device, Category::CommBuffers, b);
         }
+        self.end_backward_transients(mb, seq);
     }
 
     /// The optimizer boundary: stages that shard the optimizer over replicated parameters
     /// all-gather the updated shards (`Stage::publish`).
     pub(super) fn step(&mut self) {
+        self.step_transients();
         self.step_swapped();
         // One rank owns everything: the optimizer wrote the parameters in place.
         let world = self.groups.first().map_or(1, |g| g.layout.world_size);
