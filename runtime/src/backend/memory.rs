@@ -62,6 +62,34 @@ pub struct MemoryModel {
     pub counts_transients: bool,
 }
 
+impl std::fmt::Display for MemoryModel {
+    /// One line for reports: the figures an estimate was priced with.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let attention = match self.attention {
+            AttentionState::Probabilities => "attention keeps probabilities",
+            AttentionState::LogSumExp => "flash attention keeps log-sum-exp",
+        };
+        let head = match self.head {
+            HeadState::Probabilities => "head keeps full logits",
+            HeadState::LogSumExp => "chunked head",
+        };
+        let work = if self.widens_params {
+            "f32 working copies"
+        } else {
+            "no working copies"
+        };
+        write!(
+            f,
+            "{:?} activations, {attention}, {head}, {work}, {}-byte blocks",
+            self.act, self.block
+        )?;
+        if self.counts_transients {
+            f.write_str(", transient buffers counted")?;
+        }
+        Ok(())
+    }
+}
+
 impl MemoryModel {
     /// The CPU backend: f32 activations, probabilities kept, parameters widened, exact sizes.
     pub const fn cpu() -> Self {
