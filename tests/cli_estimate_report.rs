@@ -104,8 +104,20 @@ fn estimate_reads_hf_config_json() {
 fn estimate_prices_the_device_named_without_opening_it() {
     let run = |device: &str| {
         let (code, out, err) = ferrozero(&[
-            "estimate", "--model", "llama-7b", "--stage", "3", "--seq-len", "4096",
-            "--device-memory", "1TB", "--host-memory", "1TB", "--device", device, "--json",
+            "estimate",
+            "--model",
+            "llama-7b",
+            "--stage",
+            "3",
+            "--seq-len",
+            "4096",
+            "--device-memory",
+            "1TB",
+            "--host-memory",
+            "1TB",
+            "--device",
+            device,
+            "--json",
         ]);
         assert_eq!(code, 0, "{device}: {err}");
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();

@@ -107,12 +107,20 @@ fn sweep(which: Which) {
         ZeroStage::Stage3,
     ] {
         for world in [1, 2] {
-            for offload in [Offload::None, Offload::Optimizer, Offload::OptimizerAndParams] {
+            for offload in [
+                Offload::None,
+                Offload::Optimizer,
+                Offload::OptimizerAndParams,
+            ] {
                 if matches!(offload, Offload::OptimizerAndParams) && stage != ZeroStage::Stage3 {
                     continue;
                 }
                 for ckpt in [false, true] {
-                    check(which, &make_config(stage, world, offload, ckpt), &mut failures);
+                    check(
+                        which,
+                        &make_config(stage, world, offload, ckpt),
+                        &mut failures,
+                    );
                     runs += 1;
                 }
             }
@@ -131,8 +139,12 @@ fn cpu_figures_would_misprice_the_device() {
     cpu.device = Device::Cpu;
     let got = measure(Which::Gpt2, &gpu);
     let (est_gpu, est_cpu) = (
-        estimate(&build(Which::Gpt2), &gpu, MICRO, SEQ).device.peak_bytes,
-        estimate(&build(Which::Gpt2), &cpu, MICRO, SEQ).device.peak_bytes,
+        estimate(&build(Which::Gpt2), &gpu, MICRO, SEQ)
+            .device
+            .peak_bytes,
+        estimate(&build(Which::Gpt2), &cpu, MICRO, SEQ)
+            .device
+            .peak_bytes,
     );
     let off = |e: u64| (e as f64 - got as f64).abs() / got as f64;
     assert!(off(est_gpu) <= 0.05, "{est_gpu} vs {got}");

@@ -60,8 +60,18 @@ fn saved_bytes_match_the_device_under_its_memory_model() {
         let w = Weights::init(&model, 1);
         let s = nn_common::step_on(&*be, &model, &w, &b, 0, 1.0).unwrap();
         for (u, unit) in model.units.iter().enumerate() {
-            assert_eq!(unit.module.saved_bytes(3, 5, &m), s.saved[u], "{}", unit.name);
-            assert_eq!(unit.module.output_bytes(3, 5, &m), s.outputs[u], "{}", unit.name);
+            assert_eq!(
+                unit.module.saved_bytes(3, 5, &m),
+                s.saved[u],
+                "{}",
+                unit.name
+            );
+            assert_eq!(
+                unit.module.output_bytes(3, 5, &m),
+                s.outputs[u],
+                "{}",
+                unit.name
+            );
         }
     }
 }

@@ -333,11 +333,7 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
             Some(_) => "on",
         }
     );
-    println!(
-        "device: {} ({})",
-        p.cfg.device,
-        memory_model(&p.cfg)
-    );
+    println!("device: {} ({})", p.cfg.device, memory_model(&p.cfg));
     println!(
         "\nper rank (peaks) {:>14} {:>14} {:>14}",
         "device", "host", "nvme"

@@ -94,7 +94,11 @@ mod tests {
         let seq = 4096;
         let gpu = offload_7b(Device::Cuda(None));
         let e = estimate(&m, &gpu, 1, seq);
-        assert!(e.device.peak_bytes < 32_000_000_000, "{}", e.device.peak_bytes);
+        assert!(
+            e.device.peak_bytes < 32_000_000_000,
+            "{}",
+            e.device.peak_bytes
+        );
         check_device_cap(&m, &gpu, seq, &e).unwrap();
         let cpu = offload_7b(Device::Cpu);
         let e = estimate(&m, &cpu, 1, seq);

@@ -12,9 +12,9 @@ use std::collections::VecDeque;
 
 use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
 
-use crate::engine::build::{optimizer_location, param_location, state_dtype, storage_dtype};
 use super::book::Book;
 use crate::backend::MemoryModel;
+use crate::engine::build::{optimizer_location, param_location, state_dtype, storage_dtype};
 use crate::engine::ledger::{Category, Ledger, Location};
 use crate::engine::optimizer_overlap::{snapshot_bytes, OptimizerOverlap};
 use crate::engine::partition::{shard_world, GroupLayout};
@@ -341,12 +341,16 @@ impl<'a> Replay<'a> {
     fn input_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
         match unit {
             0 => 0,
-            u => self.model.units[u - 1].module.output_bytes(mb, seq, &self.mem) as u64,
+            u => self.model.units[u - 1]
+                .module
+                .output_bytes(mb, seq, &self.mem) as u64,
         }
     }
 
     fn saved_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
-        self.model.units[unit].module.saved_bytes(mb, seq, &self.mem) as u64
+        self.model.units[unit]
+            .module
+            .saved_bytes(mb, seq, &self.mem) as u64
     }
 
     /// One training forward over every unit.
