@@ -83,12 +83,13 @@ fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
     let got = measure(which, cfg);
     let off = (est as f64 - got as f64).abs() / (got as f64).max(1.0);
     let what = format!(
-        "{which:?} stage {} world {} offload {:?}/{:?} ckpt {}",
+        "{which:?} stage {} world {} offload {:?}/{:?} ckpt {} overlap {}",
         cfg.zero.stage.number(),
         cfg.world_size,
         cfg.zero.offload_optimizer.target,
         cfg.zero.offload_param.target,
-        cfg.activation_checkpointing.is_some()
+        cfg.activation_checkpointing.is_some(),
+        cfg.zero.overlap_comm
     );
     // One row per configuration, for the record (`--nocapture` shows the table).
     eprintln!("| {what} | {est} | {got} | {:.2}% |", off * 100.0);
@@ -116,17 +117,21 @@ fn sweep(which: Which) {
                     continue;
                 }
                 for ckpt in [false, true] {
-                    check(
-                        which,
-                        &make_config(stage, world, offload, ckpt),
-                        &mut failures,
-                    );
+                    let cfg = make_config(stage, world, offload, ckpt);
+                    check(which, &cfg, &mut failures);
                     runs += 1;
+                    if world > 1 {
+                        // The comm worker: queued reductions and stage-3 prefetch.
+                        let mut overlapped = cfg;
+                        overlapped.zero.overlap_comm = true;
+                        check(which, &overlapped, &mut failures);
+                        runs += 1;
+                    }
                 }
             }
         }
     }
-    assert_eq!(runs, 36);
+    assert_eq!(runs, 54);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

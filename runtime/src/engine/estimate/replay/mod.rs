@@ -45,9 +45,9 @@ pub(super) struct Replay<'a> {
     gathered: Vec<bool>,
     /// Groups whose f32 working copy exists.
     work: Vec<bool>,
-    /// Storage-dtype reduction buffers queued on the comm worker (`overlap_comm`): bytes and
-    /// the group's padded elements.
-    queued: VecDeque<(u64, usize)>,
+    /// Reduction buffers queued on the comm worker (`overlap_comm`): the wire-dtype input's
+    /// bytes, the reduced shard's (where the device counts it), the group's padded elements.
+    queued: VecDeque<(u64, u64, usize)>,
     /// `offload_param.buffer_count` when stage-3 shards live on NVMe.
     swap_limit: Option<usize>,
     /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
@@ -398,29 +398,35 @@ impl<'a> Replay<'a> {
             return;
         }
         let padded = self.groups[g].layout.padded();
-        self.ledger
-            .free(Location::Device, Category::CommBuffers, (padded * 4) as u64);
         // The reduction's input is in the wire dtype (`communication_data_type`).
         let wire = crate::engine::build::reduce_dtype(self.cfg).size();
         let buf = (padded * wire) as u64;
+        let out = self.reduce_output_bytes(g);
+        self.free_micro_for_wire(padded, buf);
         self.ledger
-            .alloc(Location::Device, Category::CommBuffers, buf);
+            .alloc(Location::Device, Category::CommBuffers, out);
         if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
-            self.queued.push_back((buf, padded));
+            self.queued.push_back((buf, out, padded));
             // `Engine::bound_reductions`: the double buffer, always keeping the newest.
             while rules::reductions_over_bound(
                 self.cfg,
                 self.queued.len(),
-                self.queued.iter().map(|q| q.1).sum(),
+                self.queued.iter().map(|q| q.2).sum(),
             ) {
-                if let Some((b, _)) = self.queued.pop_front() {
-                    self.ledger.free(Location::Device, Category::CommBuffers, b);
+                if let Some(q) = self.queued.pop_front() {
+                    self.free_reduction(q);
                 }
             }
         } else {
-            self.ledger
-                .free(Location::Device, Category::CommBuffers, buf);
+            self.free_reduction((buf, out, padded));
         }
+    }
+
+    fn free_reduction(&mut self, (buf, out, _): (u64, u64, usize)) {
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, buf);
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, out);
     }
 
     /// One backward over every unit in reverse, with recompute under checkpointing.
@@ -459,8 +465,8 @@ impl<'a> Replay<'a> {
                 }
             }
         }
-        for (b, _) in std::mem::take(&mut self.queued) {
-            self.ledger.free(Location::Device, Category::CommBuffers, b);
+        for q in std::mem::take(&mut self.queued) {
+            self.free_reduction(q);
         }
         self.end_backward_transients(mb, seq);
     }

@@ -8,7 +8,9 @@
 //! the unit runs, on top of what is alive then, which is where they raise the peak.
 
 use super::Replay;
+use crate::engine::build::reduce_dtype;
 use crate::engine::ledger::{Category, Location};
+use crate::engine::stage::Extent;
 use crate::tensor::DType;
 
 const AT: (Location, Category) = (Location::Device, Category::Activations);
@@ -97,6 +99,31 @@ impl Replay<'_> {
         let dx = std::mem::take(&mut self.boundary);
         self.free_act(dx);
         self.free_act(self.ids_bytes(mb, seq));
+    }
+
+    /// `stage::reduce_output`: a sharded reduction's output shard in the wire dtype, alive
+    /// with its input until the reduction is accumulated.
+    pub(super) fn reduce_output_bytes(&self, g: usize) -> u64 {
+        let layout = &self.groups[g].layout;
+        let sharded = self.stage.grads() == Extent::Shard && layout.world_size > 1;
+        if !(self.mem.counts_transients && sharded) {
+            return 0;
+        }
+        (layout.shard_len * reduce_dtype(self.cfg).size()) as u64
+    }
+
+    /// `take_micro` then the cast to the wire dtype: the ledger lets the f32 micro-gradient
+    /// go first; the device holds both while the cast runs.
+    pub(super) fn free_micro_for_wire(&mut self, padded: usize, buf: u64) {
+        let micro = (padded * 4) as u64;
+        let (loc, cat) = (Location::Device, Category::CommBuffers);
+        if self.mem.counts_transients {
+            self.ledger.alloc(loc, cat, buf);
+            self.ledger.free(loc, cat, micro);
+        } else {
+            self.ledger.free(loc, cat, micro);
+            self.ledger.alloc(loc, cat, buf);
+        }
     }
 
     /// The step reads the kept loss and lets it go.
