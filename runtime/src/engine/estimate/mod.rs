@@ -5,7 +5,18 @@
 //! It replays the engine's buffer lifetimes (see [`replay`]) rather than applying closed
 //! formulas, so activations, communication staging and working copies are counted exactly as
 //! the engine's ledger counts them, and the engine's pre-flight check and `ferrozero
-//! estimate` give the same answer.
+//! estimate` give the same answer. The decisions that shape those lifetimes are the engine's
+//! own functions ([`super::rules`]), not copies.
+//!
+//! The device is priced from its description ([`MemoryModel`], from the config's `device`
+//! without opening it: [`memory_model`]), the same description the backend reports and the
+//! layers size their saved state with. On the CPU that reproduces the engine's ledger (f32
+//! activations, attention probabilities, f32 working copies). On a GPU it is the caching
+//! allocator's view: the activation dtype, per-row log-sum-exp instead of probabilities and
+//! logits, no working copies, 512-byte blocks, and the buffers that live only during a call
+//! (which the allocator counts and the ledger does not). A struct rather than a trait object
+//! because a laptop must describe a GPU it does not have; the layers' formulas take it, so the
+//! description a real run reports and the one the estimator reads cannot differ.
 
 mod book;
 mod cap;
