@@ -6,6 +6,8 @@
 //! layout arithmetic ([`GroupLayout`]) and [`crate::nn::Module::saved_bytes`]; the
 //! `estimate_*` tests run the engine beside this replay to keep the two in step.
 
+mod reduce;
+mod swap;
 mod transient;
 
 use std::collections::VecDeque;
@@ -141,14 +143,6 @@ impl<'a> Replay<'a> {
         }
     }
 
-    /// Bytes one micro-step's gradient reductions take as input: every group's padded
-    /// gradient in the wire dtype (`Engine::reduce_group`).
-    pub(super) fn reduced_bytes_per_micro(&self) -> u64 {
-        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
-        let elems: usize = self.groups.iter().map(|g| g.layout.padded()).sum();
-        (elems * wire) as u64
-    }
-
     fn lp(&self, elems: usize) -> u64 {
         (elems * self.dtype.size()) as u64
     }
@@ -210,60 +204,6 @@ impl<'a> Replay<'a> {
     fn work_bytes(&self, g: usize) -> Option<u64> {
         let want = self.mem.param_dtype(self.dtype);
         (want != self.dtype).then(|| (self.groups[g].layout.padded() * want.size()) as u64)
-    }
-
-    /// Whether group `g`'s parameter shard lives on NVMe (`Shard::Nvme`).
-    fn on_nvme(&self, g: usize) -> bool {
-        self.swap_limit.is_some() && self.groups[g].params == Extent::Shard
-    }
-
-    /// `Engine::with_slot`'s ledger entry: a shard starts or stops occupying a host buffer.
-    fn swap_buffer(&mut self, g: usize, held: bool) {
-        if self.swapped_in[g] == held {
-            return;
-        }
-        self.swapped_in[g] = held;
-        let b = self.lp(self.groups[g].layout.shard_len);
-        match held {
-            true => self.ledger.alloc(Location::Host, Category::Prefetch, b),
-            false => self.ledger.free(Location::Host, Category::Prefetch, b),
-        }
-    }
-
-    /// `Engine::prefetch_swap`: read a needed NVMe shard ahead when a buffer is free and the
-    /// held elements stay within `max_in_cpu`.
-    fn prefetch_swap(&mut self, g: usize) {
-        let held = (0..self.groups.len()).filter(|&i| self.swapped_in[i]);
-        let (count, elems) = held.fold((0, 0), |(n, e), i| {
-            (n + 1, e + self.groups[i].layout.shard_len)
-        });
-        let fits = self.swap_limit.is_some_and(|l| count < l)
-            && elems + self.groups[g].layout.shard_len <= self.cfg.zero.offload_param.max_in_cpu;
-        if self.on_nvme(g) && !self.gathered[g] && fits {
-            self.swap_buffer(g, true);
-        }
-    }
-
-    /// `Engine::apply_update` with NVMe shards: each shard takes a buffer for its update and
-    /// keeps it until its write-back completes; writes in flight stay under `buffer_count`.
-    fn step_swapped(&mut self) {
-        let Some(limit) = self.swap_limit else { return };
-        let mut writing = VecDeque::new();
-        for g in 0..self.groups.len() {
-            if !self.on_nvme(g) {
-                continue;
-            }
-            self.swap_buffer(g, true);
-            writing.push_back(g);
-            while writing.len() >= limit {
-                if let Some(done) = writing.pop_front() {
-                    self.swap_buffer(done, false);
-                }
-            }
-        }
-        for g in writing {
-            self.swap_buffer(g, false);
-        }
     }
 
     fn release_group(&mut self, g: usize) {
@@ -381,52 +321,6 @@ impl<'a> Replay<'a> {
             }
             self.pass_boundary(unit, mb, seq);
         }
-    }
-
-    fn ensure_micro(&mut self, g: usize) {
-        if !self.micro_alive[g] {
-            self.micro_alive[g] = true;
-            let b = (self.groups[g].layout.padded() * 4) as u64;
-            self.ledger
-                .alloc(Location::Device, Category::CommBuffers, b);
-        }
-    }
-
-    /// `take_micro` then `Stage::reduce`: the storage-dtype copy and reduce-scatter staging.
-    fn reduce_group(&mut self, g: usize) {
-        if !std::mem::take(&mut self.micro_alive[g]) {
-            return;
-        }
-        let padded = self.groups[g].layout.padded();
-        // The reduction's input is in the wire dtype (`communication_data_type`).
-        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
-        let buf = (padded * wire) as u64;
-        let out = self.reduce_output_bytes(g);
-        self.free_micro_for_wire(padded, buf);
-        self.ledger
-            .alloc(Location::Device, Category::CommBuffers, out);
-        if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
-            self.queued.push_back((buf, out, padded));
-            // `Engine::bound_reductions`: the double buffer, always keeping the newest.
-            while rules::reductions_over_bound(
-                self.cfg,
-                self.queued.len(),
-                self.queued.iter().map(|q| q.2).sum(),
-            ) {
-                if let Some(q) = self.queued.pop_front() {
-                    self.free_reduction(q);
-                }
-            }
-        } else {
-            self.free_reduction((buf, out, padded));
-        }
-    }
-
-    fn free_reduction(&mut self, (buf, out, _): (u64, u64, usize)) {
-        self.ledger
-            .free(Location::Device, Category::CommBuffers, buf);
-        self.ledger
-            .free(Location::Device, Category::CommBuffers, out);
     }
 
     /// One backward over every unit in reverse, with recompute under checkpointing.
