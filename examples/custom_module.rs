@@ -24,7 +24,7 @@ use clap::Parser;
 use ferrozero::config::{parse, Config, Format};
 use ferrozero::engine::{Engine, EngineBuilder};
 use ferrozero::runtime::backend::Rope;
-use ferrozero::runtime::backend::{rng, Accumulate};
+use ferrozero::runtime::backend::{rng, Accumulate, MemoryModel};
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::nn::gradcheck::{self, Options, Report};
 use ferrozero::runtime::nn::linear::{Linear, WeightLayout};
@@ -253,12 +253,12 @@ impl Module for ResidualMlp {
         Tensor::new(dy.shape.clone(), dx)
     }
 
-    fn saved_bytes(&self, batch: usize, seq: usize) -> usize {
-        batch * seq * (self.width + self.inner) * 4
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(batch * seq * self.width) + m.act_bytes(batch * seq * self.inner)
     }
 
-    fn output_bytes(&self, batch: usize, seq: usize) -> usize {
-        batch * seq * self.width * 4
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(batch * seq * self.width)
     }
 }
 

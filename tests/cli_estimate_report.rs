@@ -97,6 +97,41 @@ fn estimate_reads_hf_config_json() {
     assert_eq!(v["seq_len"], 64);
 }
 
+/// A GPU is priced with its own figures on a machine without one: bf16 activations, flash
+/// attention's log-sum-exp and the chunked head instead of the CPU's probabilities and f32
+/// working copies, so the same run needs less device memory than the CPU's working set.
+#[test]
+fn estimate_prices_the_device_named_without_opening_it() {
+    let run = |device: &str| {
+        let (code, out, err) = ferrozero(&[
+            "estimate",
+            "--model",
+            "llama-7b",
+            "--stage",
+            "3",
+            "--seq-len",
+            "4096",
+            "--device-memory",
+            "1TB",
+            "--host-memory",
+            "1TB",
+            "--device",
+            device,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{device}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["device"], device);
+        let figures = v["device_figures"].as_str().unwrap().to_string();
+        (v["per_rank"]["device_bytes"].as_u64().unwrap(), figures)
+    };
+    let ((gpu, gpu_figures), (cpu, cpu_figures)) = (run("cuda"), run("cpu"));
+    assert!(gpu_figures.contains("flash attention"), "{gpu_figures}");
+    assert!(cpu_figures.contains("f32 working copies"), "{cpu_figures}");
+    // The CPU keeps 32 heads x 4096² f32 probabilities per layer; the GPU 32 x 4096 floats.
+    assert!(cpu > gpu + (30u64 << 30), "cpu {cpu} vs gpu {gpu}");
+}
+
 #[test]
 fn estimate_rejects_bad_input_with_exit_2() {
     for args in [
@@ -110,6 +145,7 @@ fn estimate_rejects_bad_input_with_exit_2() {
             "lots",
         ],
         &["estimate", "--model", "gpt2-124m", "--micro-batch", "0"],
+        &["estimate", "--model", "gpt2-124m", "--device", "tpu"],
         &[
             "estimate",
             "--model",

@@ -256,10 +256,11 @@ fn main() {
     };
     let total: f64 = times.iter().sum();
     times.sort_by(f64::total_cmp);
+    let mem = be.memory_model();
     let saved: usize = model
         .units
         .iter()
-        .map(|u| u.module.saved_bytes(args.batch, args.seq))
+        .map(|u| u.module.saved_bytes(args.batch, args.seq, &mem))
         .sum();
     println!(
         "{{\"bench\": \"ferrozero_train_step\", \"what\": \"forward, backward, AdamW, zero grads (layers and optimizer, no engine)\", \"preset\": \"{}\", \"params\": {}, \"threads\": {}, \"micro_batch\": {}, \"seq\": {}, \"steps\": {}, \"tokens_per_s\": {:.1}, \"step_s_median\": {:.4}, \"loss\": {:.4}, \"saved_activation_bytes\": {}, \"cpu_s_per_step\": {}}}",

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::{config, toy};
 use device_common::Dev;
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
-use ferrozero_runtime::backend::{Accumulate, Backend, Rope};
+use ferrozero_runtime::backend::{Accumulate, Backend, MemoryModel, Rope};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
@@ -132,12 +132,12 @@ impl Module for Mlp {
         Tensor::new(dy.shape.clone(), dx)
     }
 
-    fn saved_bytes(&self, b: usize, s: usize) -> usize {
-        b * s * (H + INNER) * 4
+    fn saved_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(b * s * H) + m.act_bytes(b * s * INNER)
     }
 
-    fn output_bytes(&self, b: usize, s: usize) -> usize {
-        b * s * H * 4
+    fn output_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(b * s * H)
     }
 }
 

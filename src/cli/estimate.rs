@@ -10,9 +10,11 @@ use std::process::ExitCode;
 use ferrozero_config::resolved::{
     CommDataType, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
 };
-use ferrozero_config::{parse, Format, ResolveContext};
+use ferrozero_config::{parse, Device, Format, ResolveContext};
 use ferrozero_runtime::engine::estimate::shape::{self, ModelShape};
-use ferrozero_runtime::engine::estimate::{estimate, suggest, Budget, Estimate, Placement};
+use ferrozero_runtime::engine::estimate::{
+    estimate, memory_model, suggest, Budget, Estimate, Placement,
+};
 use ferrozero_runtime::engine::ledger::Category;
 use serde_json::{json, Value};
 
@@ -62,6 +64,11 @@ pub struct Args {
     /// Host memory per node (default: this machine's RAM), same units.
     #[arg(long)]
     host_memory: Option<String>,
+    /// The device to price: cpu, cuda or cuda:N (default: the config's `device`, with `auto`
+    /// priced as a GPU, which this command sizes). No GPU is opened: its figures come from
+    /// the backend's description.
+    #[arg(long)]
+    device: Option<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -172,6 +179,11 @@ fn config(args: &Args, world: usize, hidden: usize) -> Result<ResolvedConfig, St
         micro_batch_hint: args.micro_batch,
     };
     let mut cfg = loaded.config.resolve(&ctx).map_err(|e| e.to_string())?;
+    cfg.device = match &args.device {
+        Some(d) => d.parse().map_err(|e| format!("--device {d}: {e}"))?,
+        None if cfg.device == Device::Auto => Device::Cuda(None),
+        None => cfg.device,
+    };
     if let Some(s) = args.stage {
         cfg.zero.stage = match s {
             0 => ZeroStage::Stage0,
@@ -264,6 +276,8 @@ fn json_report(p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) 
         "world_size": e.world_size,
         "stage": e.stage,
         "precision": precision_name(&p.cfg.precision),
+        "device": p.cfg.device.to_string(),
+        "device_figures": memory_model(&p.cfg).to_string(),
         "micro_batch": e.micro_batch,
         "seq_len": e.seq_len,
         "per_rank": {
@@ -319,6 +333,7 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
             Some(_) => "on",
         }
     );
+    println!("device: {} ({})", p.cfg.device, memory_model(&p.cfg));
     println!(
         "\nper rank (peaks) {:>14} {:>14} {:>14}",
         "device", "host", "nvme"

@@ -19,6 +19,7 @@
 
 mod cpu;
 pub mod cuda;
+pub mod memory;
 pub mod rng;
 mod rope;
 pub mod stream;
@@ -26,6 +27,7 @@ pub mod stream;
 use std::sync::Arc;
 
 pub use cpu::CpuBackend;
+pub use memory::MemoryModel;
 pub use rope::{Rope, RopeScaling};
 pub use stream::{Stream, StreamEvent, StreamOps};
 
@@ -183,6 +185,12 @@ pub trait MemoryOps {
     /// none: the engine's ledger is its only count).
     fn memory_stats(&self) -> Option<DeviceMemory> {
         None
+    }
+    /// What this device keeps in memory for training (layers' saved state, working copies,
+    /// allocation rounding): the description the estimator prices a run with. The default is
+    /// the CPU's.
+    fn memory_model(&self) -> MemoryModel {
+        MemoryModel::cpu()
     }
     /// What the device was asked to do since it was opened, counted by its driver (the CPU
     /// has no driver: `None`). Differences of two readings give per-step figures.

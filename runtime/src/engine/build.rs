@@ -110,10 +110,7 @@ fn place(be: &dyn Backend, loc: Location, dtype: DType, len: usize) -> crate::Re
 impl GroupPlan<'_> {
     /// Parameter extent of a group: stage 3 keeps groups under the persistence threshold whole.
     fn param_extent(&self, numel: usize) -> Extent {
-        match self.stage.params() {
-            Extent::Shard if numel < self.cfg.zero.param_persistence_threshold => Extent::Full,
-            e => e,
-        }
+        super::rules::param_extent(self.cfg, self.stage.params(), numel)
     }
 
     /// Lays out, initialises and places one group (`index` names its swap files).

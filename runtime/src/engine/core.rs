@@ -16,6 +16,7 @@ use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
 use super::overlap::CommOverlap;
 use super::param_swap::ParamSwap;
 use super::report::Timings;
+use super::rules;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
 use super::topology::{check_backend, open_hybrid, shard_comm};
@@ -363,8 +364,7 @@ impl Engine {
         r
     }
 
-    /// Stage 3's `max_reuse_distance`: a unit whose parameters are used again (in its
-    /// backward) within that many gathered elements stays gathered after forward.
+    /// [`rules::reused_soon`] for `unit`.
     fn reused_soon(&self, unit: usize) -> bool {
         let later: usize = self.groups[unit + 1..self.model.units.len()]
             .iter()
@@ -374,7 +374,7 @@ impl Engine {
             self.groups[unit].params,
             super::group::ParamStore::Partitioned { .. }
         );
-        partitioned && 2 * later <= self.cfg.zero.max_reuse_distance
+        rules::reused_soon(&self.cfg, partitioned, later)
     }
 
     pub(super) fn release_unit(&mut self, unit: usize) {
@@ -433,10 +433,7 @@ impl Engine {
     }
 
     fn ckpt_location(&self) -> Location {
-        match &self.cfg.activation_checkpointing {
-            Some(a) if a.cpu_checkpointing => Location::Host,
-            _ => Location::Device,
-        }
+        rules::ckpt_location(&self.cfg)
     }
 
     /// Forward over every unit; returns the sum of token losses of this micro-batch as a

@@ -43,7 +43,7 @@ pub(super) fn open(
         return Ok(None);
     }
     crate::comm::hybrid::check_group_size("zero_hpz_partition_size", g, world)?;
-    if g == world {
+    if super::rules::hpz_size(cfg, world, params) == 0 {
         return Ok(None);
     }
     let r = comm.rank();

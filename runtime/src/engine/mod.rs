@@ -27,6 +27,7 @@ mod param_upload;
 pub mod params;
 pub mod partition;
 pub mod report;
+pub mod rules;
 pub mod schedule;
 pub mod stage;
 mod step;

@@ -121,14 +121,13 @@ impl Engine {
     /// buckets of elements, and always the newest one), so overlap never holds a second copy
     /// of every gradient; results are still accumulated in submission order.
     fn bound_reductions(&mut self) -> Result<()> {
-        let limit = 2 * self.cfg.zero.reduce_bucket_size;
         while let Some(o) = &self.overlap {
             let queued: usize = o
                 .reductions
                 .iter()
                 .map(|r| self.groups[r.0].layout.padded())
                 .sum();
-            if o.reductions.len() <= 1 || queued <= limit {
+            if !super::rules::reductions_over_bound(&self.cfg, o.reductions.len(), queued) {
                 break;
             }
             self.finish_oldest_reduction()?;
@@ -152,15 +151,11 @@ impl Engine {
             .filter(|x| x.full_params().is_some())
             .map(|x| x.layout.padded())
             .sum();
-        let (prefetch_limit, live_limit) = (
-            self.cfg.zero.prefetch_bucket_size,
-            self.cfg.zero.max_live_parameters,
-        );
         let bucket = self.cfg.zero.allgather_bucket_size;
         // Shards on NVMe are read ahead instead; their gather runs when they arrive.
         self.prefetch_swap(g);
         let n = self.groups[g].layout.padded();
-        if n > prefetch_limit || live + n > live_limit {
+        if !super::rules::prefetch_fits(&self.cfg, n, live) {
             return;
         }
         // The copy taken here is the shard's first use since the optimizer's upload; a failed

@@ -13,7 +13,7 @@
 
 use std::any::Any;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, MemoryModel};
 use crate::tensor::{IdBuf, Ids, Storage, Tensor, View, ViewMut};
 use crate::{Error, Result};
 
@@ -221,6 +221,15 @@ impl Ctx<'_> {
     }
 }
 
+/// Peak bytes of a module's buffers that live only during one forward or backward call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Transients {
+    /// During forward.
+    pub forward: usize,
+    /// During backward.
+    pub backward: usize,
+}
+
 /// A layer or block with explicit forward and backward.
 ///
 /// Data flow between the units of a [`Model`]: the first unit receives an empty tensor and
@@ -246,12 +255,25 @@ pub trait Module: Send + Sync {
         grad_output: &Tensor,
     ) -> Result<Tensor>;
 
-    /// Bytes of saved activations for one micro-batch of `batch` rows of `seq` tokens
-    /// (used by the estimator; must match what forward actually saves).
-    fn saved_bytes(&self, batch: usize, seq: usize) -> usize;
+    /// Bytes of saved activations for one micro-batch of `batch` rows of `seq` tokens on a
+    /// device described by `m` (used by the estimator; must match what forward actually saves
+    /// on that device: price each saved buffer with `m`'s `bytes`, `act_bytes`,
+    /// `attention_saved` and `head_saved`).
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize;
 
-    /// Bytes of this module's output for one micro-batch (the unit boundary activation).
-    fn output_bytes(&self, batch: usize, seq: usize) -> usize;
+    /// Bytes of this module's output for one micro-batch (the unit boundary activation) on a
+    /// device described by `m`.
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize;
+
+    /// The most bytes forward and backward hold at once besides the saved state and the
+    /// tensors between units (input, output, their gradients): buffers that live only during
+    /// the call, on a device described by `m`. The estimator prices them where the device's
+    /// own count sees them ([`MemoryModel::counts_transients`]). A module that does not say
+    /// is priced without any.
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let _ = (batch, seq, m);
+        Transients::default()
+    }
 
     /// Query heads × head dim of the causal self-attention this module runs (0: none), the
     /// `C` of the `6·L·C·T` attention term in a model's FLOPs per token (`mfu`).

@@ -6,11 +6,12 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use ferrozero_runtime::backend::MemoryModel;
 use ferrozero_runtime::nn::module::SavedState;
 use ferrozero_runtime::nn::{
     Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit, IGNORE_INDEX,
 };
-use ferrozero_runtime::tensor::Tensor;
+use ferrozero_runtime::tensor::{DType, Tensor};
 use ferrozero_runtime::{Error, Result};
 
 struct Keep(Vec<Vec<f32>>);
@@ -83,11 +84,11 @@ impl Module for Embed {
         }
         Ok(Tensor::default())
     }
-    fn saved_bytes(&self, _b: usize, _s: usize) -> usize {
+    fn saved_bytes(&self, _b: usize, _s: usize, _m: &MemoryModel) -> usize {
         0
     }
-    fn output_bytes(&self, b: usize, s: usize) -> usize {
-        b * s * self.dim * 4
+    fn output_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
+        m.bytes(DType::F32, b * s * self.dim)
     }
 }
 
@@ -156,11 +157,11 @@ impl Module for Residual {
         }
         Tensor::from_f32(shape, dx)
     }
-    fn saved_bytes(&self, b: usize, s: usize) -> usize {
-        2 * b * s * self.dim * 4
+    fn saved_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
+        2 * m.bytes(DType::F32, b * s * self.dim)
     }
-    fn output_bytes(&self, b: usize, s: usize) -> usize {
-        b * s * self.dim * 4
+    fn output_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
+        m.bytes(DType::F32, b * s * self.dim)
     }
 }
 
@@ -227,11 +228,11 @@ impl Module for Head {
         }
         Tensor::from_f32(vec![n, d], dy)
     }
-    fn saved_bytes(&self, b: usize, s: usize) -> usize {
-        b * s * (self.dim + self.vocab) * 4
+    fn saved_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
+        m.bytes(DType::F32, b * s * self.dim) + m.bytes(DType::F32, b * s * self.vocab)
     }
-    fn output_bytes(&self, _b: usize, _s: usize) -> usize {
-        4
+    fn output_bytes(&self, _b: usize, _s: usize, m: &MemoryModel) -> usize {
+        m.bytes(DType::F32, 1)
     }
 }
 
@@ -331,10 +332,10 @@ impl Module for NanAt {
         }
         Ok(dx)
     }
-    fn saved_bytes(&self, b: usize, s: usize) -> usize {
-        self.inner.saved_bytes(b, s)
+    fn saved_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
+        self.inner.saved_bytes(b, s, m)
     }
-    fn output_bytes(&self, b: usize, s: usize) -> usize {
-        self.inner.output_bytes(b, s)
+    fn output_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
+        self.inner.output_bytes(b, s, m)
     }
 }

@@ -57,8 +57,8 @@ impl MemoryOps for CpuBackend {
         }
     }
 
-    fn param_dtype(&self, _storage: DType) -> DType {
-        DType::F32
+    fn param_dtype(&self, storage: DType) -> DType {
+        crate::backend::MemoryModel::cpu().param_dtype(storage)
     }
 
     fn buffer(&self, dtype: DType, len: usize) -> Result<Storage> {

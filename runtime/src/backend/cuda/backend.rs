@@ -131,7 +131,11 @@ impl MemoryOps for CudaBackend {
     }
 
     fn param_dtype(&self, storage: DType) -> DType {
-        storage
+        self.memory_model().param_dtype(storage)
+    }
+
+    fn memory_model(&self) -> crate::backend::MemoryModel {
+        crate::backend::MemoryModel::cuda(self.act_dtype())
     }
 
     fn buffer(&self, dtype: DType, len: usize) -> Result<Storage> {

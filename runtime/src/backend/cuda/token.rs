@@ -20,9 +20,6 @@ use crate::nn::IGNORE_INDEX;
 use crate::tensor::{DType, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
 
-/// Bytes of logits one chunk of the head may hold.
-const LOGIT_CHUNK_BYTES: usize = 256 << 20;
-
 fn check_tokens(tokens: &[i32], rows: usize) -> Result<()> {
     match tokens
         .iter()
@@ -99,13 +96,10 @@ impl CudaBackend {
         )
     }
 
-    /// Rows per chunk of the head for this shape.
+    /// Rows per chunk of the head for this shape (the memory model's rule, which the
+    /// estimator prices).
     fn head_chunk(&self, s: HeadShape) -> usize {
-        (LOGIT_CHUNK_BYTES / (s.vocab.max(1) * self.act_dtype_size())).clamp(1, s.rows.max(1))
-    }
-
-    fn act_dtype_size(&self) -> usize {
-        crate::backend::MemoryOps::act_dtype(self).size()
+        crate::backend::MemoryOps::memory_model(self).head_chunk_rows(s)
     }
 }
 

@@ -58,3 +58,55 @@ pub fn check_device_cap(
         detail,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::estimate::{estimate, shape::preset};
+    use ferrozero_config::{Device, Format, ResolveContext};
+
+    /// The issue's run on a 32 GB card: Llama 7B, bf16, stage 3, AdamW on the CPU,
+    /// checkpointing, 4096 tokens (about 30.5 GB on a GPU, 35.5 GB priced as the CPU).
+    fn offload_7b(device: Device) -> ResolvedConfig {
+        let src = "device_memory_limit = \"32GB\"\ntrain_micro_batch_size_per_gpu = 1\n\
+                   [bf16]\nenabled = true\n\
+                   [optimizer]\ntype = \"AdamW\"\nparams.lr = 1e-4\n\
+                   [activation_checkpointing]\ncpu_checkpointing = false\n\
+                   [zero_optimization]\nstage = 3\n\
+                   [zero_optimization.offload_optimizer]\ndevice = \"cpu\"\n";
+        let loaded = ferrozero_config::parse(src, Format::Toml, "test").unwrap();
+        let ctx = ResolveContext {
+            world_size: 1,
+            hidden_size: Some(4096),
+            micro_batch_hint: None,
+        };
+        let mut cfg = loaded.config.resolve(&ctx).unwrap();
+        cfg.device = device;
+        cfg
+    }
+
+    /// Priced with the CPU's figures (T x T probabilities, f32 activations and working copies)
+    /// the 7B run is refused at a 32 GB cap; with the GPU's own figures, which the GPU run
+    /// will have, it fits.
+    #[test]
+    fn the_cap_check_prices_a_gpu_run_with_the_gpus_figures() {
+        let m = preset("llama-7b").unwrap().model;
+        let seq = 4096;
+        let gpu = offload_7b(Device::Cuda(None));
+        let e = estimate(&m, &gpu, 1, seq);
+        assert!(
+            e.device.peak_bytes < 32_000_000_000,
+            "{}",
+            e.device.peak_bytes
+        );
+        check_device_cap(&m, &gpu, seq, &e).unwrap();
+        let cpu = offload_7b(Device::Cpu);
+        let e = estimate(&m, &cpu, 1, seq);
+        match check_device_cap(&m, &cpu, seq, &e) {
+            Err(Error::DeviceMemory { detail, .. }) => {
+                assert!(detail.contains("device_memory_limit"), "{detail}")
+            }
+            other => panic!("CPU figures should refuse: {other:?}"),
+        }
+    }
+}

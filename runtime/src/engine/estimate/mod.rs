@@ -5,8 +5,20 @@
 //! It replays the engine's buffer lifetimes (see [`replay`]) rather than applying closed
 //! formulas, so activations, communication staging and working copies are counted exactly as
 //! the engine's ledger counts them, and the engine's pre-flight check and `ferrozero
-//! estimate` give the same answer.
+//! estimate` give the same answer. The decisions that shape those lifetimes are the engine's
+//! own functions ([`super::rules`]), not copies.
+//!
+//! The device is priced from its description ([`MemoryModel`], from the config's `device`
+//! without opening it: [`memory_model`]), the same description the backend reports and the
+//! layers size their saved state with. On the CPU that reproduces the engine's ledger (f32
+//! activations, attention probabilities, f32 working copies). On a GPU it is the caching
+//! allocator's view: the activation dtype, per-row log-sum-exp instead of probabilities and
+//! logits, no working copies, 512-byte blocks, and the buffers that live only during a call
+//! (which the allocator counts and the ledger does not). A struct rather than a trait object
+//! because a laptop must describe a GPU it does not have; the layers' formulas take it, so the
+//! description a real run reports and the one the estimator reads cannot differ.
 
+mod book;
 mod cap;
 mod replay;
 pub mod shape;
@@ -18,6 +30,7 @@ use serde::Serialize;
 use super::ledger::{Category, Ledger, Location};
 use super::optimizer::Optimizer;
 use super::optimizer_overlap::OptimizerOverlap;
+use crate::backend::MemoryModel;
 use crate::nn::Model;
 
 pub use cap::check_device_cap;
@@ -113,7 +126,7 @@ fn replay_ledger(
     overlap: &OptimizerOverlap,
 ) -> (Ledger, u64) {
     let moments = Optimizer::new(cfg.optimizer.clone()).moments();
-    let mut r = replay::Replay::build(model, cfg, moments, overlap);
+    let mut r = replay::Replay::build(model, cfg, moments, overlap, memory_model(cfg));
     r.forward(micro_batch, seq);
     r.backward(micro_batch, seq);
     r.step();
@@ -192,9 +205,16 @@ fn reduced_per_step(model: &Model, cfg: &ResolvedConfig) -> u64 {
         return 0;
     }
     let moments = Optimizer::new(cfg.optimizer.clone()).moments();
-    let per_micro = replay::Replay::build(model, cfg, moments, &OptimizerOverlap::decide(cfg))
+    let overlap = OptimizerOverlap::decide(cfg);
+    let per_micro = replay::Replay::build(model, cfg, moments, &overlap, memory_model(cfg))
         .reduced_bytes_per_micro();
     per_micro * cfg.gradient_accumulation_steps as u64
+}
+
+/// The device `cfg` runs on, described without opening it: its `device` key, activations in
+/// the precision's storage dtype (as `Engine::new` opens it).
+pub fn memory_model(cfg: &ResolvedConfig) -> MemoryModel {
+    MemoryModel::for_device(cfg.device, super::build::storage_dtype(&cfg.precision))
 }
 
 /// Checkpointing on every unit, activations kept on the device.

@@ -1,11 +1,13 @@
 //! One GPT-2 block: pre-LayerNorm attention and GELU MLP, each on a residual branch.
 
 use super::Gpt2Config;
-use crate::backend::{rng, Accumulate, AttentionGrads, AttentionShape, Backend, RowView};
+use crate::backend::{
+    rng, Accumulate, AttentionGrads, AttentionShape, Backend, MemoryModel, RowView,
+};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params};
-use crate::tensor::{Storage, Tensor, View, ViewMut};
+use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params, Transients};
+use crate::tensor::{DType, Storage, Tensor, View, ViewMut};
 use crate::Result;
 
 /// Dropout site tags within a block.
@@ -304,16 +306,34 @@ impl Module for Block {
         Tensor::new(grad_output.shape.clone(), dx)
     }
 
-    fn saved_bytes(&self, batch: usize, seq: usize) -> usize {
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
         let (n, c) = (batch * seq, self.cfg.n_embd);
-        // x, ln1, att, x2, ln2: n·c each; qkv 3n·c; h, g 4n·c each; four per-row stats.
-        let floats =
-            5 * n * c + 3 * n * c + 8 * n * c + 4 * n + batch * self.cfg.n_head * seq * seq;
-        floats * 4
+        // x, ln1, att, x2, ln2: n·c each; qkv 3n·c; h, g 4n·c each; four f32 per-row stats.
+        5 * m.act_bytes(n * c)
+            + m.act_bytes(3 * n * c)
+            + 2 * m.act_bytes(4 * n * c)
+            + 4 * m.bytes(DType::F32, n)
+            + m.attention_saved(self.attn_shape(batch, seq))
     }
 
-    fn output_bytes(&self, batch: usize, seq: usize) -> usize {
-        batch * seq * self.cfg.n_embd * 4
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(batch * seq * self.cfg.n_embd)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let nc = batch * seq * self.cfg.n_embd;
+        let attn = m.attention_transient(self.attn_shape(batch, seq));
+        // Backward's three crowded moments: dg and dh; dh and dln2; then datt (the input
+        // gradient it returns, priced by the caller), dx2, dqkv and dln1 around attention.
+        let backward = [
+            2 * m.act_bytes(4 * nc),
+            m.act_bytes(4 * nc) + m.act_bytes(nc),
+            2 * m.act_bytes(nc) + m.act_bytes(3 * nc) + attn,
+        ];
+        Transients {
+            forward: 0,
+            backward: backward.into_iter().max().unwrap_or(0),
+        }
     }
 
     fn attention_width(&self) -> usize {

@@ -2,13 +2,13 @@
 //! head + summed cross-entropy.
 
 use super::Gpt2Config;
-use crate::backend::{rng, Accumulate, Backend, HeadShape};
+use crate::backend::{rng, Accumulate, Backend, HeadShape, MemoryModel};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
 use crate::nn::{
-    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params,
+    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params, Transients,
 };
-use crate::tensor::{Storage, Tensor, View};
+use crate::tensor::{DType, Storage, Tensor, View};
 use crate::Result;
 
 const SITE_EMBED: u64 = 0;
@@ -103,12 +103,20 @@ impl Module for Embed {
         Ok(Tensor::default())
     }
 
-    fn saved_bytes(&self, _batch: usize, _seq: usize) -> usize {
+    fn saved_bytes(&self, _batch: usize, _seq: usize, _m: &MemoryModel) -> usize {
         0
     }
 
-    fn output_bytes(&self, batch: usize, seq: usize) -> usize {
-        batch * seq * self.cfg.n_embd * 4
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(batch * seq * self.cfg.n_embd)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        // Backward drops out a copy of the incoming gradient.
+        Transients {
+            forward: 0,
+            backward: m.act_bytes(batch * seq * self.cfg.n_embd),
+        }
     }
 }
 
@@ -263,13 +271,26 @@ impl Module for Head {
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, c], dx)
     }
 
-    fn saved_bytes(&self, batch: usize, seq: usize) -> usize {
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
         let n = batch * seq;
-        (2 * n * self.cfg.n_embd + 2 * n + n * self.cfg.vocab_size) * 4
+        // x and lnf, two f32 per-row stats, the loss's own state.
+        2 * m.act_bytes(n * self.cfg.n_embd)
+            + 2 * m.bytes(DType::F32, n)
+            + m.head_saved(self.head_shape(n))
     }
 
-    fn output_bytes(&self, _batch: usize, _seq: usize) -> usize {
-        4
+    fn output_bytes(&self, _batch: usize, _seq: usize, m: &MemoryModel) -> usize {
+        m.bytes(DType::F32, 1)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let n = batch * seq;
+        let (forward, backward) = m.head_transient(self.head_shape(n));
+        // Backward also holds dlnf beside the loss's own buffers.
+        Transients {
+            forward,
+            backward: backward + m.act_bytes(n * self.cfg.n_embd),
+        }
     }
 
     fn predict(

@@ -3,11 +3,13 @@
 //! the nine weights so the weights keep their indices.
 
 use super::LlamaConfig;
-use crate::backend::{Accumulate, AttentionGrads, AttentionShape, Backend, Rotation, RowView};
+use crate::backend::{
+    Accumulate, AttentionGrads, AttentionShape, Backend, MemoryModel, Rotation, RowView,
+};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params};
-use crate::tensor::{Tensor, View, ViewMut};
+use crate::nn::{act, check_rows, stats, Ctx, Grads, Init, Module, ParamSpec, Params, Transients};
+use crate::tensor::{DType, Tensor, View, ViewMut};
 use crate::Result;
 
 saved_struct!(
@@ -335,20 +337,46 @@ impl Module for Block {
         Tensor::new(grad_output.shape.clone(), dx)
     }
 
-    fn saved_bytes(&self, batch: usize, seq: usize) -> usize {
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
         let (n, hd, im) = (
             batch * seq,
             self.cfg.hidden_size,
             self.cfg.intermediate_size,
         );
         let (qw, kvw) = self.widths();
-        // x, n1, x2, n2: n·hd each; q, att: n·qw; k, v: n·kvw; gate, up, act: n·im.
-        let floats = 4 * n * hd + 2 * n * qw + 2 * n * kvw + 3 * n * im + 2 * n;
-        (floats + batch * self.cfg.num_attention_heads * seq * seq) * 4
+        // x, n1, x2, n2: n·hd each; q, att: n·qw; k, v: n·kvw; gate, up, act: n·im; two f32
+        // per-row stats.
+        4 * m.act_bytes(n * hd)
+            + 2 * m.act_bytes(n * qw)
+            + 2 * m.act_bytes(n * kvw)
+            + 3 * m.act_bytes(n * im)
+            + 2 * m.bytes(DType::F32, n)
+            + m.attention_saved(self.attn_shape(batch, seq))
     }
 
-    fn output_bytes(&self, batch: usize, seq: usize) -> usize {
-        batch * seq * self.cfg.hidden_size * 4
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(batch * seq * self.cfg.hidden_size)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let n = batch * seq;
+        let (qw, kvw) = self.widths();
+        let (hd, im) = (
+            m.act_bytes(n * self.cfg.hidden_size),
+            m.act_bytes(n * self.cfg.intermediate_size),
+        );
+        let attn = m.attention_transient(self.attn_shape(batch, seq));
+        // Backward's crowded moments: dact, dgate and dup; dgate, dup and dn2; then dn2, dx2,
+        // datt, dq, dk and dv around attention (dx, returned, is priced by the caller).
+        let backward = [
+            3 * im,
+            2 * im + hd,
+            2 * hd + 2 * m.act_bytes(n * qw) + 2 * m.act_bytes(n * kvw) + attn,
+        ];
+        Transients {
+            forward: 0,
+            backward: backward.into_iter().max().unwrap_or(0),
+        }
     }
 
     fn attention_width(&self) -> usize {

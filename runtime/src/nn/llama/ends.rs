@@ -2,13 +2,13 @@
 //! cross-entropy. With tied embeddings the table is the unit's last (shared) parameter.
 
 use super::LlamaConfig;
-use crate::backend::{Accumulate, Backend, HeadShape};
+use crate::backend::{Accumulate, Backend, HeadShape, MemoryModel};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take};
 use crate::nn::{
-    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params,
+    act, check_rows, check_tokens, stats, Ctx, Grads, Init, Module, ParamSpec, Params, Transients,
 };
-use crate::tensor::{Storage, Tensor, View};
+use crate::tensor::{DType, Storage, Tensor, View};
 use crate::{Error, Result};
 
 saved_struct!(
@@ -105,12 +105,12 @@ impl Module for Embed {
         Ok(Tensor::default())
     }
 
-    fn saved_bytes(&self, _batch: usize, _seq: usize) -> usize {
+    fn saved_bytes(&self, _batch: usize, _seq: usize, _m: &MemoryModel) -> usize {
         0
     }
 
-    fn output_bytes(&self, batch: usize, seq: usize) -> usize {
-        batch * seq * self.cfg.hidden_size * 4
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(batch * seq * self.cfg.hidden_size)
     }
 }
 
@@ -255,12 +255,33 @@ impl Module for Head {
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, h], dx)
     }
 
-    fn saved_bytes(&self, batch: usize, seq: usize) -> usize {
-        let n = batch * seq;
-        (2 * n * self.cfg.hidden_size + n + n * self.cfg.vocab_size) * 4
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        let (n, h) = (batch * seq, self.cfg.hidden_size);
+        // x and normed, the f32 per-row rstd, the loss's own state.
+        let shape = HeadShape {
+            rows: n,
+            dim: h,
+            vocab: self.cfg.vocab_size,
+        };
+        2 * m.act_bytes(n * h) + m.bytes(DType::F32, n) + m.head_saved(shape)
     }
 
-    fn output_bytes(&self, _batch: usize, _seq: usize) -> usize {
-        4
+    fn output_bytes(&self, _batch: usize, _seq: usize, m: &MemoryModel) -> usize {
+        m.bytes(DType::F32, 1)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        let (n, h) = (batch * seq, self.cfg.hidden_size);
+        let shape = HeadShape {
+            rows: n,
+            dim: h,
+            vocab: self.cfg.vocab_size,
+        };
+        let (forward, backward) = m.head_transient(shape);
+        // Backward also holds dnormed beside the loss's own buffers.
+        Transients {
+            forward,
+            backward: backward + m.act_bytes(n * h),
+        }
     }
 }

@@ -6,14 +6,21 @@
 //! layout arithmetic ([`GroupLayout`]) and [`crate::nn::Module::saved_bytes`]; the
 //! `estimate_*` tests run the engine beside this replay to keep the two in step.
 
+mod reduce;
+mod swap;
+mod transient;
+
 use std::collections::VecDeque;
 
 use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
 
+use super::book::Book;
+use crate::backend::MemoryModel;
 use crate::engine::build::{optimizer_location, param_location, state_dtype, storage_dtype};
 use crate::engine::ledger::{Category, Ledger, Location};
 use crate::engine::optimizer_overlap::{snapshot_bytes, OptimizerOverlap};
 use crate::engine::partition::{shard_world, GroupLayout};
+use crate::engine::rules;
 use crate::engine::stage::{self, Extent, Stage};
 use crate::nn::Model;
 use crate::tensor::DType;
@@ -32,15 +39,17 @@ pub(super) struct Replay<'a> {
     stage: Box<dyn Stage>,
     dtype: DType,
     groups: Vec<GroupShape>,
-    ledger: Ledger,
+    ledger: Book,
+    /// The device's memory behaviour: what layers save, working copies, block rounding.
+    mem: MemoryModel,
     micro_alive: Vec<bool>,
     /// Stage-3 groups whose gathered copy exists (gathered, prefetched or kept for reuse).
     gathered: Vec<bool>,
     /// Groups whose f32 working copy exists.
     work: Vec<bool>,
-    /// Storage-dtype reduction buffers queued on the comm worker (`overlap_comm`): bytes and
-    /// the group's padded elements.
-    queued: VecDeque<(u64, usize)>,
+    /// Reduction buffers queued on the comm worker (`overlap_comm`): the wire-dtype input's
+    /// bytes, the reduced shard's (where the device counts it), the group's padded elements.
+    queued: VecDeque<(u64, u64, usize)>,
     /// `offload_param.buffer_count` when stage-3 shards live on NVMe.
     swap_limit: Option<usize>,
     /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
@@ -53,6 +62,11 @@ pub(super) struct Replay<'a> {
     opt_bytes: Vec<u64>,
     /// Host bytes of the speculative overlap's snapshots (0 without them).
     pub(super) snapshot_bytes: u64,
+    /// Device bytes of the tensor between units: forward's latest output, then backward's
+    /// latest input gradient (priced where the device counts transients).
+    boundary: u64,
+    /// Device bytes of the loss backward started from, kept until the step.
+    loss: u64,
 }
 
 impl<'a> Replay<'a> {
@@ -63,6 +77,7 @@ impl<'a> Replay<'a> {
         cfg: &'a ResolvedConfig,
         moments: usize,
         overlap: &OptimizerOverlap,
+        mem: MemoryModel,
     ) -> Self {
         let stage = stage::for_stage(cfg.zero.stage);
         let world = shard_world(cfg.world_size.max(1), cfg.zero.mics_shard_size);
@@ -74,24 +89,20 @@ impl<'a> Replay<'a> {
             .iter()
             .map(|s| {
                 let layout = GroupLayout::new(s, world);
-                // Mirrors `GroupPlan::param_extent`.
-                let params = match stage.params() {
-                    Extent::Shard if layout.numel < cfg.zero.param_persistence_threshold => {
-                        Extent::Full
-                    }
-                    e => e,
-                };
+                let params = rules::param_extent(cfg, stage.params(), layout.numel);
                 GroupShape { layout, params }
             })
             .collect::<Vec<_>>();
         let n = groups.len();
+        let hpz = rules::hpz_size(cfg, cfg.world_size, stage.params());
         let mut r = Replay {
             model,
             cfg,
             stage,
             dtype: storage_dtype(&cfg.precision),
             groups,
-            ledger: Ledger::default(),
+            ledger: Book::new(mem),
+            mem,
             micro_alive: vec![false; n],
             gathered: vec![false; n],
             work: vec![false; n],
@@ -99,10 +110,12 @@ impl<'a> Replay<'a> {
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
-            hpz: hpz_size(cfg),
+            hpz,
             secondary: vec![false; n],
             opt_bytes: vec![0; n],
             snapshot_bytes: 0,
+            boundary: 0,
+            loss: 0,
         };
         for g in 0..n {
             r.build_group(g, moments);
@@ -128,14 +141,6 @@ impl<'a> Replay<'a> {
             let b = self.lp(self.groups[g].layout.padded() / self.hpz);
             self.ledger.alloc(Location::Device, Category::Parameters, b);
         }
-    }
-
-    /// Bytes one micro-step's gradient reductions take as input: every group's padded
-    /// gradient in the wire dtype (`Engine::reduce_group`).
-    pub(super) fn reduced_bytes_per_micro(&self) -> u64 {
-        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
-        let elems: usize = self.groups.iter().map(|g| g.layout.padded()).sum();
-        (elems * wire) as u64
     }
 
     fn lp(&self, elems: usize) -> u64 {
@@ -186,74 +191,26 @@ impl<'a> Replay<'a> {
             self.ledger
                 .alloc(Location::Device, Category::Prefetch, full);
         }
-        if self.dtype != DType::F32 && !self.work[g] {
+        if let Some(b) = self.work_bytes(g).filter(|_| !self.work[g]) {
             self.work[g] = true;
-            self.ledger
-                .alloc(Location::Device, Category::Prefetch, (padded * 4) as u64);
+            self.ledger.alloc(Location::Device, Category::Prefetch, b);
         }
         // `Engine::swap_out_after_gather`: the file still holds the shard.
         self.swap_buffer(g, false);
     }
 
-    /// Whether group `g`'s parameter shard lives on NVMe (`Shard::Nvme`).
-    fn on_nvme(&self, g: usize) -> bool {
-        self.swap_limit.is_some() && self.groups[g].params == Extent::Shard
-    }
-
-    /// `Engine::with_slot`'s ledger entry: a shard starts or stops occupying a host buffer.
-    fn swap_buffer(&mut self, g: usize, held: bool) {
-        if self.swapped_in[g] == held {
-            return;
-        }
-        self.swapped_in[g] = held;
-        let b = self.lp(self.groups[g].layout.shard_len);
-        match held {
-            true => self.ledger.alloc(Location::Host, Category::Prefetch, b),
-            false => self.ledger.free(Location::Host, Category::Prefetch, b),
-        }
-    }
-
-    /// `Engine::prefetch_swap`: read a needed NVMe shard ahead when a buffer is free and the
-    /// held elements stay within `max_in_cpu`.
-    fn prefetch_swap(&mut self, g: usize) {
-        let held = (0..self.groups.len()).filter(|&i| self.swapped_in[i]);
-        let (count, elems) = held.fold((0, 0), |(n, e), i| {
-            (n + 1, e + self.groups[i].layout.shard_len)
-        });
-        let fits = self.swap_limit.is_some_and(|l| count < l)
-            && elems + self.groups[g].layout.shard_len <= self.cfg.zero.offload_param.max_in_cpu;
-        if self.on_nvme(g) && !self.gathered[g] && fits {
-            self.swap_buffer(g, true);
-        }
-    }
-
-    /// `Engine::apply_update` with NVMe shards: each shard takes a buffer for its update and
-    /// keeps it until its write-back completes; writes in flight stay under `buffer_count`.
-    fn step_swapped(&mut self) {
-        let Some(limit) = self.swap_limit else { return };
-        let mut writing = VecDeque::new();
-        for g in 0..self.groups.len() {
-            if !self.on_nvme(g) {
-                continue;
-            }
-            self.swap_buffer(g, true);
-            writing.push_back(g);
-            while writing.len() >= limit {
-                if let Some(done) = writing.pop_front() {
-                    self.swap_buffer(done, false);
-                }
-            }
-        }
-        for g in writing {
-            self.swap_buffer(g, false);
-        }
+    /// `Group::ensure_work`: bytes of group `g`'s working copy in the dtype layers read
+    /// parameters in, or `None` where they read the stored dtype (no copy).
+    fn work_bytes(&self, g: usize) -> Option<u64> {
+        let want = self.mem.param_dtype(self.dtype);
+        (want != self.dtype).then(|| (self.groups[g].layout.padded() * want.size()) as u64)
     }
 
     fn release_group(&mut self, g: usize) {
         let padded = self.groups[g].layout.padded();
         if std::mem::take(&mut self.work[g]) {
-            self.ledger
-                .free(Location::Device, Category::Prefetch, (padded * 4) as u64);
+            let b = self.work_bytes(g).unwrap_or(0);
+            self.ledger.free(Location::Device, Category::Prefetch, b);
         }
         if self.groups[g].params == Extent::Shard && std::mem::take(&mut self.gathered[g]) {
             let full = self.lp(padded);
@@ -281,7 +238,7 @@ impl<'a> Replay<'a> {
             .map(|i| self.groups[i].layout.padded())
             .sum();
         let n = self.groups[g].layout.padded();
-        if n > z.prefetch_bucket_size || live + n > z.max_live_parameters {
+        if !rules::prefetch_fits(self.cfg, n, live) {
             return;
         }
         let shared = (self.groups.len() > self.model.units.len())
@@ -306,14 +263,13 @@ impl<'a> Replay<'a> {
         true
     }
 
-    /// `Engine::reused_soon`: stage 3 keeps a unit gathered between its forward and
-    /// backward when the parameters gathered in between stay within `max_reuse_distance`.
+    /// `Engine::reused_soon`: [`rules::reused_soon`] over the replay's layouts.
     fn reused_soon(&self, unit: usize) -> bool {
         let later: usize = self.groups[unit + 1..self.model.units.len()]
             .iter()
             .map(|g| g.layout.padded())
             .sum();
-        self.groups[unit].params == Extent::Shard && 2 * later <= self.cfg.zero.max_reuse_distance
+        rules::reused_soon(self.cfg, self.groups[unit].params == Extent::Shard, later)
     }
 
     fn gather_unit(&mut self, unit: usize) {
@@ -335,26 +291,28 @@ impl<'a> Replay<'a> {
     }
 
     fn ckpt_location(&self) -> Location {
-        match self.checkpointing() {
-            Some(a) if a.cpu_checkpointing => Location::Host,
-            _ => Location::Device,
-        }
+        rules::ckpt_location(self.cfg)
     }
 
     /// Bytes of a unit's input tensor: its predecessor's output (the first unit gets none).
     fn input_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
         match unit {
             0 => 0,
-            u => self.model.units[u - 1].module.output_bytes(mb, seq) as u64,
+            u => self.model.units[u - 1]
+                .module
+                .output_bytes(mb, seq, &self.mem) as u64,
         }
     }
 
     fn saved_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
-        self.model.units[unit].module.saved_bytes(mb, seq) as u64
+        self.model.units[unit]
+            .module
+            .saved_bytes(mb, seq, &self.mem) as u64
     }
 
     /// One training forward over every unit.
     pub(super) fn forward(&mut self, mb: usize, seq: usize) {
+        self.begin_forward_transients(mb, seq);
         let n = self.model.units.len();
         for unit in 0..n {
             self.gather_unit(unit);
@@ -365,6 +323,7 @@ impl<'a> Replay<'a> {
             if unit + 1 < n {
                 self.prefetch(unit + 1);
             }
+            self.unit_forward_transients(unit, mb, seq);
             if !self.reused_soon(unit) {
                 self.release_unit(unit);
             }
@@ -377,43 +336,7 @@ impl<'a> Replay<'a> {
                 self.ledger
                     .alloc(Location::Device, Category::Activations, b);
             }
-        }
-    }
-
-    fn ensure_micro(&mut self, g: usize) {
-        if !self.micro_alive[g] {
-            self.micro_alive[g] = true;
-            let b = (self.groups[g].layout.padded() * 4) as u64;
-            self.ledger
-                .alloc(Location::Device, Category::CommBuffers, b);
-        }
-    }
-
-    /// `take_micro` then `Stage::reduce`: the storage-dtype copy and reduce-scatter staging.
-    fn reduce_group(&mut self, g: usize) {
-        if !std::mem::take(&mut self.micro_alive[g]) {
-            return;
-        }
-        let padded = self.groups[g].layout.padded();
-        self.ledger
-            .free(Location::Device, Category::CommBuffers, (padded * 4) as u64);
-        // The reduction's input is in the wire dtype (`communication_data_type`).
-        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
-        let buf = (padded * wire) as u64;
-        self.ledger
-            .alloc(Location::Device, Category::CommBuffers, buf);
-        if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
-            self.queued.push_back((buf, padded));
-            // `Engine::bound_reductions`: the double buffer, always keeping the newest.
-            let limit = 2 * self.cfg.zero.reduce_bucket_size;
-            while self.queued.len() > 1 && self.queued.iter().map(|q| q.1).sum::<usize>() > limit {
-                if let Some((b, _)) = self.queued.pop_front() {
-                    self.ledger.free(Location::Device, Category::CommBuffers, b);
-                }
-            }
-        } else {
-            self.ledger
-                .free(Location::Device, Category::CommBuffers, buf);
+            self.pass_boundary(unit, mb, seq);
         }
     }
 
@@ -431,6 +354,7 @@ impl<'a> Replay<'a> {
             }
             let saved = self.saved_bytes(unit, mb, seq);
             if self.checkpointing().is_some() {
+                self.unit_forward_transients(unit, mb, seq);
                 let b = self.input_bytes(unit, mb, seq);
                 self.ledger
                     .free(self.ckpt_location(), Category::Activations, b);
@@ -441,6 +365,7 @@ impl<'a> Replay<'a> {
             if let Some(s) = self.uses_shared(unit) {
                 self.ensure_micro(s);
             }
+            self.unit_backward_transients(unit, mb, seq);
             self.ledger
                 .free(Location::Device, Category::Activations, saved);
             self.release_unit(unit);
@@ -451,14 +376,16 @@ impl<'a> Replay<'a> {
                 }
             }
         }
-        for (b, _) in std::mem::take(&mut self.queued) {
-            self.ledger.free(Location::Device, Category::CommBuffers, b);
+        for q in std::mem::take(&mut self.queued) {
+            self.free_reduction(q);
         }
+        self.end_backward_transients(mb, seq);
     }
 
     /// The optimizer boundary: stages that shard the optimizer over replicated parameters
     /// all-gather the updated shards (`Stage::publish`).
     pub(super) fn step(&mut self) {
+        self.step_transients();
         self.step_swapped();
         // One rank owns everything: the optimizer wrote the parameters in place.
         let world = self.groups.first().map_or(1, |g| g.layout.world_size);
@@ -479,21 +406,6 @@ impl<'a> Replay<'a> {
 
     /// The ledger after the replay.
     pub(super) fn ledger(&self) -> &Ledger {
-        &self.ledger
-    }
-}
-
-/// hpZ's group size when `Engine` opens it (`hpz::open`): stage 3 and a size that splits the
-/// world into several groups; else 0.
-fn hpz_size(cfg: &ResolvedConfig) -> usize {
-    let (g, w) = (cfg.zero.hpz_partition_size, cfg.world_size);
-    let on = cfg.zero.stage == ferrozero_config::resolved::ZeroStage::Stage3
-        && g > 1
-        && g < w
-        && w.is_multiple_of(g);
-    if on {
-        g
-    } else {
-        0
+        self.ledger.ledger()
     }
 }

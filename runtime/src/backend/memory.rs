@@ -1,0 +1,257 @@
+//! What a device keeps in memory for training, described without opening the device.
+//!
+//! Layers price what they save for backward ([`crate::nn::Module::saved_bytes`]) through a
+//! [`MemoryModel`], and each backend reports its own ([`super::MemoryOps::memory_model`]), so
+//! the estimator and a real run read one description: the activation dtype, what attention
+//! and the loss head keep (the CPU: probabilities and full logits; a flash-style GPU: per-row
+//! log-sum-exp), whether layers read parameters widened to f32 (a working copy per gathered
+//! group), and the allocator's block rounding. A struct rather than a trait because the
+//! estimator must describe a GPU on a machine that has none
+//! ([`MemoryModel::for_device`]): the figures are data about the device kind, not behaviour
+//! of an open device.
+
+use super::{AttentionShape, Device, HeadShape};
+use crate::tensor::DType;
+
+/// The CUDA caching allocator's smallest block, written here so that builds without the
+/// `cuda` feature can still describe a GPU (the allocator's own constant is checked equal).
+const CUDA_BLOCK: u64 = 512;
+#[cfg(feature = "cuda")]
+const _: () = assert!(CUDA_BLOCK == super::cuda::driver::MIN_BLOCK);
+
+/// The most bytes of logits a chunked loss head holds at once (256 MiB).
+pub const LOGIT_CHUNK_BYTES: usize = 256 << 20;
+
+/// What attention's forward keeps for backward besides Q, K, V and its output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionState {
+    /// The softmax probabilities: f32, `seq x seq` per sequence and query head (the CPU).
+    Probabilities,
+    /// One f32 log-sum-exp per row and query head (flash-style attention: the CUDA backend).
+    LogSumExp,
+}
+
+/// What the loss head keeps for backward besides its input and weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadState {
+    /// Every row's full-vocabulary probabilities in f32 (the CPU).
+    Probabilities,
+    /// One f32 log-sum-exp per row; logits are recomputed a chunk of rows at a time (CUDA).
+    LogSumExp,
+}
+
+/// A device's memory behaviour, as layers and the estimator need it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryModel {
+    /// The dtype activations are stored in.
+    pub act: DType,
+    /// Layers read parameters in f32 whatever their storage dtype (the CPU), so a gathered
+    /// low-precision group gets an f32 working copy; a GPU reads them as stored.
+    pub widens_params: bool,
+    /// What attention saves.
+    pub attention: AttentionState,
+    /// What the loss head saves.
+    pub head: HeadState,
+    /// Every device buffer occupies a multiple of this many bytes (the caching allocator's
+    /// smallest block; 1 where allocations are exact).
+    pub block: u64,
+    /// The device's own count of its memory sees every buffer, also those a layer or the
+    /// engine holds only during one call (a caching allocator's live bytes), so an estimate
+    /// of its peak prices them ([`crate::nn::Module::transient_bytes`]). The CPU's count is
+    /// the engine's ledger, which sees only what outlives a call.
+    pub counts_transients: bool,
+}
+
+impl std::fmt::Display for MemoryModel {
+    /// One line for reports: the figures an estimate was priced with.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let attention = match self.attention {
+            AttentionState::Probabilities => "attention keeps probabilities",
+            AttentionState::LogSumExp => "flash attention keeps log-sum-exp",
+        };
+        let head = match self.head {
+            HeadState::Probabilities => "head keeps full logits",
+            HeadState::LogSumExp => "chunked head",
+        };
+        let work = if self.widens_params {
+            "f32 working copies"
+        } else {
+            "no working copies"
+        };
+        write!(
+            f,
+            "{:?} activations, {attention}, {head}, {work}, {}-byte blocks",
+            self.act, self.block
+        )?;
+        if self.counts_transients {
+            f.write_str(", transient buffers counted")?;
+        }
+        Ok(())
+    }
+}
+
+impl MemoryModel {
+    /// The CPU backend: f32 activations, probabilities kept, parameters widened, exact sizes.
+    pub const fn cpu() -> Self {
+        MemoryModel {
+            act: DType::F32,
+            widens_params: true,
+            attention: AttentionState::Probabilities,
+            head: HeadState::Probabilities,
+            block: 1,
+            counts_transients: false,
+        }
+    }
+
+    /// The CUDA backend computing activations in `act`: flash-style attention and a chunked
+    /// loss head (log-sum-exp only), parameters read as stored, sizes in the caching
+    /// allocator's blocks.
+    pub const fn cuda(act: DType) -> Self {
+        MemoryModel {
+            act,
+            widens_params: false,
+            attention: AttentionState::LogSumExp,
+            head: HeadState::LogSumExp,
+            block: CUDA_BLOCK,
+            counts_transients: true,
+        }
+    }
+
+    /// The model of the backend `device` would open for activations in `act`, without opening
+    /// it: a GPU is described on a machine that has none. `Auto` is a GPU only where one is
+    /// usable (as [`super::open`] decides).
+    pub fn for_device(device: Device, act: DType) -> Self {
+        if super::memory_is_host_ram(device) {
+            Self::cpu()
+        } else {
+            Self::cuda(act)
+        }
+    }
+
+    /// The dtype layers read parameters stored in `storage` in.
+    pub fn param_dtype(&self, storage: DType) -> DType {
+        if self.widens_params {
+            DType::F32
+        } else {
+            storage
+        }
+    }
+
+    /// Bytes one buffer of `elems` elements of `dtype` occupies on the device.
+    pub fn bytes(&self, dtype: DType, elems: usize) -> usize {
+        self.round((elems * dtype.size()) as u64) as usize
+    }
+
+    /// Bytes of an activation buffer of `elems` elements.
+    pub fn act_bytes(&self, elems: usize) -> usize {
+        self.bytes(self.act, elems)
+    }
+
+    /// `bytes` rounded up to the device's allocation block.
+    pub fn round(&self, bytes: u64) -> u64 {
+        bytes.div_ceil(self.block.max(1)) * self.block.max(1)
+    }
+
+    /// Bytes attention keeps for backward beyond Q, K, V and O (one buffer).
+    pub fn attention_saved(&self, s: AttentionShape) -> usize {
+        let per_row = match self.attention {
+            AttentionState::Probabilities => s.seq,
+            AttentionState::LogSumExp => 1,
+        };
+        self.bytes(DType::F32, s.batch * s.q_heads * s.seq * per_row)
+    }
+
+    /// Rows of logits the loss head computes at once: all of them where it keeps
+    /// probabilities, else as many as fit [`LOGIT_CHUNK_BYTES`] (at least one).
+    pub fn head_chunk_rows(&self, s: HeadShape) -> usize {
+        match self.head {
+            HeadState::Probabilities => s.rows,
+            HeadState::LogSumExp => {
+                (LOGIT_CHUNK_BYTES / (s.vocab.max(1) * self.act.size())).clamp(1, s.rows.max(1))
+            }
+        }
+    }
+
+    /// Bytes the loss head's operation holds only while it runs, as `(forward, backward)`:
+    /// a chunked head's chunk of logits, and in forward the per-row losses and an error flag.
+    /// (A head keeping probabilities computes them into its saved state.)
+    pub fn head_transient(&self, s: HeadShape) -> (usize, usize) {
+        match self.head {
+            HeadState::Probabilities => (0, 0),
+            HeadState::LogSumExp => {
+                let logits = self.act_bytes(self.head_chunk_rows(s) * s.vocab);
+                let fwd = logits + self.bytes(DType::F32, s.rows) + self.bytes(DType::F32, 1);
+                (fwd, logits)
+            }
+        }
+    }
+
+    /// Bytes attention's backward holds while it runs: flash-style backward's per-row
+    /// `rowsum(dO * O)`; the probabilities' backward works in the saved buffer.
+    pub fn attention_transient(&self, s: AttentionShape) -> usize {
+        match self.attention {
+            AttentionState::Probabilities => 0,
+            AttentionState::LogSumExp => self.bytes(DType::F32, s.batch * s.q_heads * s.seq),
+        }
+    }
+
+    /// Bytes the loss head keeps for backward beyond its input and weight (one buffer).
+    pub fn head_saved(&self, s: HeadShape) -> usize {
+        let per_row = match self.head {
+            HeadState::Probabilities => s.vocab,
+            HeadState::LogSumExp => 1,
+        };
+        self.bytes(DType::F32, s.rows * per_row)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attn() -> AttentionShape {
+        AttentionShape {
+            batch: 2,
+            seq: 8,
+            q_heads: 4,
+            kv_heads: 4,
+            head_dim: 16,
+        }
+    }
+
+    #[test]
+    fn the_cpu_keeps_probabilities_in_exact_f32() {
+        let m = MemoryModel::cpu();
+        assert_eq!(m.attention_saved(attn()), 2 * 4 * 8 * 8 * 4);
+        let head = HeadShape {
+            rows: 16,
+            dim: 8,
+            vocab: 50,
+        };
+        assert_eq!(m.head_saved(head), 16 * 50 * 4);
+        assert_eq!(m.act_bytes(3), 12);
+        assert_eq!(m.param_dtype(DType::Bf16), DType::F32);
+    }
+
+    #[test]
+    fn a_gpu_keeps_row_statistics_in_allocator_blocks() {
+        let m = MemoryModel::cuda(DType::Bf16);
+        // 2 x 4 x 8 f32 log-sum-exps: 256 bytes, one 512-byte block.
+        assert_eq!(m.attention_saved(attn()), 512);
+        assert_eq!(m.act_bytes(300), 1024);
+        assert_eq!(m.param_dtype(DType::Bf16), DType::Bf16);
+        assert_eq!(m.round(0), 0);
+    }
+
+    #[test]
+    fn a_gpu_is_described_without_opening_one() {
+        assert_eq!(
+            MemoryModel::for_device(Device::Cuda(Some(7)), DType::Bf16),
+            MemoryModel::cuda(DType::Bf16)
+        );
+        assert_eq!(
+            MemoryModel::for_device(Device::Cpu, DType::Bf16),
+            MemoryModel::cpu()
+        );
+    }
+}

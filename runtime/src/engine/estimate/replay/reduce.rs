@@ -1,0 +1,62 @@
+//! Gradient reductions in the replay: the f32 micro-step gradient from a unit's first
+//! backward use, its wire-dtype copy, and the comm worker's bounded queue (`overlap.rs`).
+
+use super::Replay;
+use crate::engine::ledger::{Category, Location};
+use crate::engine::rules;
+
+impl Replay<'_> {
+    /// Bytes one micro-step's gradient reductions take as input: every group's padded
+    /// gradient in the wire dtype (`Engine::reduce_group`).
+    pub(in crate::engine::estimate) fn reduced_bytes_per_micro(&self) -> u64 {
+        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
+        let elems: usize = self.groups.iter().map(|g| g.layout.padded()).sum();
+        (elems * wire) as u64
+    }
+
+    pub(super) fn ensure_micro(&mut self, g: usize) {
+        if !self.micro_alive[g] {
+            self.micro_alive[g] = true;
+            let b = (self.groups[g].layout.padded() * 4) as u64;
+            self.ledger
+                .alloc(Location::Device, Category::CommBuffers, b);
+        }
+    }
+
+    /// `take_micro` then `Stage::reduce`: the storage-dtype copy and reduce-scatter staging.
+    pub(super) fn reduce_group(&mut self, g: usize) {
+        if !std::mem::take(&mut self.micro_alive[g]) {
+            return;
+        }
+        let padded = self.groups[g].layout.padded();
+        // The reduction's input is in the wire dtype (`communication_data_type`).
+        let wire = crate::engine::build::reduce_dtype(self.cfg).size();
+        let buf = (padded * wire) as u64;
+        let out = self.reduce_output_bytes(g);
+        self.free_micro_for_wire(padded, buf);
+        self.ledger
+            .alloc(Location::Device, Category::CommBuffers, out);
+        if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
+            self.queued.push_back((buf, out, padded));
+            // `Engine::bound_reductions`: the double buffer, always keeping the newest.
+            while rules::reductions_over_bound(
+                self.cfg,
+                self.queued.len(),
+                self.queued.iter().map(|q| q.2).sum(),
+            ) {
+                if let Some(q) = self.queued.pop_front() {
+                    self.free_reduction(q);
+                }
+            }
+        } else {
+            self.free_reduction((buf, out, padded));
+        }
+    }
+
+    pub(super) fn free_reduction(&mut self, (buf, out, _): (u64, u64, usize)) {
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, buf);
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, out);
+    }
+}

@@ -1,0 +1,124 @@
+//! The engine's memory-shaping decisions as pure functions of the config and sizes.
+//!
+//! Invariant: the estimator's replay (`estimate/replay.rs`) and the engine (`core.rs`,
+//! `build.rs`, `overlap.rs`) call these same functions, never a copy, so the buffers the
+//! estimator prices are the buffers the engine makes. Each takes sizes rather than engine
+//! state, because the replay has only the layout arithmetic, no buffers.
+
+use ferrozero_config::resolved::ResolvedConfig;
+
+use super::ledger::Location;
+use super::stage::Extent;
+
+/// Stage 3's `max_reuse_distance`: a unit whose parameters are used again (in its backward)
+/// within that many gathered elements stays gathered after forward. `partitioned`: the
+/// unit's parameters are sharded (only those are ever released); `later_padded`: the padded
+/// elements of every unit after it, gathered before its backward comes round (and counted
+/// twice: forward and backward both gather them).
+pub fn reused_soon(cfg: &ResolvedConfig, partitioned: bool, later_padded: usize) -> bool {
+    partitioned && 2 * later_padded <= cfg.zero.max_reuse_distance
+}
+
+/// Where a checkpointed unit's input waits for backward: host memory with
+/// `cpu_checkpointing`, else the device.
+pub fn ckpt_location(cfg: &ResolvedConfig) -> Location {
+    match &cfg.activation_checkpointing {
+        Some(a) if a.cpu_checkpointing => Location::Host,
+        _ => Location::Device,
+    }
+}
+
+/// A group's parameter extent: stage 3 keeps groups under `param_persistence_threshold`
+/// whole (`stage_params` is the stage's own extent for parameters).
+pub fn param_extent(cfg: &ResolvedConfig, stage_params: Extent, numel: usize) -> Extent {
+    match stage_params {
+        Extent::Shard if numel < cfg.zero.param_persistence_threshold => Extent::Full,
+        e => e,
+    }
+}
+
+/// Whether a stage-3 prefetch of a group of `padded` elements may start with `live` gathered
+/// elements already on the device: it fits `stage3_prefetch_bucket_size` and, beside what is
+/// live, `stage3_max_live_parameters`.
+pub fn prefetch_fits(cfg: &ResolvedConfig, padded: usize, live: usize) -> bool {
+    padded <= cfg.zero.prefetch_bucket_size && live + padded <= cfg.zero.max_live_parameters
+}
+
+/// Whether the comm worker's queued reductions (`count` of them, `queued` padded elements in
+/// all) must drain their oldest first: the double buffer of `reduce_bucket_size` is full,
+/// and the newest is always kept.
+pub fn reductions_over_bound(cfg: &ResolvedConfig, count: usize, queued: usize) -> bool {
+    count > 1 && queued > 2 * cfg.zero.reduce_bucket_size
+}
+
+/// ZeRO++ hpZ's secondary group size when it applies: stage-3 sharded parameters and a
+/// `zero_hpz_partition_size` that splits `world` into several groups; else 0 (off). A size
+/// that does not divide the world is the engine's error to report (`hpz::open`).
+pub fn hpz_size(cfg: &ResolvedConfig, world: usize, params: Extent) -> usize {
+    let g = cfg.zero.hpz_partition_size;
+    let on = params == Extent::Shard && g > 1 && g < world && world.is_multiple_of(g);
+    if on {
+        g
+    } else {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrozero_config::resolved::ActivationCheckpointing;
+    use ferrozero_config::{Format, ResolveContext};
+
+    fn cfg() -> ResolvedConfig {
+        let src = "train_micro_batch_size_per_gpu = 1\n[optimizer]\ntype = \"AdamW\"\n\
+                   params.lr = 1e-4\n[zero_optimization]\nstage = 3\n";
+        let loaded = ferrozero_config::parse(src, Format::Toml, "test").unwrap();
+        let ctx = ResolveContext {
+            world_size: 1,
+            hidden_size: None,
+            micro_batch_hint: None,
+        };
+        loaded.config.resolve(&ctx).unwrap()
+    }
+
+    #[test]
+    fn reuse_needs_a_sharded_unit_within_the_distance() {
+        let mut c = cfg();
+        c.zero.max_reuse_distance = 100;
+        assert!(reused_soon(&c, true, 50));
+        assert!(!reused_soon(&c, true, 51));
+        assert!(!reused_soon(&c, false, 0));
+    }
+
+    #[test]
+    fn checkpoints_go_where_cpu_checkpointing_says() {
+        let mut c = cfg();
+        c.activation_checkpointing = Some(ActivationCheckpointing {
+            cpu_checkpointing: true,
+        });
+        assert_eq!(ckpt_location(&c), Location::Host);
+        c.activation_checkpointing = Some(ActivationCheckpointing {
+            cpu_checkpointing: false,
+        });
+        assert_eq!(ckpt_location(&c), Location::Device);
+    }
+
+    #[test]
+    fn small_groups_persist_and_bounds_bind() {
+        let mut c = cfg();
+        c.zero.param_persistence_threshold = 10;
+        assert_eq!(param_extent(&c, Extent::Shard, 9), Extent::Full);
+        assert_eq!(param_extent(&c, Extent::Shard, 10), Extent::Shard);
+        assert_eq!(param_extent(&c, Extent::Full, 1), Extent::Full);
+        c.zero.prefetch_bucket_size = 10;
+        c.zero.max_live_parameters = 15;
+        assert!(prefetch_fits(&c, 10, 5));
+        assert!(!prefetch_fits(&c, 10, 6));
+        assert!(!prefetch_fits(&c, 11, 0));
+        c.zero.reduce_bucket_size = 5;
+        assert!(!reductions_over_bound(&c, 1, 100));
+        assert!(!reductions_over_bound(&c, 2, 10));
+        assert!(reductions_over_bound(&c, 2, 11));
+    }
+}

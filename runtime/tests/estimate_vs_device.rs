@@ -1,0 +1,167 @@
+//! The estimator against a device's own allocator: GPT-2 and Llama (small configs) trained on
+//! the CUDA backend over the CPU emulator of the device (bf16 activations), at stages 0-3,
+//! with optimizer offload, parameter offload and activation checkpointing on and off; the
+//! estimate's device peak is within 5% of the peak the caching allocator measured
+//! (`Backend::memory_stats`), and the engine's ledger agrees with the estimate's ledger
+//! figures on the device as it does on the CPU.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{checkpointing, config, toy};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::Device;
+use ferrozero_runtime::backend::{self, Backend};
+use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::estimate::estimate;
+use ferrozero_runtime::engine::Engine;
+use ferrozero_runtime::nn::{gpt2, llama, Model};
+use ferrozero_runtime::tensor::DType;
+
+const MICRO: usize = 2;
+const SEQ: usize = 32;
+const VOCAB: usize = 64;
+
+#[derive(Clone, Copy, Debug)]
+enum Which {
+    Gpt2,
+    Llama,
+}
+
+fn build(which: Which) -> Model {
+    match which {
+        Which::Gpt2 => gpt2::build(&gpt2::Gpt2Config::preset("tiny").unwrap()).unwrap(),
+        Which::Llama => llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap(),
+    }
+}
+
+/// The allocator's peak on rank 0 after one optimizer step of two micro-batches, each rank on
+/// its own fresh emulated device (so the peak is that rank's alone).
+fn measure(which: Which, cfg: &ResolvedConfig) -> u64 {
+    let world = cfg.world_size;
+    let out = run_ranks(world, Duration::from_secs(300), |comm| {
+        let rank = comm.rank();
+        let be: Arc<dyn Backend> = backend::cuda::emulated(DType::Bf16)?;
+        let mut e = Engine::with_backend(build(which), cfg.clone(), comm, be)?;
+        let batches: Vec<_> = (0..cfg.gradient_accumulation_steps)
+            .map(|m| toy::batch(VOCAB, SEQ, (m * world + rank) * MICRO, MICRO))
+            .collect();
+        e.train_batch(&batches)?;
+        let stats = e.backend().memory_stats();
+        Ok(stats.map_or(0, |m| m.peak))
+    })
+    .unwrap();
+    out[0]
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Offload {
+    None,
+    Optimizer,
+    OptimizerAndParams,
+}
+
+fn make_config(stage: ZeroStage, world: usize, offload: Offload, ckpt: bool) -> ResolvedConfig {
+    let mut cfg = config(stage, world, MICRO, 2, Precision::Bf16);
+    // The estimate describes the device from the config alone, as on a machine without one.
+    cfg.device = Device::Cuda(None);
+    if matches!(offload, Offload::Optimizer | Offload::OptimizerAndParams) {
+        cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    }
+    if matches!(offload, Offload::OptimizerAndParams) {
+        cfg.zero.offload_param.target = OffloadTarget::Cpu;
+    }
+    cfg.activation_checkpointing = ckpt.then(|| checkpointing(false));
+    cfg
+}
+
+fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
+    let est = estimate(&build(which), cfg, MICRO, SEQ).device.peak_bytes;
+    let got = measure(which, cfg);
+    let off = (est as f64 - got as f64).abs() / (got as f64).max(1.0);
+    let what = format!(
+        "{which:?} stage {} world {} offload {:?}/{:?} ckpt {} overlap {}",
+        cfg.zero.stage.number(),
+        cfg.world_size,
+        cfg.zero.offload_optimizer.target,
+        cfg.zero.offload_param.target,
+        cfg.activation_checkpointing.is_some(),
+        cfg.zero.overlap_comm
+    );
+    // One row per configuration, for the record (`--nocapture` shows the table).
+    eprintln!("| {what} | {est} | {got} | {:.2}% |", off * 100.0);
+    if off > 0.05 {
+        failures.push(format!("{what}: estimate {est} vs allocator peak {got}"));
+    }
+}
+
+fn sweep(which: Which) {
+    let mut failures = Vec::new();
+    let mut runs = 0;
+    for stage in [
+        ZeroStage::Stage0,
+        ZeroStage::Stage1,
+        ZeroStage::Stage2,
+        ZeroStage::Stage3,
+    ] {
+        for world in [1, 2] {
+            for offload in [
+                Offload::None,
+                Offload::Optimizer,
+                Offload::OptimizerAndParams,
+            ] {
+                if matches!(offload, Offload::OptimizerAndParams) && stage != ZeroStage::Stage3 {
+                    continue;
+                }
+                for ckpt in [false, true] {
+                    let cfg = make_config(stage, world, offload, ckpt);
+                    check(which, &cfg, &mut failures);
+                    runs += 1;
+                    if world > 1 {
+                        // The comm worker: queued reductions and stage-3 prefetch.
+                        let mut overlapped = cfg;
+                        overlapped.zero.overlap_comm = true;
+                        check(which, &overlapped, &mut failures);
+                        runs += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(runs, 54);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The same run priced with the CPU's figures (f32 activations and working copies, attention
+/// probabilities, full logits, exact sizes) misses the device's peak: the sweep above can fail.
+#[test]
+fn cpu_figures_would_misprice_the_device() {
+    let gpu = make_config(ZeroStage::Stage3, 1, Offload::None, false);
+    let mut cpu = gpu.clone();
+    cpu.device = Device::Cpu;
+    let got = measure(Which::Gpt2, &gpu);
+    let (est_gpu, est_cpu) = (
+        estimate(&build(Which::Gpt2), &gpu, MICRO, SEQ)
+            .device
+            .peak_bytes,
+        estimate(&build(Which::Gpt2), &cpu, MICRO, SEQ)
+            .device
+            .peak_bytes,
+    );
+    let off = |e: u64| (e as f64 - got as f64).abs() / got as f64;
+    assert!(off(est_gpu) <= 0.05, "{est_gpu} vs {got}");
+    assert!(off(est_cpu) > 0.05, "CPU figures {est_cpu} vs device {got}");
+}
+
+#[test]
+fn gpt2_device_peak_is_the_allocators_within_5_percent() {
+    sweep(Which::Gpt2);
+}
+
+#[test]
+fn llama_device_peak_is_the_allocators_within_5_percent() {
+    sweep(Which::Llama);
+}
