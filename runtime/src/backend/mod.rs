@@ -159,6 +159,22 @@ pub struct DeviceActivity {
     pub copy_bytes: u64,
 }
 
+impl std::ops::Add for DeviceActivity {
+    type Output = DeviceActivity;
+
+    /// The activity of two spans together (sums over steps).
+    fn add(self, o: DeviceActivity) -> DeviceActivity {
+        DeviceActivity {
+            host_syncs: self.host_syncs + o.host_syncs,
+            kernel_launches: self.kernel_launches + o.kernel_launches,
+            gemms: self.gemms + o.gemms,
+            memsets: self.memsets + o.memsets,
+            copies: self.copies + o.copies,
+            copy_bytes: self.copy_bytes + o.copy_bytes,
+        }
+    }
+}
+
 impl std::ops::Sub for DeviceActivity {
     type Output = DeviceActivity;
 

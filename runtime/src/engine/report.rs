@@ -55,6 +55,10 @@ pub struct StepReport {
     /// all-reduce or reduce-scatter input, in `communication_data_type`: half the f32 figure
     /// in bf16 or fp16); zero at world size 1.
     pub reduced_bytes: u64,
+    /// What this rank asked of its device since the previous step (or since `train_batch`
+    /// began): host syncs, kernel launches, copies, as the driver layer counted them. `None`
+    /// on the CPU. With ranks as threads sharing one device the counts are the device's.
+    pub device_activity: Option<crate::backend::DeviceActivity>,
 }
 
 /// NVMe bytes moved by one rank in one step.

@@ -30,6 +30,7 @@ impl Engine {
                 "train_batch called in the middle of a manual accumulation".into(),
             ));
         }
+        self.activity_mark = self.be.activity();
         let local: u64 = micro_batches.iter().map(|b| b.valid_targets() as u64).sum();
         let global = self.sum_across_ranks(local as f64)? as u64;
         let grad = (self.scaler.scale() / global.max(1) as f64) as f32;
@@ -107,6 +108,7 @@ impl Engine {
             swap: self.step_traffic(),
             cross_group_bytes: self.take_cross_group_bytes(),
             reduced_bytes: std::mem::take(&mut self.reduced_bytes),
+            device_activity: self.step_activity(),
         };
 
         self.tokens = 0;
@@ -118,6 +120,16 @@ impl Engine {
             }));
         }
         Ok(Some(report))
+    }
+
+    /// The device's counts since the step began; the mark moves to now, so a step driven by
+    /// `forward`/`backward`/`step` counts from the previous step's end.
+    fn step_activity(&mut self) -> Option<crate::backend::DeviceActivity> {
+        let now = self.be.activity();
+        match (std::mem::replace(&mut self.activity_mark, now), now) {
+            (Some(then), Some(now)) => Some(now - then),
+            _ => None,
+        }
     }
 
     /// The clipping coefficient for a global norm (1 without clipping).

@@ -25,13 +25,29 @@ pub enum TraceOp {
     /// A cuBLASLt matmul.
     Gemm,
     /// A host-to-device copy of this many bytes (`wait`: the host waited for it).
-    CopyHtoD { bytes: usize, wait: bool },
+    CopyHtoD {
+        /// Bytes copied.
+        bytes: usize,
+        /// Whether the host waited for the copy.
+        wait: bool,
+    },
     /// A device-to-host copy of this many bytes (`wait`: the host waited for it).
-    CopyDtoH { bytes: usize, wait: bool },
+    CopyDtoH {
+        /// Bytes copied.
+        bytes: usize,
+        /// Whether the host waited for the copy.
+        wait: bool,
+    },
     /// A device-to-device copy of this many bytes.
-    CopyDtoD { bytes: usize },
+    CopyDtoD {
+        /// Bytes copied.
+        bytes: usize,
+    },
     /// A memset of this many bytes.
-    Memset { bytes: usize },
+    Memset {
+        /// Bytes set.
+        bytes: usize,
+    },
     /// An event recorded at this point of the stream.
     Record(Event),
     /// Later work on the stream waits for the event.
