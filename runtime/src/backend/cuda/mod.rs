@@ -37,6 +37,8 @@ mod storage;
 mod stream;
 #[cfg(feature = "cuda")]
 mod token;
+#[cfg(feature = "cuda")]
+mod upload;
 
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;

@@ -2,7 +2,7 @@
 //! gradient scale read from device memory, bit-identical to the CPU step.
 
 use super::backend::{expect_dtype, expect_len, CudaBackend};
-use super::device::{BLOCK, STREAM};
+use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::kernels::params::OptTensor;
 use super::launch::Args;
@@ -85,10 +85,8 @@ impl OptimizerOps for CudaBackend {
             n: n as i64,
             first_chunk: 0,
         };
-        let table = self.dev.alloc(std::mem::size_of::<OptTensor>())?;
-        table.copy_from_host(bytemuck::bytes_of(&desc), STREAM)?;
-        let scale = self.dev.alloc(4)?;
-        scale.copy_from_host(&grad_scale.to_le_bytes(), STREAM)?;
+        let table = self.dev.upload_async(bytemuck::bytes_of(&desc))?;
+        let scale = self.dev.upload_async(&grad_scale.to_le_bytes())?;
         let chunks = n.div_ceil(CHUNK);
         let head = Args::new()
             .ptr(table.ptr())

@@ -558,10 +558,10 @@ impl<'a> CudaViewMut<'a> {
 impl CudaIds {
     /// `host` copied to `dev`.
     pub(crate) fn upload(dev: &Arc<CudaDevice>, host: &[i32]) -> Result<Self> {
-        let buf = dev.alloc(host.len() * 4)?;
-        if !host.is_empty() {
-            buf.copy_from_host(bytemuck::cast_slice(host), STREAM)?;
-        }
+        let buf = match host.is_empty() {
+            true => dev.alloc(0)?,
+            false => dev.upload_async(bytemuck::cast_slice(host))?,
+        };
         Ok(CudaIds {
             buf,
             host: host.to_vec(),
