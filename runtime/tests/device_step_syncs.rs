@@ -29,7 +29,7 @@ const GAS: usize = 2;
 /// Host syncs one optimizer step may make. The goal is 1 (one download of the step's status
 /// at its end); this is the ratchet where the work stands: lower it as syncs go, never raise
 /// it. See `ARCHITECTURE.md` ("a training step on a device waits for it ...").
-const MAX_SYNCS_PER_STEP: u64 = 7;
+const MAX_SYNCS_PER_STEP: u64 = 1;
 
 /// Kernel launches (GEMMs included) one GPT-2 block adds to a step of two micro-batches: its
 /// forward, backward and optimizer share, measured as the difference between a 2-block and a

@@ -21,12 +21,14 @@ mod cpu;
 pub mod cuda;
 pub mod rng;
 mod rope;
+mod status;
 pub mod stream;
 
 use std::sync::Arc;
 
 pub use cpu::CpuBackend;
 pub use rope::{Rope, RopeScaling};
+pub use status::StepStatus;
 pub use stream::{Stream, StreamEvent, StreamOps};
 
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
@@ -234,6 +236,14 @@ pub trait OptimizerOps {
         v: ViewMut<'_>,
         lp: Option<ViewMut<'_>>,
     ) -> Result<()>;
+
+    /// The values a step decides on, read back to the host together: each micro-step's loss
+    /// (a one-element view) and each gradient view's sum of squares in f64, summed in the
+    /// order its length fixes (as `Storage::sum_squares`, so the same bits, finite exactly
+    /// when every element is). A device computes the sums where the gradients live and
+    /// downloads everything in one copy: the step's one wait for it. Views in host memory are
+    /// read on the host.
+    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus>;
 }
 
 /// Dense matrix products with f32 accumulation.

@@ -32,6 +32,8 @@ pub(crate) mod peer;
 #[cfg(feature = "cuda")]
 mod pinned;
 #[cfg(feature = "cuda")]
+mod status;
+#[cfg(feature = "cuda")]
 mod storage;
 #[cfg(feature = "cuda")]
 mod stream;

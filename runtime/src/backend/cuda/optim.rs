@@ -7,7 +7,7 @@ use super::driver::{DevPtr, LaunchConfig};
 use super::kernels::params::OptTensor;
 use super::launch::Args;
 use super::storage::CudaBuf;
-use crate::backend::{OptimizerOps, UpdateRule};
+use crate::backend::{OptimizerOps, StepStatus, UpdateRule};
 use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
 use ferrozero_offload::optim::WeightDecay;
@@ -18,6 +18,10 @@ const OP: &str = "optimizer step";
 const CHUNK: usize = 1 << 16;
 
 impl OptimizerOps for CudaBackend {
+    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
+        self.read_status(losses, grads)
+    }
+
     fn optimizer_update(
         &self,
         rule: &UpdateRule,
