@@ -25,29 +25,13 @@ pub enum TraceOp {
     /// A cuBLASLt matmul.
     Gemm,
     /// A host-to-device copy of this many bytes (`wait`: the host waited for it).
-    CopyHtoD {
-        /// Bytes copied.
-        bytes: usize,
-        /// Whether the host waited for the copy.
-        wait: bool,
-    },
+    CopyHtoD { bytes: usize, wait: bool },
     /// A device-to-host copy of this many bytes (`wait`: the host waited for it).
-    CopyDtoH {
-        /// Bytes copied.
-        bytes: usize,
-        /// Whether the host waited for the copy.
-        wait: bool,
-    },
+    CopyDtoH { bytes: usize, wait: bool },
     /// A device-to-device copy of this many bytes.
-    CopyDtoD {
-        /// Bytes copied.
-        bytes: usize,
-    },
+    CopyDtoD { bytes: usize },
     /// A memset of this many bytes.
-    Memset {
-        /// Bytes set.
-        bytes: usize,
-    },
+    Memset { bytes: usize },
     /// An event recorded at this point of the stream.
     Record(Event),
     /// Later work on the stream waits for the event.
