@@ -24,14 +24,30 @@ pub enum TraceOp {
     Launch(String),
     /// A cuBLASLt matmul.
     Gemm,
-    /// A host-to-device copy of this many bytes (`wait`: the host waited for it).
-    CopyHtoD { bytes: usize, wait: bool },
-    /// A device-to-host copy of this many bytes (`wait`: the host waited for it).
-    CopyDtoH { bytes: usize, wait: bool },
-    /// A device-to-device copy of this many bytes.
-    CopyDtoD { bytes: usize },
-    /// A memset of this many bytes.
-    Memset { bytes: usize },
+    /// A host-to-device copy.
+    CopyHtoD {
+        /// Bytes copied.
+        bytes: usize,
+        /// Whether the host waited for it.
+        wait: bool,
+    },
+    /// A device-to-host copy.
+    CopyDtoH {
+        /// Bytes copied.
+        bytes: usize,
+        /// Whether the host waited for it.
+        wait: bool,
+    },
+    /// A device-to-device copy.
+    CopyDtoD {
+        /// Bytes copied.
+        bytes: usize,
+    },
+    /// A memset.
+    Memset {
+        /// Bytes set.
+        bytes: usize,
+    },
     /// An event recorded at this point of the stream.
     Record(Event),
     /// Later work on the stream waits for the event.
