@@ -10,10 +10,10 @@
 //! and every upload when the driver will not page-lock the ring, are synchronous copies, as
 //! before (an asynchronous copy from pageable memory would wait for the stream anyway).
 
-use std::alloc::Layout;
 use std::collections::VecDeque;
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
+
+use memmap2::MmapMut;
 
 use super::driver::{DevPtr, Driver, Event, StreamKind};
 use crate::Result;
@@ -22,42 +22,38 @@ use crate::Result;
 const RING_BYTES: usize = 4 << 20;
 /// Each upload starts at a multiple of this.
 const ALIGN: usize = 256;
-/// The host page (the ring shares no page with other registered memory).
-const PAGE: usize = 4096;
 
 /// The ring of one device.
 #[derive(Debug)]
 pub(crate) struct UploadRing {
     driver: Arc<dyn Driver>,
+    /// Bytes of the ring (`RING_BYTES`; tests take less).
+    bytes: usize,
     state: Mutex<Option<Ring>>,
 }
 
 #[derive(Debug)]
 struct Ring {
-    /// The page-locked memory; `None` when the driver refused to register it.
-    mem: Option<Pages>,
+    /// The page-locked memory: anonymous pages of its own, so it shares no page with other
+    /// registered memory (and leaves the allocator's heuristics alone); `None` when the
+    /// driver refused to register it.
+    mem: Option<MmapMut>,
+    bytes: usize,
     head: usize,
     /// Regions whose copies may still be queued, oldest first.
     pending: VecDeque<(usize, usize, Event)>,
     idle: Vec<Event>,
 }
 
-/// Page-aligned host memory of `RING_BYTES`.
-#[derive(Debug)]
-struct Pages(NonNull<u8>);
-
-// SAFETY: the memory is only touched under the ring's mutex (and by the device's copies).
-unsafe impl Send for Pages {}
-
-fn layout() -> Layout {
-    // RING_BYTES and PAGE are non-zero powers of two.
-    Layout::from_size_align(RING_BYTES, PAGE).expect("a valid layout")
-}
-
 impl UploadRing {
     pub(crate) fn new(driver: Arc<dyn Driver>) -> Self {
+        Self::with_bytes(driver, RING_BYTES)
+    }
+
+    fn with_bytes(driver: Arc<dyn Driver>, bytes: usize) -> Self {
         UploadRing {
             driver,
+            bytes,
             state: Mutex::new(None),
         }
     }
@@ -68,18 +64,18 @@ impl UploadRing {
             return Ok(());
         }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let ring = st.get_or_insert_with(|| Ring::open(&*self.driver));
-        let Some(mem) = ring.mem.as_ref().map(|m| m.0) else {
-            return self.driver.copy_htod(src, dst, s);
-        };
-        if src.len() > RING_BYTES / 4 {
+        let ring = st.get_or_insert_with(|| Ring::open(&*self.driver, self.bytes));
+        if ring.mem.is_none() || src.len() > ring.bytes / 4 {
             return self.driver.copy_htod(src, dst, s);
         }
         let at = ring.reserve(&*self.driver, src.len())?;
-        // SAFETY: `at..at + len` lies in the ring (`reserve`) and no queued copy reads it.
-        let host = unsafe { mem.as_ptr().add(at) };
-        // SAFETY: as above; `src` is a distinct borrowed slice.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), host, src.len()) };
+        let Some(mem) = ring.mem.as_mut() else {
+            return self.driver.copy_htod(src, dst, s);
+        };
+        // `at..at + len` lies in the ring (`reserve`) and no queued copy reads it any more.
+        let region = &mut mem[at..at + src.len()];
+        region.copy_from_slice(src);
+        let host = region.as_ptr();
         // SAFETY: the region stays allocated and unwritten until the event recorded below has
         // completed (`reserve` waits for it; dropping the ring waits for every one).
         unsafe { self.driver.copy_htod_async(host, src.len(), dst, s) }?;
@@ -95,23 +91,27 @@ impl UploadRing {
 
 impl Ring {
     /// The ring, page-locked if the driver allows (else every upload is synchronous).
-    fn open(driver: &dyn Driver) -> Ring {
-        // SAFETY: the layout has a non-zero size.
-        let mem = NonNull::new(unsafe { std::alloc::alloc(layout()) }).map(Pages);
-        let mem = mem.and_then(|m| {
-            // SAFETY: the memory stays allocated until `Drop` unregisters it.
-            match unsafe { driver.host_register(m.0.as_ptr(), RING_BYTES) } {
+    fn open(driver: &dyn Driver, bytes: usize) -> Ring {
+        let mem = match MmapMut::map_anon(bytes) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tracing::debug!("no upload ring, uploads synchronous: {e}");
+                None
+            }
+        };
+        let mem = mem.and_then(|mut m| {
+            // SAFETY: the mapping stays alive until `Drop` unregisters it (or leaks it).
+            match unsafe { driver.host_register(m.as_mut_ptr(), bytes) } {
                 Ok(()) => Some(m),
                 Err(e) => {
                     tracing::debug!("upload ring left pageable, uploads synchronous: {e}");
-                    // SAFETY: allocated above with this layout, never registered.
-                    unsafe { std::alloc::dealloc(m.0.as_ptr(), layout()) };
                     None
                 }
             }
         });
         Ring {
             mem,
+            bytes,
             head: 0,
             pending: VecDeque::new(),
             idle: Vec::new(),
@@ -128,7 +128,7 @@ impl Ring {
             self.pending.pop_front();
             self.idle.push(e);
         }
-        let start = if self.head + len <= RING_BYTES {
+        let start = if self.head + len <= self.bytes {
             self.head
         } else {
             0
@@ -160,17 +160,15 @@ impl Drop for UploadRing {
         for e in ring.idle.drain(..) {
             let _ = d.event_destroy(e);
         }
-        let Some(mem) = ring.mem else {
+        let Some(mut mem) = ring.mem else {
             return;
         };
         // SAFETY: registered in `Ring::open`; no copy reads it any more (waited above).
-        let freed = settled && unsafe { d.host_unregister(mem.0.as_ptr()) }.is_ok();
-        if freed {
-            // SAFETY: allocated in `Ring::open` with this layout and unregistered.
-            unsafe { std::alloc::dealloc(mem.0.as_ptr(), layout()) };
-        } else {
-            // Memory a copy may still read, or the driver still holds locked, stays allocated.
+        let freed = settled && unsafe { d.host_unregister(mem.as_mut_ptr()) }.is_ok();
+        if !freed {
+            // Memory a copy may still read, or the driver still holds locked, stays mapped.
             tracing::warn!("upload ring could not be released; its pages are kept");
+            std::mem::forget(mem);
         }
     }
 }
@@ -181,31 +179,36 @@ mod tests {
     use crate::backend::cuda::driver::{EmuDriver, EmuOptions, Observed};
 
     /// Uploads land in stream order without a host wait, wrap around the ring, and the ring
-    /// is registered once and released on drop.
+    /// is registered once and released on drop. (A small ring, so every buffer here stays
+    /// under glibc's mmap threshold: freeing a larger one, the emulator's device memory
+    /// included, raises the threshold for the whole test process, and the page-locked pool's
+    /// test needs its 1 MiB buffers on pages of their own.)
     #[test]
     fn uploads_are_asynchronous_and_wrap() {
         let emu = Arc::new(EmuDriver::new(EmuOptions::default()).unwrap());
         let d = Observed::new(emu.clone());
-        let ring = UploadRing::new(d.clone());
-        let n = RING_BYTES / 4;
+        let bytes = 256 << 10;
+        let ring = UploadRing::with_bytes(d.clone(), bytes);
+        let n = 20 << 10;
         let p = d.malloc(n).unwrap();
         let before = d.activity();
-        for i in 0..9u8 {
-            let src = vec![i; n - usize::from(i)];
+        let uploads = bytes / n + 3;
+        for i in 0..uploads {
+            let src = vec![i as u8; n - i];
             ring.upload(&src, p, StreamKind::Compute).unwrap();
             let mut back = vec![0u8; src.len()];
             d.copy_dtoh(p, &mut back, StreamKind::Compute).unwrap();
             assert_eq!(back, src, "upload {i}");
         }
         let a = d.activity() - before;
-        // Only the nine checking downloads waited: the emulator's events complete at once.
-        assert_eq!(a.host_syncs, 9, "{a:?}");
-        assert_eq!(emu.registered_host_bytes(), RING_BYTES);
+        // Only the checking downloads waited: the emulator's events complete at once.
+        assert_eq!(a.host_syncs, uploads as u64, "{a:?}");
+        assert_eq!(emu.registered_host_bytes(), bytes);
         // Too large for the ring: a synchronous copy.
-        let big = vec![1u8; n + 1];
-        let q = d.malloc(n + 1).unwrap();
+        let big = vec![1u8; bytes / 4 + 1];
+        let q = d.malloc(big.len()).unwrap();
         ring.upload(&big, q, StreamKind::Compute).unwrap();
-        assert_eq!((d.activity() - before).host_syncs, 10);
+        assert_eq!((d.activity() - before).host_syncs, uploads as u64 + 1);
         drop(ring);
         assert_eq!(emu.registered_host_bytes(), 0);
         // SAFETY: nothing uses them any more.
