@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{config, toy};
-use ferrozero_config::resolved::{Precision, ZeroStage};
+use ferrozero_config::resolved::{LossScaling, Precision, ZeroStage};
 use ferrozero_runtime::backend::cuda::driver::{TraceOp, Traced};
 use ferrozero_runtime::backend::cuda::{self, CudaBackend};
 use ferrozero_runtime::backend::{Backend, DeviceActivity};
@@ -76,22 +76,43 @@ struct Step {
     trace: Vec<Traced>,
 }
 
-/// Trains three steps of `model` on a fresh emulated device and traces the third (the first
-/// ones compile kernels and fill the allocator's cache).
+/// Trains three steps of `model` at one rank in bf16 on a fresh emulated device and traces
+/// the third (the first ones compile kernels and fill the allocator's cache).
 fn traced_step(model: impl Fn() -> Model + Sync, stage: ZeroStage) -> Step {
-    let dev: Arc<CudaBackend> = cuda::emulated(DType::Bf16).expect("emulated device opens");
-    let be: Arc<dyn Backend> = dev.clone();
-    let mut cfg = config(stage, 1, 1, GAS, Precision::Bf16);
+    traced_run(model, stage, 1, Precision::Bf16)
+}
+
+/// As [`traced_step`] with `ranks` ranks (each on its own emulated device) in `precision`;
+/// rank 0's step.
+fn traced_run(
+    model: impl Fn() -> Model + Sync,
+    stage: ZeroStage,
+    ranks: usize,
+    precision: Precision,
+) -> Step {
+    let act = match precision {
+        Precision::Bf16 => DType::Bf16,
+        Precision::Fp16(_) => DType::F16,
+        _ => DType::F32,
+    };
+    let mut cfg = config(stage, ranks, 1, GAS, precision);
     // DeepSpeed's default: one optimizer tile per group, as a real run has (the shared test
     // config's 17-element tiles exercise the tiling, not the step's cost).
     cfg.zero.sub_group_size = 1_000_000_000;
+    // DeepSpeed's default buckets (the shared config's tiny ones multiply the collectives).
+    cfg.zero.reduce_bucket_size = 500_000_000;
+    cfg.zero.allgather_bucket_size = 500_000_000;
+    cfg.zero.prefetch_bucket_size = 50_000_000;
     assert_eq!(cfg.gradient_clipping, 1.0);
-    let out = run_ranks(1, Duration::from_secs(300), |comm| {
-        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
+    let out = run_ranks(ranks, Duration::from_secs(300), |comm| {
+        let rank = comm.rank();
+        let dev: Arc<CudaBackend> = cuda::emulated(act)?;
+        let be: Arc<dyn Backend> = dev.clone();
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be)?;
         let mut last = None;
         for s in 0..3 {
             let batches: Vec<_> = (0..GAS)
-                .map(|m| toy::batch(VOCAB, SEQ, s * GAS + m, 1))
+                .map(|m| toy::batch(VOCAB, SEQ, (s * GAS + m) * ranks + rank, 1))
                 .collect();
             if s == 2 {
                 dev.device().observed().start_trace();
@@ -107,7 +128,7 @@ fn traced_step(model: impl Fn() -> Model + Sync, stage: ZeroStage) -> Step {
         })
     })
     .expect("training on the emulated device");
-    out.into_iter().next().expect("one rank")
+    out.into_iter().next().expect("rank 0")
 }
 
 /// Whether the host waited for the device at this operation.
@@ -225,4 +246,58 @@ fn gpt2_step_syncs_once_within_the_launch_budget() {
 #[test]
 fn llama_step_syncs_once_within_the_launch_budget() {
     check("Llama", &llama_model, LLAMA_LAUNCHES_PER_BLOCK);
+}
+
+/// DeepSpeed's dynamic loss scaling from a scale that does not overflow these gradients.
+fn fp16() -> Precision {
+    Precision::Fp16(LossScaling::Dynamic {
+        initial_scale_power: 8,
+        loss_scale_window: 1000,
+        hysteresis: 2,
+        consecutive_hysteresis: false,
+        min_loss_scale: 1.0,
+    })
+}
+
+/// Host syncs of a 2-block GPT-2 step at two ranks, stage 0: the status download, and three
+/// fences per device collective of the local communicator (the rank's stream finished before
+/// peers read its buffers, after its share, and before the reduction's scratch is freed) for
+/// 10 gradient all-reduces (5 groups, 2 micro-batches). A ratchet: lower it, never raise it.
+const TWO_RANKS_STAGE0_SYNCS: u64 = 1 + 3 * 10;
+
+/// The same at stage 3: 18 collectives (10 reduce-scatters, 8 parameter all-gathers).
+const TWO_RANKS_STAGE3_SYNCS: u64 = 1 + 3 * 18;
+
+/// fp16 with dynamic loss scaling at one rank waits once, as bf16 does. Two ranks do not
+/// yet: their local communicator fences its device collectives, and their norm and loss are
+/// summed across ranks on the host after the status download; each case prints where its
+/// syncs come from.
+#[test]
+fn fp16_syncs_once_and_two_ranks_within_their_ratchet() {
+    for (label, ranks, precision, stage, max) in [
+        ("fp16", 1, fp16(), ZeroStage::Stage0, MAX_SYNCS_PER_STEP),
+        (
+            "2 ranks",
+            2,
+            Precision::Bf16,
+            ZeroStage::Stage0,
+            TWO_RANKS_STAGE0_SYNCS,
+        ),
+        (
+            "2 ranks",
+            2,
+            Precision::Bf16,
+            ZeroStage::Stage3,
+            TWO_RANKS_STAGE3_SYNCS,
+        ),
+    ] {
+        let s = traced_run(|| gpt2_model(2), stage, ranks, precision);
+        let label = format!("GPT-2 {label} stage {}", stage.number());
+        print_table(&label, &s);
+        assert!(
+            s.activity.host_syncs <= max,
+            "{label}: {} host syncs, at most {max} allowed",
+            s.activity.host_syncs
+        );
+    }
 }

@@ -83,7 +83,9 @@ impl LocalComm {
         // The fences make this rank's queued work visible to its peers' streams and theirs to
         // it; alone, the share runs on the stream that produced its data, in order.
         let alone = crate::comm::Communicator::world_size(self) == 1;
-        for dev in [src, dst].into_iter().flatten().filter(|_| !alone) {
+        // Input and output on one device: one fence covers both.
+        let dst_fence = dst.filter(|d| !src.is_some_and(|s| Arc::ptr_eq(s, d)));
+        for dev in [src, dst_fence].into_iter().flatten().filter(|_| !alone) {
             dev.synchronize()?;
         }
         // A rank whose two buffers are in different places is refused at the entry check,
