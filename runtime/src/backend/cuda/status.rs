@@ -38,6 +38,18 @@ pub(crate) fn sum_squares_into(dev: &CudaDevice, v: CudaView<'_>, out: DevPtr) -
 }
 
 impl CudaBackend {
+    /// Writes a one-element loss to `to` as f32 (widened exactly from half precision).
+    fn loss_into(&self, l: CudaView<'_>, to: DevPtr) -> Result<()> {
+        expect_len(OP, "a loss", l.len(), 1)?;
+        let name = match l.dtype() {
+            DType::F32 => return self.dev.driver().copy_dtod(l.ptr(), to, 4, STREAM),
+            DType::Bf16 => "cast_bf16_to_f32",
+            DType::F16 => "cast_f16_to_f32",
+        };
+        let mut args = Args::new().ptr(l.ptr()).ptr(to).len(1);
+        self.dev.launch(name, self.dev.grid_for(1), &mut args)
+    }
+
     /// [`crate::backend::OptimizerOps::step_status`]: device values through one block of
     /// `grads.len()` f64 slots then `losses.len()` f32 slots, downloaded once.
     pub(super) fn read_status(
@@ -68,20 +80,7 @@ impl CudaBackend {
                 st.losses[i] = v;
                 continue;
             }
-            let l = self.dev_in(OP, "a loss", *l)?;
-            expect_len(OP, "a loss", l.len(), 1)?;
-            let to = at(8 * ng + 4 * i);
-            match l.dtype() {
-                DType::F32 => self.dev.driver().copy_dtod(l.ptr(), to, 4, STREAM)?,
-                d => {
-                    let name = match d {
-                        DType::Bf16 => "cast_bf16_to_f32",
-                        _ => "cast_f16_to_f32",
-                    };
-                    let mut args = Args::new().ptr(l.ptr()).ptr(to).len(1);
-                    self.dev.launch(name, self.dev.grid_for(1), &mut args)?;
-                }
-            }
+            self.loss_into(self.dev_in(OP, "a loss", *l)?, at(8 * ng + 4 * i))?;
             on_device = true;
         }
         if !on_device {
