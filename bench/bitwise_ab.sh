@@ -64,7 +64,8 @@ for l in open(sys.argv[1]):
 
 # Tensor bytes in name order (the metadata map's key order varies from run to run).
 digest='import hashlib,json,struct,sys
-d = open(sys.argv[1], "rb").read(); n = struct.unpack("<Q", d[:8])[0]
+import os; p = sys.argv[1]  # consolidation writes a model directory
+d = open(os.path.join(p, "model.safetensors") if os.path.isdir(p) else p, "rb").read(); n = struct.unpack("<Q", d[:8])[0]
 h = {k: v for k, v in json.loads(d[8:8 + n]).items() if k != "__metadata__"}
 for k in sorted(h):
     a, b = h[k]["data_offsets"]

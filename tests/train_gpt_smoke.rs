@@ -160,8 +160,9 @@ fn bad_config_is_a_clear_error() {
 }
 
 /// The main job on the CUDA backend, with the device emulated on the CPU (CI has no GPU): it
-/// trains, its first loss is the CPU's (the same model and batch before any update), and its
-/// per-step losses stay within f32 reassociation of the CPU's.
+/// trains, its first loss is the CPU's (the same model and batch before any update), its
+/// per-step losses stay within f32 reassociation of the CPU's, and every step line counts the
+/// device's host syncs and kernel launches (null on the CPU).
 #[cfg(feature = "cuda")]
 #[test]
 fn trains_on_the_emulated_gpu_like_the_cpu() {
@@ -196,15 +197,19 @@ fn trains_on_the_emulated_gpu_like_the_cpu() {
             out.status.success(),
             "train_gpt --device {device} failed:\n{text}"
         );
-        std::fs::read_to_string(&m)
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&m)
             .unwrap()
             .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .collect()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        for l in &lines {
+            // The driver layer counts the emulated device's work; the CPU has none to count.
+            for key in ["host_syncs_per_step", "kernel_launches_per_step"] {
+                let counted = l[key].as_u64().is_some_and(|n| n > 0);
+                assert_eq!(counted, device == "cuda", "{device}: {key} in {l}");
+            }
+        }
+        lines.iter().map(|l| l["loss"].as_f64().unwrap()).collect()
     };
     let (gpu, cpu) = (losses("cuda"), losses("cpu"));
     assert_eq!(gpu.len(), 4);

@@ -735,6 +735,67 @@ fn storage_ops(d: &Dev) {
 }
 test_device!(storage_ops);
 
+/// The step's status read back at once equals each value read alone, bit for bit: losses in
+/// any dtype, sums of squares of ranges of several dtypes (an empty one, a non-finite one),
+/// and host views beside device views (offloaded gradients on a device backend).
+fn step_status(d: &Dev) {
+    let vals = rand(9000, 41);
+    let mut grads = Vec::new();
+    for dt in [DType::F32, DType::Bf16, DType::F16] {
+        let mut g = d.be.buffer(dt, vals.len()).unwrap();
+        g.write_f32(0, &vals).unwrap();
+        grads.push(g);
+    }
+    grads[2].write_f32(8000, &[f32::INFINITY]).unwrap();
+    let host = Storage::Host(FlatBuf::F32(vals[..777].to_vec()));
+    let losses: Vec<Storage> = [
+        (DType::F32, 3.25f32),
+        (DType::Bf16, -1.5),
+        (DType::F32, 1e-3),
+    ]
+    .iter()
+    .map(|&(dt, v)| {
+        let mut l = d.be.buffer(dt, 1).unwrap();
+        l.write_f32(0, &[v]).unwrap();
+        l
+    })
+    .collect();
+    let ranges = [
+        (0, 0..9000),
+        (1, 5..4100),
+        (0, 17..17),
+        (2, 0..8001),
+        (1, 0..1),
+    ];
+    let mut views: Vec<View<'_>> = ranges
+        .iter()
+        .map(|(i, r)| grads[*i].view().range(r.clone()).unwrap())
+        .collect();
+    views.push(host.view());
+    let loss_views: Vec<View<'_>> = losses.iter().map(Storage::view).collect();
+    let st = d.be.step_status(&loss_views, &views).unwrap();
+    let mut want: Vec<f64> = ranges
+        .iter()
+        .map(|(i, r)| grads[*i].sum_squares(r.clone()).unwrap())
+        .collect();
+    want.push(host.sum_squares(0..777).unwrap());
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&st.sum_squares),
+        bits(&want),
+        "{}: sums of squares",
+        d.name
+    );
+    assert!(st.sum_squares[3].is_infinite() && st.sum_squares[2] == 0.0);
+    let want_losses: Vec<f32> = losses.iter().map(|l| get(l)[0]).collect();
+    assert_eq!(st.losses, want_losses, "{}: losses", d.name);
+    // Nothing to read is no error; a loss of more than one element is, by name.
+    assert_eq!(d.be.step_status(&[], &[]).unwrap(), Default::default());
+    let err = d.be.step_status(&[grads[0].view()], &[]).unwrap_err();
+    assert!(err.to_string().contains("loss"), "{err}");
+}
+test_device!(step_status);
+
 fn attention(d: &Dev) {
     attention_common::check(d);
 }

@@ -8,6 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::TrainOptions;
 use crate::engine::{Engine, StepReport};
+use ferrozero_runtime::backend::DeviceActivity;
 use ferrozero_runtime::engine::ledger::Location;
 use ferrozero_runtime::engine::timeline::{Pool, Timeline};
 use ferrozero_runtime::nn::Batch;
@@ -31,6 +32,8 @@ pub(super) struct Writer {
     steps: u64,
     /// Model FLOPs over the warm steps (after the first two), for the benchmark's `mfu`.
     warm_flops: f64,
+    /// Device activity summed over the warm steps (those `warm` counts), and their number.
+    activity: (DeviceActivity, u64),
 }
 
 impl Writer {
@@ -50,6 +53,7 @@ impl Writer {
             warm: (0.0, 0.0),
             steps: 0,
             warm_flops: 0.0,
+            activity: (DeviceActivity::default(), 0),
         })
     }
 
@@ -72,6 +76,10 @@ impl Writer {
             self.warm.0 += tokens;
             self.warm.1 += dt;
             self.warm_flops += flops;
+            if let Some(a) = r.device_activity {
+                self.activity.0 = self.activity.0 + a;
+                self.activity.1 += 1;
+            }
         }
         self.steps += 1;
         let tps = tokens / dt.max(1e-9);
@@ -186,6 +194,10 @@ impl Writer {
                     "tokens_per_s": self.warm.0 / self.warm.1.max(1e-9),
                     "mfu": mfu(engine, self.warm_flops / self.warm.1.max(1e-9)),
                     "peak_device_bytes_per_rank": peak_dev as u64, "process_vmhwm_mib": vmhwm_mib(),
+                    "host_syncs_per_step": per_step(self.activity, |a| a.host_syncs),
+                    "kernel_launches_per_step": per_step(self.activity, |a| a.kernel_launches),
+                    "gemms_per_step": per_step(self.activity, |a| a.gemms),
+                    "copies_per_step": per_step(self.activity, |a| a.copies),
                 })
             );
         }
@@ -240,11 +252,23 @@ fn step_line(r: &StepReport, tps: f64, mfu: Option<f64>, peak_dev: f64, peak_hos
         "device_allocator": r.device_memory,
         "swap_read_bytes": r.swap.read_bytes, "swap_written_bytes": r.swap.written_bytes,
         "cross_group_bytes": r.cross_group_bytes,
+        "host_syncs_per_step": r.device_activity.map(|a| a.host_syncs),
+        "kernel_launches_per_step": r.device_activity.map(|a| a.kernel_launches),
+        "gemms_per_step": r.device_activity.map(|a| a.gemms),
+        "copies_per_step": r.device_activity.map(|a| a.copies),
     });
     if let Some(p) = &r.flops_profile {
         line["flops_profile"] = serde_json::json!(p);
     }
     line.to_string()
+}
+
+/// The mean of one count over the warm steps; null on the CPU (no device counted anything).
+fn per_step(
+    (sum, steps): (DeviceActivity, u64),
+    count: impl Fn(&DeviceActivity) -> u64,
+) -> Option<f64> {
+    (steps > 0).then(|| count(&sum) as f64 / steps as f64)
 }
 
 /// The process's peak resident set (VmHWM) in MiB; NaN where /proc is unavailable.

@@ -22,6 +22,7 @@ pub mod cuda;
 pub mod memory;
 pub mod rng;
 mod rope;
+mod status;
 pub mod stream;
 
 use std::sync::Arc;
@@ -29,6 +30,7 @@ use std::sync::Arc;
 pub use cpu::CpuBackend;
 pub use memory::MemoryModel;
 pub use rope::{Rope, RopeScaling};
+pub use status::StepStatus;
 pub use stream::{Stream, StreamEvent, StreamOps};
 
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
@@ -218,6 +220,22 @@ pub struct DeviceActivity {
     pub copy_bytes: u64,
 }
 
+impl std::ops::Add for DeviceActivity {
+    type Output = DeviceActivity;
+
+    /// The activity of two spans together (sums over steps).
+    fn add(self, o: DeviceActivity) -> DeviceActivity {
+        DeviceActivity {
+            host_syncs: self.host_syncs + o.host_syncs,
+            kernel_launches: self.kernel_launches + o.kernel_launches,
+            gemms: self.gemms + o.gemms,
+            memsets: self.memsets + o.memsets,
+            copies: self.copies + o.copies,
+            copy_bytes: self.copy_bytes + o.copy_bytes,
+        }
+    }
+}
+
 impl std::ops::Sub for DeviceActivity {
     type Output = DeviceActivity;
 
@@ -277,6 +295,14 @@ pub trait OptimizerOps {
         v: ViewMut<'_>,
         lp: Option<ViewMut<'_>>,
     ) -> Result<()>;
+
+    /// The values a step decides on, read back to the host together: each micro-step's loss
+    /// (a one-element view) and each gradient view's sum of squares in f64, summed in the
+    /// order its length fixes (as `Storage::sum_squares`, so the same bits, finite exactly
+    /// when every element is). A device computes the sums where the gradients live and
+    /// downloads everything in one copy: the step's one wait for it. Views in host memory are
+    /// read on the host.
+    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus>;
 }
 
 /// Dense matrix products with f32 accumulation.

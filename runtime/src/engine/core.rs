@@ -38,6 +38,8 @@ pub struct Engine {
     pub(super) hpz: Option<super::hpz::Hpz>,
     /// Cross-group payload bytes at the end of the last step (reports carry the difference).
     pub(super) cross_mark: u64,
+    /// The device's counts when the current step began (reports carry the difference).
+    pub(super) activity_mark: Option<crate::backend::DeviceActivity>,
     /// Gradient bytes handed to reductions since the last step report.
     pub(super) reduced_bytes: u64,
     /// The device the units compute on.
@@ -207,6 +209,7 @@ impl Engine {
             hybrid,
             hpz,
             cross_mark: 0,
+            activity_mark: be.activity(),
             reduced_bytes: 0,
             be,
             stage,

@@ -57,6 +57,10 @@ pub struct StepReport {
     pub reduced_bytes: u64,
     /// The FLOPs profiler's measurements when this is `flops_profiler.profile_step`.
     pub flops_profile: Option<crate::profiler::FlopsProfile>,
+    /// What this rank asked of its device since the previous step (or since `train_batch`
+    /// began): host syncs, kernel launches, copies, as the driver layer counted them. `None`
+    /// on the CPU. With ranks as threads sharing one device the counts are the device's.
+    pub device_activity: Option<crate::backend::DeviceActivity>,
 }
 
 /// NVMe bytes moved by one rank in one step.

@@ -31,6 +31,7 @@ impl Engine {
                 "train_batch called in the middle of a manual accumulation".into(),
             ));
         }
+        self.activity_mark = self.be.activity();
         let local: u64 = micro_batches.iter().map(|b| b.valid_targets() as u64).sum();
         let global = self.sum_across_ranks(local as f64)? as u64;
         let grad = (self.scaler.scale() / global.max(1) as f64) as f32;
@@ -64,16 +65,13 @@ impl Engine {
         // The optimizer lane gives every group back first, so no error below leaves a group
         // lent.
         let lane = self.join_optimizer_lane()?;
-        // The micro-steps' losses leave the device here, once per step, summed in order.
-        let mut local = 0.0f64;
-        for l in std::mem::take(&mut self.losses) {
-            local += f64::from(l.to_vec_f32()?[0]);
-        }
+        // The micro-steps' losses and the owned gradients' sums of squares leave the device
+        // here, together: the step's one wait for it. One pass over the gradients serves both
+        // the overflow check and the norm.
+        let known = lane.as_ref().map(|l| l.sumsq.as_slice());
+        let (local, local_sumsq) = self.local_status(known)?;
         let loss_sum = self.sum_across_ranks(local)?;
         let tokens = self.sum_across_ranks(self.tokens as f64)? as u64;
-        // One pass over the owned gradients serves both the overflow check and the norm.
-        let known = lane.as_ref().map(|l| l.sumsq.as_slice());
-        let local_sumsq = self.local_sum_squares(known)?;
         let overflow = self.any_overflow(!local_sumsq.is_finite())?;
         let scale = self.scaler.scale();
         let norm = if overflow {
@@ -112,6 +110,7 @@ impl Engine {
             cross_group_bytes: self.take_cross_group_bytes(),
             reduced_bytes: std::mem::take(&mut self.reduced_bytes),
             flops_profile,
+            device_activity: self.step_activity(),
         };
 
         self.tokens = 0;
@@ -123,6 +122,16 @@ impl Engine {
             }));
         }
         Ok(Some(report))
+    }
+
+    /// The device's counts since the step began; the mark moves to now, so a step driven by
+    /// `forward`/`backward`/`step` counts from the previous step's end.
+    fn step_activity(&mut self) -> Option<crate::backend::DeviceActivity> {
+        let now = self.be.activity();
+        match (std::mem::replace(&mut self.activity_mark, now), now) {
+            (Some(then), Some(now)) => Some(now - then),
+            _ => None,
+        }
     }
 
     /// The clipping coefficient for a global norm (1 without clipping).
@@ -210,27 +219,42 @@ impl Engine {
         Ok(v[0] > 0.0)
     }
 
-    /// The sum of squares of this rank's owned (still loss-scaled) gradients: each group's
-    /// shard range in group order, each range in the storage's fixed blocked order. Every
-    /// stage sums the same elements in the same order, so it is bitwise equal across stages;
-    /// it is finite exactly when every element is (squares of finite values are exact in f64
-    /// and their sum cannot overflow), which makes it the overflow check too. A group's term
-    /// the optimizer lane already computed (`known`) is taken as it is: the same bits.
-    fn local_sum_squares(&self, known: Option<&[Option<f64>]>) -> Result<f64> {
+    /// This rank's loss sum (the micro-steps' losses added in order in f64) and the sum of
+    /// squares of its owned (still loss-scaled) gradients: each group's shard range in group
+    /// order, each range in the storage's fixed blocked order. Every stage sums the same
+    /// elements in the same order, so it is bitwise equal across stages; it is finite exactly
+    /// when every element is (squares of finite values are exact in f64 and their sum cannot
+    /// overflow), which makes it the overflow check too. A group's term the optimizer lane
+    /// already computed (`known`) is taken as it is: the same bits. The losses are consumed.
+    fn local_status(&mut self, known: Option<&[Option<f64>]>) -> Result<(f64, f64)> {
         let rank = self.shard_rank();
-        // -0.0 is what `Iterator::sum` starts from: the same bits for an all-zero gradient.
-        let mut local = -0.0f64;
+        let known = |i: usize| known.and_then(|k| k.get(i).copied().flatten());
+        let losses = std::mem::take(&mut self.losses);
+        let mut views = Vec::new();
         for (i, g) in self.groups.iter().enumerate() {
-            if let Some(s) = known.and_then(|k| k.get(i).copied().flatten()) {
-                local += s;
+            if known(i).is_some() {
                 continue;
             }
             let r = g.layout.shard_range(rank);
-            local += g
-                .grad
-                .sum_squares(r.start - g.grad_offset..r.end - g.grad_offset)?;
+            views.push(
+                g.grad
+                    .view()
+                    .range(r.start - g.grad_offset..r.end - g.grad_offset)?,
+            );
         }
-        Ok(local)
+        let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
+        let st = self.be.step_status(&loss_views, &views)?;
+        let loss = st.losses.iter().fold(0.0f64, |acc, &l| acc + f64::from(l));
+        let mut read = st.sum_squares.into_iter();
+        // -0.0 is what `Iterator::sum` starts from: the same bits for an all-zero gradient.
+        let mut sumsq = -0.0f64;
+        for i in 0..self.groups.len() {
+            sumsq += match known(i) {
+                Some(s) => s,
+                None => read.next().unwrap_or_default(),
+            };
+        }
+        Ok((loss, sumsq))
     }
 
     /// The global L2 norm from each rank's [`Self::local_sum_squares`]: one copy of the

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 
 use super::record::Recorder;
+use crate::backend::MemoryModel;
+use crate::nn::module::Transients;
 use crate::nn::{Ctx, Grads, Module, ParamSpec, Params};
 use crate::tensor::Tensor;
 use crate::Result;
@@ -35,12 +37,16 @@ impl Module for Scoped {
         self.inner.backward(ctx, params, grads, grad_output)
     }
 
-    fn saved_bytes(&self, batch: usize, seq: usize) -> usize {
-        self.inner.saved_bytes(batch, seq)
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        self.inner.saved_bytes(batch, seq, m)
     }
 
-    fn output_bytes(&self, batch: usize, seq: usize) -> usize {
-        self.inner.output_bytes(batch, seq)
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        self.inner.output_bytes(batch, seq, m)
+    }
+
+    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
+        self.inner.transient_bytes(batch, seq, m)
     }
 
     fn attention_width(&self) -> usize {

@@ -242,6 +242,17 @@ impl FlatBuf {
     }
 }
 
+impl BufRef<'_> {
+    /// Sum of squares of every element in f64, in the order [`FlatBuf::sum_squares`] uses.
+    pub fn sum_squares(&self) -> f64 {
+        match self {
+            BufRef::F32(v) => sum_squares_blocked(v, |x| x),
+            BufRef::Bf16(v) => sum_squares_blocked(v, bf16::to_f32),
+            BufRef::F16(v) => sum_squares_blocked(v, f16::to_f32),
+        }
+    }
+}
+
 /// Lanes of one chunk's sum: element `i` goes to lane `i % LANES`, so the lanes are
 /// independent chains the compiler vectorises instead of one latency-bound chain.
 const LANES: usize = 8;

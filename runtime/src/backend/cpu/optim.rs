@@ -6,8 +6,9 @@ use std::borrow::Cow;
 
 use ferrozero_offload::optim::{self, LowPrecision};
 
-use super::{f32_in, f32_out, CpuBackend};
-use crate::backend::{OptimizerOps, UpdateRule};
+use super::{f32_in, f32_out, foreign, CpuBackend};
+use crate::backend::status::{host_loss, host_sum_squares};
+use crate::backend::{OptimizerOps, StepStatus, UpdateRule};
 use crate::tensor::{spare, BufMut, BufRef, DType, FlatBuf, View, ViewMut};
 use crate::{Error, Result};
 
@@ -29,6 +30,22 @@ fn f32_grads(grads: View<'_>) -> Result<Cow<'_, [f32]>> {
 }
 
 impl OptimizerOps for CpuBackend {
+    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
+        const STATUS: &str = "step status";
+        let losses = losses
+            .iter()
+            .map(|l| host_loss(STATUS, *l)?.ok_or_else(|| foreign(STATUS, "a loss")))
+            .collect::<Result<_>>()?;
+        let sum_squares = grads
+            .iter()
+            .map(|g| host_sum_squares(*g).ok_or_else(|| foreign(STATUS, "a gradient")))
+            .collect::<Result<_>>()?;
+        Ok(StepStatus {
+            losses,
+            sum_squares,
+        })
+    }
+
     fn optimizer_update(
         &self,
         rule: &UpdateRule,

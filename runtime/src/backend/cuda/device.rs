@@ -10,6 +10,7 @@ use super::driver::{
 };
 use super::launch::Args;
 use super::pinned::PinnedPool;
+use super::upload::UploadRing;
 use crate::tensor::{DType, FlatBuf};
 use crate::{Error, Result};
 
@@ -36,6 +37,8 @@ pub struct CudaDevice {
     rope_tables: Mutex<HashMap<RopeKey, Arc<DeviceBuffer>>>,
     /// Page-locked host buffers for staging views through host memory.
     pinned: PinnedPool,
+    /// Small uploads the host does not wait for.
+    uploads: UploadRing,
 }
 
 impl CudaDevice {
@@ -47,11 +50,13 @@ impl CudaDevice {
         let driver: Arc<dyn Driver> = observed.clone();
         let alloc = Allocator::with_limit(driver.clone(), limit);
         let pinned = PinnedPool::new(driver.clone());
+        let uploads = UploadRing::new(driver.clone());
         Arc::new(CudaDevice {
             driver,
             observed,
             alloc,
             pinned,
+            uploads,
             kernels: Mutex::new(HashMap::new()),
             rope_tables: Mutex::new(HashMap::new()),
         })
@@ -97,6 +102,14 @@ impl CudaDevice {
     /// `bytes` of uninitialised device memory.
     pub(crate) fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         self.alloc.alloc(bytes)
+    }
+
+    /// A new device buffer holding `src`, copied on the compute stream without the host
+    /// waiting for the device (small descriptors, scalars, ids: `upload.rs`).
+    pub(crate) fn upload_async(&self, src: &[u8]) -> Result<DeviceBuffer> {
+        let b = self.alloc(src.len())?;
+        self.uploads.upload(src, b.ptr(), STREAM)?;
+        Ok(b)
     }
 
     /// A grid for a grid-stride kernel over `n` elements: enough blocks to cover them, at most

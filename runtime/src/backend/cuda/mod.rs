@@ -34,11 +34,15 @@ pub(crate) mod peer;
 #[cfg(feature = "cuda")]
 mod pinned;
 #[cfg(feature = "cuda")]
+mod status;
+#[cfg(feature = "cuda")]
 mod storage;
 #[cfg(feature = "cuda")]
 mod stream;
 #[cfg(feature = "cuda")]
 mod token;
+#[cfg(feature = "cuda")]
+mod upload;
 
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;

@@ -2,12 +2,12 @@
 //! gradient scale read from device memory, bit-identical to the CPU step.
 
 use super::backend::{expect_dtype, expect_len, CudaBackend};
-use super::device::{BLOCK, STREAM};
+use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::kernels::params::OptTensor;
 use super::launch::Args;
 use super::storage::CudaBuf;
-use crate::backend::{OptimizerOps, UpdateRule};
+use crate::backend::{OptimizerOps, StepStatus, UpdateRule};
 use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
 use ferrozero_offload::optim::WeightDecay;
@@ -18,6 +18,10 @@ const OP: &str = "optimizer step";
 const CHUNK: usize = 1 << 16;
 
 impl OptimizerOps for CudaBackend {
+    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
+        self.read_status(losses, grads)
+    }
+
     fn optimizer_update(
         &self,
         rule: &UpdateRule,
@@ -85,10 +89,8 @@ impl OptimizerOps for CudaBackend {
             n: n as i64,
             first_chunk: 0,
         };
-        let table = self.dev.alloc(std::mem::size_of::<OptTensor>())?;
-        table.copy_from_host(bytemuck::bytes_of(&desc), STREAM)?;
-        let scale = self.dev.alloc(4)?;
-        scale.copy_from_host(&grad_scale.to_le_bytes(), STREAM)?;
+        let table = self.dev.upload_async(bytemuck::bytes_of(&desc))?;
+        let scale = self.dev.upload_async(&grad_scale.to_le_bytes())?;
         let chunks = n.div_ceil(CHUNK);
         let head = Args::new()
             .ptr(table.ptr())

@@ -270,20 +270,8 @@ impl CudaBuf {
         if v.len == 0 {
             return Ok(0.0);
         }
-        let blocks = v.len.div_ceil(4096).clamp(1, 1024);
-        let partials = self.dev.alloc(blocks * 8)?;
         let out = self.dev.alloc(8)?;
-        let cfg = super::driver::LaunchConfig::linear(blocks as u32, 256);
-        let mut args = Args::new().ptr(v.ptr).len(v.len).ptr(partials.ptr());
-        self.dev
-            .launch(by_dtype!("sum_squares", self.dtype), cfg, &mut args)?;
-        let mut args = Args::new()
-            .ptr(partials.ptr())
-            .len(blocks)
-            .ptr(out.ptr())
-            .ptr(DevPtr::NULL);
-        let one = super::driver::LaunchConfig::linear(1, 32);
-        self.dev.launch("sum_squares_finalize", one, &mut args)?;
+        super::status::sum_squares_into(&self.dev, v, out.ptr())?;
         let mut bytes = [0u8; 8];
         out.copy_to_host(&mut bytes, STREAM)?;
         Ok(f64::from_le_bytes(bytes))
@@ -558,10 +546,10 @@ impl<'a> CudaViewMut<'a> {
 impl CudaIds {
     /// `host` copied to `dev`.
     pub(crate) fn upload(dev: &Arc<CudaDevice>, host: &[i32]) -> Result<Self> {
-        let buf = dev.alloc(host.len() * 4)?;
-        if !host.is_empty() {
-            buf.copy_from_host(bytemuck::cast_slice(host), STREAM)?;
-        }
+        let buf = match host.is_empty() {
+            true => dev.alloc(0)?,
+            false => dev.upload_async(bytemuck::cast_slice(host))?,
+        };
         Ok(CudaIds {
             buf,
             host: host.to_vec(),

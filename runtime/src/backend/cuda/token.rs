@@ -176,11 +176,7 @@ impl TokenOps for CudaBackend {
             positions.extend_from_slice(g);
         }
         offsets.push(positions.len() as i32);
-        let upload = |v: &[i32]| -> Result<super::driver::DeviceBuffer> {
-            let b = self.dev.alloc(v.len() * 4)?;
-            b.copy_from_host(bytemuck::cast_slice(v), STREAM)?;
-            Ok(b)
-        };
+        let upload = |v: &[i32]| self.dev.upload_async(bytemuck::cast_slice(v));
         let (u, o, p) = (upload(&uniq)?, upload(&offsets)?, upload(&positions)?);
         let bad = self.scratch_flag()?;
         let mut args = Args::new()

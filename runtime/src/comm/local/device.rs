@@ -80,7 +80,12 @@ impl LocalComm {
     ) -> Result<()> {
         // SAFETY: both fields come from this rank's live views.
         let (src, dst) = unsafe { (handle(desc.src_dev), handle(desc.dst_dev)) };
-        for dev in [src, dst].into_iter().flatten() {
+        // The fences make this rank's queued work visible to its peers' streams and theirs to
+        // it; alone, the share runs on the stream that produced its data, in order.
+        let alone = crate::comm::Communicator::world_size(self) == 1;
+        // Input and output on one device: one fence covers both.
+        let dst_fence = dst.filter(|d| !src.is_some_and(|s| Arc::ptr_eq(s, d)));
+        for dev in [src, dst_fence].into_iter().flatten().filter(|_| !alone) {
             dev.synchronize()?;
         }
         // A rank whose two buffers are in different places is refused at the entry check,
@@ -92,7 +97,10 @@ impl LocalComm {
         };
         let start = Instant::now();
         self.enter(desc, start)?;
-        let r = data(&self.peers.borrow(), own).and_then(|()| own.synchronize());
+        let r = data(&self.peers.borrow(), own).and_then(|()| match alone {
+            true => Ok(()),
+            false => own.synchronize(),
+        });
         let released = self.release(desc.op, start);
         r.and(released)
     }
