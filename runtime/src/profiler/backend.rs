@@ -7,9 +7,10 @@ use std::time::Instant;
 use super::flops;
 use super::record::{Family, Recorder};
 use crate::backend::{
-    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, DeviceMemory,
-    ElementwiseOps, Epilogue, HeadLoss, HeadShape, MatmulOps, MatmulShape, MemoryOps, NormOps,
-    OptimizerOps, Rope, Rotation, RowView, Stream, StreamEvent, StreamOps, TokenOps, UpdateRule,
+    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, DeviceActivity,
+    DeviceMemory, ElementwiseOps, Epilogue, HeadLoss, HeadShape, MatmulOps, MatmulShape,
+    MemoryModel, MemoryOps, NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, Stream,
+    StreamEvent, StreamOps, TokenOps, UpdateRule,
 };
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
@@ -88,6 +89,17 @@ impl MemoryOps for ProfilingBackend {
     }
     fn memory_stats(&self) -> Option<DeviceMemory> {
         self.inner.memory_stats()
+    }
+    // The methods with defaults are forwarded too: a default here would silently describe
+    // the CPU instead of the device underneath.
+    fn pin_host(&self, b: &mut FlatBuf) -> Option<crate::tensor::in_flight::HostPin> {
+        self.inner.pin_host(b)
+    }
+    fn memory_model(&self) -> MemoryModel {
+        self.inner.memory_model()
+    }
+    fn activity(&self) -> Option<DeviceActivity> {
+        self.inner.activity()
     }
 }
 
@@ -343,6 +355,9 @@ impl OptimizerOps for ProfilingBackend {
             self.inner
                 .optimizer_update(rule, step, grad_scale, params, grads, m, v, lp)
         })
+    }
+    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
+        self.timed(Family::Memory, 0, || self.inner.step_status(losses, grads))
     }
 }
 
