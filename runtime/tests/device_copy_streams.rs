@@ -384,7 +384,8 @@ fn offloaded_copies_change_no_bit() {
 
 /// The host parameter store of stage 3 is page-locked with the device's driver while the
 /// engine lives (best effort: the emulator, as CUDA, refuses a range sharing a page with one
-/// already registered, so small neighbouring shards stay pageable) and released with it.
+/// already registered, so small neighbouring shards stay pageable) and released with it and
+/// the device.
 #[test]
 fn the_host_parameter_store_is_page_locked_while_the_engine_lives() {
     use ferrozero_runtime::backend::cuda::driver::EmuDriver;
@@ -407,5 +408,8 @@ fn the_host_parameter_store_is_page_locked_while_the_engine_lives() {
     let (pinned, host_params) = seen[0];
     assert!(pinned > 0, "no shard was page-locked");
     assert!(pinned as u64 <= host_params, "{pinned} > {host_params}");
+    // The device keeps page-locked memory of its own (the small-upload ring, the staging
+    // pool) until it is dropped; with it gone nothing may stay registered.
+    drop(be);
     assert_eq!(drv.registered_host_bytes(), 0, "released with the engine");
 }
