@@ -323,10 +323,10 @@ impl Module for Block {
     fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
         let nc = batch * seq * self.cfg.n_embd;
         let attn = m.attention_transient(self.attn_shape(batch, seq));
-        // Backward's three crowded moments: dg and dh; dh and dln2; then datt (the input
-        // gradient it returns, priced by the caller), dx2, dqkv and dln1 around attention.
+        // Backward's two crowded moments: dh and dln2 (fc2's input gradient goes through the
+        // GELU inside its product: no separate dg); then datt (the input gradient it returns,
+        // priced by the caller), dx2, dqkv and dln1 around attention.
         let backward = [
-            2 * m.act_bytes(4 * nc),
             m.act_bytes(4 * nc) + m.act_bytes(nc),
             2 * m.act_bytes(nc) + m.act_bytes(3 * nc) + attn,
         ];
