@@ -359,7 +359,7 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::engine::estimate::{estimate, shape::preset};
-    use ferrozero_config::{Device, Format, ResolveContext};
+    use ferrozero_config::Device;
 
     fn resolved(device: &str) -> ferrozero_config::ResolvedConfig {
         let src = format!(
@@ -368,13 +368,7 @@ mod tests {
              [zero_optimization]\nstage = 3\n\
              [zero_optimization.offload_optimizer]\ndevice = \"cpu\"\n"
         );
-        let loaded = ferrozero_config::parse(&src, Format::Toml, "test").unwrap();
-        let ctx = ResolveContext {
-            world_size: 1,
-            hidden_size: None,
-            micro_batch_hint: None,
-        };
-        loaded.config.resolve(&ctx).unwrap()
+        crate::engine::test_config(&src, None)
     }
 
     /// A GPU's working set is not RAM: counting it refused 7B runs on hosts with less RAM than

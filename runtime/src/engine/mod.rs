@@ -36,6 +36,21 @@ pub mod timeline;
 mod topology;
 pub mod trace;
 
+/// A config for the engine's unit tests: `src` as TOML, resolved for one rank.
+#[cfg(test)]
+pub(crate) fn test_config(
+    src: &str,
+    hidden_size: Option<usize>,
+) -> ferrozero_config::resolved::ResolvedConfig {
+    let loaded = ferrozero_config::parse(src, ferrozero_config::Format::Toml, "test").unwrap();
+    let ctx = ferrozero_config::ResolveContext {
+        world_size: 1,
+        hidden_size,
+        micro_batch_hint: None,
+    };
+    loaded.config.resolve(&ctx).unwrap()
+}
+
 pub use self::core::Engine;
 pub use build::storage_dtype;
 pub use eval::Evaluation;

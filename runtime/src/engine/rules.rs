@@ -68,18 +68,11 @@ pub fn hpz_size(cfg: &ResolvedConfig, world: usize, params: Extent) -> usize {
 mod tests {
     use super::*;
     use ferrozero_config::resolved::ActivationCheckpointing;
-    use ferrozero_config::{Format, ResolveContext};
 
     fn cfg() -> ResolvedConfig {
         let src = "train_micro_batch_size_per_gpu = 1\n[optimizer]\ntype = \"AdamW\"\n\
                    params.lr = 1e-4\n[zero_optimization]\nstage = 3\n";
-        let loaded = ferrozero_config::parse(src, Format::Toml, "test").unwrap();
-        let ctx = ResolveContext {
-            world_size: 1,
-            hidden_size: None,
-            micro_batch_hint: None,
-        };
-        loaded.config.resolve(&ctx).unwrap()
+        crate::engine::test_config(src, None)
     }
 
     #[test]

@@ -63,7 +63,7 @@ pub fn check_device_cap(
 mod tests {
     use super::*;
     use crate::engine::estimate::{estimate, shape::preset};
-    use ferrozero_config::{Device, Format, ResolveContext};
+    use ferrozero_config::Device;
 
     /// The issue's run on a 32 GB card: Llama 7B, bf16, stage 3, AdamW on the CPU,
     /// checkpointing, 4096 tokens (about 30.5 GB on a GPU, 35.5 GB priced as the CPU).
@@ -74,13 +74,7 @@ mod tests {
                    [activation_checkpointing]\ncpu_checkpointing = false\n\
                    [zero_optimization]\nstage = 3\n\
                    [zero_optimization.offload_optimizer]\ndevice = \"cpu\"\n";
-        let loaded = ferrozero_config::parse(src, Format::Toml, "test").unwrap();
-        let ctx = ResolveContext {
-            world_size: 1,
-            hidden_size: Some(4096),
-            micro_batch_hint: None,
-        };
-        let mut cfg = loaded.config.resolve(&ctx).unwrap();
+        let mut cfg = crate::engine::test_config(src, Some(4096));
         cfg.device = device;
         cfg
     }

@@ -68,7 +68,6 @@ impl OptimizerOverlap {
 mod tests {
     use super::*;
     use crate::engine::estimate::{estimate, shape::preset};
-    use ferrozero_config::{Format, ResolveContext};
 
     /// The run users come for: stage 3, AdamW offloaded to the CPU, bf16, clipping 1.0.
     fn offload_config() -> ResolvedConfig {
@@ -77,13 +76,7 @@ mod tests {
                    [optimizer]\ntype = \"AdamW\"\nparams.lr = 1e-4\n\
                    [zero_optimization]\nstage = 3\noverlap_comm = true\n\
                    [zero_optimization.offload_optimizer]\ndevice = \"cpu\"\n";
-        let loaded = ferrozero_config::parse(src, Format::Toml, "test").unwrap();
-        let ctx = ResolveContext {
-            world_size: 1,
-            hidden_size: None,
-            micro_batch_hint: None,
-        };
-        loaded.config.resolve(&ctx).unwrap()
+        crate::engine::test_config(src, None)
     }
 
     const HOST_128G: u64 = 128 << 30;
