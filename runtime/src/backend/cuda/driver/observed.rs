@@ -10,7 +10,7 @@
 //! their data.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{DevPtr, DeviceInfo, Driver, Event, Gemm, Kernel, LaunchConfig, StreamKind};
@@ -81,6 +81,8 @@ pub struct Observed {
     counts: Counters,
     /// Kernel names by table index, learnt from [`Driver::kernel`] (for the trace).
     names: Mutex<Vec<Option<String>>>,
+    /// Whether `trace` records: every launch asks, so it asks an atomic, not the lock.
+    tracing: AtomicBool,
     trace: Mutex<Option<Vec<Traced>>>,
 }
 
@@ -91,6 +93,7 @@ impl Observed {
             inner,
             counts: Counters::default(),
             names: Mutex::new(Vec::new()),
+            tracing: AtomicBool::new(false),
             trace: Mutex::new(None),
         })
     }
@@ -112,10 +115,12 @@ impl Observed {
     /// Starts recording every operation in issue order (dropping any earlier record).
     pub fn start_trace(&self) {
         *self.trace.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+        self.tracing.store(true, Ordering::Release);
     }
 
     /// The operations issued since [`Observed::start_trace`], and stops recording.
     pub fn take_trace(&self) -> Vec<Traced> {
+        self.tracing.store(false, Ordering::Release);
         self.trace
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -124,6 +129,9 @@ impl Observed {
     }
 
     fn note(&self, s: Option<StreamKind>, op: impl FnOnce() -> TraceOp) {
+        if !self.tracing.load(Ordering::Acquire) {
+            return;
+        }
         let mut t = self.trace.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(t) = t.as_mut() {
             t.push((s, op()));
