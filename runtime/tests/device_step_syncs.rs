@@ -27,9 +27,9 @@ const SEQ: usize = 8;
 const GAS: usize = 2;
 
 /// Host syncs one optimizer step may make: the download of the step's status (the
-/// micro-steps' losses and the gradient's sums of squares) that the norm, clipping and the
-/// overflow check are decided from. See `ARCHITECTURE.md` ("a training step on a device waits
-/// for it once").
+/// micro-steps' losses, the gradient's sums of squares and the gradient scale the device
+/// decided from them and applied), after the optimizer's launch. See `ARCHITECTURE.md` ("a
+/// training step on a device waits for it once").
 const MAX_SYNCS_PER_STEP: u64 = 1;
 
 /// Kernel launches (GEMMs included) one GPT-2 block adds to a step of `GAS` micro-batches:
@@ -39,14 +39,66 @@ const MAX_SYNCS_PER_STEP: u64 = 1;
 /// each backward), 4 attention (forward; dot, dQ, dK/dV backward), 4 LayerNorm (2 forward,
 /// 2 backward) + 2 of their dgamma/dbeta finalizes, 8 bias column sums (partial + finalize
 /// for 4 biases), 1 GELU backward, 5 residual and gradient adds, 1 cast of the block's f32
-/// micro-step gradient to bf16. Per step 4: widen the gradient to f32, its sum of squares
-/// (2), the AdamW launch.
-const GPT2_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 37 + 4;
+/// micro-step gradient to bf16. Per step 2: its sum of squares (partial sums and their
+/// finalize). The optimizer reads the bf16 gradient as it is (no widening pass) and is one
+/// launch for the whole model ([`check_optimizer_launch`]), not one per block.
+const GPT2_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 37 + 2;
 
 /// The same for one Llama block. Per micro-batch 41: 21 GEMMs (q, k, v, o, gate, up, down
 /// forward; dX and dW of each), 4 attention, 4 RMSNorm + 2 dgamma finalizes, 4 RoPE (q and k,
-/// forward and backward), 2 SwiGLU, 3 adds, 1 gradient cast. Per step 4, as GPT-2's.
-const LLAMA_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 41 + 4;
+/// forward and backward), 2 SwiGLU, 3 adds, 1 gradient cast. Per step 2, as GPT-2's.
+const LLAMA_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 41 + 2;
+
+/// Optimizer launches of a whole step at one rank: one multi-tensor AdamW over every group.
+/// Before the step ran whole on the device it was one per group (5 for the 2-block GPT-2: 2
+/// blocks, embeddings, final norm with the head, the tied parameters), each after a pass
+/// widening the group's bf16 gradient to f32.
+const OPTIMIZER_LAUNCHES_PER_STEP: usize = 1;
+
+/// The optimizer's launches in `s`'s step, then its host syncs: one launch over every group,
+/// after the clip scale computed on the device, and no sync before it (none between the
+/// first forward and the update: the step's one wait reads the status after it).
+fn check_optimizer_launch(label: &str, s: &Step) {
+    let at = |pred: &dyn Fn(&str) -> bool| -> Vec<usize> {
+        s.trace
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (_, op))| match op {
+                TraceOp::Launch(k) if pred(k) => Some(i),
+                _ => None,
+            })
+            .collect()
+    };
+    let updates = at(&|k| k.starts_with("adam_multi"));
+    assert_eq!(
+        updates.len(),
+        OPTIMIZER_LAUNCHES_PER_STEP,
+        "{label}: optimizer launches {updates:?}"
+    );
+    let scale = at(&|k| k == "clip_grad_scale");
+    assert!(
+        scale.len() == 1 && scale[0] < updates[0],
+        "{label}: the clip scale at {scale:?}, the update at {updates:?}"
+    );
+    assert!(
+        !at(&|k| k.starts_with("cast_bf16_to_f32")).iter().any(|&i| i > scale[0]),
+        "{label}: no gradient is widened for the optimizer"
+    );
+    let syncs: Vec<usize> = (0..s.trace.len())
+        .filter(|&i| is_sync(&s.trace[i].1))
+        .collect();
+    assert!(
+        syncs.iter().all(|&i| i > updates[0]),
+        "{label}: host syncs at {syncs:?}, before the optimizer's launch at {}",
+        updates[0]
+    );
+    println!(
+        "{label}: {} optimizer launch at op {}, host syncs at {syncs:?} of {} ops",
+        updates.len(),
+        updates[0],
+        s.trace.len()
+    );
+}
 
 fn gpt2_model(layers: usize) -> Model {
     let cfg = gpt2::Gpt2Config::from_json(&format!(
@@ -221,6 +273,8 @@ fn check(name: &str, model: &(impl Fn(usize) -> Model + Sync), budget: u64) {
         let one = traced_step(|| model(1), stage);
         let label = format!("{name} stage {}", stage.number());
         print_table(&format!("{label}, 2 blocks"), &two);
+        check_optimizer_launch(&label, &two);
+        check_optimizer_launch(&label, &one);
         let per_block = two.activity.kernel_launches - one.activity.kernel_launches;
         println!(
             "{label}: {per_block} launches per block (forward + backward + step): {}",
@@ -294,6 +348,9 @@ fn fp16_syncs_once_and_two_ranks_within_their_ratchet() {
         let s = traced_run(|| gpt2_model(2), stage, ranks, precision);
         let label = format!("GPT-2 {label} stage {}", stage.number());
         print_table(&label, &s);
+        if ranks == 1 {
+            check_optimizer_launch(&label, &s);
+        }
         assert!(
             s.activity.host_syncs <= max,
             "{label}: {} host syncs, at most {max} allowed",

@@ -30,7 +30,7 @@ use std::sync::Arc;
 pub use cpu::CpuBackend;
 pub use memory::MemoryModel;
 pub use rope::{Rope, RopeScaling};
-pub use status::StepStatus;
+pub use status::{ClipRule, StepStatus, StepTensor};
 pub use stream::{Stream, StreamEvent, StreamOps};
 
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
@@ -303,6 +303,23 @@ pub trait OptimizerOps {
     /// downloads everything in one copy: the step's one wait for it. Views in host memory are
     /// read on the host.
     fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus>;
+
+    /// A whole step at one rank: the status of `losses` and `grads` (as
+    /// [`OptimizerOps::step_status`]), the gradient scale decided from it by `clip` (no update
+    /// when the sums overflowed), and `rule`'s update of every tensor with that scale; the
+    /// status comes back with the scale applied (`grad_scale`). A device decides where the
+    /// gradients live and updates every tensor in one launch, so its one wait for the
+    /// device, the status's download, comes after the update. The result equals
+    /// `step_status`, [`ClipRule::decide`] and `optimizer_update` in turn, bit for bit.
+    fn whole_step(
+        &self,
+        (rule, step, clip): (&UpdateRule, u64, ClipRule),
+        losses: &[View<'_>],
+        grads: &[View<'_>],
+        tensors: Vec<StepTensor<'_>>,
+    ) -> Result<StepStatus> {
+        status::whole_step_by_parts(self, (rule, step, clip), losses, grads, tensors)
+    }
 }
 
 /// Dense matrix products with f32 accumulation.

@@ -12,8 +12,9 @@ use super::group::{owned_lp, owned_params, Group};
 use super::nvme::NvmeOffload;
 use super::offload_copies::{self, Inbound, Landing};
 use super::partition::chunks;
-use crate::backend::{Backend, UpdateRule};
-use crate::tensor::FlatBuf;
+use crate::backend::{Backend, StepTensor, UpdateRule};
+use crate::tensor::{FlatBuf, View};
+use std::ops::Range;
 use crate::{Error, Result};
 
 /// Per-step values that the schedule decides.
@@ -112,6 +113,37 @@ impl Optimizer {
         Ok(())
     }
 
+    /// Group `g`'s update as one tensor of a whole step (`OptimizerOps::whole_step`): its
+    /// owned range at once. Tiles bound the host's working memory only; an element's update is
+    /// the same whatever run it is in, so a device updates the whole range in its launch.
+    /// With it, the gradient over `norm` (padded positions): what the norm sums.
+    pub fn step_tensor(g: &mut Group, norm: Range<usize>) -> Result<(View<'_>, StepTensor<'_>)> {
+        let Group {
+            params,
+            master,
+            grad,
+            grad_offset,
+            m,
+            v,
+            owned,
+            ..
+        } = g;
+        let (p, lp) = owned_params(params, master, owned)?;
+        let g_base = owned.start - *grad_offset;
+        let norm = grad.range(norm.start - *grad_offset..norm.end - *grad_offset)?;
+        let t = StepTensor {
+            params: p,
+            grads: grad.range(g_base..g_base + owned.len())?,
+            m: m.range_mut(0..owned.len())?,
+            v: v.view_mut(),
+            lp: match lp {
+                Some((b, off)) => Some(b.range_mut(off..off + owned.len())?),
+                None => None,
+            },
+        };
+        Ok((norm, t))
+    }
+
     /// The step for a group whose master weights and moments live on NVMe: the gradient of
     /// the owned range in f32, the tile driver, the low-precision copy written in place.
     fn step_nvme(&self, g: &mut Group, n: &NvmeOffload, sv: &StepValues) -> Result<()> {
@@ -179,7 +211,7 @@ impl Optimizer {
     }
 
     /// The update rule for this step's values.
-    fn rule(&self, sv: &StepValues) -> Result<UpdateRule> {
+    pub fn rule(&self, sv: &StepValues) -> Result<UpdateRule> {
         Ok(match self.cfg {
             OptimizerConfig::Adam { .. } => UpdateRule::Adam(self.adam_hyper(sv)?),
             OptimizerConfig::Sgd {

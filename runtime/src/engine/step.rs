@@ -6,10 +6,11 @@ use std::time::Instant;
 use super::core::Engine;
 use super::ledger::Location;
 use super::offload_copies::Inbound;
-use super::optimizer::StepValues;
+use super::optimizer::{Optimizer, StepValues};
 use super::optimizer_overlap::Overlapped;
 use super::report::{StepReport, Timings};
 use super::topology::shard_comm;
+use crate::backend::ClipRule;
 use crate::comm::{BufMut, ReduceOp};
 use crate::nn::Batch;
 use crate::{Error, Result};
@@ -65,27 +66,43 @@ impl Engine {
         // The optimizer lane gives every group back first, so no error below leaves a group
         // lent.
         let lane = self.join_optimizer_lane()?;
+        let clip = ClipRule {
+            loss_scale: self.scaler.scale(),
+            clipping: self.cfg.gradient_clipping,
+        };
         // The micro-steps' losses and the owned gradients' sums of squares leave the device
-        // here, together: the step's one wait for it. One pass over the gradients serves both
-        // the overflow check and the norm.
-        let known = lane.as_ref().map(|l| l.sumsq.as_slice());
-        let (local, local_sumsq) = self.local_status(known)?;
+        // together: the step's one wait for it. At one rank with the optimizer state on the
+        // device, after the update the device decided and applied itself; otherwise before,
+        // for the host to decide. One pass over the gradients serves both the overflow check
+        // and the norm.
+        let (local, local_sumsq, applied) = if lane.is_none() && self.whole_step_applies() {
+            let (l, s, gs) = self.whole_step(clip)?;
+            (l, s, Some(gs))
+        } else {
+            let known = lane.as_ref().map(|l| l.sumsq.as_slice());
+            let (l, s) = self.local_status(known)?;
+            (l, s, None)
+        };
         let loss_sum = self.sum_across_ranks(local)?;
         let tokens = self.sum_across_ranks(self.tokens as f64)? as u64;
         let overflow = self.any_overflow(!local_sumsq.is_finite())?;
-        let scale = self.scaler.scale();
         let norm = if overflow {
             f64::NAN
         } else {
-            self.global_norm(local_sumsq)? / scale
+            self.global_norm(local_sumsq, &clip)?
         };
         let decision = self.scaler.update(overflow)?;
         let lr = self.schedule.lr_at(self.steps);
-        if !decision.skip_step {
-            let sv = self.step_values((self.clip_coef(norm) / scale) as f32);
-            self.apply_update(&sv, lane)?;
-        } else {
-            self.settle_overlap(None, lane)?;
+        let grad_scale = clip.grad_scale(norm);
+        match applied {
+            Some(device) => self.settle_whole_step(device, decision.skip_step, grad_scale)?,
+            None if !decision.skip_step => {
+                let sv = self.step_values(grad_scale);
+                self.apply_update(&sv, lane)?;
+            }
+            None => {
+                self.settle_overlap(None, lane)?;
+            }
         }
         for g in &mut self.groups {
             g.grad.fill_zero()?;
@@ -131,16 +148,6 @@ impl Engine {
         match (std::mem::replace(&mut self.activity_mark, now), now) {
             (Some(then), Some(now)) => Some(now - then),
             _ => None,
-        }
-    }
-
-    /// The clipping coefficient for a global norm (1 without clipping).
-    fn clip_coef(&self, norm: f64) -> f64 {
-        let clip = self.cfg.gradient_clipping;
-        if clip > 0.0 && norm > clip {
-            clip / (norm + 1e-6)
-        } else {
-            1.0
         }
     }
 
@@ -244,28 +251,24 @@ impl Engine {
         }
         let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
         let st = self.be.step_status(&loss_views, &views)?;
-        let loss = st.losses.iter().fold(0.0f64, |acc, &l| acc + f64::from(l));
         let mut read = st.sum_squares.into_iter();
-        // -0.0 is what `Iterator::sum` starts from: the same bits for an all-zero gradient.
-        let mut sumsq = -0.0f64;
-        for i in 0..self.groups.len() {
-            sumsq += match known(i) {
-                Some(s) => s,
-                None => read.next().unwrap_or_default(),
-            };
-        }
-        Ok((loss, sumsq))
+        let sums = (0..self.groups.len()).map(|i| match known(i) {
+            Some(s) => s,
+            None => read.next().unwrap_or_default(),
+        });
+        Ok((loss_sum(&st.losses), ClipRule::total(sums)))
     }
 
-    /// The global L2 norm from each rank's [`Self::local_sum_squares`]: one copy of the
-    /// sharded gradient, summed over the shard group in rank order.
-    fn global_norm(&self, local: f64) -> Result<f64> {
+    /// The global L2 norm (unscaled by `clip`'s loss scale) from each rank's sum of squares:
+    /// one copy of the sharded gradient, summed over the shard group in rank order. Several
+    /// ranks sum here, on the host, after the status download; one rank's sum is its own.
+    fn global_norm(&self, local: f64, clip: &ClipRule) -> Result<f64> {
         let mut v = [local as f32];
         // One copy of the sharded gradient: the shard group's sum (the world's, without
         // hybrid sharding).
         self.one_copy_comm()
             .all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)?;
-        Ok((v[0] as f64).sqrt())
+        Ok(clip.norm(v[0]))
     }
 
     /// Maximum of a value over ranks (collective; f32 precision, for reports).
@@ -278,5 +281,81 @@ impl Engine {
     /// Peak device bytes on this rank so far.
     pub fn peak_device_bytes(&self) -> u64 {
         self.ledger.peak_total(Location::Device)
+    }
+}
+
+/// A rank's loss sum: the micro-steps' losses added in order in f64.
+fn loss_sum(losses: &[f32]) -> f64 {
+    losses.iter().fold(0.0f64, |acc, &l| acc + f64::from(l))
+}
+
+impl Engine {
+    /// Whether the step runs whole on the compute device (`OptimizerOps::whole_step`): one
+    /// rank (no norm or overflow to agree on with others), no optimizer lane, and every
+    /// group's optimizer state and parameters in device memory (none in host memory or on
+    /// NVMe).
+    fn whole_step_applies(&self) -> bool {
+        use super::group::{ParamStore, Shard};
+        self.comm.world_size() == 1
+            && self.groups.iter().all(|g| {
+                let swapped = matches!(
+                    g.params,
+                    ParamStore::Partitioned {
+                        shard: Shard::Nvme(_),
+                        ..
+                    }
+                );
+                g.m.host().is_none() && g.nvme_adam.is_none() && !swapped
+            })
+    }
+
+    /// The whole step on the device: every group's norm range and update handed over at once;
+    /// the device decides the gradient scale (or the skip) from the sums of squares, updates,
+    /// and the status comes back after. This rank's loss sum, sum of squares, and the scale
+    /// the device applied (NaN: skipped).
+    fn whole_step(&mut self, clip: ClipRule) -> Result<(f64, f64, f32)> {
+        let t = Instant::now();
+        let rank = self.shard_rank();
+        // The scale is the device's to decide; the rule reads the schedule's values only.
+        let sv = self.step_values(f32::NAN);
+        let rule = self.optimizer.rule(&sv)?;
+        let losses = std::mem::take(&mut self.losses);
+        let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
+        let (mut norms, mut tensors) = (Vec::new(), Vec::new());
+        for g in &mut self.groups {
+            let r = g.layout.shard_range(rank);
+            let (n, t) = Optimizer::step_tensor(g, r)?;
+            norms.push(n);
+            tensors.push(t);
+        }
+        let st = self
+            .be
+            .whole_step((&rule, sv.step, clip), &loss_views, &norms, tensors)?;
+        self.timings.optimizer += t.elapsed().as_secs_f64();
+        let applied = st.grad_scale.ok_or_else(|| {
+            Error::Invalid("the whole step came back without the scale it applied".into())
+        })?;
+        let sumsq = ClipRule::total(st.sum_squares.iter().copied());
+        Ok((loss_sum(&st.losses), sumsq, applied))
+    }
+
+    /// After a whole step: the scale the device applied must be the host's (its arithmetic,
+    /// on the same sums), NaN exactly when the scaler skips; then the update is published.
+    fn settle_whole_step(&mut self, device: f32, skip: bool, host: f32) -> Result<()> {
+        let agree = match skip {
+            true => device.is_nan(),
+            false => device.to_bits() == host.to_bits(),
+        };
+        if !agree {
+            return Err(Error::Invalid(format!(
+                "step {}: the device applied gradient scale {device:e}, the host decided \
+                 {host:e} (skipped: {skip})",
+                self.steps + 1
+            )));
+        }
+        match skip {
+            true => Ok(()),
+            false => self.publish(),
+        }
     }
 }

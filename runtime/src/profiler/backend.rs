@@ -7,9 +7,9 @@ use std::time::Instant;
 use super::flops;
 use super::record::{Family, Recorder};
 use crate::backend::{
-    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, DeviceActivity,
+    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ClipRule, DeviceActivity,
     DeviceMemory, ElementwiseOps, Epilogue, HeadLoss, HeadShape, MatmulOps, MatmulShape,
-    MemoryModel, MemoryOps, NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, Stream,
+    MemoryModel, MemoryOps, NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, StepTensor, Stream,
     StreamEvent, StreamOps, TokenOps, UpdateRule,
 };
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
@@ -358,6 +358,17 @@ impl OptimizerOps for ProfilingBackend {
     }
     fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
         self.timed(Family::Memory, 0, || self.inner.step_status(losses, grads))
+    }
+    fn whole_step(
+        &self,
+        step: (&UpdateRule, u64, ClipRule),
+        losses: &[View<'_>],
+        grads: &[View<'_>],
+        tensors: Vec<StepTensor<'_>>,
+    ) -> Result<StepStatus> {
+        self.timed(Family::Optimizer, 0, || {
+            self.inner.whole_step(step, losses, grads, tensors)
+        })
     }
 }
 

@@ -43,6 +43,7 @@ impl OptimizerOps for CpuBackend {
         Ok(StepStatus {
             losses,
             sum_squares,
+            grad_scale: None,
         })
     }
 

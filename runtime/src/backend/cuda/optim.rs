@@ -1,13 +1,15 @@
-//! The optimizer step on device state (`optim.cu`): one multi-tensor launch per call, with the
-//! gradient scale read from device memory, bit-identical to the CPU step.
+//! The optimizer step on device state (`optim.cu`): one multi-tensor launch per call over
+//! every tensor given, gradients read in their own dtype, the gradient scale read from device
+//! memory, bit-identical to the CPU step. A whole step (`whole_step`) decides that scale on
+//! the device too, so the host reads the step's status once, after the update.
 
 use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::kernels::params::OptTensor;
 use super::launch::Args;
-use super::storage::CudaBuf;
-use crate::backend::{OptimizerOps, StepStatus, UpdateRule};
+use super::storage::{CudaView, CudaViewMut};
+use crate::backend::{ClipRule, OptimizerOps, StepStatus, StepTensor, UpdateRule};
 use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
 use ferrozero_offload::optim::WeightDecay;
@@ -16,6 +18,154 @@ const OP: &str = "optimizer step";
 
 /// Elements per chunk of the multi-tensor launch (a multiple of 8, so aligned chunks vectorise).
 const CHUNK: usize = 1 << 16;
+
+/// One tensor of a launch, checked: its views on this device.
+struct DevTensor<'a> {
+    p: CudaViewMut<'a>,
+    g: CudaView<'a>,
+    m: CudaViewMut<'a>,
+    v: CudaViewMut<'a>,
+    lp: Option<CudaViewMut<'a>>,
+}
+
+impl DevTensor<'_> {
+    /// The kernel variant for the low-precision copy: none and f32 copies use `_f32`.
+    fn lp_dtype(&self) -> DType {
+        self.lp.as_ref().map_or(DType::F32, |l| l.dtype())
+    }
+}
+
+impl CudaBackend {
+    /// `t`'s views on this device, their lengths and dtypes checked.
+    fn dev_tensor<'a>(&self, rule: &UpdateRule, t: StepTensor<'a>) -> Result<DevTensor<'a>> {
+        let (p, g) = (
+            self.dev_out(OP, "parameters", t.params)?,
+            self.dev_in(OP, "gradients", t.grads)?,
+        );
+        let (m, v) = (
+            self.dev_out(OP, "first moment", t.m)?,
+            self.dev_out(OP, "second moment", t.v)?,
+        );
+        let lp = t
+            .lp
+            .map(|l| self.dev_out(OP, "low-precision copy", l))
+            .transpose()?;
+        let n = p.len();
+        expect_len(OP, "gradients", g.len(), n)?;
+        expect_len(OP, "first moment", m.len(), n)?;
+        if matches!(rule, UpdateRule::Adam(_)) {
+            expect_len(OP, "second moment", v.len(), n)?;
+        }
+        if let Some(l) = &lp {
+            expect_len(OP, "low-precision copy", l.len(), n)?;
+        }
+        expect_dtype(
+            OP,
+            DType::F32,
+            &[("parameters", p.dtype()), ("first moment", m.dtype())],
+        )?;
+        Ok(DevTensor { p, g, m, v, lp })
+    }
+
+    /// Updates every tensor with the scale at `scale` (device memory): one launch per
+    /// low-precision dtype among them (one in a training step), then the f32 copies.
+    fn launch_update(
+        &self,
+        rule: &UpdateRule,
+        step: u64,
+        scale: DevPtr,
+        tensors: Vec<DevTensor<'_>>,
+    ) -> Result<()> {
+        for lp in [DType::F32, DType::Bf16, DType::F16] {
+            let mut descs = Vec::new();
+            let mut chunks = 0usize;
+            for t in tensors.iter().filter(|t| t.lp_dtype() == lp && !t.p.is_empty()) {
+                let n = t.p.len();
+                descs.push(OptTensor {
+                    params: t.p.ptr().0,
+                    grads: t.g.ptr().0,
+                    m: t.m.ptr().0,
+                    v: if t.v.is_empty() { 0 } else { t.v.ptr().0 },
+                    lp: t.lp.as_ref().map_or(0, |l| l.ptr().0),
+                    n: n as i64,
+                    first_chunk: chunks as i64,
+                    grad_dtype: OptTensor::grad_dtype_of(t.g.dtype()),
+                });
+                chunks += n.div_ceil(CHUNK);
+            }
+            if !descs.is_empty() {
+                self.launch_multi(rule, step, scale, &descs, chunks, lp)?;
+            }
+        }
+        // An f32 "low-precision" copy is the parameters themselves, copied after the update.
+        for t in tensors {
+            let dtype = t.lp_dtype();
+            if let (Some(l), DType::F32) = (t.lp, dtype) {
+                t.p.as_view().copy_to(l)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One multi-tensor launch of `rule` over `descs` (uploaded through the ring).
+    fn launch_multi(
+        &self,
+        rule: &UpdateRule,
+        step: u64,
+        scale: DevPtr,
+        descs: &[OptTensor],
+        chunks: usize,
+        lp: DType,
+    ) -> Result<()> {
+        let table = self.dev.upload_async(bytemuck::cast_slice(descs))?;
+        let head = Args::new()
+            .ptr(table.ptr())
+            .i32(descs.len() as i32)
+            .len(chunks)
+            .i32(CHUNK as i32);
+        let sms = self.dev.info().multiprocessors.max(1) as usize;
+        let cfg = LaunchConfig::linear(chunks.min(8 * sms).max(1) as u32, BLOCK);
+        let (names, args) = match rule {
+            UpdateRule::Adam(hp) => {
+                let (step_size, bc2_sqrt) = ferrozero_offload::optim::adam_terms(hp, step)?;
+                let args = head
+                    .f32(hp.lr)
+                    .f32(hp.beta1)
+                    .f32(hp.beta2)
+                    .f32(hp.eps)
+                    .f32(hp.weight_decay)
+                    .i32(i32::from(hp.decay == WeightDecay::Decoupled))
+                    .f32(step_size)
+                    .f32(bc2_sqrt);
+                (["adam_multi_f32", "adam_multi_bf16", "adam_multi_f16"], args)
+            }
+            UpdateRule::Sgd(hp) => {
+                let args = head
+                    .f32(hp.lr)
+                    .f32(hp.momentum)
+                    .f32(hp.dampening)
+                    .f32(hp.weight_decay)
+                    .i32(i32::from(hp.nesterov))
+                    .i32(i32::from(step <= 1));
+                (["sgd_multi_f32", "sgd_multi_bf16", "sgd_multi_f16"], args)
+            }
+            UpdateRule::Lion(hp) => {
+                let args = head
+                    .f32(hp.lr)
+                    .f32(hp.beta1)
+                    .f32(hp.beta2)
+                    .f32(hp.weight_decay);
+                (["lion_multi_f32", "lion_multi_bf16", "lion_multi_f16"], args)
+            }
+        };
+        let name = match lp {
+            DType::F32 => names[0],
+            DType::Bf16 => names[1],
+            DType::F16 => names[2],
+        };
+        self.dev.launch(name, cfg, &mut args.ptr(scale))
+    }
+}
 
 impl OptimizerOps for CudaBackend {
     fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
@@ -33,145 +183,50 @@ impl OptimizerOps for CudaBackend {
         v: ViewMut<'_>,
         lp: Option<ViewMut<'_>>,
     ) -> Result<()> {
-        let (p, g) = (
-            self.dev_out(OP, "parameters", params)?,
-            self.dev_in(OP, "gradients", grads)?,
-        );
-        let (m, v) = (
-            self.dev_out(OP, "first moment", m)?,
-            self.dev_out(OP, "second moment", v)?,
-        );
-        let lp = lp
-            .map(|l| self.dev_out(OP, "low-precision copy", l))
-            .transpose()?;
-        let n = p.len();
-        expect_len(OP, "gradients", g.len(), n)?;
-        expect_len(OP, "first moment", m.len(), n)?;
-        if matches!(rule, UpdateRule::Adam(_)) {
-            expect_len(OP, "second moment", v.len(), n)?;
-        }
-        expect_dtype(
-            OP,
-            DType::F32,
-            &[("parameters", p.dtype()), ("first moment", m.dtype())],
-        )?;
-        if n == 0 {
+        let t = StepTensor {
+            params,
+            grads,
+            m,
+            v,
+            lp,
+        };
+        let t = self.dev_tensor(rule, t)?;
+        if t.p.is_empty() {
             return Ok(());
         }
-        // The kernels read f32 gradients: widen half-precision ones first (exactly).
-        let widened;
-        let gptr = if g.dtype() == DType::F32 {
-            g.ptr()
-        } else {
-            let mut w = CudaBuf::uninit(&self.dev, DType::F32, n)?;
-            let mut args = Args::new().ptr(g.ptr()).ptr(w.view_mut().ptr()).len(n);
-            let name = match g.dtype() {
-                DType::Bf16 => "cast_bf16_to_f32",
-                _ => "cast_f16_to_f32",
-            };
-            self.dev.launch(name, self.dev.grid_for(n), &mut args)?;
-            widened = w;
-            widened.view().ptr()
-        };
-        let (lp_ptr, lp_dtype) = match &lp {
-            Some(l) => {
-                expect_len(OP, "low-precision copy", l.len(), n)?;
-                (l.ptr(), l.dtype())
-            }
-            None => (DevPtr::NULL, DType::F32),
-        };
-        let desc = OptTensor {
-            params: p.ptr().0,
-            grads: gptr.0,
-            m: m.ptr().0,
-            v: if v.is_empty() { 0 } else { v.ptr().0 },
-            lp: lp_ptr.0,
-            n: n as i64,
-            first_chunk: 0,
-        };
-        let table = self.dev.upload_async(bytemuck::bytes_of(&desc))?;
         let scale = self.dev.upload_async(&grad_scale.to_le_bytes())?;
-        let chunks = n.div_ceil(CHUNK);
-        let head = Args::new()
-            .ptr(table.ptr())
-            .i32(1)
-            .len(chunks)
-            .i32(CHUNK as i32);
-        let sms = self.dev.info().multiprocessors.max(1) as usize;
-        let cfg = LaunchConfig::linear(chunks.min(8 * sms).max(1) as u32, BLOCK);
-        let (name, mut args) = match rule {
-            UpdateRule::Adam(hp) => {
-                let (step_size, bc2_sqrt) = ferrozero_offload::optim::adam_terms(hp, step)?;
-                let args = head
-                    .f32(hp.lr)
-                    .f32(hp.beta1)
-                    .f32(hp.beta2)
-                    .f32(hp.eps)
-                    .f32(hp.weight_decay)
-                    .i32(i32::from(hp.decay == WeightDecay::Decoupled))
-                    .f32(step_size)
-                    .f32(bc2_sqrt);
-                (
-                    lp_kernel(
-                        ["adam_multi_f32", "adam_multi_bf16", "adam_multi_f16"],
-                        &lp,
-                        lp_dtype,
-                    ),
-                    args,
-                )
-            }
-            UpdateRule::Sgd(hp) => {
-                let args = head
-                    .f32(hp.lr)
-                    .f32(hp.momentum)
-                    .f32(hp.dampening)
-                    .f32(hp.weight_decay)
-                    .i32(i32::from(hp.nesterov))
-                    .i32(i32::from(step <= 1));
-                (
-                    lp_kernel(
-                        ["sgd_multi_f32", "sgd_multi_bf16", "sgd_multi_f16"],
-                        &lp,
-                        lp_dtype,
-                    ),
-                    args,
-                )
-            }
-            UpdateRule::Lion(hp) => {
-                let args = head
-                    .f32(hp.lr)
-                    .f32(hp.beta1)
-                    .f32(hp.beta2)
-                    .f32(hp.weight_decay);
-                (
-                    lp_kernel(
-                        ["lion_multi_f32", "lion_multi_bf16", "lion_multi_f16"],
-                        &lp,
-                        lp_dtype,
-                    ),
-                    args,
-                )
-            }
-        };
-        args = args.ptr(scale.ptr());
-        self.dev.launch(name, cfg, &mut args)?;
-        // An f32 "low-precision" copy is the parameters themselves, copied after the update.
-        if let (Some(l), DType::F32) = (lp, lp_dtype) {
-            p.as_view().copy_to(l)?;
-        }
-        Ok(())
+        self.launch_update(rule, step, scale.ptr(), vec![t])
     }
-}
 
-/// The kernel variant for the low-precision copy: none and f32 copies use the `_f32` kernel.
-fn lp_kernel(
-    names: [&'static str; 3],
-    lp: &Option<super::storage::CudaViewMut<'_>>,
-    dtype: DType,
-) -> &'static str {
-    match (lp, dtype) {
-        (Some(_), DType::Bf16) => names[1],
-        (Some(_), DType::F16) => names[2],
-        _ => names[0],
+    fn whole_step(
+        &self,
+        (rule, step, clip): (&UpdateRule, u64, ClipRule),
+        losses: &[View<'_>],
+        grads: &[View<'_>],
+        tensors: Vec<StepTensor<'_>>,
+    ) -> Result<StepStatus> {
+        let tensors = tensors
+            .into_iter()
+            .map(|t| self.dev_tensor(rule, t))
+            .collect::<Result<Vec<_>>>()?;
+        // The scale is decided from the sums the device computes: every gradient is here.
+        for g in grads {
+            self.dev_in(OP, "a gradient of the norm", *g)?;
+        }
+        let block = self.status_block(losses, grads, 4)?;
+        let rule_vals = [clip.loss_scale, clip.clipping];
+        let rule_buf = self.dev.upload_async(bytemuck::cast_slice(&rule_vals))?;
+        let scale = block.tail();
+        let mut args = Args::new()
+            .ptr(block.sums())
+            .i32(grads.len() as i32)
+            .ptr(rule_buf.ptr())
+            .ptr(scale);
+        self.dev
+            .launch("clip_grad_scale", LaunchConfig::linear(1, 1), &mut args)?;
+        self.launch_update(rule, step, scale, tensors)?;
+        let (mut st, tail) = block.read()?;
+        st.grad_scale = Some(f32::from_le_bytes(tail[..4].try_into().unwrap_or_default()));
+        Ok(st)
     }
 }

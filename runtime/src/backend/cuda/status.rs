@@ -4,7 +4,7 @@
 
 use super::backend::{expect_len, CudaBackend};
 use super::device::{CudaDevice, STREAM};
-use super::driver::{DevPtr, LaunchConfig};
+use super::driver::{DevPtr, DeviceBuffer, LaunchConfig};
 use super::launch::Args;
 use super::storage::{by_dtype, CudaView};
 use crate::backend::status::{host_loss, host_sum_squares};
@@ -57,50 +57,99 @@ impl CudaBackend {
         losses: &[View<'_>],
         grads: &[View<'_>],
     ) -> Result<StepStatus> {
+        Ok(self.status_block(losses, grads, 0)?.read()?.0)
+    }
+
+    /// Starts the status of `losses` and `grads` (host views are read at once) in one block
+    /// with `tail` more bytes after the losses for the caller's own results.
+    pub(super) fn status_block(
+        &self,
+        losses: &[View<'_>],
+        grads: &[View<'_>],
+        tail: usize,
+    ) -> Result<StatusBlock> {
         let (ng, nl) = (grads.len(), losses.len());
         let mut st = StepStatus {
             losses: vec![0.0; nl],
             sum_squares: vec![0.0; ng],
+            grad_scale: None,
         };
-        let block = self.dev.alloc(ng * 8 + nl * 4)?;
+        let block = self.dev.alloc(ng * 8 + nl * 4 + tail)?;
         let at = |bytes: usize| block.ptr().offset(bytes as u64);
-        let mut on_device = false;
+        let mut on_device = tail > 0;
+        let mut device_grads = vec![false; ng];
         for (i, g) in grads.iter().enumerate() {
             match host_sum_squares(*g) {
                 Some(s) => st.sum_squares[i] = s,
                 None => {
                     let g = self.dev_in(OP, "a gradient", *g)?;
                     sum_squares_into(&self.dev, g, at(8 * i))?;
-                    on_device = true;
+                    (on_device, device_grads[i]) = (true, true);
                 }
             }
         }
+        let mut device_losses = vec![false; nl];
         for (i, l) in losses.iter().enumerate() {
             if let Some(v) = host_loss(OP, *l)? {
                 st.losses[i] = v;
                 continue;
             }
             self.loss_into(self.dev_in(OP, "a loss", *l)?, at(8 * ng + 4 * i))?;
-            on_device = true;
+            (on_device, device_losses[i]) = (true, true);
         }
-        if !on_device {
-            return Ok(st);
+        Ok(StatusBlock {
+            block,
+            st,
+            on_device,
+            device_grads,
+            device_losses,
+            tail,
+        })
+    }
+}
+
+/// A step's status on its way: the block on the device, what was read on the host.
+pub(super) struct StatusBlock {
+    block: DeviceBuffer,
+    st: StepStatus,
+    on_device: bool,
+    device_grads: Vec<bool>,
+    device_losses: Vec<bool>,
+    tail: usize,
+}
+
+impl StatusBlock {
+    /// The gradients' f64 sums of squares, in order (host views' slots are not written).
+    pub(super) fn sums(&self) -> DevPtr {
+        self.block.ptr()
+    }
+
+    /// The caller's bytes after the losses.
+    pub(super) fn tail(&self) -> DevPtr {
+        let at = self.st.sum_squares.len() * 8 + self.st.losses.len() * 4;
+        self.block.ptr().offset(at as u64)
+    }
+
+    /// The one download (when anything is on the device): the status and the tail's bytes.
+    pub(super) fn read(self) -> Result<(StepStatus, Vec<u8>)> {
+        let StatusBlock { block, mut st, .. } = self;
+        let (ng, nl) = (st.sum_squares.len(), st.losses.len());
+        if !self.on_device {
+            return Ok((st, Vec::new()));
         }
-        let mut bytes = vec![0u8; ng * 8 + nl * 4];
+        let mut bytes = vec![0u8; ng * 8 + nl * 4 + self.tail];
         block.copy_to_host(&mut bytes, STREAM)?;
         let (sums, rest) = bytes.split_at(ng * 8);
-        for (i, g) in grads.iter().enumerate() {
-            if matches!(g, View::Cuda(_)) {
-                st.sum_squares[i] =
-                    f64::from_le_bytes(sums[8 * i..8 * i + 8].try_into().unwrap_or_default());
-            }
+        let (losses, tail) = rest.split_at(nl * 4);
+        let word = |b: &[u8], i: usize, w: usize| b[w * i..w * i + w].to_vec();
+        for i in (0..ng).filter(|&i| self.device_grads[i]) {
+            let b: [u8; 8] = word(sums, i, 8).try_into().unwrap_or_default();
+            st.sum_squares[i] = f64::from_le_bytes(b);
         }
-        for (i, l) in losses.iter().enumerate() {
-            if matches!(l, View::Cuda(_)) {
-                st.losses[i] =
-                    f32::from_le_bytes(rest[4 * i..4 * i + 4].try_into().unwrap_or_default());
-            }
+        for i in (0..nl).filter(|&i| self.device_losses[i]) {
+            let b: [u8; 4] = word(losses, i, 4).try_into().unwrap_or_default();
+            st.losses[i] = f32::from_le_bytes(b);
         }
-        Ok(st)
+        Ok((st, tail.to_vec()))
     }
 }

@@ -146,6 +146,7 @@ pub const SOURCES: &[KernelSource] = &[
             "lion_multi_f32",
             "lion_multi_bf16",
             "lion_multi_f16",
+            "clip_grad_scale",
         ],
     },
     KernelSource {

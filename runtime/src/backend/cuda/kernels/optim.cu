@@ -3,9 +3,10 @@
 //
 // One launch updates many tensors. The host passes a device array of descriptors:
 //
-//   struct OptTensor {            // 56 bytes, 8-byte aligned (Rust: #[repr(C)])
+//   struct OptTensor {            // 64 bytes, 8-byte aligned (Rust: #[repr(C)])
 //     float* params;              //  0: f32 master parameters, updated in place
-//     const float* grads;         //  8: f32 gradients (still scaled: see grad_scale)
+//     const void* grads;          //  8: gradients (still scaled: see grad_scale), in the
+//                                 //     dtype grad_dtype names
 //     float* m;                   // 16: first moment (Adam, Lion) or momentum (SGD; may be null
 //                                 //     when momentum == 0)
 //     float* v;                   // 24: second moment (Adam; unused otherwise)
@@ -15,6 +16,8 @@
 //     long long n;                // 40: elements
 //     long long first_chunk;      // 48: index of this tensor's first chunk: the sum of
 //                                 //     ceil(n / chunk) over the tensors before it
+//     long long grad_dtype;       // 56: 0 f32, 1 bf16, 2 f16: half-precision gradients are
+//                                 //     widened in registers (exactly), no pass of their own
 //   };
 //
 // and `total_chunks` (the sum over all tensors). Chunk c of the launch is a `chunk`-element
@@ -24,7 +27,8 @@
 // element).
 //
 // `grad_scale` (loss-scale removal times the clip coefficient) is read from device memory, so a
-// scale computed on the device needs no round trip through the host.
+// scale computed on the device (clip_grad_scale) needs no round trip through the host. A NaN
+// scale skips the step: the kernel writes nothing (an overflow's verdict, decided on the device).
 //
 //   adam_multi_<lp>(const OptTensor* t, int ntensors, long long total_chunks, int chunk,
 //                   float lr, float beta1, float beta2, float eps, float weight_decay,
@@ -37,18 +41,27 @@
 //   lion_multi_<lp>(..., float lr, float beta1, float beta2, float weight_decay,
 //                   const float* grad_scale)
 //
+//   clip_grad_scale(const double* sums, int n, const double* rule, float* grad_scale)
+//       The engine's host arithmetic (backend/status.rs `ClipRule`), operation for operation,
+//       in f64 like the host: s = -0.0 + sums[0] + ... + sums[n-1] in order; if s is not
+//       finite *grad_scale = NaN (overflow: the step is skipped); else, with rule = {loss_scale,
+//       clipping}, norm = sqrt((double)(float)s) / loss_scale, coef = clipping / (norm + 1e-6)
+//       when clipping > 0 and norm > clipping (else 1), *grad_scale = (float)(coef / loss_scale).
+//       Launch: one thread.
+//
 //   <lp> is f32 (no copy), bf16 or f16. Every element is computed with the reference's
 //   operations in the reference's order, each rounded separately (__fmul_rn & co. are never
 //   fused into FMAs), so results equal the CPU's bit for bit, whatever the chunking.
 
 struct OptTensor {
   float* params;
-  const float* grads;
+  const void* grads;
   float* m;
   float* v;
   void* lp;
   long long n;
   long long first_chunk;
+  long long grad_dtype;
 };
 
 // The tensor holding chunk c: the last one whose first_chunk <= c (binary search).
@@ -66,8 +79,8 @@ __device__ __forceinline__ int find_tensor(const OptTensor* t, int ntensors, lon
 
 // W elements at i: load, update each with `up` (f32 in place), store, and write the
 // low-precision copy of the new parameters.
-template <int W, class LP, class Update>
-__device__ __forceinline__ void update_pack(const Update& up, float* p, const float* g, float* m,
+template <int W, class G, class LP, class Update>
+__device__ __forceinline__ void update_pack(const Update& up, float* p, const G* g, float* m,
                                             float* v, LP* lp, long long i) {
   float pv[W], gv[W], mv[W] = {}, vv[W] = {};
   fz_load<W>(p + i, pv);
@@ -84,35 +97,46 @@ __device__ __forceinline__ void update_pack(const Update& up, float* p, const fl
   }
 }
 
-// Runs `up` over every chunk of the launch: 8 elements at a time with 16-byte vectors when the
-// chunk's slices are aligned, then one by one.
+// One chunk of `len` elements: 8 at a time with 16-byte vectors when its slices are aligned,
+// then one by one.
+template <class G, class LP, class Update>
+__device__ __forceinline__ void update_chunk(const Update& up, int chunk, float* p, const G* g,
+                                             float* m, float* v, LP* lp, long long len) {
+  constexpr int V = 8;
+  const bool vec = chunk % V == 0 && fz_aligned16(p) && fz_aligned16(g) &&
+                   (!m || fz_aligned16(m)) && (!v || fz_aligned16(v)) && (!lp || fz_aligned16(lp));
+  long long done = 0;
+  if (vec) {
+    const long long packs = len / V;
+    for (long long q = threadIdx.x; q < packs; q += blockDim.x)
+      update_pack<V>(up, p, g, m, v, lp, q * V);
+    done = packs * V;
+  }
+  for (long long i = done + threadIdx.x; i < len; i += blockDim.x)
+    update_pack<1>(up, p, g, m, v, lp, i);
+}
+
+// Runs `up` over every chunk of the launch, reading each tensor's gradients in their dtype.
 template <class LP, class Update>
 __device__ __forceinline__ void for_each_chunk(const OptTensor* tensors, int ntensors,
                                                long long total_chunks, int chunk, bool needs_v,
                                                const Update& up) {
-  constexpr int V = 8;
   for (long long c = blockIdx.x; c < total_chunks; c += gridDim.x) {
     const OptTensor t = tensors[find_tensor(tensors, ntensors, c)];
     const long long lo = (c - t.first_chunk) * chunk;
     if (lo >= t.n) continue;  // only with an inconsistent first_chunk; never read past n
     const long long len = min(static_cast<long long>(chunk), t.n - lo);
     float* p = t.params + lo;
-    const float* g = t.grads + lo;
     float* m = t.m ? t.m + lo : nullptr;
     float* v = needs_v ? t.v + lo : nullptr;
     LP* lp = sizeof(LP) == 2 ? static_cast<LP*>(t.lp) : nullptr;  // _f32: no copy
     if (lp) lp += lo;
-    const bool vec = chunk % V == 0 && fz_aligned16(p) && fz_aligned16(g) &&
-                     (!m || fz_aligned16(m)) && (!v || fz_aligned16(v)) && (!lp || fz_aligned16(lp));
-    long long done = 0;
-    if (vec) {
-      const long long packs = len / V;
-      for (long long q = threadIdx.x; q < packs; q += blockDim.x)
-        update_pack<V>(up, p, g, m, v, lp, q * V);
-      done = packs * V;
-    }
-    for (long long i = done + threadIdx.x; i < len; i += blockDim.x)
-      update_pack<1>(up, p, g, m, v, lp, i);
+    if (t.grad_dtype == 1)
+      update_chunk(up, chunk, p, static_cast<const bf16_t*>(t.grads) + lo, m, v, lp, len);
+    else if (t.grad_dtype == 2)
+      update_chunk(up, chunk, p, static_cast<const f16_t*>(t.grads) + lo, m, v, lp, len);
+    else
+      update_chunk(up, chunk, p, static_cast<const float*>(t.grads) + lo, m, v, lp, len);
   }
 }
 
@@ -166,6 +190,7 @@ __device__ __forceinline__ void adam_multi(const OptTensor* t, int ntensors,
                                            float beta1, float beta2, float eps,
                                            float weight_decay, int decoupled, float step_size,
                                            float bc2_sqrt, const float* grad_scale) {
+  if (*grad_scale != *grad_scale) return;  // skipped: the gradients overflowed
   // 1 - beta and lr * wd as the host computes them (f32, one rounding each).
   const AdamUpdate up{*grad_scale,  beta1, __fsub_rn(1.0f, beta1),      beta2,
                       __fsub_rn(1.0f, beta2), eps, weight_decay, __fmul_rn(lr, weight_decay),
@@ -178,6 +203,7 @@ __device__ __forceinline__ void sgd_multi(const OptTensor* t, int ntensors,
                                           long long total_chunks, int chunk, float lr,
                                           float momentum, float dampening, float weight_decay,
                                           int nesterov, int first_step, const float* grad_scale) {
+  if (*grad_scale != *grad_scale) return;
   const SgdUpdate up{*grad_scale, lr, momentum, __fsub_rn(1.0f, dampening), weight_decay,
                      nesterov, first_step};
   for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
@@ -188,6 +214,7 @@ __device__ __forceinline__ void lion_multi(const OptTensor* t, int ntensors,
                                            long long total_chunks, int chunk, float lr,
                                            float beta1, float beta2, float weight_decay,
                                            const float* grad_scale) {
+  if (*grad_scale != *grad_scale) return;
   const LionUpdate up{*grad_scale, lr, __fmul_rn(lr, weight_decay), beta1,
                       __fsub_rn(1.0f, beta1), beta2, __fsub_rn(1.0f, beta2)};
   for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
@@ -226,3 +253,18 @@ extern "C" __global__ void sgd_multi_f16(FZ_SGD_PARAMS) { sgd_multi<f16_t>(FZ_SG
 extern "C" __global__ void lion_multi_f32(FZ_LION_PARAMS) { lion_multi<float>(FZ_LION_ARGS); }
 extern "C" __global__ void lion_multi_bf16(FZ_LION_PARAMS) { lion_multi<bf16_t>(FZ_LION_ARGS); }
 extern "C" __global__ void lion_multi_f16(FZ_LION_PARAMS) { lion_multi<f16_t>(FZ_LION_ARGS); }
+
+extern "C" __global__ void clip_grad_scale(const double* sums, int n, const double* rule,
+                                           float* grad_scale) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double s = -0.0;
+  for (int i = 0; i < n; ++i) s += sums[i];
+  if (!isfinite(s)) {
+    *grad_scale = __int_as_float(0x7fc00000);  // NaN: skip
+    return;
+  }
+  const double loss_scale = rule[0], clipping = rule[1];
+  const double norm = sqrt(static_cast<double>(static_cast<float>(s))) / loss_scale;
+  const double coef = clipping > 0.0 && norm > clipping ? clipping / (norm + 1e-6) : 1.0;
+  *grad_scale = static_cast<float>(coef / loss_scale);
+}

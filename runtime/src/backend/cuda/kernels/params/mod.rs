@@ -86,14 +86,14 @@ pub enum ArgKind {
     Float,
 }
 
-/// `optim.cu`'s `OptTensor` descriptor: one tensor of a multi-tensor optimizer launch (56 bytes,
+/// `optim.cu`'s `OptTensor` descriptor: one tensor of a multi-tensor optimizer launch (64 bytes,
 /// the layout the kernels read; the optimizer launcher and the emulator tests both build it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct OptTensor {
     /// fp32 master parameters.
     pub params: u64,
-    /// fp32 gradients.
+    /// Gradients, in the dtype `grad_dtype` names.
     pub grads: u64,
     /// First moment (momentum); 0 where the rule keeps none.
     pub m: u64,
@@ -105,6 +105,19 @@ pub struct OptTensor {
     pub n: i64,
     /// Index of this tensor's first chunk among all chunks of the launch.
     pub first_chunk: i64,
+    /// The gradients' dtype: 0 f32, 1 bf16, 2 f16 ([`OptTensor::grad_dtype_of`]).
+    pub grad_dtype: i64,
+}
+
+impl OptTensor {
+    /// The `grad_dtype` code of a gradient dtype.
+    pub fn grad_dtype_of(d: crate::tensor::DType) -> i64 {
+        match d {
+            crate::tensor::DType::F32 => 0,
+            crate::tensor::DType::Bf16 => 1,
+            crate::tensor::DType::F16 => 2,
+        }
+    }
 }
 
 const fn p(name: &'static str, ty: CType) -> Param {

@@ -117,6 +117,9 @@ pub const TABLE: &[Family] = &[
         p("lr", Float), p("beta1", Float), p("beta2", Float), p("weight_decay", Float),
         p("grad_scale", In(F32)),
     ]),
+    single("clip_grad_scale", &[
+        p("sums", In(F64)), p("n", Int), p("rule", In(F64)), p("grad_scale", Out(F32)),
+    ]),
     // attention.cu
     per_dtype("attention_forward_d32", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
