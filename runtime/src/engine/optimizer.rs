@@ -13,7 +13,7 @@ use super::nvme::NvmeOffload;
 use super::offload_copies::{self, Inbound, Landing};
 use super::partition::chunks;
 use crate::backend::{Backend, StepTensor, UpdateRule};
-use crate::tensor::{FlatBuf, View};
+use crate::tensor::{FlatBuf, View, ViewMut};
 use std::ops::Range;
 use crate::{Error, Result};
 
@@ -113,11 +113,15 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Group `g`'s update as one tensor of a whole step (`OptimizerOps::whole_step`): its
-    /// owned range at once. Tiles bound the host's working memory only; an element's update is
-    /// the same whatever run it is in, so a device updates the whole range in its launch.
-    /// With it, the gradient over `norm` (padded positions): what the norm sums.
-    pub fn step_tensor(g: &mut Group, norm: Range<usize>) -> Result<(View<'_>, StepTensor<'_>)> {
+    /// Group `g`'s update as tensors of a whole step (`OptimizerOps::whole_step`): its owned
+    /// range in `tile`-element runs, the same calls [`Self::step_group`] makes (a device
+    /// updates every run of every group in one launch). With them, the gradient over `norm`
+    /// (padded positions): what the norm sums.
+    pub fn step_tensors(
+        g: &mut Group,
+        tile: usize,
+        norm: Range<usize>,
+    ) -> Result<(View<'_>, Vec<StepTensor<'_>>)> {
         let Group {
             params,
             master,
@@ -129,19 +133,37 @@ impl Optimizer {
             ..
         } = g;
         let (p, lp) = owned_params(params, master, owned)?;
-        let g_base = owned.start - *grad_offset;
-        let norm = grad.range(norm.start - *grad_offset..norm.end - *grad_offset)?;
-        let t = StepTensor {
-            params: p,
-            grads: grad.range(g_base..g_base + owned.len())?,
-            m: m.range_mut(0..owned.len())?,
-            v: v.view_mut(),
-            lp: match lp {
-                Some((b, off)) => Some(b.range_mut(off..off + owned.len())?),
-                None => None,
-            },
+        let n = owned.len();
+        let tiles: Vec<_> = chunks(n, tile).collect();
+        let mut ps = split_runs(p, &tiles)?.into_iter();
+        let mut ms = split_runs(m.range_mut(0..n)?, &tiles)?.into_iter();
+        let mut vs = split_runs(v.view_mut(), &tiles)?.into_iter();
+        let lps: Vec<Option<ViewMut<'_>>> = match lp {
+            Some((b, off)) => split_runs(b.range_mut(off..off + n)?, &tiles)?
+                .into_iter()
+                .map(Some)
+                .collect(),
+            None => tiles.iter().map(|_| None).collect(),
         };
-        Ok((norm, t))
+        let mut lps = lps.into_iter();
+        let g_base = owned.start - *grad_offset;
+        let mut out = Vec::new();
+        for t in &tiles {
+            let (Some(params), Some(m), Some(v), Some(lp)) =
+                (ps.next(), ms.next(), vs.next(), lps.next())
+            else {
+                return Err(Error::Invalid("optimizer runs: a split came up short".into()));
+            };
+            out.push(StepTensor {
+                params,
+                grads: grad.range(g_base + t.start..g_base + t.end)?,
+                m,
+                v,
+                lp,
+            });
+        }
+        let norm = grad.range(norm.start - *grad_offset..norm.end - *grad_offset)?;
+        Ok((norm, out))
     }
 
     /// The step for a group whose master weights and moments live on NVMe: the gradient of
@@ -239,4 +261,19 @@ impl Optimizer {
             }),
         })
     }
+}
+
+/// `v` cut at the ends of `runs` (consecutive from 0); a shorter `v` (an empty second moment)
+/// gives its elements to the first runs and empty views after.
+fn split_runs<'a>(mut v: ViewMut<'a>, runs: &[Range<usize>]) -> Result<Vec<ViewMut<'a>>> {
+    let mut out = Vec::with_capacity(runs.len());
+    let mut at = 0;
+    for r in runs {
+        let mid = r.end.min(at + v.len()) - at.min(r.end);
+        let (head, rest) = v.split_at(mid)?;
+        out.push(head);
+        v = rest;
+        at += mid;
+    }
+    Ok(out)
 }

@@ -291,22 +291,14 @@ fn loss_sum(losses: &[f32]) -> f64 {
 
 impl Engine {
     /// Whether the step runs whole on the compute device (`OptimizerOps::whole_step`): one
-    /// rank (no norm or overflow to agree on with others), no optimizer lane, and every
-    /// group's optimizer state and parameters in device memory (none in host memory or on
-    /// NVMe).
+    /// rank (no norm or overflow to agree on with others) and the optimizer state and the
+    /// parameters placed on the compute device (neither offloaded to host memory nor to
+    /// NVMe). The optimizer lane, when armed, is checked by the caller.
     fn whole_step_applies(&self) -> bool {
-        use super::group::{ParamStore, Shard};
+        use super::build::{optimizer_location, param_location};
         self.comm.world_size() == 1
-            && self.groups.iter().all(|g| {
-                let swapped = matches!(
-                    g.params,
-                    ParamStore::Partitioned {
-                        shard: Shard::Nvme(_),
-                        ..
-                    }
-                );
-                g.m.host().is_none() && g.nvme_adam.is_none() && !swapped
-            })
+            && optimizer_location(&self.cfg) == Location::Device
+            && param_location(&self.cfg) == Location::Device
     }
 
     /// The whole step on the device: every group's norm range and update handed over at once;
@@ -322,11 +314,12 @@ impl Engine {
         let losses = std::mem::take(&mut self.losses);
         let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
         let (mut norms, mut tensors) = (Vec::new(), Vec::new());
+        let tile = self.cfg.zero.sub_group_size.max(1);
         for g in &mut self.groups {
             let r = g.layout.shard_range(rank);
-            let (n, t) = Optimizer::step_tensor(g, r)?;
+            let (n, t) = Optimizer::step_tensors(g, tile, r)?;
             norms.push(n);
-            tensors.push(t);
+            tensors.extend(t);
         }
         let st = self
             .be
