@@ -296,6 +296,21 @@ pub trait OptimizerOps {
         lp: Option<ViewMut<'_>>,
     ) -> Result<()>;
 
+    /// [`OptimizerOps::optimizer_update`] of every tensor with one `grad_scale`: a device
+    /// updates them all in one launch. The same bits as one call per tensor.
+    fn optimizer_update_all(
+        &self,
+        rule: &UpdateRule,
+        step: u64,
+        grad_scale: f32,
+        tensors: Vec<StepTensor<'_>>,
+    ) -> Result<()> {
+        for t in tensors {
+            self.optimizer_update(rule, step, grad_scale, t.params, t.grads, t.m, t.v, t.lp)?;
+        }
+        Ok(())
+    }
+
     /// The values a step decides on, read back to the host together: each micro-step's loss
     /// (a one-element view) and each gradient view's sum of squares in f64, summed in the
     /// order its length fixes (as `Storage::sum_squares`, so the same bits, finite exactly

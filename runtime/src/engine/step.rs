@@ -163,6 +163,19 @@ impl Engine {
     fn update_groups(&mut self, sv: &StepValues, done: &[bool]) -> Result<()> {
         let t = Instant::now();
         let tile = self.cfg.zero.sub_group_size.max(1);
+        if self.state_on_device() {
+            // Every group's owned range at once: one launch on a device.
+            let rule = self.optimizer.rule(sv)?;
+            let mut tensors = Vec::new();
+            for (_, g) in self.groups.iter_mut().enumerate().filter(|(i, _)| !done[*i]) {
+                let owned = g.owned.clone();
+                tensors.extend(Optimizer::step_tensors(g, tile, owned)?.1);
+            }
+            self.be
+                .optimizer_update_all(&rule, sv.step, sv.grad_scale, tensors)?;
+            self.timings.optimizer += t.elapsed().as_secs_f64();
+            return Ok(());
+        }
         let mut writing = std::collections::VecDeque::new();
         let trace = self.trace.clone();
         let todo: Vec<usize> = (0..self.groups.len()).filter(|&g| !done[g]).collect();
@@ -295,9 +308,14 @@ impl Engine {
     /// parameters placed on the compute device (neither offloaded to host memory nor to
     /// NVMe). The optimizer lane, when armed, is checked by the caller.
     fn whole_step_applies(&self) -> bool {
+        self.comm.world_size() == 1 && self.state_on_device()
+    }
+
+    /// Whether the optimizer state and the parameters are placed on the compute device, so
+    /// one call updates every group where it lives.
+    fn state_on_device(&self) -> bool {
         use super::build::{optimizer_location, param_location};
-        self.comm.world_size() == 1
-            && optimizer_location(&self.cfg) == Location::Device
+        optimizer_location(&self.cfg) == Location::Device
             && param_location(&self.cfg) == Location::Device
     }
 

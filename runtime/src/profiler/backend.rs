@@ -359,6 +359,17 @@ impl OptimizerOps for ProfilingBackend {
     fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
         self.timed(Family::Memory, 0, || self.inner.step_status(losses, grads))
     }
+    fn optimizer_update_all(
+        &self,
+        rule: &UpdateRule,
+        step: u64,
+        grad_scale: f32,
+        tensors: Vec<StepTensor<'_>>,
+    ) -> Result<()> {
+        self.timed(Family::Optimizer, 0, || {
+            self.inner.optimizer_update_all(rule, step, grad_scale, tensors)
+        })
+    }
     fn whole_step(
         &self,
         step: (&UpdateRule, u64, ClipRule),

@@ -198,6 +198,21 @@ impl OptimizerOps for CudaBackend {
         self.launch_update(rule, step, scale.ptr(), vec![t])
     }
 
+    fn optimizer_update_all(
+        &self,
+        rule: &UpdateRule,
+        step: u64,
+        grad_scale: f32,
+        tensors: Vec<StepTensor<'_>>,
+    ) -> Result<()> {
+        let tensors = tensors
+            .into_iter()
+            .map(|t| self.dev_tensor(rule, t))
+            .collect::<Result<Vec<_>>>()?;
+        let scale = self.dev.upload_async(&grad_scale.to_le_bytes())?;
+        self.launch_update(rule, step, scale.ptr(), tensors)
+    }
+
     fn whole_step(
         &self,
         (rule, step, clip): (&UpdateRule, u64, ClipRule),
