@@ -372,7 +372,13 @@ fn clip_scale_on_the_device_is_the_hosts() {
         &[0.999_999_9],
         &[1.000_002],
     ];
-    let rules = [(1.0, 1.0), (1.0, 0.0), (256.0, 1.0), (65536.0, 0.5), (2.0, 1e-3)];
+    let rules = [
+        (1.0, 1.0),
+        (1.0, 0.0),
+        (256.0, 1.0),
+        (65536.0, 0.5),
+        (2.0, 1e-3),
+    ];
     for s in sums {
         for (loss_scale, clipping) in rules {
             let clip = ClipRule {

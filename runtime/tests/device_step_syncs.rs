@@ -82,7 +82,9 @@ fn check_optimizer_launch(label: &str, s: &Step) {
         "{label}: the clip scale at {scale:?}, the update at {updates:?}"
     );
     assert!(
-        !at(&|k| k.starts_with("cast_bf16_to_f32")).iter().any(|&i| i > scale[0]),
+        !at(&|k| k.starts_with("cast_bf16_to_f32"))
+            .iter()
+            .any(|&i| i > scale[0]),
         "{label}: no gradient is widened for the optimizer"
     );
     let syncs: Vec<usize> = (0..s.trace.len())
@@ -358,7 +360,10 @@ fn fp16_syncs_once_and_two_ranks_within_their_ratchet() {
                 .filter(|(k, _)| k.starts_with("adam_multi"))
                 .map(|(_, n)| n as usize)
                 .sum::<usize>();
-            assert_eq!(updates, OPTIMIZER_LAUNCHES_PER_STEP, "{label}: optimizer launches");
+            assert_eq!(
+                updates, OPTIMIZER_LAUNCHES_PER_STEP,
+                "{label}: optimizer launches"
+            );
         }
         assert!(
             s.activity.host_syncs <= max,

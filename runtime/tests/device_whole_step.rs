@@ -122,11 +122,11 @@ fn whole_step(d: &Dev) {
     });
     // (loss scale, clipping, gradient magnitude, an Inf in a gradient)
     let cases = [
-        (1.0, 1.0, 1.0, false),   // the norm (~40) is clipped to 1
-        (1.0, 1.0, 1e-3, false),  // below the bound
-        (1.0, 0.0, 1.0, false),   // no clipping
+        (1.0, 1.0, 1.0, false),    // the norm (~40) is clipped to 1
+        (1.0, 1.0, 1e-3, false),   // below the bound
+        (1.0, 0.0, 1.0, false),    // no clipping
         (256.0, 1.0, 16.0, false), // loss-scaled gradients, clipped after unscaling
-        (256.0, 1.0, 1.0, true),  // overflow: skipped
+        (256.0, 1.0, 1.0, true),   // overflow: skipped
     ];
     for (step, (loss_scale, clipping, mag, poison)) in cases.into_iter().enumerate() {
         let step = step as u64 + 1;
@@ -153,14 +153,35 @@ fn whole_step(d: &Dev) {
         );
         assert_eq!(gs.is_nan(), poison, "{what}: skipped exactly on overflow");
         assert_eq!(bits(&st.losses), bits(&want.losses), "{what}: losses");
-        let sums = |s: &StepStatus| s.sum_squares.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let sums = |s: &StepStatus| {
+            s.sum_squares
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(sums(&st), sums(&want), "{what}: sums of squares");
         for i in 0..LENS.len() {
             let t = format!("{what}, tensor {i}");
-            assert_eq!(bits(&get(&ds.p[i])), bits(&get(&cs.p[i])), "{t}: parameters");
-            assert_eq!(bits(&get(&ds.m[i])), bits(&get(&cs.m[i])), "{t}: first moment");
-            assert_eq!(bits(&get(&ds.v[i])), bits(&get(&cs.v[i])), "{t}: second moment");
-            assert_eq!(bits(&get(&ds.lp[i])), bits(&get(&cs.lp[i])), "{t}: bf16 copy");
+            assert_eq!(
+                bits(&get(&ds.p[i])),
+                bits(&get(&cs.p[i])),
+                "{t}: parameters"
+            );
+            assert_eq!(
+                bits(&get(&ds.m[i])),
+                bits(&get(&cs.m[i])),
+                "{t}: first moment"
+            );
+            assert_eq!(
+                bits(&get(&ds.v[i])),
+                bits(&get(&cs.v[i])),
+                "{t}: second moment"
+            );
+            assert_eq!(
+                bits(&get(&ds.lp[i])),
+                bits(&get(&cs.lp[i])),
+                "{t}: bf16 copy"
+            );
             if poison {
                 assert_eq!(bits(&get(&ds.p[i])), bits(&before[i]), "{t}: untouched");
             } else {
@@ -205,10 +226,9 @@ fn whole_step_refuses_foreign_gradients(d: &Dev) {
         v: v.view_mut(),
         lp: None::<ViewMut<'_>>,
     };
-    let e = d
-        .be
-        .whole_step((&rule, 1, clip), &[], &norms, vec![t])
-        .expect_err("a host gradient on the device");
+    let e =
+        d.be.whole_step((&rule, 1, clip), &[], &norms, vec![t])
+            .expect_err("a host gradient on the device");
     assert!(e.to_string().contains("a gradient of the norm"), "{e}");
     assert_eq!(get(&p), vec![0.0; 2], "nothing was updated");
 }

@@ -14,8 +14,8 @@ use super::offload_copies::{self, Inbound, Landing};
 use super::partition::chunks;
 use crate::backend::{Backend, StepTensor, UpdateRule};
 use crate::tensor::{FlatBuf, View, ViewMut};
-use std::ops::Range;
 use crate::{Error, Result};
+use std::ops::Range;
 
 /// Per-step values that the schedule decides.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -152,7 +152,9 @@ impl Optimizer {
             let (Some(params), Some(m), Some(v), Some(lp)) =
                 (ps.next(), ms.next(), vs.next(), lps.next())
             else {
-                return Err(Error::Invalid("optimizer runs: a split came up short".into()));
+                return Err(Error::Invalid(
+                    "optimizer runs: a split came up short".into(),
+                ));
             };
             out.push(StepTensor {
                 params,

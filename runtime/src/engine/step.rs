@@ -167,7 +167,12 @@ impl Engine {
             // Every group's owned range at once: one launch on a device.
             let rule = self.optimizer.rule(sv)?;
             let mut tensors = Vec::new();
-            for (_, g) in self.groups.iter_mut().enumerate().filter(|(i, _)| !done[*i]) {
+            for (_, g) in self
+                .groups
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| !done[*i])
+            {
                 let owned = g.owned.clone();
                 tensors.extend(Optimizer::step_tensors(g, tile, owned)?.1);
             }

@@ -9,8 +9,8 @@ use super::record::{Family, Recorder};
 use crate::backend::{
     Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ClipRule, DeviceActivity,
     DeviceMemory, ElementwiseOps, Epilogue, HeadLoss, HeadShape, MatmulOps, MatmulShape,
-    MemoryModel, MemoryOps, NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, StepTensor, Stream,
-    StreamEvent, StreamOps, TokenOps, UpdateRule,
+    MemoryModel, MemoryOps, NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, StepTensor,
+    Stream, StreamEvent, StreamOps, TokenOps, UpdateRule,
 };
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
@@ -367,7 +367,8 @@ impl OptimizerOps for ProfilingBackend {
         tensors: Vec<StepTensor<'_>>,
     ) -> Result<()> {
         self.timed(Family::Optimizer, 0, || {
-            self.inner.optimizer_update_all(rule, step, grad_scale, tensors)
+            self.inner
+                .optimizer_update_all(rule, step, grad_scale, tensors)
         })
     }
     fn whole_step(

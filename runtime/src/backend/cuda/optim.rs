@@ -46,10 +46,9 @@ impl CudaBackend {
             self.dev_out(OP, "first moment", t.m)?,
             self.dev_out(OP, "second moment", t.v)?,
         );
-        let lp = t
-            .lp
-            .map(|l| self.dev_out(OP, "low-precision copy", l))
-            .transpose()?;
+        let lp =
+            t.lp.map(|l| self.dev_out(OP, "low-precision copy", l))
+                .transpose()?;
         let n = p.len();
         expect_len(OP, "gradients", g.len(), n)?;
         expect_len(OP, "first moment", m.len(), n)?;
@@ -79,7 +78,10 @@ impl CudaBackend {
         for lp in [DType::F32, DType::Bf16, DType::F16] {
             let mut descs = Vec::new();
             let mut chunks = 0usize;
-            for t in tensors.iter().filter(|t| t.lp_dtype() == lp && !t.p.is_empty()) {
+            for t in tensors
+                .iter()
+                .filter(|t| t.lp_dtype() == lp && !t.p.is_empty())
+            {
                 let n = t.p.len();
                 descs.push(OptTensor {
                     params: t.p.ptr().0,
@@ -137,7 +139,10 @@ impl CudaBackend {
                     .i32(i32::from(hp.decay == WeightDecay::Decoupled))
                     .f32(step_size)
                     .f32(bc2_sqrt);
-                (["adam_multi_f32", "adam_multi_bf16", "adam_multi_f16"], args)
+                (
+                    ["adam_multi_f32", "adam_multi_bf16", "adam_multi_f16"],
+                    args,
+                )
             }
             UpdateRule::Sgd(hp) => {
                 let args = head
@@ -155,7 +160,10 @@ impl CudaBackend {
                     .f32(hp.beta1)
                     .f32(hp.beta2)
                     .f32(hp.weight_decay);
-                (["lion_multi_f32", "lion_multi_bf16", "lion_multi_f16"], args)
+                (
+                    ["lion_multi_f32", "lion_multi_bf16", "lion_multi_f16"],
+                    args,
+                )
             }
         };
         let name = match lp {
