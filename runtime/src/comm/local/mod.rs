@@ -46,6 +46,8 @@ pub struct LocalComm {
     seq: Cell<u64>,
     /// Copy of every rank's announcement for the running collective, reused across calls.
     peers: RefCell<Vec<Desc>>,
+    /// The device events this rank's device collectives are ordered by.
+    marks: device::Marks,
 }
 
 impl std::fmt::Debug for LocalComm {
@@ -75,6 +77,7 @@ impl LocalComm {
             rank,
             seq: Cell::new(0),
             peers: RefCell::new(vec![Desc::bare(0, OpKind::Barrier); n]),
+            marks: device::Marks::default(),
         }
     }
 

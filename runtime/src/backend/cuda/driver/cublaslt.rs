@@ -74,7 +74,7 @@ pub(super) struct Blas {
 #[derive(Default)]
 struct BlasState {
     /// Workspace per stream (0: not yet allocated).
-    workspaces: [u64; 3],
+    workspaces: [u64; 4],
     algos: HashMap<GemmKey, ltsys::cublasLtMatmulAlgo_t>,
 }
 
