@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::device::CudaDevice;
+use super::device::{CudaDevice, STREAM};
 use super::driver::{copy_peer, DevPtr, DeviceBuffer, StreamKind};
 use super::launch::Args;
 use super::storage::{CudaView, CudaViewMut};
@@ -81,6 +81,9 @@ pub(crate) fn reduce_runs(
         DType::F32 => None,
         _ => Some(scratch(DType::F32)?),
     };
+    if s != STREAM {
+        after_compute(on, s)?;
+    }
     let own = on.driver();
     // Into `on`'s scratch memory from a view of any rank, or back.
     let fetch = |src: &CudaView<'_>, into: DevPtr, m: usize| {
@@ -129,6 +132,19 @@ pub(crate) fn reduce_runs(
         start += m;
     }
     Ok(())
+}
+
+/// Orders `on`'s stream `s` after the work queued on its compute stream so far: the scratch
+/// blocks just taken from the allocator may have been freed by compute work still running
+/// (the allocator reuses a block freed on its home stream at once).
+fn after_compute(on: &CudaDevice, s: StreamKind) -> Result<()> {
+    let d = on.driver();
+    let e = d.event_create()?;
+    let r = d
+        .event_record(e, STREAM)
+        .and_then(|()| d.stream_wait_event(s, e));
+    // A stream already waiting keeps waiting for a destroyed event.
+    r.and(d.event_destroy(e))
 }
 
 /// `acc[..n] = acc op src` in f32 (`add_assign_f32` for sums, `max_assign_f32` for `Max`).

@@ -248,6 +248,32 @@ impl EmuDriver {
     }
 }
 
+/// The bytes `p..p + bytes`, for the order check.
+fn span(p: DevPtr, bytes: usize) -> order::Span {
+    (p.0, p.0 + bytes as u64)
+}
+
+impl EmuDriver {
+    /// What kernel `name`'s declared pointer arguments reach (none for a kernel the registry's
+    /// parameter table does not declare: a test's own).
+    ///
+    /// # Safety
+    /// `params` holds one pointer per parameter of `name`, each to a value of its type.
+    unsafe fn reach(&self, name: &str, params: &[*mut c_void]) -> Vec<order::Span> {
+        use crate::backend::cuda::kernels::params::{params_of, ArgKind};
+        let Some((declared, _)) = params_of(name) else {
+            return Vec::new();
+        };
+        let ptrs = declared
+            .iter()
+            .zip(params)
+            .filter(|(d, _)| d.ty.kind() == ArgKind::Ptr)
+            // SAFETY: a pointer parameter's value is a device address (8 bytes).
+            .map(|(_, &v)| unsafe { *(v as *const u64) });
+        order::reach(self.id, ptrs)
+    }
+}
+
 impl Drop for EmuDriver {
     fn drop(&mut self) {
         order::closed(self.id);
@@ -330,7 +356,7 @@ impl Driver for EmuDriver {
     }
 
     fn memset_zero(&self, p: DevPtr, bytes: usize, s: StreamKind) -> Result<()> {
-        order::issue(self.id, s)?;
+        order::issue(self.id, s, &[span(p, bytes)])?;
         let mem = self.memory();
         mem.check("cuMemsetD8Async", "destination", p, bytes as u64)?;
         // SAFETY: checked to lie inside a live allocation; the lock excludes frees.
@@ -364,7 +390,7 @@ impl Driver for EmuDriver {
         s: StreamKind,
         owners: [u64; 2],
     ) -> Result<()> {
-        order::access(self.id, s, owners)?;
+        order::access(self.id, s, (src.0, dst.0, bytes as u64), owners)?;
         // No table lock here: the ranges may belong to other drivers, whose owners keep them
         // alive for the copy (the caller's contract); emulated device memory is host memory.
         // SAFETY: the caller checked both ranges live and disjoint.
@@ -373,7 +399,7 @@ impl Driver for EmuDriver {
     }
 
     fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, s: StreamKind) -> Result<()> {
-        order::issue(self.id, s)?;
+        order::issue(self.id, s, &[span(src, bytes), span(dst, bytes)])?;
         let mem = self.memory();
         mem.check_copy(src, dst, bytes as u64)?;
         // SAFETY: both ranges checked inside live allocations and disjoint.
@@ -388,7 +414,7 @@ impl Driver for EmuDriver {
         dst: DevPtr,
         s: StreamKind,
     ) -> Result<()> {
-        order::issue(self.id, s)?;
+        order::issue(self.id, s, &[span(dst, len)])?;
         let mem = self.memory();
         mem.check("cuMemcpyHtoDAsync", "destination", dst, len as u64)?;
         // SAFETY: the caller guarantees `src..src + len` is readable; the destination is checked.
@@ -403,7 +429,7 @@ impl Driver for EmuDriver {
         len: usize,
         s: StreamKind,
     ) -> Result<()> {
-        order::issue(self.id, s)?;
+        order::issue(self.id, s, &[span(src, len)])?;
         let mem = self.memory();
         mem.check("cuMemcpyDtoHAsync", "source", src, len as u64)?;
         // SAFETY: the caller guarantees `dst..dst + len` is writable; the source is checked.
@@ -446,7 +472,8 @@ impl Driver for EmuDriver {
             });
         };
         cfg.validate(name, self.info.max_dyn_smem_per_block)?;
-        order::issue(self.id, s)?;
+        // SAFETY: the caller's contract: `params` matches the kernel's parameters.
+        order::issue(self.id, s, &unsafe { self.reach(name, params) })?;
         let Some(lib) = &self.lib else {
             return Err(Error::Device {
                 op: "cuLaunchKernel".into(),
@@ -488,7 +515,8 @@ impl Driver for EmuDriver {
 
     fn gemm(&self, g: &Gemm, s: StreamKind) -> Result<()> {
         g.validate()?;
-        order::issue(self.id, s)?;
+        let spans: Vec<_> = g.ranges()?.iter().map(|r| (r.start, r.start + r.bytes)).collect();
+        order::issue(self.id, s, &spans)?;
         let mem = self.memory();
         for r in g.ranges()? {
             mem.check("cublasLtMatmul", r.what, DevPtr(r.start), r.bytes)?;
@@ -538,8 +566,15 @@ impl Driver for EmuDriver {
         self.id
     }
 
+    fn note_buffer(&self, p: DevPtr, bytes: u64) {
+        order::buffer(self.id, p.0, bytes);
+    }
+
     fn event_query(&self, e: Event) -> Result<bool> {
-        self.check_event("cuEventQuery", e).map(|()| true)
+        self.check_event("cuEventQuery", e)?;
+        // The host learns that the event's work finished (it always has, here).
+        order::event_synchronized(self.id, e.0);
+        Ok(true)
     }
 
     fn event_synchronize(&self, e: Event) -> Result<()> {

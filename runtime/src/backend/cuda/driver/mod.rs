@@ -507,6 +507,11 @@ pub trait Driver: Send + Sync + fmt::Debug {
 
     /// This driver's identity among the drivers of the process.
     fn peer_id(&self) -> u64;
+
+    /// Hears that `p..p + bytes` is now one buffer of the caching allocator: the emulator's
+    /// order check takes a kernel's pointer argument as reaching the whole buffer it points
+    /// into. Nothing to do on a GPU.
+    fn note_buffer(&self, _p: DevPtr, _bytes: u64) {}
 }
 
 /// Makes later work on stream `s` of driver `on` wait for event `e` of driver `owner` (which

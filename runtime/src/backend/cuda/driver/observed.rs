@@ -343,6 +343,10 @@ impl Driver for Observed {
     fn peer_id(&self) -> u64 {
         self.inner.peer_id()
     }
+
+    fn note_buffer(&self, p: DevPtr, bytes: u64) {
+        self.inner.note_buffer(p, bytes)
+    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! The emulator's check of the order between streams of different devices of one process.
+//! The emulator's check of the order between streams of one process's devices.
 //!
 //! Emulated streams run every operation when it is issued, so a missing event wait never shows
 //! as stale data here; on a GPU it would. This book makes it an error instead, with vector
@@ -6,17 +6,21 @@
 //! through earlier waits, other streams) had issued when it was recorded; a stream that waits
 //! for it inherits that knowledge; a host synchronisation marks work finished for everyone.
 //!
-//! Two rules, both about memory one stream touches on behalf of another:
-//! - an access through [`Driver::copy_unified`](super::Driver::copy_unified) (a peer copy) on
-//!   stream X to memory of device D must be ordered after everything D's compute stream has
-//!   issued (X waited for an event recorded after it, or the host saw it finish);
-//! - D's compute stream, before its next operation, must be ordered after every such access
-//!   to D's memory by another stream (or the host saw that stream finish).
+//! Two rules, about memory that a stream other than its device's compute stream touches
+//! through [`Driver::copy_unified`](super::Driver::copy_unified) (a peer copy, the local
+//! communicator's collective stream):
+//! - the copy must be ordered after the last operation of the owner's compute stream that
+//!   touched the same memory (the producer, or a reader it would overwrite);
+//! - the owner's compute stream, before an operation that touches that memory again, must be
+//!   ordered after the copy.
 //!
-//! So the local communicator's owner keeps its compute stream quiet while peers use its
-//! buffers, as it does: it is blocked inside the collective until it waited for them.
+//! What an operation touches: exact ranges for copies, memsets and GEMM operands; for a kernel,
+//! the whole allocator buffer each of its declared pointer arguments points into (the caching
+//! allocator tells the driver its buffers, [`Driver::note_buffer`](super::Driver::note_buffer)).
+//! Memory reached only through a device-side descriptor (the optimizer's `OptTensor`s) is not
+//! seen, so the check can miss an order there, never invent one.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::StreamKind;
@@ -28,6 +32,13 @@ type Sid = (u64, usize);
 /// What is known to have happened before a point: per stream, the count of its operations.
 type Clock = HashMap<Sid, u64>;
 
+/// Bytes `start..end` of device memory.
+pub(super) type Span = (u64, u64);
+
+/// Compute-stream operations remembered per device, beyond which the oldest are forgotten
+/// (a host synchronisation forgets the finished ones first).
+const HISTORY: usize = 1 << 16;
+
 #[derive(Debug, Default)]
 struct Stream {
     issued: u64,
@@ -36,13 +47,20 @@ struct Stream {
     seen: Clock,
 }
 
+/// An operation's touch of some memory: the stream, its position there, the bytes.
+type Touch = (Sid, u64, Span);
+
 #[derive(Debug, Default)]
 struct Book {
     streams: HashMap<Sid, Stream>,
     /// Recorded events by (driver id, event id): the recording stream's knowledge.
     events: HashMap<(u64, u64), Clock>,
-    /// Per driver: accesses to its memory by other streams, the latest per stream.
-    touched: HashMap<u64, Clock>,
+    /// Per driver: its compute stream's recent operations and what they touched.
+    history: HashMap<u64, VecDeque<Touch>>,
+    /// Per driver: touches of its memory by other streams, not yet known ordered.
+    touched: HashMap<u64, Vec<Touch>>,
+    /// Per driver: its allocator's buffers, start to end.
+    buffers: HashMap<u64, BTreeMap<u64, u64>>,
 }
 
 const COMPUTE: usize = 0;
@@ -59,6 +77,17 @@ fn name(s: Sid) -> String {
         .get(s.1)
         .map_or_else(|| format!("#{}", s.1), |k| format!("{k:?}"));
     format!("emulated device {}'s {k} stream", s.0)
+}
+
+fn overlap(a: Span, b: Span) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+fn order_error(detail: String) -> Error {
+    Error::Device {
+        op: "stream order (emulator)".into(),
+        detail: format!("unordered access between streams: {detail}"),
+    }
 }
 
 impl Book {
@@ -81,20 +110,23 @@ impl Book {
         done >= pos || seen >= pos
     }
 
-    /// Counts an operation on `s`; on a compute stream, first checks the second rule.
-    fn issue(&mut self, s: Sid) -> Result<u64> {
+    /// Counts an operation on `s` touching `spans`; on a compute stream, first checks the
+    /// second rule and remembers the touches.
+    fn issue(&mut self, s: Sid, spans: &[Span]) -> Result<u64> {
         if s.1 == COMPUTE {
-            let touched = self.touched.remove(&s.0).unwrap_or_default();
-            let late: Vec<_> = touched
+            let mut touched = self.touched.remove(&s.0).unwrap_or_default();
+            touched.retain(|&(of, pos, _)| !self.covered(s, of, pos));
+            let late = touched
                 .iter()
-                .filter(|&(&of, &pos)| !self.covered(s, of, pos))
-                .map(|(&of, &pos)| (of, pos))
-                .collect();
-            if let Some(&(of, pos)) = late.first() {
+                .find(|t| spans.iter().any(|&sp| overlap(sp, t.2)))
+                .copied();
+            if !touched.is_empty() {
                 self.touched.insert(s.0, touched);
+            }
+            if let Some((of, pos, _)) = late {
                 return Err(order_error(format!(
-                    "{} issued work without waiting for operation {pos} of {}, which \
-                     accessed this device's memory",
+                    "{} touches memory that operation {pos} of {} accessed, without waiting \
+                     for it",
                     name(s),
                     name(of)
                 )));
@@ -102,43 +134,97 @@ impl Book {
         }
         let st = self.stream(s);
         st.issued += 1;
-        Ok(st.issued)
+        let (pos, done) = (st.issued, st.done);
+        if s.1 == COMPUTE && !spans.is_empty() {
+            let h = self.history.entry(s.0).or_default();
+            while h.front().is_some_and(|t| t.1 <= done) || h.len() >= HISTORY {
+                h.pop_front();
+            }
+            h.extend(spans.iter().map(|&sp| (s, pos, sp)));
+        }
+        Ok(pos)
+    }
+
+    /// The last operation of `owner`'s compute stream that touched `span`.
+    fn last_touch(&self, owner: u64, span: Span) -> u64 {
+        self.history.get(&owner).map_or(0, |h| {
+            h.iter()
+                .rev()
+                .find(|t| overlap(t.2, span))
+                .map_or(0, |t| t.1)
+        })
     }
 }
 
-fn order_error(detail: String) -> Error {
-    Error::Device {
-        op: "stream order (emulator)".into(),
-        detail: format!("unordered access between streams: {detail}"),
+/// Counts an operation of driver `id` on stream `s` touching `spans`.
+pub(super) fn issue(id: u64, s: StreamKind, spans: &[Span]) -> Result<()> {
+    book().issue((id, s.index()), spans).map(|_| ())
+}
+
+/// The spans a kernel's pointer arguments reach on driver `id`: each the allocator buffer it
+/// points into, else the byte it points at.
+pub(super) fn reach(id: u64, ptrs: impl Iterator<Item = u64>) -> Vec<Span> {
+    let b = book();
+    let bufs = b.buffers.get(&id);
+    ptrs.filter(|&p| p != 0)
+        .map(|p| {
+            bufs.and_then(|m| m.range(..=p).next_back())
+                .filter(|&(_, &end)| p < end)
+                .map_or((p, p + 1), |(&start, &end)| (start, end))
+        })
+        .collect()
+}
+
+/// `bytes` at `p` are now one buffer of driver `id`'s allocator.
+pub(super) fn buffer(id: u64, p: u64, bytes: u64) {
+    let mut b = book();
+    let m = b.buffers.entry(id).or_default();
+    let end = p + bytes.max(1);
+    let stale: Vec<u64> = m
+        .range(..end)
+        .rev()
+        .take_while(|&(_, &e)| e > p)
+        .map(|(&s, _)| s)
+        .collect();
+    for s in stale {
+        m.remove(&s);
     }
+    m.insert(p, end);
 }
 
-/// Counts an operation of driver `id` on stream `s` (see the module documentation).
-pub(super) fn issue(id: u64, s: StreamKind) -> Result<()> {
-    book().issue((id, s.index())).map(|_| ())
-}
-
-/// A peer copy of driver `id` on stream `s` touching memory of drivers `owners`.
-pub(super) fn access(id: u64, s: StreamKind, owners: [u64; 2]) -> Result<()> {
+/// A peer copy of driver `id` on stream `s`, `bytes` from `src` (memory of driver
+/// `owners[0]`) to `dst` (of `owners[1]`).
+pub(super) fn access(
+    id: u64,
+    s: StreamKind,
+    (src, dst, bytes): (u64, u64, u64),
+    owners: [u64; 2],
+) -> Result<()> {
     let mut b = book();
     let x = (id, s.index());
-    for owner in owners {
+    let spans = [(src, src + bytes), (dst, dst + bytes)];
+    for (owner, span) in owners.into_iter().zip(spans) {
         let of = (owner, COMPUTE);
-        let pos = b.streams.get(&of).map_or(0, |s| s.issued);
+        let pos = b.last_touch(owner, span);
         if !b.covered(x, of, pos) {
             return Err(order_error(format!(
                 "{} copies memory of emulated device {owner} without waiting for operation \
-                 {pos} of {}",
+                 {pos} of {}, which touched it",
                 name(x),
                 name(of)
             )));
         }
     }
-    let pos = b.issue(x)?;
-    for owner in owners {
+    let own: Vec<Span> = owners
+        .into_iter()
+        .zip(spans)
+        .filter(|&(o, _)| o == id)
+        .map(|(_, sp)| sp)
+        .collect();
+    let pos = b.issue(x, &own)?;
+    for (owner, span) in owners.into_iter().zip(spans) {
         if x != (owner, COMPUTE) {
-            let t = b.touched.entry(owner).or_default().entry(x).or_default();
-            *t = (*t).max(pos);
+            b.touched.entry(owner).or_default().push((x, pos, span));
         }
     }
     Ok(())
@@ -191,10 +277,110 @@ pub(super) fn destroyed(id: u64, e: u64) {
     book().events.remove(&(id, e));
 }
 
-/// Driver `id` is gone: forget its streams and events.
+/// Driver `id` is gone: forget its streams, events, history and buffers.
 pub(super) fn closed(id: u64) {
     let mut b = book();
     b.streams.retain(|s, _| s.0 != id);
     b.events.retain(|s, _| s.0 != id);
+    b.history.remove(&id);
     b.touched.remove(&id);
+    b.buffers.remove(&id);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::super::{copy_peer, wait_peer_event, EmuDriver, EmuOptions};
+    use super::*;
+    use crate::backend::cuda::driver::Driver;
+
+    fn device() -> Arc<dyn Driver> {
+        Arc::new(EmuDriver::new(EmuOptions::default()).expect("emulated device"))
+    }
+
+    /// `a` produces a buffer on its compute stream; `b` copies it on its collective stream.
+    fn produce(a: &dyn Driver, b: &dyn Driver) -> (super::super::DevPtr, super::super::DevPtr) {
+        let (pa, pb) = (a.malloc(64).unwrap(), b.malloc(64).unwrap());
+        a.memset_zero(pa, 64, StreamKind::Compute).unwrap();
+        b.memset_zero(pb, 64, StreamKind::Compute).unwrap();
+        (pa, pb)
+    }
+
+    fn copy(
+        b: &dyn Driver,
+        from: (&dyn Driver, super::super::DevPtr),
+        to: super::super::DevPtr,
+    ) -> Result<()> {
+        copy_peer(b, from, (b, to), 64, StreamKind::Collective)
+    }
+
+    #[test]
+    fn a_peer_copy_without_a_wait_for_the_producer_is_an_error() {
+        let (a, b) = (device(), device());
+        let (pa, pb) = produce(&*a, &*b);
+        let err = copy(&*b, (&*a, pa), pb).unwrap_err().to_string();
+        assert!(
+            err.contains("unordered access between streams")
+                && err.contains(&format!("copies memory of emulated device {}", a.peer_id())),
+            "{err}"
+        );
+        // Waiting for an event recorded after the producer (and after b's own) orders it.
+        let (ea, eb) = (a.event_create().unwrap(), b.event_create().unwrap());
+        a.event_record(ea, StreamKind::Compute).unwrap();
+        b.event_record(eb, StreamKind::Compute).unwrap();
+        wait_peer_event(&*b, StreamKind::Collective, &*a, ea).unwrap();
+        wait_peer_event(&*b, StreamKind::Collective, &*b, eb).unwrap();
+        copy(&*b, (&*a, pa), pb).unwrap();
+        // a may not overwrite pa before b's copy out of it is known to be done.
+        assert!(a.memset_zero(pa, 64, StreamKind::Compute).is_err());
+        b.synchronize(StreamKind::Collective).unwrap();
+        // New work on a's compute stream: the old wait no longer covers it.
+        a.memset_zero(pa, 64, StreamKind::Compute).unwrap();
+        assert!(copy(&*b, (&*a, pa), pb).is_err());
+        // A host synchronisation of the producer's stream orders it too.
+        a.synchronize(StreamKind::Compute).unwrap();
+        copy(&*b, (&*a, pa), pb).unwrap();
+    }
+
+    #[test]
+    fn compute_after_a_peer_wrote_its_memory_must_wait_for_the_peer() {
+        let (a, b) = (device(), device());
+        let (pa, pb) = produce(&*a, &*b);
+        let (ea, eb) = (a.event_create().unwrap(), b.event_create().unwrap());
+        a.event_record(ea, StreamKind::Compute).unwrap();
+        b.event_record(eb, StreamKind::Compute).unwrap();
+        wait_peer_event(&*b, StreamKind::Collective, &*a, ea).unwrap();
+        wait_peer_event(&*b, StreamKind::Collective, &*b, eb).unwrap();
+        // b writes into a's buffer from its collective stream.
+        copy_peer(&*b, (&*b, pb), (&*a, pa), 64, StreamKind::Collective).unwrap();
+        // Other memory of a is free to use meanwhile (the rank's other work overlaps).
+        let pc = a.malloc(64).unwrap();
+        a.memset_zero(pc, 64, StreamKind::Compute).unwrap();
+        let err = a.memset_zero(pa, 64, StreamKind::Compute).unwrap_err().to_string();
+        assert!(
+            err.contains("without waiting for it")
+                && err.contains(&format!("emulated device {}'s Collective stream", b.peer_id())),
+            "{err}"
+        );
+        let done = b.event_create().unwrap();
+        b.event_record(done, StreamKind::Collective).unwrap();
+        wait_peer_event(&*a, StreamKind::Compute, &*b, done).unwrap();
+        a.memset_zero(pa, 64, StreamKind::Compute).unwrap();
+        // b's own compute stream waits for its collective stream (it read b's scratch) alike.
+        assert!(b.memset_zero(pb, 64, StreamKind::Compute).is_err());
+        b.stream_wait_event(StreamKind::Compute, done).unwrap();
+        b.memset_zero(pb, 64, StreamKind::Compute).unwrap();
+    }
+
+    #[test]
+    fn a_wait_for_a_destroyed_peer_event_is_refused_by_its_owner() {
+        let (a, b) = (device(), device());
+        let e = a.event_create().unwrap();
+        a.event_destroy(e).unwrap();
+        let err = wait_peer_event(&*b, StreamKind::Collective, &*a, e)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cuStreamWaitEvent") && err.contains("not live"), "{err}");
+    }
 }
