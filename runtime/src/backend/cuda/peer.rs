@@ -88,7 +88,13 @@ pub(crate) fn reduce_runs(
     // Into `on`'s scratch memory from a view of any rank, or back.
     let fetch = |src: &CudaView<'_>, into: DevPtr, m: usize| {
         let bytes = m * dtype.size();
-        copy_peer(own, (src.device().driver(), src.ptr()), (own, into), bytes, s)
+        copy_peer(
+            own,
+            (src.device().driver(), src.ptr()),
+            (own, into),
+            bytes,
+            s,
+        )
     };
     let mut start = 0;
     while start < len {

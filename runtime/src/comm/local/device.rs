@@ -158,7 +158,12 @@ unsafe fn wait_done(devs: &[&Arc<CudaDevice>], peers: &[Desc]) -> Result<()> {
             continue;
         };
         for dev in devs {
-            wait_peer_event(dev.driver(), StreamKind::Compute, owner.driver(), Event(p.done))?;
+            wait_peer_event(
+                dev.driver(),
+                StreamKind::Compute,
+                owner.driver(),
+                Event(p.done),
+            )?;
         }
     }
     Ok(())

@@ -426,8 +426,12 @@ fn point(d: &Desc, g: &Gemm) -> Result<()> {
                 .map_err(e("cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))?;
         }
         if let Some((aux, _)) = aux {
-            set(&d.desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux.0)
-                .map_err(e("cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)"))?;
+            set(
+                &d.desc,
+                D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                &aux.0,
+            )
+            .map_err(e("cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)"))?;
         }
     }
     Ok(())

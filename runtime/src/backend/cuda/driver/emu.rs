@@ -11,6 +11,10 @@
 //!
 //! Kernel launches are the one thing it cannot check: a kernel runs on the host addresses it is
 //! given. Launch configurations are checked like the GPU checks them.
+//!
+//! Streams run every operation at issue, so a missing event wait cannot show as stale data;
+//! instead every operation is entered in the process's order book (`order.rs`), which refuses
+//! memory touched across streams without an event or host wait between them.
 
 use std::alloc::Layout;
 use std::collections::{HashMap, HashSet};
@@ -515,7 +519,11 @@ impl Driver for EmuDriver {
 
     fn gemm(&self, g: &Gemm, s: StreamKind) -> Result<()> {
         g.validate()?;
-        let spans: Vec<_> = g.ranges()?.iter().map(|r| (r.start, r.start + r.bytes)).collect();
+        let spans: Vec<_> = g
+            .ranges()?
+            .iter()
+            .map(|r| (r.start, r.start + r.bytes))
+            .collect();
         order::issue(self.id, s, &spans)?;
         let mem = self.memory();
         for r in g.ranges()? {

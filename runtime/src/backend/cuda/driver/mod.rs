@@ -19,7 +19,11 @@
 //! - [`Observed`] (`observed.rs`): the layer the backend calls through, counting host syncs,
 //!   launches and copies (both drivers alike) and recording the issue order on request.
 //! - [`Gemm`] (`gemm/`): one cuBLASLt matmul in cuBLASLt's own terms, validated by one function
-//!   both drivers call, so both reject the same requests with the same words.
+//!   both drivers call, so both reject the same requests with the same words; `gemm/plan.rs`
+//!   the key and bounded cache of the real driver's cuBLASLt descriptors.
+//! - `order.rs`: the emulator's check that streams of the process's devices touching the same
+//!   memory are ordered by events or host waits (emulated streams run at issue, so a missing
+//!   wait would otherwise go unseen).
 //!
 //! Everything here speaks in raw device addresses ([`DevPtr`]); ownership and typing are the
 //! backend's business (through [`DeviceBuffer`]).
@@ -553,7 +557,7 @@ pub fn copy_peer(
     unsafe { on.copy_unified(src, dst, bytes, s, [from.peer_id(), to.peer_id()]) }
 }
 
-/// Opens GPU `ordinal` (primary context, three streams, cuBLASLt) with the builtin kernel
+/// Opens GPU `ordinal` (primary context, four streams, cuBLASLt) with the builtin kernel
 /// registry. Without a usable GPU: [`Error::Unavailable`] saying "no CUDA device" and why.
 pub fn open(ordinal: usize) -> Result<Arc<dyn Driver>> {
     Ok(Arc::new(CudaDriver::open(ordinal, builtin_programs())?))

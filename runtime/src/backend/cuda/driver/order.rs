@@ -357,10 +357,16 @@ mod tests {
         // Other memory of a is free to use meanwhile (the rank's other work overlaps).
         let pc = a.malloc(64).unwrap();
         a.memset_zero(pc, 64, StreamKind::Compute).unwrap();
-        let err = a.memset_zero(pa, 64, StreamKind::Compute).unwrap_err().to_string();
+        let err = a
+            .memset_zero(pa, 64, StreamKind::Compute)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("without waiting for it")
-                && err.contains(&format!("emulated device {}'s Collective stream", b.peer_id())),
+                && err.contains(&format!(
+                    "emulated device {}'s Collective stream",
+                    b.peer_id()
+                )),
             "{err}"
         );
         let done = b.event_create().unwrap();
@@ -381,6 +387,9 @@ mod tests {
         let err = wait_peer_event(&*b, StreamKind::Collective, &*a, e)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("cuStreamWaitEvent") && err.contains("not live"), "{err}");
+        assert!(
+            err.contains("cuStreamWaitEvent") && err.contains("not live"),
+            "{err}"
+        );
     }
 }

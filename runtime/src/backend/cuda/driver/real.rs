@@ -1,9 +1,10 @@
-//! The real driver over cudarc 0.19: the device's primary context, three non-blocking streams
-//! (compute, host-to-device, device-to-host), raw device memory (`cuMemAlloc`/`cuMemFree`;
+//! The real driver over cudarc 0.19: the device's primary context, four non-blocking streams
+//! (compute, host-to-device, device-to-host, collective), raw device memory (`cuMemAlloc`/`cuMemFree`;
 //! the caching allocator sits on top, so the driver is asked rarely and stream-ordered
 //! allocation buys nothing), modules loaded from NVRTC's cached CUBIN, kernels launched with
-//! raw parameter arrays (`cuLaunchKernel`), cuBLASLt with a 32 MiB workspace per stream and the
-//! heuristic's algorithm cached per shape, and events.
+//! raw parameter arrays (`cuLaunchKernel`), cuBLASLt with a 32 MiB workspace per stream and
+//! each product's descriptors and algorithm cached per `PlanKey`, and events (which another
+//! driver of the process may wait for: `stream_wait_unified`).
 //!
 //! Host copies: `copy_htod` queues `cuMemcpyHtoDAsync` and then synchronizes that stream, so
 //! the source may be reused on return whether it is pageable or page-locked (for pageable

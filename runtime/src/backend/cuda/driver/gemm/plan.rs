@@ -137,7 +137,11 @@ impl<V> PlanCache<V> {
     }
 
     fn evict(&mut self) {
-        let oldest = self.plans.iter().min_by_key(|(_, (_, t))| *t).map(|(k, _)| *k);
+        let oldest = self
+            .plans
+            .iter()
+            .min_by_key(|(_, (_, t))| *t)
+            .map(|(k, _)| *k);
         if let Some(k) = oldest {
             self.plans.remove(&k);
         }
@@ -284,7 +288,10 @@ mod tests {
         let mut keys = vec![k];
         for v in &variants {
             let vk = PlanKey::of(v, WS);
-            assert!(!keys.contains(&vk), "{v:?} shares a key with an earlier variant");
+            assert!(
+                !keys.contains(&vk),
+                "{v:?} shares a key with an earlier variant"
+            );
             keys.push(vk);
         }
         let strided = |stride_c| Gemm {
@@ -335,7 +342,9 @@ mod tests {
         let mut c: PlanCache<u32> = PlanCache::new(4);
         let k = PlanKey::of(&g, WS);
         let err = c
-            .get_or_make(k, |_| Err(crate::Error::Invalid("heuristic found nothing".into())))
+            .get_or_make(k, |_| {
+                Err(crate::Error::Invalid("heuristic found nothing".into()))
+            })
             .unwrap_err();
         assert!(err.to_string().contains("heuristic found nothing"), "{err}");
         assert_eq!((c.len(), c.counts()), (0, (0, 0)));
