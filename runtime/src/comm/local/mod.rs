@@ -46,7 +46,8 @@ pub struct LocalComm {
     seq: Cell<u64>,
     /// Copy of every rank's announcement for the running collective, reused across calls.
     peers: RefCell<Vec<Desc>>,
-    /// The device events this rank's device collectives are ordered by.
+    /// The device events this rank's device collectives are ordered by (none without CUDA).
+    #[cfg(feature = "cuda")]
     marks: device::Marks,
 }
 
@@ -77,6 +78,7 @@ impl LocalComm {
             rank,
             seq: Cell::new(0),
             peers: RefCell::new(vec![Desc::bare(0, OpKind::Barrier); n]),
+            #[cfg(feature = "cuda")]
             marks: device::Marks::default(),
         }
     }

@@ -7,10 +7,6 @@ use crate::comm::ReduceOp;
 use crate::tensor::{CudaView, DType};
 use crate::Result;
 
-/// A rank's device events: none in this build.
-#[derive(Default)]
-pub(super) struct Marks;
-
 /// Address, dtype, length and device handle of a device view.
 pub(super) fn parts(v: &CudaView<'_>) -> (usize, DType, usize, usize) {
     v.absurd()
