@@ -77,8 +77,8 @@ impl CudaDevice {
         &self.alloc
     }
 
-    /// Waits until the work queued on the compute stream has finished (the local
-    /// communicator's fence around a collective, so peers on other streams see it).
+    /// Waits until the work queued on the compute stream has finished (NCCL's fence before a
+    /// collective on its own stream).
     pub(crate) fn synchronize(&self) -> Result<()> {
         self.driver.synchronize(STREAM)
     }
@@ -138,6 +138,17 @@ impl CudaDevice {
         cfg: LaunchConfig,
         args: &mut Args,
     ) -> Result<()> {
+        self.launch_on(name, cfg, args, STREAM)
+    }
+
+    /// As [`CudaDevice::launch`], on stream `s` (the local communicator's reductions).
+    pub(crate) fn launch_on(
+        &self,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &mut Args,
+        s: StreamKind,
+    ) -> Result<()> {
         super::kernels::params::check_launch(name, args.kinds()).map_err(|detail| {
             Error::Device {
                 op: "cuLaunchKernel (arguments)".into(),
@@ -148,7 +159,7 @@ impl CudaDevice {
         let mut params: Vec<*mut c_void> = args.pointers();
         // SAFETY: `args` holds one value per parameter, of the parameter's type, and its device
         // pointers come from live buffers whose lengths the callers checked against the shape.
-        unsafe { self.driver.launch(k, &cfg, &mut params, STREAM) }
+        unsafe { self.driver.launch(k, &cfg, &mut params, s) }
     }
 
     /// The RoPE table for `(seq, head_dim, rope parameters)`, uploaded on first use.

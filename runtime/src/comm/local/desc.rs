@@ -68,6 +68,12 @@ pub(crate) struct Desc {
     pub src_dev: usize,
     /// For a device output: likewise.
     pub dst_dev: usize,
+    /// Device events recorded on the compute streams of the input's and the output's device
+    /// after the work that produced them (0: none), which peers' copies wait for.
+    pub ready: [u64; 2],
+    /// The device event this rank records on its collective stream after its share, which
+    /// every rank's compute stream waits for (0: none).
+    pub done: u64,
 }
 
 impl Desc {
@@ -87,6 +93,8 @@ impl Desc {
             dst: 0,
             src_dev: 0,
             dst_dev: 0,
+            ready: [0; 2],
+            done: 0,
         }
     }
 

@@ -46,6 +46,9 @@ pub struct LocalComm {
     seq: Cell<u64>,
     /// Copy of every rank's announcement for the running collective, reused across calls.
     peers: RefCell<Vec<Desc>>,
+    /// The device events this rank's device collectives are ordered by (none without CUDA).
+    #[cfg(feature = "cuda")]
+    marks: device::Marks,
 }
 
 impl std::fmt::Debug for LocalComm {
@@ -75,6 +78,8 @@ impl LocalComm {
             rank,
             seq: Cell::new(0),
             peers: RefCell::new(vec![Desc::bare(0, OpKind::Barrier); n]),
+            #[cfg(feature = "cuda")]
+            marks: device::Marks::default(),
         }
     }
 

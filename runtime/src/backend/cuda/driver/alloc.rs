@@ -257,6 +257,7 @@ impl Allocator {
         st.stats.live += rounded;
         st.stats.peak_live = st.stats.peak_live.max(st.stats.live);
         st.stats.live_buffers += 1;
+        self.driver.note_buffer(DevPtr(ptr), bytes as u64);
         Ok(DeviceBuffer {
             ptr: DevPtr(ptr),
             bytes,

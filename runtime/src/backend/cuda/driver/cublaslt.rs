@@ -1,17 +1,18 @@
-//! cuBLASLt for the real driver: the handle, a workspace per stream, the heuristic's algorithm
-//! cached per shape, and one [`Gemm`] run as layouts, a matmul descriptor (transposes and the
-//! epilogue), the algorithm and the call.
+//! cuBLASLt for the real driver: the handle, a workspace per stream, and one [`Gemm`] run as
+//! layouts, a matmul descriptor (transposes and the epilogue), the heuristic's algorithm and
+//! the call. Layouts, descriptor and algorithm are made once per [`PlanKey`] and kept in the
+//! device's bounded [`PlanCache`]; a call only points the descriptor at its epilogue's buffers.
 
-use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{result as lt, sys as ltsys};
 use cudarc::driver::{result as cu, CudaContext};
 
+use super::gemm::plan::{epilogue_operands, PlanCache, PlanKey, PLAN_CAPACITY};
 use super::gemm::{Epilogue, Gemm, Op};
 use super::real::{cu_err, driver_words};
-use super::{DevPtr, StreamKind};
+use super::StreamKind;
 use crate::tensor::DType;
 use crate::{Error, Result};
 
@@ -50,39 +51,26 @@ fn blas_err(op: &str, e: lt::CublasError, g: &Gemm) -> Error {
     }
 }
 
-/// What decides cuBLASLt's algorithm choice: everything but the scalars and the addresses
-/// (whose alignments are part of it).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct GemmKey {
-    ops: (Op, Op),
-    mnk: (u64, u64, u64),
-    lds: (u64, u64, u64),
-    types: (DType, DType),
-    batch: Option<(u32, u64, u64, u64)>,
-    epilogue: u32,
-    aux_ld: u64,
-    align: [u32; 5],
-}
-
-/// cuBLASLt's state: the handle, per-stream workspaces and the algorithm cache.
+/// cuBLASLt's state: the handle, per-stream workspaces and the plans.
 pub(super) struct Blas {
     handle: ltsys::cublasLtHandle_t,
     state: Mutex<BlasState>,
     pub(super) version: (u32, u32, u32),
 }
 
-#[derive(Default)]
 struct BlasState {
     /// Workspace per stream (0: not yet allocated).
-    workspaces: [u64; 3],
-    algos: HashMap<GemmKey, ltsys::cublasLtMatmulAlgo_t>,
+    workspaces: [u64; 4],
+    plans: PlanCache<Plan>,
 }
 
-/// The largest power of two (up to 256) dividing an address: what cuBLASLt's heuristic may
-/// assume about it (`CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`, whose default, 256, would let
-/// it pick kernels that fail on a less aligned view).
-fn alignment(p: u64) -> u32 {
-    1 << p.trailing_zeros().min(8)
+/// One product's layouts, descriptor and algorithm, destroyed when the cache drops it.
+struct Plan {
+    a: LayoutGuard,
+    b: LayoutGuard,
+    c: LayoutGuard,
+    desc: Desc,
+    algo: ltsys::cublasLtMatmulAlgo_t,
 }
 
 fn cuda_type(t: DType) -> ltsys::cudaDataType {
@@ -133,7 +121,10 @@ impl Blas {
         let v = unsafe { ltsys::cublasLtGetVersion() } as u32;
         Ok(Blas {
             handle,
-            state: Mutex::new(BlasState::default()),
+            state: Mutex::new(BlasState {
+                workspaces: [0; 4],
+                plans: PlanCache::new(PLAN_CAPACITY),
+            }),
             version: (v / 10000, (v / 100) % 100, v % 100),
         })
     }
@@ -141,40 +132,40 @@ impl Blas {
 
 impl Drop for Blas {
     fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        let (reused, made) = st.plans.counts();
+        tracing::debug!(
+            "cuBLASLt: {made} plans made, {reused} reused, {} held at close",
+            st.plans.len()
+        );
         // SAFETY: created in `Blas::new` and destroyed exactly once, here; the driver freed the
         // workspaces and the context outlives this field.
         let _ = unsafe { lt::destroy_handle(self.handle) };
     }
 }
 
-/// A matmul descriptor and what its epilogue reads: the bias (or bias-gradient) pointer and the
-/// GELU auxiliary buffer with its leading dimension.
+/// A matmul descriptor: transposes, epilogue and the auxiliary buffer's leading dimension; the
+/// epilogue's pointers are set per call ([`point`]).
 struct Desc {
     desc: DescGuard,
-    epilogue: ltsys::cublasLtEpilogue_t,
-    bias: Option<DevPtr>,
-    aux: Option<(DevPtr, u64)>,
 }
 
 impl Blas {
     /// Runs `g` (already validated and range-checked) on `stream`, the driver's stream `s`.
     pub(super) fn run(&self, g: &Gemm, s: StreamKind, stream: ltsys::cudaStream_t) -> Result<()> {
+        // Held through the call: a cached descriptor is pointed at this call's buffers.
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let ws = workspace(&mut st, s)?;
-        let a_layout = layout(g, g.a_type, g.a_shape(), g.lda, g.batch.map(|b| b.stride_a))?;
-        let b_layout = layout(g, g.b_type, g.b_shape(), g.ldb, g.batch.map(|b| b.stride_b))?;
-        let c_layout = layout(g, g.c_type, (g.m, g.n), g.ldc, g.batch.map(|b| b.stride_c))?;
-        let d = describe(g)?;
-        let key = GemmKey::of(g, &d);
-        let algo = match st.algos.get(&key) {
-            Some(a) => *a,
-            None => {
-                let layouts = [&a_layout, &b_layout, &c_layout];
-                let algo = self.choose(g, &key, &d, layouts)?;
-                st.algos.insert(key, algo);
-                algo
-            }
-        };
+        let key = PlanKey::of(g, WORKSPACE_BYTES as u64);
+        let plan = st.plans.get_or_make(key, |key| self.plan(g, key))?;
+        point(&plan.desc, g)?;
+        let Plan {
+            a: a_layout,
+            b: b_layout,
+            c: c_layout,
+            desc: d,
+            algo,
+        } = &*plan;
         let (alpha, beta) = (g.alpha, g.beta);
         let e = |op: &'static str| move |err: lt::CublasError| blas_err(op, err, g);
         // SAFETY: descriptors, handle and workspace are live; every operand range was checked
@@ -194,7 +185,7 @@ impl Blas {
                 c_layout.0,
                 g.c.0 as *mut c_void,
                 c_layout.0,
-                &algo,
+                algo,
                 ws as *mut c_void,
                 WORKSPACE_BYTES,
                 stream,
@@ -213,11 +204,28 @@ impl Blas {
         }
     }
 
+    /// `g`'s layouts, descriptor and algorithm (what [`PlanKey`] `key` stands for).
+    fn plan(&self, g: &Gemm, key: &PlanKey) -> Result<Plan> {
+        let a = layout(g, g.a_type, g.a_shape(), g.lda, g.batch.map(|b| b.stride_a))?;
+        let b = layout(g, g.b_type, g.b_shape(), g.ldb, g.batch.map(|b| b.stride_b))?;
+        let c = layout(g, g.c_type, (g.m, g.n), g.ldc, g.batch.map(|b| b.stride_c))?;
+        let desc = describe(g)?;
+        point(&desc, g)?;
+        let algo = self.choose(g, key, &desc, [&a, &b, &c])?;
+        Ok(Plan {
+            a,
+            b,
+            c,
+            desc,
+            algo,
+        })
+    }
+
     /// The heuristic's algorithm for `key`, within the workspace and the operands' alignments.
     fn choose(
         &self,
         g: &Gemm,
-        key: &GemmKey,
+        key: &PlanKey,
         d: &Desc,
         [a_layout, b_layout, c_layout]: [&LayoutGuard; 3],
     ) -> Result<ltsys::cublasLtMatmulAlgo_t> {
@@ -227,11 +235,12 @@ impl Blas {
         use ltsys::cublasLtMatmulPreferenceAttributes_t as P;
         let ws_bytes = WORKSPACE_BYTES as u64;
         let prefs: [(P, u64); 1] = [(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws_bytes)];
+        let [align_a, align_b, align_c] = key.operand_alignments();
         let aligns: [(P, u32); 4] = [
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0]),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1]),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c),
         ];
         // SAFETY: `pref` is live; MAX_WORKSPACE_BYTES is uint64, MIN_ALIGNMENT_* uint32.
         unsafe {
@@ -373,30 +382,17 @@ fn describe(g: &Gemm) -> Result<Desc> {
         }
     };
     use ltsys::cublasLtEpilogue_t as E;
-    let (epilogue, bias, aux) = match g.epilogue {
-        Epilogue::None => (E::CUBLASLT_EPILOGUE_DEFAULT, None, None),
-        Epilogue::Bias { bias } => (E::CUBLASLT_EPILOGUE_BIAS, Some(bias), None),
-        Epilogue::GeluAuxBias { bias, aux, aux_ld } => (
-            E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
-            Some(bias),
-            Some((aux, aux_ld)),
-        ),
-        Epilogue::BiasGradA { bias_grad } => (E::CUBLASLT_EPILOGUE_BGRADA, Some(bias_grad), None),
-        Epilogue::BiasGradB { bias_grad } => (E::CUBLASLT_EPILOGUE_BGRADB, Some(bias_grad), None),
-        // The bias gradient goes where the bias would (BIAS_POINTER), the saved pre-activation
-        // is read through the aux pointer.
-        Epilogue::DGeluBiasGrad {
-            aux,
-            aux_ld,
-            bias_grad,
-        } => (
-            E::CUBLASLT_EPILOGUE_DGELU_BGRAD,
-            Some(bias_grad),
-            Some((aux, aux_ld)),
-        ),
+    let epilogue = match g.epilogue {
+        Epilogue::None => E::CUBLASLT_EPILOGUE_DEFAULT,
+        Epilogue::Bias { .. } => E::CUBLASLT_EPILOGUE_BIAS,
+        Epilogue::GeluAuxBias { .. } => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+        Epilogue::BiasGradA { .. } => E::CUBLASLT_EPILOGUE_BGRADA,
+        Epilogue::BiasGradB { .. } => E::CUBLASLT_EPILOGUE_BGRADB,
+        Epilogue::DGeluBiasGrad { .. } => E::CUBLASLT_EPILOGUE_DGELU_BGRAD,
     };
+    let (_, aux) = epilogue_operands(&g.epilogue);
     // SAFETY: `desc` is live; each value has its attribute's C type: cublasOperation_t (int32),
-    // cublasLtEpilogue_t (uint32), pointers (void*, 64-bit), int64 for AUX_LD.
+    // cublasLtEpilogue_t (uint32), int64 for AUX_LD.
     unsafe {
         set(&desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &op(g.transa))
             .map_err(e("cublasLtMatmulDescSetAttribute(TRANSA)"))?;
@@ -404,13 +400,7 @@ fn describe(g: &Gemm) -> Result<Desc> {
             .map_err(e("cublasLtMatmulDescSetAttribute(TRANSB)"))?;
         set(&desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epilogue as u32))
             .map_err(e("cublasLtMatmulDescSetAttribute(EPILOGUE)"))?;
-        if let Some(bias) = bias {
-            set(&desc, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias.0)
-                .map_err(e("cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))?;
-        }
-        if let Some((aux, aux_ld)) = aux {
-            set(&desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux.0)
-                .map_err(e("cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)"))?;
+        if let Some((_, aux_ld)) = aux {
             set(
                 &desc,
                 D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
@@ -419,33 +409,30 @@ fn describe(g: &Gemm) -> Result<Desc> {
             .map_err(e("cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD)"))?;
         }
     }
-    Ok(Desc {
-        desc,
-        epilogue,
-        bias,
-        aux,
-    })
+    Ok(Desc { desc })
 }
 
-impl GemmKey {
-    fn of(g: &Gemm, d: &Desc) -> Self {
-        GemmKey {
-            ops: (g.transa, g.transb),
-            mnk: (g.m, g.n, g.k),
-            lds: (g.lda, g.ldb, g.ldc),
-            types: (g.a_type, g.c_type),
-            batch: g
-                .batch
-                .map(|b| (b.count, b.stride_a, b.stride_b, b.stride_c)),
-            epilogue: d.epilogue as u32,
-            aux_ld: d.aux.map_or(0, |(_, ld)| ld),
-            align: [
-                alignment(g.a.0),
-                alignment(g.b.0),
-                alignment(g.c.0),
-                d.bias.map_or(0, |p| alignment(p.0)),
-                d.aux.map_or(0, |(p, _)| alignment(p.0)),
-            ],
+/// Points `d` (made for `g`'s [`PlanKey`]) at `g`'s epilogue buffers. The bias gradient goes
+/// where the bias would (BIAS_POINTER); GELU's saved pre-activation is read or written through
+/// the aux pointer.
+fn point(d: &Desc, g: &Gemm) -> Result<()> {
+    use ltsys::cublasLtMatmulDescAttributes_t as D;
+    let e = |op: &'static str| move |err: lt::CublasError| blas_err(op, err, g);
+    let (bias, aux) = epilogue_operands(&g.epilogue);
+    // SAFETY: `d` is live; pointers are the attributes' void* (64-bit).
+    unsafe {
+        if let Some(bias) = bias {
+            set(&d.desc, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias.0)
+                .map_err(e("cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))?;
+        }
+        if let Some((aux, _)) = aux {
+            set(
+                &d.desc,
+                D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                &aux.0,
+            )
+            .map_err(e("cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)"))?;
         }
     }
+    Ok(())
 }

@@ -11,6 +11,10 @@
 //!
 //! Kernel launches are the one thing it cannot check: a kernel runs on the host addresses it is
 //! given. Launch configurations are checked like the GPU checks them.
+//!
+//! Streams run every operation at issue, so a missing event wait cannot show as stale data;
+//! instead every operation is entered in the process's order book (`order.rs`), which refuses
+//! memory touched across streams without an event or host wait between them.
 
 use std::alloc::Layout;
 use std::collections::{HashMap, HashSet};
@@ -20,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::gemm::Gemm;
+use super::order;
 use super::table::AllocTable;
 use super::{
     build_builtin_emulator, builtin_programs, kernel_table, unknown_kernel, DevPtr, DeviceInfo,
@@ -146,6 +151,8 @@ pub struct EmuDriver {
     next_event: AtomicU64,
     /// Registered host ranges: start address -> (first page, page after the last, bytes).
     registered: Mutex<HashMap<usize, (usize, usize, usize)>>,
+    /// This driver's identity in the process's stream-order book (`order.rs`).
+    id: u64,
 }
 
 /// The page size CUDA pins host memory in.
@@ -185,6 +192,10 @@ impl EmuDriver {
             events: Mutex::new(HashSet::new()),
             next_event: AtomicU64::new(1),
             registered: Mutex::new(HashMap::new()),
+            id: {
+                static NEXT: AtomicU64 = AtomicU64::new(1);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
         })
     }
 
@@ -241,8 +252,35 @@ impl EmuDriver {
     }
 }
 
+/// The bytes `p..p + bytes`, for the order check.
+fn span(p: DevPtr, bytes: usize) -> order::Span {
+    (p.0, p.0 + bytes as u64)
+}
+
+impl EmuDriver {
+    /// What kernel `name`'s declared pointer arguments reach (none for a kernel the registry's
+    /// parameter table does not declare: a test's own).
+    ///
+    /// # Safety
+    /// `params` holds one pointer per parameter of `name`, each to a value of its type.
+    unsafe fn reach(&self, name: &str, params: &[*mut c_void]) -> Vec<order::Span> {
+        use crate::backend::cuda::kernels::params::{params_of, ArgKind};
+        let Some((declared, _)) = params_of(name) else {
+            return Vec::new();
+        };
+        let ptrs = declared
+            .iter()
+            .zip(params)
+            .filter(|(d, _)| d.ty.kind() == ArgKind::Ptr)
+            // SAFETY: a pointer parameter's value is a device address (8 bytes).
+            .map(|(_, &v)| unsafe { *(v as *const u64) });
+        order::reach(self.id, ptrs)
+    }
+}
+
 impl Drop for EmuDriver {
     fn drop(&mut self) {
+        order::closed(self.id);
         // Like destroying a context: everything still allocated goes back.
         let mem = self.memory.get_mut().unwrap_or_else(|e| e.into_inner());
         for (start, len) in mem.live() {
@@ -306,6 +344,10 @@ impl Driver for EmuDriver {
 
     unsafe fn free(&self, p: DevPtr) -> Result<()> {
         let len = self.memory().remove(p)?;
+        // cuMemFree waits for the device.
+        StreamKind::ALL
+            .into_iter()
+            .for_each(|s| order::synchronized(self.id, s));
         // SAFETY: allocated in `malloc` with this layout, removed from the table above, so it
         // is freed exactly once; the table lock keeps every other operation off it.
         unsafe {
@@ -317,7 +359,8 @@ impl Driver for EmuDriver {
         Ok(())
     }
 
-    fn memset_zero(&self, p: DevPtr, bytes: usize, _s: StreamKind) -> Result<()> {
+    fn memset_zero(&self, p: DevPtr, bytes: usize, s: StreamKind) -> Result<()> {
+        order::issue(self.id, s, &[span(p, bytes)])?;
         let mem = self.memory();
         mem.check("cuMemsetD8Async", "destination", p, bytes as u64)?;
         // SAFETY: checked to lie inside a live allocation; the lock excludes frees.
@@ -327,12 +370,16 @@ impl Driver for EmuDriver {
 
     fn copy_htod(&self, src: &[u8], dst: DevPtr, s: StreamKind) -> Result<()> {
         // SAFETY: `src` is a valid slice for the duration of the (synchronous) copy.
-        unsafe { self.copy_htod_async(src.as_ptr(), src.len(), dst, s) }
+        unsafe { self.copy_htod_async(src.as_ptr(), src.len(), dst, s) }?;
+        order::synchronized(self.id, s);
+        Ok(())
     }
 
     fn copy_dtoh(&self, src: DevPtr, dst: &mut [u8], s: StreamKind) -> Result<()> {
         // SAFETY: `dst` is a valid, exclusive slice for the duration of the (synchronous) copy.
-        unsafe { self.copy_dtoh_async(src, dst.as_mut_ptr(), dst.len(), s) }
+        unsafe { self.copy_dtoh_async(src, dst.as_mut_ptr(), dst.len(), s) }?;
+        order::synchronized(self.id, s);
+        Ok(())
     }
 
     fn check_live(&self, op: &str, what: &str, p: DevPtr, bytes: u64) -> Result<()> {
@@ -344,8 +391,10 @@ impl Driver for EmuDriver {
         src: DevPtr,
         dst: DevPtr,
         bytes: usize,
-        _s: StreamKind,
+        s: StreamKind,
+        owners: [u64; 2],
     ) -> Result<()> {
+        order::access(self.id, s, (src.0, dst.0, bytes as u64), owners)?;
         // No table lock here: the ranges may belong to other drivers, whose owners keep them
         // alive for the copy (the caller's contract); emulated device memory is host memory.
         // SAFETY: the caller checked both ranges live and disjoint.
@@ -353,7 +402,8 @@ impl Driver for EmuDriver {
         Ok(())
     }
 
-    fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, _s: StreamKind) -> Result<()> {
+    fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, s: StreamKind) -> Result<()> {
+        order::issue(self.id, s, &[span(src, bytes), span(dst, bytes)])?;
         let mem = self.memory();
         mem.check_copy(src, dst, bytes as u64)?;
         // SAFETY: both ranges checked inside live allocations and disjoint.
@@ -366,8 +416,9 @@ impl Driver for EmuDriver {
         src: *const u8,
         len: usize,
         dst: DevPtr,
-        _s: StreamKind,
+        s: StreamKind,
     ) -> Result<()> {
+        order::issue(self.id, s, &[span(dst, len)])?;
         let mem = self.memory();
         mem.check("cuMemcpyHtoDAsync", "destination", dst, len as u64)?;
         // SAFETY: the caller guarantees `src..src + len` is readable; the destination is checked.
@@ -380,8 +431,9 @@ impl Driver for EmuDriver {
         src: DevPtr,
         dst: *mut u8,
         len: usize,
-        _s: StreamKind,
+        s: StreamKind,
     ) -> Result<()> {
+        order::issue(self.id, s, &[span(src, len)])?;
         let mem = self.memory();
         mem.check("cuMemcpyDtoHAsync", "source", src, len as u64)?;
         // SAFETY: the caller guarantees `dst..dst + len` is writable; the source is checked.
@@ -410,7 +462,7 @@ impl Driver for EmuDriver {
         k: Kernel,
         cfg: &LaunchConfig,
         params: &mut [*mut c_void],
-        _s: StreamKind,
+        s: StreamKind,
     ) -> Result<()> {
         let Some((_, name, cname)) = self.kernels.get(k.index()) else {
             return Err(Error::Device {
@@ -424,6 +476,8 @@ impl Driver for EmuDriver {
             });
         };
         cfg.validate(name, self.info.max_dyn_smem_per_block)?;
+        // SAFETY: the caller's contract: `params` matches the kernel's parameters.
+        order::issue(self.id, s, &unsafe { self.reach(name, params) })?;
         let Some(lib) = &self.lib else {
             return Err(Error::Device {
                 op: "cuLaunchKernel".into(),
@@ -463,8 +517,14 @@ impl Driver for EmuDriver {
         Ok(())
     }
 
-    fn gemm(&self, g: &Gemm, _s: StreamKind) -> Result<()> {
+    fn gemm(&self, g: &Gemm, s: StreamKind) -> Result<()> {
         g.validate()?;
+        let spans: Vec<_> = g
+            .ranges()?
+            .iter()
+            .map(|r| (r.start, r.start + r.bytes))
+            .collect();
+        order::issue(self.id, s, &spans)?;
         let mem = self.memory();
         for r in g.ranges()? {
             mem.check("cublasLtMatmul", r.what, DevPtr(r.start), r.bytes)?;
@@ -475,7 +535,8 @@ impl Driver for EmuDriver {
         Ok(())
     }
 
-    fn synchronize(&self, _s: StreamKind) -> Result<()> {
+    fn synchronize(&self, s: StreamKind) -> Result<()> {
+        order::synchronized(self.id, s);
         Ok(())
     }
 
@@ -488,20 +549,46 @@ impl Driver for EmuDriver {
         Ok(Event(id))
     }
 
-    fn event_record(&self, e: Event, _s: StreamKind) -> Result<()> {
-        self.check_event("cuEventRecord", e)
+    fn event_record(&self, e: Event, s: StreamKind) -> Result<()> {
+        self.check_event("cuEventRecord", e)?;
+        order::record(self.id, s, e.0);
+        Ok(())
     }
 
-    fn stream_wait_event(&self, _s: StreamKind, e: Event) -> Result<()> {
-        self.check_event("cuStreamWaitEvent", e)
+    fn stream_wait_event(&self, s: StreamKind, e: Event) -> Result<()> {
+        self.check_event("cuStreamWaitEvent", e)?;
+        order::wait(self.id, s, self.id, e.0);
+        Ok(())
+    }
+
+    fn check_event_live(&self, op: &str, e: Event) -> Result<()> {
+        self.check_event(op, e)
+    }
+
+    unsafe fn stream_wait_unified(&self, s: StreamKind, owner: u64, e: Event) -> Result<()> {
+        order::wait(self.id, s, owner, e.0);
+        Ok(())
+    }
+
+    fn peer_id(&self) -> u64 {
+        self.id
+    }
+
+    fn note_buffer(&self, p: DevPtr, bytes: u64) {
+        order::buffer(self.id, p.0, bytes);
     }
 
     fn event_query(&self, e: Event) -> Result<bool> {
-        self.check_event("cuEventQuery", e).map(|()| true)
+        self.check_event("cuEventQuery", e)?;
+        // The host learns that the event's work finished (it always has, here).
+        order::event_synchronized(self.id, e.0);
+        Ok(true)
     }
 
     fn event_synchronize(&self, e: Event) -> Result<()> {
-        self.check_event("cuEventSynchronize", e)
+        self.check_event("cuEventSynchronize", e)?;
+        order::event_synchronized(self.id, e.0);
+        Ok(())
     }
 
     fn event_destroy(&self, e: Event) -> Result<()> {
@@ -511,6 +598,7 @@ impl Driver for EmuDriver {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&e.0)
         {
+            order::destroyed(self.id, e.0);
             Ok(())
         } else {
             Err(Error::Device {

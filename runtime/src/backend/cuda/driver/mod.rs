@@ -19,7 +19,11 @@
 //! - [`Observed`] (`observed.rs`): the layer the backend calls through, counting host syncs,
 //!   launches and copies (both drivers alike) and recording the issue order on request.
 //! - [`Gemm`] (`gemm/`): one cuBLASLt matmul in cuBLASLt's own terms, validated by one function
-//!   both drivers call, so both reject the same requests with the same words.
+//!   both drivers call, so both reject the same requests with the same words; `gemm/plan.rs`
+//!   the key and bounded cache of the real driver's cuBLASLt descriptors.
+//! - `order.rs`: the emulator's check that streams of the process's devices touching the same
+//!   memory are ordered by events or host waits (emulated streams run at issue, so a missing
+//!   wait would otherwise go unseen).
 //!
 //! Everything here speaks in raw device addresses ([`DevPtr`]); ownership and typing are the
 //! backend's business (through [`DeviceBuffer`]).
@@ -30,6 +34,7 @@ mod emu;
 mod gemm;
 pub mod nvrtc;
 mod observed;
+mod order;
 mod real;
 mod registry;
 mod table;
@@ -88,22 +93,27 @@ pub enum StreamKind {
     HostToDevice,
     /// Device-to-host copies (offloaded gradients, losses).
     DeviceToHost,
+    /// The local communicator's copies and reductions between the ranks' devices, ordered by
+    /// events after the ranks' compute streams and before them again.
+    Collective,
 }
 
 impl StreamKind {
     /// Every stream, in index order.
-    pub const ALL: [StreamKind; 3] = [
+    pub const ALL: [StreamKind; 4] = [
         StreamKind::Compute,
         StreamKind::HostToDevice,
         StreamKind::DeviceToHost,
+        StreamKind::Collective,
     ];
 
-    /// A dense index (0..3) for per-stream tables.
+    /// A dense index (0..4) for per-stream tables.
     pub fn index(self) -> usize {
         match self {
             StreamKind::Compute => 0,
             StreamKind::HostToDevice => 1,
             StreamKind::DeviceToHost => 2,
+            StreamKind::Collective => 3,
         }
     }
 }
@@ -471,7 +481,8 @@ pub trait Driver: Send + Sync + fmt::Debug {
 
     /// Queues a copy of `bytes` bytes between any two device addresses of this process
     /// (unified addressing: either may belong to another driver, on this GPU or another) on
-    /// this driver's stream `s`.
+    /// this driver's stream `s`. `owners` are the [`Driver::peer_id`]s of the drivers owning
+    /// source and destination (the emulator checks `s` is ordered after their compute streams).
     ///
     /// # Safety
     /// Both ranges must lie in live device allocations, must not overlap, and must stay
@@ -483,7 +494,36 @@ pub trait Driver: Send + Sync + fmt::Debug {
         dst: DevPtr,
         bytes: usize,
         s: StreamKind,
+        owners: [u64; 2],
     ) -> Result<()>;
+
+    /// Checks that `e` is a live event of this driver (for a wait another driver of the
+    /// process issues: [`wait_peer_event`]).
+    fn check_event_live(&self, op: &str, e: Event) -> Result<()>;
+
+    /// Makes later work on `s` wait for event `e` of the driver whose [`Driver::peer_id`] is
+    /// `owner` (this one or another of the process: CUDA lets a stream wait for an event of
+    /// another context or device).
+    ///
+    /// # Safety
+    /// `e` must be a live event of that driver ([`wait_peer_event`] checks it with the owner).
+    unsafe fn stream_wait_unified(&self, s: StreamKind, owner: u64, e: Event) -> Result<()>;
+
+    /// This driver's identity among the drivers of the process.
+    fn peer_id(&self) -> u64;
+
+    /// Hears that `p..p + bytes` is now one buffer of the caching allocator: the emulator's
+    /// order check takes a kernel's pointer argument as reaching the whole buffer it points
+    /// into. Nothing to do on a GPU.
+    fn note_buffer(&self, _p: DevPtr, _bytes: u64) {}
+}
+
+/// Makes later work on stream `s` of driver `on` wait for event `e` of driver `owner` (which
+/// may be `on`): how a rank orders its work after a peer's, without the host waiting.
+pub fn wait_peer_event(on: &dyn Driver, s: StreamKind, owner: &dyn Driver, e: Event) -> Result<()> {
+    owner.check_event_live("cuStreamWaitEvent", e)?;
+    // SAFETY: checked live with its owner, which keeps it until the waiting rank is done.
+    unsafe { on.stream_wait_unified(s, owner.peer_id(), e) }
 }
 
 /// Copies `bytes` bytes from `src`, memory of driver `from`, to `dst`, memory of driver `to`,
@@ -514,10 +554,10 @@ pub fn copy_peer(
     }
     // SAFETY: both ranges were checked against their owners' live allocations and are
     // disjoint; the caller keeps both alive until it synchronizes `on`'s stream.
-    unsafe { on.copy_unified(src, dst, bytes, s) }
+    unsafe { on.copy_unified(src, dst, bytes, s, [from.peer_id(), to.peer_id()]) }
 }
 
-/// Opens GPU `ordinal` (primary context, three streams, cuBLASLt) with the builtin kernel
+/// Opens GPU `ordinal` (primary context, four streams, cuBLASLt) with the builtin kernel
 /// registry. Without a usable GPU: [`Error::Unavailable`] saying "no CUDA device" and why.
 pub fn open(ordinal: usize) -> Result<Arc<dyn Driver>> {
     Ok(Arc::new(CudaDriver::open(ordinal, builtin_programs())?))

@@ -322,11 +322,30 @@ impl Driver for Observed {
         dst: DevPtr,
         bytes: usize,
         s: StreamKind,
+        owners: [u64; 2],
     ) -> Result<()> {
         self.copy(bytes, false);
         self.note(Some(s), || TraceOp::CopyDtoD { bytes });
         // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.copy_unified(src, dst, bytes, s) }
+        unsafe { self.inner.copy_unified(src, dst, bytes, s, owners) }
+    }
+
+    fn check_event_live(&self, op: &str, e: Event) -> Result<()> {
+        self.inner.check_event_live(op, e)
+    }
+
+    unsafe fn stream_wait_unified(&self, s: StreamKind, owner: u64, e: Event) -> Result<()> {
+        self.note(Some(s), || TraceOp::Wait(e));
+        // SAFETY: the caller's contract, passed on unchanged.
+        unsafe { self.inner.stream_wait_unified(s, owner, e) }
+    }
+
+    fn peer_id(&self) -> u64 {
+        self.inner.peer_id()
+    }
+
+    fn note_buffer(&self, p: DevPtr, bytes: u64) {
+        self.inner.note_buffer(p, bytes)
     }
 }
 

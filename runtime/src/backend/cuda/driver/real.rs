@@ -1,9 +1,10 @@
-//! The real driver over cudarc 0.19: the device's primary context, three non-blocking streams
-//! (compute, host-to-device, device-to-host), raw device memory (`cuMemAlloc`/`cuMemFree`;
+//! The real driver over cudarc 0.19: the device's primary context, four non-blocking streams
+//! (compute, host-to-device, device-to-host, collective), raw device memory (`cuMemAlloc`/`cuMemFree`;
 //! the caching allocator sits on top, so the driver is asked rarely and stream-ordered
 //! allocation buys nothing), modules loaded from NVRTC's cached CUBIN, kernels launched with
-//! raw parameter arrays (`cuLaunchKernel`), cuBLASLt with a 32 MiB workspace per stream and the
-//! heuristic's algorithm cached per shape, and events.
+//! raw parameter arrays (`cuLaunchKernel`), cuBLASLt with a 32 MiB workspace per stream and
+//! each product's descriptors and algorithm cached per `PlanKey`, and events (which another
+//! driver of the process may wait for: `stream_wait_unified`).
 //!
 //! Host copies: `copy_htod` queues `cuMemcpyHtoDAsync` and then synchronizes that stream, so
 //! the source may be reused on return whether it is pageable or page-locked (for pageable
@@ -138,7 +139,7 @@ pub struct CudaDriver {
     blas: std::result::Result<Blas, String>,
     table: Mutex<AllocTable>,
     events: Mutex<HashSet<u64>>,
-    streams: [Arc<CudaStream>; 3],
+    streams: [Arc<CudaStream>; 4],
     ctx: Arc<CudaContext>,
 }
 
@@ -179,7 +180,7 @@ impl CudaDriver {
         let kernels = kernel_table(&programs)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| cu_err("cuDevicePrimaryCtxRetain", e))?;
         let stream = || ctx.new_stream().map_err(|e| cu_err("cuStreamCreate", e));
-        let streams = [stream()?, stream()?, stream()?];
+        let streams = [stream()?, stream()?, stream()?, stream()?];
         let attr = |a: cusys::CUdevice_attribute, what: &str| {
             ctx.attribute(a)
                 .map(|v| v.max(0) as u32)
@@ -505,6 +506,7 @@ impl Driver for CudaDriver {
         dst: DevPtr,
         bytes: usize,
         s: StreamKind,
+        _owners: [u64; 2],
     ) -> Result<()> {
         self.bind()?;
         // Ranks of one process open the primary context of their GPU, so with unified
@@ -695,6 +697,28 @@ impl Driver for CudaDriver {
             )
         }
         .map_err(|e| cu_err("cuStreamWaitEvent", e))
+    }
+
+    fn check_event_live(&self, op: &str, e: Event) -> Result<()> {
+        self.check_event(op, e).map(|_| ())
+    }
+
+    unsafe fn stream_wait_unified(&self, s: StreamKind, _owner: u64, e: Event) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller checked `e` live with its owner; an event handle of another
+        // context is valid here (cuStreamWaitEvent accepts events of any context or device).
+        unsafe {
+            cu::stream::wait_event(
+                self.cu_stream(s),
+                e.0 as usize as cusys::CUevent,
+                cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| cu_err("cuStreamWaitEvent", e))
+    }
+
+    fn peer_id(&self) -> u64 {
+        self as *const Self as u64
     }
 
     fn event_query(&self, e: Event) -> Result<bool> {

@@ -15,6 +15,7 @@
 //! `m = N, n = M, k = K`, A = W with [`Op::T`] and `lda = K`, B = X with [`Op::N`] and
 //! `ldb = K`, C = Y with `ldc = N`.
 
+pub(crate) mod plan;
 mod reference;
 
 use super::DevPtr;
