@@ -7,7 +7,7 @@ use super::device::{CudaDevice, STREAM};
 use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
 use super::storage::{by_dtype, CudaView};
-use crate::backend::status::{host_loss, host_sum_squares};
+use crate::backend::status::host_loss;
 use crate::backend::StepStatus;
 use crate::tensor::{DType, View};
 use crate::Result;
@@ -66,9 +66,11 @@ impl CudaBackend {
         let at = |bytes: usize| block.ptr().offset(bytes as u64);
         let mut on_device = false;
         for (i, g) in grads.iter().enumerate() {
-            match host_sum_squares(*g) {
-                Some(s) => st.sum_squares[i] = s,
-                None => {
+            match g {
+                // In the kernels' order: the norm's bits do not depend on where the gradient
+                // accumulated.
+                View::Host(h) => st.sum_squares[i] = super::host_order::sum_squares(*h),
+                View::Cuda(_) => {
                     let g = self.dev_in(OP, "a gradient", *g)?;
                     sum_squares_into(&self.dev, g, at(8 * i))?;
                     on_device = true;
