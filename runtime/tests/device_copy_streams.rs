@@ -209,7 +209,10 @@ fn copies_follow_the_stream_order(overlap: bool) {
     for stage in [ZeroStage::Stage2, ZeroStage::Stage3] {
         let what = format!("{stage:?}, overlap {overlap}");
         let t = traced(&cfg(stage, true, overlap));
-        assert_eq!(t.device_grad_bytes, 0, "{what}: an accumulator on the device");
+        assert_eq!(
+            t.device_grad_bytes, 0,
+            "{what}: an accumulator on the device"
+        );
         assert!(t.grad_bytes > 0, "{what}: no accumulator in host memory");
         assert_eq!(
             check_downloads(&t.step),
@@ -297,7 +300,11 @@ fn downloads_follow_backward(t: &Traces, what: &str) {
         );
     }
     let syncs = b.iter().filter(|(_, op)| *op == TraceOp::Synchronize);
-    assert_eq!(syncs.count(), 0, "{what}: a stream was synchronized in backward");
+    assert_eq!(
+        syncs.count(),
+        0,
+        "{what}: a stream was synchronized in backward"
+    );
 }
 
 /// In `t`: every upload on the host-to-device stream waited for by the compute stream once,

@@ -65,7 +65,10 @@ fn gradients_leave_the_device(name: &str, model: fn() -> Model) {
         p.peak, o.peak, p.device_opt
     );
     assert_eq!(o.device_grads, 0, "{name}: an accumulator on the device");
-    assert_eq!(o.host_grads, grads, "{name}: the accumulator is not in host memory");
+    assert_eq!(
+        o.host_grads, grads,
+        "{name}: the accumulator is not in host memory"
+    );
     let drop = p.peak.saturating_sub(o.peak);
     assert!(
         drop >= p.device_opt + grads / 2,

@@ -80,8 +80,7 @@ impl Replay<'_> {
     pub(super) fn land_downloads(&mut self, keep: usize) {
         while self.downloads.len() > keep {
             if let Some(b) = self.downloads.pop_front() {
-                self.ledger
-                    .free(Location::Device, Category::CommBuffers, b);
+                self.ledger.free(Location::Device, Category::CommBuffers, b);
             }
         }
     }
