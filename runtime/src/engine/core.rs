@@ -505,6 +505,13 @@ impl Engine {
         self.hpz_backward(true);
         let r = self.backward_units(batch, loss_grad);
         self.hpz_backward(false);
+        if r.is_err() {
+            // Gradients still on their way down land (their buffers come back) before the
+            // error leaves the engine.
+            if let Err(e) = self.land_downloads() {
+                tracing::error!("after a failed backward: {e}");
+            }
+        }
         r?;
         self.timings.backward += t.elapsed().as_secs_f64();
         Ok(())
