@@ -226,7 +226,11 @@ fn host_gradient_accumulators_change_no_bit() {
             let mut cfg = base.clone();
             cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
             let (got, moved) = train_accumulating(&cfg, 4);
-            assert_eq!(moved, (0, dev), "{what}: the accumulators are not in host memory");
+            assert_eq!(
+                moved,
+                (0, dev),
+                "{what}: the accumulators are not in host memory"
+            );
             assert!(got == reference, "{what}: offload changed the result");
         }
     }
