@@ -130,4 +130,3 @@ mod tests {
         assert!(reductions_over_bound(&c, 2, 11));
     }
 }
-
