@@ -83,9 +83,13 @@ struct Traces {
     forward: Vec<Traced>,
     /// That forward's backward.
     backward: Vec<Traced>,
-    /// Device bytes of the gradients and the parameters (the ledger's).
+    /// Bytes of the gradient accumulators in host memory and on the device, and of the
+    /// parameters on the device (the ledger's).
     grad_bytes: u64,
+    device_grad_bytes: u64,
     param_bytes: u64,
+    /// Groups with parameters (units and the tied table; the embedding has none of its own).
+    groups: usize,
     /// Bytes all-gathered by the communicator over both steps and the forward.
     gathered: u64,
 }
@@ -113,8 +117,14 @@ fn traced(cfg: &ResolvedConfig) -> Traces {
             step,
             forward,
             backward,
-            grad_bytes: bytes(Category::Gradients),
+            grad_bytes: e.ledger().current(Location::Host, Category::Gradients),
+            device_grad_bytes: bytes(Category::Gradients),
             param_bytes: bytes(Category::Parameters),
+            groups: e
+                .gradient_shards()?
+                .iter()
+                .filter(|g| !g.data.is_empty())
+                .count(),
             gathered: stats.bytes("all_gather_into_tensor"),
         })
     })
@@ -200,10 +210,16 @@ fn copies_follow_the_stream_order(overlap: bool) {
         let what = format!("{stage:?}, overlap {overlap}");
         let t = traced(&cfg(stage, true, overlap));
         assert_eq!(
-            check_downloads(&t.step),
-            t.grad_bytes,
-            "{what}: every gradient byte goes down on the copy stream, once"
+            t.device_grad_bytes, 0,
+            "{what}: an accumulator on the device"
         );
+        assert!(t.grad_bytes > 0, "{what}: no accumulator in host memory");
+        assert_eq!(
+            check_downloads(&t.step),
+            2 * t.grad_bytes,
+            "{what}: every micro-step's gradient byte goes down on the copy stream, once"
+        );
+        downloads_follow_backward(&t, &what);
         let (up, events) = check_uploads(&t.step);
         assert_eq!(
             up, t.param_bytes,
@@ -262,6 +278,33 @@ fn copies_follow_the_stream_order(overlap: bool) {
             );
         }
     }
+}
+
+/// One micro-step's backward: each group's gradient goes down as soon as it is reduced, while
+/// backward still runs: between one group's download and the next the compute stream runs
+/// the next unit's backward kernels (the tied table's goes down after the embedding's
+/// backward, the last unit backward reaches). Nothing waits for a stream.
+fn downloads_follow_backward(t: &Traces, what: &str) {
+    let b = &t.backward;
+    assert_eq!(check_downloads(b), t.grad_bytes, "{what}: one micro-step");
+    let downs: Vec<usize> = on(b, StreamKind::DeviceToHost)
+        .filter(|(_, op)| matches!(op, TraceOp::CopyDtoH { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(downs.len(), t.groups, "{what}: one download per group");
+    assert!(t.groups > 2, "{what}: too few groups to tell an order");
+    for (k, pair) in downs.windows(2).enumerate() {
+        assert!(
+            on(b, StreamKind::Compute).any(|(i, op)| i > pair[0] && i < pair[1] && is_kernel(op)),
+            "{what}: download {k} was not issued before the next unit's backward"
+        );
+    }
+    let syncs = b.iter().filter(|(_, op)| *op == TraceOp::Synchronize);
+    assert_eq!(
+        syncs.count(),
+        0,
+        "{what}: a stream was synchronized in backward"
+    );
 }
 
 /// In `t`: every upload on the host-to-device stream waited for by the compute stream once,

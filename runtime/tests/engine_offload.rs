@@ -183,3 +183,55 @@ fn nvme_parameters_leave_memory_and_the_ledger_says_so() {
         );
     }
 }
+
+/// Parameters' bits and rank 0's (device, host) gradient-accumulator bytes after `steps`
+/// steps of `gradient_accumulation_steps` micro-batches each.
+fn train_accumulating(cfg: &ResolvedConfig, steps: usize) -> (Vec<Vec<u32>>, (u64, u64)) {
+    let (world, gas) = (cfg.world_size, cfg.gradient_accumulation_steps);
+    let out = run_ranks(world, Duration::from_secs(60), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(toy::model(11, 6, 5, 2), cfg.clone(), comm)?;
+        for s in 0..steps {
+            let batches: Vec<_> = (0..gas)
+                .map(|m| toy::batch(11, 5, ((s * gas + m) * world + rank) * 2, 2))
+                .collect();
+            e.train_batch(&batches)?;
+        }
+        let bits = e
+            .parameters()?
+            .iter()
+            .flat_map(|t| t.data.iter().map(|x| x.to_bits()))
+            .collect();
+        let grads = |l| e.ledger().peak(l, Category::Gradients);
+        Ok((bits, (grads(Location::Device), grads(Location::Host))))
+    })
+    .expect("training failed");
+    let grads = out[0].1;
+    (out.into_iter().map(|o| o.0).collect(), grads)
+}
+
+/// With the optimizer in host memory the gradient accumulators are there too (they leave the
+/// device bucket by bucket in backward), and the bits are those of the run that accumulates
+/// on the device: stages 1-3, one and two ranks, one and three micro-steps, with and without
+/// `overlap_comm` (clipping at DeepSpeed's 1.0, so the optimizer overlap is speculative).
+#[test]
+fn host_gradient_accumulators_change_no_bit() {
+    for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
+        for (world, gas, overlap) in [(1, 1, false), (1, 3, true), (2, 1, true), (2, 3, false)] {
+            let what = format!("{stage:?} world {world} gas {gas} overlap {overlap}");
+            let mut base = config(stage, world, 2, gas, Precision::Bf16);
+            base.zero.overlap_comm = overlap;
+            let (reference, (dev, host)) = train_accumulating(&base, 4);
+            assert!(dev > 0 && host == 0, "{what}: accumulators {dev} {host}");
+            let mut cfg = base.clone();
+            cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
+            let (got, moved) = train_accumulating(&cfg, 4);
+            assert_eq!(
+                moved,
+                (0, dev),
+                "{what}: the accumulators are not in host memory"
+            );
+            assert!(got == reference, "{what}: offload changed the result");
+        }
+    }
+}

@@ -69,6 +69,11 @@ fn offload_moves_state_to_host_and_nvme() {
     assert_eq!(cpu.device.category(Category::OptimizerState), 0);
     assert_eq!(cpu.host.category(Category::OptimizerState), opt);
     assert_eq!(cpu.pinned_host_bytes, opt);
+    // The gradient accumulators follow the optimizer state off the device.
+    let grads = base.device.category(Category::Gradients);
+    assert!(grads > 0);
+    assert_eq!(cpu.device.category(Category::Gradients), 0);
+    assert_eq!(cpu.host.category(Category::Gradients), grads);
     cfg.zero.offload_optimizer.target = OffloadTarget::Nvme("/nvme".into());
     cfg.zero.offload_param.target = OffloadTarget::Nvme("/nvme".into());
     let nvme = estimate(&shape.model, &cfg, 1, 1024);

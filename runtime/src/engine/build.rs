@@ -196,8 +196,11 @@ impl GroupPlan<'_> {
             None => (None, None),
         };
         let grad_range = self.stage.grads().range(&layout, self.rank);
-        let grad = self.be.buffer(dtype, grad_range.len())?;
-        ledger.alloc(Location::Device, Category::Gradients, grad.bytes());
+        // Beside offloaded optimizer state the accumulator is host memory: gradients leave
+        // the device bucket by bucket in backward (`grad_download.rs`).
+        let grad_loc = super::rules::grad_location(self.cfg);
+        let grad = place(self.be, grad_loc, dtype, grad_range.len())?;
+        ledger.alloc(grad_loc, Category::Gradients, grad.bytes());
         // With the state on NVMe the moments live there too; empty buffers stand in.
         let state_len = if nvme_adam.is_some() { 0 } else { owned.len() };
         let state = state_dtype(self.cfg);

@@ -69,6 +69,8 @@ pub struct Engine {
     pub(super) timings: Timings,
     /// The communication worker when `overlap_comm` is on.
     pub(super) overlap: Option<CommOverlap>,
+    /// Reduced gradients on their way to host accumulators (optimizer state off the device).
+    pub(super) grad_downloads: super::grad_download::GradDownloads,
     /// The NVMe store when optimizer state lives there (shared with the optimizer lane).
     pub(super) nvme: Option<Arc<NvmeOffload>>,
     /// The NVMe store when stage-3 parameter shards live there.
@@ -202,6 +204,7 @@ impl Engine {
             }
             OptimizerOverlap::Off(_) => None,
         };
+        let grad_downloads = super::grad_download::GradDownloads::new(&cfg);
         Ok(Self {
             cfg,
             model,
@@ -228,6 +231,7 @@ impl Engine {
             last_batch: None,
             timings: Timings::default(),
             overlap,
+            grad_downloads,
             nvme: nvme.map(Arc::new),
             param_swap,
             param_uploads: Default::default(),
@@ -501,6 +505,13 @@ impl Engine {
         self.hpz_backward(true);
         let r = self.backward_units(batch, loss_grad);
         self.hpz_backward(false);
+        if r.is_err() {
+            // Gradients still on their way down land (their buffers come back) before the
+            // error leaves the engine.
+            if let Err(e) = self.land_downloads() {
+                tracing::error!("after a failed backward: {e}");
+            }
+        }
         r?;
         self.timings.backward += t.elapsed().as_secs_f64();
         Ok(())
@@ -534,7 +545,8 @@ impl Engine {
                 }
             }
         }
-        self.finish_reductions()
+        self.finish_reductions()?;
+        self.land_downloads()
     }
 
     fn unit_backward(

@@ -9,6 +9,7 @@ pub mod checkpoint;
 mod core;
 pub mod estimate;
 mod eval;
+mod grad_download;
 pub mod group;
 mod hpz;
 mod init;

@@ -2,10 +2,12 @@
 //! path without a stalled compute stream). For each group whose optimizer state is in host
 //! memory:
 //!
+//! 0. The gradient is in host memory already: with the state off the device the accumulator
+//!    is host memory, fed bucket by bucket during backward (`grad_download.rs`).
 //! 1. [`fetch`]: once its gradient is final, an event recorded on the compute stream, the
-//!    device-to-host stream waiting for it, and the owned gradient (and the parameters, when
-//!    they are their own master weights) downloaded on that stream into page-locked staging
-//!    memory. The issuing thread does not wait.
+//!    device-to-host stream waiting for it, and whatever the step reads from device memory
+//!    (the parameters, when they are their own master weights) downloaded on that stream into
+//!    page-locked staging memory. The issuing thread does not wait.
 //! 2. [`host_step`]: the host update waits for that group's download alone (a host wait on
 //!    its event), runs in `sub_group_size` tiles, writes the stored parameters into staging
 //!    memory and queues their upload on the host-to-device stream.

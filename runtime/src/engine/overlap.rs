@@ -82,18 +82,13 @@ impl Engine {
     }
 
     fn accumulate(&mut self, g: usize, reduced: Reduced) -> Result<()> {
-        let mut scratch = Vec::new();
         let Reduced { sum, spent } = reduced;
-        let sum = to_storage(sum, self.groups[g].grad.dtype(), &*self.be)?;
-        let n = sum.len();
-        let r = self.groups[g].grad.accumulate(0, &sum, n, &mut scratch);
-        self.be.recycle(sum);
         if let Some(spent) = spent {
             self.be.recycle(spent);
         }
-        r?;
-        // At an armed boundary this was the gradient's last addition: its step can start.
-        self.lend_for_step(g)
+        // The cast runs where the reduction did (on the device), wherever the sum is added.
+        let sum = to_storage(sum, self.groups[g].grad.dtype(), &*self.be)?;
+        self.accumulate_reduced(g, sum)
     }
 
     /// Waits for every queued reduction and accumulates the results in submission order.

@@ -64,6 +64,21 @@ pub fn hpz_size(cfg: &ResolvedConfig, world: usize, params: Extent) -> usize {
     }
 }
 
+/// Where the gradient accumulators live: in host memory beside optimizer state that is off
+/// the device (`offload_optimizer`, CPU or NVMe), so gradients leave the device bucket by
+/// bucket during backward (`grad_download.rs`); else on the device.
+pub fn grad_location(cfg: &ResolvedConfig) -> Location {
+    match super::build::optimizer_location(cfg) {
+        Location::Device => Location::Device,
+        Location::Host | Location::Nvme => Location::Host,
+    }
+}
+
+/// Reduced micro-step gradients on their way down to host accumulators at once: the device
+/// holds at most this many bucket-sized buffers (one downloading while backward fills the
+/// next); the oldest is landed before another is queued.
+pub const GRAD_DOWNLOADS_IN_FLIGHT: usize = 2;
+
 #[cfg(test)]
 mod tests {
     use super::*;

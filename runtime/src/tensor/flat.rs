@@ -155,8 +155,15 @@ impl FlatBuf {
     /// Adds the first `n` elements of `src` (same dtype) into `self[offset..offset + n]`, in
     /// f32 and rounded once per element.
     pub fn accumulate(&mut self, offset: usize, src: &FlatBuf, n: usize, scratch: &mut Vec<f32>) {
+        self.accumulate_ref(offset, src.as_ref().range(0..n), scratch)
+    }
+
+    /// Adds all of `src` (same dtype) into `self[offset..offset + src.len()]`, in f32 and
+    /// rounded once per element.
+    pub fn accumulate_ref(&mut self, offset: usize, src: BufRef<'_>, scratch: &mut Vec<f32>) {
+        let n = src.len();
         match (self, src) {
-            (FlatBuf::F32(d), FlatBuf::F32(s)) => {
+            (FlatBuf::F32(d), BufRef::F32(s)) => {
                 let add = |(d, s): (&mut [f32], &[f32])| {
                     d.iter_mut().zip(s).for_each(|(a, b)| *a += *b);
                 };
@@ -179,7 +186,7 @@ impl FlatBuf {
                     let (acc, add) = scratch.split_at_mut(CHUNK.min(n));
                     let (acc, add) = (&mut acc[..k], &mut add[..k]);
                     d.load_f32(offset + start, acc);
-                    s.load_f32(start, add);
+                    widen(s.range(start..start + k), add);
                     for (a, b) in acc.iter_mut().zip(add.iter()) {
                         *a += *b;
                     }

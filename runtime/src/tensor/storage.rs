@@ -247,6 +247,33 @@ impl Storage {
         }
     }
 
+    /// Adds the host view `src` (same dtype) into `self[offset..offset + src.len()]` as
+    /// [`Storage::accumulate`] does (f32 sum rounded once per element): how a host
+    /// accumulator takes a gradient that came down from the device. A device accumulator
+    /// takes device buffers through [`Storage::accumulate`].
+    pub fn accumulate_view(
+        &mut self,
+        offset: usize,
+        src: View<'_>,
+        scratch: &mut Vec<f32>,
+    ) -> Result<()> {
+        check_span("accumulate", offset, src.len(), self.len())?;
+        if self.dtype() != src.dtype() {
+            return Err(Error::Invalid(format!(
+                "accumulate: {:?} into {:?}",
+                src.dtype(),
+                self.dtype()
+            )));
+        }
+        match (self, src) {
+            (Storage::Host(d), View::Host(s)) => {
+                d.accumulate_ref(offset, s, scratch);
+                Ok(())
+            }
+            _ => Err(mixed("accumulate")),
+        }
+    }
+
     /// Sets every element to zero.
     pub fn fill_zero(&mut self) -> Result<()> {
         match self {

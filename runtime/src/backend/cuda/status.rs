@@ -7,7 +7,7 @@ use super::device::{CudaDevice, STREAM};
 use super::driver::{DevPtr, DeviceBuffer, LaunchConfig};
 use super::launch::Args;
 use super::storage::{by_dtype, CudaView};
-use crate::backend::status::{host_loss, host_sum_squares};
+use crate::backend::status::host_loss;
 use crate::backend::StepStatus;
 use crate::tensor::{DType, View};
 use crate::Result;
@@ -79,9 +79,11 @@ impl CudaBackend {
         let mut on_device = tail > 0;
         let mut device_grads = vec![false; ng];
         for (i, g) in grads.iter().enumerate() {
-            match host_sum_squares(*g) {
-                Some(s) => st.sum_squares[i] = s,
-                None => {
+            match g {
+                // In the kernels' order: the norm's bits do not depend on where the gradient
+                // accumulated.
+                View::Host(h) => st.sum_squares[i] = super::host_order::sum_squares(*h),
+                View::Cuda(_) => {
                     let g = self.dev_in(OP, "a gradient", *g)?;
                     sum_squares_into(&self.dev, g, at(8 * i))?;
                     (on_device, device_grads[i]) = (true, true);

@@ -65,10 +65,11 @@ mod tests {
     use crate::engine::estimate::{estimate, shape::preset};
     use ferrozero_config::Device;
 
-    /// The issue's run on a 32 GB card: Llama 7B, bf16, stage 3, AdamW on the CPU,
-    /// checkpointing, 4096 tokens (about 30.5 GB on a GPU, 35.5 GB priced as the CPU).
+    /// The issue's run on a 20 GB cap: Llama 7B, bf16, stage 3, AdamW on the CPU (and the
+    /// gradient accumulator with it), checkpointing, 4096 tokens (about 17.4 GB on a GPU,
+    /// 22.3 GB priced as the CPU).
     fn offload_7b(device: Device) -> ResolvedConfig {
-        let src = "device_memory_limit = \"32GB\"\ntrain_micro_batch_size_per_gpu = 1\n\
+        let src = "device_memory_limit = \"20GB\"\ntrain_micro_batch_size_per_gpu = 1\n\
                    [bf16]\nenabled = true\n\
                    [optimizer]\ntype = \"AdamW\"\nparams.lr = 1e-4\n\
                    [activation_checkpointing]\ncpu_checkpointing = false\n\
@@ -80,7 +81,7 @@ mod tests {
     }
 
     /// Priced with the CPU's figures (T x T probabilities, f32 activations and working copies)
-    /// the 7B run is refused at a 32 GB cap; with the GPU's own figures, which the GPU run
+    /// the 7B run is refused at a 20 GB cap; with the GPU's own figures, which the GPU run
     /// will have, it fits.
     #[test]
     fn the_cap_check_prices_a_gpu_run_with_the_gpus_figures() {
@@ -89,7 +90,7 @@ mod tests {
         let gpu = offload_7b(Device::Cuda(None));
         let e = estimate(&m, &gpu, 1, seq);
         assert!(
-            e.device.peak_bytes < 32_000_000_000,
+            e.device.peak_bytes < 20_000_000_000,
             "{}",
             e.device.peak_bytes
         );

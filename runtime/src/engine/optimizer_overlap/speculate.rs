@@ -108,7 +108,10 @@ impl LaneStep {
     ) -> Result<Outcome> {
         let r = group.layout.shard_range(self.rank);
         let base = group.grad_offset;
-        let sumsq = group.grad.sum_squares(r.start - base..r.end - base)?;
+        // Through the backend, as the step's own status: the device's order of additions
+        // wherever the gradient accumulated, so the lane's term is the step's bits.
+        let view = group.grad.range(r.start - base..r.end - base)?;
+        let sumsq = self.be.step_status(&[], &[view])?.sum_squares[0];
         let go = self.watch.lock().is_ok_and(|mut w| w.admit(sumsq));
         if !go {
             return Ok(Outcome {

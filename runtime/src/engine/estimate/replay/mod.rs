@@ -50,6 +50,9 @@ pub(super) struct Replay<'a> {
     /// Reduction buffers queued on the comm worker (`overlap_comm`): the wire-dtype input's
     /// bytes, the reduced shard's (where the device counts it), the group's padded elements.
     queued: VecDeque<(u64, u64, usize)>,
+    /// Reduced gradients on their way down to host accumulators (`grad_download.rs`): the
+    /// device bytes of each, oldest first.
+    downloads: VecDeque<u64>,
     /// `offload_param.buffer_count` when stage-3 shards live on NVMe.
     swap_limit: Option<usize>,
     /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
@@ -107,6 +110,7 @@ impl<'a> Replay<'a> {
             gathered: vec![false; n],
             work: vec![false; n],
             queued: VecDeque::new(),
+            downloads: VecDeque::new(),
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
@@ -162,7 +166,8 @@ impl<'a> Replay<'a> {
         let opt_bytes = (master * 4 + owned * moments * state) as u64;
         let (pb, gb) = (self.lp(param_elems), self.lp(grad_elems));
         self.ledger.alloc(param_loc, Category::Parameters, pb);
-        self.ledger.alloc(Location::Device, Category::Gradients, gb);
+        self.ledger
+            .alloc(rules::grad_location(self.cfg), Category::Gradients, gb);
         let opt_loc = optimizer_location(self.cfg);
         self.opt_bytes[g] = opt_bytes;
         self.ledger
@@ -379,6 +384,7 @@ impl<'a> Replay<'a> {
         for q in std::mem::take(&mut self.queued) {
             self.free_reduction(q);
         }
+        self.land_downloads(0);
         self.end_backward_transients(mb, seq);
     }
 

@@ -4,6 +4,7 @@
 use super::Replay;
 use crate::engine::ledger::{Category, Location};
 use crate::engine::rules;
+use crate::engine::stage::Extent;
 
 impl Replay<'_> {
     /// Bytes one micro-step's gradient reductions take as input: every group's padded
@@ -53,10 +54,34 @@ impl Replay<'_> {
         }
     }
 
-    pub(super) fn free_reduction(&mut self, (buf, out, _): (u64, u64, usize)) {
+    /// The reduction's buffers go; the reduced gradient is added into its accumulator
+    /// (`Engine::accumulate`), on its way down to a host one first when gradients leave.
+    pub(super) fn free_reduction(&mut self, (buf, out, padded): (u64, u64, usize)) {
         self.ledger
             .free(Location::Device, Category::CommBuffers, buf);
         self.ledger
             .free(Location::Device, Category::CommBuffers, out);
+        if rules::grad_location(self.cfg) == Location::Host {
+            // The reduced sum in the storage dtype: the rank's shard, or the whole buffer.
+            let world = self.groups.first().map_or(1, |g| g.layout.world_size);
+            let elems = match self.stage.grads() {
+                Extent::Shard => padded / world.max(1),
+                Extent::Full => padded,
+            };
+            let b = self.lp(elems);
+            self.ledger
+                .alloc(Location::Device, Category::CommBuffers, b);
+            self.downloads.push_back(b);
+            self.land_downloads(rules::GRAD_DOWNLOADS_IN_FLIGHT);
+        }
+    }
+
+    /// `Engine::land_oldest_download` until at most `keep` downloads are in flight.
+    pub(super) fn land_downloads(&mut self, keep: usize) {
+        while self.downloads.len() > keep {
+            if let Some(b) = self.downloads.pop_front() {
+                self.ledger.free(Location::Device, Category::CommBuffers, b);
+            }
+        }
     }
 }
