@@ -1,11 +1,13 @@
 //! LayerNorm and RMSNorm (`norm.cu`): a warp per row forward; backward in chunks of rows with
-//! per-chunk parameter-gradient partials summed in chunk order (deterministic).
+//! per-chunk parameter-gradient partials summed in chunk order (deterministic). The fused forms
+//! (a residual add before the norm, a residual gradient added to its input gradient) are the
+//! same kernels with the residual's pointers set; null pointers give the plain norms.
 
 use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
-use super::storage::by_dtype;
+use super::storage::{by_dtype, CudaView};
 use crate::backend::NormOps;
 use crate::tensor::{DType, View, ViewMut};
 use crate::{Error, Result};
@@ -63,6 +65,312 @@ impl CudaBackend {
     }
 }
 
+/// The plain norm's kernel, or its residual form when `fused`.
+fn kernel(plain: &'static str, residual: &'static str, fused: bool) -> &'static str {
+    if fused {
+        residual
+    } else {
+        plain
+    }
+}
+
+impl CudaBackend {
+    /// An optional input shaped like `x` (a residual or its gradient): its pointer, or null.
+    fn optional_like(
+        &self,
+        op: &'static str,
+        what: &str,
+        v: Option<View<'_>>,
+        x: &CudaView<'_>,
+    ) -> Result<DevPtr> {
+        let Some(v) = v else {
+            return Ok(DevPtr::NULL);
+        };
+        let v = self.dev_in(op, what, v)?;
+        expect_len(op, what, v.len(), x.len())?;
+        expect_dtype(op, x.dtype(), &[(what, v.dtype())])?;
+        Ok(v.ptr())
+    }
+
+    /// The residual stream's output of a fused forward norm (`sum`, shaped like `x`), or null.
+    fn sum_out(
+        &self,
+        op: &'static str,
+        sum: Option<ViewMut<'_>>,
+        x: &CudaView<'_>,
+    ) -> Result<DevPtr> {
+        let Some(sum) = sum else {
+            return Ok(DevPtr::NULL);
+        };
+        let sum = self.dev_out(op, "sum", sum)?;
+        expect_len(op, "sum", sum.len(), x.len())?;
+        expect_dtype(op, x.dtype(), &[("sum", sum.dtype())])?;
+        Ok(sum.ptr())
+    }
+
+    /// LayerNorm forward of `x`, or of `sum = x (+ residual)` when `sum` is given.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_fwd(
+        &self,
+        op: &'static str,
+        (x, residual, sum): (View<'_>, Option<View<'_>>, Option<ViewMut<'_>>),
+        gamma: View<'_>,
+        beta: View<'_>,
+        eps: f32,
+        y: ViewMut<'_>,
+        mean: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()> {
+        let (x, g, b) = (
+            self.dev_in(op, "x", x)?,
+            self.dev_in(op, "gamma", gamma)?,
+            self.dev_in(op, "beta", beta)?,
+        );
+        let (y, mean, rstd) = (
+            self.dev_out(op, "y", y)?,
+            self.dev_out(op, "mean", mean)?,
+            self.dev_out(op, "rstd", rstd)?,
+        );
+        let d = g.len();
+        let rows = rows_of(op, x.len(), d)?;
+        expect_len(op, "beta", b.len(), d)?;
+        expect_len(op, "y", y.len(), x.len())?;
+        expect_len(op, "mean", mean.len(), rows)?;
+        expect_len(op, "rstd", rstd.len(), rows)?;
+        expect_dtype(
+            op,
+            x.dtype(),
+            &[("gamma", g.dtype()), ("beta", b.dtype()), ("y", y.dtype())],
+        )?;
+        expect_dtype(
+            op,
+            DType::F32,
+            &[("mean", mean.dtype()), ("rstd", rstd.dtype())],
+        )?;
+        let (fused, residual) = (
+            sum.is_some(),
+            self.optional_like(op, "residual", residual, &x)?,
+        );
+        let sum = self.sum_out(op, sum, &x)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let mut args = Args::new().ptr(x.ptr());
+        if fused {
+            args = args.ptr(residual);
+        }
+        args = args.ptr(g.ptr()).ptr(b.ptr());
+        if fused {
+            args = args.ptr(sum);
+        }
+        let mut args = args
+            .ptr(y.ptr())
+            .ptr(mean.ptr())
+            .ptr(rstd.ptr())
+            .len(rows)
+            .i32(d as i32)
+            .f32(eps);
+        let name = kernel(
+            by_dtype!("layernorm_forward", x.dtype()),
+            by_dtype!("residual_layernorm_forward", x.dtype()),
+            fused,
+        );
+        self.dev.launch(name, row_grid(rows), &mut args)
+    }
+
+    /// LayerNorm backward; with `dres`, its gradient added to `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_bwd(
+        &self,
+        op: &'static str,
+        x: View<'_>,
+        gamma: View<'_>,
+        (mean, rstd): (View<'_>, View<'_>),
+        (dy, dres): (View<'_>, Option<View<'_>>),
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+        dbeta: ViewMut<'_>,
+    ) -> Result<()> {
+        let (x, g) = (self.dev_in(op, "x", x)?, self.dev_in(op, "gamma", gamma)?);
+        let (mean, rstd, dy) = (
+            self.dev_in(op, "mean", mean)?,
+            self.dev_in(op, "rstd", rstd)?,
+            self.dev_in(op, "dy", dy)?,
+        );
+        let (dx, dg, db) = (
+            self.dev_out(op, "dx", dx)?,
+            self.dev_out(op, "dgamma", dgamma)?,
+            self.dev_out(op, "dbeta", dbeta)?,
+        );
+        let d = g.len();
+        let rows = rows_of(op, x.len(), d)?;
+        expect_len(op, "dy", dy.len(), x.len())?;
+        expect_len(op, "dx", dx.len(), x.len())?;
+        expect_len(op, "mean", mean.len(), rows)?;
+        expect_len(op, "rstd", rstd.len(), rows)?;
+        expect_len(op, "dgamma", dg.len(), d)?;
+        expect_len(op, "dbeta", db.len(), d)?;
+        expect_dtype(
+            op,
+            x.dtype(),
+            &[("gamma", g.dtype()), ("dy", dy.dtype()), ("dx", dx.dtype())],
+        )?;
+        expect_dtype(
+            op,
+            DType::F32,
+            &[
+                ("mean", mean.dtype()),
+                ("rstd", rstd.dtype()),
+                ("dgamma", dg.dtype()),
+                ("dbeta", db.dtype()),
+            ],
+        )?;
+        let fused = dres.is_some();
+        let dres = self.optional_like(op, "dresidual", dres, &x)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let chunks = rows.div_ceil(ROWS_PER_CHUNK);
+        let partial = self.dev.alloc(2 * chunks * d * 4)?;
+        let mut args = Args::new()
+            .ptr(x.ptr())
+            .ptr(g.ptr())
+            .ptr(mean.ptr())
+            .ptr(rstd.ptr())
+            .ptr(dy.ptr());
+        if fused {
+            args = args.ptr(dres);
+        }
+        let mut args = args
+            .ptr(dx.ptr())
+            .ptr(partial.ptr())
+            .len(rows)
+            .i32(d as i32)
+            .i32(ROWS_PER_CHUNK as i32);
+        let cfg = LaunchConfig::linear(chunks.clamp(1, i32::MAX as usize) as u32, BLOCK);
+        let name = kernel(
+            by_dtype!("layernorm_backward", x.dtype()),
+            by_dtype!("layernorm_backward_residual", x.dtype()),
+            fused,
+        );
+        self.dev.launch(name, cfg, &mut args)?;
+        self.finalize_dparams(partial.ptr(), chunks, d, dg.ptr(), db.ptr())
+    }
+
+    /// RMSNorm forward of `x`, or of `sum = x (+ residual)` when `sum` is given.
+    fn rmsnorm_fwd(
+        &self,
+        op: &'static str,
+        (x, residual, sum): (View<'_>, Option<View<'_>>, Option<ViewMut<'_>>),
+        gamma: View<'_>,
+        eps: f32,
+        y: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()> {
+        let (x, g) = (self.dev_in(op, "x", x)?, self.dev_in(op, "gamma", gamma)?);
+        let (y, rstd) = (self.dev_out(op, "y", y)?, self.dev_out(op, "rstd", rstd)?);
+        let d = g.len();
+        let rows = rows_of(op, x.len(), d)?;
+        expect_len(op, "y", y.len(), x.len())?;
+        expect_len(op, "rstd", rstd.len(), rows)?;
+        expect_dtype(op, x.dtype(), &[("gamma", g.dtype()), ("y", y.dtype())])?;
+        expect_dtype(op, DType::F32, &[("rstd", rstd.dtype())])?;
+        let (fused, residual) = (
+            sum.is_some(),
+            self.optional_like(op, "residual", residual, &x)?,
+        );
+        let sum = self.sum_out(op, sum, &x)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let mut args = Args::new().ptr(x.ptr());
+        if fused {
+            args = args.ptr(residual);
+        }
+        args = args.ptr(g.ptr());
+        if fused {
+            args = args.ptr(sum);
+        }
+        let mut args = args
+            .ptr(y.ptr())
+            .ptr(rstd.ptr())
+            .len(rows)
+            .i32(d as i32)
+            .f32(eps);
+        let name = kernel(
+            by_dtype!("rmsnorm_forward", x.dtype()),
+            by_dtype!("residual_rmsnorm_forward", x.dtype()),
+            fused,
+        );
+        self.dev.launch(name, row_grid(rows), &mut args)
+    }
+
+    /// RMSNorm backward; with `dres`, its gradient added to `dx`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_bwd(
+        &self,
+        op: &'static str,
+        x: View<'_>,
+        gamma: View<'_>,
+        rstd: View<'_>,
+        (dy, dres): (View<'_>, Option<View<'_>>),
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()> {
+        let (x, g) = (self.dev_in(op, "x", x)?, self.dev_in(op, "gamma", gamma)?);
+        let (rstd, dy) = (self.dev_in(op, "rstd", rstd)?, self.dev_in(op, "dy", dy)?);
+        let (dx, dg) = (
+            self.dev_out(op, "dx", dx)?,
+            self.dev_out(op, "dgamma", dgamma)?,
+        );
+        let d = g.len();
+        let rows = rows_of(op, x.len(), d)?;
+        expect_len(op, "dy", dy.len(), x.len())?;
+        expect_len(op, "dx", dx.len(), x.len())?;
+        expect_len(op, "rstd", rstd.len(), rows)?;
+        expect_len(op, "dgamma", dg.len(), d)?;
+        expect_dtype(
+            op,
+            x.dtype(),
+            &[("gamma", g.dtype()), ("dy", dy.dtype()), ("dx", dx.dtype())],
+        )?;
+        expect_dtype(
+            op,
+            DType::F32,
+            &[("rstd", rstd.dtype()), ("dgamma", dg.dtype())],
+        )?;
+        let fused = dres.is_some();
+        let dres = self.optional_like(op, "dresidual", dres, &x)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let chunks = rows.div_ceil(ROWS_PER_CHUNK);
+        let partial = self.dev.alloc(chunks * d * 4)?;
+        let mut args = Args::new()
+            .ptr(x.ptr())
+            .ptr(g.ptr())
+            .ptr(rstd.ptr())
+            .ptr(dy.ptr());
+        if fused {
+            args = args.ptr(dres);
+        }
+        let mut args = args
+            .ptr(dx.ptr())
+            .ptr(partial.ptr())
+            .len(rows)
+            .i32(d as i32)
+            .i32(ROWS_PER_CHUNK as i32);
+        let cfg = LaunchConfig::linear(chunks.clamp(1, i32::MAX as usize) as u32, BLOCK);
+        let name = kernel(
+            by_dtype!("rmsnorm_backward", x.dtype()),
+            by_dtype!("rmsnorm_backward_residual", x.dtype()),
+            fused,
+        );
+        self.dev.launch(name, cfg, &mut args)?;
+        self.finalize_dparams(partial.ptr(), chunks, d, dg.ptr(), DevPtr::NULL)
+    }
+}
+
 impl NormOps for CudaBackend {
     fn layernorm_forward(
         &self,
@@ -74,51 +382,8 @@ impl NormOps for CudaBackend {
         mean: ViewMut<'_>,
         rstd: ViewMut<'_>,
     ) -> Result<()> {
-        const OP: &str = "layernorm";
-        let (x, g, b) = (
-            self.dev_in(OP, "x", x)?,
-            self.dev_in(OP, "gamma", gamma)?,
-            self.dev_in(OP, "beta", beta)?,
-        );
-        let (y, mean, rstd) = (
-            self.dev_out(OP, "y", y)?,
-            self.dev_out(OP, "mean", mean)?,
-            self.dev_out(OP, "rstd", rstd)?,
-        );
-        let d = g.len();
-        let rows = rows_of(OP, x.len(), d)?;
-        expect_len(OP, "beta", b.len(), d)?;
-        expect_len(OP, "y", y.len(), x.len())?;
-        expect_len(OP, "mean", mean.len(), rows)?;
-        expect_len(OP, "rstd", rstd.len(), rows)?;
-        expect_dtype(
-            OP,
-            x.dtype(),
-            &[("gamma", g.dtype()), ("beta", b.dtype()), ("y", y.dtype())],
-        )?;
-        expect_dtype(
-            OP,
-            DType::F32,
-            &[("mean", mean.dtype()), ("rstd", rstd.dtype())],
-        )?;
-        if rows == 0 {
-            return Ok(());
-        }
-        let mut args = Args::new()
-            .ptr(x.ptr())
-            .ptr(g.ptr())
-            .ptr(b.ptr())
-            .ptr(y.ptr())
-            .ptr(mean.ptr())
-            .ptr(rstd.ptr())
-            .len(rows)
-            .i32(d as i32)
-            .f32(eps);
-        self.dev.launch(
-            by_dtype!("layernorm_forward", x.dtype()),
-            row_grid(rows),
-            &mut args,
-        )
+        let input = (x, None, None);
+        self.layernorm_fwd("layernorm", input, gamma, beta, eps, y, mean, rstd)
     }
 
     fn layernorm_backward(
@@ -132,61 +397,8 @@ impl NormOps for CudaBackend {
         dgamma: ViewMut<'_>,
         dbeta: ViewMut<'_>,
     ) -> Result<()> {
-        const OP: &str = "layernorm backward";
-        let (x, g) = (self.dev_in(OP, "x", x)?, self.dev_in(OP, "gamma", gamma)?);
-        let (mean, rstd, dy) = (
-            self.dev_in(OP, "mean", mean)?,
-            self.dev_in(OP, "rstd", rstd)?,
-            self.dev_in(OP, "dy", dy)?,
-        );
-        let (dx, dg, db) = (
-            self.dev_out(OP, "dx", dx)?,
-            self.dev_out(OP, "dgamma", dgamma)?,
-            self.dev_out(OP, "dbeta", dbeta)?,
-        );
-        let d = g.len();
-        let rows = rows_of(OP, x.len(), d)?;
-        expect_len(OP, "dy", dy.len(), x.len())?;
-        expect_len(OP, "dx", dx.len(), x.len())?;
-        expect_len(OP, "mean", mean.len(), rows)?;
-        expect_len(OP, "rstd", rstd.len(), rows)?;
-        expect_len(OP, "dgamma", dg.len(), d)?;
-        expect_len(OP, "dbeta", db.len(), d)?;
-        expect_dtype(
-            OP,
-            x.dtype(),
-            &[("gamma", g.dtype()), ("dy", dy.dtype()), ("dx", dx.dtype())],
-        )?;
-        expect_dtype(
-            OP,
-            DType::F32,
-            &[
-                ("mean", mean.dtype()),
-                ("rstd", rstd.dtype()),
-                ("dgamma", dg.dtype()),
-                ("dbeta", db.dtype()),
-            ],
-        )?;
-        if rows == 0 {
-            return Ok(());
-        }
-        let chunks = rows.div_ceil(ROWS_PER_CHUNK);
-        let partial = self.dev.alloc(2 * chunks * d * 4)?;
-        let mut args = Args::new()
-            .ptr(x.ptr())
-            .ptr(g.ptr())
-            .ptr(mean.ptr())
-            .ptr(rstd.ptr())
-            .ptr(dy.ptr())
-            .ptr(dx.ptr())
-            .ptr(partial.ptr())
-            .len(rows)
-            .i32(d as i32)
-            .i32(ROWS_PER_CHUNK as i32);
-        let cfg = LaunchConfig::linear(chunks.clamp(1, i32::MAX as usize) as u32, BLOCK);
-        self.dev
-            .launch(by_dtype!("layernorm_backward", x.dtype()), cfg, &mut args)?;
-        self.finalize_dparams(partial.ptr(), chunks, d, dg.ptr(), db.ptr())
+        let (op, stats) = ("layernorm backward", (mean, rstd));
+        self.layernorm_bwd(op, x, gamma, stats, (dy, None), dx, dgamma, dbeta)
     }
 
     fn rmsnorm_forward(
@@ -197,31 +409,7 @@ impl NormOps for CudaBackend {
         y: ViewMut<'_>,
         rstd: ViewMut<'_>,
     ) -> Result<()> {
-        const OP: &str = "rmsnorm";
-        let (x, g) = (self.dev_in(OP, "x", x)?, self.dev_in(OP, "gamma", gamma)?);
-        let (y, rstd) = (self.dev_out(OP, "y", y)?, self.dev_out(OP, "rstd", rstd)?);
-        let d = g.len();
-        let rows = rows_of(OP, x.len(), d)?;
-        expect_len(OP, "y", y.len(), x.len())?;
-        expect_len(OP, "rstd", rstd.len(), rows)?;
-        expect_dtype(OP, x.dtype(), &[("gamma", g.dtype()), ("y", y.dtype())])?;
-        expect_dtype(OP, DType::F32, &[("rstd", rstd.dtype())])?;
-        if rows == 0 {
-            return Ok(());
-        }
-        let mut args = Args::new()
-            .ptr(x.ptr())
-            .ptr(g.ptr())
-            .ptr(y.ptr())
-            .ptr(rstd.ptr())
-            .len(rows)
-            .i32(d as i32)
-            .f32(eps);
-        self.dev.launch(
-            by_dtype!("rmsnorm_forward", x.dtype()),
-            row_grid(rows),
-            &mut args,
-        )
+        self.rmsnorm_fwd("rmsnorm", (x, None, None), gamma, eps, y, rstd)
     }
 
     fn rmsnorm_backward(
@@ -233,47 +421,64 @@ impl NormOps for CudaBackend {
         dx: ViewMut<'_>,
         dgamma: ViewMut<'_>,
     ) -> Result<()> {
-        const OP: &str = "rmsnorm backward";
-        let (x, g) = (self.dev_in(OP, "x", x)?, self.dev_in(OP, "gamma", gamma)?);
-        let (rstd, dy) = (self.dev_in(OP, "rstd", rstd)?, self.dev_in(OP, "dy", dy)?);
-        let (dx, dg) = (
-            self.dev_out(OP, "dx", dx)?,
-            self.dev_out(OP, "dgamma", dgamma)?,
-        );
-        let d = g.len();
-        let rows = rows_of(OP, x.len(), d)?;
-        expect_len(OP, "dy", dy.len(), x.len())?;
-        expect_len(OP, "dx", dx.len(), x.len())?;
-        expect_len(OP, "rstd", rstd.len(), rows)?;
-        expect_len(OP, "dgamma", dg.len(), d)?;
-        expect_dtype(
-            OP,
-            x.dtype(),
-            &[("gamma", g.dtype()), ("dy", dy.dtype()), ("dx", dx.dtype())],
-        )?;
-        expect_dtype(
-            OP,
-            DType::F32,
-            &[("rstd", rstd.dtype()), ("dgamma", dg.dtype())],
-        )?;
-        if rows == 0 {
-            return Ok(());
-        }
-        let chunks = rows.div_ceil(ROWS_PER_CHUNK);
-        let partial = self.dev.alloc(chunks * d * 4)?;
-        let mut args = Args::new()
-            .ptr(x.ptr())
-            .ptr(g.ptr())
-            .ptr(rstd.ptr())
-            .ptr(dy.ptr())
-            .ptr(dx.ptr())
-            .ptr(partial.ptr())
-            .len(rows)
-            .i32(d as i32)
-            .i32(ROWS_PER_CHUNK as i32);
-        let cfg = LaunchConfig::linear(chunks.clamp(1, i32::MAX as usize) as u32, BLOCK);
-        self.dev
-            .launch(by_dtype!("rmsnorm_backward", x.dtype()), cfg, &mut args)?;
-        self.finalize_dparams(partial.ptr(), chunks, d, dg.ptr(), DevPtr::NULL)
+        self.rmsnorm_bwd("rmsnorm backward", x, gamma, rstd, (dy, None), dx, dgamma)
+    }
+
+    fn residual_layernorm_forward(
+        &self,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        gamma: View<'_>,
+        beta: View<'_>,
+        eps: f32,
+        sum: ViewMut<'_>,
+        y: ViewMut<'_>,
+        (mean, rstd): (ViewMut<'_>, ViewMut<'_>),
+    ) -> Result<()> {
+        let (op, input) = ("residual layernorm", (x, residual, Some(sum)));
+        self.layernorm_fwd(op, input, gamma, beta, eps, y, mean, rstd)
+    }
+
+    fn residual_rmsnorm_forward(
+        &self,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        gamma: View<'_>,
+        eps: f32,
+        sum: ViewMut<'_>,
+        y: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()> {
+        let (op, input) = ("residual rmsnorm", (x, residual, Some(sum)));
+        self.rmsnorm_fwd(op, input, gamma, eps, y, rstd)
+    }
+
+    fn layernorm_backward_residual(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        stats: (View<'_>, View<'_>),
+        dy: View<'_>,
+        dresidual: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+        dbeta: ViewMut<'_>,
+    ) -> Result<()> {
+        let (op, dys) = ("layernorm backward", (dy, Some(dresidual)));
+        self.layernorm_bwd(op, x, gamma, stats, dys, dx, dgamma, dbeta)
+    }
+
+    fn rmsnorm_backward_residual(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        rstd: View<'_>,
+        dy: View<'_>,
+        dresidual: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()> {
+        let dys = (dy, Some(dresidual));
+        self.rmsnorm_bwd("rmsnorm backward", x, gamma, rstd, dys, dx, dgamma)
     }
 }

@@ -130,16 +130,18 @@ impl Module for Block {
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("gpt2 block", input, b * t, c)?;
         let eps = self.cfg.layer_norm_epsilon;
-        let x = be.copy(input.view())?;
-        let (mut mean1, mut rstd1, mut ln1) = (stats(be, n)?, stats(be, n)?, act(be, n * c)?);
-        be.layernorm_forward(
-            x.view(),
+        // The norm keeps its own copy of the input (the caller reuses the input's buffer).
+        let (mut x, mut ln1) = (act(be, n * c)?, act(be, n * c)?);
+        let (mut mean1, mut rstd1) = (stats(be, n)?, stats(be, n)?);
+        be.residual_layernorm_forward(
+            input.view(),
+            None,
             p.get(0),
             p.get(1),
             eps,
+            x.view_mut(),
             ln1.view_mut(),
-            mean1.view_mut(),
-            rstd1.view_mut(),
+            (mean1.view_mut(), rstd1.view_mut()),
         )?;
         let mut qkv = act(be, n * 3 * c)?;
         self.lin(c, 3 * c)
@@ -153,21 +155,24 @@ impl Module for Block {
             (qkv.view(), vv),
             att.view_mut(),
         )?;
-        let mut x2 = act(be, n * c)?;
+        let mut proj = act(be, n * c)?;
         self.lin(c, c)
-            .forward(be, att.view(), p.get(4), Some(p.get(5)), x2.view_mut())?;
-        self.drop(be, ctx.rng_seed, SITE_ATTN, x2.view_mut())?;
-        be.add_assign(x2.view_mut(), x.view())?;
-        let (mut mean2, mut rstd2, mut ln2) = (stats(be, n)?, stats(be, n)?, act(be, n * c)?);
-        be.layernorm_forward(
-            x2.view(),
+            .forward(be, att.view(), p.get(4), Some(p.get(5)), proj.view_mut())?;
+        self.drop(be, ctx.rng_seed, SITE_ATTN, proj.view_mut())?;
+        // x2 = x + proj and its LayerNorm in one pass over the residual stream.
+        let (mut x2, mut ln2) = (act(be, n * c)?, act(be, n * c)?);
+        let (mut mean2, mut rstd2) = (stats(be, n)?, stats(be, n)?);
+        be.residual_layernorm_forward(
+            proj.view(),
+            Some(x.view()),
             p.get(6),
             p.get(7),
             eps,
+            x2.view_mut(),
             ln2.view_mut(),
-            mean2.view_mut(),
-            rstd2.view_mut(),
+            (mean2.view_mut(), rstd2.view_mut()),
         )?;
+        be.recycle(proj);
         let (mut h, mut g) = (act(be, n * 4 * c)?, act(be, n * 4 * c)?);
         self.lin(c, 4 * c).forward_gelu(
             be,
@@ -239,19 +244,19 @@ impl Module for Block {
         )?;
         fc1.backward_params(be, s.ln2.view(), dh.view(), gr.get_mut(8), None)?;
         be.recycle(dh);
+        // The residual stream's gradient: through ln_2, plus the output's around it.
         let mut dx2 = act(be, n * c)?;
         let (g6, g7) = gr.pair_mut(6, 7);
-        be.layernorm_backward(
+        be.layernorm_backward_residual(
             s.x2.view(),
             p.get(6),
-            s.mean2.view(),
-            s.rstd2.view(),
+            (s.mean2.view(), s.rstd2.view()),
             dln2.view(),
+            grad_output.view(),
             dx2.view_mut(),
             g6,
             g7,
         )?;
-        be.add_assign(dx2.view_mut(), grad_output.view())?;
         // Attention branch.
         let da_copy = self.drop_grad(be, ctx.rng_seed, SITE_ATTN, dx2.view())?;
         let da = da_copy.as_ref().map_or(dx2.view(), Storage::view);
@@ -288,17 +293,16 @@ impl Module for Block {
         qkv_lin.backward_params(be, s.ln1.view(), dqkv.view(), dw, Some(db))?;
         let mut dx = datt;
         let (g0, g1) = gr.pair_mut(0, 1);
-        be.layernorm_backward(
+        be.layernorm_backward_residual(
             s.x.view(),
             p.get(0),
-            s.mean1.view(),
-            s.rstd1.view(),
+            (s.mean1.view(), s.rstd1.view()),
             dln1.view(),
+            dx2.view(),
             dx.view_mut(),
             g0,
             g1,
         )?;
-        be.add_assign(dx.view_mut(), dx2.view())?;
         for dead in [dx2, dqkv, dln1] {
             be.recycle(dead);
         }
