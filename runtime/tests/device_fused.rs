@@ -8,7 +8,9 @@
 mod device_common;
 
 use device_common::{assert_close, cpu, get, rand, Dev};
-use ferrozero_runtime::backend::{AttentionShape, Rope, Rotation};
+use ferrozero_runtime::backend::{
+    AttentionShape, Epilogue, MatmulShape, Rope, Rotation, Transpose,
+};
 use ferrozero_runtime::tensor::Storage;
 
 /// Widths: vectorised rows (40) and element-by-element ones (7).
@@ -367,3 +369,78 @@ fn rope_queries_and_keys(d: &Dev) {
     }
 }
 test_device!(rope_queries_and_keys);
+
+/// A product written over a residual (`Epilogue::Residual`), with and without a bias: on the
+/// CPU the bits of the steps the layers took before (the biased product then `add_assign`; a
+/// copy of the residual then the accumulating product), on every device close to them; a
+/// residual of the wrong length is refused by name.
+fn product_over_residual(d: &Dev) {
+    let (m, k, n) = (9, 24, 16);
+    let s = MatmulShape {
+        m,
+        n,
+        k,
+        ta: Transpose::No,
+        tb: Transpose::Yes,
+    };
+    let (a, w, r, b) = (
+        d.round(&rand(m * k, 61)),
+        d.round(&rand(n * k, 62)),
+        d.round(&rand(m * n, 63)),
+        d.round(&rand(n, 64)),
+    );
+    let (da, dw, dr, db) = (d.put(&a), d.put(&w), d.put(&r), d.put(&b));
+    let c = cpu();
+    let (ca, cw, cr, cb) = (c.put(&a), c.put(&w), c.put(&r), c.put(&b));
+    for bias in [false, true] {
+        let what = format!("{} product over residual, bias {bias}", d.name);
+        let mut y = d.zeros(m * n);
+        let epilogue = Epilogue::Residual {
+            residual: dr.view(),
+            bias: bias.then(|| db.view()),
+        };
+        d.be.matmul(s, da.view(), dw.view(), y.view_mut(), epilogue)
+            .unwrap();
+        // The CPU's former steps.
+        let mut want = if bias {
+            let mut want = c.zeros(m * n);
+            c.be.matmul(
+                s,
+                ca.view(),
+                cw.view(),
+                want.view_mut(),
+                Epilogue::Bias(cb.view()),
+            )
+            .unwrap();
+            c.be.add_assign(want.view_mut(), cr.view()).unwrap();
+            want
+        } else {
+            c.be.copy(cr.view()).unwrap()
+        };
+        if !bias {
+            c.be.matmul(
+                s,
+                ca.view(),
+                cw.view(),
+                want.view_mut(),
+                Epilogue::Accumulate,
+            )
+            .unwrap();
+        }
+        if d.name == "cpu" {
+            assert_bits(&what, &y, &want);
+        }
+        assert_close(&what, &get(&y), &get(&want), d.tol());
+    }
+    let (short, mut y) = (d.zeros(m * n - 1), d.zeros(m * n));
+    let epilogue = Epilogue::Residual {
+        residual: short.view(),
+        bias: None,
+    };
+    let err =
+        d.be.matmul(s, da.view(), dw.view(), y.view_mut(), epilogue)
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("residual"), "{}: {err}", d.name);
+}
+test_device!(product_over_residual);

@@ -112,6 +112,17 @@ pub enum Epilogue<'a> {
         /// The bias gradient (f32, length `m` for A, `n` for B), accumulated.
         bias_grad: ViewMut<'a>,
     },
+    /// `C = residual + A·B (+ bias)`, overwritten: a projection written over the residual
+    /// stream it adds to, in one product on a device (cuBLASLt reads the residual as its C
+    /// with beta = 1 and writes D, the bias in its epilogue). On the CPU exactly the steps
+    /// layers took before: with a bias, the biased product then `add_assign` of the residual;
+    /// without, a copy of the residual then the accumulating product.
+    Residual {
+        /// The residual stream, `[m, n]` like `C` and of its dtype.
+        residual: View<'a>,
+        /// The bias, length `n`.
+        bias: Option<View<'a>>,
+    },
     /// `C = (A·B) ⊙ gelu_tanh'(pre)` and `bias_grad += Σ_rows C`: the gradient through the
     /// next layer and the GELU that [`Epilogue::BiasGelu`] applied, with the gradient of the
     /// bias that produced `pre`, in one product.

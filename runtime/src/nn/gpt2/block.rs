@@ -71,6 +71,38 @@ impl Block {
         be.dropout(rng::derive(seed, site), self.cfg.resid_pdrop, x)
     }
 
+    /// Whether the residual branches apply dropout: between the projection and the residual
+    /// add, where it keeps the product from adding the residual itself.
+    fn dropout(&self) -> bool {
+        self.cfg.resid_pdrop > 0.0
+    }
+
+    /// `x2 = x + c_proj(att)` (written by the product, or with dropout between them by the
+    /// norm) and `ln_2(x2)`.
+    fn attn_residual_ln2(
+        &self,
+        ctx: &Ctx<'_>,
+        p: &Params<'_>,
+        (att, x): (View<'_>, View<'_>),
+        mut x2: ViewMut<'_>,
+        (ln2, mean2, rstd2): (ViewMut<'_>, ViewMut<'_>, ViewMut<'_>),
+    ) -> Result<()> {
+        let (c, be, eps) = (self.cfg.n_embd, ctx.be, self.cfg.layer_norm_epsilon);
+        let (proj, w) = (self.lin(c, c), (p.get(4), Some(p.get(5))));
+        let (gamma, beta) = (p.get(6), p.get(7));
+        if !self.dropout() {
+            proj.forward_residual(be, att, w, x, x2.reborrow())?;
+            return be.layernorm_forward(x2.as_view(), gamma, beta, eps, ln2, mean2, rstd2);
+        }
+        let mut y = act(be, x.len())?;
+        proj.forward(be, att, w.0, w.1, y.view_mut())?;
+        self.drop(be, ctx.rng_seed, SITE_ATTN, y.view_mut())?;
+        let stats = (mean2, rstd2);
+        be.residual_layernorm_forward(y.view(), Some(x), gamma, beta, eps, x2, ln2, stats)?;
+        be.recycle(y);
+        Ok(())
+    }
+
     /// The gradient through a residual branch's dropout: a masked copy of `g`, or `None`
     /// when dropout is off and the branch sees `g` itself (no copy to make).
     fn drop_grad(
@@ -155,24 +187,10 @@ impl Module for Block {
             (qkv.view(), vv),
             att.view_mut(),
         )?;
-        let mut proj = act(be, n * c)?;
-        self.lin(c, c)
-            .forward(be, att.view(), p.get(4), Some(p.get(5)), proj.view_mut())?;
-        self.drop(be, ctx.rng_seed, SITE_ATTN, proj.view_mut())?;
-        // x2 = x + proj and its LayerNorm in one pass over the residual stream.
         let (mut x2, mut ln2) = (act(be, n * c)?, act(be, n * c)?);
         let (mut mean2, mut rstd2) = (stats(be, n)?, stats(be, n)?);
-        be.residual_layernorm_forward(
-            proj.view(),
-            Some(x.view()),
-            p.get(6),
-            p.get(7),
-            eps,
-            x2.view_mut(),
-            ln2.view_mut(),
-            (mean2.view_mut(), rstd2.view_mut()),
-        )?;
-        be.recycle(proj);
+        let ln2_out = (ln2.view_mut(), mean2.view_mut(), rstd2.view_mut());
+        self.attn_residual_ln2(ctx, p, (att.view(), x.view()), x2.view_mut(), ln2_out)?;
         let (mut h, mut g) = (act(be, n * 4 * c)?, act(be, n * 4 * c)?);
         self.lin(c, 4 * c).forward_gelu(
             be,
@@ -183,10 +201,14 @@ impl Module for Block {
             g.view_mut(),
         )?;
         let mut out = act(be, n * c)?;
-        self.lin(4 * c, c)
-            .forward(be, g.view(), p.get(10), Some(p.get(11)), out.view_mut())?;
-        self.drop(be, ctx.rng_seed, SITE_MLP, out.view_mut())?;
-        be.add_assign(out.view_mut(), x2.view())?;
+        let (fc2, w) = (self.lin(4 * c, c), (p.get(10), Some(p.get(11))));
+        if self.dropout() {
+            fc2.forward(be, g.view(), w.0, w.1, out.view_mut())?;
+            self.drop(be, ctx.rng_seed, SITE_MLP, out.view_mut())?;
+            be.add_assign(out.view_mut(), x2.view())?;
+        } else {
+            fc2.forward_residual(be, g.view(), w, x2.view(), out.view_mut())?;
+        }
         if ctx.training {
             let s = BlockSaved {
                 x,

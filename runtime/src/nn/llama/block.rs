@@ -189,8 +189,9 @@ impl Module for Block {
             (v.view(), view(kvw)),
             att.view_mut(),
         )?;
-        let mut x2 = be.copy(x.view())?;
-        Self::lin(qw, hd).forward_add(be, att.view(), p.get(WO), x2.view_mut())?;
+        let mut x2 = act(be, n * hd)?;
+        let wo = (p.get(WO), None);
+        Self::lin(qw, hd).forward_residual(be, att.view(), wo, x.view(), x2.view_mut())?;
         let (mut rstd2, mut n2) = (stats(be, n)?, act(be, n * hd)?);
         be.rmsnorm_forward(
             x2.view(),
@@ -204,8 +205,9 @@ impl Module for Block {
         Self::lin(hd, im).forward(be, n2.view(), p.get(WU), None, up.view_mut())?;
         let mut act_out = act(be, n * im)?;
         be.swiglu_forward(gate.view(), up.view(), act_out.view_mut())?;
-        let mut out = be.copy(x2.view())?;
-        Self::lin(im, hd).forward_add(be, act_out.view(), p.get(WD), out.view_mut())?;
+        let mut out = act(be, n * hd)?;
+        let wd = (p.get(WD), None);
+        Self::lin(im, hd).forward_residual(be, act_out.view(), wd, x2.view(), out.view_mut())?;
         if ctx.training {
             let s = BlockSaved {
                 x,

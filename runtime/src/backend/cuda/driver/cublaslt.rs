@@ -179,7 +179,7 @@ impl Blas {
         let e = |op: &'static str| move |err: lt::CublasError| blas_err(op, err, g);
         // SAFETY: descriptors, handle and workspace are live; every operand range was checked
         // against live allocations; alpha and beta are host f32 (the default pointer mode and
-        // the f32 scale type); D is C with C's layout.
+        // the f32 scale type); D is C, or out of place, with C's layout.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -192,7 +192,7 @@ impl Blas {
                 b_layout.0,
                 g.c.0 as *const c_void,
                 c_layout.0,
-                g.c.0 as *mut c_void,
+                g.d.unwrap_or(g.c).0 as *mut c_void,
                 c_layout.0,
                 &algo,
                 ws as *mut c_void,
@@ -442,7 +442,7 @@ impl GemmKey {
             align: [
                 alignment(g.a.0),
                 alignment(g.b.0),
-                alignment(g.c.0),
+                alignment(g.c.0).min(alignment(g.d.unwrap_or(g.c).0)),
                 d.bias.map_or(0, |p| alignment(p.0)),
                 d.aux.map_or(0, |(p, _)| alignment(p.0)),
             ],
