@@ -357,7 +357,8 @@ impl Module for Block {
             2 * m.act_bytes(nc) + m.act_bytes(3 * nc) + attn,
         ];
         Transients {
-            forward: 0,
+            // With residual dropout, c_proj's output waits for the norm that adds it to x.
+            forward: if self.dropout() { m.act_bytes(nc) } else { 0 },
             backward: backward.into_iter().max().unwrap_or(0),
         }
     }
