@@ -247,7 +247,8 @@ impl CudaBackend {
             Epilogue::Store | Epilogue::GeluBackwardBiasGrad { .. }
         ) {
             return Err(crate::Error::Invalid(format!(
-                "{OP}: a bias epilogue over an empty contraction (k = 0) is not supported on CUDA"
+                "{OP}: an epilogue adding a bias or a residual over an empty contraction (k = 0) is \
+                 not supported on CUDA"
             )));
         }
         let n = c.len();
