@@ -540,6 +540,57 @@ fn gemm_weight_grad_bias_grads_into_f32(d: &Arc<dyn Driver>) {
     }
 }
 
+/// Out of place (`Gemm::d`): D = A·B + beta·C + bias with C only read, as cuBLASLt's separate
+/// C and D pointers; a D overlapping C is refused.
+fn gemm_out_of_place_reads_c_writes_d(d: &Arc<dyn Driver>) {
+    let t = DType::F32;
+    let (m, n, k) = (4usize, 3usize, 5usize);
+    // Small integers: every sum is exact, whatever the order.
+    let a: Vec<f32> = (0..m * k).map(|i| (i % 5) as f32 - 2.0).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| (i % 3) as f32 - 1.0).collect();
+    let c: Vec<f32> = (0..m * n).map(|i| i as f32).collect();
+    let bias = [1.0f32, -2.0, 3.0, 0.5];
+    let (ap, bp, cp) = (upload(d, &a, t), upload(d, &b, t), upload(d, &c, t));
+    let (biasp, dp) = (upload(d, &bias, t), upload(d, &vec![7.0; m * n], t));
+    let mut g = Gemm::new(
+        Op::N,
+        Op::N,
+        m as u64,
+        n as u64,
+        k as u64,
+        ap,
+        m as u64,
+        bp,
+        k as u64,
+        cp,
+        m as u64,
+        t,
+    );
+    (g.beta, g.d) = (1.0, Some(dp));
+    g.epilogue = Epilogue::Bias { bias: biasp };
+    d.gemm(&g, S).unwrap();
+    let got = download(d, dp, m * n, t);
+    for j in 0..n {
+        for i in 0..m {
+            let dot: f32 = (0..k).map(|l| a[i + l * m] * b[l + j * k]).sum();
+            let want = dot + c[i + j * m] + bias[i];
+            assert_eq!(got[i + j * m], want, "D[{i}, {j}]");
+        }
+    }
+    assert_eq!(download(d, cp, m * n, t), c, "C is only read");
+    let msg = invalid(d.gemm(
+        &Gemm {
+            d: Some(cp.offset(4)),
+            ..g
+        },
+        S,
+    ));
+    assert!(
+        msg.contains("output D") && msg.contains("overlaps C"),
+        "{msg}"
+    );
+}
+
 fn gemm_rejects_what_cublaslt_would(d: &Arc<dyn Driver>) {
     let t = DType::F32;
     let a = upload(d, &vec![1.0; 64], t);
@@ -757,8 +808,17 @@ fn emulated_gemm_rejects_what_cublaslt_would() {
 }
 
 #[test]
+fn emulated_gemm_out_of_place_reads_c_writes_d() {
+    gemm_out_of_place_reads_c_writes_d(&emu());
+}
+
+#[test]
 fn real_device_passes_the_gemm_checks() {
     on_real_device(&[
+        (
+            "gemm_out_of_place_reads_c_writes_d",
+            gemm_out_of_place_reads_c_writes_d,
+        ),
         (
             "gemm_reads_operands_through_cublaslt_layouts",
             gemm_reads_operands_through_cublaslt_layouts,

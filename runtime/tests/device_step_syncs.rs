@@ -34,20 +34,29 @@ const MAX_SYNCS_PER_STEP: u64 = 1;
 
 /// Kernel launches (GEMMs included) one GPT-2 block adds to a step of `GAS` micro-batches:
 /// its forward and backward per micro-batch and its share of the optimizer step, measured as
-/// the difference between a 2-block and a 1-block model. Per micro-batch 37:
-/// 12 GEMMs (q/k/v, projection, fc, fc2 forward, GELU fused in fc's epilogue; dX and dW of
-/// each backward), 4 attention (forward; dot, dQ, dK/dV backward), 4 LayerNorm (2 forward,
-/// 2 backward) + 2 of their dgamma/dbeta finalizes, 8 bias column sums (partial + finalize
-/// for 4 biases), 1 GELU backward, 5 residual and gradient adds, 1 cast of the block's f32
-/// micro-step gradient to bf16. Per step 2: its sum of squares (partial sums and their
-/// finalize). The optimizer reads the bf16 gradient as it is (no widening pass) and is one
-/// launch for the whole model ([`check_optimizer_launch`]), not one per block.
-const GPT2_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 37 + 2;
+/// the difference between a 2-block and a 1-block model. Per micro-batch 29:
+/// 12 GEMMs (q/k/v, projection, fc, fc2 forward, GELU fused in fc's epilogue and each
+/// residual add in its projection's, written out of place over the residual stream; dX and dW
+/// of each backward), 4 attention (forward; dot, dQ, dK/dV backward), 4 LayerNorm (ln_1
+/// forward also writing the block's copy of its input; ln_2 forward; 2 backward, each adding
+/// the residual gradient around it to its dx) + 2 of their dgamma/dbeta finalizes, 5 bias
+/// gradients (4 adds of cuBLASLt's BGRAD/DGELU_BGRAD scratch to the f32 gradient, 1 widening
+/// of the bf16 DGELU one), 2 of the engine's micro-step gradient (a cast to bf16, an add).
+/// Per step 2: its sum of squares (partial sums and their finalize). The optimizer reads the
+/// bf16 gradient as it is (no widening pass) and is one launch for the whole model
+/// ([`check_optimizer_launch`]), not one per block. (Before the residual fusions: 37 per
+/// micro-batch, 2 forward residual adds and 2 backward gradient adds more, and 2 copies;
+/// before the whole step on the device, 4 per step.)
+const GPT2_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 29 + 2;
 
-/// The same for one Llama block. Per micro-batch 41: 21 GEMMs (q, k, v, o, gate, up, down
-/// forward; dX and dW of each), 4 attention, 4 RMSNorm + 2 dgamma finalizes, 4 RoPE (q and k,
-/// forward and backward), 2 SwiGLU, 3 adds, 1 gradient cast. Per step 2, as GPT-2's.
-const LLAMA_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 41 + 2;
+/// The same for one Llama block. Per micro-batch 37: 21 GEMMs (q, k, v, o, gate, up, down
+/// forward, o and down writing residual + product out of place; dX and dW of each), 4
+/// attention, 4 RMSNorm (input_layernorm forward also writing the block's copy of its input;
+/// both backward adding the residual gradient) + 2 dgamma finalizes, 2 RoPE (q and k in one
+/// launch, forward and backward), 2 SwiGLU (gate and up read by one kernel each way), 2 of the
+/// engine's micro-step gradient (a cast, an add). Per step 2, as GPT-2's. (Before: 41, with 2
+/// gradient adds and 2 RoPE launches more.)
+const LLAMA_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 37 + 2;
 
 /// Optimizer launches of a step: one multi-tensor AdamW over every group (at one rank and at
 /// several).

@@ -12,8 +12,10 @@ const FAMILIES: &[&str] = &[
     "attention.rs",
     "elementwise.rs",
     "matmul.rs",
-    "norm.rs",
+    "norm/mod.rs",
+    "norm/launch.rs",
     "optim.rs",
+    "rope.rs",
     "token.rs",
 ];
 

@@ -112,6 +112,17 @@ pub enum Epilogue<'a> {
         /// The bias gradient (f32, length `m` for A, `n` for B), accumulated.
         bias_grad: ViewMut<'a>,
     },
+    /// `C = residual + A·B (+ bias)`, overwritten: a projection written over the residual
+    /// stream it adds to, in one product on a device (cuBLASLt reads the residual as its C
+    /// with beta = 1 and writes D, the bias in its epilogue). On the CPU exactly the steps
+    /// layers took before: with a bias, the biased product then `add_assign` of the residual;
+    /// without, a copy of the residual then the accumulating product.
+    Residual {
+        /// The residual stream, `[m, n]` like `C` and of its dtype.
+        residual: View<'a>,
+        /// The bias, length `n`.
+        bias: Option<View<'a>>,
+    },
     /// `C = (A·B) ⊙ gelu_tanh'(pre)` and `bias_grad += Σ_rows C`: the gradient through the
     /// next layer and the GELU that [`Epilogue::BiasGelu`] applied, with the gradient of the
     /// bias that produced `pre`, in one product.
@@ -427,6 +438,65 @@ pub trait NormOps {
         dx: ViewMut<'_>,
         dgamma: ViewMut<'_>,
     ) -> Result<()>;
+    /// A residual connection and the LayerNorm after it in one pass over the residual stream
+    /// (llm.c's `fused_residual_forward`): `sum = x + residual` (a copy of `x` when `residual`
+    /// is `None`), then [`NormOps::layernorm_forward`] of `sum`. `sum`, `y`, `mean` and `rstd`
+    /// are overwritten. Computed as `add_assign` then `layernorm_forward` would (a device rounds
+    /// `sum` to the activation dtype before normalising it), so fusing changes no bit.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_layernorm_forward(
+        &self,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        gamma: View<'_>,
+        beta: View<'_>,
+        eps: f32,
+        sum: ViewMut<'_>,
+        y: ViewMut<'_>,
+        stats: (ViewMut<'_>, ViewMut<'_>),
+    ) -> Result<()>;
+    /// [`NormOps::residual_layernorm_forward`] for RMSNorm: `sum = x (+ residual)`, then
+    /// [`NormOps::rmsnorm_forward`] of `sum`; `sum`, `y` and `rstd` overwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_rmsnorm_forward(
+        &self,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        gamma: View<'_>,
+        eps: f32,
+        sum: ViewMut<'_>,
+        y: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()>;
+    /// [`NormOps::layernorm_backward`] whose input gradient also receives the gradient that
+    /// reached the same residual stream around the norm: `dx = LN's dx + dresidual`
+    /// (overwritten; on a device LN's dx is rounded to the activation dtype before the add, as
+    /// the separate `add_assign` would see it), `dgamma`/`dbeta` accumulated.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward_residual(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        stats: (View<'_>, View<'_>),
+        dy: View<'_>,
+        dresidual: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+        dbeta: ViewMut<'_>,
+    ) -> Result<()>;
+    /// [`NormOps::rmsnorm_backward`] with `dx = RMSNorm's dx + dresidual`, as
+    /// [`NormOps::layernorm_backward_residual`].
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward_residual(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        rstd: View<'_>,
+        dy: View<'_>,
+        dresidual: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()>;
 }
 
 /// Layout of an attention call: `batch` rows of `seq` tokens; query head `h` reads key/value
@@ -539,6 +609,17 @@ pub trait AttentionOps {
         seq: usize,
         heads: usize,
         head_dim: usize,
+        rope: &Rope,
+        direction: Rotation,
+    ) -> Result<()>;
+    /// [`AttentionOps::rope`] on the queries and the keys of one attention call at once (one
+    /// launch on a device): `q` holds `shape.q_heads` heads per row, `k` `shape.kv_heads`; the
+    /// same arithmetic as two `rope` calls, so the bits are theirs.
+    fn rope_qk(
+        &self,
+        q: ViewMut<'_>,
+        k: ViewMut<'_>,
+        shape: AttentionShape,
         rope: &Rope,
         direction: Rotation,
     ) -> Result<()>;

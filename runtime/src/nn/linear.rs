@@ -80,6 +80,20 @@ impl Linear {
         be.matmul(self.forward_shape(x.len()), x, w, y, Epilogue::Accumulate)
     }
 
+    /// `y = residual + x · W (+ bias)`: a residual connection written by the product itself
+    /// (no copy of the residual stream first, no separate add on a device).
+    pub fn forward_residual(
+        &self,
+        be: &dyn Backend,
+        x: View<'_>,
+        (w, bias): (View<'_>, Option<View<'_>>),
+        residual: View<'_>,
+        y: ViewMut<'_>,
+    ) -> Result<()> {
+        let epilogue = Epilogue::Residual { residual, bias };
+        be.matmul(self.forward_shape(x.len()), x, w, y, epilogue)
+    }
+
     /// `dx (=|+=) dy · Wᵀ` (in the layout's terms).
     pub fn backward_input(
         &self,

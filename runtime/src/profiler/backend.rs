@@ -212,6 +212,68 @@ impl NormOps for ProfilingBackend {
             self.inner.rmsnorm_backward(x, gamma, rstd, dy, dx, dgamma)
         })
     }
+    fn residual_layernorm_forward(
+        &self,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        gamma: View<'_>,
+        beta: View<'_>,
+        eps: f32,
+        sum: ViewMut<'_>,
+        y: ViewMut<'_>,
+        stats: (ViewMut<'_>, ViewMut<'_>),
+    ) -> Result<()> {
+        self.timed(Family::Norm, 0, || {
+            self.inner
+                .residual_layernorm_forward(x, residual, gamma, beta, eps, sum, y, stats)
+        })
+    }
+    fn residual_rmsnorm_forward(
+        &self,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        gamma: View<'_>,
+        eps: f32,
+        sum: ViewMut<'_>,
+        y: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()> {
+        self.timed(Family::Norm, 0, || {
+            self.inner
+                .residual_rmsnorm_forward(x, residual, gamma, eps, sum, y, rstd)
+        })
+    }
+    fn layernorm_backward_residual(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        stats: (View<'_>, View<'_>),
+        dy: View<'_>,
+        dresidual: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+        dbeta: ViewMut<'_>,
+    ) -> Result<()> {
+        self.timed(Family::Norm, 0, || {
+            self.inner
+                .layernorm_backward_residual(x, gamma, stats, dy, dresidual, dx, dgamma, dbeta)
+        })
+    }
+    fn rmsnorm_backward_residual(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        rstd: View<'_>,
+        dy: View<'_>,
+        dresidual: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()> {
+        self.timed(Family::Norm, 0, || {
+            self.inner
+                .rmsnorm_backward_residual(x, gamma, rstd, dy, dresidual, dx, dgamma)
+        })
+    }
 }
 
 impl AttentionOps for ProfilingBackend {
@@ -256,6 +318,18 @@ impl AttentionOps for ProfilingBackend {
         self.timed(Family::Attention, 0, || {
             self.inner
                 .rope(x, batch, seq, heads, head_dim, rope, direction)
+        })
+    }
+    fn rope_qk(
+        &self,
+        q: ViewMut<'_>,
+        k: ViewMut<'_>,
+        shape: AttentionShape,
+        rope: &Rope,
+        direction: Rotation,
+    ) -> Result<()> {
+        self.timed(Family::Attention, 0, || {
+            self.inner.rope_qk(q, k, shape, rope, direction)
         })
     }
 }

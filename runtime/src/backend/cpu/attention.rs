@@ -357,4 +357,26 @@ impl AttentionOps for CpuBackend {
         super::rope::apply(x, batch, seq, heads, head_dim, rope, dir);
         Ok(())
     }
+
+    fn rope_qk(
+        &self,
+        q: ViewMut<'_>,
+        k: ViewMut<'_>,
+        s: AttentionShape,
+        rope: &Rope,
+        dir: Rotation,
+    ) -> Result<()> {
+        let (b, t, d) = (s.batch, s.seq, s.head_dim);
+        for (what, len, heads) in [("q", q.len(), s.q_heads), ("k", k.len(), s.kv_heads)] {
+            if len != b * t * heads * d {
+                return Err(Error::Shape {
+                    op: "rope",
+                    expected: format!("{what}: {b}x{t} rows of {heads} heads of {d}"),
+                    got: format!("{len} elements"),
+                });
+            }
+        }
+        self.rope(q, b, t, s.q_heads, d, rope, dir)?;
+        self.rope(k, b, t, s.kv_heads, d, rope, dir)
+    }
 }

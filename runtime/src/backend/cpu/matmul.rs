@@ -247,6 +247,22 @@ impl MatmulOps for CpuBackend {
             Epilogue::GeluBackwardBiasGrad { pre, bias_grad } => {
                 self.gelu_backward_bias_grad(s, &a, &b, c, pre, bias_grad)
             }
+            Epilogue::Residual { residual, bias } => {
+                check_len("C", c.len(), s.m * s.n)?;
+                check_len("residual", residual.len(), s.m * s.n)?;
+                use crate::backend::ElementwiseOps;
+                match bias {
+                    Some(bias) => {
+                        self.broadcast_bias(bias, c, s.n)?;
+                        self.matmul_host(s, &a, &b, c, Accumulate::Add)?;
+                        self.add_assign(ViewMut::from(c), residual)
+                    }
+                    None => {
+                        c.copy_from_slice(super::f32_in("matmul", "residual", residual)?);
+                        self.matmul_host(s, &a, &b, c, Accumulate::Add)
+                    }
+                }
+            }
         }
     }
 }

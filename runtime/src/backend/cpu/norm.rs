@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use super::simd::simd_kernel;
 use super::{expect_len, f32_in, f32_out, CpuBackend};
-use crate::backend::NormOps;
+use crate::backend::{ElementwiseOps, NormOps};
 use crate::tensor::{View, ViewMut};
 use crate::{Error, Result};
 
@@ -324,6 +324,89 @@ impl NormOps for CpuBackend {
         expect_len(OP, "dgamma", dgamma.len(), gamma.len())?;
         self.rmsnorm_backward_host(x, gamma, rstd, dy, dx, dgamma);
         Ok(())
+    }
+
+    fn residual_layernorm_forward(
+        &self,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        gamma: View<'_>,
+        beta: View<'_>,
+        eps: f32,
+        sum: ViewMut<'_>,
+        y: ViewMut<'_>,
+        (mean, rstd): (ViewMut<'_>, ViewMut<'_>),
+    ) -> Result<()> {
+        let sum = self.residual_sum("residual layernorm", x, residual, sum)?;
+        self.layernorm_forward(View::from(&*sum), gamma, beta, eps, y, mean, rstd)
+    }
+
+    fn residual_rmsnorm_forward(
+        &self,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        gamma: View<'_>,
+        eps: f32,
+        sum: ViewMut<'_>,
+        y: ViewMut<'_>,
+        rstd: ViewMut<'_>,
+    ) -> Result<()> {
+        let sum = self.residual_sum("residual rmsnorm", x, residual, sum)?;
+        self.rmsnorm_forward(View::from(&*sum), gamma, eps, y, rstd)
+    }
+
+    fn layernorm_backward_residual(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        (mean, rstd): (View<'_>, View<'_>),
+        dy: View<'_>,
+        dresidual: View<'_>,
+        mut dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+        dbeta: ViewMut<'_>,
+    ) -> Result<()> {
+        expect_len("layernorm backward", "dresidual", dresidual.len(), dx.len())?;
+        self.layernorm_backward(x, gamma, mean, rstd, dy, dx.reborrow(), dgamma, dbeta)?;
+        self.add_assign(dx, dresidual)
+    }
+
+    fn rmsnorm_backward_residual(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        rstd: View<'_>,
+        dy: View<'_>,
+        dresidual: View<'_>,
+        mut dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()> {
+        expect_len("rmsnorm backward", "dresidual", dresidual.len(), dx.len())?;
+        self.rmsnorm_backward(x, gamma, rstd, dy, dx.reborrow(), dgamma)?;
+        self.add_assign(dx, dresidual)
+    }
+}
+
+impl CpuBackend {
+    /// `sum = x (+ residual)`: a copy, then the residual added as `add_assign` adds it, so
+    /// the fused norms compute exactly the add and the norm they replace.
+    fn residual_sum<'a>(
+        &self,
+        op: &'static str,
+        x: View<'_>,
+        residual: Option<View<'_>>,
+        sum: ViewMut<'a>,
+    ) -> Result<&'a mut [f32]> {
+        let (x, sum) = (f32_in(op, "x", x)?, f32_out(op, "sum", sum)?);
+        expect_len(op, "sum", sum.len(), x.len())?;
+        if let Some(r) = &residual {
+            expect_len(op, "residual", r.len(), x.len())?;
+        }
+        sum.copy_from_slice(x);
+        if let Some(r) = residual {
+            self.add_assign(ViewMut::from(&mut *sum), r)?;
+        }
+        Ok(sum)
     }
 }
 

@@ -1,5 +1,5 @@
-//! Rotary embeddings (`rope.cu`, the table built once per shape on the host exactly as the CPU
-//! builds it) and causal flash attention (`attention.cu`).
+//! Causal flash attention (`attention.cu`); the rotary embeddings' trait methods, launched by
+//! `rope.rs`.
 //!
 //! Attention forward writes O and keeps one log-sum-exp per query row (f32 `[batch][q_heads]
 //! [seq]`, the saved state) instead of the CPU's probabilities. Backward runs three kernels:
@@ -17,15 +17,6 @@ use super::storage::{by_dtype, CudaBuf};
 use crate::backend::{AttentionGrads, AttentionOps, AttentionShape, Rope, Rotation, RowView};
 use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::{Error, Result};
-
-/// The `[seq][head_dim / 2][2]` cos/sin table for `+θ`: [`Rope::angles`], the table
-/// `backend/cpu/rope.rs` rotates by, flattened.
-fn rope_table(seq: usize, head_dim: usize, rope: &Rope) -> Vec<f32> {
-    rope.angles(seq, head_dim)
-        .into_iter()
-        .flat_map(|(c, s)| [c, s])
-        .collect()
-}
 
 /// Head dims the kernels are compiled for (their `_dDP` infix); a call runs the smallest one
 /// that holds its head dim, zero-padded.
@@ -504,38 +495,19 @@ impl AttentionOps for CudaBackend {
         rope: &Rope,
         dir: Rotation,
     ) -> Result<()> {
-        let x = self.dev_out("rope", "x", x)?;
-        if !head_dim.is_multiple_of(2) || x.len() != batch * seq * heads * head_dim {
-            return Err(Error::Shape {
-                op: "rope",
-                expected: format!(
-                    "{batch}x{seq} rows of {heads} heads of an even head_dim {head_dim}"
-                ),
-                got: format!("{} elements", x.len()),
-            });
-        }
-        let rows = batch * seq;
-        if rows == 0 {
-            return Ok(());
-        }
-        let table = self.dev.rope_table((seq, head_dim, rope.key()), || {
-            rope_table(seq, head_dim, rope)
-        })?;
-        let mut args = Args::new()
-            .ptr(x.ptr())
-            .ptr(table.ptr())
-            .len(rows)
-            .i32(seq as i32)
-            .i32(heads as i32)
-            .i32(head_dim as i32)
-            .i32(i32::from(dir == Rotation::Inverse));
-        let rows_per_block = (BLOCK / 32) as usize;
-        let cfg = LaunchConfig {
-            grid: [rows.div_ceil(rows_per_block).clamp(1, 65535) as u32, 1, 1],
-            block: [32, rows_per_block as u32, 1],
-            dyn_smem: 0,
-        };
-        self.dev
-            .launch(by_dtype!("rope", x.dtype()), cfg, &mut args)
+        let rows = (batch, seq, head_dim);
+        self.rope_launch((x, heads), None, rows, rope, dir)
+    }
+
+    fn rope_qk(
+        &self,
+        q: ViewMut<'_>,
+        k: ViewMut<'_>,
+        s: AttentionShape,
+        rope: &Rope,
+        dir: Rotation,
+    ) -> Result<()> {
+        let rows = (s.batch, s.seq, s.head_dim);
+        self.rope_launch((q, s.q_heads), Some((k, s.kv_heads)), rows, rope, dir)
     }
 }

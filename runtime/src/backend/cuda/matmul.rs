@@ -97,6 +97,19 @@ impl MatmulOps for CudaBackend {
             }
             Epilogue::Store => {}
             Epilogue::Accumulate => g.beta = 1.0,
+            Epilogue::Residual { residual, bias } => {
+                let r = self.dev_in(OP, "residual", residual)?;
+                expect_len(OP, "residual", r.len(), s.m * s.n)?;
+                expect_dtype(OP, c.dtype(), &[("residual", r.dtype())])?;
+                // Out of place: C is the residual (read with beta = 1), D the layer's output.
+                (g.c, g.d, g.beta) = (r.ptr(), Some(c.ptr()), 1.0);
+                if let Some(bias) = bias {
+                    let bias = self.dev_in(OP, "bias", bias)?;
+                    expect_len(OP, "bias", bias.len(), s.n)?;
+                    expect_dtype(OP, c.dtype(), &[("bias", bias.dtype())])?;
+                    g.epilogue = LtEpilogue::Bias { bias: bias.ptr() };
+                }
+            }
             Epilogue::Bias(bias) => {
                 let bias = self.dev_in(OP, "bias", bias)?;
                 expect_len(OP, "bias", bias.len(), s.n)?;
@@ -234,7 +247,8 @@ impl CudaBackend {
             Epilogue::Store | Epilogue::GeluBackwardBiasGrad { .. }
         ) {
             return Err(crate::Error::Invalid(format!(
-                "{OP}: a bias epilogue over an empty contraction (k = 0) is not supported on CUDA"
+                "{OP}: an epilogue adding a bias or a residual over an empty contraction (k = 0) is \
+                 not supported on CUDA"
             )));
         }
         let n = c.len();

@@ -36,6 +36,8 @@ pub(crate) mod peer;
 #[cfg(feature = "cuda")]
 mod pinned;
 #[cfg(feature = "cuda")]
+mod rope;
+#[cfg(feature = "cuda")]
 mod status;
 #[cfg(feature = "cuda")]
 mod storage;

@@ -71,6 +71,38 @@ impl Block {
         be.dropout(rng::derive(seed, site), self.cfg.resid_pdrop, x)
     }
 
+    /// Whether the residual branches apply dropout: between the projection and the residual
+    /// add, where it keeps the product from adding the residual itself.
+    fn dropout(&self) -> bool {
+        self.cfg.resid_pdrop > 0.0
+    }
+
+    /// `x2 = x + c_proj(att)` (written by the product, or with dropout between them by the
+    /// norm) and `ln_2(x2)`.
+    fn attn_residual_ln2(
+        &self,
+        ctx: &Ctx<'_>,
+        p: &Params<'_>,
+        (att, x): (View<'_>, View<'_>),
+        mut x2: ViewMut<'_>,
+        (ln2, mean2, rstd2): (ViewMut<'_>, ViewMut<'_>, ViewMut<'_>),
+    ) -> Result<()> {
+        let (c, be, eps) = (self.cfg.n_embd, ctx.be, self.cfg.layer_norm_epsilon);
+        let (proj, w) = (self.lin(c, c), (p.get(4), Some(p.get(5))));
+        let (gamma, beta) = (p.get(6), p.get(7));
+        if !self.dropout() {
+            proj.forward_residual(be, att, w, x, x2.reborrow())?;
+            return be.layernorm_forward(x2.as_view(), gamma, beta, eps, ln2, mean2, rstd2);
+        }
+        let mut y = act(be, x.len())?;
+        proj.forward(be, att, w.0, w.1, y.view_mut())?;
+        self.drop(be, ctx.rng_seed, SITE_ATTN, y.view_mut())?;
+        let stats = (mean2, rstd2);
+        be.residual_layernorm_forward(y.view(), Some(x), gamma, beta, eps, x2, ln2, stats)?;
+        be.recycle(y);
+        Ok(())
+    }
+
     /// The gradient through a residual branch's dropout: a masked copy of `g`, or `None`
     /// when dropout is off and the branch sees `g` itself (no copy to make).
     fn drop_grad(
@@ -130,16 +162,18 @@ impl Module for Block {
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("gpt2 block", input, b * t, c)?;
         let eps = self.cfg.layer_norm_epsilon;
-        let x = be.copy(input.view())?;
-        let (mut mean1, mut rstd1, mut ln1) = (stats(be, n)?, stats(be, n)?, act(be, n * c)?);
-        be.layernorm_forward(
-            x.view(),
+        // The norm keeps its own copy of the input (the caller reuses the input's buffer).
+        let (mut x, mut ln1) = (act(be, n * c)?, act(be, n * c)?);
+        let (mut mean1, mut rstd1) = (stats(be, n)?, stats(be, n)?);
+        be.residual_layernorm_forward(
+            input.view(),
+            None,
             p.get(0),
             p.get(1),
             eps,
+            x.view_mut(),
             ln1.view_mut(),
-            mean1.view_mut(),
-            rstd1.view_mut(),
+            (mean1.view_mut(), rstd1.view_mut()),
         )?;
         let mut qkv = act(be, n * 3 * c)?;
         self.lin(c, 3 * c)
@@ -153,21 +187,10 @@ impl Module for Block {
             (qkv.view(), vv),
             att.view_mut(),
         )?;
-        let mut x2 = act(be, n * c)?;
-        self.lin(c, c)
-            .forward(be, att.view(), p.get(4), Some(p.get(5)), x2.view_mut())?;
-        self.drop(be, ctx.rng_seed, SITE_ATTN, x2.view_mut())?;
-        be.add_assign(x2.view_mut(), x.view())?;
-        let (mut mean2, mut rstd2, mut ln2) = (stats(be, n)?, stats(be, n)?, act(be, n * c)?);
-        be.layernorm_forward(
-            x2.view(),
-            p.get(6),
-            p.get(7),
-            eps,
-            ln2.view_mut(),
-            mean2.view_mut(),
-            rstd2.view_mut(),
-        )?;
+        let (mut x2, mut ln2) = (act(be, n * c)?, act(be, n * c)?);
+        let (mut mean2, mut rstd2) = (stats(be, n)?, stats(be, n)?);
+        let ln2_out = (ln2.view_mut(), mean2.view_mut(), rstd2.view_mut());
+        self.attn_residual_ln2(ctx, p, (att.view(), x.view()), x2.view_mut(), ln2_out)?;
         let (mut h, mut g) = (act(be, n * 4 * c)?, act(be, n * 4 * c)?);
         self.lin(c, 4 * c).forward_gelu(
             be,
@@ -178,10 +201,14 @@ impl Module for Block {
             g.view_mut(),
         )?;
         let mut out = act(be, n * c)?;
-        self.lin(4 * c, c)
-            .forward(be, g.view(), p.get(10), Some(p.get(11)), out.view_mut())?;
-        self.drop(be, ctx.rng_seed, SITE_MLP, out.view_mut())?;
-        be.add_assign(out.view_mut(), x2.view())?;
+        let (fc2, w) = (self.lin(4 * c, c), (p.get(10), Some(p.get(11))));
+        if self.dropout() {
+            fc2.forward(be, g.view(), w.0, w.1, out.view_mut())?;
+            self.drop(be, ctx.rng_seed, SITE_MLP, out.view_mut())?;
+            be.add_assign(out.view_mut(), x2.view())?;
+        } else {
+            fc2.forward_residual(be, g.view(), w, x2.view(), out.view_mut())?;
+        }
         if ctx.training {
             let s = BlockSaved {
                 x,
@@ -239,19 +266,19 @@ impl Module for Block {
         )?;
         fc1.backward_params(be, s.ln2.view(), dh.view(), gr.get_mut(8), None)?;
         be.recycle(dh);
+        // The residual stream's gradient: through ln_2, plus the output's around it.
         let mut dx2 = act(be, n * c)?;
         let (g6, g7) = gr.pair_mut(6, 7);
-        be.layernorm_backward(
+        be.layernorm_backward_residual(
             s.x2.view(),
             p.get(6),
-            s.mean2.view(),
-            s.rstd2.view(),
+            (s.mean2.view(), s.rstd2.view()),
             dln2.view(),
+            grad_output.view(),
             dx2.view_mut(),
             g6,
             g7,
         )?;
-        be.add_assign(dx2.view_mut(), grad_output.view())?;
         // Attention branch.
         let da_copy = self.drop_grad(be, ctx.rng_seed, SITE_ATTN, dx2.view())?;
         let da = da_copy.as_ref().map_or(dx2.view(), Storage::view);
@@ -288,17 +315,16 @@ impl Module for Block {
         qkv_lin.backward_params(be, s.ln1.view(), dqkv.view(), dw, Some(db))?;
         let mut dx = datt;
         let (g0, g1) = gr.pair_mut(0, 1);
-        be.layernorm_backward(
+        be.layernorm_backward_residual(
             s.x.view(),
             p.get(0),
-            s.mean1.view(),
-            s.rstd1.view(),
+            (s.mean1.view(), s.rstd1.view()),
             dln1.view(),
+            dx2.view(),
             dx.view_mut(),
             g0,
             g1,
         )?;
-        be.add_assign(dx.view_mut(), dx2.view())?;
         for dead in [dx2, dqkv, dln1] {
             be.recycle(dead);
         }
@@ -331,7 +357,8 @@ impl Module for Block {
             2 * m.act_bytes(nc) + m.act_bytes(3 * nc) + attn,
         ];
         Transients {
-            forward: 0,
+            // With residual dropout, c_proj's output waits for the norm that adds it to x.
+            forward: if self.dropout() { m.act_bytes(nc) } else { 0 },
             backward: backward.into_iter().max().unwrap_or(0),
         }
     }

@@ -76,17 +76,16 @@ impl Block {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Rotates queries and keys (or their gradients, `Inverse`) in one call.
     fn rope(
         &self,
         be: &dyn Backend,
-        x: ViewMut<'_>,
-        heads: usize,
+        (q, k): (ViewMut<'_>, ViewMut<'_>),
         b: usize,
         t: usize,
         dir: Rotation,
     ) -> Result<()> {
-        be.rope(x, b, t, heads, self.cfg.head_dim(), &self.cfg.rope, dir)
+        be.rope_qk(q, k, self.attn_shape(b, t), &self.cfg.rope, dir)
     }
 
     /// `y = x · Wᵀ (+ b)` for projection `w` of q, k, v.
@@ -165,17 +164,23 @@ impl Module for Block {
         let (b, t) = (ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("llama block", input, b * t, hd)?;
         let (qw, kvw) = self.widths();
-        let (hq, hkv) = (self.cfg.num_attention_heads, self.cfg.kv_heads());
         let eps = self.cfg.rms_norm_eps;
-        let x = be.copy(input.view())?;
-        let (mut rstd1, mut n1) = (stats(be, n)?, act(be, n * hd)?);
-        be.rmsnorm_forward(x.view(), p.get(NORM1), eps, n1.view_mut(), rstd1.view_mut())?;
+        // The norm keeps its own copy of the input (the caller reuses the input's buffer).
+        let (mut x, mut rstd1, mut n1) = (act(be, n * hd)?, stats(be, n)?, act(be, n * hd)?);
+        be.residual_rmsnorm_forward(
+            input.view(),
+            None,
+            p.get(NORM1),
+            eps,
+            x.view_mut(),
+            n1.view_mut(),
+            rstd1.view_mut(),
+        )?;
         let (mut q, mut k, mut v) = (act(be, n * qw)?, act(be, n * kvw)?, act(be, n * kvw)?);
         self.project(be, p, WQ, n1.view(), q.view_mut())?;
         self.project(be, p, WK, n1.view(), k.view_mut())?;
         self.project(be, p, WV, n1.view(), v.view_mut())?;
-        self.rope(be, q.view_mut(), hq, b, t, Rotation::Forward)?;
-        self.rope(be, k.view_mut(), hkv, b, t, Rotation::Forward)?;
+        self.rope(be, (q.view_mut(), k.view_mut()), b, t, Rotation::Forward)?;
         let mut att = act(be, n * qw)?;
         let probs = be.attention_forward(
             self.attn_shape(b, t),
@@ -184,8 +189,9 @@ impl Module for Block {
             (v.view(), view(kvw)),
             att.view_mut(),
         )?;
-        let mut x2 = be.copy(x.view())?;
-        Self::lin(qw, hd).forward_add(be, att.view(), p.get(WO), x2.view_mut())?;
+        let mut x2 = act(be, n * hd)?;
+        let wo = (p.get(WO), None);
+        Self::lin(qw, hd).forward_residual(be, att.view(), wo, x.view(), x2.view_mut())?;
         let (mut rstd2, mut n2) = (stats(be, n)?, act(be, n * hd)?);
         be.rmsnorm_forward(
             x2.view(),
@@ -199,8 +205,9 @@ impl Module for Block {
         Self::lin(hd, im).forward(be, n2.view(), p.get(WU), None, up.view_mut())?;
         let mut act_out = act(be, n * im)?;
         be.swiglu_forward(gate.view(), up.view(), act_out.view_mut())?;
-        let mut out = be.copy(x2.view())?;
-        Self::lin(im, hd).forward_add(be, act_out.view(), p.get(WD), out.view_mut())?;
+        let mut out = act(be, n * hd)?;
+        let wd = (p.get(WD), None);
+        Self::lin(im, hd).forward_residual(be, act_out.view(), wd, x2.view(), out.view_mut())?;
         if ctx.training {
             let s = BlockSaved {
                 x,
@@ -237,7 +244,6 @@ impl Module for Block {
         let n = check_rows("llama block backward", grad_output, b * t, hd)?;
         crate::nn::check_same_batch(&self.prefix, s.x.len(), ctx.batch, hd)?;
         let (qw, kvw) = self.widths();
-        let (hq, hkv) = (self.cfg.num_attention_heads, self.cfg.kv_heads());
         let dout = grad_output.view();
         // MLP branch.
         let down = Self::lin(im, hd);
@@ -267,16 +273,17 @@ impl Module for Block {
         gu.backward_params(be, s.n2.view(), dup.view(), gr.get_mut(WU), None)?;
         be.recycle(dgate);
         be.recycle(dup);
+        // The residual stream's gradient: through the norm, plus the output's around it.
         let mut dx2 = act(be, n * hd)?;
-        be.rmsnorm_backward(
+        be.rmsnorm_backward_residual(
             s.x2.view(),
             p.get(NORM2),
             s.rstd2.view(),
             dn2.view(),
+            dout,
             dx2.view_mut(),
             gr.get_mut(NORM2),
         )?;
-        be.add_assign(dx2.view_mut(), dout)?;
         // Attention branch.
         let o = Self::lin(qw, hd);
         let mut datt = act(be, n * qw)?;
@@ -304,8 +311,7 @@ impl Module for Block {
             datt.view(),
             grads,
         )?;
-        self.rope(be, dq.view_mut(), hq, b, t, Rotation::Inverse)?;
-        self.rope(be, dk.view_mut(), hkv, b, t, Rotation::Inverse)?;
+        self.rope(be, (dq.view_mut(), dk.view_mut()), b, t, Rotation::Inverse)?;
         let mut dn1 = dn2;
         let (lq, lkv) = (Self::lin(hd, qw), Self::lin(hd, kvw));
         lq.backward_input(
@@ -321,15 +327,15 @@ impl Module for Block {
         self.project_grads(be, gr, WK, s.n1.view(), dk.view())?;
         self.project_grads(be, gr, WV, s.n1.view(), dv.view())?;
         let mut dx = act(be, n * hd)?;
-        be.rmsnorm_backward(
+        be.rmsnorm_backward_residual(
             s.x.view(),
             p.get(NORM1),
             s.rstd1.view(),
             dn1.view(),
+            dx2.view(),
             dx.view_mut(),
             gr.get_mut(NORM1),
         )?;
-        be.add_assign(dx.view_mut(), dx2.view())?;
         for dead in [dx2, datt, dq, dk, dv, dn1] {
             be.recycle(dead);
         }

@@ -170,7 +170,7 @@ impl Blas {
         let e = |op: &'static str| move |err: lt::CublasError| blas_err(op, err, g);
         // SAFETY: descriptors, handle and workspace are live; every operand range was checked
         // against live allocations; alpha and beta are host f32 (the default pointer mode and
-        // the f32 scale type); D is C with C's layout.
+        // the f32 scale type); D is C, or out of place, with C's layout.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -183,7 +183,7 @@ impl Blas {
                 b_layout.0,
                 g.c.0 as *const c_void,
                 c_layout.0,
-                g.c.0 as *mut c_void,
+                g.d.unwrap_or(g.c).0 as *mut c_void,
                 c_layout.0,
                 algo,
                 ws as *mut c_void,

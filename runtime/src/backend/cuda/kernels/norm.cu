@@ -24,6 +24,24 @@
 //       Scratch: nchunks * dim floats.
 //     Launch: a block per chunk of rows, block a multiple of 32 threads (e.g. 256), grid
 //     nchunks (a smaller grid strides over chunks; the result does not depend on it).
+//   residual_layernorm_forward_T(const T* x, const T* residual, const T* gamma, const T* beta,
+//                                T* sum, T* y, float* mean, float* rstd, long long rows,
+//                                int dim, float eps)
+//   residual_rmsnorm_forward_T(const T* x, const T* residual, const T* gamma, T* sum, T* y,
+//                              float* rstd, long long rows, int dim, float eps)
+//       A residual connection and the norm after it in one pass (llm.c's fused residual
+//       forward): sum = round_T(x + residual) (residual null: sum = x, a copy), added in f32
+//       and rounded once as add_assign_T does, then the norm of sum as above. All overwritten.
+//     Launch: as the forward norms.
+//   layernorm_backward_residual_T(const T* x, const T* gamma, const float* mean,
+//                                 const float* rstd, const T* dy, const T* dresidual, T* dx,
+//                                 float* partial, long long rows, int dim, int rows_per_chunk)
+//   rmsnorm_backward_residual_T(const T* x, const T* gamma, const float* rstd, const T* dy,
+//                               const T* dresidual, T* dx, float* partial, long long rows,
+//                               int dim, int rows_per_chunk)
+//       As the backward norms, with dx = round_T(round_T(norm's dx) + dresidual): the gradient
+//       of the residual stream the norm reads, exactly the norm then add_assign_T.
+//     Launch: as the backward norms.
 //   norm_dparams_finalize(const float* partial, long long nchunks, int dim, float* dgamma,
 //                         float* dbeta)
 //       dgamma[j] += partial sums in chunk order (accumulated), likewise dbeta for LayerNorm;
@@ -47,26 +65,58 @@ __device__ __forceinline__ bool rows_vectorizable(int dim, const void* a, const 
          fz_aligned16(d);
 }
 
+// A value as T would store it.
 template <class T>
-__device__ __forceinline__ void layernorm_forward(const T* x, const T* gamma, const T* beta,
-                                                  T* y, float* mean, float* rstd, long long rows,
+__device__ __forceinline__ float fz_round_to(float v) {
+  return to_f32(from_f32<T>(v));
+}
+
+// Whether the optional residual pointers keep a row vectorisable (null ones do).
+template <class T>
+__device__ __forceinline__ bool optional_aligned(const void* a, const void* b) {
+  return (!a || fz_aligned16(a)) && (!b || fz_aligned16(b));
+}
+
+// Pack p of a row for a forward norm: x's, or with `sr` (the residual stream's row) x + the
+// residual's rounded to T and stored in sr, which the norm's later passes read (the lane that
+// wrote a pack reads it back, so no barrier is needed).
+template <int V, class T>
+__device__ __forceinline__ void residual_pack(const T* xr, const T* rr, T* sr, int p, int dim,
+                                              bool vec, float (&v)[V]) {
+  fz_load_row<V>(xr, p * V, dim, vec, v);
+  if (!sr) return;
+  if (rr) {
+    float r[V];
+    fz_load_row<V>(rr, p * V, dim, vec, r);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = fz_round_to<T>(v[k] + r[k]);
+  }
+  fz_store_row<V>(sr, p * V, dim, vec, v);
+}
+
+template <class T>
+__device__ __forceinline__ void layernorm_forward(const T* x, const T* res, T* sum,
+                                                  const T* gamma, const T* beta, T* y,
+                                                  float* mean, float* rstd, long long rows,
                                                   int dim, float eps) {
   constexpr int V = fz_vec<T>::n;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const bool vec = rows_vectorizable<T>(dim, x, y, gamma, beta);
+  const bool vec = rows_vectorizable<T>(dim, x, y, gamma, beta) && optional_aligned<T>(res, sum);
   const int packs = (dim + V - 1) / V;
   for (long long row = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5); row < rows;
        row += static_cast<long long>(gridDim.x) * warps) {
-    const T* xr = x + row * dim;
+    T* sr = sum ? sum + row * dim : nullptr;
+    const T* rr = res ? res + row * dim : nullptr;
     // Two passes over the row (the second from cache): the mean first, then squared deviations,
     // which is exact where a one-pass E[x^2] - E[x]^2 would cancel.
     float s = 0.0f;
     for (int p = lane; p < packs; p += 32) {
       float v[V];
-      fz_load_row<V>(xr, p * V, dim, vec, v);
+      residual_pack<V>(x + row * dim, rr, sr, p, dim, vec, v);
 #pragma unroll
       for (int k = 0; k < V; ++k) s += v[k];  // zeros past the row's end add nothing
     }
+    const T* xr = sr ? sr : x + row * dim;
     const float mu = fz_warp_sum(s) / static_cast<float>(dim);
     float q = 0.0f;
     for (int p = lane; p < packs; p += 32) {
@@ -98,22 +148,25 @@ __device__ __forceinline__ void layernorm_forward(const T* x, const T* gamma, co
 }
 
 template <class T>
-__device__ __forceinline__ void rmsnorm_forward(const T* x, const T* gamma, T* y, float* rstd,
-                                                long long rows, int dim, float eps) {
+__device__ __forceinline__ void rmsnorm_forward(const T* x, const T* res, T* sum, const T* gamma,
+                                                T* y, float* rstd, long long rows, int dim,
+                                                float eps) {
   constexpr int V = fz_vec<T>::n;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const bool vec = rows_vectorizable<T>(dim, x, y, gamma, gamma);
+  const bool vec = rows_vectorizable<T>(dim, x, y, gamma, gamma) && optional_aligned<T>(res, sum);
   const int packs = (dim + V - 1) / V;
   for (long long row = static_cast<long long>(blockIdx.x) * warps + (threadIdx.x >> 5); row < rows;
        row += static_cast<long long>(gridDim.x) * warps) {
-    const T* xr = x + row * dim;
+    T* sr = sum ? sum + row * dim : nullptr;
+    const T* rr = res ? res + row * dim : nullptr;
     float q = 0.0f;
     for (int p = lane; p < packs; p += 32) {
       float v[V];
-      fz_load_row<V>(xr, p * V, dim, vec, v);
+      residual_pack<V>(x + row * dim, rr, sr, p, dim, vec, v);
 #pragma unroll
       for (int k = 0; k < V; ++k) q += v[k] * v[k];
     }
+    const T* xr = sr ? sr : x + row * dim;
     const float rs = 1.0f / sqrtf(fz_warp_sum(q) / static_cast<float>(dim) + eps);
     T* yr = y + row * dim;
     for (int p = lane; p < packs; p += 32) {
@@ -128,6 +181,18 @@ __device__ __forceinline__ void rmsnorm_forward(const T* x, const T* gamma, T* y
   }
 }
 
+// dx (pack p of a row) plus the residual stream's other gradient, when there is one: dx rounded
+// to T first, as a stored dx that add_assign_T then reads.
+template <int V, class T>
+__device__ __forceinline__ void add_residual_grad(const T* dres, long long row, int p, int dim,
+                                                  bool vec, float (&dx)[V]) {
+  if (!dres) return;
+  float r[V];
+  fz_load_row<V>(dres + row * dim, p * V, dim, vec, r);
+#pragma unroll
+  for (int k = 0; k < V; ++k) dx[k] = fz_round_to<T>(dx[k]) + r[k];
+}
+
 // LayerNorm backward for one block's chunks. Rows go in groups of FZ_NORM_GROUP: first a warp
 // per row reduces mean(dy*gamma) and mean(dy*gamma*xhat) into shared memory, then a thread per
 // pack of columns walks the group's rows in order, writing dx and adding to the chunk's
@@ -135,14 +200,14 @@ __device__ __forceinline__ void rmsnorm_forward(const T* x, const T* gamma, T* y
 // belongs to the same thread, so there is no race).
 template <class T>
 __device__ __forceinline__ void layernorm_backward(const T* x, const T* gamma, const float* mean,
-                                                   const float* rstd, const T* dy, T* dx,
-                                                   float* partial, long long rows, int dim,
+                                                   const float* rstd, const T* dy, const T* dres,
+                                                   T* dx, float* partial, long long rows, int dim,
                                                    int rows_per_chunk) {
   __shared__ float s_m1[FZ_NORM_GROUP], s_m2[FZ_NORM_GROUP];
   constexpr int V = fz_vec<T>::n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const bool vec =
-      rows_vectorizable<T>(dim, x, gamma, dy, dx) && fz_aligned16(partial);
+  const bool vec = rows_vectorizable<T>(dim, x, gamma, dy, dx) && fz_aligned16(partial) &&
+                   optional_aligned<T>(dres, nullptr);
   const int packs = (dim + V - 1) / V;
   const float fdim = static_cast<float>(dim);
   const long long nchunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
@@ -201,6 +266,7 @@ __device__ __forceinline__ void layernorm_backward(const T* x, const T* gamma, c
             acc_b[k] = __fadd_rn(acc_b[k], d[k]);
             xv[k] = rs * (d[k] * g[k] - m1 - xh * m2);
           }
+          add_residual_grad<V>(dres, row, p, dim, vec, xv);
           fz_store_row<V>(dx + row * dim, p * V, dim, vec, xv);
         }
         fz_store_row<V>(pg, p * V, dim, vec, acc_g);
@@ -215,13 +281,14 @@ __device__ __forceinline__ void layernorm_backward(const T* x, const T* gamma, c
 // dx = dy * gamma * rstd - x * c.
 template <class T>
 __device__ __forceinline__ void rmsnorm_backward(const T* x, const T* gamma, const float* rstd,
-                                                 const T* dy, T* dx, float* partial,
-                                                 long long rows, int dim, int rows_per_chunk) {
+                                                 const T* dy, const T* dres, T* dx,
+                                                 float* partial, long long rows, int dim,
+                                                 int rows_per_chunk) {
   __shared__ float s_c[FZ_NORM_GROUP];
   constexpr int V = fz_vec<T>::n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const bool vec =
-      rows_vectorizable<T>(dim, x, gamma, dy, dx) && fz_aligned16(partial);
+  const bool vec = rows_vectorizable<T>(dim, x, gamma, dy, dx) && fz_aligned16(partial) &&
+                   optional_aligned<T>(dres, nullptr);
   const int packs = (dim + V - 1) / V;
   const float fdim = static_cast<float>(dim);
   const long long nchunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
@@ -267,6 +334,7 @@ __device__ __forceinline__ void rmsnorm_backward(const T* x, const T* gamma, con
             acc_g[k] = __fadd_rn(acc_g[k], __fmul_rn(__fmul_rn(d[k], xv[k]), rs));
             xv[k] = d[k] * g[k] * rs - xv[k] * cr;
           }
+          add_residual_grad<V>(dres, row, p, dim, vec, xv);
           fz_store_row<V>(dx + row * dim, p * V, dim, vec, xv);
         }
         fz_store_row<V>(pg, p * V, dim, vec, acc_g);
@@ -281,69 +349,145 @@ __device__ __forceinline__ void rmsnorm_backward(const T* x, const T* gamma, con
 extern "C" __global__ void layernorm_forward_f32(const float* x, const float* gamma,
                                                  const float* beta, float* y, float* mean,
                                                  float* rstd, long long rows, int dim, float eps) {
-  layernorm_forward(x, gamma, beta, y, mean, rstd, rows, dim, eps);
+  layernorm_forward<float>(x, nullptr, nullptr, gamma, beta, y, mean, rstd, rows, dim, eps);
 }
 extern "C" __global__ void layernorm_forward_bf16(const bf16_t* x, const bf16_t* gamma,
                                                   const bf16_t* beta, bf16_t* y, float* mean,
                                                   float* rstd, long long rows, int dim,
                                                   float eps) {
-  layernorm_forward(x, gamma, beta, y, mean, rstd, rows, dim, eps);
+  layernorm_forward<bf16_t>(x, nullptr, nullptr, gamma, beta, y, mean, rstd, rows, dim, eps);
 }
 extern "C" __global__ void layernorm_forward_f16(const f16_t* x, const f16_t* gamma,
                                                  const f16_t* beta, f16_t* y, float* mean,
                                                  float* rstd, long long rows, int dim, float eps) {
-  layernorm_forward(x, gamma, beta, y, mean, rstd, rows, dim, eps);
+  layernorm_forward<f16_t>(x, nullptr, nullptr, gamma, beta, y, mean, rstd, rows, dim, eps);
 }
 
 extern "C" __global__ void layernorm_backward_f32(const float* x, const float* gamma,
                                                   const float* mean, const float* rstd,
                                                   const float* dy, float* dx, float* partial,
                                                   long long rows, int dim, int rows_per_chunk) {
-  layernorm_backward(x, gamma, mean, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+  layernorm_backward<float>(x, gamma, mean, rstd, dy, nullptr, dx, partial, rows, dim,
+                           rows_per_chunk);
 }
 extern "C" __global__ void layernorm_backward_bf16(const bf16_t* x, const bf16_t* gamma,
                                                    const float* mean, const float* rstd,
                                                    const bf16_t* dy, bf16_t* dx, float* partial,
                                                    long long rows, int dim, int rows_per_chunk) {
-  layernorm_backward(x, gamma, mean, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+  layernorm_backward<bf16_t>(x, gamma, mean, rstd, dy, nullptr, dx, partial, rows, dim,
+                            rows_per_chunk);
 }
 extern "C" __global__ void layernorm_backward_f16(const f16_t* x, const f16_t* gamma,
                                                   const float* mean, const float* rstd,
                                                   const f16_t* dy, f16_t* dx, float* partial,
                                                   long long rows, int dim, int rows_per_chunk) {
-  layernorm_backward(x, gamma, mean, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+  layernorm_backward<f16_t>(x, gamma, mean, rstd, dy, nullptr, dx, partial, rows, dim,
+                           rows_per_chunk);
 }
 
 extern "C" __global__ void rmsnorm_forward_f32(const float* x, const float* gamma, float* y,
                                                float* rstd, long long rows, int dim, float eps) {
-  rmsnorm_forward(x, gamma, y, rstd, rows, dim, eps);
+  rmsnorm_forward<float>(x, nullptr, nullptr, gamma, y, rstd, rows, dim, eps);
 }
 extern "C" __global__ void rmsnorm_forward_bf16(const bf16_t* x, const bf16_t* gamma, bf16_t* y,
                                                 float* rstd, long long rows, int dim, float eps) {
-  rmsnorm_forward(x, gamma, y, rstd, rows, dim, eps);
+  rmsnorm_forward<bf16_t>(x, nullptr, nullptr, gamma, y, rstd, rows, dim, eps);
 }
 extern "C" __global__ void rmsnorm_forward_f16(const f16_t* x, const f16_t* gamma, f16_t* y,
                                                float* rstd, long long rows, int dim, float eps) {
-  rmsnorm_forward(x, gamma, y, rstd, rows, dim, eps);
+  rmsnorm_forward<f16_t>(x, nullptr, nullptr, gamma, y, rstd, rows, dim, eps);
 }
 
 extern "C" __global__ void rmsnorm_backward_f32(const float* x, const float* gamma,
                                                 const float* rstd, const float* dy, float* dx,
                                                 float* partial, long long rows, int dim,
                                                 int rows_per_chunk) {
-  rmsnorm_backward(x, gamma, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+  rmsnorm_backward<float>(x, gamma, rstd, dy, nullptr, dx, partial, rows, dim, rows_per_chunk);
 }
 extern "C" __global__ void rmsnorm_backward_bf16(const bf16_t* x, const bf16_t* gamma,
                                                  const float* rstd, const bf16_t* dy, bf16_t* dx,
                                                  float* partial, long long rows, int dim,
                                                  int rows_per_chunk) {
-  rmsnorm_backward(x, gamma, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+  rmsnorm_backward<bf16_t>(x, gamma, rstd, dy, nullptr, dx, partial, rows, dim, rows_per_chunk);
 }
 extern "C" __global__ void rmsnorm_backward_f16(const f16_t* x, const f16_t* gamma,
                                                 const float* rstd, const f16_t* dy, f16_t* dx,
                                                 float* partial, long long rows, int dim,
                                                 int rows_per_chunk) {
-  rmsnorm_backward(x, gamma, rstd, dy, dx, partial, rows, dim, rows_per_chunk);
+  rmsnorm_backward<f16_t>(x, gamma, rstd, dy, nullptr, dx, partial, rows, dim, rows_per_chunk);
+}
+
+extern "C" __global__ void residual_layernorm_forward_f32(
+    const float* x, const float* residual, const float* gamma, const float* beta, float* sum,
+    float* y,
+    float* mean, float* rstd, long long rows, int dim, float eps) {
+  layernorm_forward(x, residual, sum, gamma, beta, y, mean, rstd, rows, dim, eps);
+}
+extern "C" __global__ void residual_rmsnorm_forward_f32(const float* x, const float* residual,
+                                                      const float* gamma, float* sum, float* y,
+                                                      float* rstd, long long rows, int dim,
+                                                      float eps) {
+  rmsnorm_forward(x, residual, sum, gamma, y, rstd, rows, dim, eps);
+}
+extern "C" __global__ void layernorm_backward_residual_f32(
+    const float* x, const float* gamma, const float* mean, const float* rstd, const float* dy,
+    const float* dresidual, float* dx, float* partial, long long rows, int dim,
+    int rows_per_chunk) {
+  layernorm_backward(x, gamma, mean, rstd, dy, dresidual, dx, partial, rows, dim, rows_per_chunk);
+}
+extern "C" __global__ void rmsnorm_backward_residual_f32(
+    const float* x, const float* gamma, const float* rstd, const float* dy, const float* dresidual,
+    float* dx, float* partial, long long rows, int dim, int rows_per_chunk) {
+  rmsnorm_backward(x, gamma, rstd, dy, dresidual, dx, partial, rows, dim, rows_per_chunk);
+}
+
+extern "C" __global__ void residual_layernorm_forward_bf16(
+    const bf16_t* x, const bf16_t* residual, const bf16_t* gamma, const bf16_t* beta, bf16_t* sum,
+    bf16_t* y,
+    float* mean, float* rstd, long long rows, int dim, float eps) {
+  layernorm_forward(x, residual, sum, gamma, beta, y, mean, rstd, rows, dim, eps);
+}
+extern "C" __global__ void residual_rmsnorm_forward_bf16(const bf16_t* x, const bf16_t* residual,
+                                                      const bf16_t* gamma, bf16_t* sum, bf16_t* y,
+                                                      float* rstd, long long rows, int dim,
+                                                      float eps) {
+  rmsnorm_forward(x, residual, sum, gamma, y, rstd, rows, dim, eps);
+}
+extern "C" __global__ void layernorm_backward_residual_bf16(
+    const bf16_t* x, const bf16_t* gamma, const float* mean, const float* rstd, const bf16_t* dy,
+    const bf16_t* dresidual, bf16_t* dx, float* partial, long long rows, int dim,
+    int rows_per_chunk) {
+  layernorm_backward(x, gamma, mean, rstd, dy, dresidual, dx, partial, rows, dim, rows_per_chunk);
+}
+extern "C" __global__ void rmsnorm_backward_residual_bf16(
+    const bf16_t* x, const bf16_t* gamma, const float* rstd, const bf16_t* dy,
+    const bf16_t* dresidual,
+    bf16_t* dx, float* partial, long long rows, int dim, int rows_per_chunk) {
+  rmsnorm_backward(x, gamma, rstd, dy, dresidual, dx, partial, rows, dim, rows_per_chunk);
+}
+
+extern "C" __global__ void residual_layernorm_forward_f16(
+    const f16_t* x, const f16_t* residual, const f16_t* gamma, const f16_t* beta, f16_t* sum,
+    f16_t* y,
+    float* mean, float* rstd, long long rows, int dim, float eps) {
+  layernorm_forward(x, residual, sum, gamma, beta, y, mean, rstd, rows, dim, eps);
+}
+extern "C" __global__ void residual_rmsnorm_forward_f16(const f16_t* x, const f16_t* residual,
+                                                      const f16_t* gamma, f16_t* sum, f16_t* y,
+                                                      float* rstd, long long rows, int dim,
+                                                      float eps) {
+  rmsnorm_forward(x, residual, sum, gamma, y, rstd, rows, dim, eps);
+}
+extern "C" __global__ void layernorm_backward_residual_f16(
+    const f16_t* x, const f16_t* gamma, const float* mean, const float* rstd, const f16_t* dy,
+    const f16_t* dresidual, f16_t* dx, float* partial, long long rows, int dim,
+    int rows_per_chunk) {
+  layernorm_backward(x, gamma, mean, rstd, dy, dresidual, dx, partial, rows, dim, rows_per_chunk);
+}
+extern "C" __global__ void rmsnorm_backward_residual_f16(
+    const f16_t* x, const f16_t* gamma, const float* rstd, const f16_t* dy, const f16_t* dresidual,
+    f16_t* dx, float* partial, long long rows, int dim, int rows_per_chunk) {
+  rmsnorm_backward(x, gamma, rstd, dy, dresidual, dx, partial, rows, dim, rows_per_chunk);
 }
 
 // The sum over chunks is serial per element (the CPU's order, hence its bits); eight

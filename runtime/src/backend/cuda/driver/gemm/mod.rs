@@ -9,7 +9,7 @@
 //! ```
 //!
 //! with `op(X) = X` for [`Op::N`] and `X^T` for [`Op::T`], so A is stored `m x k` (N) or `k x m`
-//! (T), B `k x n` (N) or `n x k` (T). Here D is C (in place). A row-major matrix `R[r, c]` is the
+//! (T), B `k x n` (N) or `n x k` (T). Here D is C (in place) unless [`Gemm::d`] puts it elsewhere. A row-major matrix `R[r, c]` is the
 //! column-major matrix `R^T` (`c x r`, leading dimension `c`), so the row-major product
 //! `Y[M, N] = X[M, K] · W[N, K]^T` (a linear layer) is the column-major `Y^T = W^T^T · X^T`:
 //! `m = N, n = M, k = K`, A = W with [`Op::T`] and `lda = K`, B = X with [`Op::N`] and
@@ -145,7 +145,7 @@ pub struct Gemm {
     pub ldb: u64,
     /// B's element type (must equal A's).
     pub b_type: DType,
-    /// C's (and D's) first element.
+    /// C's first element (and D's, unless `d` is set).
     pub c: DevPtr,
     /// C's leading dimension (at least m).
     pub ldc: u64,
@@ -159,6 +159,9 @@ pub struct Gemm {
     pub batch: Option<Batch>,
     /// What happens to each result before it is stored.
     pub epilogue: Epilogue,
+    /// D's first element when the result goes out of place (cuBLASLt's D pointer, with C's
+    /// layout and type; C is then only read, with `beta`); `None` writes C in place.
+    pub d: Option<DevPtr>,
 }
 
 /// One memory range a GEMM reads or writes.
@@ -225,6 +228,7 @@ impl Gemm {
             beta: 0.0,
             batch: None,
             epilogue: Epilogue::None,
+            d: None,
         }
     }
 
@@ -318,9 +322,17 @@ impl Gemm {
                 what: "C",
                 start: self.c.0,
                 bytes: bytes(c, self.c_type)?,
-                written: true,
+                written: self.d.is_none(),
             },
         ];
+        if let Some(d) = self.d {
+            out.push(Range {
+                what: "D",
+                start: d.0,
+                bytes: bytes(c, self.c_type)?,
+                written: true,
+            });
+        }
         let vec_bytes = |len: u64| bytes(len, self.c_type);
         match self.epilogue {
             Epilogue::None => {}

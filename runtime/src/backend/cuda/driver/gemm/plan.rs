@@ -76,7 +76,9 @@ impl PlanKey {
             align: [
                 alignment(g.a.0),
                 alignment(g.b.0),
-                alignment(g.c.0),
+                // D (when written out of place) shares C's layout; the heuristic may assume
+                // only the lower of their alignments.
+                alignment(g.c.0).min(alignment(g.d.unwrap_or(g.c).0)),
                 bias.map_or(0, |p| alignment(p.0)),
                 aux.map_or(0, |(p, _)| alignment(p.0)),
             ],
@@ -84,7 +86,8 @@ impl PlanKey {
         }
     }
 
-    /// The minimum alignments of A, B and C (D is C) the heuristic may assume.
+    /// The minimum alignments of A, B and C (C's the lower of C's and D's) the heuristic may
+    /// assume.
     pub(crate) fn operand_alignments(&self) -> [u32; 3] {
         [self.align[0], self.align[1], self.align[2]]
     }

@@ -46,6 +46,7 @@ impl Gemm {
             let a = DevPtr(self.a.0 + p * sa * self.a_type.size() as u64);
             let b = DevPtr(self.b.0 + p * sb * self.b_type.size() as u64);
             let c = DevPtr(self.c.0 + p * sc * self.c_type.size() as u64);
+            let d = DevPtr(self.d.unwrap_or(self.c).0 + p * sc * self.c_type.size() as u64);
             // op(A) row-major (m x k) and op(B) column-major (k x n) in f32, so every dot
             // product reads two contiguous slices.
             let mut opa = vec![0f32; m * k];
@@ -107,7 +108,7 @@ impl Gemm {
                         });
                         kept.push(v);
                     }
-                    unsafe { store(c, ci, self.c_type, v) };
+                    unsafe { store(d, ci, self.c_type, v) };
                 }
                 kept
             };

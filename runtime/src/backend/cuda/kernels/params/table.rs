@@ -39,6 +39,25 @@ pub const TABLE: &[Family] = &[
         p("x", In(T)), p("gamma", In(T)), p("rstd", In(F32)), p("dy", In(T)), p("dx", Out(T)),
         p("partial", Out(F32)), p("rows", LongLong), p("dim", Int), p("rows_per_chunk", Int),
     ]),
+    per_dtype("residual_layernorm_forward", &[
+        p("x", In(T)), p("residual", In(T)), p("gamma", In(T)), p("beta", In(T)), p("sum", Out(T)),
+        p("y", Out(T)), p("mean", Out(F32)), p("rstd", Out(F32)), p("rows", LongLong),
+        p("dim", Int), p("eps", Float),
+    ]),
+    per_dtype("residual_rmsnorm_forward", &[
+        p("x", In(T)), p("residual", In(T)), p("gamma", In(T)), p("sum", Out(T)), p("y", Out(T)),
+        p("rstd", Out(F32)), p("rows", LongLong), p("dim", Int), p("eps", Float),
+    ]),
+    per_dtype("layernorm_backward_residual", &[
+        p("x", In(T)), p("gamma", In(T)), p("mean", In(F32)), p("rstd", In(F32)), p("dy", In(T)),
+        p("dresidual", In(T)), p("dx", Out(T)), p("partial", Out(F32)), p("rows", LongLong),
+        p("dim", Int), p("rows_per_chunk", Int),
+    ]),
+    per_dtype("rmsnorm_backward_residual", &[
+        p("x", In(T)), p("gamma", In(T)), p("rstd", In(F32)), p("dy", In(T)),
+        p("dresidual", In(T)), p("dx", Out(T)), p("partial", Out(F32)), p("rows", LongLong),
+        p("dim", Int), p("rows_per_chunk", Int),
+    ]),
     single("norm_dparams_finalize", &[
         p("partial", In(F32)), p("nchunks", LongLong), p("dim", Int), p("dgamma", Out(F32)),
         p("dbeta", Out(F32)),
@@ -76,6 +95,10 @@ pub const TABLE: &[Family] = &[
     per_dtype("rope", &[
         p("x", Out(T)), p("cos_sin", In(F32)), p("rows", LongLong), p("seq", Int), p("heads", Int),
         p("head_dim", Int), p("inverse", Int),
+    ]),
+    per_dtype("rope_qk", &[
+        p("q", Out(T)), p("k", Out(T)), p("cos_sin", In(F32)), p("rows", LongLong), p("seq", Int),
+        p("q_heads", Int), p("k_heads", Int), p("head_dim", Int), p("inverse", Int),
     ]),
     // reduce.cu
     per_dtype("unscale", &[
