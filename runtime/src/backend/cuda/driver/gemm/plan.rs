@@ -182,6 +182,7 @@ mod tests {
             c: DevPtr(0x30000),
             ldc: 8,
             c_type: DType::Bf16,
+            d: None,
             alpha: 1.0,
             beta: 0.0,
             batch: None,
@@ -208,7 +209,16 @@ mod tests {
             ..g
         };
         assert_eq!(PlanKey::of(&moved, WS), k);
+        let out_of_place = Gemm {
+            d: Some(DevPtr(0x90000)),
+            ..g
+        };
+        assert_eq!(PlanKey::of(&out_of_place, WS), k);
         for misaligned in [
+            Gemm {
+                d: Some(DevPtr(0x90002)),
+                ..g
+            },
             Gemm {
                 a: DevPtr(0x10002),
                 ..g
