@@ -204,6 +204,8 @@ impl TokenOps for CpuBackend {
             shape.rows * shape.vocab,
         )?;
         expect_len(OP, "targets", targets.len(), shape.rows)?;
+        expect_len(OP, "dx", dx.len(), shape.rows * shape.dim)?;
+        expect_len(OP, "dweight", dw.len(), shape.vocab * shape.dim)?;
         self.cross_entropy_backward(&mut dlogits, shape.vocab, targets, g);
         // dW += dlogitsᵀ · x ([vocab, dim]), then dx = dlogits · W.
         let dw_shape = MatmulShape {
