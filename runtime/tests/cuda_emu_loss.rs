@@ -187,8 +187,21 @@ fn check_fused_padded<T: Elem>(emu: &Emu) {
         let ldv = Arg::I32(ld as i32);
         let grid = blocks(rows, 1, 4);
         let run_forward = |x: &Buf<T>, ld: Arg| {
-            let (lse, loss, bad) = (Buf::<f32>::zeros(rows), Buf::<f32>::zeros(rows), Buf::<i32>::zeros(1));
-            let args = [x.ptr(), tg.ptr(), lse.ptr(), loss.ptr(), r, v, ld, bad.ptr()];
+            let (lse, loss, bad) = (
+                Buf::<f32>::zeros(rows),
+                Buf::<f32>::zeros(rows),
+                Buf::<i32>::zeros(1),
+            );
+            let args = [
+                x.ptr(),
+                tg.ptr(),
+                lse.ptr(),
+                loss.ptr(),
+                r,
+                v,
+                ld,
+                bad.ptr(),
+            ];
             emu.run(&name::<T>("cross_entropy_forward"), grid, block, &args);
             assert_eq!(bad.get()[0], 0);
             (lse, loss)
@@ -197,10 +210,28 @@ fn check_fused_padded<T: Elem>(emu: &Emu) {
         let (plse, ploss) = run_forward(&logits, ldv);
         assert_eq!(ploss.get(), loss.get(), "{}", what("padded forward loss"));
         assert_eq!(plse.get(), lse.get(), "{}", what("padded forward lse"));
-        let args = [packed.ptr(), tg.ptr(), lse.ptr(), packed.ptr(), r, v, v, Arg::F32(g)];
+        let args = [
+            packed.ptr(),
+            tg.ptr(),
+            lse.ptr(),
+            packed.ptr(),
+            r,
+            v,
+            v,
+            Arg::F32(g),
+        ];
         emu.run(&name::<T>("cross_entropy_backward"), grid, block, &args);
         let (floss, bad) = (Buf::<f32>::zeros(rows), Buf::<i32>::zeros(1));
-        let args = [logits.ptr(), tg.ptr(), floss.ptr(), r, v, ldv, Arg::F32(g), bad.ptr()];
+        let args = [
+            logits.ptr(),
+            tg.ptr(),
+            floss.ptr(),
+            r,
+            v,
+            ldv,
+            Arg::F32(g),
+            bad.ptr(),
+        ];
         emu.run(&name::<T>("cross_entropy_fused"), grid, block, &args);
         assert_eq!(bad.get()[0], 0);
         assert_eq!(floss.get(), loss.get(), "{}", what("fused loss"));
@@ -208,9 +239,16 @@ fn check_fused_padded<T: Elem>(emu: &Emu) {
         for r in 0..rows {
             let row = &all[r * ld..][..ld];
             let want = &grads[r * vocab..][..vocab];
-            let same = row[..vocab].iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+            let same = row[..vocab]
+                .iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "{}", what(&format!("fused dlogits row {r}")));
-            assert!(row[vocab..].iter().all(|x| x.is_nan()), "{}", what("padding written"));
+            assert!(
+                row[vocab..].iter().all(|x| x.is_nan()),
+                "{}",
+                what("padding written")
+            );
         }
     }
 }

@@ -24,7 +24,12 @@ fn targets(s: HeadShape) -> Vec<i32> {
 
 /// Loss sum, dx and dw of a head on `be` (inputs already rounded to its dtype): fused, or
 /// forward then backward. `dw` starts at `dw0` (the op accumulates into it).
-fn run(be: &dyn Backend, s: HeadShape, (x, w, dw0): (&[f32], &[f32], &[f32]), fused: bool) -> [Vec<f32>; 3] {
+fn run(
+    be: &dyn Backend,
+    s: HeadShape,
+    (x, w, dw0): (&[f32], &[f32], &[f32]),
+    fused: bool,
+) -> [Vec<f32>; 3] {
     let t = be.upload_ids(&targets(s)).unwrap();
     let put = |v: &[f32], dtype| {
         let mut b = ferrozero_runtime::tensor::FlatBuf::zeros(dtype, v.len());
@@ -37,13 +42,32 @@ fn run(be: &dyn Backend, s: HeadShape, (x, w, dw0): (&[f32], &[f32], &[f32]), fu
     let mut dw = put(dw0, ferrozero_runtime::tensor::DType::F32);
     let (g, ids) = (0.37, t.ids());
     let loss = if fused {
-        be.head_loss_fused(s, xs.view(), ws.view(), ids, g, dx.view_mut(), dw.view_mut())
-            .unwrap()
+        be.head_loss_fused(
+            s,
+            xs.view(),
+            ws.view(),
+            ids,
+            g,
+            dx.view_mut(),
+            dw.view_mut(),
+        )
+        .unwrap()
     } else {
-        let out = be.head_loss_forward(s, xs.view(), ws.view(), ids, true).unwrap();
-        let saved = out.saved.unwrap();
-        be.head_loss_backward(s, xs.view(), ws.view(), ids, saved, g, dx.view_mut(), dw.view_mut())
+        let out = be
+            .head_loss_forward(s, xs.view(), ws.view(), ids, true)
             .unwrap();
+        let saved = out.saved.unwrap();
+        be.head_loss_backward(
+            s,
+            xs.view(),
+            ws.view(),
+            ids,
+            saved,
+            g,
+            dx.view_mut(),
+            dw.view_mut(),
+        )
+        .unwrap();
         out.loss
     };
     [get(&loss), get(&dx), get(&dw)]
@@ -53,9 +77,21 @@ fn run(be: &dyn Backend, s: HeadShape, (x, w, dw0): (&[f32], &[f32], &[f32]), fu
 /// alignment), one past a multiple of 128 (the padding's worst case), a width not a multiple
 /// of 8.
 const SHAPES: [HeadShape; 3] = [
-    HeadShape { rows: 13, dim: 16, vocab: 37 },
-    HeadShape { rows: 9, dim: 24, vocab: 257 },
-    HeadShape { rows: 6, dim: 12, vocab: 301 },
+    HeadShape {
+        rows: 13,
+        dim: 16,
+        vocab: 37,
+    },
+    HeadShape {
+        rows: 9,
+        dim: 24,
+        vocab: 257,
+    },
+    HeadShape {
+        rows: 6,
+        dim: 12,
+        vocab: 301,
+    },
 ];
 
 fn inputs(d: &Dev, s: HeadShape) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
@@ -77,7 +113,10 @@ fn head_fused(d: &Dev) {
         let want = run(&*c.be, s, (&x, &w, &dw0), false);
         let got = run(&*d.be, s, (&x, &w, &dw0), true);
         if d.name == "cpu" {
-            assert_eq!(got, want, "cpu: fused differs from forward then backward, {s:?}");
+            assert_eq!(
+                got, want,
+                "cpu: fused differs from forward then backward, {s:?}"
+            );
             continue;
         }
         let t = d.tol();
@@ -85,28 +124,66 @@ fn head_fused(d: &Dev) {
             abs: t.abs * (k as f64).sqrt(),
             rel: t.rel,
         };
-        let loss_tol = Tol { abs: 1e-3, rel: t.rel };
-        assert_close(&format!("{} loss {s:?}", d.name), &got[0], &want[0], loss_tol);
-        assert_close(&format!("{} dx {s:?}", d.name), &got[1], &want[1], tol(s.vocab));
-        assert_close(&format!("{} dw {s:?}", d.name), &got[2], &want[2], tol(s.rows));
+        let loss_tol = Tol {
+            abs: 1e-3,
+            rel: t.rel,
+        };
+        assert_close(
+            &format!("{} loss {s:?}", d.name),
+            &got[0],
+            &want[0],
+            loss_tol,
+        );
+        assert_close(
+            &format!("{} dx {s:?}", d.name),
+            &got[1],
+            &want[1],
+            tol(s.vocab),
+        );
+        assert_close(
+            &format!("{} dw {s:?}", d.name),
+            &got[2],
+            &want[2],
+            tol(s.rows),
+        );
     }
     // A target outside the vocabulary is an error naming it, before any work.
     let s = SHAPES[0];
     let bad = d.be.upload_ids(&vec![s.vocab as i32; s.rows]).unwrap();
-    let (x, w) = (d.put(&rand(s.rows * s.dim, 1)), d.put(&rand(s.vocab * s.dim, 2)));
+    let (x, w) = (
+        d.put(&rand(s.rows * s.dim, 1)),
+        d.put(&rand(s.vocab * s.dim, 2)),
+    );
     let (mut dx, mut dw) = (d.zeros(s.rows * s.dim), d.zeros_f32(s.vocab * s.dim));
-    let e = d
-        .be
-        .head_loss_fused(s, x.view(), w.view(), bad.ids(), 1.0, dx.view_mut(), dw.view_mut())
+    let e =
+        d.be.head_loss_fused(
+            s,
+            x.view(),
+            w.view(),
+            bad.ids(),
+            1.0,
+            dx.view_mut(),
+            dw.view_mut(),
+        )
         .unwrap_err()
         .to_string();
-    assert!(e.contains("target id 37 is outside the vocabulary of 37"), "{e}");
+    assert!(
+        e.contains("target id 37 is outside the vocabulary of 37"),
+        "{e}"
+    );
     // A dw of the wrong length is refused by name.
     let mut short = d.zeros_f32(3);
     let ok = d.be.upload_ids(&targets(s)).unwrap();
-    let e = d
-        .be
-        .head_loss_fused(s, x.view(), w.view(), ok.ids(), 1.0, dx.view_mut(), short.view_mut())
+    let e =
+        d.be.head_loss_fused(
+            s,
+            x.view(),
+            w.view(),
+            ok.ids(),
+            1.0,
+            dx.view_mut(),
+            short.view_mut(),
+        )
         .unwrap_err()
         .to_string();
     assert!(e.contains("dweight"), "{e}");
@@ -140,7 +217,11 @@ fn fused_head_skips_the_recompute() {
             let a1 = d.be.activity().unwrap();
             let fused = run(&*d.be, s, (&x, &w, &dw0), true);
             let a2 = d.be.activity().unwrap();
-            assert_eq!(a1.gemms - a0.gemms, 4 * chunks, "{act:?} {s:?}: forward + backward");
+            assert_eq!(
+                a1.gemms - a0.gemms,
+                4 * chunks,
+                "{act:?} {s:?}: forward + backward"
+            );
             assert_eq!(a2.gemms - a1.gemms, 3 * chunks, "{act:?} {s:?}: fused");
             // One kernel per chunk (loss and dlogits) and one loss sum besides the GEMMs.
             assert_eq!(
@@ -150,7 +231,11 @@ fn fused_head_skips_the_recompute() {
             );
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             for (i, what) in ["loss", "dx", "dw"].iter().enumerate() {
-                assert_eq!(bits(&fused[i]), bits(&split[i]), "{act:?} {s:?}: fused {what}");
+                assert_eq!(
+                    bits(&fused[i]),
+                    bits(&split[i]),
+                    "{act:?} {s:?}: fused {what}"
+                );
             }
         }
         head_fused(&d);

@@ -183,8 +183,9 @@ impl MemoryModel {
     pub fn head_chunk_rows(&self, s: HeadShape) -> usize {
         match self.head {
             HeadState::Probabilities => s.rows,
-            HeadState::LogSumExp => (LOGIT_CHUNK_BYTES / (self.head_ld(s).max(1) * self.act.size()))
-                .clamp(1, s.rows.max(1)),
+            HeadState::LogSumExp => (LOGIT_CHUNK_BYTES
+                / (self.head_ld(s).max(1) * self.act.size()))
+            .clamp(1, s.rows.max(1)),
         }
     }
 

@@ -9,6 +9,7 @@ pub mod checkpoint;
 mod core;
 pub mod estimate;
 mod eval;
+mod fused;
 pub mod group;
 mod hpz;
 mod init;

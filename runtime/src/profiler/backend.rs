@@ -345,8 +345,7 @@ impl TokenOps for ProfilingBackend {
         dw: ViewMut<'_>,
     ) -> Result<Storage> {
         self.timed(Family::Loss, flops::head_fused(&shape), || {
-            self.inner
-                .head_loss_fused(shape, x, w, targets, g, dx, dw)
+            self.inner.head_loss_fused(shape, x, w, targets, g, dx, dw)
         })
     }
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>> {

@@ -19,10 +19,10 @@ use super::device::STREAM;
 use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
 use super::matmul::RowStrides;
+use super::storage::CudaIds;
 use super::storage::{by_dtype, CudaBuf, CudaView, CudaViewMut};
 use super::token::{block_rows, check_targets};
 use crate::backend::{HeadShape, MatmulShape, MemoryOps, Transpose};
-use super::storage::CudaIds;
 use crate::tensor::DType;
 use crate::{Error, Result};
 

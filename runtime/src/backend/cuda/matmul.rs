@@ -181,7 +181,8 @@ impl CudaBackend {
         ld: RowStrides,
         accumulate: bool,
     ) -> Result<()> {
-        let stored = |t: Transpose, r: usize, c: usize| if t == Transpose::No { (r, c) } else { (c, r) };
+        let stored =
+            |t: Transpose, r: usize, c: usize| if t == Transpose::No { (r, c) } else { (c, r) };
         let (ar, ac) = stored(s.ta, s.m, s.k);
         let (br, bc) = stored(s.tb, s.k, s.n);
         expect_rows("A", a.len(), ar, ac, ld.a)?;

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::{BLOCK, STREAM};
 use super::driver::LaunchConfig;
-use super::launch::Args;
 use super::head::HeadIn;
+use super::launch::Args;
 use super::storage::{by_dtype, CudaViewMut};
 use crate::backend::{Accumulate, HeadLoss, HeadShape, TokenOps};
 use crate::nn::IGNORE_INDEX;
@@ -331,7 +331,10 @@ impl CudaBackend {
         dx: ViewMut<'a>,
         dw: ViewMut<'a>,
     ) -> Result<(CudaViewMut<'a>, CudaViewMut<'a>)> {
-        let (dx, dw) = (self.dev_out(op, "dx", dx)?, self.dev_out(op, "dweight", dw)?);
+        let (dx, dw) = (
+            self.dev_out(op, "dx", dx)?,
+            self.dev_out(op, "dweight", dw)?,
+        );
         expect_len(op, "dx", dx.len(), s.rows * s.dim)?;
         expect_len(op, "dweight", dw.len(), s.vocab * s.dim)?;
         Ok((dx, dw))
