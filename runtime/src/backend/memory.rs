@@ -277,6 +277,27 @@ mod tests {
     }
 
     #[test]
+    fn a_gpu_pads_the_heads_logits_rows_and_chunks_them_within_the_budget() {
+        let gpt2 = HeadShape {
+            rows: 16 * 1024,
+            dim: 768,
+            vocab: 50257,
+        };
+        let (cpu, gpu) = (MemoryModel::cpu(), MemoryModel::cuda(DType::Bf16));
+        assert_eq!(cpu.head_ld(gpt2), 50257);
+        assert_eq!(cpu.head_chunk_rows(gpt2), 16 * 1024);
+        assert_eq!(gpu.head_ld(gpt2), 50304); // llm.c's padded vocabulary
+        assert_eq!(gpu.head_ld(HeadShape { vocab: 128, ..gpt2 }), 128);
+        // 256 MiB of bf16 rows of 50304: 2668 rows (50257 would allow 2670).
+        assert_eq!(gpu.head_chunk_rows(gpt2), 2668);
+        let (fwd, bwd) = gpu.head_transient(gpt2);
+        assert_eq!(bwd, gpu.act_bytes(2668 * 50304));
+        assert!(bwd <= LOGIT_CHUNK_BYTES);
+        assert_eq!(gpu.head_fused_transient(gpt2), fwd);
+        assert_eq!(cpu.head_fused_transient(gpt2), cpu.head_saved(gpt2));
+    }
+
+    #[test]
     fn a_gpu_is_described_without_opening_one() {
         assert_eq!(
             MemoryModel::for_device(Device::Cuda(Some(7)), DType::Bf16),
