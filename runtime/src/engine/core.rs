@@ -461,6 +461,8 @@ impl Engine {
         training: bool,
         fused: Option<f32>,
     ) -> Result<Tensor> {
+        // A gradient left by a failed step must not seed the next backward.
+        self.head_grad = None;
         if training && self.micro == 0 && self.losses.is_empty() {
             self.observers.step_begin(self.steps + 1, &*self.be)?;
         }

@@ -24,7 +24,6 @@ impl Engine {
         batch: (&Batch, &BatchIds),
         loss_grad: f32,
     ) -> Result<Tensor> {
-        self.head_grad = None;
         self.forward_units(batch, true, Some(loss_grad))
     }
 
