@@ -1,4 +1,5 @@
-//! ferrozero's CUDA kernels on the CPU emulator of the device: `loss.cu`: cross-entropy forward and backward, the loss sum and argmax against the CPU backend.
+//! ferrozero's CUDA kernels on the CPU emulator of the device: `loss.cu`: cross-entropy forward,
+//! backward and fused, the loss sum and argmax against the CPU backend; padded rows (ld > vocab).
 //! Tolerances and the skip rule: `cuda_emu_common/mod.rs`.
 
 #[macro_use]
@@ -38,6 +39,7 @@ fn check_loss<T: Elem>(emu: &Emu) {
             loss.ptr(),
             r,
             v,
+            v, // ld: packed rows
             bad.ptr(),
         ];
         emu.run(&name::<T>("cross_entropy_forward"), grid, block, &args);
@@ -99,6 +101,7 @@ fn check_loss<T: Elem>(emu: &Emu) {
             dl.ptr(),
             r,
             v,
+            v, // ld: packed rows
             Arg::F32(g),
         ];
         emu.run(&name::<T>("cross_entropy_backward"), grid, block, &args);
@@ -114,6 +117,7 @@ fn check_loss<T: Elem>(emu: &Emu) {
             logits.ptr(),
             r,
             v,
+            v, // ld: packed rows
             Arg::F32(g),
         ];
         emu.run(&name::<T>("cross_entropy_backward"), grid, block, &args);
@@ -142,6 +146,7 @@ fn check_loss<T: Elem>(emu: &Emu) {
         loss.ptr(),
         r,
         v,
+        v, // ld
         bad.ptr(),
     ];
     emu.run(&name::<T>("cross_entropy_forward"), 2, 32, &args);
@@ -155,10 +160,97 @@ fn check_loss<T: Elem>(emu: &Emu) {
         dl.ptr(),
         r,
         v,
+        v, // ld
         Arg::F32(1.0),
     ];
     emu.run(&name::<T>("cross_entropy_backward"), 2, 32, &args);
     assert!(host(&dl, vocab, vocab).iter().all(|&x| x == 0.0));
+}
+
+/// Rows with a leading dimension past the vocabulary (NaN padding): forward reads only the
+/// vocabulary's columns, and the fused kernel gives forward's losses and backward's gradients
+/// bit for bit, in place, leaving the padding as it was.
+fn check_fused_padded<T: Elem>(emu: &Emu) {
+    for &(rows, vocab, ld, block) in &[(5usize, 37usize, 128usize, 32u32), (3, 1001, 1024, 256)] {
+        let what = |k: &str| format!("{k} rows={rows} vocab={vocab} ld={ld} ({})", T::SUFFIX);
+        let vals = rand_vec(vocab as u64 + 7, rows * vocab, 6.0);
+        let mut padded = vec![f32::NAN; rows * ld];
+        for r in 0..rows {
+            padded[r * ld..][..vocab].copy_from_slice(&vals[r * vocab..][..vocab]);
+        }
+        let (packed, _) = dev::<T>(&vals, 0);
+        let (logits, _) = dev::<T>(&padded, 0);
+        let mut targets: Vec<i32> = (0..rows).map(|r| ((r * 13 + 5) % vocab) as i32).collect();
+        targets[1] = -100;
+        let tg = Buf::from(&targets);
+        let (r, v, g) = (Arg::I64(rows as i64), Arg::I32(vocab as i32), 0.37f32);
+        let ldv = Arg::I32(ld as i32);
+        let grid = blocks(rows, 1, 4);
+        let run_forward = |x: &Buf<T>, ld: Arg| {
+            let (lse, loss, bad) = (
+                Buf::<f32>::zeros(rows),
+                Buf::<f32>::zeros(rows),
+                Buf::<i32>::zeros(1),
+            );
+            let args = [
+                x.ptr(),
+                tg.ptr(),
+                lse.ptr(),
+                loss.ptr(),
+                r,
+                v,
+                ld,
+                bad.ptr(),
+            ];
+            emu.run(&name::<T>("cross_entropy_forward"), grid, block, &args);
+            assert_eq!(bad.get()[0], 0);
+            (lse, loss)
+        };
+        let (lse, loss) = run_forward(&packed, v);
+        let (plse, ploss) = run_forward(&logits, ldv);
+        assert_eq!(ploss.get(), loss.get(), "{}", what("padded forward loss"));
+        assert_eq!(plse.get(), lse.get(), "{}", what("padded forward lse"));
+        let args = [
+            packed.ptr(),
+            tg.ptr(),
+            lse.ptr(),
+            packed.ptr(),
+            r,
+            v,
+            v,
+            Arg::F32(g),
+        ];
+        emu.run(&name::<T>("cross_entropy_backward"), grid, block, &args);
+        let (floss, bad) = (Buf::<f32>::zeros(rows), Buf::<i32>::zeros(1));
+        let args = [
+            logits.ptr(),
+            tg.ptr(),
+            floss.ptr(),
+            r,
+            v,
+            ldv,
+            Arg::F32(g),
+            bad.ptr(),
+        ];
+        emu.run(&name::<T>("cross_entropy_fused"), grid, block, &args);
+        assert_eq!(bad.get()[0], 0);
+        assert_eq!(floss.get(), loss.get(), "{}", what("fused loss"));
+        let (grads, all) = (host(&packed, 0, rows * vocab), host(&logits, 0, rows * ld));
+        for r in 0..rows {
+            let row = &all[r * ld..][..ld];
+            let want = &grads[r * vocab..][..vocab];
+            let same = row[..vocab]
+                .iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{}", what(&format!("fused dlogits row {r}")));
+            assert!(
+                row[vocab..].iter().all(|x| x.is_nan()),
+                "{}",
+                what("padding written")
+            );
+        }
+    }
 }
 
 fn check_argmax<T: Elem>(emu: &Emu) {
@@ -198,6 +290,9 @@ fn loss_and_argmax_match_cpu() {
     check_loss::<f32>(emu);
     check_loss::<bf16>(emu);
     check_loss::<f16>(emu);
+    check_fused_padded::<f32>(emu);
+    check_fused_padded::<bf16>(emu);
+    check_fused_padded::<f16>(emu);
     check_argmax::<f32>(emu);
     check_argmax::<bf16>(emu);
     check_argmax::<f16>(emu);

@@ -379,3 +379,24 @@ fn fp16_and_two_ranks_sync_once() {
         );
     }
 }
+
+/// `train_batch` runs the loss head fused (`Module::forward_backward`), at stage 0 and at
+/// stage 3: per micro-step one loss-and-gradient kernel over its one chunk, and no forward
+/// kernel whose logits a backward kernel would recompute.
+fn check_head_fused(name: &str, model: fn(usize) -> Model) {
+    for stage in [ZeroStage::Stage0, ZeroStage::Stage3] {
+        let s = traced_step(|| model(1), stage);
+        let l = launches(&s.trace);
+        let fused = l.get("cross_entropy_fused_bf16").copied();
+        assert_eq!(fused, Some(GAS as i64), "{name} {stage:?}: {l:?}");
+        for k in ["cross_entropy_forward_bf16", "cross_entropy_backward_bf16"] {
+            assert!(!l.contains_key(k), "{name} {stage:?}: {k} ran: {l:?}");
+        }
+    }
+}
+
+#[test]
+fn train_batch_runs_the_head_fused() {
+    check_head_fused("gpt2", gpt2_model);
+    check_head_fused("llama", llama_model);
+}

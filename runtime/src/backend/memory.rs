@@ -22,6 +22,10 @@ const _: () = assert!(CUDA_BLOCK == super::cuda::driver::MIN_BLOCK);
 /// The most bytes of logits a chunked loss head holds at once (256 MiB).
 pub const LOGIT_CHUNK_BYTES: usize = 256 << 20;
 
+/// A chunked loss head's logits rows are padded to a multiple of this many elements
+/// ([`MemoryModel::head_ld`]): 16-byte aligned rows in every dtype, and cuBLASLt's tiles.
+pub const HEAD_LD_MULTIPLE: usize = 128;
+
 /// What attention's forward keeps for backward besides Q, K, V and its output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionState {
@@ -161,15 +165,33 @@ impl MemoryModel {
         self.bytes(DType::F32, s.batch * s.q_heads * s.seq * per_row)
     }
 
+    /// Elements between consecutive rows of the loss head's logits buffer: the vocabulary
+    /// where it keeps probabilities, else the vocabulary rounded up to
+    /// [`HEAD_LD_MULTIPLE`], so that every row of a chunk starts 16-byte aligned and
+    /// cuBLASLt can pick its aligned kernels for all the head's products (GPT-2's 50257 is
+    /// odd). The padding columns are never computed, read, or part of the loss.
+    pub fn head_ld(&self, s: HeadShape) -> usize {
+        match self.head {
+            HeadState::Probabilities => s.vocab,
+            HeadState::LogSumExp => s.vocab.div_ceil(HEAD_LD_MULTIPLE) * HEAD_LD_MULTIPLE,
+        }
+    }
+
     /// Rows of logits the loss head computes at once: all of them where it keeps
-    /// probabilities, else as many as fit [`LOGIT_CHUNK_BYTES`] (at least one).
+    /// probabilities, else as many padded rows ([`MemoryModel::head_ld`]) as fit
+    /// [`LOGIT_CHUNK_BYTES`] (at least one).
     pub fn head_chunk_rows(&self, s: HeadShape) -> usize {
         match self.head {
             HeadState::Probabilities => s.rows,
-            HeadState::LogSumExp => {
-                (LOGIT_CHUNK_BYTES / (s.vocab.max(1) * self.act.size())).clamp(1, s.rows.max(1))
-            }
+            HeadState::LogSumExp => (LOGIT_CHUNK_BYTES
+                / (self.head_ld(s).max(1) * self.act.size()))
+            .clamp(1, s.rows.max(1)),
         }
+    }
+
+    /// Bytes of the chunked head's logits buffer: [`MemoryModel::head_chunk_rows`] padded rows.
+    fn head_chunk_bytes(&self, s: HeadShape) -> usize {
+        self.act_bytes(self.head_chunk_rows(s) * self.head_ld(s))
     }
 
     /// Bytes the loss head's operation holds only while it runs, as `(forward, backward)`:
@@ -179,10 +201,21 @@ impl MemoryModel {
         match self.head {
             HeadState::Probabilities => (0, 0),
             HeadState::LogSumExp => {
-                let logits = self.act_bytes(self.head_chunk_rows(s) * s.vocab);
+                let logits = self.head_chunk_bytes(s);
                 let fwd = logits + self.bytes(DType::F32, s.rows) + self.bytes(DType::F32, 1);
                 (fwd, logits)
             }
+        }
+    }
+
+    /// Bytes [`crate::backend::TokenOps::head_loss_fused`] holds while it runs besides its
+    /// input, weight and outputs: a chunked head's chunk of logits (turned into gradients in
+    /// place), the per-row losses and an error flag; the CPU's forward-then-backward keeps
+    /// its probabilities meanwhile.
+    pub fn head_fused_transient(&self, s: HeadShape) -> usize {
+        match self.head {
+            HeadState::Probabilities => self.head_saved(s),
+            HeadState::LogSumExp => self.head_transient(s).0,
         }
     }
 
@@ -241,6 +274,27 @@ mod tests {
         assert_eq!(m.act_bytes(300), 1024);
         assert_eq!(m.param_dtype(DType::Bf16), DType::Bf16);
         assert_eq!(m.round(0), 0);
+    }
+
+    #[test]
+    fn a_gpu_pads_the_heads_logits_rows_and_chunks_them_within_the_budget() {
+        let gpt2 = HeadShape {
+            rows: 16 * 1024,
+            dim: 768,
+            vocab: 50257,
+        };
+        let (cpu, gpu) = (MemoryModel::cpu(), MemoryModel::cuda(DType::Bf16));
+        assert_eq!(cpu.head_ld(gpt2), 50257);
+        assert_eq!(cpu.head_chunk_rows(gpt2), 16 * 1024);
+        assert_eq!(gpu.head_ld(gpt2), 50304); // llm.c's padded vocabulary
+        assert_eq!(gpu.head_ld(HeadShape { vocab: 128, ..gpt2 }), 128);
+        // 256 MiB of bf16 rows of 50304: 2668 rows (50257 would allow 2670).
+        assert_eq!(gpu.head_chunk_rows(gpt2), 2668);
+        let (fwd, bwd) = gpu.head_transient(gpt2);
+        assert_eq!(bwd, gpu.act_bytes(2668 * 50304));
+        assert!(bwd <= LOGIT_CHUNK_BYTES);
+        assert_eq!(gpu.head_fused_transient(gpt2), fwd);
+        assert_eq!(cpu.head_fused_transient(gpt2), cpu.head_saved(gpt2));
     }
 
     #[test]

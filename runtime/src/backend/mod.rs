@@ -733,6 +733,23 @@ pub trait TokenOps {
         dx: ViewMut<'_>,
         dw: ViewMut<'_>,
     ) -> Result<()>;
+    /// [`TokenOps::head_loss_forward`] and [`TokenOps::head_loss_backward`] in one call, for
+    /// training where `g = d(objective)/d(loss sum)` is known before the loss: returns the loss
+    /// sum (a one-element f32 storage) and writes `dx` (overwritten) and `dw` (accumulated)
+    /// as backward would; nothing is kept between. A device computes each chunk's logits
+    /// once and turns them into gradients at once (no recompute); the CPU runs exactly
+    /// forward then backward, so its bits equal theirs.
+    #[allow(clippy::too_many_arguments)]
+    fn head_loss_fused(
+        &self,
+        shape: HeadShape,
+        x: View<'_>,
+        w: View<'_>,
+        targets: Ids<'_>,
+        g: f32,
+        dx: ViewMut<'_>,
+        dw: ViewMut<'_>,
+    ) -> Result<Storage>;
     /// Arg-max over the last dimension of `[rows, width]` (ties take the first index),
     /// returned in host memory.
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>>;

@@ -54,8 +54,11 @@ pub struct Engine {
     pub(super) schedule: Schedule,
     pub(super) scaler: LossScaler,
     pub(super) ledger: Ledger,
-    saved: Vec<Saved>,
+    pub(super) saved: Vec<Saved>,
     saved_bytes: Vec<u64>,
+    /// The input gradient of the last unit's fused forward and backward (`fused.rs`), until
+    /// `backward_pass` starts from it.
+    pub(super) head_grad: Option<Tensor>,
     ckpt_inputs: Vec<Option<Tensor>>,
     /// Optimizer steps taken (skipped ones included).
     pub(super) steps: u64,
@@ -223,6 +226,7 @@ impl Engine {
             ledger,
             saved: (0..n).map(|_| None).collect(),
             saved_bytes: vec![0; n],
+            head_grad: None,
             ckpt_inputs: (0..n).map(|_| None).collect(),
             steps: 0,
             micro: 0,
@@ -309,7 +313,7 @@ impl Engine {
         (!self.model.shared.is_empty()).then_some(self.model.units.len())
     }
 
-    fn unit_seed(&self, unit: usize) -> u64 {
+    pub(super) fn unit_seed(&self, unit: usize) -> u64 {
         let mix = |h: u64, x: u64| (h ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
         let h = mix(self.cfg.seed, self.steps);
         let h = mix(h, self.micro as u64);
@@ -450,6 +454,19 @@ impl Engine {
         batch: (&Batch, &BatchIds),
         training: bool,
     ) -> Result<Tensor> {
+        self.forward_units(batch, training, None)
+    }
+
+    /// [`Engine::forward_pass`]; in training with `fused` (the loss gradient), the last unit
+    /// runs its backward at once (`fused.rs`): not checkpointed, nothing saved.
+    pub(super) fn forward_units(
+        &mut self,
+        batch: (&Batch, &BatchIds),
+        training: bool,
+        fused: Option<f32>,
+    ) -> Result<Tensor> {
+        // A gradient left by a failed step must not seed the next backward.
+        self.head_grad = None;
         if training && self.micro == 0 && self.losses.is_empty() {
             self.observers.step_begin(self.steps + 1, &*self.be)?;
         }
@@ -461,12 +478,16 @@ impl Engine {
             if unit + 1 < n {
                 self.prefetch(unit + 1);
             }
-            let out = self.run_unit_forward(unit, batch, &x, training);
-            if !(training && out.is_ok() && self.reused_soon(unit)) {
+            let fuse = fused.filter(|_| training && unit + 1 == n);
+            let out = match fuse {
+                Some(g) => self.run_unit_fused(unit, batch, &x, g),
+                None => self.run_unit_forward(unit, batch, &x, training),
+            };
+            if !(training && fuse.is_none() && out.is_ok() && self.reused_soon(unit)) {
                 self.release_unit(unit);
             }
             let out = out?;
-            if training {
+            if training && fuse.is_none() {
                 if self.checkpointing() {
                     self.saved[unit] = None;
                     self.ledger.alloc(
@@ -518,14 +539,21 @@ impl Engine {
     }
 
     fn backward_units(&mut self, batch: (&Batch, &BatchIds), loss_grad: f32) -> Result<()> {
-        let mut grad = Tensor::scalar(loss_grad);
-        let shared = self.shared_index();
         let first_shared_user = self
             .model
             .units
             .iter()
             .position(|u| !u.uses_shared.is_empty());
-        for unit in (0..self.model.units.len()).rev() {
+        let n = self.model.units.len();
+        // After a fused last unit, backward starts below it from its input gradient.
+        let (mut grad, top) = match self.head_grad.take() {
+            Some(dx) => {
+                self.finish_fused_unit(n - 1, first_shared_user)?;
+                (dx, n - 1)
+            }
+            None => (Tensor::scalar(loss_grad), n),
+        };
+        for unit in (0..top).rev() {
             self.gather_unit(unit)?;
             if unit > 0 {
                 self.prefetch(unit - 1);
@@ -537,16 +565,26 @@ impl Engine {
             self.release_unit(unit);
             let grad_output = std::mem::replace(&mut grad, r?);
             self.be.recycle(grad_output.storage);
-            self.reduce_group(unit)?;
-            self.ledger.check_limit()?;
-            if let (Some(s), Some(first)) = (shared, first_shared_user) {
-                if first == unit {
-                    self.reduce_group(s)?;
-                }
-            }
+            self.reduce_unit(unit, first_shared_user)?;
         }
         self.finish_reductions()?;
         self.land_downloads()
+    }
+
+    /// A unit's gradient is final: it is reduced, and the shared group's after its first user.
+    pub(super) fn reduce_unit(
+        &mut self,
+        unit: usize,
+        first_shared_user: Option<usize>,
+    ) -> Result<()> {
+        self.reduce_group(unit)?;
+        self.ledger.check_limit()?;
+        if let (Some(s), Some(first)) = (self.shared_index(), first_shared_user) {
+            if first == unit {
+                self.reduce_group(s)?;
+            }
+        }
+        Ok(())
     }
 
     fn unit_backward(
@@ -661,7 +699,7 @@ pub(super) fn unit_params<'a>(
 }
 
 /// Parameter and gradient views for a unit's backward.
-fn unit_params_and_grads<'a>(
+pub(super) fn unit_params_and_grads<'a>(
     groups: &'a mut [Group],
     unit: usize,
     uses: &[usize],

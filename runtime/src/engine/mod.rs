@@ -9,6 +9,7 @@ pub mod checkpoint;
 mod core;
 pub mod estimate;
 mod eval;
+mod fused;
 mod grad_download;
 pub mod group;
 mod hpz;

@@ -38,7 +38,8 @@ impl Engine {
         let grad = (self.scaler.scale() / global.max(1) as f64) as f32;
         for (i, b) in micro_batches.iter().enumerate() {
             let ids = crate::nn::BatchIds::new(&*self.be, b)?;
-            let loss = self.forward_pass((b, &ids), true)?;
+            // The head's backward runs with its forward: the gradient is known already.
+            let loss = self.forward_pass_fused((b, &ids), grad)?;
             self.losses.push(loss);
             self.tokens += b.valid_targets() as u64;
             if i + 1 == gas {

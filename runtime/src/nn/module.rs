@@ -255,6 +255,35 @@ pub trait Module: Send + Sync {
         grad_output: &Tensor,
     ) -> Result<Tensor>;
 
+    /// Forward then backward in one call: the output and the input gradient. The engine calls
+    /// it for a model's last unit in training (`train_batch`), where `grad_output` (the loss
+    /// scale over the global batch's targets) is known before forward and nothing reads the
+    /// unit's saved state in between; so a loss head may compute each chunk's loss and
+    /// gradients at once and keep nothing. `ctx.training` is true; `ctx.saved` is empty before
+    /// and must be empty after. Overrides must give the same values as the default (forward
+    /// then backward); on the CPU, the same bits.
+    fn forward_backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        params: &Params<'_>,
+        grads: &mut Grads<'_>,
+        input: &Tensor,
+        grad_output: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let out = self.forward(ctx, params, input)?;
+        let grad_input = self.backward(ctx, params, grads, grad_output)?;
+        Ok((out, grad_input))
+    }
+
+    /// The most bytes [`Module::forward_backward`] holds at once besides its input, its
+    /// output and the input gradient it returns, on a device described by `m`. The default
+    /// prices forward then backward: the saved state beside the larger of the two calls'
+    /// transients.
+    fn forward_backward_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        let t = self.transient_bytes(batch, seq, m);
+        self.saved_bytes(batch, seq, m) + t.forward.max(t.backward)
+    }
+
     /// Bytes of saved activations for one micro-batch of `batch` rows of `seq` tokens on a
     /// device described by `m` (used by the estimator; must match what forward actually saves
     /// on that device: price each saved buffer with `m`'s `bytes`, `act_bytes`,

@@ -408,6 +408,20 @@ impl TokenOps for ProfilingBackend {
                 .head_loss_backward(shape, x, w, targets, saved, g, dx, dw)
         })
     }
+    fn head_loss_fused(
+        &self,
+        shape: HeadShape,
+        x: View<'_>,
+        w: View<'_>,
+        targets: Ids<'_>,
+        g: f32,
+        dx: ViewMut<'_>,
+        dw: ViewMut<'_>,
+    ) -> Result<Storage> {
+        self.timed(Family::Loss, flops::head_fused(&shape), || {
+            self.inner.head_loss_fused(shape, x, w, targets, g, dx, dw)
+        })
+    }
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>> {
         self.timed(Family::Loss, 0, || self.inner.argmax_rows(x, width))
     }

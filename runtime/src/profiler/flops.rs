@@ -8,7 +8,8 @@
 //!   twice forward;
 //! - the loss head of `rows` tokens, width `dim`, vocabulary `V`: the logits `2·rows·dim·V`
 //!   forward, `dx` and `dW` `4·rows·dim·V` backward (a device that recomputes the logits in
-//!   backward does more work than it is credited with: model FLOPs, not hardware FLOPs).
+//!   backward does more work than it is credited with: model FLOPs, not hardware FLOPs); the
+//!   fused head (forward and backward in one call) runs exactly those three products.
 //!
 //! Per token of a causal decoder with `N` parameters, `L` layers of attention width `C` and
 //! `T` tokens per sequence, training (forward and backward) is therefore `6·N + 6·L·C·T`
@@ -42,6 +43,11 @@ pub fn head_forward(s: &HeadShape) -> u64 {
 /// The loss head's backward (`dx` and `dW`): twice forward.
 pub fn head_backward(s: &HeadShape) -> u64 {
     2 * head_forward(s)
+}
+
+/// The fused loss head (logits, `dx` and `dW` in one call): three products of forward's size.
+pub fn head_fused(s: &HeadShape) -> u64 {
+    head_forward(s) + head_backward(s)
 }
 
 /// Model FLOPs of one training token (forward and backward) at `seq` tokens per sequence:
@@ -89,5 +95,6 @@ mod tests {
         };
         assert_eq!(head_forward(&h), 480);
         assert_eq!(head_backward(&h), 960);
+        assert_eq!(head_fused(&h), 1440);
     }
 }

@@ -1,5 +1,6 @@
-//! A unit's module wrapped so that the operations its forward and backward issue are
-//! recorded under the unit's name: the layers themselves know nothing of the profiler.
+//! A unit's module wrapped so that the operations its forward and backward (or both at once)
+//! issue are recorded under the unit's name: the layers themselves know nothing of the
+//! profiler.
 
 use std::sync::Arc;
 
@@ -35,6 +36,23 @@ impl Module for Scoped {
     ) -> Result<Tensor> {
         let _scope = self.rec.enter(&self.name);
         self.inner.backward(ctx, params, grads, grad_output)
+    }
+
+    fn forward_backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        params: &Params<'_>,
+        grads: &mut Grads<'_>,
+        input: &Tensor,
+        grad_output: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let _scope = self.rec.enter(&self.name);
+        self.inner
+            .forward_backward(ctx, params, grads, input, grad_output)
+    }
+
+    fn forward_backward_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        self.inner.forward_backward_bytes(batch, seq, m)
     }
 
     fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {

@@ -204,6 +204,8 @@ impl TokenOps for CpuBackend {
             shape.rows * shape.vocab,
         )?;
         expect_len(OP, "targets", targets.len(), shape.rows)?;
+        expect_len(OP, "dx", dx.len(), shape.rows * shape.dim)?;
+        expect_len(OP, "dweight", dw.len(), shape.vocab * shape.dim)?;
         self.cross_entropy_backward(&mut dlogits, shape.vocab, targets, g);
         // dW += dlogitsᵀ · x ([vocab, dim]), then dx = dlogits · W.
         let dw_shape = MatmulShape {
@@ -224,6 +226,25 @@ impl TokenOps for CpuBackend {
         let r = self.matmul_host(dx_shape, &dlogits, w, dx, Accumulate::Overwrite);
         spare::give_f32(dlogits);
         r
+    }
+
+    fn head_loss_fused(
+        &self,
+        shape: HeadShape,
+        x: View<'_>,
+        w: View<'_>,
+        targets: Ids<'_>,
+        g: f32,
+        dx: ViewMut<'_>,
+        dw: ViewMut<'_>,
+    ) -> Result<Storage> {
+        // Exactly forward then backward: the CPU's bits do not depend on the engine fusing.
+        let out = self.head_loss_forward(shape, x, w, targets, true)?;
+        let saved = out.saved.ok_or_else(|| {
+            Error::Invalid("head loss fused: forward kept no probabilities".into())
+        })?;
+        self.head_loss_backward(shape, x, w, targets, saved, g, dx, dw)?;
+        Ok(out.loss)
     }
 
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>> {

@@ -15,12 +15,34 @@ use crate::{Error, Result};
 pub struct CudaBackend {
     pub(crate) dev: Arc<CudaDevice>,
     act: DType,
+    /// At most this many rows per chunk of the loss head (below the memory model's).
+    head_chunk_cap: Option<usize>,
 }
 
 impl CudaBackend {
     /// A backend on `dev` computing activations in `act`.
     pub fn new(dev: Arc<CudaDevice>, act: DType) -> Self {
-        CudaBackend { dev, act }
+        CudaBackend {
+            dev,
+            act,
+            head_chunk_cap: None,
+        }
+    }
+
+    /// This backend on the same device with the loss head computing at most `rows` rows of
+    /// logits at a time (at least one), fewer than the memory model's chunk: so that tests
+    /// run several chunks, and a ragged last one, with small vocabularies.
+    pub fn with_head_chunk_rows(&self, rows: usize) -> Self {
+        CudaBackend {
+            dev: self.dev.clone(),
+            act: self.act,
+            head_chunk_cap: Some(rows.max(1)),
+        }
+    }
+
+    /// The cap [`CudaBackend::with_head_chunk_rows`] set.
+    pub(crate) fn head_chunk_cap(&self) -> Option<usize> {
+        self.head_chunk_cap
     }
 
     /// The device.

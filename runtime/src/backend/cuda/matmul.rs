@@ -19,7 +19,30 @@ use crate::Result;
 
 const OP: &str = "matmul";
 
-/// cuBLASLt's description of `C (=|+=) op(A) · op(B)` for row-major operands.
+/// Elements between consecutive rows of each row-major operand as stored (at least the
+/// stored row's length): what cuBLASLt calls the leading dimensions of the swapped product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RowStrides {
+    /// A's (`[m, k]`, or `[k, m]` used transposed).
+    pub a: usize,
+    /// B's (`[k, n]`, or `[n, k]` used transposed).
+    pub b: usize,
+    /// C's (`[m, n]`).
+    pub c: usize,
+}
+
+impl RowStrides {
+    /// Densely packed operands: each row stride is the stored row's length.
+    pub(crate) fn packed(s: MatmulShape) -> Self {
+        RowStrides {
+            a: if s.ta == Transpose::No { s.k } else { s.m },
+            b: if s.tb == Transpose::No { s.n } else { s.k },
+            c: s.n,
+        }
+    }
+}
+
+/// cuBLASLt's description of `C (=|+=) op(A) · op(B)` for densely packed row-major operands.
 fn gemm(
     s: MatmulShape,
     a: CudaView<'_>,
@@ -27,35 +50,49 @@ fn gemm(
     c: super::driver::DevPtr,
     c_type: crate::tensor::DType,
 ) -> Gemm {
-    let (m, n, k) = (s.m as u64, s.n as u64, s.k as u64);
-    // Our B becomes cuBLASLt's A: stored [k, n] (No) is column-major [n, k] with ld n; stored
-    // [n, k] (Yes) is column-major [k, n] with ld k, transposed back.
-    let (transa, lda) = match s.tb {
-        Transpose::No => (Op::N, n),
-        Transpose::Yes => (Op::T, k),
-    };
-    // Our A becomes cuBLASLt's B: stored [m, k] (No) is column-major [k, m] with ld k; stored
-    // [k, m] (Yes) is column-major [m, k] with ld m, transposed back.
-    let (transb, ldb) = match s.ta {
-        Transpose::No => (Op::N, k),
-        Transpose::Yes => (Op::T, m),
-    };
+    gemm_strided(s, a, b, c, c_type, RowStrides::packed(s))
+}
+
+/// [`gemm`] with the operands' row strides given: a row-major operand stored `[r, c]` with
+/// row stride `ld` is the column-major `[c, r]` with leading dimension `ld`, whether used as
+/// stored (`Op::N`) or transposed back (`Op::T`). Our B becomes cuBLASLt's A, our A its B.
+fn gemm_strided(
+    s: MatmulShape,
+    a: CudaView<'_>,
+    b: CudaView<'_>,
+    c: super::driver::DevPtr,
+    c_type: crate::tensor::DType,
+    ld: RowStrides,
+) -> Gemm {
+    let op = |t: Transpose| if t == Transpose::No { Op::N } else { Op::T };
     let mut g = Gemm::new(
-        transa,
-        transb,
-        n,
-        m,
-        k,
+        op(s.tb),
+        op(s.ta),
+        s.n as u64,
+        s.m as u64,
+        s.k as u64,
         b.ptr(),
-        lda.max(1),
+        ld.b.max(1) as u64,
         a.ptr(),
-        ldb.max(1),
+        ld.a.max(1) as u64,
         c,
-        n.max(1),
+        ld.c.max(1) as u64,
         a.dtype(),
     );
     g.c_type = c_type;
     g
+}
+
+/// Fails unless a view of `len` elements holds `rows` rows of `cols` elements `ld` apart.
+fn expect_rows(what: &str, len: usize, rows: usize, cols: usize, ld: usize) -> Result<()> {
+    let need = if rows == 0 { 0 } else { (rows - 1) * ld + cols };
+    if ld < cols || len < need {
+        return Err(crate::Error::Invalid(format!(
+            "{OP}: {what} holds {len} elements; {rows} rows of {cols} with row stride {ld} \
+             need a stride of at least {cols} and {need} elements"
+        )));
+    }
+    Ok(())
 }
 
 impl MatmulOps for CudaBackend {
@@ -146,6 +183,37 @@ impl MatmulOps for CudaBackend {
 }
 
 impl CudaBackend {
+    /// `C (=|+=) op(A) · op(B)` over row-major operands whose rows lie `ld` elements apart
+    /// (a padded buffer's rows, e.g. the head's logits): same dtype rules as
+    /// [`MatmulOps::matmul`], no epilogue; `accumulate` adds to C. Only the `[m, n]` block of C
+    /// is written and only the operands' `[rows, cols]` blocks are read.
+    pub(crate) fn matmul_strided(
+        &self,
+        s: MatmulShape,
+        (a, b, c): (CudaView<'_>, CudaView<'_>, CudaViewMut<'_>),
+        ld: RowStrides,
+        accumulate: bool,
+    ) -> Result<()> {
+        let stored =
+            |t: Transpose, r: usize, c: usize| if t == Transpose::No { (r, c) } else { (c, r) };
+        let (ar, ac) = stored(s.ta, s.m, s.k);
+        let (br, bc) = stored(s.tb, s.k, s.n);
+        expect_rows("A", a.len(), ar, ac, ld.a)?;
+        expect_rows("B", b.len(), br, bc, ld.b)?;
+        expect_rows("C", c.len(), s.m, s.n, ld.c)?;
+        expect_dtype(OP, a.dtype(), &[("B", b.dtype())])?;
+        if s.m == 0 || s.n == 0 || s.k == 0 {
+            return Err(crate::Error::Invalid(format!(
+                "{OP}: a strided product needs m, n and k of at least 1, got {s:?}"
+            )));
+        }
+        let mut g = gemm_strided(s, a, b, c.ptr(), c.dtype(), ld);
+        if accumulate {
+            g.beta = 1.0;
+        }
+        self.dev.driver().gemm(&g, STREAM)
+    }
+
     /// `C += op(A)·op(B)` and the bias gradient of operand `of` in the same cuBLASLt product
     /// (BGRADA when it is our B, BGRADB when our A: the operands swap in the row-major
     /// translation). cuBLASLt overwrites its bias-gradient output while the layer accumulates

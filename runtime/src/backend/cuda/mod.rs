@@ -20,6 +20,8 @@ mod device;
 #[cfg(feature = "cuda")]
 mod elementwise;
 #[cfg(feature = "cuda")]
+mod head;
+#[cfg(feature = "cuda")]
 mod host_order;
 #[cfg(feature = "cuda")]
 mod in_flight;

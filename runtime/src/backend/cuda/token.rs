@@ -1,21 +1,17 @@
-//! Embeddings (`embed.cu`), the language-model head's chunked cross-entropy (`loss.cu` between
-//! cuBLASLt products) and argmax.
+//! Embeddings (`embed.cu`), the language-model head (its chunks in `head.rs`) and argmax.
 //!
-//! The head never materialises full-vocabulary logits for the batch: forward computes them a
-//! chunk of rows at a time and keeps one log-sum-exp per row; backward recomputes each chunk's
-//! logits, turns them into gradients in place and multiplies them out. Token ids and targets
-//! are checked on the host (their values came from there), so no flag is read back.
+//! Token ids and targets are checked on the host (their values came from there), so no flag
+//! is read back.
 
 use std::collections::BTreeMap;
 
 use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::{BLOCK, STREAM};
 use super::driver::LaunchConfig;
+use super::head::HeadIn;
 use super::launch::Args;
-use super::storage::{by_dtype, CudaBuf, CudaView};
-use crate::backend::{
-    Accumulate, Epilogue, HeadLoss, HeadShape, MatmulOps, MatmulShape, TokenOps, Transpose,
-};
+use super::storage::{by_dtype, CudaViewMut};
+use crate::backend::{Accumulate, HeadLoss, HeadShape, TokenOps};
 use crate::nn::IGNORE_INDEX;
 use crate::tensor::{DType, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
@@ -33,7 +29,7 @@ fn check_tokens(tokens: &[i32], rows: usize) -> Result<()> {
     }
 }
 
-fn check_targets(targets: &[i32], vocab: usize) -> Result<()> {
+pub(super) fn check_targets(targets: &[i32], vocab: usize) -> Result<()> {
     match targets
         .iter()
         .find(|&&t| t != IGNORE_INDEX && (t < 0 || t as usize >= vocab))
@@ -55,52 +51,9 @@ fn warp_rows(rows: usize) -> LaunchConfig {
 }
 
 /// A block per row, wide for wide rows.
-fn block_rows(rows: usize, cols: usize) -> LaunchConfig {
+pub(super) fn block_rows(rows: usize, cols: usize) -> LaunchConfig {
     let threads = if cols >= 8192 { 1024 } else { 256 };
     LaunchConfig::linear(rows.clamp(1, 65535) as u32, threads)
-}
-
-impl CudaBackend {
-    /// A zeroed device `int` the kernels may set; the host checks ids itself and never reads it.
-    fn scratch_flag(&self) -> Result<super::driver::DeviceBuffer> {
-        let f = self.dev.alloc(4)?;
-        self.dev.driver().memset_zero(f.ptr(), 4, STREAM)?;
-        Ok(f)
-    }
-
-    /// `logits[rows of chunk] = x[chunk] · wᵀ`.
-    fn chunk_logits(
-        &self,
-        s: HeadShape,
-        x: CudaView<'_>,
-        w: CudaView<'_>,
-        rows: std::ops::Range<usize>,
-        logits: &mut CudaBuf,
-    ) -> Result<()> {
-        let n = rows.len();
-        let xc = x.range(rows.start * s.dim..rows.end * s.dim)?;
-        let mut out = logits.view_mut().range(0..n * s.vocab)?;
-        let shape = MatmulShape {
-            m: n,
-            n: s.vocab,
-            k: s.dim,
-            ta: Transpose::No,
-            tb: Transpose::Yes,
-        };
-        self.matmul(
-            shape,
-            View::Cuda(xc),
-            View::Cuda(w),
-            ViewMut::Cuda(out.reborrow()),
-            Epilogue::Store,
-        )
-    }
-
-    /// Rows per chunk of the head for this shape (the memory model's rule, which the
-    /// estimator prices).
-    fn head_chunk(&self, s: HeadShape) -> usize {
-        crate::backend::MemoryOps::memory_model(self).head_chunk_rows(s)
-    }
 }
 
 impl TokenOps for CudaBackend {
@@ -281,51 +234,12 @@ impl TokenOps for CudaBackend {
         targets: Ids<'_>,
         keep: bool,
     ) -> Result<HeadLoss> {
-        const OP: &str = "head loss";
-        let t = self.dev_ids(OP, targets)?;
-        let (x, w) = (self.dev_in(OP, "x", x)?, self.dev_in(OP, "weight", w)?);
-        expect_len(OP, "targets", t.len(), s.rows)?;
-        expect_len(OP, "x", x.len(), s.rows * s.dim)?;
-        expect_len(OP, "weight", w.len(), s.vocab * s.dim)?;
-        check_targets(t.host(), s.vocab)?;
-        let act = x.dtype();
-        let lse = CudaBuf::uninit(&self.dev, DType::F32, s.rows)?;
-        let losses = CudaBuf::uninit(&self.dev, DType::F32, s.rows)?;
-        let chunk = self.head_chunk(s);
-        let mut logits = CudaBuf::uninit(&self.dev, act, chunk * s.vocab)?;
-        let bad = self.scratch_flag()?;
-        for r0 in (0..s.rows).step_by(chunk) {
-            let r = r0..(r0 + chunk).min(s.rows);
-            self.chunk_logits(s, x, w, r.clone(), &mut logits)?;
-            let mut args = Args::new()
-                .ptr(logits.view().ptr())
-                .ptr(t.ptr().offset((r.start * 4) as u64))
-                .ptr(lse.view().range(r.clone())?.ptr())
-                .ptr(losses.view().range(r.clone())?.ptr())
-                .len(r.len())
-                .i32(s.vocab as i32)
-                .ptr(bad.ptr());
-            self.dev.launch(
-                by_dtype!("cross_entropy_forward", act),
-                block_rows(r.len(), s.vocab),
-                &mut args,
-            )?;
-        }
-        let loss = CudaBuf::uninit(&self.dev, DType::F32, 1)?;
-        let mut args = Args::new()
-            .ptr(losses.view().ptr())
-            .len(s.rows)
-            .ptr(loss.view().ptr())
-            .ptr(super::driver::DevPtr::NULL);
-        // One block of a fixed size: the summation order never changes.
-        self.dev.launch(
-            "cross_entropy_loss_sum",
-            LaunchConfig::linear(1, 1024),
-            &mut args,
-        )?;
+        let h = self.head_in("head loss", s, targets, x, w)?;
+        check_targets(h.t.host(), s.vocab)?;
+        let (loss, lse) = self.head_forward(s, h, keep)?;
         Ok(HeadLoss {
             loss: Storage::Cuda(loss),
-            saved: keep.then_some(Storage::Cuda(lse)),
+            saved: lse.map(Storage::Cuda),
         })
     }
 
@@ -341,75 +255,30 @@ impl TokenOps for CudaBackend {
         dw: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "head loss backward";
-        let t = self.dev_ids(OP, targets)?;
-        let (x, w) = (self.dev_in(OP, "x", x)?, self.dev_in(OP, "weight", w)?);
-        let (mut dx, mut dw) = (
-            self.dev_out(OP, "dx", dx)?,
-            self.dev_out(OP, "dweight", dw)?,
-        );
+        let h = self.head_in(OP, s, targets, x, w)?;
+        let grads = self.head_grads(OP, s, dx, dw)?;
         let Storage::Cuda(lse) = saved else {
             return Err(Error::Invalid(format!(
                 "{OP}: the saved state is not this device's per-row log-sum-exp"
             )));
         };
-        expect_len(OP, "saved log-sum-exp", lse.len(), s.rows)?;
-        expect_len(OP, "targets", t.len(), s.rows)?;
-        expect_len(OP, "dx", dx.len(), s.rows * s.dim)?;
-        expect_len(OP, "dweight", dw.len(), s.vocab * s.dim)?;
-        let act = x.dtype();
-        let chunk = self.head_chunk(s);
-        let mut logits = CudaBuf::uninit(&self.dev, act, chunk * s.vocab)?;
-        for r0 in (0..s.rows).step_by(chunk) {
-            let r = r0..(r0 + chunk).min(s.rows);
-            let n = r.len();
-            self.chunk_logits(s, x, w, r.clone(), &mut logits)?;
-            let lv = logits.view().range(0..n * s.vocab)?;
-            let mut args = Args::new()
-                .ptr(lv.ptr())
-                .ptr(t.ptr().offset((r.start * 4) as u64))
-                .ptr(lse.view().range(r.clone())?.ptr())
-                .ptr(lv.ptr())
-                .len(n)
-                .i32(s.vocab as i32)
-                .f32(g);
-            self.dev.launch(
-                by_dtype!("cross_entropy_backward", act),
-                block_rows(n, s.vocab),
-                &mut args,
-            )?;
-            // dx[chunk] = dlogits · W, then dW += dlogitsᵀ · x[chunk], chunk by chunk.
-            let dxs = MatmulShape {
-                m: n,
-                n: s.dim,
-                k: s.vocab,
-                ta: Transpose::No,
-                tb: Transpose::No,
-            };
-            let dxc = dx.reborrow().range(r.start * s.dim..r.end * s.dim)?;
-            self.matmul(
-                dxs,
-                View::Cuda(lv),
-                View::Cuda(w),
-                ViewMut::Cuda(dxc),
-                Epilogue::Store,
-            )?;
-            let dws = MatmulShape {
-                m: s.vocab,
-                n: s.dim,
-                k: n,
-                ta: Transpose::Yes,
-                tb: Transpose::No,
-            };
-            let xc = x.range(r.start * s.dim..r.end * s.dim)?;
-            self.matmul(
-                dws,
-                View::Cuda(lv),
-                View::Cuda(xc),
-                ViewMut::Cuda(dw.reborrow()),
-                Epilogue::Accumulate,
-            )?;
-        }
-        Ok(())
+        self.head_backward(s, h, &lse, g, grads)
+    }
+
+    fn head_loss_fused(
+        &self,
+        s: HeadShape,
+        x: View<'_>,
+        w: View<'_>,
+        targets: Ids<'_>,
+        g: f32,
+        dx: ViewMut<'_>,
+        dw: ViewMut<'_>,
+    ) -> Result<Storage> {
+        const OP: &str = "head loss fused";
+        let h = self.head_in(OP, s, targets, x, w)?;
+        let grads = self.head_grads(OP, s, dx, dw)?;
+        Ok(Storage::Cuda(self.head_fused(s, h, g, grads)?))
     }
 
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>> {
@@ -432,5 +301,42 @@ impl TokenOps for CudaBackend {
         let mut host = vec![0i32; rows];
         out.copy_to_host(bytemuck::cast_slice_mut(&mut host), STREAM)?;
         Ok(host.into_iter().map(|v| v as u32).collect())
+    }
+}
+
+impl CudaBackend {
+    /// A head call's targets and inputs on this device, lengths checked against `s`.
+    fn head_in<'a>(
+        &self,
+        op: &'static str,
+        s: HeadShape,
+        targets: Ids<'a>,
+        x: View<'a>,
+        w: View<'a>,
+    ) -> Result<HeadIn<'a>> {
+        let t = self.dev_ids(op, targets)?;
+        let (x, w) = (self.dev_in(op, "x", x)?, self.dev_in(op, "weight", w)?);
+        expect_len(op, "targets", t.len(), s.rows)?;
+        expect_len(op, "x", x.len(), s.rows * s.dim)?;
+        expect_len(op, "weight", w.len(), s.vocab * s.dim)?;
+        expect_dtype(op, x.dtype(), &[("weight", w.dtype())])?;
+        Ok(HeadIn { t, x, w })
+    }
+
+    /// A head's gradient outputs on this device: `dx` like `x`, `dw` f32 like the weight.
+    fn head_grads<'a>(
+        &self,
+        op: &'static str,
+        s: HeadShape,
+        dx: ViewMut<'a>,
+        dw: ViewMut<'a>,
+    ) -> Result<(CudaViewMut<'a>, CudaViewMut<'a>)> {
+        let (dx, dw) = (
+            self.dev_out(op, "dx", dx)?,
+            self.dev_out(op, "dweight", dw)?,
+        );
+        expect_len(op, "dx", dx.len(), s.rows * s.dim)?;
+        expect_len(op, "dweight", dw.len(), s.vocab * s.dim)?;
+        Ok((dx, dw))
     }
 }

@@ -271,6 +271,56 @@ impl Module for Head {
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, c], dx)
     }
 
+    fn forward_backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        gr: &mut Grads<'_>,
+        input: &Tensor,
+        grad_output: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        crate::nn::check_views("head", p, Some(gr), &self.lens())?;
+        let g = crate::nn::loss_grad(grad_output)?;
+        let (b, t, c, be) = (ctx.batch.batch, ctx.batch.seq, self.cfg.n_embd, ctx.be);
+        check_tokens(ctx.batch, usize::MAX)?;
+        let n = check_rows("gpt2 head", input, b * t, c)?;
+        let [mean, rstd, lnf] = self.final_norm(be, p, input.view())?;
+        let mut dlnf = act(be, n * c)?;
+        let loss = be.head_loss_fused(
+            self.head_shape(n),
+            lnf.view(),
+            p.get(2),
+            ctx.targets(),
+            g,
+            dlnf.view_mut(),
+            gr.get_mut(2),
+        )?;
+        let mut dx = act(be, n * c)?;
+        let (g0, g1) = gr.pair_mut(0, 1);
+        be.layernorm_backward(
+            input.view(),
+            p.get(0),
+            mean.view(),
+            rstd.view(),
+            dlnf.view(),
+            dx.view_mut(),
+            g0,
+            g1,
+        )?;
+        for dead in [dlnf, mean, rstd, lnf] {
+            be.recycle(dead);
+        }
+        Ok((Tensor::new(vec![1], loss)?, Tensor::new(vec![b, t, c], dx)?))
+    }
+
+    fn forward_backward_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        let n = batch * seq;
+        // lnf and its gradient, two f32 per-row stats, the fused loss's own buffers.
+        2 * m.act_bytes(n * self.cfg.n_embd)
+            + 2 * m.bytes(DType::F32, n)
+            + m.head_fused_transient(self.head_shape(n))
+    }
+
     fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
         let n = batch * seq;
         // x and lnf, two f32 per-row stats, the loss's own state.

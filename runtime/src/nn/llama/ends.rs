@@ -141,6 +141,14 @@ impl Head {
         }
     }
 
+    fn head_shape(&self, rows: usize) -> HeadShape {
+        HeadShape {
+            rows,
+            dim: self.cfg.hidden_size,
+            vocab: self.cfg.vocab_size,
+        }
+    }
+
     /// `model.norm` of `[rows, hidden]` states: `[rstd, normed]`.
     fn final_norm(&self, be: &dyn Backend, p: &Params<'_>, x: View<'_>) -> Result<[Storage; 2]> {
         let (h, n) = (self.cfg.hidden_size, x.len() / self.cfg.hidden_size.max(1));
@@ -173,15 +181,11 @@ impl Module for Head {
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
         crate::nn::check_views("head", p, None, &self.lens())?;
-        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, ctx.be);
+        let (h, be) = (self.cfg.hidden_size, ctx.be);
         check_tokens(ctx.batch, usize::MAX)?;
         let n = check_rows("llama head", input, ctx.batch.batch * ctx.batch.seq, h)?;
         let [rstd, normed] = self.final_norm(be, p, input.view())?;
-        let shape = HeadShape {
-            rows: n,
-            dim: h,
-            vocab: v,
-        };
+        let shape = self.head_shape(n);
         let out =
             be.head_loss_forward(shape, normed.view(), p.get(1), ctx.targets(), ctx.training)?;
         if let (true, Some(loss_state)) = (ctx.training, out.saved) {
@@ -221,14 +225,10 @@ impl Module for Head {
         crate::nn::check_views("head", p, Some(gr), &self.lens())?;
         let s = take::<HeadSaved>(ctx.saved, "head")?;
         let g = crate::nn::loss_grad(grad_output)?;
-        let (h, v, be) = (self.cfg.hidden_size, self.cfg.vocab_size, ctx.be);
+        let (h, be) = (self.cfg.hidden_size, ctx.be);
         crate::nn::check_same_batch("head", s.x.len(), ctx.batch, h)?;
         let n = s.x.len() / h;
-        let shape = HeadShape {
-            rows: n,
-            dim: h,
-            vocab: v,
-        };
+        let shape = self.head_shape(n);
         let mut dnormed = act(be, n * h)?;
         be.head_loss_backward(
             shape,
@@ -255,14 +255,56 @@ impl Module for Head {
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, h], dx)
     }
 
+    fn forward_backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        gr: &mut Grads<'_>,
+        input: &Tensor,
+        grad_output: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        crate::nn::check_views("head", p, Some(gr), &self.lens())?;
+        let g = crate::nn::loss_grad(grad_output)?;
+        let (h, be) = (self.cfg.hidden_size, ctx.be);
+        check_tokens(ctx.batch, usize::MAX)?;
+        let n = check_rows("llama head", input, ctx.batch.batch * ctx.batch.seq, h)?;
+        let [rstd, normed] = self.final_norm(be, p, input.view())?;
+        let mut dnormed = act(be, n * h)?;
+        let loss = be.head_loss_fused(
+            self.head_shape(n),
+            normed.view(),
+            p.get(1),
+            ctx.targets(),
+            g,
+            dnormed.view_mut(),
+            gr.get_mut(1),
+        )?;
+        let mut dx = act(be, n * h)?;
+        be.rmsnorm_backward(
+            input.view(),
+            p.get(0),
+            rstd.view(),
+            dnormed.view(),
+            dx.view_mut(),
+            gr.get_mut(0),
+        )?;
+        for dead in [dnormed, rstd, normed] {
+            be.recycle(dead);
+        }
+        let dx = Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, h], dx)?;
+        Ok((Tensor::new(vec![1], loss)?, dx))
+    }
+
+    fn forward_backward_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        let (n, h) = (batch * seq, self.cfg.hidden_size);
+        // normed and its gradient, the f32 per-row rstd, the fused loss's own buffers.
+        2 * m.act_bytes(n * h) + m.bytes(DType::F32, n) + m.head_fused_transient(self.head_shape(n))
+    }
+
     fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
         let (n, h) = (batch * seq, self.cfg.hidden_size);
         // x and normed, the f32 per-row rstd, the loss's own state.
-        let shape = HeadShape {
-            rows: n,
-            dim: h,
-            vocab: self.cfg.vocab_size,
-        };
+        let shape = self.head_shape(n);
         2 * m.act_bytes(n * h) + m.bytes(DType::F32, n) + m.head_saved(shape)
     }
 
@@ -272,11 +314,7 @@ impl Module for Head {
 
     fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
         let (n, h) = (batch * seq, self.cfg.hidden_size);
-        let shape = HeadShape {
-            rows: n,
-            dim: h,
-            vocab: self.cfg.vocab_size,
-        };
+        let shape = self.head_shape(n);
         let (forward, backward) = m.head_transient(shape);
         // Backward also holds dnormed beside the loss's own buffers.
         Transients {

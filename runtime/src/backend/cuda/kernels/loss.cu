@@ -1,21 +1,28 @@
 // loss.cu: softmax cross-entropy over a chunk of logits rows, the loss sum, and argmax.
 //
 // The head's matmul produces logits a chunk of rows at a time, so full-vocabulary logits never
-// exist for the whole batch: forward saves one f32 log-sum-exp per row, backward recomputes the
-// softmax from the chunk's logits and it. Logits are T (_f32, _bf16, _f16); targets are `int`,
-// -100 ignores a row (the CPU backend's IGNORE_INDEX).
+// exist for the whole batch. In training the fused kernel turns a chunk's logits into its
+// gradients at once (the loss gradient g is known before forward); otherwise forward saves one
+// f32 log-sum-exp per row and backward recomputes the softmax from the chunk's logits and it.
+// Logits are T (_f32, _bf16, _f16) with a leading dimension ld >= vocab (the head pads it so
+// that every row starts 16-byte aligned for cuBLASLt); columns [vocab, ld) are never read or
+// written. Targets are `int`, -100 ignores a row (the CPU backend's IGNORE_INDEX).
 //
 //   cross_entropy_forward_T(const T* logits, const int* targets, float* lse, float* loss,
-//                           long long rows, int vocab, int* bad)
+//                           long long rows, int vocab, int ld, int* bad)
 //       lse[r] = log(sum_j exp(logits[r, j])) and loss[r] = lse[r] - logits[r, target]
 //       (0 for an ignored row), both overwritten. One pass over the row (online max and sum).
 //       A target outside [0, vocab) other than -100 is never read: its loss is 0 and *bad = 1.
 //   cross_entropy_backward_T(const T* logits, const int* targets, const float* lse,
-//                            T* dlogits, long long rows, int vocab, float g)
+//                            T* dlogits, long long rows, int vocab, int ld, float g)
 //       dlogits[r, j] = g * softmax(logits[r])_j - (j == target ? g : 0), overwritten; rows with
 //       an ignored (or out-of-range) target become zero. dlogits may be logits itself.
-//     Launch (both): a block per row (grid rows, or fewer: blocks stride over rows), block a
-//     multiple of 32 threads, e.g. 1024 for a 50k vocabulary, 256 for a small one.
+//   cross_entropy_fused_T(T* logits, const int* targets, float* loss, long long rows,
+//                         int vocab, int ld, float g, int* bad)
+//       forward's loss[r] and, in place of the logits, backward's dlogits, in one kernel: the
+//       same arithmetic as forward then backward (the same bits), without the lse round trip.
+//     Launch (all three): a block per row (grid rows, or fewer: blocks stride over rows), block
+//     a multiple of 32 threads, e.g. 1024 for a 50k vocabulary, 256 for a small one.
 //
 //   cross_entropy_loss_sum(const float* loss, long long rows, float* out, double* acc)
 //       *out = sum of loss[0 .. rows) (overwritten), summed in f64 and rounded once; when acc is
@@ -104,52 +111,62 @@ struct SoftmaxGrad {
   }
 };
 
+// One row's softmax statistics by the whole block; every thread gets the same bits (each warp
+// combines the warps' partial states in the same butterfly). `s_warp` is 32 shared states.
+template <class T>
+__device__ __forceinline__ SoftmaxState row_softmax(const T* xr, int vocab, SoftmaxState* s_warp) {
+  constexpr int V = fz_vec<T>::n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  SoftmaxPass<T> pass{xr, {-fz_inf(), 0.0f}};
+  fz_row_packs<V>(xr, vocab, true, threadIdx.x, blockDim.x, pass);
+  const SoftmaxState st = softmax_warp(pass.st);
+  if (lane == 0) s_warp[warp] = st;
+  __syncthreads();
+  SoftmaxState w = lane < warps ? s_warp[lane] : SoftmaxState{-fz_inf(), 0.0f};
+  w = softmax_warp(w);
+  __syncthreads();  // s_warp is rewritten for the next row
+  return w;
+}
+
+// A row's loss from its statistics: the CPU's form, ln(sum) - (x_t - max), subtracted in f64;
+// 0 for an ignored row, and for an out-of-range target (flagged in *bad).
+template <class T>
+__device__ __forceinline__ float row_loss(const T* xr, int t, int vocab, SoftmaxState w,
+                                          float log_s, int* bad) {
+  if (t == FZ_IGNORE_INDEX) return 0.0f;
+  if (t < 0 || t >= vocab) {
+    atomicOr(bad, 1);
+    return 0.0f;
+  }
+  const float zt = to_f32(xr[t]) - w.m;
+  return static_cast<float>(static_cast<double>(log_s) - static_cast<double>(zt));
+}
+
 template <class T>
 __device__ __forceinline__ void cross_entropy_forward(const T* logits, const int* targets,
                                                       float* lse, float* loss, long long rows,
-                                                      int vocab, int* bad) {
+                                                      int vocab, int ld, int* bad) {
   __shared__ SoftmaxState s_warp[32];
-  constexpr int V = fz_vec<T>::n;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = logits + row * vocab;
-    SoftmaxPass<T> pass{xr, {-fz_inf(), 0.0f}};
-    fz_row_packs<V>(xr, vocab, true, threadIdx.x, blockDim.x, pass);
-    const SoftmaxState st = softmax_warp(pass.st);
-    if (lane == 0) s_warp[warp] = st;
-    __syncthreads();
-    if (warp == 0) {
-      SoftmaxState w = lane < warps ? s_warp[lane] : SoftmaxState{-fz_inf(), 0.0f};
-      w = softmax_warp(w);
-      if (lane == 0) {
-        const float log_s = logf(w.s);
-        lse[row] = w.m + log_s;
-        const int t = targets[row];
-        float l = 0.0f;
-        if (t != FZ_IGNORE_INDEX) {
-          if (t < 0 || t >= vocab) {
-            atomicOr(bad, 1);
-          } else {
-            // The CPU's form: ln(sum) - (x_t - max), subtracted in f64.
-            const float zt = to_f32(xr[t]) - w.m;
-            l = static_cast<float>(static_cast<double>(log_s) - static_cast<double>(zt));
-          }
-        }
-        loss[row] = l;
-      }
+    const T* xr = logits + row * ld;
+    const SoftmaxState w = row_softmax(xr, vocab, s_warp);
+    if (threadIdx.x == 0) {
+      const float log_s = logf(w.s);
+      lse[row] = w.m + log_s;
+      loss[row] = row_loss(xr, targets[row], vocab, w, log_s, bad);
     }
-    __syncthreads();  // s_warp is rewritten for the next row
   }
 }
 
 template <class T>
 __device__ __forceinline__ void cross_entropy_backward(const T* logits, const int* targets,
                                                        const float* lse, T* dlogits,
-                                                       long long rows, int vocab, float g) {
+                                                       long long rows, int vocab, int ld,
+                                                       float g) {
   constexpr int V = fz_vec<T>::n;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = logits + row * vocab;
-    T* dr = dlogits + row * vocab;
+    const T* xr = logits + row * ld;
+    T* dr = dlogits + row * ld;
     const int t = targets[row];
     const bool zero = t < 0 || t >= vocab;  // ignored, or out of range (flagged by forward)
     const float l = lse[row];
@@ -158,6 +175,24 @@ __device__ __forceinline__ void cross_entropy_backward(const T* logits, const in
                        reinterpret_cast<unsigned long long>(dr)) & 15) == 0;
     SoftmaxGrad<T> op{xr, dr, t, zero, l, g};
     fz_row_packs<V>(xr, vocab, vec, threadIdx.x, blockDim.x, op);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void cross_entropy_fused(T* logits, const int* targets, float* loss,
+                                                    long long rows, int vocab, int ld, float g,
+                                                    int* bad) {
+  __shared__ SoftmaxState s_warp[32];
+  constexpr int V = fz_vec<T>::n;
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    T* xr = logits + row * ld;
+    const SoftmaxState w = row_softmax(xr, vocab, s_warp);
+    const float log_s = logf(w.s);
+    const int t = targets[row];
+    if (threadIdx.x == 0) loss[row] = row_loss(xr, t, vocab, w, log_s, bad);
+    __syncthreads();  // the target's logit is read before the row is overwritten
+    SoftmaxGrad<T> op{xr, xr, t, t < 0 || t >= vocab, w.m + log_s, g};
+    fz_row_packs<V>(xr, vocab, true, threadIdx.x, blockDim.x, op);
   }
 }
 
@@ -237,34 +272,50 @@ __device__ __forceinline__ void argmax(const T* x, int* out, long long rows, int
 
 extern "C" __global__ void cross_entropy_forward_f32(const float* logits, const int* targets,
                                                      float* lse, float* loss, long long rows,
-                                                     int vocab, int* bad) {
-  cross_entropy_forward(logits, targets, lse, loss, rows, vocab, bad);
+                                                     int vocab, int ld, int* bad) {
+  cross_entropy_forward(logits, targets, lse, loss, rows, vocab, ld, bad);
 }
 extern "C" __global__ void cross_entropy_forward_bf16(const bf16_t* logits, const int* targets,
                                                       float* lse, float* loss, long long rows,
-                                                      int vocab, int* bad) {
-  cross_entropy_forward(logits, targets, lse, loss, rows, vocab, bad);
+                                                      int vocab, int ld, int* bad) {
+  cross_entropy_forward(logits, targets, lse, loss, rows, vocab, ld, bad);
 }
 extern "C" __global__ void cross_entropy_forward_f16(const f16_t* logits, const int* targets,
                                                      float* lse, float* loss, long long rows,
-                                                     int vocab, int* bad) {
-  cross_entropy_forward(logits, targets, lse, loss, rows, vocab, bad);
+                                                     int vocab, int ld, int* bad) {
+  cross_entropy_forward(logits, targets, lse, loss, rows, vocab, ld, bad);
 }
 
 extern "C" __global__ void cross_entropy_backward_f32(const float* logits, const int* targets,
                                                       const float* lse, float* dlogits,
-                                                      long long rows, int vocab, float g) {
-  cross_entropy_backward(logits, targets, lse, dlogits, rows, vocab, g);
+                                                      long long rows, int vocab, int ld, float g) {
+  cross_entropy_backward(logits, targets, lse, dlogits, rows, vocab, ld, g);
 }
 extern "C" __global__ void cross_entropy_backward_bf16(const bf16_t* logits, const int* targets,
                                                        const float* lse, bf16_t* dlogits,
-                                                       long long rows, int vocab, float g) {
-  cross_entropy_backward(logits, targets, lse, dlogits, rows, vocab, g);
+                                                       long long rows, int vocab, int ld, float g) {
+  cross_entropy_backward(logits, targets, lse, dlogits, rows, vocab, ld, g);
 }
 extern "C" __global__ void cross_entropy_backward_f16(const f16_t* logits, const int* targets,
                                                       const float* lse, f16_t* dlogits,
-                                                      long long rows, int vocab, float g) {
-  cross_entropy_backward(logits, targets, lse, dlogits, rows, vocab, g);
+                                                      long long rows, int vocab, int ld, float g) {
+  cross_entropy_backward(logits, targets, lse, dlogits, rows, vocab, ld, g);
+}
+
+extern "C" __global__ void cross_entropy_fused_f32(float* logits, const int* targets, float* loss,
+                                                   long long rows, int vocab, int ld, float g,
+                                                   int* bad) {
+  cross_entropy_fused(logits, targets, loss, rows, vocab, ld, g, bad);
+}
+extern "C" __global__ void cross_entropy_fused_bf16(bf16_t* logits, const int* targets, float* loss,
+                                                   long long rows, int vocab, int ld, float g,
+                                                   int* bad) {
+  cross_entropy_fused(logits, targets, loss, rows, vocab, ld, g, bad);
+}
+extern "C" __global__ void cross_entropy_fused_f16(f16_t* logits, const int* targets, float* loss,
+                                                   long long rows, int vocab, int ld, float g,
+                                                   int* bad) {
+  cross_entropy_fused(logits, targets, loss, rows, vocab, ld, g, bad);
 }
 
 extern "C" __global__ void cross_entropy_loss_sum(const float* loss, long long rows, float* out,

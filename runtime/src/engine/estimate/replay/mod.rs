@@ -315,7 +315,8 @@ impl<'a> Replay<'a> {
             .saved_bytes(mb, seq, &self.mem) as u64
     }
 
-    /// One training forward over every unit.
+    /// One training forward over every unit (`train_batch`'s: the last unit runs its backward
+    /// at once, `engine/fused.rs`).
     pub(super) fn forward(&mut self, mb: usize, seq: usize) {
         self.begin_forward_transients(mb, seq);
         let n = self.model.units.len();
@@ -327,6 +328,9 @@ impl<'a> Replay<'a> {
             }
             if unit + 1 < n {
                 self.prefetch(unit + 1);
+            } else {
+                self.fused_unit(unit, mb, seq);
+                break;
             }
             self.unit_forward_transients(unit, mb, seq);
             if !self.reused_soon(unit) {
@@ -345,14 +349,44 @@ impl<'a> Replay<'a> {
         }
     }
 
-    /// One backward over every unit in reverse, with recompute under checkpointing.
+    /// `Engine::run_unit_fused`: the last unit's gradients allocated, computed with its
+    /// forward, its parameters released; nothing saved or checkpointed.
+    fn fused_unit(&mut self, unit: usize, mb: usize, seq: usize) {
+        self.ensure_micro(unit);
+        if let Some(s) = self.uses_shared(unit) {
+            self.ensure_micro(s);
+        }
+        self.fused_transients(unit, mb, seq);
+        self.release_unit(unit);
+    }
+
+    /// `Engine::reduce_unit`: the unit's reduction, and the shared group's after its first
+    /// user.
+    fn reduce_unit(&mut self, unit: usize, first_shared_user: Option<usize>) {
+        self.reduce_group(unit);
+        if let (Some(s), Some(first)) = (self.shared_index(), first_shared_user) {
+            if first == unit {
+                self.reduce_group(s);
+            }
+        }
+    }
+
+    /// One backward over every unit in reverse, with recompute under checkpointing; the
+    /// fused last unit only prefetches its predecessor and is reduced.
     pub(super) fn backward(&mut self, mb: usize, seq: usize) {
         let first_shared_user = self
             .model
             .units
             .iter()
             .position(|u| !u.uses_shared.is_empty());
-        for unit in (0..self.model.units.len()).rev() {
+        let Some(last) = self.model.units.len().checked_sub(1) else {
+            return;
+        };
+        if last > 0 {
+            self.prefetch(last - 1);
+        }
+        self.reduce_unit(last, first_shared_user);
+        for unit in (0..last).rev() {
             self.gather_unit(unit);
             if unit > 0 {
                 self.prefetch(unit - 1);
@@ -374,12 +408,7 @@ impl<'a> Replay<'a> {
             self.ledger
                 .free(Location::Device, Category::Activations, saved);
             self.release_unit(unit);
-            self.reduce_group(unit);
-            if let (Some(s), Some(first)) = (self.shared_index(), first_shared_user) {
-                if first == unit {
-                    self.reduce_group(s);
-                }
-            }
+            self.reduce_unit(unit, first_shared_user);
         }
         for q in std::mem::take(&mut self.queued) {
             self.free_reduction(q);

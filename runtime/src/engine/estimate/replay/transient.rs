@@ -68,26 +68,39 @@ impl Replay<'_> {
         self.free_act(input);
     }
 
-    /// A unit's backward: its working buffers and the input gradient it returns, beside its
-    /// saved state and the gradient it receives; then the returned gradient replaces the
-    /// received one. The loss (the last unit's output) stays for the step; the last unit
-    /// receives a host scalar.
+    /// A unit's backward (every unit but the fused last one): its working buffers and the
+    /// input gradient it returns, beside its saved state and the gradient it receives; then
+    /// the returned gradient replaces the received one.
     pub(super) fn unit_backward_transients(&mut self, unit: usize, mb: usize, seq: usize) {
         if !self.mem.counts_transients {
             return;
         }
-        let last = unit + 1 == self.model.units.len();
         let m = &self.model.units[unit].module;
         let work = m.transient_bytes(mb, seq, &self.mem).backward as u64;
         let dx = self.input_bytes(unit, mb, seq);
         self.spike(work + dx);
         self.alloc_act(dx);
         let received = std::mem::replace(&mut self.boundary, dx);
-        if last {
-            self.loss = received;
-        } else {
-            self.free_act(received);
+        self.free_act(received);
+    }
+
+    /// The last unit's forward and backward at once: its working buffers beside its output
+    /// (the loss, kept until the step) and the input gradient it returns, which backward
+    /// starts from; its input is recycled.
+    pub(super) fn fused_transients(&mut self, unit: usize, mb: usize, seq: usize) {
+        if !self.mem.counts_transients {
+            return;
         }
+        let m = &self.model.units[unit].module;
+        let out = m.output_bytes(mb, seq, &self.mem) as u64;
+        let work = m.forward_backward_bytes(mb, seq, &self.mem) as u64;
+        let dx = self.input_bytes(unit, mb, seq);
+        self.spike(work + out + dx);
+        self.alloc_act(out);
+        self.loss = out;
+        self.alloc_act(dx);
+        let input = std::mem::replace(&mut self.boundary, dx);
+        self.free_act(input);
     }
 
     /// Backward's end: the first unit's (empty) input gradient and the batch's ids go; the

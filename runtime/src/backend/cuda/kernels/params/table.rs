@@ -81,11 +81,15 @@ pub const TABLE: &[Family] = &[
     // loss.cu
     per_dtype("cross_entropy_forward", &[
         p("logits", In(T)), p("targets", In(I32)), p("lse", Out(F32)), p("loss", Out(F32)),
-        p("rows", LongLong), p("vocab", Int), p("bad", Out(I32)),
+        p("rows", LongLong), p("vocab", Int), p("ld", Int), p("bad", Out(I32)),
     ]),
     per_dtype("cross_entropy_backward", &[
         p("logits", In(T)), p("targets", In(I32)), p("lse", In(F32)), p("dlogits", Out(T)),
-        p("rows", LongLong), p("vocab", Int), p("g", Float),
+        p("rows", LongLong), p("vocab", Int), p("ld", Int), p("g", Float),
+    ]),
+    per_dtype("cross_entropy_fused", &[
+        p("logits", Out(T)), p("targets", In(I32)), p("loss", Out(F32)), p("rows", LongLong),
+        p("vocab", Int), p("ld", Int), p("g", Float), p("bad", Out(I32)),
     ]),
     per_dtype("argmax", &[p("x", In(T)), p("out", Out(I32)), p("rows", LongLong), p("cols", Int)]),
     single("cross_entropy_loss_sum", &[

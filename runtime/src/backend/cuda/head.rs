@@ -1,0 +1,256 @@
+//! The language-model head on the device: logits a chunk of rows at a time through cuBLASLt,
+//! `loss.cu`'s cross-entropy between the products.
+//!
+//! Full-vocabulary logits never exist for the batch. Forward keeps one log-sum-exp per row and
+//! backward recomputes each chunk's logits; the fused head (training, with the loss gradient
+//! known before forward) runs per chunk the logits product, the loss and dlogits kernel (in
+//! place), then the dX and dW products: three products per chunk, nothing kept.
+//!
+//! The chunk's rows lie [`crate::backend::MemoryModel::head_ld`] elements apart (the
+//! vocabulary rounded up to 128), so every head product has 16-byte aligned leading
+//! dimensions and cuBLASLt its aligned kernels. Only the vocabulary's columns are computed,
+//! read or in the loss; the padding lives in this transient buffer alone, never in
+//! parameters, gradients, checkpoints or exports.
+
+use std::ops::Range;
+
+use super::backend::{expect_len, CudaBackend};
+use super::device::STREAM;
+use super::driver::{DevPtr, LaunchConfig};
+use super::launch::Args;
+use super::matmul::RowStrides;
+use super::storage::CudaIds;
+use super::storage::{by_dtype, CudaBuf, CudaView, CudaViewMut};
+use super::token::{block_rows, check_targets};
+use crate::backend::{HeadShape, MatmulShape, MemoryOps, Transpose};
+use crate::tensor::DType;
+use crate::{Error, Result};
+
+/// One call's chunking: rows per chunk and the logits' row stride.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    s: HeadShape,
+    ld: usize,
+    chunk: usize,
+}
+
+impl Plan {
+    /// The chunks' row ranges, in order.
+    fn chunks(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (0..self.s.rows)
+            .step_by(self.chunk.max(1))
+            .map(|r0| r0..(r0 + self.chunk).min(self.s.rows))
+    }
+}
+
+/// A head call's operands on this device, their lengths checked against the shape.
+pub(super) struct HeadIn<'a> {
+    /// The targets (one per row).
+    pub t: &'a CudaIds,
+    /// The hidden states `[rows, dim]`.
+    pub x: CudaView<'a>,
+    /// The weight `[vocab, dim]`.
+    pub w: CudaView<'a>,
+}
+
+impl CudaBackend {
+    /// The memory model's chunk and row stride for `s`, the chunk capped where a test asked.
+    fn head_plan(&self, s: HeadShape) -> Result<Plan> {
+        if s.vocab == 0 || s.dim == 0 || s.vocab > i32::MAX as usize {
+            return Err(Error::Invalid(format!(
+                "head loss: a vocabulary of {} and a width of {} (both must be in 1..2^31)",
+                s.vocab, s.dim
+            )));
+        }
+        let m = self.memory_model();
+        let chunk = m.head_chunk_rows(s);
+        Ok(Plan {
+            s,
+            ld: m.head_ld(s),
+            chunk: self.head_chunk_cap().map_or(chunk, |c| chunk.min(c.max(1))),
+        })
+    }
+
+    /// A zeroed device `int` the kernels may set; the host checks ids itself and never reads it.
+    pub(super) fn scratch_flag(&self) -> Result<super::driver::DeviceBuffer> {
+        let f = self.dev.alloc(4)?;
+        self.dev.driver().memset_zero(f.ptr(), 4, STREAM)?;
+        Ok(f)
+    }
+
+    /// `logits[.., :vocab] = x[rows] · wᵀ` into the chunk buffer (row stride `ld`).
+    fn chunk_logits(
+        &self,
+        p: &Plan,
+        h: &HeadIn<'_>,
+        rows: Range<usize>,
+        logits: &mut CudaBuf,
+    ) -> Result<()> {
+        let s = p.s;
+        let xc = h.x.range(rows.start * s.dim..rows.end * s.dim)?;
+        let shape = MatmulShape {
+            m: rows.len(),
+            n: s.vocab,
+            k: s.dim,
+            ta: Transpose::No,
+            tb: Transpose::Yes,
+        };
+        let ld = RowStrides {
+            a: s.dim,
+            b: s.dim,
+            c: p.ld,
+        };
+        self.matmul_strided(shape, (xc, h.w, logits.view_mut()), ld, false)
+    }
+
+    /// `dx[rows] = dlogits · W`, then `dW += dlogitsᵀ · x[rows]`, from the chunk's gradients.
+    fn chunk_grads(
+        &self,
+        p: &Plan,
+        h: &HeadIn<'_>,
+        rows: Range<usize>,
+        dlogits: CudaView<'_>,
+        dx: &mut CudaViewMut<'_>,
+        dw: &mut CudaViewMut<'_>,
+    ) -> Result<()> {
+        let (s, n) = (p.s, rows.len());
+        let span = rows.start * s.dim..rows.end * s.dim;
+        let dxs = MatmulShape {
+            m: n,
+            n: s.dim,
+            k: s.vocab,
+            ta: Transpose::No,
+            tb: Transpose::No,
+        };
+        let ld = RowStrides {
+            a: p.ld,
+            b: s.dim,
+            c: s.dim,
+        };
+        let dxc = dx.reborrow().range(span.clone())?;
+        self.matmul_strided(dxs, (dlogits, h.w, dxc), ld, false)?;
+        let dws = MatmulShape {
+            m: s.vocab,
+            n: s.dim,
+            k: n,
+            ta: Transpose::Yes,
+            tb: Transpose::No,
+        };
+        let xc = h.x.range(span)?;
+        self.matmul_strided(dws, (dlogits, xc, dw.reborrow()), ld, true)
+    }
+
+    /// The loss sum of `rows` per-row losses into a fresh one-element f32 buffer. One block of
+    /// a fixed size: the summation order never changes.
+    fn head_loss_sum(&self, losses: &CudaBuf, rows: usize) -> Result<CudaBuf> {
+        let loss = CudaBuf::uninit(&self.dev, DType::F32, 1)?;
+        let mut args = Args::new()
+            .ptr(losses.view().ptr())
+            .len(rows)
+            .ptr(loss.view().ptr())
+            .ptr(DevPtr::NULL);
+        let cfg = LaunchConfig::linear(1, 1024);
+        self.dev.launch("cross_entropy_loss_sum", cfg, &mut args)?;
+        Ok(loss)
+    }
+
+    /// Forward: the loss sum and, with `keep`, the per-row log-sum-exp backward reads.
+    pub(super) fn head_forward(
+        &self,
+        s: HeadShape,
+        h: HeadIn<'_>,
+        keep: bool,
+    ) -> Result<(CudaBuf, Option<CudaBuf>)> {
+        let p = self.head_plan(s)?;
+        let act = h.x.dtype();
+        let lse = CudaBuf::uninit(&self.dev, DType::F32, s.rows)?;
+        let losses = CudaBuf::uninit(&self.dev, DType::F32, s.rows)?;
+        let mut logits = CudaBuf::uninit(&self.dev, act, p.chunk * p.ld)?;
+        let bad = self.scratch_flag()?;
+        for r in p.chunks() {
+            self.chunk_logits(&p, &h, r.clone(), &mut logits)?;
+            let mut args = Args::new()
+                .ptr(logits.view().ptr())
+                .ptr(h.t.ptr().offset((r.start * 4) as u64))
+                .ptr(lse.view().range(r.clone())?.ptr())
+                .ptr(losses.view().range(r.clone())?.ptr())
+                .len(r.len())
+                .i32(s.vocab as i32)
+                .i32(p.ld as i32)
+                .ptr(bad.ptr());
+            let name = by_dtype!("cross_entropy_forward", act);
+            self.dev
+                .launch(name, block_rows(r.len(), s.vocab), &mut args)?;
+        }
+        let loss = self.head_loss_sum(&losses, s.rows)?;
+        Ok((loss, keep.then_some(lse)))
+    }
+
+    /// Backward from forward's log-sum-exp: each chunk's logits recomputed, turned into
+    /// gradients in place and multiplied out.
+    pub(super) fn head_backward(
+        &self,
+        s: HeadShape,
+        h: HeadIn<'_>,
+        lse: &CudaBuf,
+        g: f32,
+        (mut dx, mut dw): (CudaViewMut<'_>, CudaViewMut<'_>),
+    ) -> Result<()> {
+        expect_len("head loss backward", "saved log-sum-exp", lse.len(), s.rows)?;
+        let p = self.head_plan(s)?;
+        let act = h.x.dtype();
+        let mut logits = CudaBuf::uninit(&self.dev, act, p.chunk * p.ld)?;
+        for r in p.chunks() {
+            self.chunk_logits(&p, &h, r.clone(), &mut logits)?;
+            let lv = logits.view();
+            let mut args = Args::new()
+                .ptr(lv.ptr())
+                .ptr(h.t.ptr().offset((r.start * 4) as u64))
+                .ptr(lse.view().range(r.clone())?.ptr())
+                .ptr(lv.ptr())
+                .len(r.len())
+                .i32(s.vocab as i32)
+                .i32(p.ld as i32)
+                .f32(g);
+            let name = by_dtype!("cross_entropy_backward", act);
+            self.dev
+                .launch(name, block_rows(r.len(), s.vocab), &mut args)?;
+            self.chunk_grads(&p, &h, r, logits.view(), &mut dx, &mut dw)?;
+        }
+        Ok(())
+    }
+
+    /// Forward and backward at once: per chunk the logits, the loss and dlogits in place,
+    /// dX and dW; returns the loss sum.
+    pub(super) fn head_fused(
+        &self,
+        s: HeadShape,
+        h: HeadIn<'_>,
+        g: f32,
+        (mut dx, mut dw): (CudaViewMut<'_>, CudaViewMut<'_>),
+    ) -> Result<CudaBuf> {
+        let p = self.head_plan(s)?;
+        check_targets(h.t.host(), s.vocab)?;
+        let act = h.x.dtype();
+        let losses = CudaBuf::uninit(&self.dev, DType::F32, s.rows)?;
+        let mut logits = CudaBuf::uninit(&self.dev, act, p.chunk * p.ld)?;
+        let bad = self.scratch_flag()?;
+        for r in p.chunks() {
+            self.chunk_logits(&p, &h, r.clone(), &mut logits)?;
+            let mut args = Args::new()
+                .ptr(logits.view().ptr())
+                .ptr(h.t.ptr().offset((r.start * 4) as u64))
+                .ptr(losses.view().range(r.clone())?.ptr())
+                .len(r.len())
+                .i32(s.vocab as i32)
+                .i32(p.ld as i32)
+                .f32(g)
+                .ptr(bad.ptr());
+            let name = by_dtype!("cross_entropy_fused", act);
+            self.dev
+                .launch(name, block_rows(r.len(), s.vocab), &mut args)?;
+            self.chunk_grads(&p, &h, r, logits.view(), &mut dx, &mut dw)?;
+        }
+        self.head_loss_sum(&losses, s.rows)
+    }
+}

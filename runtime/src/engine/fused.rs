@@ -1,0 +1,87 @@
+//! The last unit's forward and backward in one call (`Module::forward_backward`).
+//!
+//! `train_batch` knows the loss gradient before forward (the loss scale over the global
+//! batch's targets), and its backward follows forward at once, so the last unit (the loss
+//! head) computes its loss and its gradients together: a device runs each chunk's logits
+//! product once, nothing is saved, checkpointed or recomputed. Its parameters are forward's
+//! gather (hpZ's secondary partition is cut from it as from any forward gather) and its
+//! gradients land in the micro-step buffers then; everything backward does after a unit's
+//! computation (prefetching the next unit, the reduction, the shared group's after its first
+//! user) still happens at the start of backward, in the same order, so no reduction, lane or
+//! bit changes. `Engine::forward` (the manual API) does not fuse: its caller may never call
+//! backward.
+
+use super::core::{unit_params_and_grads, Engine};
+use crate::nn::{Batch, BatchIds, Ctx};
+use crate::tensor::Tensor;
+use crate::Result;
+
+impl Engine {
+    /// Forward over every unit for `train_batch`: the last runs its backward too, for
+    /// `loss_grad`; its input gradient waits in `head_grad` for [`Engine::backward_pass`].
+    pub(super) fn forward_pass_fused(
+        &mut self,
+        batch: (&Batch, &BatchIds),
+        loss_grad: f32,
+    ) -> Result<Tensor> {
+        self.forward_units(batch, true, Some(loss_grad))
+    }
+
+    /// The last unit's forward and backward with its parameters gathered; returns the loss.
+    pub(super) fn run_unit_fused(
+        &mut self,
+        unit: usize,
+        (batch, ids): (&Batch, &BatchIds),
+        input: &Tensor,
+        loss_grad: f32,
+    ) -> Result<Tensor> {
+        let seed = self.unit_seed(unit);
+        let shared = self.shared_index();
+        let uses_shared = !self.model.units[unit].uses_shared.is_empty();
+        self.groups[unit].ensure_micro(&*self.be, &mut self.ledger)?;
+        if let Some(s) = shared.filter(|_| uses_shared) {
+            self.groups[s].ensure_micro(&*self.be, &mut self.ledger)?;
+        }
+        let trace = self.trace.clone();
+        let Self {
+            model,
+            groups,
+            saved,
+            be,
+            ..
+        } = self;
+        let u = &model.units[unit];
+        let (params, mut grads) = unit_params_and_grads(groups, unit, &u.uses_shared, shared)?;
+        let mut ctx = Ctx {
+            be: &**be,
+            batch,
+            ids,
+            training: true,
+            rng_seed: seed,
+            saved: &mut saved[unit],
+        };
+        let grad = Tensor::scalar(loss_grad);
+        let r = trace.span("compute", "backward", unit, || {
+            u.module
+                .forward_backward(&mut ctx, &params, &mut grads, input, &grad)
+        });
+        drop(grads);
+        self.saved[unit] = None;
+        let (loss, dx) = r?;
+        self.head_grad = Some(dx);
+        Ok(loss)
+    }
+
+    /// What backward does after the fused unit's computation: the next unit's prefetch, then
+    /// the unit's reduction (and the shared group's, when it is the first user).
+    pub(super) fn finish_fused_unit(
+        &mut self,
+        unit: usize,
+        first_shared_user: Option<usize>,
+    ) -> Result<()> {
+        if unit > 0 {
+            self.prefetch(unit - 1);
+        }
+        self.reduce_unit(unit, first_shared_user)
+    }
+}
