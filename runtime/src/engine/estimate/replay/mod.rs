@@ -227,9 +227,11 @@ impl<'a> Replay<'a> {
             self.prefetch_swap(g);
             return;
         }
-        // One rank uploads a host shard ahead (`param_upload.rs`); more gather on the worker.
+        // A one-rank shard group uploads a host shard ahead (`param_upload.rs`); more gather
+        // on the worker.
         let z = &self.cfg.zero;
-        let upload = self.cfg.world_size == 1 && z.offload_param.target == OffloadTarget::Cpu;
+        let shard_world = self.groups.first().map_or(1, |g| g.layout.world_size);
+        let upload = rules::uploads_ahead(self.cfg, shard_world);
         if !(upload || (z.overlap_comm && self.cfg.world_size > 1)) {
             return;
         }
