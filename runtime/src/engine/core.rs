@@ -56,7 +56,8 @@ pub struct Engine {
     pub(super) ledger: Ledger,
     saved: Vec<Saved>,
     saved_bytes: Vec<u64>,
-    ckpt_inputs: Vec<Option<Tensor>>,
+    /// Checkpointed units' inputs, until their recompute (`ckpt_offload.rs`).
+    pub(super) checkpoints: super::ckpt_offload::Checkpoints,
     /// Optimizer steps taken (skipped ones included).
     pub(super) steps: u64,
     /// Micro-steps since the last optimizer step.
@@ -220,7 +221,7 @@ impl Engine {
             ledger,
             saved: (0..n).map(|_| None).collect(),
             saved_bytes: vec![0; n],
-            ckpt_inputs: (0..n).map(|_| None).collect(),
+            checkpoints: super::ckpt_offload::Checkpoints::new(n),
             steps: 0,
             micro: 0,
             losses: Vec::new(),
@@ -435,10 +436,6 @@ impl Engine {
         self.ledger.free(Location::Device, Category::Activations, b);
     }
 
-    fn ckpt_location(&self) -> Location {
-        rules::ckpt_location(&self.cfg)
-    }
-
     /// Forward over every unit; returns the sum of token losses of this micro-batch as a
     /// one-element tensor on the device (read it only when the value is needed: a sync).
     pub(super) fn forward_pass(
@@ -465,12 +462,8 @@ impl Engine {
             if training {
                 if self.checkpointing() {
                     self.saved[unit] = None;
-                    self.ledger.alloc(
-                        self.ckpt_location(),
-                        Category::Activations,
-                        x.bytes() as u64,
-                    );
-                    self.ckpt_inputs[unit] = Some(std::mem::take(&mut x));
+                    let input = std::mem::take(&mut x);
+                    self.leave_checkpoint(unit, input)?;
                 } else {
                     self.track_saved(unit);
                 }
@@ -518,6 +511,7 @@ impl Engine {
             self.gather_unit(unit)?;
             if unit > 0 {
                 self.prefetch(unit - 1);
+                self.checkpoint_ahead(unit - 1)?;
             }
             let trace = self.trace.clone();
             let r = trace.span("compute", "backward", unit, || {
@@ -543,12 +537,7 @@ impl Engine {
         (batch, ids): (&Batch, &BatchIds),
         grad: &Tensor,
     ) -> Result<Tensor> {
-        if let Some(input) = self.ckpt_inputs[unit].take() {
-            self.ledger.free(
-                self.ckpt_location(),
-                Category::Activations,
-                input.bytes() as u64,
-            );
+        if let Some(input) = self.take_checkpoint(unit)? {
             self.run_unit_forward(unit, (batch, ids), &input, true)?;
             self.track_saved(unit);
         }

@@ -67,6 +67,8 @@ pub(super) struct Replay<'a> {
     boundary: u64,
     /// Device bytes of the loss backward started from, kept until the step.
     loss: u64,
+    /// Units whose host checkpoint is back on the device ahead of its recompute.
+    ckpt_up: Vec<bool>,
 }
 
 impl<'a> Replay<'a> {
@@ -116,6 +118,7 @@ impl<'a> Replay<'a> {
             snapshot_bytes: 0,
             boundary: 0,
             loss: 0,
+            ckpt_up: vec![false; n],
         };
         for g in 0..n {
             r.build_group(g, moments);
@@ -296,6 +299,20 @@ impl<'a> Replay<'a> {
         rules::ckpt_location(self.cfg)
     }
 
+    /// `Engine::checkpoint_ahead`: a checkpoint in host memory goes up to the device one
+    /// unit ahead of its recompute.
+    fn checkpoint_ahead(&mut self, unit: usize, mb: usize, seq: usize) {
+        if self.checkpointing().is_none()
+            || self.ckpt_location() != Location::Host
+            || std::mem::replace(&mut self.ckpt_up[unit], true)
+        {
+            return;
+        }
+        let b = self.input_bytes(unit, mb, seq);
+        self.ledger
+            .alloc(Location::Device, Category::Activations, b);
+    }
+
     /// Bytes of a unit's input tensor: its predecessor's output (the first unit gets none).
     fn input_bytes(&self, unit: usize, mb: usize, seq: usize) -> u64 {
         match unit {
@@ -353,11 +370,18 @@ impl<'a> Replay<'a> {
             self.gather_unit(unit);
             if unit > 0 {
                 self.prefetch(unit - 1);
+                self.checkpoint_ahead(unit - 1, mb, seq);
             }
             let saved = self.saved_bytes(unit, mb, seq);
             if self.checkpointing().is_some() {
                 self.unit_forward_transients(unit, mb, seq);
                 let b = self.input_bytes(unit, mb, seq);
+                // `Engine::take_checkpoint`: back on the device (ahead, or now), then used.
+                if self.ckpt_location() == Location::Host {
+                    self.checkpoint_ahead(unit, mb, seq);
+                    self.ckpt_up[unit] = false;
+                    self.ledger.free(Location::Device, Category::Activations, b);
+                }
                 self.ledger
                     .free(self.ckpt_location(), Category::Activations, b);
                 self.ledger
