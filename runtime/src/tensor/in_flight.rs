@@ -62,6 +62,11 @@ impl HostCopy {
         self.host.len() == 0
     }
 
+    /// Element type.
+    pub fn dtype(&self) -> super::DType {
+        self.host.dtype()
+    }
+
     /// Waits on this thread until the copy in flight (if any) has completed.
     pub fn wait(&mut self) -> Result<()> {
         if let Some(e) = &self.busy {
