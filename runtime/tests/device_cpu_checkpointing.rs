@@ -120,9 +120,18 @@ fn cpu_checkpoints_change_no_bit_and_leave_the_device() {
         let kept = train(&cfg(stage, false));
         let c = cfg(stage, true);
         let moved = train(&c);
-        assert!(kept.bits == moved.bits, "{stage:?}: cpu_checkpointing differs");
-        assert_eq!(kept.host_ckpt, 0, "{stage:?}: device checkpoints counted on the host");
-        assert!(moved.host_ckpt > 0, "{stage:?}: no checkpoint in host memory");
+        assert!(
+            kept.bits == moved.bits,
+            "{stage:?}: cpu_checkpointing differs"
+        );
+        assert_eq!(
+            kept.host_ckpt, 0,
+            "{stage:?}: device checkpoints counted on the host"
+        );
+        assert!(
+            moved.host_ckpt > 0,
+            "{stage:?}: no checkpoint in host memory"
+        );
         // Every checkpoint but the two around the unit in backward leaves the device.
         eprintln!(
             "{stage:?}: peak {} with host checkpoints, {} on the device; checkpoints {}",
@@ -137,7 +146,10 @@ fn cpu_checkpoints_change_no_bit_and_leave_the_device() {
         for (what, c, run) in [("device", cfg(stage, false), &kept), ("host", c, &moved)] {
             let est = estimate(&model(), &c, MICRO, SEQ).device.peak_bytes;
             let off = (est as f64 - run.peak as f64).abs() / run.peak as f64;
-            eprintln!("{stage:?} {what} checkpoints: estimate {est} peak {}", run.peak);
+            eprintln!(
+                "{stage:?} {what} checkpoints: estimate {est} peak {}",
+                run.peak
+            );
             assert!(
                 off <= 0.05,
                 "{stage:?}, {what} checkpoints: estimate {est} vs allocator peak {} ({:.2}%)",

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{config, toy};
-use ferrozero_config::resolved::{CommsLoggerConfig, OffloadTarget, Precision, ResolvedConfig};
 use ferrozero_config::resolved::ZeroStage;
+use ferrozero_config::resolved::{CommsLoggerConfig, OffloadTarget, Precision, ResolvedConfig};
 use ferrozero_config::Device;
 use ferrozero_runtime::backend::{self, Backend};
 use ferrozero_runtime::comm::local::run_ranks;
@@ -113,4 +113,3 @@ fn a_one_rank_shard_group_uploads_ahead_like_one_rank() {
         off * 100.0
     );
 }
-

@@ -172,5 +172,9 @@ fn a_binding_step_rolls_back_on_the_copy_streams() {
     let waits = on(t, StreamKind::Compute)
         .filter(|(_, op)| matches!(op, TraceOp::Wait(e) if h2d.contains(e)))
         .count();
-    assert!(waits >= run.rolled_back, "{waits} waits for {} restores", run.rolled_back);
+    assert!(
+        waits >= run.rolled_back,
+        "{waits} waits for {} restores",
+        run.rolled_back
+    );
 }

@@ -172,8 +172,11 @@ impl Engine {
                     self.be.wait_event(Stream::Compute, e)?;
                 }
                 self.checkpoints.spent.extend(copy);
-                self.ledger
-                    .free(Location::Device, Category::Activations, input.bytes() as u64);
+                self.ledger.free(
+                    Location::Device,
+                    Category::Activations,
+                    input.bytes() as u64,
+                );
                 input
             }
         };

@@ -176,6 +176,12 @@ impl Engine {
             .collect::<Result<Vec<Group>>>()?;
         // The resident state alone may already exceed the cap: refuse at initialize.
         ledger.check_limit()?;
+        let pinned: u64 = groups
+            .iter()
+            .filter_map(|g| g.pin.as_ref())
+            .map(|p| p.bytes())
+            .sum();
+        ledger.lock_host(pinned as i64);
         let hpz = super::hpz::open(&cfg, comm.as_ref(), stage.params(), groups.len())?;
         let n = model.units.len();
         let scaler = LossScaler::from_config(match &cfg.precision {
@@ -447,6 +453,9 @@ impl Engine {
             self.observers.step_begin(self.steps + 1, &*self.be)?;
         }
         let t = Instant::now();
+        // The step's staging (uploads in flight) is still held: the device's locked bytes now.
+        self.ledger
+            .observe_device_locked(self.be.page_locked_bytes());
         let mut x = Tensor::default();
         let n = self.model.units.len();
         for unit in 0..n {
@@ -494,6 +503,9 @@ impl Engine {
         self.hpz_backward(true);
         let r = self.backward_units(batch, loss_grad);
         self.hpz_backward(false);
+        // Gradients on their way down (and checkpoints that went down) hold staging memory.
+        self.ledger
+            .observe_device_locked(self.be.page_locked_bytes());
         r?;
         self.timings.backward += t.elapsed().as_secs_f64();
         Ok(())

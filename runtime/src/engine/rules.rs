@@ -37,6 +37,12 @@ pub fn uploads_ahead(cfg: &ResolvedConfig, shard_world: usize) -> bool {
     shard_world == 1 && cfg.zero.offload_param.target == OffloadTarget::Cpu
 }
 
+/// Whether a staging buffer of `bytes` is page-locked by a device's staging pool (smaller
+/// ones stay pageable: `tensor::in_flight::PAGE_LOCK_MIN_BYTES`).
+pub fn staging_page_locked(bytes: u64) -> bool {
+    bytes >= crate::tensor::in_flight::PAGE_LOCK_MIN_BYTES
+}
+
 /// A group's parameter extent: stage 3 keeps groups under `param_persistence_threshold`
 /// whole (`stage_params` is the stage's own extent for parameters).
 pub fn param_extent(cfg: &ResolvedConfig, stage_params: Extent, numel: usize) -> Extent {
@@ -109,7 +115,10 @@ mod tests {
     #[test]
     fn a_host_shard_goes_up_ahead_when_its_shard_group_is_one_rank() {
         let mut c = cfg();
-        assert!(!uploads_ahead(&c, 1), "a device shard is copied where it is used");
+        assert!(
+            !uploads_ahead(&c, 1),
+            "a device shard is copied where it is used"
+        );
         c.zero.offload_param.target = OffloadTarget::Cpu;
         assert!(uploads_ahead(&c, 1));
         assert!(!uploads_ahead(&c, 2), "a shard group of two gathers");

@@ -141,14 +141,19 @@ impl Snapshot {
 
     /// The event of the last copy in flight on a device value, if any.
     fn last_event(&self) -> Option<&crate::backend::StreamEvent> {
-        [Some(&self.p), Some(&self.m), Some(&self.v), self.lp.as_ref()]
-            .into_iter()
-            .flatten()
-            .rev()
-            .find_map(|s| match s {
-                Slot::Device(c) => c.event(),
-                _ => None,
-            })
+        [
+            Some(&self.p),
+            Some(&self.m),
+            Some(&self.v),
+            self.lp.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .rev()
+        .find_map(|s| match s {
+            Slot::Device(c) => c.event(),
+            _ => None,
+        })
     }
 }
 

@@ -182,11 +182,15 @@ impl Engine {
             return Ok(());
         };
         for g in (0..self.groups.len()).filter(|&g| stepped[g]) {
-            let snap = w.snapshots.get_mut(g).and_then(Option::as_mut).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "group {g} was stepped on the lane without a snapshot"
-                ))
-            })?;
+            let snap = w
+                .snapshots
+                .get_mut(g)
+                .and_then(Option::as_mut)
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "group {g} was stepped on the lane without a snapshot"
+                    ))
+                })?;
             let group = &mut self.groups[g];
             // The lane's uploads land before the saved values are written over them.
             group.landing.await_on(&*self.be)?;

@@ -6,11 +6,14 @@
 //! layout arithmetic ([`GroupLayout`]) and [`crate::nn::Module::saved_bytes`]; the
 //! `estimate_*` tests run the engine beside this replay to keep the two in step.
 
+mod page_locked;
 mod reduce;
 mod swap;
 mod transient;
 
 use std::collections::VecDeque;
+
+pub use page_locked::PageLockedFigures;
 
 use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
 
