@@ -88,7 +88,7 @@ pub struct ZeroConfig {
     /// ZeRO++ hpZ's secondary parameter partition size (stage 3); 0 or 1 = off.
     pub hpz_partition_size: usize,
     /// MiCS shard group size: all state sharded inside groups of this many ranks and
-    /// replicated across groups; 0 or 1 = off.
+    /// replicated across groups; 0 = off, 1 = each rank its own group (state replicated).
     pub mics_shard_size: usize,
     /// Parameter offload (stage 3 only).
     pub offload_param: Offload,

@@ -44,7 +44,7 @@ fn max_rel_diff(a: &[NamedTensor], b: &[NamedTensor]) -> f64 {
 
 #[test]
 fn two_groups_of_two_train_like_plain_stage3_at_world_4() {
-    let plain = train(&hybrid(4, 1, false));
+    let plain = train(&hybrid(4, 0, false));
     for overlap in [false, true] {
         let h = train(&hybrid(4, 2, overlap));
         let d = max_rel_diff(&plain.params, &h.params);
@@ -74,8 +74,8 @@ fn hybrid_runs_are_bitwise_reproducible() {
 #[test]
 fn a_rank_holds_the_state_of_its_shard_group() {
     let h = train(&hybrid(4, 2, false));
-    let two = train(&hybrid(2, 1, false));
-    let four = train(&hybrid(4, 1, false));
+    let two = train(&hybrid(2, 0, false));
+    let four = train(&hybrid(4, 0, false));
     // Parameters and optimizer state are split over the 2 ranks of a group, not over 4.
     assert_eq!(h.param_bytes, two.param_bytes);
     assert_eq!(h.optim_bytes, two.optim_bytes);
@@ -108,7 +108,7 @@ fn cross_group_bytes_are_the_gradient_shards() {
             "rank {rank}: {steps:?} vs {want}"
         );
     }
-    let plain = train(&hybrid(4, 1, false));
+    let plain = train(&hybrid(4, 0, false));
     assert!(plain.cross.iter().flatten().all(|&b| b == 0));
 }
 
@@ -151,7 +151,7 @@ fn a_plain_checkpoint_loads_into_a_hybrid_run() {
     let dir = temp_dir("plain");
     let saved = run_ranks(2, Duration::from_secs(60), |comm| {
         let rank = comm.rank();
-        let mut e = Engine::new(toy::model(V, D, T, LAYERS), hybrid(2, 1, false), comm)?;
+        let mut e = Engine::new(toy::model(V, D, T, LAYERS), hybrid(2, 0, false), comm)?;
         steps(&mut e, 2, rank, 0, 3)?;
         e.save_checkpoint(&dir, "t3", 3)?;
         e.parameters()
@@ -219,7 +219,7 @@ fn a_hybrid_checkpoint_resumes_exactly_and_loads_without_hybrid_sharding() {
     }
     for world in [4, 2] {
         let plain = run_ranks(world, Duration::from_secs(60), |comm| {
-            let mut e = Engine::new(model(), hybrid(world, 1, false), comm)?;
+            let mut e = Engine::new(model(), hybrid(world, 0, false), comm)?;
             e.load_checkpoint(&dir, &Tag::Latest)?;
             e.parameters()
         })

@@ -287,6 +287,7 @@ fn json_report(p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) 
             "pinned_host_bytes": e.pinned_host_bytes,
             "other_host_bytes": e.other_host_bytes,
             "swap_buffer_bytes": e.swap_buffer_bytes,
+            "page_locked_bytes": e.page_locked,
             "reduced_bytes_per_step": e.reduced_bytes_per_step,
             "categories": {
                 "device": placement_json(&e.device),
@@ -360,6 +361,16 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
         human(e.swap_buffer_bytes),
         human(e.other_host_bytes)
     );
+    if e.page_locked.total() > 0 {
+        let p = &e.page_locked;
+        println!(
+            "page-locked by the device: {} (parameter store {}, copy staging {}, upload ring {})",
+            human(p.total()),
+            human(p.parameters),
+            human(p.staging),
+            human(p.ring)
+        );
+    }
     println!(
         "activations: {} without checkpointing, {} with",
         human(e.activations.without_checkpointing),

@@ -76,7 +76,8 @@ pub struct ZeroOptimization {
     /// MiCS shard group size (DeepSpeed's meaning; FSDP's `HYBRID_SHARD`): parameters,
     /// gradients and optimizer state are sharded inside groups of this many consecutive ranks
     /// (one node) and replicated across the groups, so parameter gathers stay inside a group
-    /// and only gradient shards cross groups. Must divide the world size; -1, 0 or 1 = off.
+    /// and only gradient shards cross groups. Must divide the world size; -1 or 0 = off; 1
+    /// replicates every rank's state (each rank its own shard group: no parameter gathers).
     pub mics_shard_size: i64,
     /// MiCS's hierarchical parameter all-gather for shard groups that span nodes. ferrozero's
     /// shard group gathers in one collective; `true` is ignored with a warning.

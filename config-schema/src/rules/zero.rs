@@ -41,7 +41,7 @@ pub(super) fn check_zero(cx: &mut Cx<'_>, c: &Config) {
             );
         }
     }
-    if z.zero_hpz_partition_size > 1 && z.mics_shard_size > 1 {
+    if z.zero_hpz_partition_size > 1 && z.mics_shard_size > 0 {
         report(cx, Violation {
             kind: DiagnosticKind::Conflict,
             path: "zero_optimization.mics_shard_size",

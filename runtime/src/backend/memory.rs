@@ -64,7 +64,13 @@ pub struct MemoryModel {
     /// of its peak prices them ([`crate::nn::Module::transient_bytes`]). The CPU's count is
     /// the engine's ledger, which sees only what outlives a call.
     pub counts_transients: bool,
+    /// Bytes of the page-locked ring small uploads go through (0: the device page-locks no
+    /// host memory: the CPU, where every view is host memory already).
+    pub upload_ring: u64,
 }
+
+/// Bytes of a CUDA device's page-locked small-upload ring (`backend/cuda/upload.rs`).
+pub const UPLOAD_RING_BYTES: u64 = 4 << 20;
 
 impl std::fmt::Display for MemoryModel {
     /// One line for reports: the figures an estimate was priced with.
@@ -104,6 +110,7 @@ impl MemoryModel {
             head: HeadState::Probabilities,
             block: 1,
             counts_transients: false,
+            upload_ring: 0,
         }
     }
 
@@ -118,6 +125,7 @@ impl MemoryModel {
             head: HeadState::LogSumExp,
             block: CUDA_BLOCK,
             counts_transients: true,
+            upload_ring: UPLOAD_RING_BYTES,
         }
     }
 

@@ -199,6 +199,12 @@ pub trait MemoryOps {
     fn memory_stats(&self) -> Option<DeviceMemory> {
         None
     }
+    /// Host bytes the device page-locked for its own copies (staging buffers, the upload
+    /// ring); memory the caller registered ([`MemoryOps::pin_host`]) is the caller's to
+    /// count. The CPU locks none.
+    fn page_locked_bytes(&self) -> u64 {
+        0
+    }
     /// What this device keeps in memory for training (layers' saved state, working copies,
     /// allocation rounding): the description the estimator prices a run with. The default is
     /// the CPU's.

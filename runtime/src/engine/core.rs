@@ -59,7 +59,8 @@ pub struct Engine {
     /// The input gradient of the last unit's fused forward and backward (`fused.rs`), until
     /// `backward_pass` starts from it.
     pub(super) head_grad: Option<Tensor>,
-    ckpt_inputs: Vec<Option<Tensor>>,
+    /// Checkpointed units' inputs, until their recompute (`ckpt_offload.rs`).
+    pub(super) checkpoints: super::ckpt_offload::Checkpoints,
     /// Optimizer steps taken (skipped ones included).
     pub(super) steps: u64,
     /// Micro-steps since the last optimizer step.
@@ -180,6 +181,12 @@ impl Engine {
             .collect::<Result<Vec<Group>>>()?;
         // The resident state alone may already exceed the cap: refuse at initialize.
         ledger.check_limit()?;
+        let pinned: u64 = groups
+            .iter()
+            .filter_map(|g| g.pin.as_ref())
+            .map(|p| p.bytes())
+            .sum();
+        ledger.lock_host(pinned as i64);
         let hpz = super::hpz::open(&cfg, comm.as_ref(), stage.params(), groups.len())?;
         let n = model.units.len();
         let scaler = LossScaler::from_config(match &cfg.precision {
@@ -227,7 +234,7 @@ impl Engine {
             saved: (0..n).map(|_| None).collect(),
             saved_bytes: vec![0; n],
             head_grad: None,
-            ckpt_inputs: (0..n).map(|_| None).collect(),
+            checkpoints: super::ckpt_offload::Checkpoints::new(n),
             steps: 0,
             micro: 0,
             losses: Vec::new(),
@@ -443,10 +450,6 @@ impl Engine {
         self.ledger.free(Location::Device, Category::Activations, b);
     }
 
-    fn ckpt_location(&self) -> Location {
-        rules::ckpt_location(&self.cfg)
-    }
-
     /// Forward over every unit; returns the sum of token losses of this micro-batch as a
     /// one-element tensor on the device (read it only when the value is needed: a sync).
     pub(super) fn forward_pass(
@@ -471,6 +474,9 @@ impl Engine {
             self.observers.step_begin(self.steps + 1, &*self.be)?;
         }
         let t = Instant::now();
+        // The step's staging (uploads in flight) is still held: the device's locked bytes now.
+        self.ledger
+            .observe_device_locked(self.be.page_locked_bytes());
         let mut x = Tensor::default();
         let n = self.model.units.len();
         for unit in 0..n {
@@ -490,12 +496,8 @@ impl Engine {
             if training && fuse.is_none() {
                 if self.checkpointing() {
                     self.saved[unit] = None;
-                    self.ledger.alloc(
-                        self.ckpt_location(),
-                        Category::Activations,
-                        x.bytes() as u64,
-                    );
-                    self.ckpt_inputs[unit] = Some(std::mem::take(&mut x));
+                    let input = std::mem::take(&mut x);
+                    self.leave_checkpoint(unit, input)?;
                 } else {
                     self.track_saved(unit);
                 }
@@ -533,6 +535,9 @@ impl Engine {
                 tracing::error!("after a failed backward: {e}");
             }
         }
+        // Gradients on their way down (and checkpoints that went down) hold staging memory.
+        self.ledger
+            .observe_device_locked(self.be.page_locked_bytes());
         r?;
         self.timings.backward += t.elapsed().as_secs_f64();
         Ok(())
@@ -557,6 +562,7 @@ impl Engine {
             self.gather_unit(unit)?;
             if unit > 0 {
                 self.prefetch(unit - 1);
+                self.checkpoint_ahead(unit - 1)?;
             }
             let trace = self.trace.clone();
             let r = trace.span("compute", "backward", unit, || {
@@ -593,12 +599,7 @@ impl Engine {
         (batch, ids): (&Batch, &BatchIds),
         grad: &Tensor,
     ) -> Result<Tensor> {
-        if let Some(input) = self.ckpt_inputs[unit].take() {
-            self.ledger.free(
-                self.ckpt_location(),
-                Category::Activations,
-                input.bytes() as u64,
-            );
+        if let Some(input) = self.take_checkpoint(unit)? {
             self.run_unit_forward(unit, (batch, ids), &input, true)?;
             self.track_saved(unit);
         }

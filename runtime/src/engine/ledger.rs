@@ -81,6 +81,19 @@ pub struct Ledger {
     limit: Option<u64>,
     /// The first allocation that went past `limit`.
     breach: Option<Breach>,
+    /// Page-locked host bytes (a property of host memory, not a location of its own).
+    page_locked: PageLocked,
+}
+
+/// Host bytes page-locked with the device's driver: hosts cap them (`RLIMIT_MEMLOCK`,
+/// DeepSpeed users set `pin_memory`), so they are counted apart from where the bytes are for.
+#[derive(Debug, Clone, Copy, Default)]
+struct PageLocked {
+    /// Registered by the engine itself (the stage-3 host parameter store).
+    engine: u64,
+    /// Registered by the device for its copies, as it last reported them.
+    device: u64,
+    peak: u64,
 }
 
 /// An allocation that took the device total past the cap.
@@ -114,6 +127,8 @@ pub struct LedgerReport {
     /// The cap on device bytes, if one is set: `peak_device_bytes <= device_memory_limit`
     /// is the proof that it held.
     pub device_memory_limit: Option<u64>,
+    /// Peak page-locked host bytes (the engine's registrations and the device's staging).
+    pub peak_page_locked_bytes: u64,
 }
 
 impl Ledger {
@@ -141,6 +156,26 @@ impl Ledger {
                 b.category
             ),
         })
+    }
+
+    /// Counts host bytes the engine page-locked (`bytes` negative: released).
+    pub fn lock_host(&mut self, bytes: i64) {
+        let p = &mut self.page_locked;
+        p.engine = p.engine.saturating_add_signed(bytes);
+        p.peak = p.peak.max(p.engine + p.device);
+    }
+
+    /// Records the device's own page-locked bytes as it reports them now.
+    pub fn observe_device_locked(&mut self, bytes: u64) {
+        let p = &mut self.page_locked;
+        p.device = bytes;
+        p.peak = p.peak.max(p.engine + p.device);
+    }
+
+    /// Page-locked host bytes now and at the peak.
+    pub fn page_locked(&self) -> (u64, u64) {
+        let p = &self.page_locked;
+        (p.engine + p.device, p.peak)
     }
 
     /// Counts an allocation (a device one past the cap is recorded as a breach).
@@ -210,6 +245,7 @@ impl Ledger {
             peak_device_by_category: by(Location::Device),
             peak_host_by_category: by(Location::Host),
             device_memory_limit: self.limit,
+            peak_page_locked_bytes: self.page_locked.peak,
         }
     }
 }

@@ -6,6 +6,7 @@
 
 mod build;
 pub mod checkpoint;
+mod ckpt_offload;
 mod core;
 pub mod estimate;
 mod eval;

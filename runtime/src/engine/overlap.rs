@@ -10,7 +10,7 @@ use super::core::Engine;
 use super::group::{ParamStore, Shard};
 use super::ledger::{Category, Location};
 use super::stage::{
-    gather_buffer, gather_shards, reduce_gradient, reduce_output, to_storage, Reduced,
+    gather_buffer, gather_shards, reduce_gradient, reduce_output, to_storage, Extent, Reduced,
 };
 use super::topology::shard_comm;
 use crate::comm::worker::{CommWorker, Pending};
@@ -54,11 +54,16 @@ impl Engine {
         }
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, bytes);
-        let (extent, world, s) = (
+        let (mut extent, mut world, s) = (
             self.stage.grads(),
             self.groups[g].layout.world_size,
             self.groups[g].layout.shard_len,
         );
+        if world == 1 && self.replicas() > 1 {
+            // Shard groups of one rank (`mics_shard_size = 1`): the shard is the whole
+            // gradient, summed in place across the replicas like a full one.
+            (extent, world) = (Extent::Full, self.world_size());
+        }
         let bucket = self.cfg.zero.reduce_bucket_size;
         let out = reduce_output(extent, &buf, world, s)?;
         match &mut self.overlap {

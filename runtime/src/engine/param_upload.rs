@@ -1,4 +1,5 @@
-//! Stage 3 at one rank: the rank's shard is the whole parameter, so a unit's "gather" is a copy
+//! Stage 3 with a shard group of one rank (world size 1, or MiCS with `mics_shard_size = 1` at
+//! any world size): the rank's shard is the whole parameter, so a unit's "gather" is a copy
 //! to the compute device, not a collective. A shard in host memory (`offload_param.device =
 //! "cpu"`, page-locked once when the engine is built: `Group::pin`) goes up straight from the
 //! store on the host-to-device stream, started for unit i+1 while unit i computes (in forward
@@ -16,10 +17,10 @@
 
 use std::collections::HashMap;
 
-use super::build::param_location;
 use super::core::Engine;
 use super::group::ParamStore;
 use super::ledger::{Category, Location};
+use super::rules;
 use crate::backend::{Stream, StreamEvent};
 use crate::tensor::Storage;
 use crate::Result;
@@ -46,7 +47,8 @@ impl Drop for ParamUploads {
 }
 
 impl Engine {
-    /// Whether group `g` is a stage-3 shard of one rank, in memory and not gathered.
+    /// Whether group `g` is a stage-3 shard of a one-rank shard group (its layout's world is
+    /// the shard group), in memory and not gathered.
     fn uploads_directly(&self, g: usize) -> bool {
         let grp = &self.groups[g];
         let ParamStore::Partitioned {
@@ -84,7 +86,8 @@ impl Engine {
     /// or its shard is on the device (a copy on the compute stream gains nothing by starting
     /// early and would hold a unit's memory sooner).
     pub(super) fn prefetch_upload(&mut self, g: usize) -> Result<bool> {
-        if !self.uploads_directly(g) || param_location(&self.cfg) != Location::Host {
+        let shard_world = self.groups[g].layout.world_size;
+        if !self.uploads_directly(g) || !rules::uploads_ahead(&self.cfg, shard_world) {
             return Ok(false);
         }
         if !self.param_uploads.ahead.contains_key(&g) {

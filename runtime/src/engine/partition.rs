@@ -89,9 +89,10 @@ pub fn shard_len(numel: usize, world_size: usize) -> usize {
 }
 
 /// Ranks one copy of the sharded state is split across: the hybrid-sharding group size
-/// (`mics_shard_size`) when it splits `world` into several equal groups, else `world`.
+/// (`mics_shard_size`; 1 is a group per rank, as in DeepSpeed) when it splits `world` into
+/// several equal groups, else `world`.
 pub fn shard_world(world: usize, mics: usize) -> usize {
-    if mics > 1 && mics < world && world.is_multiple_of(mics) {
+    if mics >= 1 && mics < world && world.is_multiple_of(mics) {
         mics
     } else {
         world

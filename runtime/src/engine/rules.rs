@@ -5,7 +5,7 @@
 //! estimator prices are the buffers the engine makes. Each takes sizes rather than engine
 //! state, because the replay has only the layout arithmetic, no buffers.
 
-use ferrozero_config::resolved::ResolvedConfig;
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
 
 use super::ledger::Location;
 use super::stage::Extent;
@@ -26,6 +26,21 @@ pub fn ckpt_location(cfg: &ResolvedConfig) -> Location {
         Some(a) if a.cpu_checkpointing => Location::Host,
         _ => Location::Device,
     }
+}
+
+/// Whether stage 3 uploads a unit's host shard ahead of its use on the host-to-device stream
+/// instead of gathering it (`param_upload.rs`): the rank's shard group is one rank
+/// (`shard_world`: the world size, or `mics_shard_size` under MiCS), so its shard is the whole
+/// parameter and no collective is needed, and the shard lives in host memory
+/// (`offload_param.device = "cpu"`).
+pub fn uploads_ahead(cfg: &ResolvedConfig, shard_world: usize) -> bool {
+    shard_world == 1 && cfg.zero.offload_param.target == OffloadTarget::Cpu
+}
+
+/// Whether a staging buffer of `bytes` is page-locked by a device's staging pool (smaller
+/// ones stay pageable: `tensor::in_flight::PAGE_LOCK_MIN_BYTES`).
+pub fn staging_page_locked(bytes: u64) -> bool {
+    bytes >= crate::tensor::in_flight::PAGE_LOCK_MIN_BYTES
 }
 
 /// A group's parameter extent: stage 3 keeps groups under `param_persistence_threshold`
@@ -110,6 +125,18 @@ mod tests {
             cpu_checkpointing: false,
         });
         assert_eq!(ckpt_location(&c), Location::Device);
+    }
+
+    #[test]
+    fn a_host_shard_goes_up_ahead_when_its_shard_group_is_one_rank() {
+        let mut c = cfg();
+        assert!(
+            !uploads_ahead(&c, 1),
+            "a device shard is copied where it is used"
+        );
+        c.zero.offload_param.target = OffloadTarget::Cpu;
+        assert!(uploads_ahead(&c, 1));
+        assert!(!uploads_ahead(&c, 2), "a shard group of two gathers");
     }
 
     #[test]

@@ -204,6 +204,7 @@ mod tests {
             peak_device_by_category: device,
             peak_host_by_category: vec![(Category::OptimizerState, 4096)],
             device_memory_limit: None,
+            peak_page_locked_bytes: 0,
         }
     }
 

@@ -63,14 +63,15 @@ pub(super) fn check_backend(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Re
 }
 
 /// The hybrid-sharding communicator when `mics_shard_size` splits the world into
-/// several groups (collective); `None` when it is 1 or the whole world (plain ZeRO).
+/// several groups (collective), groups of one rank included (every rank's state replicated,
+/// DeepSpeed's `mics_shard_size = 1`); `None` when it is 0 or the whole world (plain ZeRO).
 pub(super) fn open_hybrid(
     cfg: &ResolvedConfig,
     comm: &dyn Communicator,
 ) -> Result<Option<HybridComm>> {
     let g = cfg.zero.mics_shard_size;
     let world = comm.world_size();
-    if g <= 1 {
+    if g == 0 {
         return Ok(None);
     }
     crate::comm::hybrid::check_group_size("mics_shard_size", g, world)?;

@@ -90,6 +90,9 @@ impl MemoryOps for ProfilingBackend {
     fn memory_stats(&self) -> Option<DeviceMemory> {
         self.inner.memory_stats()
     }
+    fn page_locked_bytes(&self) -> u64 {
+        self.inner.page_locked_bytes()
+    }
     // The methods with defaults are forwarded too: a default here would silently describe
     // the CPU instead of the device underneath.
     fn pin_host(&self, b: &mut FlatBuf) -> Option<crate::tensor::in_flight::HostPin> {

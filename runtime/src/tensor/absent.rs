@@ -49,6 +49,10 @@ impl CudaBuf {
     pub fn view_mut(&mut self) -> CudaViewMut<'_> {
         match self.0 {}
     }
+    /// Marks the buffer as used by work on a stream.
+    pub fn record_stream(&mut self, _s: crate::backend::Stream) {
+        match self.0 {}
+    }
     /// A copy in host memory.
     pub fn to_host(&self) -> Result<FlatBuf> {
         match self.0 {}

@@ -15,6 +15,11 @@ use super::{BufMut, BufRef, FlatBuf, View, ViewMut};
 use crate::backend::{Stream, StreamEvent};
 use crate::Result;
 
+/// Staging buffers smaller than this stay pageable: a registration (a driver call each way)
+/// is not worth it. The estimator prices page-locked staging by the same rule
+/// (`engine::rules::staging_page_locked`).
+pub const PAGE_LOCK_MIN_BYTES: u64 = 1 << 20;
+
 /// Where a staging buffer goes back to when no copy uses it any more (the device's pool).
 pub trait StagingHome: Send + Sync + fmt::Debug {
     /// Takes back a buffer whose copies have all completed.
@@ -60,6 +65,11 @@ impl HostCopy {
     /// Whether empty.
     pub fn is_empty(&self) -> bool {
         self.host.len() == 0
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> super::DType {
+        self.host.dtype()
     }
 
     /// Waits on this thread until the copy in flight (if any) has completed.

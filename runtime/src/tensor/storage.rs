@@ -56,6 +56,17 @@ impl Storage {
         }
     }
 
+    /// Marks device memory as read or written by work queued on stream `s` (a copy stream):
+    /// when the storage is dropped, its memory is reused only after that work has finished
+    /// (PyTorch's `record_stream`). Host memory needs nothing: its copies are complete when
+    /// they return, or own their buffers ([`super::in_flight::HostCopy`]).
+    pub fn record_stream(&mut self, s: crate::backend::Stream) {
+        match self {
+            Storage::Host(_) => {}
+            Storage::Cuda(c) => c.record_stream(s),
+        }
+    }
+
     /// The whole storage, mutable.
     pub fn view_mut(&mut self) -> ViewMut<'_> {
         match self {

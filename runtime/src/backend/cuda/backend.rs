@@ -190,6 +190,10 @@ impl MemoryOps for CudaBackend {
         Some(self.dev.observed().activity())
     }
 
+    fn page_locked_bytes(&self) -> u64 {
+        self.dev.page_locked_bytes()
+    }
+
     fn memory_stats(&self) -> Option<crate::backend::DeviceMemory> {
         let a = self.dev.allocator();
         let s = a.stats();

@@ -89,6 +89,12 @@ impl CudaDevice {
         self.pinned.take(dtype, len)
     }
 
+    /// Host bytes the device page-locked for its own copies: the staging pool's registered
+    /// buffers and the small-upload ring.
+    pub fn page_locked_bytes(&self) -> u64 {
+        self.pinned.registered_bytes() + self.uploads.page_locked_bytes()
+    }
+
     /// Takes back a buffer from [`CudaDevice::take_staging`] for the next step.
     pub(crate) fn give_staging(&self, b: FlatBuf) {
         self.pinned.give(b)

@@ -16,7 +16,7 @@ use crate::tensor::in_flight::HostPin;
 use crate::tensor::{spare, DType, FlatBuf};
 
 /// Smaller buffers are not worth a registration (a driver call each way).
-const MIN_BYTES: u64 = 1 << 20;
+const MIN_BYTES: u64 = crate::tensor::in_flight::PAGE_LOCK_MIN_BYTES;
 /// Buffers held for reuse.
 const MAX_BUFFERS: usize = 32;
 /// Bytes held for reuse (beyond one buffer, which is always kept): the bound the thread's
@@ -36,6 +36,8 @@ struct State {
     held: VecDeque<FlatBuf>,
     /// Start addresses of every registered buffer of this pool, held or lent.
     registered: HashSet<usize>,
+    /// Their bytes.
+    registered_bytes: u64,
 }
 
 fn start(b: &FlatBuf) -> usize {
@@ -76,11 +78,17 @@ impl PinnedPool {
             match unsafe { self.driver.host_register(bytes.as_mut_ptr(), bytes.len()) } {
                 Ok(()) => {
                     st.registered.insert(start(&b));
+                    st.registered_bytes += b.bytes();
                 }
                 Err(e) => tracing::debug!("staging buffer left pageable: {e}"),
             }
         }
         b
+    }
+
+    /// Bytes of this pool's registered buffers, held or lent.
+    pub(crate) fn registered_bytes(&self) -> u64 {
+        self.state().registered_bytes
     }
 
     /// Takes back a buffer from [`PinnedPool::take`] for reuse.
@@ -103,6 +111,7 @@ impl PinnedPool {
     /// Unregisters and frees `b`.
     fn release(&self, st: &mut State, mut b: FlatBuf) {
         st.registered.remove(&start(&b));
+        st.registered_bytes -= b.bytes();
         // SAFETY: a buffer comes back only when no copy uses it: synchronous copies have
         // returned, and a `HostCopy` waits for its copy's event before giving it back.
         if let Err(e) = unsafe {

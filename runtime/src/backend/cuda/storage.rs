@@ -141,6 +141,12 @@ impl CudaBuf {
         }
     }
 
+    /// Marks the buffer as used by work queued on stream `s`: its block is reused, once the
+    /// buffer is dropped, only after that work has finished.
+    pub fn record_stream(&mut self, s: crate::backend::Stream) {
+        self.buf.record_stream(super::stream::kind(s));
+    }
+
     /// The whole buffer, mutable.
     pub fn view_mut(&mut self) -> CudaViewMut<'_> {
         CudaViewMut {

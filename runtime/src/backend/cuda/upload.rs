@@ -19,7 +19,7 @@ use super::driver::{DevPtr, Driver, Event, StreamKind};
 use crate::Result;
 
 /// Bytes of the ring: four times the largest upload it takes.
-const RING_BYTES: usize = 4 << 20;
+const RING_BYTES: usize = crate::backend::memory::UPLOAD_RING_BYTES as usize;
 /// Each upload starts at a multiple of this.
 const ALIGN: usize = 256;
 
@@ -56,6 +56,14 @@ impl UploadRing {
             bytes,
             state: Mutex::new(None),
         }
+    }
+
+    /// Host bytes page-locked for the ring (0 before its first upload, or when refused).
+    pub(crate) fn page_locked_bytes(&self) -> u64 {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.as_ref()
+            .and_then(|r| r.mem.as_ref().map(|_| r.bytes as u64))
+            .unwrap_or(0)
     }
 
     /// Copies `src` to `dst` on stream `s`, in stream order; `src` is free on return.

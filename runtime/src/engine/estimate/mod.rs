@@ -21,6 +21,8 @@
 mod book;
 mod cap;
 mod replay;
+
+pub use replay::PageLockedFigures;
 pub mod shape;
 pub mod suggest;
 
@@ -89,6 +91,9 @@ pub struct Estimate {
     /// Host bytes of the speculative optimizer overlap's snapshots (pageable; included in
     /// `host`), 0 when the overlap estimated is not speculative.
     pub snapshot_host_bytes: u64,
+    /// Host bytes the device page-locks for this run (its parameter store, its copies'
+    /// staging buffers, its upload ring), as its driver counts registrations; 0 on the CPU.
+    pub page_locked: PageLockedFigures,
     /// Pinned staging buffers for NVMe swaps (see `swap_buffers`). The engine's ledger does
     /// not count these yet; they are included in `pinned_host_bytes`.
     pub swap_buffer_bytes: u64,
@@ -117,20 +122,21 @@ impl Estimate {
     }
 }
 
-/// Replays one step and returns the resulting ledger and the snapshots' host bytes.
+/// Replays one step and returns the resulting ledger, the snapshots' host bytes and the
+/// page-locked bytes.
 fn replay_ledger(
     model: &Model,
     cfg: &ResolvedConfig,
     micro_batch: usize,
     seq: usize,
     overlap: &OptimizerOverlap,
-) -> (Ledger, u64) {
+) -> (Ledger, u64, PageLockedFigures) {
     let moments = Optimizer::new(cfg.optimizer.clone()).moments();
     let mut r = replay::Replay::build(model, cfg, moments, overlap, memory_model(cfg));
     r.forward(micro_batch, seq);
     r.backward(micro_batch, seq);
     r.step();
-    (r.ledger().clone(), r.snapshot_bytes)
+    (r.ledger().clone(), r.snapshot_bytes, r.page_locked())
 }
 
 fn activation_peak(l: &Ledger) -> u64 {
@@ -157,7 +163,8 @@ pub fn estimate_with_overlap(
     let mut own = cfg.clone();
     own.zero.sub_group_size = super::build::effective_sub_group_size(cfg, model);
     let cfg = &own;
-    let (ledger, snapshot_host_bytes) = replay_ledger(model, cfg, micro_batch, seq, overlap);
+    let (ledger, snapshot_host_bytes, page_locked) =
+        replay_ledger(model, cfg, micro_batch, seq, overlap);
     let mut flipped = cfg.clone();
     flipped.activation_checkpointing = match &cfg.activation_checkpointing {
         Some(_) => None,
@@ -192,6 +199,7 @@ pub fn estimate_with_overlap(
         pinned_host_bytes: pinned,
         other_host_bytes: other_host,
         snapshot_host_bytes,
+        page_locked,
         swap_buffer_bytes,
         activations,
         reduced_bytes_per_step: reduced_per_step(model, cfg),

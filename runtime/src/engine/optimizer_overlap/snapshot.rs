@@ -2,29 +2,62 @@
 //! the update overwrites (the f32 parameters or master weights, the moments and the rounded
 //! parameter copy) taken just before the group is stepped, and written back bit for bit when
 //! the step's real values turn out different (clipping binds) or the step is skipped (an fp16
-//! overflow). The buffers are allocated once per group and reused every step.
+//! overflow).
+//!
+//! Values in host memory (offloaded optimizer state, or everything on the CPU) are copied in
+//! place into buffers allocated once per group. Values in device memory (the parameters the
+//! offloaded step uploads) travel on the copy streams, ordered by events, and the host never
+//! waits for them: saved on the device-to-host stream behind an event of the compute stream
+//! (the update, on the compute stream or uploaded on the host-to-device stream, waits for that
+//! download's event before it overwrites them), restored on the host-to-device stream behind
+//! an event of the compute stream, which then waits for the restore's event before it reads
+//! them again. The staging memory a device value went to is the snapshot until the next save.
 
+use crate::backend::{Backend, Stream};
 use crate::engine::group::{owned_params, Group, ParamStore};
 use crate::engine::ledger::{Category, Ledger, Location};
+use crate::tensor::in_flight::HostCopy;
 use crate::tensor::staging::{read_host, StagedMut};
 use crate::tensor::{DType, FlatBuf, View, ViewMut};
 use crate::{Error, Result};
 
-/// One group's saved optimizer values, in host memory.
+/// One saved value.
+#[derive(Debug)]
+enum Slot {
+    /// Not saved yet: its dtype and length.
+    Empty(DType, usize),
+    /// A host value's copy.
+    Host(FlatBuf),
+    /// A device value's copy in page-locked staging memory, possibly still on its way down
+    /// (or back up after a restore).
+    Device(HostCopy),
+}
+
+impl Slot {
+    fn shape(&self) -> (DType, usize) {
+        match self {
+            Slot::Empty(d, n) => (*d, *n),
+            Slot::Host(b) => (b.dtype(), b.len()),
+            Slot::Device(c) => (c.dtype(), c.len()),
+        }
+    }
+}
+
+/// One group's saved optimizer values.
 #[derive(Debug)]
 pub(in crate::engine) struct Snapshot {
     /// The f32 values the optimizer updates (master weights, or f32 parameters).
-    p: FlatBuf,
+    p: Slot,
     /// First moment (or momentum).
-    m: FlatBuf,
+    m: Slot,
     /// Second moment (empty without one).
-    v: FlatBuf,
+    v: Slot,
     /// The stored low-precision copy over the owned range, when the update writes one.
-    lp: Option<FlatBuf>,
+    lp: Option<Slot>,
 }
 
 impl Snapshot {
-    /// Buffers shaped like `g`'s optimizer values, counted in the ledger as host optimizer
+    /// A snapshot shaped like `g`'s optimizer values, counted in the ledger as host optimizer
     /// state (the estimator's replay counts the same bytes: [`snapshot_bytes`]).
     pub(in crate::engine) fn for_group(g: &Group, ledger: &mut Ledger) -> Self {
         let n = g.owned.len();
@@ -34,24 +67,24 @@ impl Snapshot {
         };
         // The values updated are the f32 master weights, or the parameters themselves.
         let p_dtype = g.master.as_ref().map_or(lp_dtype, |m| m.dtype());
-        let s = Snapshot {
-            p: FlatBuf::zeros(p_dtype, n),
-            m: FlatBuf::zeros(g.m.dtype(), g.m.len()),
-            v: FlatBuf::zeros(g.v.dtype(), g.v.len()),
-            lp: g.master.as_ref().map(|_| FlatBuf::zeros(lp_dtype, n)),
-        };
-        ledger.alloc(Location::Host, Category::OptimizerState, s.bytes());
-        s
+        let lp = g.master.as_ref().map(|_| Slot::Empty(lp_dtype, n));
+        let bytes = ((p_dtype.size() * n)
+            + g.m.bytes() as usize
+            + g.v.bytes() as usize
+            + lp.as_ref().map_or(0, |_| lp_dtype.size() * n)) as u64;
+        // Counted whichever memory holds them (buffers of its own, or staging memory).
+        ledger.alloc(Location::Host, Category::OptimizerState, bytes);
+        Snapshot {
+            p: Slot::Empty(p_dtype, n),
+            m: Slot::Empty(g.m.dtype(), g.m.len()),
+            v: Slot::Empty(g.v.dtype(), g.v.len()),
+            lp,
+        }
     }
 
-    /// Host bytes held.
-    pub(in crate::engine) fn bytes(&self) -> u64 {
-        let lp = self.lp.as_ref().map_or(0, FlatBuf::bytes);
-        self.p.bytes() + self.m.bytes() + self.v.bytes() + lp
-    }
-
-    /// Copies `g`'s current optimizer values in.
-    pub(in crate::engine) fn save(&mut self, g: &mut Group) -> Result<()> {
+    /// Saves `g`'s current optimizer values; the device ones are on their way down when this
+    /// returns, and the compute and host-to-device streams wait for them before any update.
+    pub(in crate::engine) fn save(&mut self, g: &mut Group, be: &dyn Backend) -> Result<()> {
         let Group {
             params,
             master,
@@ -62,17 +95,25 @@ impl Snapshot {
         } = g;
         let n = owned.len();
         let (p, lp) = owned_params(params, master, owned)?;
+        let ready = be.record(Stream::Compute)?;
+        be.wait_event(Stream::DeviceToHost, &ready)?;
         save_view("parameters", p.as_view(), &mut self.p)?;
         save_view("first moment", m.view(), &mut self.m)?;
         save_view("second moment", v.view(), &mut self.v)?;
         if let (Some((b, off)), Some(dst)) = (lp, self.lp.as_mut()) {
             save_view("rounded parameters", b.range(off..off + n)?, dst)?;
         }
+        // The device-to-host stream runs in issue order: the last download's event covers all.
+        if let Some(e) = self.last_event() {
+            be.wait_event(Stream::Compute, e)?;
+            be.wait_event(Stream::HostToDevice, e)?;
+        }
         Ok(())
     }
 
-    /// Writes the saved values back into `g`, bit for bit.
-    pub(in crate::engine) fn restore(&self, g: &mut Group) -> Result<()> {
+    /// Writes the saved values back into `g`, bit for bit; the compute stream waits for the
+    /// device ones before it reads them.
+    pub(in crate::engine) fn restore(&mut self, g: &mut Group, be: &dyn Backend) -> Result<()> {
         let Group {
             params,
             master,
@@ -83,13 +124,36 @@ impl Snapshot {
         } = g;
         let n = owned.len();
         let (p, lp) = owned_params(params, master, owned)?;
-        restore_view("parameters", p, &self.p)?;
-        restore_view("first moment", m.view_mut(), &self.m)?;
-        restore_view("second moment", v.view_mut(), &self.v)?;
-        if let (Some((b, off)), Some(src)) = (lp, self.lp.as_ref()) {
+        let ready = be.record(Stream::Compute)?;
+        be.wait_event(Stream::HostToDevice, &ready)?;
+        restore_view("parameters", p, &mut self.p)?;
+        restore_view("first moment", m.view_mut(), &mut self.m)?;
+        restore_view("second moment", v.view_mut(), &mut self.v)?;
+        if let (Some((b, off)), Some(src)) = (lp, self.lp.as_mut()) {
             restore_view("rounded parameters", b.range_mut(off..off + n)?, src)?;
         }
+        // The host-to-device stream runs in issue order: the last upload's event covers all.
+        if let Some(e) = self.last_event() {
+            be.wait_event(Stream::Compute, e)?;
+        }
         Ok(())
+    }
+
+    /// The event of the last copy in flight on a device value, if any.
+    fn last_event(&self) -> Option<&crate::backend::StreamEvent> {
+        [
+            Some(&self.p),
+            Some(&self.m),
+            Some(&self.v),
+            self.lp.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .rev()
+        .find_map(|s| match s {
+            Slot::Device(c) => c.event(),
+            _ => None,
+        })
     }
 }
 
@@ -107,33 +171,49 @@ fn mismatch(what: &str, want: (DType, usize), got: (DType, usize)) -> Error {
     ))
 }
 
-fn save_view(what: &str, src: View<'_>, dst: &mut FlatBuf) -> Result<()> {
-    if (src.dtype(), src.len()) != (dst.dtype(), dst.len()) {
-        return Err(mismatch(
-            what,
-            (dst.dtype(), dst.len()),
-            (src.dtype(), src.len()),
-        ));
+/// Saves `src` into `dst`: a device view queued on the device-to-host stream (ordered by the
+/// caller), a host view copied now.
+fn save_view(what: &str, src: View<'_>, dst: &mut Slot) -> Result<()> {
+    let want = dst.shape();
+    if (src.dtype(), src.len()) != want {
+        return Err(mismatch(what, want, (src.dtype(), src.len())));
     }
+    if let Some(c) = src.download_async(Stream::DeviceToHost)? {
+        *dst = Slot::Device(c);
+        return Ok(());
+    }
+    if !matches!(dst, Slot::Host(_)) {
+        *dst = Slot::Host(FlatBuf::zeros(want.0, want.1));
+    }
+    let Slot::Host(buf) = dst else {
+        unreachable!("a host slot was made above")
+    };
     read_host(src, |h| {
-        dst.as_mut().bytes_mut().copy_from_slice(h.bytes());
+        buf.as_mut().bytes_mut().copy_from_slice(h.bytes());
         Ok(())
     })
 }
 
-fn restore_view(what: &str, dst: ViewMut<'_>, src: &FlatBuf) -> Result<()> {
-    if (dst.dtype(), dst.len()) != (src.dtype(), src.len()) {
-        return Err(mismatch(
-            what,
-            (src.dtype(), src.len()),
-            (dst.dtype(), dst.len()),
-        ));
+/// Writes `src` back into `dst`: a device value queued on the host-to-device stream (ordered
+/// by the caller), a host value copied now.
+fn restore_view(what: &str, dst: ViewMut<'_>, src: &mut Slot) -> Result<()> {
+    let want = src.shape();
+    if (dst.dtype(), dst.len()) != want {
+        return Err(mismatch(what, want, (dst.dtype(), dst.len())));
     }
-    // Every element is overwritten: a device view is uploaded without a download first.
-    let mut staged = StagedMut::overwrite(dst);
-    staged
-        .host_mut()
-        .bytes_mut()
-        .copy_from_slice(src.as_ref().bytes());
-    staged.finish()
+    match src {
+        Slot::Empty(..) => Err(Error::Invalid(format!(
+            "optimizer snapshot of the {what}: restored before it was saved"
+        ))),
+        Slot::Device(c) => c.upload_async(dst, Stream::HostToDevice),
+        Slot::Host(b) => {
+            // Every element is overwritten: nothing is read first.
+            let mut staged = StagedMut::overwrite(dst);
+            staged
+                .host_mut()
+                .bytes_mut()
+                .copy_from_slice(b.as_ref().bytes());
+            staged.finish()
+        }
+    }
 }

@@ -121,7 +121,7 @@ impl LaneStep {
         }
         self.trace.span("optimizer", "step", self.g, || {
             if let Some(s) = snap {
-                s.save(group)?;
+                s.save(group, &*self.be)?;
             }
             let nvme = self.nvme.as_deref();
             self.opt
@@ -181,20 +181,25 @@ impl Engine {
     /// Writes every `stepped` group's saved optimizer values back.
     pub(in crate::engine) fn roll_back(&mut self, stepped: &[bool]) -> Result<()> {
         let t = Instant::now();
-        let Some(w) = self.optimizer_lane.as_ref() else {
+        let Some(w) = self.optimizer_lane.as_mut() else {
             return Ok(());
         };
         for g in (0..self.groups.len()).filter(|&g| stepped[g]) {
-            let snap = w.snapshots.get(g).and_then(Option::as_ref).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "group {g} was stepped on the lane without a snapshot"
-                ))
-            })?;
+            let snap = w
+                .snapshots
+                .get_mut(g)
+                .and_then(Option::as_mut)
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "group {g} was stepped on the lane without a snapshot"
+                    ))
+                })?;
             let group = &mut self.groups[g];
             // The lane's uploads land before the saved values are written over them.
             group.landing.await_on(&*self.be)?;
+            let be = &*self.be;
             self.trace
-                .span("compute", "rollback", g, || snap.restore(group))?;
+                .span("compute", "rollback", g, || snap.restore(group, be))?;
         }
         self.timings.optimizer += t.elapsed().as_secs_f64();
         Ok(())

@@ -6,11 +6,14 @@
 //! layout arithmetic ([`GroupLayout`]) and [`crate::nn::Module::saved_bytes`]; the
 //! `estimate_*` tests run the engine beside this replay to keep the two in step.
 
+mod page_locked;
 mod reduce;
 mod swap;
 mod transient;
 
 use std::collections::VecDeque;
+
+pub use page_locked::PageLockedFigures;
 
 use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, ResolvedConfig};
 
@@ -70,6 +73,8 @@ pub(super) struct Replay<'a> {
     boundary: u64,
     /// Device bytes of the loss backward started from, kept until the step.
     loss: u64,
+    /// Units whose host checkpoint is back on the device ahead of its recompute.
+    ckpt_up: Vec<bool>,
 }
 
 impl<'a> Replay<'a> {
@@ -120,6 +125,7 @@ impl<'a> Replay<'a> {
             snapshot_bytes: 0,
             boundary: 0,
             loss: 0,
+            ckpt_up: vec![false; n],
         };
         for g in 0..n {
             r.build_group(g, moments);
@@ -232,9 +238,11 @@ impl<'a> Replay<'a> {
             self.prefetch_swap(g);
             return;
         }
-        // One rank uploads a host shard ahead (`param_upload.rs`); more gather on the worker.
+        // A one-rank shard group uploads a host shard ahead (`param_upload.rs`); more gather
+        // on the worker.
         let z = &self.cfg.zero;
-        let upload = self.cfg.world_size == 1 && z.offload_param.target == OffloadTarget::Cpu;
+        let shard_world = self.groups.first().map_or(1, |g| g.layout.world_size);
+        let upload = rules::uploads_ahead(self.cfg, shard_world);
         if !(upload || (z.overlap_comm && self.cfg.world_size > 1)) {
             return;
         }
@@ -297,6 +305,20 @@ impl<'a> Replay<'a> {
 
     fn ckpt_location(&self) -> Location {
         rules::ckpt_location(self.cfg)
+    }
+
+    /// `Engine::checkpoint_ahead`: a checkpoint in host memory goes up to the device one
+    /// unit ahead of its recompute.
+    fn checkpoint_ahead(&mut self, unit: usize, mb: usize, seq: usize) {
+        if self.checkpointing().is_none()
+            || self.ckpt_location() != Location::Host
+            || std::mem::replace(&mut self.ckpt_up[unit], true)
+        {
+            return;
+        }
+        let b = self.input_bytes(unit, mb, seq);
+        self.ledger
+            .alloc(Location::Device, Category::Activations, b);
     }
 
     /// Bytes of a unit's input tensor: its predecessor's output (the first unit gets none).
@@ -384,17 +406,25 @@ impl<'a> Replay<'a> {
         };
         if last > 0 {
             self.prefetch(last - 1);
+            self.checkpoint_ahead(last - 1, mb, seq);
         }
         self.reduce_unit(last, first_shared_user);
         for unit in (0..last).rev() {
             self.gather_unit(unit);
             if unit > 0 {
                 self.prefetch(unit - 1);
+                self.checkpoint_ahead(unit - 1, mb, seq);
             }
             let saved = self.saved_bytes(unit, mb, seq);
             if self.checkpointing().is_some() {
                 self.unit_forward_transients(unit, mb, seq);
                 let b = self.input_bytes(unit, mb, seq);
+                // `Engine::take_checkpoint`: back on the device (ahead, or now), then used.
+                if self.ckpt_location() == Location::Host {
+                    self.checkpoint_ahead(unit, mb, seq);
+                    self.ckpt_up[unit] = false;
+                    self.ledger.free(Location::Device, Category::Activations, b);
+                }
                 self.ledger
                     .free(self.ckpt_location(), Category::Activations, b);
                 self.ledger

@@ -1,0 +1,113 @@
+//! Host memory a device page-locks for a run: the stage-3 host parameter store (registered
+//! once at build), the staging pool's buffers for the offloaded optimizer's copies, and the
+//! small-upload ring. A device that page-locks nothing (the CPU: `upload_ring == 0`) prices 0.
+
+use ferrozero_config::resolved::OffloadTarget;
+use serde::Serialize;
+
+use super::Replay;
+use crate::engine::ledger::{Category, Location};
+use crate::engine::rules;
+use crate::engine::stage::Extent;
+
+/// Page-locked host bytes by what holds them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PageLockedFigures {
+    /// The stage-3 parameter shards in host memory (`offload_param.device = "cpu"`).
+    pub parameters: u64,
+    /// Staging buffers of the offloaded optimizer's copies (gradients down, parameters up),
+    /// those of at least `tensor::in_flight::PAGE_LOCK_MIN_BYTES`.
+    pub staging: u64,
+    /// The small-upload ring.
+    pub ring: u64,
+}
+
+impl PageLockedFigures {
+    /// All of them.
+    pub fn total(&self) -> u64 {
+        self.parameters + self.staging + self.ring
+    }
+}
+
+impl Replay<'_> {
+    /// What the run page-locks, after the replay of a step.
+    pub(in crate::engine::estimate) fn page_locked(&self) -> PageLockedFigures {
+        if self.mem.upload_ring == 0 {
+            return PageLockedFigures::default();
+        }
+        let z = &self.cfg.zero;
+        let parameters = match z.offload_param.target {
+            OffloadTarget::Cpu => self.ledger().peak(Location::Host, Category::Parameters),
+            _ => 0,
+        };
+        PageLockedFigures {
+            parameters,
+            staging: self.offload_staging(),
+            ring: self.mem.upload_ring,
+        }
+    }
+
+    /// The device's staging pool over two offloaded steps (`step.rs` `update_groups`,
+    /// `offload_copies.rs`): group g+1's gradient is taken for its download before group g's
+    /// host step; a step gives back the group's previous upload buffer, takes one for its
+    /// parameters when they live on the device, and gives back its gradient's. Buffers are
+    /// reused by shape, and those under the registration threshold never count.
+    fn offload_staging(&self) -> u64 {
+        if self.cfg.zero.offload_optimizer.target != OffloadTarget::Cpu {
+            return 0;
+        }
+        let param_loc = crate::engine::build::param_location(self.cfg);
+        let sizes: Vec<(u64, bool)> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let owned = self.stage.optimizer().range(&g.layout, 0).len();
+                let on_device = g.params == Extent::Full || param_loc == Location::Device;
+                ((owned * self.dtype.size()) as u64, on_device)
+            })
+            .collect();
+        let mut pool = Pool::default();
+        let mut landing: Vec<Option<u64>> = vec![None; sizes.len()];
+        for _ in 0..2 {
+            let mut next = sizes.first().map(|&(b, _)| pool.take(b));
+            for (g, &(b, on_device)) in sizes.iter().enumerate() {
+                let grad = next.take();
+                next = sizes.get(g + 1).map(|&(b, _)| pool.take(b));
+                if let Some(old) = landing[g].take() {
+                    pool.give(old);
+                }
+                landing[g] = on_device.then(|| pool.take(b));
+                if let Some(b) = grad {
+                    pool.give(b);
+                }
+            }
+        }
+        pool.registered
+    }
+}
+
+/// The sizes a staging pool holds and has registered (`backend/cuda/pinned.rs`).
+#[derive(Default)]
+struct Pool {
+    held: Vec<u64>,
+    registered: u64,
+}
+
+impl Pool {
+    fn take(&mut self, b: u64) -> u64 {
+        match self.held.iter().position(|&h| h == b) {
+            Some(i) => {
+                self.held.swap_remove(i);
+            }
+            None if rules::staging_page_locked(b) => self.registered += b,
+            None => {}
+        }
+        b
+    }
+
+    fn give(&mut self, b: u64) {
+        if rules::staging_page_locked(b) {
+            self.held.push(b);
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! Page-locked host memory on the emulated device: what the driver registered while a stage-3
+//! run with parameters and optimizer in host memory trains (the host parameter store, the
+//! staging pool of the offloaded step's copies, the small-upload ring) against the estimate's
+//! page-locked figure and the engine ledger's count, each within 5%.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{config, toy};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::Device;
+use ferrozero_runtime::backend::cuda::driver::EmuDriver;
+use ferrozero_runtime::backend::cuda::{CudaBackend, CudaDevice};
+use ferrozero_runtime::backend::{Backend, Rope};
+use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::estimate::estimate;
+use ferrozero_runtime::engine::Engine;
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
+use ferrozero_runtime::nn::Model;
+use ferrozero_runtime::tensor::DType;
+
+const V: usize = 64;
+const T: usize = 8;
+
+/// Layers whose shards and gradients (36 MiB) pass the staging pool's registration threshold
+/// and are mapped afresh by glibc (from 32 MiB), so no two buffers share a page: the driver
+/// refuses a range that overlaps a registered page, and smaller buffers may.
+fn model() -> Model {
+    llama::build(&LlamaConfig {
+        hidden_size: 2048,
+        intermediate_size: 1024,
+        num_hidden_layers: 2,
+        num_attention_heads: 16,
+        num_key_value_heads: None,
+        head_dim: None,
+        rms_norm_eps: 1e-6,
+        rope: Rope::plain(10000.0),
+        vocab_size: V,
+        max_position_embeddings: T,
+        tie_word_embeddings: false,
+        initializer_range: 0.02,
+        qkv_bias: false,
+        sliding_window: None,
+    })
+    .expect("a valid Llama")
+}
+
+fn cfg(params: bool) -> ResolvedConfig {
+    let mut c = config(ZeroStage::Stage3, 1, 1, 1, Precision::Bf16);
+    c.device = Device::Cuda(None);
+    c.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    // The step after backward, nothing snapshotted: the staging the estimate replays.
+    c.zero.overlap_comm = false;
+    if params {
+        c.zero.offload_param.target = OffloadTarget::Cpu;
+    }
+    c
+}
+
+/// Bytes the driver holds registered after two steps, and the ledger's peak count.
+fn measure(cfg: &ResolvedConfig) -> (u64, u64) {
+    let drv = Arc::new(EmuDriver::builtin().expect("the emulator"));
+    let be: Arc<dyn Backend> = Arc::new(CudaBackend::new(
+        CudaDevice::new(drv.clone(), None),
+        DType::Bf16,
+    ));
+    let out = run_ranks(1, Duration::from_secs(300), |comm| {
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
+        for s in 0..2 {
+            e.train_batch(&[toy::batch(V, T, s, 1)])?;
+        }
+        // A forward samples what the step left registered.
+        e.forward(&toy::batch(V, T, 5, 1))?;
+        Ok((
+            drv.registered_host_bytes() as u64,
+            e.ledger().report().peak_page_locked_bytes,
+        ))
+    })
+    .expect("training on the emulated device");
+    out[0]
+}
+
+#[test]
+fn page_locked_bytes_are_priced_and_counted() {
+    for params in [false, true] {
+        let c = cfg(params);
+        let (registered, ledger) = measure(&c);
+        let est = estimate(&model(), &c, 1, T).page_locked;
+        eprintln!("parameters offloaded {params}: registered {registered}, ledger {ledger}, estimate {est:?}");
+        let off = |x: u64| (x as f64 - registered as f64).abs() / registered as f64;
+        assert!(est.staging > 0, "no staging priced");
+        assert_eq!(est.parameters > 0, params);
+        assert!(
+            off(est.total()) <= 0.05,
+            "estimate {} vs registered {registered}",
+            est.total()
+        );
+        assert!(
+            off(ledger) <= 0.05,
+            "ledger {ledger} vs registered {registered}"
+        );
+    }
+    // The CPU page-locks nothing, and the estimate of a CPU run says so.
+    let mut cpu = cfg(true);
+    cpu.device = Device::Cpu;
+    assert_eq!(estimate(&model(), &cpu, 1, T).page_locked.total(), 0);
+}

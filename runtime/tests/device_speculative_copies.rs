@@ -1,0 +1,180 @@
+//! The speculative optimizer overlap on the emulated device, on a step where clipping binds
+//! after the lane stepped some groups: the snapshot of the device values (the parameters the
+//! offloaded step uploads) goes down on the device-to-host stream and comes back on the
+//! host-to-device stream, ordered by events; no stream is synchronized and no copy waits at
+//! issue. The bits are those of the run with nothing offloaded and nothing overlapped.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{config, toy};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_runtime::backend::cuda::driver::{Event, StreamKind, TraceOp, Traced};
+use ferrozero_runtime::backend::cuda::{self, CudaBackend};
+use ferrozero_runtime::backend::{Backend, Rope};
+use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::Engine;
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
+use ferrozero_runtime::nn::{Batch, Model};
+use ferrozero_runtime::tensor::DType;
+
+const V: usize = 23;
+const T: usize = 6;
+const WORLD: usize = 1;
+
+fn cfg(clip: f64, offload: bool) -> ResolvedConfig {
+    let mut c = config(ZeroStage::Stage2, WORLD, 2, 2, Precision::Bf16);
+    c.gradient_clipping = clip;
+    if offload {
+        c.zero.offload_optimizer.target = OffloadTarget::Cpu;
+        c.zero.overlap_comm = true;
+    }
+    c
+}
+
+fn batches(step: usize, rank: usize) -> Vec<Batch> {
+    (0..2)
+        .map(|m| toy::batch(V, T, ((step * 2 + m) * WORLD + rank) * 2, 2))
+        .collect()
+}
+
+/// Rank 0's view of one run of two steps: the first step's gradient norm, its stream trace,
+/// how many groups it rolled back, and the parameters' bits after both steps.
+struct Run {
+    norm: f64,
+    trace: Vec<Traced>,
+    rolled_back: usize,
+    bits: Vec<u32>,
+}
+
+fn train(cfg: &ResolvedConfig) -> Run {
+    let out = run_ranks(WORLD, Duration::from_secs(300), |comm| {
+        let rank = comm.rank();
+        let dev: Arc<CudaBackend> = cuda::emulated(DType::Bf16)?;
+        let be: Arc<dyn Backend> = dev.clone();
+        let mut e = Engine::with_backend(toy_model(), cfg.clone(), comm, be)?;
+        e.trace_schedule(true);
+        let obs = dev.device().observed();
+        obs.start_trace();
+        let r = e.train_batch(&batches(0, rank))?;
+        let trace = obs.take_trace();
+        let rolled_back = e
+            .take_schedule_trace()
+            .iter()
+            .filter(|s| s.lane == "compute" && s.op == "rollback")
+            .count();
+        e.train_batch(&batches(1, rank))?;
+        let bits = e
+            .parameters()?
+            .iter()
+            .flat_map(|t| t.data.iter().map(|x| x.to_bits()))
+            .collect();
+        Ok(Run {
+            norm: r.grad_norm,
+            trace,
+            rolled_back,
+            bits,
+        })
+    })
+    .expect("training on the emulated device");
+    out.into_iter().next().unwrap()
+}
+
+fn toy_model() -> Model {
+    llama::build(&LlamaConfig {
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        num_key_value_heads: None,
+        head_dim: None,
+        rms_norm_eps: 1e-6,
+        rope: Rope::plain(10000.0),
+        vocab_size: V,
+        max_position_embeddings: T,
+        tie_word_embeddings: true,
+        initializer_range: 0.3,
+        qkv_bias: false,
+        sliding_window: None,
+    })
+    .expect("a valid Llama")
+}
+
+fn on(t: &[Traced], s: StreamKind) -> impl Iterator<Item = (usize, &TraceOp)> {
+    t.iter()
+        .enumerate()
+        .filter(move |(_, (k, _))| *k == Some(s))
+        .map(|(i, (_, op))| (i, op))
+}
+
+#[test]
+fn a_binding_step_rolls_back_on_the_copy_streams() {
+    // One rank (several ranks fence their device collectives with stream synchronizations).
+    // The first step's global norm without clipping, then a threshold just under it: the lane
+    // steps groups until the last one lent takes its sum past the threshold, and the step
+    // undoes them.
+    let free = train(&cfg(0.0, true));
+    assert_eq!(free.rolled_back, 0);
+    let (clip, run) = [0.999, 0.99, 0.9]
+        .into_iter()
+        .map(|f| f * free.norm)
+        .map(|clip| (clip, train(&cfg(clip, true))))
+        .find(|(_, r)| r.rolled_back > 0)
+        .expect("no threshold under the norm rolled a step back");
+    let plain = train(&cfg(clip, false));
+    assert!(plain.bits == run.bits, "the rolled-back run differs");
+    let t = &run.trace;
+    let syncs = t.iter().filter(|(_, op)| *op == TraceOp::Synchronize);
+    assert_eq!(syncs.count(), 0, "a stream was synchronized");
+    for s in [StreamKind::DeviceToHost, StreamKind::HostToDevice] {
+        for (i, op) in on(t, s) {
+            if let TraceOp::CopyDtoH { wait: true, .. } | TraceOp::CopyHtoD { wait: true, .. } = op
+            {
+                panic!("copy at {i} on {s:?} waited at issue");
+            }
+        }
+    }
+    // A synchronous download waits for the compute stream: the snapshots add none to what
+    // the step without them reads back.
+    let sync_down = |t: &[Traced]| {
+        t.iter()
+            .filter(|(_, op)| matches!(op, TraceOp::CopyDtoH { wait: true, .. }))
+            .count()
+    };
+    assert_eq!(
+        sync_down(t),
+        sync_down(&free.trace),
+        "the snapshots waited for the device"
+    );
+    // The snapshots' downloads: the parameters of every stepped group went down.
+    let down = on(t, StreamKind::DeviceToHost)
+        .filter(|(_, op)| matches!(op, TraceOp::CopyDtoH { .. }))
+        .count();
+    let free_down = on(&free.trace, StreamKind::DeviceToHost)
+        .filter(|(_, op)| matches!(op, TraceOp::CopyDtoH { .. }))
+        .count();
+    assert!(
+        down >= free_down + run.rolled_back,
+        "{down} downloads, {free_down} without snapshots, {} rolled back",
+        run.rolled_back
+    );
+    // The restores: uploads whose events the compute stream waits for.
+    let h2d: HashSet<Event> = on(t, StreamKind::HostToDevice)
+        .filter_map(|(_, op)| match op {
+            TraceOp::Record(e) => Some(*e),
+            _ => None,
+        })
+        .collect();
+    let waits = on(t, StreamKind::Compute)
+        .filter(|(_, op)| matches!(op, TraceOp::Wait(e) if h2d.contains(e)))
+        .count();
+    assert!(
+        waits >= run.rolled_back,
+        "{waits} waits for {} restores",
+        run.rolled_back
+    );
+}
