@@ -51,7 +51,7 @@ pub fn config(
             max_live_parameters: 1_000_000,
             max_reuse_distance: 1_000_000,
             hpz_partition_size: 1,
-            mics_shard_size: 1,
+            mics_shard_size: 0,
             offload_param: off.clone(),
             offload_optimizer: off,
         },
