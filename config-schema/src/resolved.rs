@@ -259,7 +259,7 @@ pub enum WarmupType {
 }
 
 /// `activation_checkpointing`, resolved. Present means the engine checkpoints every unit's
-/// input. (DeepSpeed's other keys there tune memory layout or logging; they are accepted at
+/// input (but the last unit's in `train_batch`, which runs forward and backward at once). (DeepSpeed's other keys there tune memory layout or logging; they are accepted at
 /// their defaults and ignored with a warning otherwise.)
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ActivationCheckpointing {

@@ -9,8 +9,9 @@ use crate::reader::{to_choice, to_uint, Cx, Report, Support, TableReader};
 
 /// `activation_checkpointing`: keep only each unit's input during the forward pass and
 /// recompute the unit's activations in the backward pass, trading compute for memory.
-/// ferrozero checkpoints every unit; DeepSpeed's layout and logging keys are accepted at
-/// their defaults and ignored with a warning otherwise.
+/// ferrozero checkpoints every unit, except that `train_batch` runs the last (the loss head)
+/// forward and backward at once, so it keeps nothing; DeepSpeed's layout and logging keys
+/// are accepted at their defaults and ignored with a warning otherwise.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ActivationCheckpointingSection {
