@@ -23,7 +23,7 @@ use super::topology::{check_backend, open_hybrid, shard_comm};
 use super::trace::{Span, Trace};
 use crate::backend::Backend;
 use crate::comm::Communicator;
-use crate::nn::{Batch, BatchIds, Ctx, Grads, Model, Params, Saved};
+use crate::nn::{Batch, BatchIds, Ctx, Grads, Model, Module, Params, Saved};
 use crate::tensor::{Tensor, View, ViewMut};
 use crate::{Error, Result};
 
@@ -603,6 +603,22 @@ impl Engine {
             self.run_unit_forward(unit, (batch, ids), &input, true)?;
             self.track_saved(unit);
         }
+        let out = self.with_unit_grads(unit, (batch, ids), |m, ctx, p, g| {
+            m.backward(ctx, p, g, grad)
+        });
+        self.untrack_saved(unit);
+        out
+    }
+
+    /// Runs `f` on unit `unit`'s module in training mode, with its gathered parameters and its
+    /// micro-step gradients (allocated here, and the shared group's when the unit uses it);
+    /// the unit's saved state is gone after, whatever `f` returns.
+    pub(super) fn with_unit_grads<R>(
+        &mut self,
+        unit: usize,
+        (batch, ids): (&Batch, &BatchIds),
+        f: impl FnOnce(&dyn Module, &mut Ctx<'_>, &Params<'_>, &mut Grads<'_>) -> Result<R>,
+    ) -> Result<R> {
         let seed = self.unit_seed(unit);
         let shared = self.shared_index();
         let uses_shared = !self.model.units[unit].uses_shared.is_empty();
@@ -627,10 +643,9 @@ impl Engine {
             rng_seed: seed,
             saved: &mut saved[unit],
         };
-        let out = u.module.backward(&mut ctx, &params, &mut grads, grad);
+        let out = f(&*u.module, &mut ctx, &params, &mut grads);
         drop(grads);
         self.saved[unit] = None;
-        self.untrack_saved(unit);
         out
     }
 
@@ -700,7 +715,7 @@ pub(super) fn unit_params<'a>(
 }
 
 /// Parameter and gradient views for a unit's backward.
-pub(super) fn unit_params_and_grads<'a>(
+fn unit_params_and_grads<'a>(
     groups: &'a mut [Group],
     unit: usize,
     uses: &[usize],

@@ -11,8 +11,8 @@
 //! bit changes. `Engine::forward` (the manual API) does not fuse: its caller may never call
 //! backward.
 
-use super::core::{unit_params_and_grads, Engine};
-use crate::nn::{Batch, BatchIds, Ctx};
+use super::core::Engine;
+use crate::nn::{Batch, BatchIds};
 use crate::tensor::Tensor;
 use crate::Result;
 
@@ -35,38 +35,13 @@ impl Engine {
         input: &Tensor,
         loss_grad: f32,
     ) -> Result<Tensor> {
-        let seed = self.unit_seed(unit);
-        let shared = self.shared_index();
-        let uses_shared = !self.model.units[unit].uses_shared.is_empty();
-        self.groups[unit].ensure_micro(&*self.be, &mut self.ledger)?;
-        if let Some(s) = shared.filter(|_| uses_shared) {
-            self.groups[s].ensure_micro(&*self.be, &mut self.ledger)?;
-        }
         let trace = self.trace.clone();
-        let Self {
-            model,
-            groups,
-            saved,
-            be,
-            ..
-        } = self;
-        let u = &model.units[unit];
-        let (params, mut grads) = unit_params_and_grads(groups, unit, &u.uses_shared, shared)?;
-        let mut ctx = Ctx {
-            be: &**be,
-            batch,
-            ids,
-            training: true,
-            rng_seed: seed,
-            saved: &mut saved[unit],
-        };
         let grad = Tensor::scalar(loss_grad);
         let r = trace.span("compute", "backward", unit, || {
-            u.module
-                .forward_backward(&mut ctx, &params, &mut grads, input, &grad)
+            self.with_unit_grads(unit, (batch, ids), |m, ctx, p, g| {
+                m.forward_backward(ctx, p, g, input, &grad)
+            })
         });
-        drop(grads);
-        self.saved[unit] = None;
         let (loss, dx) = r?;
         self.head_grad = Some(dx);
         Ok(loss)
