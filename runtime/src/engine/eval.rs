@@ -54,7 +54,7 @@ impl Engine {
             model, groups, be, ..
         } = self;
         let u = &model.units[unit];
-        let params = super::core::unit_params(groups, unit, &u.uses_shared, shared)?;
+        let params = super::passes::unit_params(groups, unit, &u.uses_shared, shared)?;
         let mut saved = None;
         let mut ctx = Ctx {
             be: &**be,

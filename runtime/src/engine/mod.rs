@@ -29,6 +29,7 @@ pub mod param_swap;
 mod param_upload;
 pub mod params;
 pub mod partition;
+mod passes;
 pub mod report;
 pub mod rules;
 pub mod schedule;
