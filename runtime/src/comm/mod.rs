@@ -100,6 +100,14 @@ pub trait Communicator: Send {
     fn broadcast_view(&self, buf: ViewMut<'_>, root: usize) -> Result<()> {
         write_host(buf, |b| self.broadcast(b, root))
     }
+    /// Returns once every collective this rank started has finished, or with the error of
+    /// the one that failed. Collectives that finish before they return (every communicator
+    /// but `nccl` on device buffers) leave nothing to wait for. The engine needs no call:
+    /// every later collective settles the earlier ones first; it is for a caller that must
+    /// know before then (the end of a step, a checkpoint).
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
     /// A new, independent communicator over the same ranks (collective call), so that a
     /// communication worker thread can run collectives concurrently with this one, as a
     /// second NCCL stream would.
