@@ -23,10 +23,10 @@ mod api;
 mod board;
 #[cfg(feature = "cuda")]
 pub mod device;
-pub mod fake;
 #[cfg(not(feature = "cuda"))]
 #[path = "no_device.rs"]
 mod device;
+pub mod fake;
 mod ordered;
 #[cfg(feature = "cuda")]
 pub mod real;

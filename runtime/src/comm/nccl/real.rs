@@ -260,7 +260,10 @@ impl RealHandle {
         };
         let s = self.device_stream(&dev)?;
         let (input, output) = buffers(op);
-        let (ip, opp) = (input.device_ptr() as *const c_void, output.device_ptr() as *mut c_void);
+        let (ip, opp) = (
+            input.device_ptr() as *const c_void,
+            output.device_ptr() as *mut c_void,
+        );
         // SAFETY: the op's own device buffers, borrowed until the host returns; the compute
         // stream waits for the collective's end before it reads or writes them again.
         let r = unsafe { enqueue(op, ip, opp, nccl_type(op_dtype(op)), self.comm, s)? };

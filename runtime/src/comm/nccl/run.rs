@@ -44,7 +44,10 @@ impl NcclComm {
             return Err(self.fail(name, seq, start, Some(e.to_string())));
         }
         let timeout = self.opts.timeout;
-        let outcome = match (poll_until(timeout, start, || h.poll_enqueued(&mut op)), &dev) {
+        let outcome = match (
+            poll_until(timeout, start, || h.poll_enqueued(&mut op)),
+            &dev,
+        ) {
             (Poll::Done, Some(d)) => match self.marks.after(d) {
                 Ok(end) => {
                     let p = Pending {
@@ -134,7 +137,11 @@ impl NcclComm {
 
 /// Polls until `poll` is no longer pending, or `timeout` has passed since `since` (then
 /// [`Poll::Pending`]).
-pub(super) fn poll_until(timeout: Duration, since: Instant, mut poll: impl FnMut() -> Poll) -> Poll {
+pub(super) fn poll_until(
+    timeout: Duration,
+    since: Instant,
+    mut poll: impl FnMut() -> Poll,
+) -> Poll {
     loop {
         match poll() {
             Poll::Pending if since.elapsed() < timeout => backoff(since),
