@@ -1,11 +1,20 @@
 //! `nccl`: the NCCL communicator, one process per GPU.
 //!
 //! The unique id travels through the TCP rendezvous store (rank 0 creates it and `set`s it,
-//! the others `wait` for it). Every collective is launched, then polled until it finishes,
-//! NCCL reports an asynchronous error, or `comms.timeout` passes; on failure the rank aborts
-//! its communicator (`ncclCommAbort`, so nothing stays stuck on the GPU), writes what it saw
-//! to the store's failure board and reads its peers' entries, so that the error names the
-//! collective and the rank that never arrived or failed first.
+//! the others `wait` for it). Every collective is launched, then polled until NCCL has queued
+//! it and, at the latest before the next one, until it finishes, NCCL reports an asynchronous
+//! error, or `comms.timeout` passes; on failure the rank aborts its communicator
+//! (`ncclCommAbort`, so nothing stays stuck on the GPU), writes what it saw to the store's
+//! failure board and reads its peers' entries, so that the error names the collective, its
+//! number and the rank that never arrived or failed first.
+//!
+//! Ordering (`device.rs`, `run.rs`): a collective whose buffers are all memory of one device
+//! is queued on that device's collective stream, which first waits for an event (`ready`)
+//! recorded on the compute stream that wrote the buffers; after it, `done` is recorded there
+//! and the compute stream waits for it before anything reads the results. The host fences
+//! no stream: it returns once NCCL has queued the collective and settles it (the completion
+//! poll above) at the communicator's next collective, a split, [`Communicator::fence`] or
+//! the communicator's drop. Collectives with host buffers are polled to completion at once.
 //!
 //! Reduction order: NCCL's native ring/tree sums do not add in rank order. With
 //! `deterministic` set, `reduce_scatter` becomes an all-to-all plus a rank-ordered sum (the
@@ -14,7 +23,8 @@
 //! across communicators, at the cost measured in `docs/scaling.md`.
 //!
 //! Buffers: the view forms hand device buffers to the library as they are (NCCL reads and
-//! writes them in place); host buffers are staged through device memory by the library.
+//! writes them in place); host buffers are staged through device memory by the library on
+//! its own stream.
 //!
 //! The library underneath is a trait ([`NcclLib`]): the real one needs `--features cuda`
 //! (`real.rs`); [`fake`] drives the failure paths in CI.
@@ -22,7 +32,7 @@
 mod api;
 mod board;
 #[cfg(feature = "cuda")]
-pub mod device;
+mod device;
 #[cfg(not(feature = "cuda"))]
 #[path = "no_device.rs"]
 mod device;
