@@ -102,9 +102,10 @@ pub trait Communicator: Send {
     }
     /// Returns once every collective this rank started has finished, or with the error of
     /// the one that failed. Collectives that finish before they return (every communicator
-    /// but `nccl` on device buffers) leave nothing to wait for. The engine needs no call:
-    /// every later collective settles the earlier ones first; it is for a caller that must
-    /// know before then (the end of a step, a checkpoint).
+    /// but `nccl` on device buffers) leave nothing to wait for. Every later collective
+    /// settles the earlier ones first, so the engine needs no call: its step sums the loss on
+    /// the host right after its one wait for the device. It is for a caller that must know
+    /// sooner (a communicator that runs no further collective, a benchmark's timing).
     fn fence(&self) -> Result<()> {
         Ok(())
     }

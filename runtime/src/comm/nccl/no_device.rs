@@ -16,7 +16,7 @@ pub(super) fn device_of(_: &NcclOp<'_>) -> Option<Dev> {
 
 /// A communicator's events (none in this build).
 #[derive(Default)]
-pub(super) struct Marks;
+pub(super) struct Marks(());
 
 /// The end of a collective on a device's stream (none exists in this build).
 pub(super) struct End(Infallible);
