@@ -176,6 +176,11 @@ impl Communicator for HybridComm {
         self.replica.broadcast_view(buf, 0)
     }
 
+    fn fence(&self) -> Result<()> {
+        self.shard.fence()?;
+        self.replica.fence()
+    }
+
     fn duplicate(&self) -> Result<Box<dyn Communicator>> {
         Ok(Box::new(Self {
             shard: self.shard.duplicate()?,

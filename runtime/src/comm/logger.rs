@@ -328,6 +328,9 @@ impl Communicator for CommsLogger {
         let b = host_bytes(buf.len(), buf.dtype());
         self.timed(BROADCAST, b, || self.inner.broadcast_view(buf, root))
     }
+    fn fence(&self) -> Result<()> {
+        self.inner.fence()
+    }
     fn duplicate(&self) -> Result<Box<dyn Communicator>> {
         Ok(self.wrap(self.inner.duplicate()?))
     }

@@ -100,6 +100,15 @@ pub trait Communicator: Send {
     fn broadcast_view(&self, buf: ViewMut<'_>, root: usize) -> Result<()> {
         write_host(buf, |b| self.broadcast(b, root))
     }
+    /// Returns once every collective this rank started has finished, or with the error of
+    /// the one that failed. Collectives that finish before they return (every communicator
+    /// but `nccl` on device buffers) leave nothing to wait for. Every later collective
+    /// settles the earlier ones first, so the engine needs no call: its step sums the loss on
+    /// the host right after its one wait for the device. It is for a caller that must know
+    /// sooner (a communicator that runs no further collective, a benchmark's timing).
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
     /// A new, independent communicator over the same ranks (collective call), so that a
     /// communication worker thread can run collectives concurrently with this one, as a
     /// second NCCL stream would.

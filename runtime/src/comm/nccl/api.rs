@@ -1,6 +1,7 @@
 //! The seam under [`super::NcclComm`]: what it needs from an NCCL library. The real one
 //! (`real.rs`, `--features cuda`) calls NCCL through `cudarc::nccl`; the fake (`fake.rs`)
-//! lets CI drive every failure path (a dead peer, an asynchronous NCCL error) without a GPU.
+//! lets CI drive every failure path (a dead peer, an asynchronous NCCL error, a collective
+//! that is queued but never finishes) without a GPU.
 
 use crate::comm::ReduceOp;
 use crate::tensor::{View, ViewMut};
@@ -66,6 +67,18 @@ impl NcclOp<'_> {
             NcclOp::AllToAll { .. } => "all_to_all",
         }
     }
+
+    /// The op's input and output (the same buffer for the in-place ones).
+    pub fn views(&self) -> (View<'_>, View<'_>) {
+        match self {
+            NcclOp::AllReduce { buf, .. } | NcclOp::Broadcast { buf, .. } => {
+                (buf.as_view(), buf.as_view())
+            }
+            NcclOp::ReduceScatter { input, output, .. }
+            | NcclOp::AllGather { input, output }
+            | NcclOp::AllToAll { input, output } => (*input, output.as_view()),
+        }
+    }
 }
 
 /// Where a started collective stands.
@@ -91,13 +104,26 @@ pub trait NcclLib: Send + Sync {
 }
 
 /// One rank's NCCL communicator.
+///
+/// Where an op runs: an op whose buffers are all device memory of one device
+/// ([`super::device::device_of`]) is queued on that device's collective stream, which the
+/// communicator has made wait for the device's compute stream; the communicator records the
+/// op's end there itself once [`NcclHandle::poll_enqueued`] says the op is on the stream. Any
+/// other op runs on the library's own stream, host buffers staged through device memory.
 pub trait NcclHandle: Send {
     /// Whether initialisation finished ([`Poll::Done`]), is still in progress or failed.
     fn poll_init(&mut self) -> Poll;
-    /// Launches `op` (asynchronous: returns once it is queued).
+    /// Launches `op` (asynchronous: returns once NCCL accepted it).
     fn start(&mut self, op: &mut NcclOp<'_>) -> Result<()>;
-    /// Progress of the op started last; on [`Poll::Done`] its results are in `op`.
-    fn poll(&mut self, op: &mut NcclOp<'_>) -> Poll;
+    /// Whether the op started last is on its stream yet ([`Poll::Done`]): a non-blocking
+    /// communicator may still be queueing it when [`NcclHandle::start`] returns, and an event
+    /// recorded before it is queued would mark nothing.
+    fn poll_enqueued(&mut self, op: &mut NcclOp<'_>) -> Poll;
+    /// Progress of the op started last. `op` is given for an op on the library's stream (on
+    /// [`Poll::Done`] its results are in `op`'s host buffers); `None` for an op on a device's
+    /// stream, whose end the communicator's own event marks (this then only reports NCCL's
+    /// asynchronous errors and whether the library saw the op finish).
+    fn poll(&mut self, op: Option<&mut NcclOp<'_>>) -> Poll;
     /// `ncclCommAbort`: stops every operation in flight; the handle is unusable afterwards.
     fn abort(&mut self);
     /// `ncclCommSplit` (collective): ranks with the same `color` form a new communicator,

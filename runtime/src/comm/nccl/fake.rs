@@ -1,12 +1,15 @@
-//! A fake NCCL for CI: ranks are threads of one process, a collective completes once every
-//! rank of its communicator started it (so a rank that never arrives leaves its peers
-//! polling, as a dead peer does on a GPU), and errors can be injected where NCCL's
-//! asynchronous errors would appear. It moves real data, summing in *reverse* rank order (a
+//! A fake NCCL for CI: ranks are threads of one process, a collective is on its stream (its
+//! results written) once every rank of its communicator started it (so a rank that never
+//! arrives leaves its peers polling, as a dead peer does on a GPU; the emulator's streams run
+//! work at issue, so the results must be there before the host goes on), and it finishes a
+//! set delay later, or never for a collective told to hang inside NCCL. Errors can be injected
+//! where NCCL's asynchronous errors would appear. It moves real data, summing in *reverse* rank order (a
 //! stand-in for NCCL's ring order, which is not rank order), so the deterministic path's
 //! bitwise claims are testable too.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use super::api::{NcclHandle, NcclId, NcclLib, NcclOp, Poll};
 use super::ordered::copy;
@@ -47,6 +50,10 @@ pub struct FakeNccl {
     state: Arc<Mutex<State>>,
     errors: Vec<InjectedError>,
     next_id: Arc<Mutex<u8>>,
+    /// How long after every rank started it a collective finishes.
+    delay: Duration,
+    /// Collectives (numbers on the root communicator) that are queued but never finish.
+    hang: Vec<u64>,
 }
 
 impl FakeNccl {
@@ -56,6 +63,20 @@ impl FakeNccl {
             errors,
             ..Self::default()
         }
+    }
+
+    /// This fake, with every collective finishing `delay` after the last rank started it
+    /// (instead of at once): the time a GPU takes to run it, which the host need not wait for.
+    pub fn with_completion_delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+
+    /// This fake, with collective number `seq` (1-based, on the communicator made by `init`)
+    /// queued on every rank but never finishing: a peer that died inside it on a GPU.
+    pub fn hanging_at(mut self, seq: u64) -> Self {
+        self.hang.push(seq);
+        self
     }
 
     /// The ids ranks initialised with, as (rank, id), in call order.
@@ -103,6 +124,7 @@ impl NcclLib for FakeNccl {
             world,
             seq: 0,
             splits: 0,
+            queued: None,
         }))
     }
 }
@@ -115,6 +137,8 @@ struct FakeHandle {
     world: usize,
     seq: u64,
     splits: u64,
+    /// When the collective started last was queued (every rank had started it).
+    queued: Option<Instant>,
 }
 
 impl FakeHandle {
@@ -153,6 +177,7 @@ impl NcclHandle for FakeHandle {
 
     fn start(&mut self, op: &mut NcclOp<'_>) -> Result<()> {
         self.seq += 1;
+        self.queued = None;
         if self.injected().is_some() {
             // The failing rank's part never reaches its peers, as when NCCL gives up.
             return Ok(());
@@ -176,7 +201,7 @@ impl NcclHandle for FakeHandle {
         Ok(())
     }
 
-    fn poll(&mut self, op: &mut NcclOp<'_>) -> Poll {
+    fn poll_enqueued(&mut self, op: &mut NcclOp<'_>) -> Poll {
         if let Some(reason) = self.injected() {
             return Poll::Failed(reason);
         }
@@ -195,8 +220,23 @@ impl NcclHandle for FakeHandle {
             st.deposits.remove(&key);
         }
         match r {
-            Ok(()) => Poll::Done,
+            Ok(()) => {
+                self.queued = Some(Instant::now());
+                Poll::Done
+            }
             Err(e) => Poll::Failed(e.to_string()),
+        }
+    }
+
+    fn poll(&mut self, _op: Option<&mut NcclOp<'_>>) -> Poll {
+        let Some(queued) = self.queued else {
+            return Poll::Failed("poll of a collective that was never queued".into());
+        };
+        let hangs = self.comm_is_root() && self.lib.hang.contains(&self.seq);
+        if hangs || queued.elapsed() < self.lib.delay {
+            Poll::Pending
+        } else {
+            Poll::Done
         }
     }
 
@@ -224,6 +264,7 @@ impl NcclHandle for FakeHandle {
             world,
             seq: 0,
             splits: 0,
+            queued: None,
         }))
     }
 }

@@ -1,11 +1,20 @@
 //! `nccl`: the NCCL communicator, one process per GPU.
 //!
 //! The unique id travels through the TCP rendezvous store (rank 0 creates it and `set`s it,
-//! the others `wait` for it). Every collective is launched, then polled until it finishes,
-//! NCCL reports an asynchronous error, or `comms.timeout` passes; on failure the rank aborts
-//! its communicator (`ncclCommAbort`, so nothing stays stuck on the GPU), writes what it saw
-//! to the store's failure board and reads its peers' entries, so that the error names the
-//! collective and the rank that never arrived or failed first.
+//! the others `wait` for it). Every collective is launched, then polled until NCCL has queued
+//! it and, at the latest before the next one, until it finishes, NCCL reports an asynchronous
+//! error, or `comms.timeout` passes; on failure the rank aborts its communicator
+//! (`ncclCommAbort`, so nothing stays stuck on the GPU), writes what it saw to the store's
+//! failure board and reads its peers' entries, so that the error names the collective, its
+//! number and the rank that never arrived or failed first.
+//!
+//! Ordering (`device.rs`, `run.rs`): a collective whose buffers are all memory of one device
+//! is queued on that device's collective stream, which first waits for an event (`ready`)
+//! recorded on the compute stream that wrote the buffers; after it, `done` is recorded there
+//! and the compute stream waits for it before anything reads the results. The host fences
+//! no stream: it returns once NCCL has queued the collective and settles it (the completion
+//! poll above) at the communicator's next collective, a split, [`Communicator::fence`] or
+//! the communicator's drop. Collectives with host buffers are polled to completion at once.
 //!
 //! Reduction order: NCCL's native ring/tree sums do not add in rank order. With
 //! `deterministic` set, `reduce_scatter` becomes an all-to-all plus a rank-ordered sum (the
@@ -14,17 +23,24 @@
 //! across communicators, at the cost measured in `docs/scaling.md`.
 //!
 //! Buffers: the view forms hand device buffers to the library as they are (NCCL reads and
-//! writes them in place); host buffers are staged through device memory by the library.
+//! writes them in place); host buffers are staged through device memory by the library on
+//! its own stream.
 //!
 //! The library underneath is a trait ([`NcclLib`]): the real one needs `--features cuda`
 //! (`real.rs`); [`fake`] drives the failure paths in CI.
 
 mod api;
 mod board;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(not(feature = "cuda"))]
+#[path = "no_device.rs"]
+mod device;
 pub mod fake;
 mod ordered;
 #[cfg(feature = "cuda")]
 pub mod real;
+mod run;
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -32,6 +48,8 @@ use std::time::{Duration, Instant};
 
 pub use api::{NcclHandle, NcclId, NcclLib, NcclOp, Poll};
 use board::Board;
+use device::Marks;
+use run::{poll_until, Pending};
 
 use super::store::TcpStore;
 use super::{BufMut, BufRef, CommBackend, Communicator, ReduceOp};
@@ -71,6 +89,10 @@ pub struct NcclComm {
     children: Cell<u64>,
     /// Set once a collective failed: the communicator was aborted and fails fast afterwards.
     broken: RefCell<Option<String>>,
+    /// This communicator's events on the devices whose buffers it exchanged.
+    marks: Marks,
+    /// The collective left running on a device's stream, settled before the next one.
+    pending: RefCell<Option<Pending>>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -126,12 +148,7 @@ impl NcclComm {
         opts: NcclOptions,
     ) -> Result<Self> {
         let start = Instant::now();
-        let outcome = loop {
-            match handle.poll_init() {
-                Poll::Pending if start.elapsed() < opts.timeout => backoff(start),
-                p => break p,
-            }
-        };
+        let outcome = poll_until(opts.timeout, start, || handle.poll_init());
         let comm = Self {
             handle: RefCell::new(handle),
             board,
@@ -141,72 +158,13 @@ impl NcclComm {
             seq: Cell::new(0),
             children: Cell::new(0),
             broken: RefCell::new(None),
+            marks: Marks::default(),
+            pending: RefCell::new(None),
         };
         match outcome {
             Poll::Done => Ok(comm),
-            Poll::Failed(reason) => Err(comm.fail("init", start, Some(reason))),
-            Poll::Pending => Err(comm.fail("init", start, None)),
-        }
-    }
-
-    /// Runs one collective to completion, or fails within the timeout.
-    fn run(&self, mut op: NcclOp<'_>) -> Result<()> {
-        let name = op.name();
-        let start = Instant::now();
-        if let Some(reason) = self.broken.borrow().clone() {
-            return Err(self.error(name, None, start, reason));
-        }
-        self.seq.set(self.seq.get() + 1);
-        let mut h = self.handle.borrow_mut();
-        if let Err(e) = h.start(&mut op) {
-            drop(h);
-            return Err(self.fail(name, start, Some(e.to_string())));
-        }
-        loop {
-            match h.poll(&mut op) {
-                Poll::Done => return Ok(()),
-                Poll::Failed(reason) => {
-                    drop(h);
-                    return Err(self.fail(name, start, Some(reason)));
-                }
-                Poll::Pending if start.elapsed() >= self.opts.timeout => {
-                    drop(h);
-                    return Err(self.fail(name, start, None));
-                }
-                Poll::Pending => backoff(start),
-            }
-        }
-    }
-
-    /// Aborts the communicator and turns what this rank and its peers saw into one error.
-    fn fail(&self, op: &'static str, start: Instant, reason: Option<String>) -> Error {
-        self.handle.borrow_mut().abort();
-        let seq = self.seq.get();
-        let verdict = self.board.report(seq, reason.as_deref(), self.opts.timeout);
-        let why = match &reason {
-            Some(r) => format!("NCCL error: {r}; {}", verdict.text),
-            None => format!(
-                "no progress within comms.timeout = {:?}; {}",
-                self.opts.timeout, verdict.text
-            ),
-        };
-        *self.broken.borrow_mut() = Some(format!("communicator aborted after {op}: {why}"));
-        self.error(op, verdict.culprit, start, why)
-    }
-
-    fn error(
-        &self,
-        op: &'static str,
-        peer: Option<usize>,
-        start: Instant,
-        reason: String,
-    ) -> Error {
-        Error::Comm {
-            op,
-            rank: self.rank,
-            peer,
-            elapsed: start.elapsed(),
-            reason,
+            Poll::Failed(reason) => Err(comm.fail("init", 0, start, Some(reason))),
+            Poll::Pending => Err(comm.fail("init", 0, start, None)),
         }
     }
 
@@ -229,19 +187,6 @@ impl NcclComm {
                 self.world
             ),
         ))
-    }
-}
-
-/// Waits between polls: spins briefly (small collectives finish in microseconds), then
-/// sleeps a little longer each time, up to a millisecond.
-fn backoff(start: Instant) {
-    let waited = start.elapsed();
-    if waited < Duration::from_micros(50) {
-        std::hint::spin_loop();
-    } else if waited < Duration::from_millis(2) {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_millis(1).min(waited / 16));
     }
 }
 
@@ -328,7 +273,13 @@ impl Communicator for NcclComm {
         self.split(0, self.rank)
     }
 
+    /// Settles the collective left running on a device's stream (see `run.rs`).
+    fn fence(&self) -> Result<()> {
+        self.settle()
+    }
+
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        self.settle()?;
         let start = Instant::now();
         if let Some(reason) = self.broken.borrow().clone() {
             return Err(self.error("split", None, start, reason));
@@ -350,6 +301,16 @@ impl Communicator for NcclComm {
             world,
             self.opts.clone(),
         )?))
+    }
+}
+
+impl Drop for NcclComm {
+    /// A collective still running on a device's stream finishes before the handle goes (its
+    /// drop aborts the communicator, which would stop it halfway).
+    fn drop(&mut self) {
+        if let Err(e) = self.settle() {
+            tracing::warn!("rank {}: {e}", self.rank);
+        }
     }
 }
 

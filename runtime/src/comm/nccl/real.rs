@@ -4,8 +4,11 @@
 //! Communicators are created *non-blocking* (`ncclConfig_t::blocking = 0`), so that every
 //! call returns at once and [`super::NcclComm`] can poll `ncclCommGetAsyncError` against
 //! `comms.timeout` and `ncclCommAbort` a communicator whose peer died, during initialisation
-//! as during a collective. Host buffers are staged through device memory on the
-//! communicator's own stream; completion is a CUDA event.
+//! as during a collective. A collective on one device's buffers is queued on that device's
+//! collective stream, which the communicator orders after the compute stream and before it
+//! again with the device driver's events (`device.rs`); the host does not fence the device.
+//! Host buffers are staged through device memory on the communicator's own stream, and
+//! completion is a CUDA event there.
 //!
 //! Written from cudarc 0.19's source and NVIDIA's NCCL documentation without a GPU: see
 //! `docs/scaling.md` for what the first GPU session must check.
@@ -18,6 +21,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 use cudarc::nccl::sys;
 
 use super::api::{NcclHandle, NcclId, NcclLib, NcclOp, Poll};
+use super::device::{device_of, STREAM};
+use crate::backend::cuda::CudaDevice;
 use crate::comm::{BufRef, ReduceOp};
 use crate::tensor::{CudaView, DType, View, ViewMut};
 use crate::{Error, Result};
@@ -156,9 +161,18 @@ fn to_int(v: usize) -> Result<c_int> {
     c_int::try_from(v).map_err(|_| Error::Invalid(format!("{v} does not fit NCCL's int")))
 }
 
-/// A collective in flight: the device copies of its host buffers (none for device buffers,
-/// which NCCL uses in place) and, once NCCL has really enqueued it, the event after it.
-struct Staged {
+/// A collective in flight.
+enum Staged {
+    /// On a device's collective stream, in place: the communicator marks its end.
+    Device,
+    /// On the communicator's own stream.
+    Own(Own),
+}
+
+/// A collective on the communicator's own stream: the device copies of its host buffers
+/// (none for a device buffer, which NCCL uses in place) and, once NCCL has really enqueued
+/// it, the event after it.
+struct Own {
     out: Option<CudaSlice<u8>>,
     _inp: Option<CudaSlice<u8>>,
     /// Recorded only after `ncclCommGetAsyncError` stops saying "in progress": on a
@@ -238,10 +252,44 @@ impl RealHandle {
             .map_err(|e| unavailable(format!("allocating a staging buffer: {e:?}")))
     }
 
-    /// Enqueues `op` on its device buffers, or on device copies of its host buffers.
+    /// Enqueues `op` on its device's collective stream when all its buffers are that
+    /// device's, else on the communicator's stream with its host buffers staged.
     fn launch(&mut self, op: &NcclOp<'_>) -> Result<Staged> {
+        let Some(dev) = device_of(op) else {
+            return self.launch_staged(op).map(Staged::Own);
+        };
+        let s = self.device_stream(&dev)?;
         let (input, output) = buffers(op);
-        // NCCL's stream does not wait for the compute stream that wrote a device buffer.
+        let (ip, opp) = (
+            input.device_ptr() as *const c_void,
+            output.device_ptr() as *mut c_void,
+        );
+        // SAFETY: the op's own device buffers, borrowed until the host returns; the compute
+        // stream waits for the collective's end before it reads or writes them again.
+        let r = unsafe { enqueue(op, ip, opp, nccl_type(op_dtype(op)), self.comm, s)? };
+        check(op.name(), r)?;
+        Ok(Staged::Device)
+    }
+
+    /// The raw collective stream of `dev`, which must be this communicator's GPU.
+    fn device_stream(&self, dev: &CudaDevice) -> Result<sys::cudaStream_t> {
+        let (theirs, ours) = (dev.info().ordinal, self.ctx.ordinal());
+        if theirs != ours {
+            return Err(Error::Invalid(format!(
+                "a collective on buffers of GPU {theirs} over the NCCL communicator of GPU {ours}"
+            )));
+        }
+        let raw = dev.driver().native_stream(STREAM).ok_or_else(|| {
+            unavailable("the buffers' device is the CPU emulator; NCCL needs a GPU's streams")
+        })?;
+        Ok(raw as usize as sys::cudaStream_t)
+    }
+
+    /// Enqueues `op` on the communicator's stream, with device copies of its host buffers.
+    fn launch_staged(&mut self, op: &NcclOp<'_>) -> Result<Own> {
+        let (input, output) = buffers(op);
+        // A device buffer next to a host one (no caller passes such a pair): this stream does
+        // not wait for the compute stream that wrote it, so the host does.
         for dev in [input.device(), output.device()].into_iter().flatten() {
             dev.synchronize()?;
         }
@@ -276,7 +324,7 @@ impl RealHandle {
             let r = unsafe { enqueue(op, ip, opp, t, self.comm, s)? };
             check(op.name(), r)?;
         }
-        Ok(Staged {
+        Ok(Own {
             out,
             _inp: inp,
             done: None,
@@ -466,7 +514,26 @@ impl NcclHandle for RealHandle {
         Ok(())
     }
 
-    fn poll(&mut self, op: &mut NcclOp<'_>) -> Poll {
+    fn poll_enqueued(&mut self, _op: &mut NcclOp<'_>) -> Poll {
+        if let Err(e) = self.bind() {
+            return Poll::Failed(e.to_string());
+        }
+        match self.async_state() {
+            Poll::Done => {}
+            other => return other, // still enqueueing (non-blocking communicator), or failed
+        }
+        match &mut self.staged {
+            Some(Staged::Own(own)) if own.done.is_none() => match self.stream.record_event(None) {
+                Ok(e) => own.done = Some(e),
+                Err(e) => return Poll::Failed(format!("recording an event: {e:?}")),
+            },
+            Some(_) => {}
+            None => return Poll::Failed("poll without a started collective".into()),
+        }
+        Poll::Done
+    }
+
+    fn poll(&mut self, op: Option<&mut NcclOp<'_>>) -> Poll {
         if let Err(e) = self.bind() {
             return Poll::Failed(e.to_string());
         }
@@ -475,24 +542,23 @@ impl NcclHandle for RealHandle {
             return Poll::Failed(why);
         }
         let stream = Arc::clone(&self.stream);
-        let Some(st) = &mut self.staged else {
-            return Poll::Failed("poll without a started collective".into());
+        let own = match (&self.staged, op) {
+            (Some(Staged::Device), _) => {
+                // The communicator's event on the device's stream says when it finished.
+                self.staged = None;
+                return Poll::Done;
+            }
+            (Some(Staged::Own(own)), Some(op)) => (own, op),
+            (Some(Staged::Own(_)), None) => {
+                return Poll::Failed("a staged collective polled without its buffers".into())
+            }
+            (None, _) => return Poll::Failed("poll without a started collective".into()),
         };
-        if st.done.is_none() {
-            if state == Poll::Pending {
-                return Poll::Pending; // NCCL is still enqueueing (non-blocking communicator)
-            }
-            match stream.record_event(None) {
-                Ok(e) => st.done = Some(e),
-                Err(e) => return Poll::Failed(format!("recording an event: {e:?}")),
-            }
-        }
-        let complete = st.done.as_ref().map(CudaEvent::try_is_complete);
-        let outcome = match complete {
-            Some(Ok(false)) => return Poll::Pending,
+        let (st, op) = own;
+        let outcome = match st.done.as_ref().map(CudaEvent::try_is_complete) {
+            Some(Ok(false)) | None => return Poll::Pending,
             Some(Ok(true)) => download(&stream, st.out.as_ref(), op),
             Some(Err(e)) => return Poll::Failed(format!("CUDA error while NCCL ran: {e:?}")),
-            None => return Poll::Pending,
         };
         self.staged = None;
         match outcome {

@@ -512,6 +512,13 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// This driver's identity among the drivers of the process.
     fn peer_id(&self) -> u64;
 
+    /// The native handle (`CUstream`) of stream `s`, for a library that queues its own work
+    /// on the device's streams (NCCL, ordered with this driver's events); `None` where
+    /// streams are emulated.
+    fn native_stream(&self, _s: StreamKind) -> Option<u64> {
+        None
+    }
+
     /// Hears that `p..p + bytes` is now one buffer of the caching allocator: the emulator's
     /// order check takes a kernel's pointer argument as reaching the whole buffer it points
     /// into. Nothing to do on a GPU.

@@ -344,6 +344,10 @@ impl Driver for Observed {
         self.inner.peer_id()
     }
 
+    fn native_stream(&self, s: StreamKind) -> Option<u64> {
+        self.inner.native_stream(s)
+    }
+
     fn note_buffer(&self, p: DevPtr, bytes: u64) {
         self.inner.note_buffer(p, bytes)
     }

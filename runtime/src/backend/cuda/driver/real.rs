@@ -721,6 +721,10 @@ impl Driver for CudaDriver {
         self as *const Self as u64
     }
 
+    fn native_stream(&self, s: StreamKind) -> Option<u64> {
+        Some(self.cu_stream(s) as u64)
+    }
+
     fn event_query(&self, e: Event) -> Result<bool> {
         let ev = self.check_event("cuEventQuery", e)?;
         self.bind()?;
