@@ -127,7 +127,9 @@ fn checkpoint_and_snapshot_staging_are_priced() {
     c.gradient_clipping = 1e9;
     let (registered, ledger) = measure(&c, CKPT_ROWS);
     let est = estimate(&model(), &c, CKPT_ROWS, T).page_locked;
-    eprintln!("checkpoints and snapshots: registered {registered}, ledger {ledger}, estimate {est:?}");
+    eprintln!(
+        "checkpoints and snapshots: registered {registered}, ledger {ledger}, estimate {est:?}"
+    );
     // Two layer inputs of 2 MiB; the buffer taken before the last forward's come back is the
     // embedding's (its input is the batch's ids: nothing staged).
     assert_eq!(est.checkpoints, 2 * (CKPT_ROWS * T * 2048 * 2) as u64);
@@ -138,8 +140,19 @@ fn checkpoint_and_snapshot_staging_are_priced() {
         "estimate {} vs registered {registered}",
         est.total()
     );
-    assert!(off(ledger) <= 0.05, "ledger {ledger} vs registered {registered}");
+    assert!(
+        off(ledger) <= 0.05,
+        "ledger {ledger} vs registered {registered}"
+    );
     // Without either, neither is priced.
-    assert_eq!(estimate(&model(), &cfg(false), 1, T).page_locked.checkpoints, 0);
-    assert_eq!(estimate(&model(), &cfg(false), 1, T).page_locked.snapshots, 0);
+    assert_eq!(
+        estimate(&model(), &cfg(false), 1, T)
+            .page_locked
+            .checkpoints,
+        0
+    );
+    assert_eq!(
+        estimate(&model(), &cfg(false), 1, T).page_locked.snapshots,
+        0
+    );
 }

@@ -219,7 +219,11 @@ fn check_staged(which: Which, what: &str, cfg: &ResolvedConfig, run: &Staged) {
         run.page_locked,
         off(locked, run.page_locked) * 100.0
     );
-    assert!(off(peak, run.peak) <= 0.05, "{which:?} {what}: device peak {peak} vs {}", run.peak);
+    assert!(
+        off(peak, run.peak) <= 0.05,
+        "{which:?} {what}: device peak {peak} vs {}",
+        run.peak
+    );
     assert!(
         off(locked, run.page_locked) <= 0.05,
         "{which:?} {what}: page-locked {locked} vs {}",
@@ -243,7 +247,12 @@ fn staged_sweep(which: Which) {
         let mut cfg = offloaded(stage, Precision::Bf16);
         cfg.activation_checkpointing = Some(checkpointing(true));
         let run = measure_staged(which, &cfg, DType::Bf16);
-        check_staged(which, &format!("stage {stage:?} cpu_checkpointing"), &cfg, &run);
+        check_staged(
+            which,
+            &format!("stage {stage:?} cpu_checkpointing"),
+            &cfg,
+            &run,
+        );
         // The speculative overlap with a threshold just under the first step's norm: the lane
         // steps groups until the sum crosses it, and the step undoes them.
         let mut spec = offloaded(stage, Precision::Bf16);
@@ -251,8 +260,16 @@ fn staged_sweep(which: Which) {
         let free = measure_staged(which, &spec, DType::Bf16);
         spec.gradient_clipping = 0.999 * free.norm;
         let run = measure_staged(which, &spec, DType::Bf16);
-        assert!(run.rolled_back > 0, "{which:?} {stage:?}: clipping rolled nothing back");
-        check_staged(which, &format!("stage {stage:?} clipping binds"), &spec, &run);
+        assert!(
+            run.rolled_back > 0,
+            "{which:?} {stage:?}: clipping rolled nothing back"
+        );
+        check_staged(
+            which,
+            &format!("stage {stage:?} clipping binds"),
+            &spec,
+            &run,
+        );
     }
     // fp16 from a loss scale whose gradients overflow: the first step is skipped.
     let mut fp16 = offloaded(
@@ -269,7 +286,10 @@ fn staged_sweep(which: Which) {
     fp16.gradient_clipping = 1.0;
     let run = measure_staged(which, &fp16, DType::F16);
     assert!(run.skipped, "{which:?}: the fp16 step did not overflow");
-    eprintln!("{which:?} fp16 overflow: {} groups rolled back", run.rolled_back);
+    eprintln!(
+        "{which:?} fp16 overflow: {} groups rolled back",
+        run.rolled_back
+    );
     check_staged(which, "fp16 overflow", &fp16, &run);
 }
 
