@@ -60,8 +60,9 @@ fn cfg(params: bool) -> ResolvedConfig {
     c
 }
 
-/// Bytes the driver holds registered after two steps, and the ledger's peak count.
-fn measure(cfg: &ResolvedConfig) -> (u64, u64) {
+/// Bytes the driver holds registered after two steps of `micro` rows, and the ledger's peak
+/// count.
+fn measure(cfg: &ResolvedConfig, micro: usize) -> (u64, u64) {
     let drv = Arc::new(EmuDriver::builtin().expect("the emulator"));
     let be: Arc<dyn Backend> = Arc::new(CudaBackend::new(
         CudaDevice::new(drv.clone(), None),
@@ -70,10 +71,10 @@ fn measure(cfg: &ResolvedConfig) -> (u64, u64) {
     let out = run_ranks(1, Duration::from_secs(300), |comm| {
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
         for s in 0..2 {
-            e.train_batch(&[toy::batch(V, T, s, 1)])?;
+            e.train_batch(&[toy::batch(V, T, s * micro, micro)])?;
         }
         // A forward samples what the step left registered.
-        e.forward(&toy::batch(V, T, 5, 1))?;
+        e.forward(&toy::batch(V, T, 5 * micro, micro))?;
         Ok((
             drv.registered_host_bytes() as u64,
             e.ledger().report().peak_page_locked_bytes,
@@ -87,7 +88,7 @@ fn measure(cfg: &ResolvedConfig) -> (u64, u64) {
 fn page_locked_bytes_are_priced_and_counted() {
     for params in [false, true] {
         let c = cfg(params);
-        let (registered, ledger) = measure(&c);
+        let (registered, ledger) = measure(&c, 1);
         let est = estimate(&model(), &c, 1, T).page_locked;
         eprintln!("parameters offloaded {params}: registered {registered}, ledger {ledger}, estimate {est:?}");
         let off = |x: u64| (x as f64 - registered as f64).abs() / registered as f64;
@@ -107,4 +108,51 @@ fn page_locked_bytes_are_priced_and_counted() {
     let mut cpu = cfg(true);
     cpu.device = Device::Cpu;
     assert_eq!(estimate(&model(), &cpu, 1, T).page_locked.total(), 0);
+}
+
+/// Rows whose checkpoints (a layer's input: rows x T x 2048 bf16 = 2 MiB) pass the staging
+/// pool's registration threshold.
+const CKPT_ROWS: usize = 64;
+
+#[test]
+fn checkpoint_and_snapshot_staging_are_priced() {
+    let mut c = cfg(false);
+    c.train_micro_batch_size_per_gpu = CKPT_ROWS;
+    c.train_batch_size = CKPT_ROWS;
+    // Checkpoints go down to host staging after each layer's forward and come back ahead.
+    c.activation_checkpointing = Some(common::checkpointing(true));
+    // The speculative overlap: clipping on (never binding here, so every group is saved and
+    // the snapshots hold their staging as in a run whose speculation stands).
+    c.zero.overlap_comm = true;
+    c.gradient_clipping = 1e9;
+    let (registered, ledger) = measure(&c, CKPT_ROWS);
+    let est = estimate(&model(), &c, CKPT_ROWS, T).page_locked;
+    eprintln!(
+        "checkpoints and snapshots: registered {registered}, ledger {ledger}, estimate {est:?}"
+    );
+    // Two layer inputs of 2 MiB; the buffer taken before the last forward's come back is the
+    // embedding's (its input is the batch's ids: nothing staged).
+    assert_eq!(est.checkpoints, 2 * (CKPT_ROWS * T * 2048 * 2) as u64);
+    assert!(est.snapshots > 0, "no snapshot staging priced");
+    let off = |x: u64| (x as f64 - registered as f64).abs() / registered as f64;
+    assert!(
+        off(est.total()) <= 0.05,
+        "estimate {} vs registered {registered}",
+        est.total()
+    );
+    assert!(
+        off(ledger) <= 0.05,
+        "ledger {ledger} vs registered {registered}"
+    );
+    // Without either, neither is priced.
+    assert_eq!(
+        estimate(&model(), &cfg(false), 1, T)
+            .page_locked
+            .checkpoints,
+        0
+    );
+    assert_eq!(
+        estimate(&model(), &cfg(false), 1, T).page_locked.snapshots,
+        0
+    );
 }

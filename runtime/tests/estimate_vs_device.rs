@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{checkpointing, config, toy};
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{
+    LossScaling, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
+};
 use ferrozero_config::Device;
 use ferrozero_runtime::backend::{self, Backend};
 use ferrozero_runtime::comm::local::run_ranks;
@@ -164,4 +166,139 @@ fn gpt2_device_peak_is_the_allocators_within_5_percent() {
 #[test]
 fn llama_device_peak_is_the_allocators_within_5_percent() {
     sweep(Which::Llama);
+}
+
+/// One run of two steps on a fresh emulated device with activations in `act`: the allocator's
+/// peak, the ledger's peak of page-locked bytes (the engine's registrations and the driver's),
+/// the first step's gradient norm and whether it was skipped, and how many groups the steps
+/// rolled back.
+struct Staged {
+    peak: u64,
+    page_locked: u64,
+    norm: f64,
+    skipped: bool,
+    rolled_back: usize,
+}
+
+fn measure_staged(which: Which, cfg: &ResolvedConfig, act: DType) -> Staged {
+    let out = run_ranks(1, Duration::from_secs(300), |comm| {
+        let be: Arc<dyn Backend> = backend::cuda::emulated(act)?;
+        let mut e = Engine::with_backend(build(which), cfg.clone(), comm, be)?;
+        e.trace_schedule(true);
+        let mut first = None;
+        for s in 0..2 {
+            let batches: Vec<_> = (0..cfg.gradient_accumulation_steps)
+                .map(|m| toy::batch(VOCAB, SEQ, (s * 2 + m) * MICRO, MICRO))
+                .collect();
+            let r = e.train_batch(&batches)?;
+            first.get_or_insert((r.grad_norm, r.skipped));
+        }
+        let spans = e.take_schedule_trace();
+        let (norm, skipped) = first.unwrap_or_default();
+        Ok(Staged {
+            peak: e.backend().memory_stats().map_or(0, |m| m.peak),
+            page_locked: e.ledger().report().peak_page_locked_bytes,
+            norm,
+            skipped,
+            rolled_back: spans.iter().filter(|s| s.op == "rollback").count(),
+        })
+    })
+    .unwrap();
+    out.into_iter().next().unwrap()
+}
+
+/// The estimate's device peak and page-locked bytes against the run's, within 5%.
+fn check_staged(which: Which, what: &str, cfg: &ResolvedConfig, run: &Staged) {
+    let est = estimate(&build(which), cfg, MICRO, SEQ);
+    let off = |e: u64, got: u64| (e as f64 - got as f64).abs() / (got as f64).max(1.0);
+    let (peak, locked) = (est.device.peak_bytes, est.page_locked.total());
+    eprintln!(
+        "| {which:?} {what} | peak {peak} vs {} ({:.2}%) | page-locked {locked} vs {} ({:.2}%) |",
+        run.peak,
+        off(peak, run.peak) * 100.0,
+        run.page_locked,
+        off(locked, run.page_locked) * 100.0
+    );
+    assert!(
+        off(peak, run.peak) <= 0.05,
+        "{which:?} {what}: device peak {peak} vs {}",
+        run.peak
+    );
+    assert!(
+        off(locked, run.page_locked) <= 0.05,
+        "{which:?} {what}: page-locked {locked} vs {}",
+        run.page_locked
+    );
+}
+
+fn offloaded(stage: ZeroStage, precision: Precision) -> ResolvedConfig {
+    let mut cfg = config(stage, 1, MICRO, 2, precision);
+    cfg.device = Device::Cuda(None);
+    cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    cfg
+}
+
+/// `cpu_checkpointing` (checkpoints down after each unit's forward, up one unit ahead of the
+/// recompute) and the speculative overlap, on a step where clipping binds after the lane
+/// stepped groups (undone from its snapshots) and on an fp16 step that overflows (the lane
+/// stops at the first non-finite group, before saving it, so that step undoes nothing).
+fn staged_sweep(which: Which) {
+    for stage in [ZeroStage::Stage0, ZeroStage::Stage3] {
+        let mut cfg = offloaded(stage, Precision::Bf16);
+        cfg.activation_checkpointing = Some(checkpointing(true));
+        let run = measure_staged(which, &cfg, DType::Bf16);
+        check_staged(
+            which,
+            &format!("stage {stage:?} cpu_checkpointing"),
+            &cfg,
+            &run,
+        );
+        // The speculative overlap with a threshold just under the first step's norm: the lane
+        // steps groups until the sum crosses it, and the step undoes them.
+        let mut spec = offloaded(stage, Precision::Bf16);
+        spec.zero.overlap_comm = true;
+        let free = measure_staged(which, &spec, DType::Bf16);
+        spec.gradient_clipping = 0.999 * free.norm;
+        let run = measure_staged(which, &spec, DType::Bf16);
+        assert!(
+            run.rolled_back > 0,
+            "{which:?} {stage:?}: clipping rolled nothing back"
+        );
+        check_staged(
+            which,
+            &format!("stage {stage:?} clipping binds"),
+            &spec,
+            &run,
+        );
+    }
+    // fp16 from a loss scale whose gradients overflow: the first step is skipped.
+    let mut fp16 = offloaded(
+        ZeroStage::Stage2,
+        Precision::Fp16(LossScaling::Dynamic {
+            initial_scale_power: 24,
+            loss_scale_window: 1000,
+            hysteresis: 1,
+            consecutive_hysteresis: false,
+            min_loss_scale: 1.0,
+        }),
+    );
+    fp16.zero.overlap_comm = true;
+    fp16.gradient_clipping = 1.0;
+    let run = measure_staged(which, &fp16, DType::F16);
+    assert!(run.skipped, "{which:?}: the fp16 step did not overflow");
+    eprintln!(
+        "{which:?} fp16 overflow: {} groups rolled back",
+        run.rolled_back
+    );
+    check_staged(which, "fp16 overflow", &fp16, &run);
+}
+
+#[test]
+fn gpt2_staging_for_checkpoints_and_snapshots_is_priced_within_5_percent() {
+    staged_sweep(Which::Gpt2);
+}
+
+#[test]
+fn llama_staging_for_checkpoints_and_snapshots_is_priced_within_5_percent() {
+    staged_sweep(Which::Llama);
 }

@@ -364,11 +364,14 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
     if e.page_locked.total() > 0 {
         let p = &e.page_locked;
         println!(
-            "page-locked by the device: {} (parameter store {}, copy staging {}, upload ring {})",
+            "page-locked by the device: {} (parameter store {}, copy staging {}, upload ring {}, \
+             checkpoints {}, snapshots {})",
             human(p.total()),
             human(p.parameters),
             human(p.staging),
-            human(p.ring)
+            human(p.ring),
+            human(p.checkpoints),
+            human(p.snapshots)
         );
     }
     println!(

@@ -56,9 +56,11 @@ impl Engine {
     ) -> Result<()> {
         if unit > 0 {
             self.prefetch(unit - 1);
-            // The unit below's checkpoint comes up while this unit's gradient is reduced, as
-            // it would during this unit's backward without the fusion.
-            self.checkpoint_ahead(unit - 1)?;
+        }
+        // The unit below's checkpoint comes up while this unit's gradient is reduced, as it
+        // would during this unit's backward without the fusion.
+        if let Some(below) = super::rules::checkpoint_up_with(unit) {
+            self.checkpoint_ahead(below)?;
         }
         self.reduce_unit(unit, first_shared_user)
     }

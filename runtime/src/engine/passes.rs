@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::core::Engine;
 use super::group::{compute_view, Group};
 use super::ledger::{Category, Location};
+use super::rules;
 use crate::nn::{Batch, BatchIds, Ctx, Grads, Module, Params};
 use crate::tensor::{Tensor, View, ViewMut};
 use crate::{Error, Result};
@@ -166,7 +167,9 @@ impl Engine {
             self.gather_unit(unit)?;
             if unit > 0 {
                 self.prefetch(unit - 1);
-                self.checkpoint_ahead(unit - 1)?;
+            }
+            if let Some(below) = rules::checkpoint_up_with(unit) {
+                self.checkpoint_ahead(below)?;
             }
             let trace = self.trace.clone();
             let r = trace.span("compute", "backward", unit, || {

@@ -28,6 +28,19 @@ pub fn ckpt_location(cfg: &ResolvedConfig) -> Location {
     }
 }
 
+/// How many units ahead of its recompute a checkpoint waiting in host memory is brought back
+/// to the device: one, so its upload on the host-to-device stream overlaps the backward of the
+/// unit above it (as parameters go up in `param_upload.rs`) while at most one such buffer
+/// beyond the recomputing unit's is on the device.
+pub const CHECKPOINTS_AHEAD: usize = 1;
+
+/// The unit whose host checkpoint starts coming up to the device when unit `unit`'s backward
+/// starts (`Engine::checkpoint_ahead`, and the replay's): [`CHECKPOINTS_AHEAD`] units below;
+/// `None` near the bottom.
+pub fn checkpoint_up_with(unit: usize) -> Option<usize> {
+    unit.checked_sub(CHECKPOINTS_AHEAD)
+}
+
 /// Whether stage 3 uploads a unit's host shard ahead of its use on the host-to-device stream
 /// instead of gathering it (`param_upload.rs`): the rank's shard group is one rank
 /// (`shard_world`: the world size, or `mics_shard_size` under MiCS), so its shard is the whole
@@ -125,6 +138,13 @@ mod tests {
             cpu_checkpointing: false,
         });
         assert_eq!(ckpt_location(&c), Location::Device);
+    }
+
+    #[test]
+    fn a_checkpoint_comes_up_one_unit_ahead() {
+        assert_eq!(checkpoint_up_with(3), Some(2));
+        assert_eq!(checkpoint_up_with(1), Some(0));
+        assert_eq!(checkpoint_up_with(0), None, "nothing below the first unit");
     }
 
     #[test]

@@ -15,8 +15,6 @@ use super::driver::Driver;
 use crate::tensor::in_flight::HostPin;
 use crate::tensor::{spare, DType, FlatBuf};
 
-/// Smaller buffers are not worth a registration (a driver call each way).
-const MIN_BYTES: u64 = crate::tensor::in_flight::PAGE_LOCK_MIN_BYTES;
 /// Buffers held for reuse.
 const MAX_BUFFERS: usize = 32;
 /// Bytes held for reuse (beyond one buffer, which is always kept): the bound the thread's
@@ -70,7 +68,9 @@ impl PinnedPool {
             }
         }
         let mut b = spare::take(dtype, len);
-        if b.bytes() >= MIN_BYTES {
+        // Smaller buffers are not worth a registration (a driver call each way); the
+        // estimator prices the pool by the same rule.
+        if crate::engine::rules::staging_page_locked(b.bytes()) {
             let bytes = b.as_mut().bytes_mut();
             // SAFETY: the buffer stays allocated while registered: `give` keeps it or
             // unregisters it before dropping it, and the pool unregisters what it holds when

@@ -8,6 +8,7 @@
 
 mod page_locked;
 mod reduce;
+mod staged;
 mod swap;
 mod transient;
 
@@ -75,6 +76,11 @@ pub(super) struct Replay<'a> {
     loss: u64,
     /// Units whose host checkpoint is back on the device ahead of its recompute.
     ckpt_up: Vec<bool>,
+    /// Bytes of each checkpoint one forward sends down to host staging, in forward's order
+    /// (empty unless `cpu_checkpointing` keeps them in host memory).
+    ckpt_down: Vec<u64>,
+    /// Whether the optimizer overlap is speculative (its snapshots stage device values).
+    speculative: bool,
 }
 
 impl<'a> Replay<'a> {
@@ -126,6 +132,8 @@ impl<'a> Replay<'a> {
             boundary: 0,
             loss: 0,
             ckpt_up: vec![false; n],
+            ckpt_down: Vec::new(),
+            speculative: matches!(overlap, OptimizerOverlap::Speculative(_)),
         };
         for g in 0..n {
             r.build_group(g, moments);
@@ -307,8 +315,8 @@ impl<'a> Replay<'a> {
         rules::ckpt_location(self.cfg)
     }
 
-    /// `Engine::checkpoint_ahead`: a checkpoint in host memory goes up to the device one
-    /// unit ahead of its recompute.
+    /// `Engine::checkpoint_ahead`: a checkpoint in host memory goes up to the device
+    /// [`rules::CHECKPOINTS_AHEAD`] units ahead of its recompute.
     fn checkpoint_ahead(&mut self, unit: usize, mb: usize, seq: usize) {
         if self.checkpointing().is_none()
             || self.ckpt_location() != Location::Host
@@ -362,6 +370,9 @@ impl<'a> Replay<'a> {
                 let b = self.input_bytes(unit, mb, seq);
                 self.ledger
                     .alloc(self.ckpt_location(), Category::Activations, b);
+                if self.ckpt_location() == Location::Host {
+                    self.ckpt_down.push(b);
+                }
             } else {
                 let b = self.saved_bytes(unit, mb, seq);
                 self.ledger
@@ -406,14 +417,18 @@ impl<'a> Replay<'a> {
         };
         if last > 0 {
             self.prefetch(last - 1);
-            self.checkpoint_ahead(last - 1, mb, seq);
+        }
+        if let Some(below) = rules::checkpoint_up_with(last) {
+            self.checkpoint_ahead(below, mb, seq);
         }
         self.reduce_unit(last, first_shared_user);
         for unit in (0..last).rev() {
             self.gather_unit(unit);
             if unit > 0 {
                 self.prefetch(unit - 1);
-                self.checkpoint_ahead(unit - 1, mb, seq);
+            }
+            if let Some(below) = rules::checkpoint_up_with(unit) {
+                self.checkpoint_ahead(below, mb, seq);
             }
             let saved = self.saved_bytes(unit, mb, seq);
             if self.checkpointing().is_some() {

@@ -1,6 +1,7 @@
 //! Host memory a device page-locks for a run: the stage-3 host parameter store (registered
 //! once at build), the staging pool's buffers for the offloaded optimizer's copies, and the
-//! small-upload ring. A device that page-locks nothing (the CPU: `upload_ring == 0`) prices 0.
+//! small-upload ring; `staged.rs` adds the staging of host checkpoints and of the speculative
+//! overlap's snapshots. A device that page-locks nothing (the CPU: `upload_ring == 0`) prices 0.
 
 use ferrozero_config::resolved::OffloadTarget;
 use serde::Serialize;
@@ -20,12 +21,17 @@ pub struct PageLockedFigures {
     pub staging: u64,
     /// The small-upload ring.
     pub ring: u64,
+    /// Staging buffers of `cpu_checkpointing`'s checkpoints on their way down and back up.
+    pub checkpoints: u64,
+    /// Staging buffers holding the device values of the speculative optimizer overlap's
+    /// snapshots (the parameters a rollback writes back).
+    pub snapshots: u64,
 }
 
 impl PageLockedFigures {
     /// All of them.
     pub fn total(&self) -> u64 {
-        self.parameters + self.staging + self.ring
+        self.parameters + self.staging + self.ring + self.checkpoints + self.snapshots
     }
 }
 
@@ -44,6 +50,8 @@ impl Replay<'_> {
             parameters,
             staging: self.offload_staging(),
             ring: self.mem.upload_ring,
+            checkpoints: self.checkpoint_staging(),
+            snapshots: self.snapshot_staging(),
         }
     }
 
@@ -88,13 +96,13 @@ impl Replay<'_> {
 
 /// The sizes a staging pool holds and has registered (`backend/cuda/pinned.rs`).
 #[derive(Default)]
-struct Pool {
+pub(super) struct Pool {
     held: Vec<u64>,
-    registered: u64,
+    pub(super) registered: u64,
 }
 
 impl Pool {
-    fn take(&mut self, b: u64) -> u64 {
+    pub(super) fn take(&mut self, b: u64) -> u64 {
         match self.held.iter().position(|&h| h == b) {
             Some(i) => {
                 self.held.swap_remove(i);
@@ -105,7 +113,7 @@ impl Pool {
         b
     }
 
-    fn give(&mut self, b: u64) {
+    pub(super) fn give(&mut self, b: u64) {
         if rules::staging_page_locked(b) {
             self.held.push(b);
         }
