@@ -51,10 +51,8 @@ pub fn uploads_ahead(cfg: &ResolvedConfig, shard_world: usize) -> bool {
 }
 
 /// Whether a staging buffer of `bytes` is page-locked by a device's staging pool (smaller
-/// ones stay pageable: `tensor::in_flight::PAGE_LOCK_MIN_BYTES`).
-pub fn staging_page_locked(bytes: u64) -> bool {
-    bytes >= crate::tensor::in_flight::PAGE_LOCK_MIN_BYTES
-}
+/// ones stay pageable); the pool asks the same function.
+pub use crate::tensor::in_flight::staging_page_locked;
 
 /// A group's parameter extent: stage 3 keeps groups under `param_persistence_threshold`
 /// whole (`stage_params` is the stage's own extent for parameters).

@@ -16,9 +16,15 @@ use crate::backend::{Stream, StreamEvent};
 use crate::Result;
 
 /// Staging buffers smaller than this stay pageable: a registration (a driver call each way)
-/// is not worth it. The estimator prices page-locked staging by the same rule
-/// (`engine::rules::staging_page_locked`).
+/// is not worth it.
 pub const PAGE_LOCK_MIN_BYTES: u64 = 1 << 20;
+
+/// Whether a device's staging pool page-locks a buffer of `bytes`. Written once here, below
+/// both the backends that register and the estimator that prices the registrations
+/// (`engine::rules::staging_page_locked`).
+pub fn staging_page_locked(bytes: u64) -> bool {
+    bytes >= PAGE_LOCK_MIN_BYTES
+}
 
 /// Where a staging buffer goes back to when no copy uses it any more (the device's pool).
 pub trait StagingHome: Send + Sync + fmt::Debug {

@@ -70,7 +70,7 @@ impl PinnedPool {
         let mut b = spare::take(dtype, len);
         // Smaller buffers are not worth a registration (a driver call each way); the
         // estimator prices the pool by the same rule.
-        if crate::engine::rules::staging_page_locked(b.bytes()) {
+        if crate::tensor::in_flight::staging_page_locked(b.bytes()) {
             let bytes = b.as_mut().bytes_mut();
             // SAFETY: the buffer stays allocated while registered: `give` keeps it or
             // unregisters it before dropping it, and the pool unregisters what it holds when
