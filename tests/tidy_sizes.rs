@@ -80,7 +80,10 @@ fn no_function_over_the_line_limit_outside_the_allowances() {
                 continue;
             }
             over.push((rel.clone(), f.name.clone()));
-            if !FNS_ALLOWED.iter().any(|(p, n, _)| *p == rel && *n == f.name) {
+            if !FNS_ALLOWED
+                .iter()
+                .any(|(p, n, _)| *p == rel && *n == f.name)
+            {
                 panic!(
                     "{rel}:{}: fn {} spans {} lines, over {MAX_FN_LINES}: split it into named steps",
                     f.line, f.name, f.lines
@@ -274,7 +277,9 @@ fn fn_name(line: &str) -> Option<String> {
     let mut rest = line.trim_start();
     loop {
         let before = rest;
-        for word in ["pub ", "const ", "async ", "unsafe ", "default ", "extern  "] {
+        for word in [
+            "pub ", "const ", "async ", "unsafe ", "default ", "extern  ",
+        ] {
             rest = rest.strip_prefix(word).unwrap_or(rest).trim_start();
         }
         if rest.starts_with("pub(") {

@@ -252,10 +252,22 @@ fn emulated_gemm_out_of_place_reads_c_writes_d() {
 #[test]
 fn real_device_passes_the_gemm_checks() {
     on_real_device(&[
-        ("gemm_reads_operands_through_cublaslt_layouts", gemm_reads_operands_through_cublaslt_layouts),
+        (
+            "gemm_reads_operands_through_cublaslt_layouts",
+            gemm_reads_operands_through_cublaslt_layouts,
+        ),
         ("gemm_large_matches_reference", gemm_large_matches_reference),
-        ("gemm_row_major_linear_layer_translation", gemm_row_major_linear_layer_translation),
-        ("gemm_strided_batch_with_a_shared_operand", gemm_strided_batch_with_a_shared_operand),
-        ("gemm_out_of_place_reads_c_writes_d", gemm_out_of_place_reads_c_writes_d),
+        (
+            "gemm_row_major_linear_layer_translation",
+            gemm_row_major_linear_layer_translation,
+        ),
+        (
+            "gemm_strided_batch_with_a_shared_operand",
+            gemm_strided_batch_with_a_shared_operand,
+        ),
+        (
+            "gemm_out_of_place_reads_c_writes_d",
+            gemm_out_of_place_reads_c_writes_d,
+        ),
     ]);
 }

@@ -251,8 +251,17 @@ fn emulated_gemm_weight_grad_bias_grads_into_f32() {
 #[test]
 fn real_device_passes_the_gemm_epilogue_checks() {
     on_real_device(&[
-        ("gemm_epilogues_as_cublaslt_documents_them", gemm_epilogues_as_cublaslt_documents_them),
-        ("gemm_dgelu_bgrad_as_cublaslt_documents_it", gemm_dgelu_bgrad_as_cublaslt_documents_it),
-        ("gemm_weight_grad_bias_grads_into_f32", gemm_weight_grad_bias_grads_into_f32),
+        (
+            "gemm_epilogues_as_cublaslt_documents_them",
+            gemm_epilogues_as_cublaslt_documents_them,
+        ),
+        (
+            "gemm_dgelu_bgrad_as_cublaslt_documents_it",
+            gemm_dgelu_bgrad_as_cublaslt_documents_it,
+        ),
+        (
+            "gemm_weight_grad_bias_grads_into_f32",
+            gemm_weight_grad_bias_grads_into_f32,
+        ),
     ]);
 }

@@ -193,7 +193,8 @@ fn emulated_gemm_rejects_what_cublaslt_would() {
 
 #[test]
 fn real_device_passes_the_gemm_refusal_checks() {
-    on_real_device(&[
-        ("gemm_rejects_what_cublaslt_would", gemm_rejects_what_cublaslt_would),
-    ]);
+    on_real_device(&[(
+        "gemm_rejects_what_cublaslt_would",
+        gemm_rejects_what_cublaslt_would,
+    )]);
 }

@@ -198,7 +198,16 @@ impl Backward<'_> {
             let dpr = rows(square(dp.as_mut_ptr(), t), r0);
             // SAFETY: guaranteed by the caller; `dp` is this task's own scratch.
             unsafe {
-                gemm_raw(r1, d, r1 - r0, kv.dvh, pt, rows(do_h, r0), Accumulate::Add, 1);
+                gemm_raw(
+                    r1,
+                    d,
+                    r1 - r0,
+                    kv.dvh,
+                    pt,
+                    rows(do_h, r0),
+                    Accumulate::Add,
+                    1,
+                );
                 gemm_raw(
                     r1 - r0,
                     r1,
@@ -217,13 +226,7 @@ impl Backward<'_> {
     ///
     /// # Safety
     /// The views must be in bounds and this task the only writer of `dqh` and `kv`'s dK.
-    unsafe fn query_and_key_grads(
-        &self,
-        kv: &KvHead,
-        ds: &[f32],
-        qh: StridedMat,
-        dqh: StridedMat,
-    ) {
+    unsafe fn query_and_key_grads(&self, kv: &KvHead, ds: &[f32], qh: StridedMat, dqh: StridedMat) {
         let (t, d) = (self.s.seq, self.s.head_dim);
         for (r0, r1) in row_blocks(t) {
             let dsr = rows(square(ds.as_ptr(), t), r0);
@@ -234,8 +237,26 @@ impl Backward<'_> {
             };
             // SAFETY: guaranteed by the caller.
             unsafe {
-                gemm_raw(r1 - r0, d, r1, rows(dqh, r0), dsr, kv.kh, Accumulate::Overwrite, 1);
-                gemm_raw(r1, d, r1 - r0, kv.dkh, dst, rows(qh, r0), Accumulate::Add, 1);
+                gemm_raw(
+                    r1 - r0,
+                    d,
+                    r1,
+                    rows(dqh, r0),
+                    dsr,
+                    kv.kh,
+                    Accumulate::Overwrite,
+                    1,
+                );
+                gemm_raw(
+                    r1,
+                    d,
+                    r1 - r0,
+                    kv.dkh,
+                    dst,
+                    rows(qh, r0),
+                    Accumulate::Add,
+                    1,
+                );
             }
         }
     }
