@@ -15,8 +15,10 @@ cargo build --release --features cuda --example train_gpt --bin ferrozero
 cp target/release/examples/train_gpt target/release/ferrozero .gpu/
 # The test executables cargo reports for the GPU-facing tests.
 cargo test --release --features cuda -p ferrozero-runtime --no-run --message-format=json \
-  --test device_ops --test device_engine --test device_modules --test device_streams --test nn_memory \
-  --test cuda_driver_memory --test cuda_driver_gemm --test cuda_driver_launches \
+  --test device_ops --test device_ops_layers --test device_ops_training --test device_engine \
+  --test device_modules --test device_streams --test nn_memory \
+  --test cuda_driver_memory --test cuda_driver_gemm --test cuda_driver_gemm_epilogues \
+  --test cuda_driver_gemm_refusals --test cuda_driver_launches \
   --test cuda_driver_allocator --test kernels_compile 2>/dev/null |
   python3 -c '
 import json, sys

@@ -8,17 +8,9 @@
 mod device_common;
 mod nn_common;
 
-use device_common::{assert_close, cpu, get, rand, Dev, Tol};
+use device_common::{assert_close, cpu, get, rand, tol_k, Dev};
 use ferrozero_runtime::backend::{Epilogue, MatmulShape, Operand, Transpose};
 use ferrozero_runtime::tensor::{DType, View, ViewMut};
-
-fn tol_k(d: &Dev, k: usize) -> Tol {
-    let t = d.tol();
-    Tol {
-        abs: t.abs * (k as f64).sqrt().max(1.0),
-        rel: t.rel,
-    }
-}
 
 /// `dW += xᵀ·dy` with `db += Σ_rows dy` for dy as either operand, against the CPU's
 /// accumulating product and `sum_rows`; a layout cuBLASLt cannot reduce is refused.

@@ -2,7 +2,9 @@
 //! 2 keep optimizer state and gradients over all 4 ranks (the bytes of plain stage 3 at world
 //! 4), hold a secondary copy of half the parameters more, train bit for bit like plain stage 3
 //! (forward gathers the same values over the world, backward the same values inside the
-//! group), report only forward's gathers as crossing groups, and the estimator agrees.
+//! group), report only forward's gathers as crossing groups, and the estimator agrees. Under
+//! `train_batch` the loss head runs its backward inside forward, so no secondary copy of its
+//! parameters is cut.
 
 mod common;
 
@@ -16,8 +18,10 @@ use ferrozero_config::resolved::{Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::comm::{BufMut, BufRef, CommBackend, Communicator, ReduceOp};
 use ferrozero_runtime::engine::estimate::estimate;
+use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::partition::GroupLayout;
-use ferrozero_runtime::engine::Engine;
+use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::nn::llama;
 use ferrozero_runtime::tensor::{View, ViewMut};
 
 fn hpz(world: usize, group: usize, overlap: bool, ckpt: bool) -> ResolvedConfig {
@@ -73,6 +77,64 @@ fn the_estimator_counts_the_secondary_partition() {
         let est = estimate(&model, &cfg, cfg.train_micro_batch_size_per_gpu, T);
         assert_eq!(est.device.peak_bytes, h.device_peak, "overlap {overlap}");
     }
+}
+
+/// Llama "tiny" (a loss head with parameters: the final norm and an untied `lm_head`) trained
+/// three steps on 4 ranks under `cfg`, through `train_batch` (`fused`) or the manual
+/// `forward`/`backward`/`step`: rank 0's parameters and device parameter bytes.
+fn llama_run(cfg: &ResolvedConfig, fused: bool) -> (Vec<NamedTensor>, u64) {
+    let model = || llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap();
+    let mut out = run_ranks(4, Duration::from_secs(120), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(model(), cfg.clone(), comm)?;
+        let (micro, gas) = (
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+        );
+        for s in 0..3 {
+            let batches: Vec<_> = (0..gas)
+                .map(|m| toy::batch(64, T, ((s * gas + m) * 4 + rank) * micro, micro))
+                .collect();
+            if fused {
+                e.train_batch(&batches)?;
+            } else {
+                for b in &batches {
+                    e.forward(b)?;
+                    e.backward()?;
+                }
+                e.step()?;
+            }
+        }
+        let bytes = e.ledger().current(Location::Device, Category::Parameters);
+        Ok((e.parameters()?, bytes))
+    })
+    .expect("training failed");
+    out.swap_remove(0)
+}
+
+#[test]
+fn the_fused_head_gets_no_secondary_partition_and_the_bits_stay() {
+    let mut bytes = Vec::new();
+    // The manual API scales each micro-batch by its own tokens, `train_batch` by the batch's:
+    // each is compared with plain stage 3 through the same API.
+    for (fused, what) in [(true, "train_batch"), (false, "forward/backward")] {
+        let (plain, _) = llama_run(&hpz(4, 1, false, false), fused);
+        let (h, h_bytes) = llama_run(&hpz(4, 2, false, false), fused);
+        for (x, y) in plain.iter().zip(&h) {
+            assert!(x.data == y.data, "hpZ through {what}: {} differs", x.name);
+        }
+        bytes.push(h_bytes);
+    }
+    // The manual API's backward gathers the head from its secondary copy, so it is cut there:
+    // half of the head group's padded f32 parameters more than under `train_batch`.
+    let model = llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap();
+    let head = model.units.last().unwrap().module.param_specs();
+    assert!(
+        !head.is_empty(),
+        "the head must have parameters for this test to mean anything"
+    );
+    let head_secondary = (GroupLayout::new(&head, 4).padded() / 2 * 4) as u64;
+    assert_eq!(bytes[1], bytes[0] + head_secondary);
 }
 
 #[test]

@@ -332,7 +332,8 @@ impl Engine {
         self.cfg.activation_checkpointing.is_some()
     }
 
-    pub(super) fn gather_unit(&mut self, unit: usize) -> Result<()> {
+    /// Gathers `unit`'s groups; `fused`: the unit runs its backward inside this forward.
+    pub(super) fn gather_unit(&mut self, unit: usize, fused: bool) -> Result<()> {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
         let shared = self
@@ -355,7 +356,7 @@ impl Engine {
         }
         if !self.hpz_in_backward() {
             for g in fresh {
-                self.hpz_after_forward_gather(g)?;
+                self.hpz_after_forward_gather(g, rules::hpz_cuts_secondary(unit, g, fused))?;
             }
         }
         self.timings.gather += t.elapsed().as_secs_f64();

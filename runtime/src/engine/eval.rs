@@ -24,7 +24,7 @@ impl Engine {
         let mut x = Tensor::default();
         let mut predictions = None;
         for unit in 0..n {
-            self.gather_unit(unit)?;
+            self.gather_unit(unit, false)?;
             let r = self.eval_unit(unit, (batch, &ids), &x, unit + 1 == n);
             self.release_unit(unit);
             let (out, pred) = r?;

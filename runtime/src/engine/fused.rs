@@ -4,7 +4,7 @@
 //! batch's targets), and its backward follows forward at once, so the last unit (the loss
 //! head) computes its loss and its gradients together: a device runs each chunk's logits
 //! product once, nothing is saved, checkpointed or recomputed. Its parameters are forward's
-//! gather (hpZ's secondary partition is cut from it as from any forward gather) and its
+//! gather (hpZ cuts no secondary copy of them: backward does not gather them again) and its
 //! gradients land in the micro-step buffers then; everything backward does after a unit's
 //! computation (prefetching the next unit, the reduction, the shared group's after its first
 //! user) still happens at the start of backward, in the same order, so no reduction, lane or

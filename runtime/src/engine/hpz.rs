@@ -3,7 +3,9 @@
 //! keeps a *secondary* copy of its group's `1 / G` of every unit's parameters, cut from
 //! forward's all-gather over the world, so backward's all-gathers run inside the group of `G`
 //! consecutive ranks (one node). The secondary copy is stale after each optimizer step and is
-//! cut afresh by the next forward; checkpoints hold only the primary partition.
+//! cut afresh by the next forward; checkpoints hold only the primary partition. The loss head
+//! under `train_batch` runs its backward inside forward (`fused.rs`): backward never gathers
+//! its parameters, so no secondary copy of them is cut (`rules::hpz_cuts_secondary`).
 
 use ferrozero_config::resolved::ResolvedConfig;
 
@@ -58,9 +60,9 @@ pub(super) fn open(
 
 impl Engine {
     /// After forward gathered group `g` over the world: counts the bytes that came from
-    /// other groups and, once per step, cuts this rank's secondary slice from the gathered
-    /// buffer.
-    pub(super) fn hpz_after_forward_gather(&mut self, g: usize) -> Result<()> {
+    /// other groups and, once per step when backward will read it (`cut`), cuts this rank's
+    /// secondary slice from the gathered buffer.
+    pub(super) fn hpz_after_forward_gather(&mut self, g: usize, cut: bool) -> Result<()> {
         let Some(h) = &mut self.hpz else {
             return Ok(());
         };
@@ -73,7 +75,7 @@ impl Engine {
         };
         let (world, size) = (self.comm.world_size(), h.group.world_size());
         h.crossed += full.bytes() * (world - size) as u64 / world as u64;
-        if h.fresh[g] {
+        if h.fresh[g] || !cut {
             return Ok(());
         }
         let len = full.len() / size;

@@ -85,11 +85,11 @@ impl Engine {
         let mut x = Tensor::default();
         let n = self.model.units.len();
         for unit in 0..n {
-            self.gather_unit(unit)?;
+            let fuse = fused.filter(|_| training && unit + 1 == n);
+            self.gather_unit(unit, fuse.is_some())?;
             if unit + 1 < n {
                 self.prefetch(unit + 1);
             }
-            let fuse = fused.filter(|_| training && unit + 1 == n);
             let out = match fuse {
                 Some(g) => self.run_unit_fused(unit, batch, &x, g),
                 None => self.run_unit_forward(unit, batch, &x, training),
@@ -164,7 +164,7 @@ impl Engine {
             None => (Tensor::scalar(loss_grad), n),
         };
         for unit in (0..top).rev() {
-            self.gather_unit(unit)?;
+            self.gather_unit(unit, false)?;
             if unit > 0 {
                 self.prefetch(unit - 1);
             }

@@ -95,6 +95,16 @@ pub fn rand(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// [`Dev::tol`] for a sum of `k` terms: rounding errors in different summation orders grow
+/// like the square root of the count.
+pub fn tol_k(d: &Dev, k: usize) -> Tol {
+    let t = d.tol();
+    Tol {
+        abs: t.abs * (k as f64).sqrt().max(1.0),
+        rel: t.rel,
+    }
+}
+
 /// Fails with the first element outside `|got - want| <= abs + rel * |want|`.
 pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: Tol) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");

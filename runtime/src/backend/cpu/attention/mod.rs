@@ -2,7 +2,10 @@
 //!
 //! One rayon task per (sequence, key/value head): the query heads of a group run in that
 //! task, so the group's dK/dV accumulate without races, and each per-head product is a
-//! single-threaded gemm on strided views (no transposition copies).
+//! single-threaded gemm on strided views (no transposition copies). The backward's steps are
+//! in `backward`.
+
+mod backward;
 
 use rayon::prelude::*;
 
@@ -213,125 +216,7 @@ impl AttentionOps for CpuBackend {
         dout: View<'_>,
         grads: AttentionGrads<'_>,
     ) -> Result<()> {
-        const OP: &str = "attention backward";
-        let (q, k, v) = (
-            operand(OP, "q", q)?,
-            operand(OP, "k", k)?,
-            operand(OP, "v", v)?,
-        );
-        let probs = f32_in(OP, "saved probabilities", saved.view())?;
-        let dout = f32_in(OP, "dout", dout)?;
-        s.check_heads("attention")?;
-        if probs.len() != s.batch * s.q_heads * s.seq * s.seq {
-            return Err(Error::Shape {
-                op: OP,
-                expected: format!(
-                    "saved probabilities of {} elements",
-                    s.batch * s.q_heads * s.seq * s.seq
-                ),
-                got: format!("{}", probs.len()),
-            });
-        }
-        let (t, hq, d) = (s.seq, s.q_heads, s.head_dim);
-        let ov = RowView {
-            stride: hq * d,
-            offset: 0,
-        };
-        s.check_view("attention", "dout", dout.len(), ov, hq)?;
-        let (dq, dk, dv) = match grads {
-            AttentionGrads::Fused(buf) => {
-                let buf = f32_out(OP, "dqkv", buf)?;
-                for (n, view, heads) in [
-                    ("dq", q.1, hq),
-                    ("dk", k.1, s.kv_heads),
-                    ("dv", v.1, s.kv_heads),
-                ] {
-                    s.check_view("attention", n, buf.len(), view, heads)?;
-                }
-                let p = SendPtr(buf.as_mut_ptr());
-                (p, p, p)
-            }
-            AttentionGrads::Split { dq, dk, dv } => {
-                let (dq, dk, dv) = (
-                    f32_out(OP, "dq", dq)?,
-                    f32_out(OP, "dk", dk)?,
-                    f32_out(OP, "dv", dv)?,
-                );
-                s.check_view("attention", "dq", dq.len(), q.1, hq)?;
-                s.check_view("attention", "dk", dk.len(), k.1, s.kv_heads)?;
-                s.check_view("attention", "dv", dv.len(), v.1, s.kv_heads)?;
-                (
-                    SendPtr(dq.as_mut_ptr()),
-                    SendPtr(dk.as_mut_ptr()),
-                    SendPtr(dv.as_mut_ptr()),
-                )
-            }
-        };
-        let tt = t * t;
-        let scale = 1.0 / (d as f32).sqrt();
-        let group = hq / s.kv_heads;
-        (0..s.batch * s.kv_heads).into_par_iter().for_each(|task| {
-            let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
-            let mut dp = vec![0.0f32; tt];
-            let (dkh, dvh) = (
-                head(dk.get(), k.1, &s, b, kvh),
-                head(dv.get(), v.1, &s, b, kvh),
-            );
-            // SAFETY: bounds checked above; this task alone writes kv head kvh of dK/dV and
-            // the group's heads of dQ for sequence b.
-            unsafe {
-                zero_head(dkh, t, d);
-                zero_head(dvh, t, d);
-            }
-            let (kh, vt) = (
-                head(k.0.as_ptr(), k.1, &s, b, kvh),
-                head_t(v.0.as_ptr(), v.1, &s, b, kvh),
-            );
-            for g in 0..group {
-                let h = kvh * group + g;
-                let p = &probs[(b * hq + h) * tt..][..tt];
-                let do_h = head(dout.as_ptr(), ov, &s, b, h);
-                let qh = head(q.0.as_ptr(), q.1, &s, b, h);
-                // SAFETY: as above.
-                unsafe {
-                    for (r0, r1) in row_blocks(t) {
-                        let pt = StridedMat {
-                            ptr: p.as_ptr().wrapping_add(r0 * t),
-                            rs: 1,
-                            cs: t as isize,
-                        };
-                        gemm_raw(r1, d, r1 - r0, dvh, pt, rows(do_h, r0), Accumulate::Add, 1);
-                        let dpr = rows(square(dp.as_ptr(), t), r0);
-                        gemm_raw(
-                            r1 - r0,
-                            r1,
-                            d,
-                            dpr,
-                            rows(do_h, r0),
-                            vt,
-                            Accumulate::Overwrite,
-                            1,
-                        );
-                    }
-                }
-                softmax_backward(p, &mut dp, t, scale);
-                // SAFETY: as above.
-                unsafe {
-                    for (r0, r1) in row_blocks(t) {
-                        let dsr = rows(square(dp.as_ptr(), t), r0);
-                        let dqh = rows(head(dq.get(), q.1, &s, b, h), r0);
-                        gemm_raw(r1 - r0, d, r1, dqh, dsr, kh, Accumulate::Overwrite, 1);
-                        let dst = StridedMat {
-                            ptr: dp.as_ptr().wrapping_add(r0 * t),
-                            rs: 1,
-                            cs: t as isize,
-                        };
-                        gemm_raw(r1, d, r1 - r0, dkh, dst, rows(qh, r0), Accumulate::Add, 1);
-                    }
-                }
-            }
-        });
-        Ok(())
+        backward::attention_backward(s, q, k, v, saved, dout, grads)
     }
 
     fn rope(
