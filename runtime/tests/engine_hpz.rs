@@ -81,8 +81,8 @@ fn the_estimator_counts_the_secondary_partition() {
 
 /// Llama "tiny" (a loss head with parameters: the final norm and an untied `lm_head`) trained
 /// three steps on 4 ranks under `cfg`, through `train_batch` (`fused`) or the manual
-/// `forward`/`backward`/`step`: rank 0's parameters and device parameter bytes.
-fn llama_run(cfg: &ResolvedConfig, fused: bool) -> (Vec<NamedTensor>, u64) {
+/// `forward`/`backward`/`step`: rank 0's parameters, device parameter bytes and device peak.
+fn llama_run(cfg: &ResolvedConfig, fused: bool) -> (Vec<NamedTensor>, u64, u64) {
     let model = || llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap();
     let mut out = run_ranks(4, Duration::from_secs(120), |comm| {
         let rank = comm.rank();
@@ -106,7 +106,8 @@ fn llama_run(cfg: &ResolvedConfig, fused: bool) -> (Vec<NamedTensor>, u64) {
             }
         }
         let bytes = e.ledger().current(Location::Device, Category::Parameters);
-        Ok((e.parameters()?, bytes))
+        let peak = e.ledger().peak_total(Location::Device);
+        Ok((e.parameters()?, bytes, peak))
     })
     .expect("training failed");
     out.swap_remove(0)
@@ -118,12 +119,22 @@ fn the_fused_head_gets_no_secondary_partition_and_the_bits_stay() {
     // The manual API scales each micro-batch by its own tokens, `train_batch` by the batch's:
     // each is compared with plain stage 3 through the same API.
     for (fused, what) in [(true, "train_batch"), (false, "forward/backward")] {
-        let (plain, _) = llama_run(&hpz(4, 1, false, false), fused);
-        let (h, h_bytes) = llama_run(&hpz(4, 2, false, false), fused);
+        let (plain, _, _) = llama_run(&hpz(4, 1, false, false), fused);
+        let cfg = hpz(4, 2, false, false);
+        let (h, h_bytes, h_peak) = llama_run(&cfg, fused);
         for (x, y) in plain.iter().zip(&h) {
             assert!(x.data == y.data, "hpZ through {what}: {} differs", x.name);
         }
         bytes.push(h_bytes);
+        if fused {
+            // The estimator replays `train_batch`: it keeps no secondary copy of the head either.
+            let model = llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap();
+            let est = estimate(&model, &cfg, cfg.train_micro_batch_size_per_gpu, T);
+            assert_eq!(
+                est.device.peak_bytes, h_peak,
+                "estimated against the ledger's peak"
+            );
+        }
     }
     // The manual API's backward gathers the head from its secondary copy, so it is cut there:
     // half of the head group's padded f32 parameters more than under `train_batch`.
