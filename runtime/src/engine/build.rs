@@ -199,8 +199,14 @@ impl GroupPlan<'_> {
         // Beside offloaded optimizer state the accumulator is host memory: gradients leave
         // the device bucket by bucket in backward (`grad_download.rs`).
         let grad_loc = super::rules::grad_location(self.cfg);
-        let grad = place(self.be, grad_loc, dtype, grad_range.len())?;
+        let mut grad = place(self.be, grad_loc, dtype, grad_range.len())?;
         ledger.alloc(grad_loc, Category::Gradients, grad.bytes());
+        // A host accumulator is page-locked once, as the parameter store is, and counted.
+        let grad_pin = if super::rules::accumulator_page_locked(self.cfg, grad.bytes()) {
+            grad.pin_host(self.be)
+        } else {
+            None
+        };
         // With the state on NVMe the moments live there too; empty buffers stand in.
         let state_len = if nvme_adam.is_some() { 0 } else { owned.len() };
         let state = state_dtype(self.cfg);
@@ -218,6 +224,7 @@ impl GroupPlan<'_> {
         Ok(Group {
             landing: Default::default(),
             pin,
+            grad_pin,
             layout,
             params,
             work: None,

@@ -90,6 +90,9 @@ pub struct Group {
     /// The page-locking of a stage-3 shard in host memory (before `params`, so it is released
     /// before the shard is freed).
     pub pin: Option<HostPin>,
+    /// The page-locking of a gradient accumulator in host memory (before `grad`, so it is
+    /// released before the accumulator is freed).
+    pub grad_pin: Option<HostPin>,
     /// Layout and shard arithmetic.
     pub layout: GroupLayout,
     /// Parameters in the storage dtype.
@@ -182,6 +185,7 @@ impl Group {
         Group {
             landing: Landing::default(),
             pin: None,
+            grad_pin: None,
             layout: self.layout.clone(),
             params,
             work: None,

@@ -1,6 +1,6 @@
 //! Host memory a device page-locks for a run: the stage-3 host parameter store (registered
-//! once at build), the staging pool's buffers for the offloaded optimizer's copies, and the
-//! small-upload ring. A device that page-locks nothing (the CPU: `upload_ring == 0`) prices 0.
+//! once at build), the staging pool's buffers for the offloaded optimizer's copies, the
+//! small-upload ring, and the host gradient accumulators beside an offloaded optimizer. A device that page-locks nothing (the CPU: `upload_ring == 0`) prices 0.
 
 use ferrozero_config::resolved::OffloadTarget;
 use serde::Serialize;
@@ -20,12 +20,22 @@ pub struct PageLockedFigures {
     pub staging: u64,
     /// The small-upload ring.
     pub ring: u64,
+    /// The gradient accumulators in host memory beside an offloaded optimizer
+    /// (`rules::accumulator_page_locked`), registered once at build.
+    pub accumulator: u64,
 }
 
 impl PageLockedFigures {
     /// All of them.
     pub fn total(&self) -> u64 {
-        self.parameters + self.staging + self.ring
+        self.parameters + self.staging + self.ring + self.accumulator
+    }
+
+    /// Of [`PageLockedFigures::total`], the bytes the engine's ledger already counts as host
+    /// memory (the parameter store and the accumulators): a host-memory total adds only the
+    /// rest, so no buffer is counted twice.
+    pub fn in_host_ledger(&self) -> u64 {
+        self.parameters + self.accumulator
     }
 }
 
@@ -44,7 +54,17 @@ impl Replay<'_> {
             parameters,
             staging: self.offload_staging(),
             ring: self.mem.upload_ring,
+            accumulator: self.accumulators_page_locked(),
         }
+    }
+
+    /// The host gradient accumulators the engine registers (`build.rs`), by the same rule.
+    fn accumulators_page_locked(&self) -> u64 {
+        self.groups
+            .iter()
+            .map(|g| self.lp(self.stage.grads().range(&g.layout, 0).len()))
+            .filter(|&b| rules::accumulator_page_locked(self.cfg, b))
+            .sum()
     }
 
     /// The device's staging pool over two offloaded steps (`step.rs` `update_groups`,
