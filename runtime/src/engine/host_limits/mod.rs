@@ -77,10 +77,15 @@ pub(super) fn check_locked_memory(cfg: &mut ResolvedConfig, e: &Estimate) -> Res
     if verdict == MemlockVerdict::Fits {
         return Ok(());
     }
+    let soft = match soft {
+        MemlockLimit::Bytes(s) => Some(s),
+        _ => None,
+    };
     if verdict == MemlockVerdict::Raise && sys::raise_memlock_soft(hard).is_ok() {
         tracing::info!(
-            "pin_memory: raised the soft RLIMIT_MEMLOCK to {} so that {need} bytes of mlocked \
-             buffers fit ({here} rank(s) on this machine)",
+            "pin_memory: raised the soft RLIMIT_MEMLOCK from {} bytes to {} so that {need} \
+             bytes of mlocked buffers fit ({here} rank(s) on this machine)",
+            soft.unwrap_or(0),
             hard.map_or("unlimited".to_string(), |h| format!("{h} bytes"))
         );
         return Ok(());
@@ -89,10 +94,6 @@ pub(super) fn check_locked_memory(cfg: &mut ResolvedConfig, e: &Estimate) -> Res
         "1 rank on this machine".to_string()
     } else {
         format!("{here} ranks on this machine")
-    };
-    let soft = match soft {
-        MemlockLimit::Bytes(s) => Some(s),
-        _ => None,
     };
     let msg = memlock_fix(need, MemlockLimits { soft, hard }, &sys::user_name(), &who);
     let z = &mut cfg.zero;
