@@ -123,12 +123,16 @@ impl EngineBuilder {
         let seq = self.seq_len.unwrap_or(1);
         let overlap = overlap_for_host(&self.model, &resolution.config, seq);
         let cfg = &mut resolution.config;
-        let mb = cfg.train_micro_batch_size_per_gpu;
-        let e = super::estimate::estimate_with_overlap(&self.model, cfg, mb, seq, &overlap);
-        check_locked_memory(cfg, &e)?;
-        if !memory_is_host_ram(cfg.device) {
-            let ram = self.host_ram.map(Ok).unwrap_or_else(HostRam::probe);
-            check_device_host_ram(cfg, &e, ram.ok())?;
+        let pinned = cfg.zero.offload_optimizer.pin_memory || cfg.zero.offload_param.pin_memory;
+        let on_device = !memory_is_host_ram(cfg.device);
+        if pinned || on_device {
+            let mb = cfg.train_micro_batch_size_per_gpu;
+            let e = super::estimate::estimate_with_overlap(&self.model, cfg, mb, seq, &overlap);
+            check_locked_memory(cfg, &e)?;
+            if on_device {
+                let ram = self.host_ram.map(Ok).unwrap_or_else(HostRam::probe);
+                check_device_host_ram(cfg, &e, ram.ok())?;
+            }
         }
         if let Some(seq) = self.seq_len {
             preflight(&self.model, &resolution.config, seq, &overlap)?;
