@@ -168,7 +168,10 @@ fn registered_accumulators_keep_the_devices_bits() {
     let (locked, offloaded) = train(&c);
     let est = estimate(&small(), &c, 1, T).page_locked;
     assert!(est.accumulator > 0);
-    assert_eq!(locked, est.accumulator, "the engine registered its accumulators");
+    assert_eq!(
+        locked, est.accumulator,
+        "the engine registered its accumulators"
+    );
     let mut plain = c.clone();
     plain.zero.offload_optimizer.target = OffloadTarget::None;
     let (none, on_device) = train(&plain);

@@ -64,7 +64,11 @@ fn registered_bytes_do_not_count_against_memlock() {
     assert!(e.page_locked.accumulator > 0, "{:?}", e.page_locked);
     assert!(e.pinned_host_bytes > KIB64, "DeepSpeed's pinned figure");
     assert_eq!(e.mlocked_host_bytes, 0);
-    let v = memlock_verdict(e.mlocked_host_bytes, MemlockLimit::Bytes(KIB64), Some(KIB64));
+    let v = memlock_verdict(
+        e.mlocked_host_bytes,
+        MemlockLimit::Bytes(KIB64),
+        Some(KIB64),
+    );
     assert_eq!(v, MemlockVerdict::Fits);
     // The same on the CPU path: offloaded state is ordinary host memory there.
     let mut cpu = gpu_offload();
@@ -86,9 +90,15 @@ fn the_nvme_pool_is_mlocked_and_checked() {
     assert_eq!(e.mlocked_host_bytes, 3 * 12 << 20);
     let need = e.mlocked_host_bytes;
     let soft = MemlockLimit::Bytes(KIB64);
-    assert_eq!(memlock_verdict(need, soft, Some(KIB64)), MemlockVerdict::Refuse);
+    assert_eq!(
+        memlock_verdict(need, soft, Some(KIB64)),
+        MemlockVerdict::Refuse
+    );
     assert_eq!(memlock_verdict(need, soft, None), MemlockVerdict::Raise);
-    assert_eq!(memlock_verdict(need, soft, Some(need)), MemlockVerdict::Raise);
+    assert_eq!(
+        memlock_verdict(need, soft, Some(need)),
+        MemlockVerdict::Raise
+    );
     assert_eq!(
         memlock_verdict(need, MemlockLimit::Unlimited, None),
         MemlockVerdict::Fits
@@ -150,7 +160,10 @@ fn host_ram_decisions_name_the_figures() {
     assert!(err.contains("cgroup's limit leaves"), "{err}");
     let close = check_host_ram(&need, 1, &ram(total + total / 20, None)).unwrap();
     assert!(close.is_some_and(|w| w.contains("usable")));
-    assert_eq!(check_host_ram(&need, 1, &ram(2 * total, Some(2 * total))).unwrap(), None);
+    assert_eq!(
+        check_host_ram(&need, 1, &ram(2 * total, Some(2 * total))).unwrap(),
+        None
+    );
 }
 
 /// `initialize` refuses a GPU run whose host memory does not fit the injected figures,
@@ -177,7 +190,10 @@ fn initialize_refuses_a_device_run_over_host_ram() {
         "{err}"
     );
     assert!(err.contains("page-locked by the device"), "{err}");
-    assert!(err.contains("MemAvailable 1.0 MiB (1048576 bytes)"), "{err}");
+    assert!(
+        err.contains("MemAvailable 1.0 MiB (1048576 bytes)"),
+        "{err}"
+    );
 }
 
 /// A cgroup's files: v2's `max` and v1's page-rounded `i64::MAX` are no limit; reclaimable
@@ -185,13 +201,22 @@ fn initialize_refuses_a_device_run_over_host_ram() {
 #[test]
 fn cgroup_headroom_from_its_files() {
     let stat = "anon 100\ninactive_file 300\nactive_file 5\n";
-    assert_eq!(headroom("max\n", "5000\n", Some(stat), "inactive_file"), None);
+    assert_eq!(
+        headroom("max\n", "5000\n", Some(stat), "inactive_file"),
+        None
+    );
     assert_eq!(
         headroom("9223372036854771712\n", "5000", None, "total_inactive_file"),
         None
     );
-    assert_eq!(headroom("10000\n", "5000\n", Some(stat), "inactive_file"), Some(5300));
+    assert_eq!(
+        headroom("10000\n", "5000\n", Some(stat), "inactive_file"),
+        Some(5300)
+    );
     assert_eq!(headroom("10000", "5000", None, "inactive_file"), Some(5000));
-    assert_eq!(headroom("4000", "5000", Some(stat), "inactive_file"), Some(0));
+    assert_eq!(
+        headroom("4000", "5000", Some(stat), "inactive_file"),
+        Some(0)
+    );
     assert_eq!(headroom("garbage", "5000", None, "inactive_file"), None);
 }

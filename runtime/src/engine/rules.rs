@@ -109,7 +109,12 @@ pub fn largest_owned(model: &Model, stage: &dyn Stage, world: usize, rank: usize
         .iter()
         .map(|u| u.module.param_specs())
         .chain(std::iter::once(model.shared.clone()))
-        .map(|s| stage.optimizer().range(&GroupLayout::new(&s, world), rank).len())
+        .map(|s| {
+            stage
+                .optimizer()
+                .range(&GroupLayout::new(&s, world), rank)
+                .len()
+        })
         .max()
         .unwrap_or(1)
 }

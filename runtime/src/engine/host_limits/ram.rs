@@ -188,7 +188,12 @@ fn headroom_up(dir: &Path, root: &Path, files: Files) -> Option<u64> {
         .take_while(|d| d.starts_with(root))
         .filter_map(|d| {
             let read = |f: &str| std::fs::read_to_string(d.join(f)).ok();
-            headroom(&read(files.limit)?, &read(files.usage)?, read("memory.stat").as_deref(), files.inactive)
+            headroom(
+                &read(files.limit)?,
+                &read(files.usage)?,
+                read("memory.stat").as_deref(),
+                files.inactive,
+            )
         })
         .min()
 }
