@@ -87,7 +87,7 @@ fn the_nvme_pool_is_mlocked_and_checked() {
     c.zero.sub_group_size = 1 << 20;
     let e = est(&c);
     // Three tiles of 1M parameters, f32 master and two moments, page-aligned.
-    assert_eq!(e.mlocked_host_bytes, 3 * 12 << 20);
+    assert_eq!(e.mlocked_host_bytes, (3 * 12) << 20);
     let need = e.mlocked_host_bytes;
     let soft = MemlockLimit::Bytes(KIB64);
     assert_eq!(
