@@ -15,6 +15,7 @@ use ferrozero_runtime::engine::estimate::shape::{self, ModelShape};
 use ferrozero_runtime::engine::estimate::{
     estimate, memory_model, suggest, Budget, Estimate, Placement,
 };
+use ferrozero_runtime::engine::host_limits::HostRamNeed;
 use ferrozero_runtime::engine::ledger::Category;
 use serde_json::{json, Value};
 
@@ -285,6 +286,7 @@ fn json_report(p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) 
             "host_bytes": e.host.peak_bytes,
             "nvme_bytes": e.nvme.peak_bytes,
             "pinned_host_bytes": e.pinned_host_bytes,
+            "mlocked_host_bytes": e.mlocked_host_bytes,
             "other_host_bytes": e.other_host_bytes,
             "swap_buffer_bytes": e.swap_buffer_bytes,
             "page_locked_bytes": e.page_locked,
@@ -356,16 +358,19 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
         human(e.nvme.peak_bytes)
     );
     println!(
-        "\nhost: pinned {} (swap buffers {}), other {}",
+        "\nhost: pinned {} (swap buffers {}), other {}; mlocked (counts against \
+         RLIMIT_MEMLOCK) {}",
         human(e.pinned_host_bytes),
         human(e.swap_buffer_bytes),
-        human(e.other_host_bytes)
+        human(e.other_host_bytes),
+        human(e.mlocked_host_bytes)
     );
     if e.page_locked.total() > 0 {
         let p = &e.page_locked;
         println!(
             "page-locked by the device: {} (parameter store {}, copy staging {}, upload ring {}, \
-             checkpoints {}, snapshots {})",
+             checkpoints {}, snapshots {}); host RAM, not RLIMIT_MEMLOCK (the driver's \
+             registrations are not charged to it)",
             human(p.total()),
             human(p.parameters),
             human(p.staging),
@@ -403,7 +408,8 @@ fn print_verdict(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest:
         human(p.budget.device_bytes),
         if dev_ok { "fits" } else { "DOES NOT FIT" }
     );
-    let node_host = e.host_total_bytes() * args.gpus_per_node as u64;
+    // Page-locked staging and ring besides the host state, each buffer counted once.
+    let node_host = HostRamNeed::of(e, args.gpus_per_node as u64).total();
     println!(
         "host: {} per node ({} ranks) of {} RAM: {}",
         human(node_host),
@@ -416,12 +422,13 @@ fn print_verdict(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest:
         }
     );
     if let Some(limit) = super::report::memlock_limit() {
-        let pinned = e.pinned_host_bytes * args.gpus_per_node as u64;
-        if pinned > limit {
+        // Only mlock is charged against the limit; the device's registrations are not.
+        let locked = e.mlocked_host_bytes * args.gpus_per_node as u64;
+        if locked > limit {
             println!(
-                "warning: {} of pinned host memory per node exceeds RLIMIT_MEMLOCK ({}); \
+                "warning: {} of mlocked host memory per node exceeds RLIMIT_MEMLOCK ({}); \
                  raise it (ulimit -l) or set pin_memory = false",
-                human(pinned),
+                human(locked),
                 human(limit)
             );
         }

@@ -186,7 +186,7 @@ pub fn memlock_limit() -> Option<u64> {
 
 fn memlock_detail() -> Line {
     match memlock_limit() {
-        None => line("locked memory", true, "RLIMIT_MEMLOCK unlimited: pinned buffers can be as large as needed"),
+        None => line("locked memory", true, "RLIMIT_MEMLOCK unlimited: mlocked buffers can be as large as needed"),
         Some(b) if b >= 1 << 30 => line(
             "locked memory",
             true,
@@ -196,7 +196,7 @@ fn memlock_detail() -> Line {
             "locked memory",
             false,
             format!(
-                "RLIMIT_MEMLOCK is only {}: pinned offload buffers beyond it fail; raise it (ulimit -l unlimited, or memlock in /etc/security/limits.conf) or set pin_memory = false",
+                "RLIMIT_MEMLOCK is only {}: mlocked offload buffers (pin_memory with NVMe offload) beyond it fail; raise it (ulimit -l unlimited, or memlock in /etc/security/limits.conf) or set pin_memory = false. A GPU's page-locked host memory (cuMemHostRegister) is not charged against it, only against host RAM",
                 super::estimate::human(b)
             ),
         ),

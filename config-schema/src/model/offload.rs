@@ -32,8 +32,10 @@ pub struct OffloadSection {
     /// Directory for NVMe swap files (required with `device = "nvme"`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvme_path: Option<PathBuf>,
-    /// Page-lock the host buffers (faster device transfers; limited by `ulimit -l`, checked
-    /// at `initialize`, which raises the soft limit up to the hard one when that suffices).
+    /// Page-lock the host buffers (faster device transfers). Buffers locked with `mlock` (the
+    /// NVMe swap pool) are limited by `ulimit -l`, checked at `initialize`, which raises the
+    /// soft limit up to the hard one when that suffices; a GPU driver's page-locking is not
+    /// charged against that limit, only against host RAM.
     pub pin_memory: bool,
     /// ferrozero's own key: when the locked-memory limit cannot hold the pinned buffers, use
     /// pageable buffers with a warning instead of refusing to start.

@@ -183,8 +183,7 @@ impl Engine {
         ledger.check_limit()?;
         let pinned: u64 = groups
             .iter()
-            .filter_map(|g| g.pin.as_ref())
-            .map(|p| p.bytes())
+            .filter_map(|g| g.pin.as_ref().map(|p| p.bytes()))
             .sum();
         ledger.lock_host(pinned as i64);
         let hpz = super::hpz::open(&cfg, comm.as_ref(), stage.params(), groups.len())?;
@@ -433,23 +432,6 @@ fn open_nvme(
     else {
         return Ok(None);
     };
-    let world = shards.world_size();
-    let layouts = model
-        .units
-        .iter()
-        .map(|u| u.module.param_specs())
-        .chain(std::iter::once(model.shared.clone()));
-    let largest = layouts
-        .map(|s| {
-            stage
-                .optimizer()
-                .range(
-                    &super::partition::GroupLayout::new(&s, world),
-                    shards.rank(),
-                )
-                .len()
-        })
-        .max()
-        .unwrap_or(1);
+    let largest = rules::largest_owned(model, stage, shards.world_size(), shards.rank());
     NvmeOffload::open(cfg, dir, rank, largest).map(Some)
 }

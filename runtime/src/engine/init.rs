@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use ferrozero_config::{Config, ResolveContext};
 
 use super::core::Engine;
+use super::host_limits::{check_device_host_ram, check_locked_memory, ranks_here, HostRam};
 use super::ledger::{Category, Location};
 use super::optimizer_overlap::{HostNeed, OptimizerOverlap};
 use crate::backend::memory_is_host_ram;
@@ -23,6 +24,7 @@ pub struct EngineBuilder {
     hidden_size: Option<usize>,
     micro_batch_hint: Option<usize>,
     seq_len: Option<usize>,
+    host_ram: Option<HostRam>,
 }
 
 impl EngineBuilder {
@@ -35,6 +37,7 @@ impl EngineBuilder {
             hidden_size: None,
             micro_batch_hint: None,
             seq_len: None,
+            host_ram: None,
         }
     }
 
@@ -82,6 +85,13 @@ impl EngineBuilder {
         self
     }
 
+    /// The host memory figures the device run's host-RAM check compares with, instead of
+    /// this machine's (`HostRam::probe`).
+    pub fn host_ram(mut self, ram: HostRam) -> Self {
+        self.host_ram = Some(ram);
+        self
+    }
+
     /// Resolves the config for the communicator's world and builds the engine.
     pub fn build(self) -> Result<Engine> {
         let config = self
@@ -106,12 +116,24 @@ impl EngineBuilder {
         let mut resolution = config
             .resolve_explained(&ctx)
             .map_err(|e| Error::Config(e.to_string()))?;
-        // Before anything is allocated: pinned buffers need a locked-memory limit that holds
+        // Before anything is allocated: mlocked buffers need a locked-memory limit that holds
         // them (raised here when the hard limit allows, else refused or, where the config
-        // allows it, pinning turned off).
+        // allows it, pinning turned off); a device run's page-locked and pageable host
+        // memory must fit in the host's RAM.
         let seq = self.seq_len.unwrap_or(1);
         let overlap = overlap_for_host(&self.model, &resolution.config, seq);
-        check_locked_memory(&self.model, &mut resolution.config, seq, &overlap)?;
+        let cfg = &mut resolution.config;
+        let pinned = cfg.zero.offload_optimizer.pin_memory || cfg.zero.offload_param.pin_memory;
+        let on_device = !memory_is_host_ram(cfg.device);
+        if pinned || on_device {
+            let mb = cfg.train_micro_batch_size_per_gpu;
+            let e = super::estimate::estimate_with_overlap(&self.model, cfg, mb, seq, &overlap);
+            check_locked_memory(cfg, &e)?;
+            if on_device {
+                let ram = self.host_ram.map(Ok).unwrap_or_else(HostRam::probe);
+                check_device_host_ram(cfg, &e, ram.ok())?;
+            }
+        }
         if let Some(seq) = self.seq_len {
             preflight(&self.model, &resolution.config, seq, &overlap)?;
         }
@@ -126,83 +148,6 @@ impl EngineBuilder {
         }
         Ok(engine)
     }
-}
-
-/// Ranks of this job that run in this process's machine: all of them with the local
-/// backend, else the launcher's `LOCAL_WORLD_SIZE` (1 when unset).
-fn ranks_here(cfg: &ferrozero_config::ResolvedConfig) -> u64 {
-    match cfg.comms.backend {
-        ferrozero_config::resolved::CommBackend::Local => cfg.world_size as u64,
-        _ => std::env::var("LOCAL_WORLD_SIZE")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1),
-    }
-}
-
-/// The locked-memory check of `pin_memory = true`, at `initialize`: when the pinned bytes of
-/// this machine's ranks exceed the soft `RLIMIT_MEMLOCK`, the soft limit is raised to the hard
-/// one if that suffices; otherwise the run is refused with the exact `ulimit` /
-/// `limits.conf` / systemd / docker lines that fix it, unless every pinned section sets
-/// `pin_memory_fallback = true`, in which case pinning is turned off with a warning. Either
-/// way before step 1, never as an allocation failure mid-run.
-fn check_locked_memory(
-    model: &Model,
-    cfg: &mut ferrozero_config::ResolvedConfig,
-    seq: usize,
-    overlap: &OptimizerOverlap,
-) -> Result<()> {
-    use ferrozero_offload::preflight::{memlock_fix, MemlockLimits};
-    use ferrozero_offload::sys::{self, MemlockLimit};
-    let z = &cfg.zero;
-    if !(z.offload_optimizer.pin_memory || z.offload_param.pin_memory) {
-        return Ok(());
-    }
-    let here = ranks_here(cfg);
-    let mb = cfg.train_micro_batch_size_per_gpu;
-    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, overlap);
-    let need = e.pinned_host_bytes.saturating_mul(here);
-    let MemlockLimit::Bytes(soft) = sys::memlock_limit() else {
-        return Ok(());
-    };
-    if need <= soft {
-        return Ok(());
-    }
-    let (_, hard) = sys::memlock_rlimit();
-    if hard.is_none_or(|h| need <= h) && sys::raise_memlock_soft(hard).is_ok() {
-        tracing::info!(
-            "pin_memory: raised the soft RLIMIT_MEMLOCK from {soft} bytes to {} so that {need} \
-             bytes of pinned buffers fit ({here} rank(s) on this machine)",
-            hard.map_or("unlimited".to_string(), |h| format!("{h} bytes"))
-        );
-        return Ok(());
-    }
-    let who = if here == 1 {
-        "1 rank on this machine".to_string()
-    } else {
-        format!("{here} ranks on this machine")
-    };
-    let msg = memlock_fix(
-        need,
-        MemlockLimits {
-            soft: Some(soft),
-            hard,
-        },
-        &sys::user_name(),
-        &who,
-    );
-    let z = &mut cfg.zero;
-    let fallback = [&z.offload_optimizer, &z.offload_param]
-        .iter()
-        .filter(|o| o.pin_memory)
-        .all(|o| o.pin_memory_fallback);
-    if fallback {
-        z.offload_optimizer.pin_memory = false;
-        z.offload_param.pin_memory = false;
-        tracing::warn!("{msg}\npin_memory_fallback = true: continuing with pageable buffers");
-        return Ok(());
-    }
-    Err(Error::Config(format!("locked memory: {msg}")))
 }
 
 /// Compares what this process's ranks need with what the machine has (RAM, locked memory,
@@ -275,7 +220,7 @@ fn requirement(
     }
     ferrozero_offload::preflight::Requirement {
         host_bytes: HostNeed::of(e, here, device_in_ram).with_snapshots,
-        locked_bytes: e.pinned_host_bytes * here,
+        locked_bytes: e.mlocked_host_bytes * here,
         nvme,
     }
 }
@@ -385,7 +330,7 @@ mod tests {
         assert!(!crate::backend::memory_is_host_ram(gpu.device));
         let on_gpu = requirement(&e, &gpu, 2, false);
         assert_eq!(on_gpu.host_bytes, 2 * host);
-        assert_eq!(on_gpu.locked_bytes, 2 * e.pinned_host_bytes);
+        assert_eq!(on_gpu.locked_bytes, 2 * e.mlocked_host_bytes);
         let on_cpu = requirement(&e, &cpu, 2, true);
         assert_eq!(on_cpu.host_bytes, 2 * (host + e.device.peak_bytes));
     }

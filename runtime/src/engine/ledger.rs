@@ -85,11 +85,13 @@ pub struct Ledger {
     page_locked: PageLocked,
 }
 
-/// Host bytes page-locked with the device's driver: hosts cap them (`RLIMIT_MEMLOCK`,
-/// DeepSpeed users set `pin_memory`), so they are counted apart from where the bytes are for.
+/// Host bytes page-locked with the device's driver: resident host RAM that cannot be swapped
+/// (not charged against `RLIMIT_MEMLOCK`: the driver pins without `locked_vm`), so they are
+/// counted apart from where the bytes are for.
 #[derive(Debug, Clone, Copy, Default)]
 struct PageLocked {
-    /// Registered by the engine itself (the stage-3 host parameter store).
+    /// Registered by the engine itself (the stage-3 host parameter store, the host gradient
+    /// accumulators).
     engine: u64,
     /// Registered by the device for its copies, as it last reported them.
     device: u64,

@@ -13,6 +13,7 @@ mod eval;
 mod fused;
 mod grad_download;
 pub mod group;
+pub mod host_limits;
 mod hpz;
 mod init;
 pub mod lane;

@@ -58,14 +58,13 @@ impl NvmeOffload {
             ));
         }
         let off = &cfg.zero.offload_optimizer;
-        let tile = cfg.zero.sub_group_size.min(largest.max(1)).max(1);
-        let bytes = (tile * 12).div_ceil(4096) * 4096;
+        let (count, bytes, tile) = super::rules::nvme_pool(cfg, largest);
         let pinning = if off.pin_memory {
             Pinning::Locked
         } else {
             Pinning::Pageable
         };
-        let pool = BufferPool::new(off.buffer_count.max(2), bytes, pinning)?;
+        let pool = BufferPool::new(count, bytes, pinning)?;
         let store = NvmeStore::open(&dir.join(format!("rank{rank}")), &aio_settings(&cfg.aio))?;
         Ok(Self { store, pool, tile })
     }

@@ -8,7 +8,9 @@
 use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
 
 use super::ledger::Location;
-use super::stage::Extent;
+use super::partition::GroupLayout;
+use super::stage::{Extent, Stage};
+use crate::nn::Model;
 
 /// Stage 3's `max_reuse_distance`: a unit whose parameters are used again (in its backward)
 /// within that many gathered elements stays gathered after forward. `partitioned`: the
@@ -106,6 +108,51 @@ pub fn grad_location(cfg: &ResolvedConfig) -> Location {
         Location::Device => Location::Device,
         Location::Host | Location::Nvme => Location::Host,
     }
+}
+
+/// The longest range any group's optimizer owns on `rank` of a shard group of `world`
+/// (the shared group counted even when empty, as the engine lays it out): the NVMe
+/// optimizer's tile never exceeds it.
+pub fn largest_owned(model: &Model, stage: &dyn Stage, world: usize, rank: usize) -> usize {
+    model
+        .units
+        .iter()
+        .map(|u| u.module.param_specs())
+        .chain(std::iter::once(model.shared.clone()))
+        .map(|s| {
+            stage
+                .optimizer()
+                .range(&GroupLayout::new(&s, world), rank)
+                .len()
+        })
+        .max()
+        .unwrap_or(1)
+}
+
+/// The NVMe optimizer's host buffers (`nvme.rs`): `(count, bytes each, tile)`. At least two
+/// buffers (one read ahead while one is stepped), each one tile of f32 master weights and two
+/// moments (12 bytes per parameter), the tile `sub_group_size` capped by `largest_owned`,
+/// rounded up to the pool's page alignment for direct I/O.
+pub fn nvme_pool(cfg: &ResolvedConfig, largest_owned: usize) -> (usize, usize, usize) {
+    let off = &cfg.zero.offload_optimizer;
+    let tile = cfg.zero.sub_group_size.min(largest_owned.max(1)).max(1);
+    let bytes = (tile * 12).next_multiple_of(ferrozero_offload::pool::ALIGN);
+    (off.buffer_count.max(2), bytes, tile)
+}
+
+/// Host bytes the engine locks with `mlock`, which the kernel charges against
+/// `RLIMIT_MEMLOCK`: the NVMe optimizer's buffer pool under `offload_optimizer.pin_memory`
+/// (`ferrozero_offload::pool`), and nothing else. The offloaded state `pin_memory` names is
+/// ordinary host memory; a device page-locks it with its driver instead (`cuMemHostRegister`,
+/// whose pages NVIDIA's kernel module pins with `get_user_pages` without charging
+/// `locked_vm`), which counts against host RAM, not against this limit. No buffer is both.
+pub fn mlocked_bytes(cfg: &ResolvedConfig, largest_owned: usize) -> u64 {
+    let off = &cfg.zero.offload_optimizer;
+    if !(off.pin_memory && matches!(off.target, OffloadTarget::Nvme(_))) {
+        return 0;
+    }
+    let (count, bytes, _) = nvme_pool(cfg, largest_owned);
+    (count as u64).saturating_mul(bytes as u64)
 }
 
 /// Reduced micro-step gradients on their way down to host accumulators at once: the device

@@ -84,15 +84,24 @@ pub struct Estimate {
     pub host: Placement,
     /// NVMe swap files.
     pub nvme: Placement,
-    /// Host bytes that are page-locked: offloaded state with `pin_memory`, plus swap buffers.
+    /// Host bytes `pin_memory` asks to pin, as DeepSpeed counts them: offloaded state with
+    /// `pin_memory`, plus swap buffers. What is really locked is less: see
+    /// `mlocked_host_bytes` (charged against `RLIMIT_MEMLOCK`) and `page_locked` (registered
+    /// with a device's driver, charged against host RAM only).
     pub pinned_host_bytes: u64,
+    /// Host bytes locked with `mlock`, the only ones the kernel charges against
+    /// `RLIMIT_MEMLOCK` (`rules::mlocked_bytes`: the NVMe optimizer's buffer pool under
+    /// `offload_optimizer.pin_memory`); the locked-memory pre-flight compares this figure.
+    pub mlocked_host_bytes: u64,
     /// Host bytes that are ordinary pageable memory.
     pub other_host_bytes: u64,
     /// Host bytes of the speculative optimizer overlap's snapshots (pageable; included in
     /// `host`), 0 when the overlap estimated is not speculative.
     pub snapshot_host_bytes: u64,
     /// Host bytes the device page-locks for this run (its parameter store, its copies'
-    /// staging buffers, its upload ring), as its driver counts registrations; 0 on the CPU.
+    /// staging buffers, its upload ring, its host gradient accumulators), as its driver
+    /// counts registrations; 0 on the CPU. Resident and unswappable, so charged against host
+    /// RAM (and a cgroup's limit), but not against `RLIMIT_MEMLOCK`.
     pub page_locked: PageLockedFigures,
     /// Pinned staging buffers for NVMe swaps (see `swap_buffers`). The engine's ledger does
     /// not count these yet; they are included in `pinned_host_bytes`.
@@ -197,6 +206,7 @@ pub fn estimate_with_overlap(
         host,
         nvme: Placement::from_ledger(&ledger, Location::Nvme),
         pinned_host_bytes: pinned,
+        mlocked_host_bytes: mlocked_bytes(model, cfg),
         other_host_bytes: other_host,
         snapshot_host_bytes,
         page_locked,
@@ -204,6 +214,14 @@ pub fn estimate_with_overlap(
         activations,
         reduced_bytes_per_step: reduced_per_step(model, cfg),
     }
+}
+
+/// `Estimate::mlocked_host_bytes`, by the engine's rule (`rules::mlocked_bytes`).
+fn mlocked_bytes(model: &Model, cfg: &ResolvedConfig) -> u64 {
+    let world = super::partition::shard_world(cfg.world_size.max(1), cfg.zero.mics_shard_size);
+    let stage = super::stage::for_stage(cfg.zero.stage);
+    let largest = super::rules::largest_owned(model, &*stage, world, 0);
+    super::rules::mlocked_bytes(cfg, largest)
 }
 
 /// `Estimate::reduced_bytes_per_step`: each group's padded gradient in the wire dtype, once

@@ -21,9 +21,11 @@ pub struct Budget {
 }
 
 impl Budget {
-    /// Whether an estimate fits: device peak and host peak (swap buffers included).
+    /// Whether an estimate fits: device peak and host peak (swap buffers and the device's
+    /// page-locked staging included, each buffer once: what `initialize` checks).
     pub fn fits(&self, e: &Estimate) -> bool {
-        e.device.peak_bytes <= self.device_bytes && e.host_total_bytes() <= self.host_bytes
+        let host = crate::engine::host_limits::HostRamNeed::of(e, 1).total();
+        e.device.peak_bytes <= self.device_bytes && host <= self.host_bytes
     }
 }
 

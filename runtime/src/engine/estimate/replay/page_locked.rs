@@ -33,6 +33,14 @@ impl PageLockedFigures {
     pub fn total(&self) -> u64 {
         self.parameters + self.staging + self.ring + self.checkpoints + self.snapshots
     }
+
+    /// Of [`PageLockedFigures::total`], the bytes the engine's ledger already counts as host
+    /// memory: the parameter store, and the staging that holds the host checkpoints and the
+    /// snapshots' device values (the ledger counts those as host activations and snapshot
+    /// bytes). A host-memory total adds only the rest, so no buffer is counted twice.
+    pub fn in_host_ledger(&self) -> u64 {
+        self.parameters + self.checkpoints + self.snapshots
+    }
 }
 
 impl Replay<'_> {
