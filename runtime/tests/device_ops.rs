@@ -9,7 +9,7 @@ mod device_common;
 use device_common::{assert_close, cpu, get, rand, Dev, Tol};
 use ferrozero_offload::optim::{AdamHyper, LionHyper, SgdHyper, WeightDecay};
 use ferrozero_runtime::backend::{
-    Accumulate, Epilogue, HeadShape, MatmulShape, Rope, RopeScaling, Rotation, Transpose,
+    Accumulate, Epilogue, GradView, HeadShape, MatmulShape, Rope, RopeScaling, Rotation, Transpose,
     UpdateRule,
 };
 use ferrozero_runtime::nn::IGNORE_INDEX;
@@ -642,7 +642,7 @@ fn optimizer(d: &Dev) {
                     step,
                     0.5,
                     dp.view_mut(),
-                    dg.view(),
+                    dg.view().into(),
                     dm.view_mut(),
                     dv.view_mut(),
                     dlp.as_mut().map(Storage::view_mut),
@@ -653,7 +653,7 @@ fn optimizer(d: &Dev) {
                     step,
                     0.5,
                     ViewMut::from(&mut cp[..]),
-                    View::from(&g[..]),
+                    View::from(&g[..]).into(),
                     ViewMut::from(&mut cm[..]),
                     ViewMut::from(&mut cv[..]),
                     clp.as_mut().map(|b| ViewMut::Host(b.as_mut())),
@@ -773,6 +773,7 @@ fn step_status(d: &Dev) {
         .collect();
     views.push(host.view());
     let loss_views: Vec<View<'_>> = losses.iter().map(Storage::view).collect();
+    let views: Vec<_> = views.into_iter().map(GradView::from).collect();
     let st = d.be.step_status(&loss_views, &views).unwrap();
     let mut want: Vec<f64> = ranges
         .iter()

@@ -188,7 +188,7 @@ pub(super) fn host_step(
                 sv.step,
                 sv.grad_scale,
                 pv.reborrow().range(t.clone())?,
-                gv.range(t.clone())?,
+                gv.range(t.clone())?.into(),
                 m.range_mut(t.clone())?,
                 v.range_mut(t.start.min(vn)..t.end.min(vn))?,
                 lpv.as_mut().map(|x| x.reborrow().range(t)).transpose()?,

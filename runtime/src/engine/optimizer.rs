@@ -12,8 +12,8 @@ use super::group::{owned_lp, owned_params, Group};
 use super::nvme::NvmeOffload;
 use super::offload_copies::{self, Inbound, Landing};
 use super::partition::chunks;
-use crate::backend::{Backend, StepTensor, UpdateRule};
-use crate::tensor::{FlatBuf, View, ViewMut};
+use crate::backend::{Backend, GradView, StepTensor, UpdateRule};
+use crate::tensor::{FlatBuf, ViewMut};
 use crate::{Error, Result};
 use std::ops::Range;
 
@@ -108,7 +108,7 @@ impl Optimizer {
             // SGD and Lion keep no second moment: an empty view stands in.
             let vn = v.len();
             let vt = v.range_mut(t.start.min(vn)..t.end.min(vn))?;
-            be.optimizer_update(&rule, sv.step, sv.grad_scale, pt, grads, mt, vt, lp_t)?;
+            be.optimizer_update(&rule, sv.step, sv.grad_scale, pt, grads.into(), mt, vt, lp_t)?;
         }
         Ok(())
     }
@@ -121,7 +121,7 @@ impl Optimizer {
         g: &mut Group,
         tile: usize,
         norm: Range<usize>,
-    ) -> Result<(View<'_>, Vec<StepTensor<'_>>)> {
+    ) -> Result<(GradView<'_>, Vec<StepTensor<'_>>)> {
         let Group {
             params,
             master,
@@ -158,14 +158,14 @@ impl Optimizer {
             };
             out.push(StepTensor {
                 params,
-                grads: grad.range(g_base + t.start..g_base + t.end)?,
+                grads: grad.range(g_base + t.start..g_base + t.end)?.into(),
                 m,
                 v,
                 lp,
             });
         }
         let norm = grad.range(norm.start - *grad_offset..norm.end - *grad_offset)?;
-        Ok((norm, out))
+        Ok((norm.into(), out))
     }
 
     /// The step for a group whose master weights and moments live on NVMe: the gradient of

@@ -265,7 +265,8 @@ impl Engine {
             views.push(
                 g.grad
                     .view()
-                    .range(r.start - g.grad_offset..r.end - g.grad_offset)?,
+                    .range(r.start - g.grad_offset..r.end - g.grad_offset)?
+                    .into(),
             );
         }
         let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
