@@ -8,7 +8,7 @@
 use ferrozero_config::resolved::OptimizerConfig;
 use ferrozero_offload::optim::{AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
 
-use super::group::{owned_lp, owned_params, Group};
+use super::group::{owned_lp, owned_params, read_as, Group};
 use super::nvme::NvmeOffload;
 use super::offload_copies::{self, Inbound, Landing};
 use super::partition::chunks;
@@ -89,6 +89,7 @@ impl Optimizer {
             params,
             master,
             grad,
+            grad_read,
             grad_offset,
             m,
             v,
@@ -98,7 +99,7 @@ impl Optimizer {
         let (mut p, mut lp) = owned_params(params, master, owned)?;
         let g_base = owned.start - *grad_offset;
         for t in chunks(owned.len(), tile) {
-            let grads = grad.range(g_base + t.start..g_base + t.end)?;
+            let grads = read_as(grad.range(g_base + t.start..g_base + t.end)?, *grad_read);
             let lp_t = match &mut lp {
                 Some((b, off)) => Some(b.range_mut(*off + t.start..*off + t.end)?),
                 None => None,
@@ -108,7 +109,7 @@ impl Optimizer {
             // SGD and Lion keep no second moment: an empty view stands in.
             let vn = v.len();
             let vt = v.range_mut(t.start.min(vn)..t.end.min(vn))?;
-            be.optimizer_update(&rule, sv.step, sv.grad_scale, pt, grads.into(), mt, vt, lp_t)?;
+            be.optimizer_update(&rule, sv.step, sv.grad_scale, pt, grads, mt, vt, lp_t)?;
         }
         Ok(())
     }
@@ -126,6 +127,7 @@ impl Optimizer {
             params,
             master,
             grad,
+            grad_read,
             grad_offset,
             m,
             v,
@@ -158,14 +160,14 @@ impl Optimizer {
             };
             out.push(StepTensor {
                 params,
-                grads: grad.range(g_base + t.start..g_base + t.end)?.into(),
+                grads: read_as(grad.range(g_base + t.start..g_base + t.end)?, *grad_read),
                 m,
                 v,
                 lp,
             });
         }
         let norm = grad.range(norm.start - *grad_offset..norm.end - *grad_offset)?;
-        Ok((norm.into(), out))
+        Ok((read_as(norm, *grad_read), out))
     }
 
     /// The step for a group whose master weights and moments live on NVMe: the gradient of

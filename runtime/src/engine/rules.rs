@@ -9,6 +9,7 @@ use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
 
 use super::ledger::Location;
 use super::stage::Extent;
+use crate::tensor::DType;
 
 /// Stage 3's `max_reuse_distance`: a unit whose parameters are used again (in its backward)
 /// within that many gathered elements stays gathered after forward. `partitioned`: the
@@ -87,6 +88,22 @@ pub fn grad_location(cfg: &ResolvedConfig) -> Location {
         Location::Device => Location::Device,
         Location::Host | Location::Nvme => Location::Host,
     }
+}
+
+/// Whether the step's gradient is the reduced micro-step gradient itself, moved into place,
+/// instead of its cast added into a zeroed accumulator: one micro-step per step
+/// (`gradient_accumulation_steps = 1`) with the accumulator on the device (beside offloaded
+/// optimizer state gradients leave in buckets, `grad_download.rs`). The step then reads it
+/// rounded to the accumulator's dtype (`GradView::rounded`): the same bits, without the
+/// zero-fill, the cast and the addition, and no accumulator between steps.
+pub fn gradient_by_move(cfg: &ResolvedConfig) -> bool {
+    cfg.gradient_accumulation_steps == 1 && grad_location(cfg) == Location::Device
+}
+
+/// Whether a reduced micro-step gradient in `sum` may move into an accumulator of `acc`: its
+/// values are f32 (rounded on reading) or already the accumulator's dtype.
+pub fn moves_into(sum: DType, acc: DType) -> bool {
+    sum == DType::F32 || sum == acc
 }
 
 /// Reduced micro-step gradients on their way down to host accumulators at once: the device
