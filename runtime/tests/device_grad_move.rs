@@ -199,3 +199,42 @@ fn fp16_overflow_cuda_emu_f16() {
         )),
     }
 }
+
+/// Two micro-steps before a step at one micro-step per step (the manual `forward`/`backward`
+/// loop allows it): the moved gradient becomes an accumulator holding the same values and the
+/// second is added into it, exactly as the run keeping accumulators does.
+fn second_micro_step_before_the_step(d: &Dev) {
+    let precision = match d.act() {
+        DType::Bf16 => Precision::Bf16,
+        _ => Precision::F32,
+    };
+    let c = cfg(ZeroStage::Stage0, 1, precision);
+    let run = |accumulate: bool| {
+        let out = run_ranks(1, Duration::from_secs(300), |comm| {
+            let mut e = Engine::with_backend(gpt2_model(), c.clone(), comm, d.be.clone())?;
+            if accumulate {
+                e.accumulate_gradients()?;
+            }
+            let mut norms = Vec::new();
+            for s in 0..2 {
+                for m in 0..2 {
+                    e.forward(&toy::batch(VOCAB, SEQ, 2 * s + m, 2))?;
+                    e.backward()?;
+                }
+                let r = e.step()?.expect("an accumulation boundary");
+                norms.push(r.grad_norm.to_bits());
+            }
+            let params: Vec<Vec<u32>> = e
+                .parameters()?
+                .iter()
+                .map(|t| t.data.iter().map(|x| x.to_bits()).collect())
+                .collect();
+            Ok((norms, params))
+        });
+        out.expect("training").remove(0)
+    };
+    let (moved, kept) = (run(false), run(true));
+    assert_eq!(moved.0, kept.0, "{}: gradient norms", d.name);
+    assert!(moved.1 == kept.1, "{}: parameters differ", d.name);
+}
+test_device!(second_micro_step_before_the_step);
