@@ -352,13 +352,16 @@ fn llama_step_syncs_once_within_the_launch_budget() {
     check("Llama", &llama_model, LLAMA_LAUNCHES_PER_BLOCK);
 }
 
+/// A model by name, its builder by block count, and its launch budget per block.
+type ModelBudget = (&'static str, fn(usize) -> Model, u64);
+
 /// One micro-batch per step: the moved gradient saves each block exactly the engine's cast
 /// and add (2 launches) against the same run keeping accumulators, within the budget, still
 /// with one optimizer launch and one host sync. Prints launches per block and per 2-block
 /// step, memsets and the device's peak, both ways.
 #[test]
 fn one_micro_batch_per_step_moves_the_gradient() {
-    let models: [(&str, fn(usize) -> Model, u64); 2] = [
+    let models: [ModelBudget; 2] = [
         ("GPT-2", gpt2_model, GPT2_LAUNCHES_PER_BLOCK_ONE_MICRO),
         ("Llama", llama_model, LLAMA_LAUNCHES_PER_BLOCK_ONE_MICRO),
     ];

@@ -7,8 +7,8 @@ use std::time::Instant;
 use super::flops;
 use super::record::{Family, Recorder};
 use crate::backend::{
-    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ClipRule, DeviceActivity, GradView,
-    DeviceMemory, ElementwiseOps, Epilogue, HeadLoss, HeadShape, MatmulOps, MatmulShape,
+    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ClipRule, DeviceActivity,
+    DeviceMemory, ElementwiseOps, Epilogue, GradView, HeadLoss, HeadShape, MatmulOps, MatmulShape,
     MemoryModel, MemoryOps, NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, StepTensor,
     Stream, StreamEvent, StreamOps, TokenOps, UpdateRule,
 };
