@@ -202,7 +202,7 @@ impl GroupPlan<'_> {
         // When gradients move into place no accumulator lives between steps: an empty
         // stand-in keeps its dtype.
         let grad = match super::rules::gradient_by_move(self.cfg) {
-            true => Storage::Host(crate::tensor::FlatBuf::zeros(dtype, 0)),
+            true => super::group::empty_storage(dtype),
             false => place(self.be, grad_loc, dtype, grad_range.len())?,
         };
         ledger.alloc(grad_loc, Category::Gradients, grad.bytes());

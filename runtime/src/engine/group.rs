@@ -179,7 +179,7 @@ impl Group {
     /// and memory accounting that scan every group decide as before) and no elements. Any
     /// buffer operation on it fails on the length, so a misuse is an error, not a silent read.
     pub fn stand_in(&self) -> Group {
-        let empty = |d: DType| Storage::Host(crate::tensor::FlatBuf::zeros(d, 0));
+        let empty = empty_storage;
         let params = match &self.params {
             ParamStore::Replicated(b) => ParamStore::Replicated(empty(b.dtype())),
             ParamStore::Partitioned { shard, .. } => ParamStore::Partitioned {
@@ -253,8 +253,7 @@ impl Group {
         let Some(d) = self.grad_read.take() else {
             return self.grad.fill_zero();
         };
-        let empty = Storage::Host(crate::tensor::FlatBuf::zeros(d, 0));
-        let held = std::mem::replace(&mut self.grad, empty);
+        let held = std::mem::replace(&mut self.grad, empty_storage(d));
         ledger.free(Location::Device, Category::Gradients, held.bytes());
         be.recycle(held);
         Ok(())
@@ -270,8 +269,7 @@ impl Group {
         let d = self.grad_dtype();
         let mut acc = be.buffer(d, self.grad_len)?;
         if self.grad_read.take().is_some() {
-            let empty = Storage::Host(crate::tensor::FlatBuf::zeros(d, 0));
-            let held = std::mem::replace(&mut self.grad, empty);
+            let held = std::mem::replace(&mut self.grad, empty_storage(d));
             ledger.free(Location::Device, Category::Gradients, held.bytes());
             let held = super::stage::to_storage(held, d, be)?;
             let r = acc.accumulate(0, &held, self.grad_len, &mut Vec::new());
@@ -353,4 +351,10 @@ pub fn read_as(v: View<'_>, round: Option<DType>) -> GradView<'_> {
         Some(d) => GradView::rounded(v, d),
         None => GradView::exact(v),
     }
+}
+
+/// An empty buffer of `d`: a stand-in that holds no elements, so any operation on it fails on
+/// the length, and where it lives does not matter.
+pub fn empty_storage(d: DType) -> Storage {
+    Storage::Host(crate::tensor::FlatBuf::zeros(d, 0))
 }
