@@ -251,6 +251,21 @@ fn one_micro_step_per_step_matches_the_ledger() {
             }
         }
     }
+    // An fp16 wire under bf16 storage rounds twice: the accumulator stays.
+    for world in [1, 2] {
+        let mut cfg = make_config(
+            &scratch,
+            ZeroStage::Stage2,
+            world,
+            Precision::Bf16,
+            Offload::None,
+            Ckpt::Off,
+        );
+        cfg.gradient_accumulation_steps = 1;
+        cfg.train_batch_size = MICRO * world;
+        cfg.comms.data_type = Some(ferrozero_config::resolved::CommDataType::Fp16);
+        check(Which::Gpt2, &cfg, &mut failures);
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // The gradient held to the step at one rank is the f32 one: GPT-2 tiny's padded
     // parameters at 4 bytes each.

@@ -95,9 +95,14 @@ pub fn grad_location(cfg: &ResolvedConfig) -> Location {
 /// (`gradient_accumulation_steps = 1`) with the accumulator on the device (beside offloaded
 /// optimizer state gradients leave in buckets, `grad_download.rs`). The step then reads it
 /// rounded to the accumulator's dtype (`GradView::rounded`): the same bits, without the
-/// zero-fill, the cast and the addition, and no accumulator between steps.
+/// zero-fill, the cast and the addition, and no accumulator between steps. The reduction's
+/// dtype (`communication_data_type`) must be f32 or the storage dtype, so that one rounding
+/// stands for the cast (else the accumulator is kept as before).
 pub fn gradient_by_move(cfg: &ResolvedConfig) -> bool {
-    cfg.gradient_accumulation_steps == 1 && grad_location(cfg) == Location::Device
+    use super::build::{reduce_dtype, storage_dtype};
+    cfg.gradient_accumulation_steps == 1
+        && grad_location(cfg) == Location::Device
+        && moves_into(reduce_dtype(cfg), storage_dtype(&cfg.precision))
 }
 
 /// Whether a reduced micro-step gradient in `sum` may move into an accumulator of `acc`: its

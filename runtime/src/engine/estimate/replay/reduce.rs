@@ -97,10 +97,10 @@ impl Replay<'_> {
     }
 
     /// Whether reduced gradients move into place (`Engine::moves_gradient`): one micro-step
-    /// per step, the accumulator on the device, the wire dtype f32 or the storage dtype.
+    /// per step, the accumulator on the device, the wire dtype f32 or the storage dtype
+    /// (`rules::gradient_by_move`).
     fn moves(&self) -> bool {
-        let wire = crate::engine::build::reduce_dtype(self.cfg);
-        rules::gradient_by_move(self.cfg) && rules::moves_into(wire, self.dtype)
+        rules::gradient_by_move(self.cfg)
     }
 
     /// A moved gradient of `bytes`, held to the step's end.
