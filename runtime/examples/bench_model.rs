@@ -112,7 +112,7 @@ fn train_step(
             t,
             1.0,
             ViewMut::from(&mut w[..]),
-            View::from(&g[..]),
+            View::from(&g[..]).into(),
             ViewMut::from(&mut m[..]),
             ViewMut::from(&mut v[..]),
             None,

@@ -24,7 +24,9 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 }
 
 fn sum(be: &dyn Backend, v: View<'_>) -> f64 {
-    be.step_status(&[], &[v]).expect("step status").sum_squares[0]
+    be.step_status(&[], &[v.into()])
+        .expect("step status")
+        .sum_squares[0]
 }
 
 #[test]

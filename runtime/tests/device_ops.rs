@@ -9,7 +9,7 @@ mod attention_common;
 mod device_common;
 
 use device_common::{assert_close, cpu, get, rand, tol_k, Dev, Tol};
-use ferrozero_runtime::backend::{Epilogue, MatmulShape, Transpose};
+use ferrozero_runtime::backend::{Epilogue, GradView, MatmulShape, Transpose};
 use ferrozero_runtime::tensor::{DType, FlatBuf, Storage, View, ViewMut};
 
 fn matmul(d: &Dev) {
@@ -308,6 +308,7 @@ fn step_status(d: &Dev) {
         .collect();
     views.push(host.view());
     let loss_views: Vec<View<'_>> = losses.iter().map(Storage::view).collect();
+    let views: Vec<_> = views.into_iter().map(GradView::from).collect();
     let st = d.be.step_status(&loss_views, &views).unwrap();
     let mut want: Vec<f64> = ranges
         .iter()

@@ -1,7 +1,8 @@
 //! How often a training step on the device makes the host wait, and how many kernels a
 //! transformer block costs, counted by the driver layer (`Observed`) on the emulated device:
 //! small GPT-2 and Llama models, bf16, AdamW, clipping 1.0, world size 1 (and GPT-2 at two
-//! ranks), stages 0 and 3, two micro-batches per step. Each case prints where every host sync of a step came from (the
+//! ranks), stages 0 and 3, two micro-batches per step (and one, where the gradient moves into
+//! place). Each case prints where every host sync of a step came from (the
 //! operation and the kernel issued just before it), so a regression names its source.
 
 #![cfg(feature = "cuda")]
@@ -16,7 +17,7 @@ use common::{config, toy};
 use ferrozero_config::resolved::{LossScaling, Precision, ZeroStage};
 use ferrozero_runtime::backend::cuda::driver::{StreamKind, TraceOp, Traced};
 use ferrozero_runtime::backend::cuda::{self, CudaBackend};
-use ferrozero_runtime::backend::{Backend, DeviceActivity};
+use ferrozero_runtime::backend::{Backend, DeviceActivity, MemoryOps};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::{gpt2, llama, Model};
@@ -57,6 +58,14 @@ const GPT2_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 29 + 2;
 /// engine's micro-step gradient (a cast, an add). Per step 2, as GPT-2's. (Before: 41, with 2
 /// gradient adds and 2 RoPE launches more.)
 const LLAMA_LAUNCHES_PER_BLOCK: u64 = GAS as u64 * 37 + 2;
+
+/// The same for one GPT-2 block at one micro-batch per step, where the reduced gradient moves
+/// into place (`rules::gradient_by_move`): the micro-batch's 29 less the engine's cast and add
+/// (the step reads the f32 gradient rounded to bf16 in registers), and the step's 2.
+const GPT2_LAUNCHES_PER_BLOCK_ONE_MICRO: u64 = 27 + 2;
+
+/// The same for one Llama block at one micro-batch per step: 37 - 2, and the step's 2.
+const LLAMA_LAUNCHES_PER_BLOCK_ONE_MICRO: u64 = 35 + 2;
 
 /// Optimizer launches of a step: one multi-tensor AdamW over every group (at one rank and at
 /// several).
@@ -134,10 +143,11 @@ fn llama_model(layers: usize) -> Model {
     llama::build(&cfg).expect("Llama builds")
 }
 
-/// One traced step: its counts and its trace.
+/// One traced step: its counts, its trace, and the device's peak live bytes so far.
 struct Step {
     activity: DeviceActivity,
     trace: Vec<Traced>,
+    peak: u64,
 }
 
 /// Trains three steps of `model` at one rank in bf16 on a fresh emulated device and traces
@@ -146,20 +156,44 @@ fn traced_step(model: impl Fn() -> Model + Sync, stage: ZeroStage) -> Step {
     traced_run(model, stage, 1, Precision::Bf16)
 }
 
-/// As [`traced_step`] with `ranks` ranks (each on its own emulated device) in `precision`;
-/// rank 0's step.
+/// How a traced run accumulates: micro-batches per step, and whether it keeps accumulators
+/// at one (`Engine::accumulate_gradients`, the path before gradients moved).
+#[derive(Clone, Copy)]
+struct Accumulation {
+    gas: usize,
+    keep: bool,
+}
+
+/// As [`traced_run`] with `acc`'s accumulation.
 fn traced_run(
     model: impl Fn() -> Model + Sync,
     stage: ZeroStage,
     ranks: usize,
     precision: Precision,
 ) -> Step {
+    let acc = Accumulation {
+        gas: GAS,
+        keep: false,
+    };
+    traced_run_with(model, stage, ranks, precision, acc)
+}
+
+/// As [`traced_step`] with `ranks` ranks (each on its own emulated device) in `precision`;
+/// rank 0's step.
+fn traced_run_with(
+    model: impl Fn() -> Model + Sync,
+    stage: ZeroStage,
+    ranks: usize,
+    precision: Precision,
+    acc: Accumulation,
+) -> Step {
     let act = match precision {
         Precision::Bf16 => DType::Bf16,
         Precision::Fp16(_) => DType::F16,
         _ => DType::F32,
     };
-    let mut cfg = config(stage, ranks, 1, GAS, precision);
+    let gas = acc.gas;
+    let mut cfg = config(stage, ranks, 1, gas, precision);
     // DeepSpeed's default: one optimizer tile per group, as a real run has (the shared test
     // config's 17-element tiles exercise the tiling, not the step's cost).
     cfg.zero.sub_group_size = 1_000_000_000;
@@ -173,10 +207,13 @@ fn traced_run(
         let dev: Arc<CudaBackend> = cuda::emulated(act)?;
         let be: Arc<dyn Backend> = dev.clone();
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be)?;
+        if acc.keep {
+            e.accumulate_gradients()?;
+        }
         let mut last = None;
         for s in 0..3 {
-            let batches: Vec<_> = (0..GAS)
-                .map(|m| toy::batch(VOCAB, SEQ, (s * GAS + m) * ranks + rank, 1))
+            let batches: Vec<_> = (0..gas)
+                .map(|m| toy::batch(VOCAB, SEQ, (s * gas + m) * ranks + rank, 1))
                 .collect();
             if s == 2 {
                 dev.device().observed().start_trace();
@@ -189,6 +226,7 @@ fn traced_run(
         Ok(Step {
             activity: last.expect("the device counts its activity"),
             trace,
+            peak: dev.memory_stats().map_or(0, |m| m.peak),
         })
     })
     .expect("training on the emulated device");
@@ -312,6 +350,62 @@ fn gpt2_step_syncs_once_within_the_launch_budget() {
 #[test]
 fn llama_step_syncs_once_within_the_launch_budget() {
     check("Llama", &llama_model, LLAMA_LAUNCHES_PER_BLOCK);
+}
+
+/// A model by name, its builder by block count, and its launch budget per block.
+type ModelBudget = (&'static str, fn(usize) -> Model, u64);
+
+/// One micro-batch per step: the moved gradient saves each block exactly the engine's cast
+/// and add (2 launches) against the same run keeping accumulators, within the budget, still
+/// with one optimizer launch and one host sync. Prints launches per block and per 2-block
+/// step, memsets and the device's peak, both ways.
+#[test]
+fn one_micro_batch_per_step_moves_the_gradient() {
+    let models: [ModelBudget; 2] = [
+        ("GPT-2", gpt2_model, GPT2_LAUNCHES_PER_BLOCK_ONE_MICRO),
+        ("Llama", llama_model, LLAMA_LAUNCHES_PER_BLOCK_ONE_MICRO),
+    ];
+    for (name, model, budget) in models {
+        for stage in [ZeroStage::Stage0, ZeroStage::Stage3] {
+            let run = |layers: usize, keep: bool| {
+                let acc = Accumulation { gas: 1, keep };
+                traced_run_with(|| model(layers), stage, 1, Precision::Bf16, acc)
+            };
+            let (two, one) = (run(2, false), run(1, false));
+            let (two_kept, one_kept) = (run(2, true), run(1, true));
+            let label = format!("{name} stage {} one micro-batch", stage.number());
+            print_table(&format!("{label}, 2 blocks"), &two);
+            check_optimizer_launch(&label, &two);
+            let launches = |s: &Step| s.activity.kernel_launches;
+            let per_block = launches(&two) - launches(&one);
+            let kept = launches(&two_kept) - launches(&one_kept);
+            println!(
+                "{label}: {per_block} launches per block ({kept} keeping accumulators), 2-block \
+                 step {} ({}), memsets {} ({}), device peak {} B ({} B): {}",
+                launches(&two),
+                launches(&two_kept),
+                two.activity.memsets,
+                two_kept.activity.memsets,
+                two.peak,
+                two_kept.peak,
+                block_launches(&two, &one)
+            );
+            assert_eq!(
+                kept - per_block,
+                2,
+                "{label}: the cast and the add per block"
+            );
+            assert!(
+                per_block <= budget,
+                "{label}: a block costs {per_block} launches, the budget is {budget}"
+            );
+            assert!(
+                two.activity.host_syncs <= MAX_SYNCS_PER_STEP,
+                "{label}: {} host syncs in one step",
+                two.activity.host_syncs
+            );
+        }
+    }
 }
 
 /// DeepSpeed's dynamic loss scaling from a scale that does not overflow these gradients.

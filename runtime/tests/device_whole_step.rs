@@ -9,7 +9,7 @@ mod device_common;
 
 use device_common::{cpu, get, rand, Dev};
 use ferrozero_offload::optim::{AdamHyper, WeightDecay};
-use ferrozero_runtime::backend::{ClipRule, StepStatus, StepTensor, UpdateRule};
+use ferrozero_runtime::backend::{ClipRule, GradView, StepStatus, StepTensor, UpdateRule};
 use ferrozero_runtime::tensor::{BufRef, DType, FlatBuf, Storage, View, ViewMut};
 
 const LENS: [usize; 3] = [1027, 5, 4099];
@@ -58,7 +58,7 @@ fn state(d: &Dev, grad_mag: f32, poison: bool) -> State {
 }
 
 /// The losses, the gradients the norm reads, and the tensors the step updates.
-type Views<'a> = (Vec<View<'a>>, Vec<View<'a>>, Vec<StepTensor<'a>>);
+type Views<'a> = (Vec<View<'a>>, Vec<GradView<'a>>, Vec<StepTensor<'a>>);
 
 fn tensors(s: &mut State) -> Views<'_> {
     let State {
@@ -70,7 +70,7 @@ fn tensors(s: &mut State) -> Views<'_> {
         losses,
     } = s;
     let losses = losses.iter().map(Storage::view).collect();
-    let norms = g.iter().map(Storage::view).collect();
+    let norms = g.iter().map(|g| g.view().into()).collect();
     let ts = p
         .iter_mut()
         .zip(g.iter())
@@ -78,7 +78,7 @@ fn tensors(s: &mut State) -> Views<'_> {
         .zip(lp.iter_mut())
         .map(|(((p, g), (m, v)), lp)| StepTensor {
             params: p.view_mut(),
-            grads: g.view(),
+            grads: g.view().into(),
             m: m.view_mut(),
             v: v.view_mut(),
             lp: Some(lp.view_mut()),
@@ -91,7 +91,7 @@ fn tensors(s: &mut State) -> Views<'_> {
 fn by_parts(rule: &UpdateRule, step: u64, clip: ClipRule, s: &mut State) -> StepStatus {
     let c = cpu();
     let losses: Vec<_> = s.losses.iter().map(Storage::view).collect();
-    let grads: Vec<_> = s.g.iter().map(Storage::view).collect();
+    let grads: Vec<_> = s.g.iter().map(|g| g.view().into()).collect();
     let mut st = c.be.step_status(&losses, &grads).expect("status");
     let scale = clip.decide(&st.sum_squares);
     if let Some(gs) = scale {
@@ -208,7 +208,7 @@ fn whole_step_refuses_foreign_gradients(d: &Dev) {
         bias_correction: true,
     });
     let host = [1.0f32, 2.0];
-    let norms = [View::Host(BufRef::F32(&host))];
+    let norms = [View::Host(BufRef::F32(&host)).into()];
     let clip = ClipRule {
         loss_scale: 1.0,
         clipping: 1.0,
@@ -221,7 +221,7 @@ fn whole_step_refuses_foreign_gradients(d: &Dev) {
     );
     let t = StepTensor {
         params: p.view_mut(),
-        grads: g.view(),
+        grads: g.view().into(),
         m: m.view_mut(),
         v: v.view_mut(),
         lp: None::<ViewMut<'_>>,

@@ -1,6 +1,8 @@
 //! The ledger's model-state bytes per rank follow the ZeRO formulas (mixed precision:
 //! stage 0: 16 B/param, 1: 4 + 12/N, 2: 2 + 14/N, 3: 16/N), and offload moves exactly the
-//! optimizer state off the device.
+//! optimizer state off the device. The formulas count a gradient accumulator in the storage
+//! dtype (two micro-batches per step); at one, one rank holds the f32 micro-step gradient to
+//! the step instead (2 B/param more, and no accumulator between steps).
 
 mod common;
 
@@ -18,14 +20,27 @@ const T: usize = 8;
 const L: usize = 4;
 
 fn model_state_bytes(stage: ZeroStage, world: usize, offload: bool) -> (f64, f64, usize) {
-    let mut cfg = config(stage, world, 1, 1, Precision::Bf16);
+    model_state_bytes_at(stage, world, offload, 2)
+}
+
+/// As [`model_state_bytes`] with `gas` micro-batches per step.
+fn model_state_bytes_at(
+    stage: ZeroStage,
+    world: usize,
+    offload: bool,
+    gas: usize,
+) -> (f64, f64, usize) {
+    let mut cfg = config(stage, world, 1, gas, Precision::Bf16);
     if offload {
         cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
     }
     let out = run_ranks(world, Duration::from_secs(30), |comm| {
         let rank = comm.rank();
         let mut e = Engine::new(toy::model(V, D, T, L), cfg.clone(), comm)?;
-        e.train_batch(&[toy::batch(V, T, rank, 1)])?;
+        let batches: Vec<_> = (0..gas)
+            .map(|m| toy::batch(V, T, m * world + rank, 1))
+            .collect();
+        e.train_batch(&batches)?;
         let l = e.ledger();
         let dev: u64 = [
             Category::Parameters,
@@ -63,6 +78,20 @@ fn model_states_match_the_zero_formulas() {
             );
             assert_eq!(host, 0.0);
         }
+    }
+}
+
+/// One micro-batch per step at one rank: the gradient held to the step is the f32 micro-step
+/// gradient, 4 bytes per parameter instead of the bf16 accumulator's 2, at every stage.
+#[test]
+fn one_micro_batch_per_step_holds_the_f32_gradient() {
+    for stage in [ZeroStage::Stage0, ZeroStage::Stage3] {
+        let (dev, _, params) = model_state_bytes_at(stage, 1, false, 1);
+        let want = 18.0 * params as f64;
+        assert!(
+            (dev - want).abs() / want < 0.02,
+            "{stage:?}: ledger {dev}, 18 B/param {want}"
+        );
     }
 }
 

@@ -191,6 +191,9 @@ fn train_accumulating(cfg: &ResolvedConfig, steps: usize) -> (Vec<Vec<u32>>, (u6
     let out = run_ranks(world, Duration::from_secs(60), |comm| {
         let rank = comm.rank();
         let mut e = Engine::new(toy::model(11, 6, 5, 2), cfg.clone(), comm)?;
+        // Accumulators on the device even at one micro-step per step (there the gradient
+        // would otherwise move into place: `device_grad_move.rs`).
+        e.accumulate_gradients()?;
         for s in 0..steps {
             let batches: Vec<_> = (0..gas)
                 .map(|m| toy::batch(11, 5, ((s * gas + m) * world + rank) * 2, 2))

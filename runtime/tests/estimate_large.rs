@@ -32,7 +32,9 @@ fn llama_13b_model_states_follow_the_zero_formulas_without_allocating() {
             (ZeroStage::Stage2, 2.0 + 14.0 / w),
             (ZeroStage::Stage3, 16.0 / w),
         ] {
-            let mut cfg = config(stage, world, 1, 1, Precision::Bf16);
+            // Two micro-batches per step: the formulas count a bf16 gradient accumulator (at
+            // one, one rank holds the f32 gradient to the step instead).
+            let mut cfg = config(stage, world, 1, 2, Precision::Bf16);
             big_buckets(&mut cfg);
             let e = estimate(&shape.model, &cfg, 1, 2048);
             let states: u64 = [

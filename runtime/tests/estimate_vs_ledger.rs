@@ -216,6 +216,82 @@ fn llama_matches_the_ledger_in_every_mode() {
     sweep(Which::Llama, &[Precision::Bf16]);
 }
 
+/// One micro-step per step: the reduced gradient moves into place (f32 at one rank, the wire
+/// dtype at two) and is held to the step instead of an accumulator living throughout; beside
+/// offloaded optimizer state it still goes down bucket by bucket. The peak that follows is
+/// the ledger's in every stage, with and without overlap.
+#[test]
+fn one_micro_step_per_step_matches_the_ledger() {
+    let scratch = Scratch::new();
+    let mut failures = Vec::new();
+    let mut moved_peak = None;
+    for which in [Which::Gpt2, Which::Llama] {
+        for stage in [
+            ZeroStage::Stage0,
+            ZeroStage::Stage1,
+            ZeroStage::Stage2,
+            ZeroStage::Stage3,
+        ] {
+            for world in [1, 2] {
+                for p in [Precision::F32, Precision::Bf16] {
+                    for offload in [Offload::None, Offload::Optimizer] {
+                        let mut cfg =
+                            make_config(&scratch, stage, world, p.clone(), offload, Ckpt::Off);
+                        cfg.gradient_accumulation_steps = 1;
+                        cfg.train_batch_size = MICRO * world;
+                        check(which, &cfg, &mut failures);
+                        cfg.zero.overlap_comm = true;
+                        check(which, &cfg, &mut failures);
+                        if matches!((offload, &p), (Offload::None, Precision::Bf16)) && world == 1 {
+                            let e = estimate(&build(which), &cfg, MICRO, SEQ);
+                            moved_peak.get_or_insert(e.device.category(Category::Gradients));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // An fp16 wire under bf16 storage rounds twice: the accumulator stays.
+    for world in [1, 2] {
+        let mut cfg = make_config(
+            &scratch,
+            ZeroStage::Stage2,
+            world,
+            Precision::Bf16,
+            Offload::None,
+            Ckpt::Off,
+        );
+        cfg.gradient_accumulation_steps = 1;
+        cfg.train_batch_size = MICRO * world;
+        cfg.comms.data_type = Some(ferrozero_config::resolved::CommDataType::Fp16);
+        check(Which::Gpt2, &cfg, &mut failures);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // The gradient held to the step at one rank is the f32 one: GPT-2 tiny's padded
+    // parameters at 4 bytes each.
+    let params: usize = estimate(
+        &build(Which::Gpt2),
+        &make_config(
+            &scratch,
+            ZeroStage::Stage0,
+            1,
+            Precision::Bf16,
+            Offload::None,
+            Ckpt::Off,
+        ),
+        MICRO,
+        SEQ,
+    )
+    .device
+    .category(Category::Gradients) as usize
+        / 2;
+    assert_eq!(
+        moved_peak,
+        Some((params * 4) as u64),
+        "f32 gradients held at one rank"
+    );
+}
+
 #[test]
 fn large_buckets_and_persistence_threshold_match_too() {
     // Buckets above every group size take the unchunked paths; the persistence threshold

@@ -30,7 +30,7 @@ use std::sync::Arc;
 pub use cpu::CpuBackend;
 pub use memory::MemoryModel;
 pub use rope::{Rope, RopeScaling};
-pub use status::{ClipRule, StepStatus, StepTensor};
+pub use status::{ClipRule, GradView, StepStatus, StepTensor};
 pub use stream::{Stream, StreamEvent, StreamOps};
 
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
@@ -296,7 +296,8 @@ pub enum UpdateRule {
 /// The optimizer step, on the device that holds the optimizer state.
 pub trait OptimizerOps {
     /// One step (`step` 1-based) over a run of elements: the f32 `params` (master weights in
-    /// mixed precision) from `grads` (any dtype, multiplied by `grad_scale` first), the f32
+    /// mixed precision) from `grads` (any dtype, read as [`GradView`] says, multiplied by
+    /// `grad_scale` first), the f32
     /// moments `m` and, for Adam, `v` (empty otherwise); when `lp` is given the updated
     /// values are also written there, rounded to its dtype. Every element is computed alike
     /// whatever its position, so a shard updated alone equals the full update bit for bit.
@@ -307,7 +308,7 @@ pub trait OptimizerOps {
         step: u64,
         grad_scale: f32,
         params: ViewMut<'_>,
-        grads: View<'_>,
+        grads: GradView<'_>,
         m: ViewMut<'_>,
         v: ViewMut<'_>,
         lp: Option<ViewMut<'_>>,
@@ -329,12 +330,13 @@ pub trait OptimizerOps {
     }
 
     /// The values a step decides on, read back to the host together: each micro-step's loss
-    /// (a one-element view) and each gradient view's sum of squares in f64, summed in the
-    /// order its length fixes (as `Storage::sum_squares`, so the same bits, finite exactly
-    /// when every element is). A device computes the sums where the gradients live and
+    /// (a one-element view) and each gradient's sum of squares in f64 (of its values as
+    /// [`GradView`] reads them), summed in the order its length fixes (as
+    /// `Storage::sum_squares` over the accumulator they stand for, so the same bits, finite
+    /// exactly when every element is). A device computes the sums where the gradients live and
     /// downloads everything in one copy: the step's one wait for it. Views in host memory are
     /// read on the host.
-    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus>;
+    fn step_status(&self, losses: &[View<'_>], grads: &[GradView<'_>]) -> Result<StepStatus>;
 
     /// A whole step at one rank: the status of `losses` and `grads` (as
     /// [`OptimizerOps::step_status`]), the gradient scale decided from it by `clip` (no update
@@ -347,7 +349,7 @@ pub trait OptimizerOps {
         &self,
         (rule, step, clip): (&UpdateRule, u64, ClipRule),
         losses: &[View<'_>],
-        grads: &[View<'_>],
+        grads: &[GradView<'_>],
         tensors: Vec<StepTensor<'_>>,
     ) -> Result<StepStatus> {
         status::whole_step_by_parts(self, (rule, step, clip), losses, grads, tensors)

@@ -4,7 +4,7 @@
 //! itself ([`ClipRule`], `OptimizerOps::whole_step`), so that wait comes after the update.
 
 use super::{OptimizerOps, UpdateRule};
-use crate::tensor::{BufRef, View, ViewMut};
+use crate::tensor::{BufRef, DType, View, ViewMut};
 use crate::{Error, Result};
 
 /// The values [`super::OptimizerOps::step_status`] reads back.
@@ -24,14 +24,84 @@ pub struct StepStatus {
 pub struct StepTensor<'a> {
     /// The f32 values updated (master weights in mixed precision).
     pub params: ViewMut<'a>,
-    /// The accumulated gradient (any dtype; still loss-scaled).
-    pub grads: View<'a>,
+    /// The accumulated gradient (still loss-scaled), as the update reads it.
+    pub grads: GradView<'a>,
     /// First moment (or momentum).
     pub m: ViewMut<'a>,
     /// Second moment (Adam; empty otherwise).
     pub v: ViewMut<'a>,
     /// The low-precision copy written in the same pass, if any.
     pub lp: Option<ViewMut<'a>>,
+}
+
+/// A gradient as an optimizer update or a sum of squares reads it: the stored values, and the
+/// dtype each element is rounded to on the way in, when they stand for an accumulator of that
+/// dtype that was never written. At one micro-step per step the f32 micro-step gradient (or the
+/// reduced sum) *is* the step's gradient: read as `round(x) + 0.0`, exactly what adding it into
+/// a zeroed accumulator of that dtype would have held (rounded to nearest even, f16 overflow to
+/// infinity, -0.0 turned +0.0), so overflow checks, norms and updates see the same bits.
+#[derive(Debug, Clone, Copy)]
+pub struct GradView<'a> {
+    /// The stored elements.
+    pub values: View<'a>,
+    /// The accumulator dtype the values stand for; `None`: read as stored.
+    pub round: Option<DType>,
+}
+
+impl<'a> GradView<'a> {
+    /// Values read as stored.
+    pub fn exact(values: View<'a>) -> Self {
+        Self {
+            values,
+            round: None,
+        }
+    }
+
+    /// Values read as an accumulator of `dtype` would hold them: f32 values rounded to it, or
+    /// values already in it (then only -0.0 becomes +0.0).
+    pub fn rounded(values: View<'a>, dtype: DType) -> Self {
+        Self {
+            values,
+            round: Some(dtype),
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// Elements `range`, read the same way.
+    pub fn range(self, range: std::ops::Range<usize>) -> Result<Self> {
+        Ok(Self {
+            values: self.values.range(range)?,
+            round: self.round,
+        })
+    }
+
+    /// The rounding, checked: f32 values stand for any dtype, half-precision ones only for
+    /// their own. `op` names the operation in the error.
+    pub fn checked_round(&self, op: &str) -> Result<Option<DType>> {
+        let stored = self.values.dtype();
+        match self.round {
+            Some(d) if stored != DType::F32 && stored != d => Err(Error::Invalid(format!(
+                "{op}: {stored:?} gradients cannot be read as {d:?} (only f32 values are \
+                 rounded on the way in)"
+            ))),
+            r => Ok(r),
+        }
+    }
+}
+
+impl<'a> From<View<'a>> for GradView<'a> {
+    fn from(values: View<'a>) -> Self {
+        Self::exact(values)
+    }
 }
 
 /// How a step at one rank turns its gradient's sums of squares into the optimizer's gradient
@@ -91,7 +161,7 @@ pub(crate) fn whole_step_by_parts<B: OptimizerOps + ?Sized>(
     be: &B,
     (rule, step, clip): (&UpdateRule, u64, ClipRule),
     losses: &[View<'_>],
-    grads: &[View<'_>],
+    grads: &[GradView<'_>],
     tensors: Vec<StepTensor<'_>>,
 ) -> Result<StepStatus> {
     let mut st = be.step_status(losses, grads)?;
@@ -124,11 +194,15 @@ pub(crate) fn host_loss(op: &'static str, v: View<'_>) -> Result<Option<f32>> {
     }))
 }
 
-/// The sum of squares of a view in host memory (the order `Storage::sum_squares` uses on
-/// the host); `None` for device memory.
-pub(crate) fn host_sum_squares(v: View<'_>) -> Option<f64> {
-    match v {
-        View::Host(b) => Some(b.sum_squares()),
+/// The sum of squares of a gradient in host memory (the order `Storage::sum_squares` uses on
+/// the host, over the values as read); `None` for device memory.
+pub(crate) fn host_sum_squares(op: &str, g: GradView<'_>) -> Result<Option<f64>> {
+    let round = g.checked_round(op)?;
+    Ok(match g.values {
+        View::Host(b) => Some(match round {
+            Some(d) => b.sum_squares_as(d),
+            None => b.sum_squares(),
+        }),
         View::Cuda(_) => None,
-    }
+    })
 }

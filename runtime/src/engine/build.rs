@@ -199,7 +199,12 @@ impl GroupPlan<'_> {
         // Beside offloaded optimizer state the accumulator is host memory: gradients leave
         // the device bucket by bucket in backward (`grad_download.rs`).
         let grad_loc = super::rules::grad_location(self.cfg);
-        let grad = place(self.be, grad_loc, dtype, grad_range.len())?;
+        // When gradients move into place no accumulator lives between steps: an empty
+        // stand-in keeps its dtype.
+        let grad = match super::rules::gradient_by_move(self.cfg) {
+            true => super::group::empty_storage(dtype),
+            false => place(self.be, grad_loc, dtype, grad_range.len())?,
+        };
         ledger.alloc(grad_loc, Category::Gradients, grad.bytes());
         // With the state on NVMe the moments live there too; empty buffers stand in.
         let state_len = if nvme_adam.is_some() { 0 } else { owned.len() };
@@ -222,6 +227,8 @@ impl GroupPlan<'_> {
             params,
             work: None,
             grad,
+            grad_read: None,
+            grad_len: grad_range.len(),
             grad_offset: grad_range.start,
             micro: None,
             master,

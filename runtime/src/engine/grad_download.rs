@@ -29,6 +29,9 @@ use crate::Result;
 pub(super) struct GradDownloads {
     /// Whether the accumulators are in host memory (the optimizer state is off the device).
     leave: bool,
+    /// Whether reduced gradients move into place instead of being added into accumulators
+    /// ([`rules::gradient_by_move`]).
+    moves: bool,
     /// Downloads in issue order.
     queue: VecDeque<Down>,
     /// Widening scratch of the host additions.
@@ -54,17 +57,51 @@ impl GradDownloads {
     pub(super) fn new(cfg: &ferrozero_config::resolved::ResolvedConfig) -> Self {
         Self {
             leave: rules::grad_location(cfg) == Location::Host,
+            moves: rules::gradient_by_move(cfg),
             ..Self::default()
         }
     }
 }
 
 impl Engine {
+    /// Keeps zeroed accumulators and adds every micro-step's gradient into them even at one
+    /// micro-step per step, as before gradients moved into place: the reference the moved
+    /// path is compared with, bit for bit. Takes effect from the next micro-step; a gradient
+    /// already held becomes an accumulator holding the same values.
+    pub fn accumulate_gradients(&mut self) -> Result<()> {
+        self.grad_downloads.moves = false;
+        if self.grad_downloads.leave {
+            return Ok(());
+        }
+        for g in &mut self.groups {
+            g.materialize_accumulator(&*self.be, &mut self.ledger)?;
+        }
+        Ok(())
+    }
+
+    /// Whether group `g`'s reduced gradient, with values in `sum`, becomes the step's gradient
+    /// by move: gradients move, its values can stand for the accumulator, and none is held yet
+    /// (a second micro-step before the step is added, `accumulate_reduced`).
+    pub(super) fn moves_gradient(&self, g: usize, sum: crate::tensor::DType) -> bool {
+        let grp = &self.groups[g];
+        self.grad_downloads.moves && grp.grad_absent() && rules::moves_into(sum, grp.grad_dtype())
+    }
+
+    /// Makes `sum` group `g`'s gradient for the step ([`Engine::moves_gradient`]); the group
+    /// may step at an armed boundary.
+    pub(super) fn hold_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
+        self.groups[g].hold_gradient(sum, &mut self.ledger)?;
+        self.lend_for_step(g)
+    }
+
     /// Adds group `g`'s reduced micro-step gradient (storage dtype, the accumulator's
     /// coordinates) into its accumulator: on the device in place, or queued on its way down.
     /// Once the addition is done, at an armed boundary the group may step.
     pub(super) fn accumulate_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
         if !self.grad_downloads.leave {
+            // A moved gradient (a second micro-step before the step), or none at all
+            // (accumulation turned back on), becomes an accumulator first.
+            self.groups[g].materialize_accumulator(&*self.be, &mut self.ledger)?;
             let n = sum.len();
             let scratch = &mut self.grad_downloads.scratch;
             let r = self.groups[g].grad.accumulate(0, &sum, n, scratch);

@@ -10,7 +10,7 @@ use super::ledger::{Category, Ledger, Location};
 use super::offload_copies::Landing;
 use super::param_swap::SwapSlot;
 use super::partition::GroupLayout;
-use crate::backend::Backend;
+use crate::backend::{Backend, GradView};
 use crate::tensor::in_flight::HostPin;
 use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::Result;
@@ -97,8 +97,16 @@ pub struct Group {
     /// The full parameters in the dtype layers read (`param_dtype`), when that is not the
     /// storage dtype (the CPU computes in f32 from bf16/f16 storage).
     pub work: Option<Storage>,
-    /// Gradient accumulator in the storage dtype (full or shard, by stage).
+    /// Gradient accumulator in the storage dtype (full or shard, by stage); or, when
+    /// `grad_read` is set, the step's gradient as backward (and the reduction) produced it; or,
+    /// between steps when gradients move ([`super::rules::gradient_by_move`]), an empty
+    /// stand-in of the accumulator's dtype.
     pub grad: Storage,
+    /// The accumulator dtype `grad`'s values stand for when they are the moved micro-step
+    /// gradient (read through [`GradView::rounded`]); `None`: `grad` is the accumulator.
+    pub grad_read: Option<DType>,
+    /// Elements of the accumulator (full or shard): what a moved gradient must have.
+    pub grad_len: usize,
     /// Offset of `grad[0]` in the padded buffer (0 for full, the shard start for shards).
     pub grad_offset: usize,
     /// This micro-step's local gradient (padded, f32), alive from first to last use in backward.
@@ -171,7 +179,7 @@ impl Group {
     /// and memory accounting that scan every group decide as before) and no elements. Any
     /// buffer operation on it fails on the length, so a misuse is an error, not a silent read.
     pub fn stand_in(&self) -> Group {
-        let empty = |d: DType| Storage::Host(crate::tensor::FlatBuf::zeros(d, 0));
+        let empty = empty_storage;
         let params = match &self.params {
             ParamStore::Replicated(b) => ParamStore::Replicated(empty(b.dtype())),
             ParamStore::Partitioned { shard, .. } => ParamStore::Partitioned {
@@ -186,6 +194,8 @@ impl Group {
             params,
             work: None,
             grad: empty(self.grad.dtype()),
+            grad_read: self.grad_read,
+            grad_len: self.grad_len,
             grad_offset: self.grad_offset,
             micro: None,
             master: None,
@@ -194,6 +204,81 @@ impl Group {
             owned: self.owned.clone(),
             nvme_adam: None,
         }
+    }
+
+    /// The accumulator's dtype, whether or not it is allocated.
+    pub fn grad_dtype(&self) -> DType {
+        self.grad_read.unwrap_or(self.grad.dtype())
+    }
+
+    /// Elements `range` of the gradient (the accumulator's coordinates) as the step reads
+    /// them: the accumulator as stored, or a moved gradient rounded to its dtype.
+    pub fn grad_view(&self, range: Range<usize>) -> Result<GradView<'_>> {
+        Ok(read_as(self.grad.range(range)?, self.grad_read))
+    }
+
+    /// Whether `grad` is the empty stand-in of an accumulator that moved gradients left
+    /// unallocated.
+    pub fn grad_absent(&self) -> bool {
+        self.grad_read.is_none() && self.grad.len() != self.grad_len
+    }
+
+    /// Makes `buf` (the reduced micro-step gradient: f32 or the accumulator's dtype, the
+    /// accumulator's length) the step's gradient, counted in the ledger; `grad` must be the
+    /// empty stand-in.
+    pub fn hold_gradient(&mut self, buf: Storage, ledger: &mut Ledger) -> Result<()> {
+        if !self.grad_absent() || buf.len() != self.grad_len {
+            return Err(crate::Error::Invalid(format!(
+                "group of {}: a moved gradient of {} elements for an accumulator of {} that is \
+                 {}",
+                self.layout.padded(),
+                buf.len(),
+                self.grad_len,
+                if self.grad_absent() {
+                    "absent"
+                } else {
+                    "present"
+                }
+            )));
+        }
+        ledger.alloc(Location::Device, Category::Gradients, buf.bytes());
+        let stand_in = std::mem::replace(&mut self.grad, buf);
+        self.grad_read = Some(stand_in.dtype());
+        Ok(())
+    }
+
+    /// After the step: a moved gradient is released (the empty stand-in takes its place), an
+    /// accumulator is zeroed.
+    pub fn clear_grad(&mut self, be: &dyn Backend, ledger: &mut Ledger) -> Result<()> {
+        let Some(d) = self.grad_read.take() else {
+            return self.grad.fill_zero();
+        };
+        let held = std::mem::replace(&mut self.grad, empty_storage(d));
+        ledger.free(Location::Device, Category::Gradients, held.bytes());
+        be.recycle(held);
+        Ok(())
+    }
+
+    /// Turns a moved gradient, or the absent stand-in, into a zeroed-and-added accumulator
+    /// holding the same values (the cast of the moved values, added into zeros): what a
+    /// second micro-step before the step, or accumulation turned back on, adds into.
+    pub fn materialize_accumulator(&mut self, be: &dyn Backend, ledger: &mut Ledger) -> Result<()> {
+        if !self.grad_absent() && self.grad_read.is_none() {
+            return Ok(());
+        }
+        let d = self.grad_dtype();
+        let mut acc = be.buffer(d, self.grad_len)?;
+        if self.grad_read.take().is_some() {
+            let held = std::mem::replace(&mut self.grad, empty_storage(d));
+            ledger.free(Location::Device, Category::Gradients, held.bytes());
+            let held = super::stage::to_storage(held, d, be)?;
+            let r = acc.accumulate(0, &held, self.grad_len, &mut Vec::new());
+            be.recycle(held);
+            r?;
+        }
+        ledger.alloc(Location::Device, Category::Gradients, acc.bytes());
+        self.grad = acc;
+        Ok(())
     }
 
     /// Takes the local gradient for reduction, releasing its ledger entry.
@@ -257,4 +342,19 @@ pub fn compute_view<'a>(params: &'a ParamStore, work: &'a Option<Storage>) -> Op
         ParamStore::Partitioned { gathered, .. } => gathered.as_ref()?,
     };
     Some(full.view())
+}
+
+/// A gradient range as the step reads it: as stored, or rounded to the accumulator's dtype
+/// `round` ([`Group::grad_read`]); for callers that borrow a group's fields one by one.
+pub fn read_as(v: View<'_>, round: Option<DType>) -> GradView<'_> {
+    match round {
+        Some(d) => GradView::rounded(v, d),
+        None => GradView::exact(v),
+    }
+}
+
+/// An empty buffer of `d`: a stand-in that holds no elements, so any operation on it fails on
+/// the length, and where it lives does not matter.
+pub fn empty_storage(d: DType) -> Storage {
+    Storage::Host(crate::tensor::FlatBuf::zeros(d, 0))
 }

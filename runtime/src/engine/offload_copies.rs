@@ -128,6 +128,7 @@ pub(super) fn host_step(
         params,
         master,
         grad,
+        grad_read,
         grad_offset,
         m,
         v,
@@ -167,6 +168,8 @@ pub(super) fn host_step(
             Some(c) => View::from(c.ready_ref()?),
             None => grad.range(owned.start - *grad_offset..owned.end - *grad_offset)?,
         };
+        // A moved gradient is read as its accumulator's dtype here too.
+        let gv = super::group::read_as(gv, *grad_read);
         // The staged copies, in the order pushed: the parameters first when they went down.
         let mut staged = up.iter_mut().map(|(c, _)| c);
         let mut pv = match p {

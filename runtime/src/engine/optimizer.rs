@@ -8,12 +8,12 @@
 use ferrozero_config::resolved::OptimizerConfig;
 use ferrozero_offload::optim::{AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
 
-use super::group::{owned_lp, owned_params, Group};
+use super::group::{owned_lp, owned_params, read_as, Group};
 use super::nvme::NvmeOffload;
 use super::offload_copies::{self, Inbound, Landing};
 use super::partition::chunks;
-use crate::backend::{Backend, StepTensor, UpdateRule};
-use crate::tensor::{FlatBuf, View, ViewMut};
+use crate::backend::{Backend, GradView, StepTensor, UpdateRule};
+use crate::tensor::{FlatBuf, ViewMut};
 use crate::{Error, Result};
 use std::ops::Range;
 
@@ -89,6 +89,7 @@ impl Optimizer {
             params,
             master,
             grad,
+            grad_read,
             grad_offset,
             m,
             v,
@@ -98,7 +99,7 @@ impl Optimizer {
         let (mut p, mut lp) = owned_params(params, master, owned)?;
         let g_base = owned.start - *grad_offset;
         for t in chunks(owned.len(), tile) {
-            let grads = grad.range(g_base + t.start..g_base + t.end)?;
+            let grads = read_as(grad.range(g_base + t.start..g_base + t.end)?, *grad_read);
             let lp_t = match &mut lp {
                 Some((b, off)) => Some(b.range_mut(*off + t.start..*off + t.end)?),
                 None => None,
@@ -121,11 +122,12 @@ impl Optimizer {
         g: &mut Group,
         tile: usize,
         norm: Range<usize>,
-    ) -> Result<(View<'_>, Vec<StepTensor<'_>>)> {
+    ) -> Result<(GradView<'_>, Vec<StepTensor<'_>>)> {
         let Group {
             params,
             master,
             grad,
+            grad_read,
             grad_offset,
             m,
             v,
@@ -158,14 +160,14 @@ impl Optimizer {
             };
             out.push(StepTensor {
                 params,
-                grads: grad.range(g_base + t.start..g_base + t.end)?,
+                grads: read_as(grad.range(g_base + t.start..g_base + t.end)?, *grad_read),
                 m,
                 v,
                 lp,
             });
         }
         let norm = grad.range(norm.start - *grad_offset..norm.end - *grad_offset)?;
-        Ok((norm, out))
+        Ok((read_as(norm, *grad_read), out))
     }
 
     /// The step for a group whose master weights and moments live on NVMe: the gradient of

@@ -47,6 +47,13 @@ impl Engine {
         };
         // The payload is rounded to the wire dtype once here; `accumulate` widens the sum back.
         let wire = super::build::reduce_dtype(&self.cfg);
+        // One rank reduces nothing: the f32 gradient itself is the step's, read rounded to
+        // the accumulator's dtype, unless the wire's rounding would differ from that one.
+        if self.comm.world_size() == 1 && self.moves_gradient(g, wire) {
+            self.hold_reduced(g, micro)?;
+            self.timings.reduce += t.elapsed().as_secs_f64();
+            return Ok(());
+        }
         let buf = to_storage(micro, wire, &*self.be)?;
         let bytes = buf.bytes();
         if self.comm.world_size() > 1 {
@@ -91,8 +98,11 @@ impl Engine {
         if let Some(spent) = spent {
             self.be.recycle(spent);
         }
+        if self.moves_gradient(g, sum.dtype()) {
+            return self.hold_reduced(g, sum);
+        }
         // The cast runs where the reduction did (on the device), wherever the sum is added.
-        let sum = to_storage(sum, self.groups[g].grad.dtype(), &*self.be)?;
+        let sum = to_storage(sum, self.groups[g].grad_dtype(), &*self.be)?;
         self.accumulate_reduced(g, sum)
     }
 

@@ -191,7 +191,13 @@ impl Engine {
             .map(|g| {
                 let r = g.layout.shard_range(rank);
                 let mut data = vec![0.0; r.len()];
-                g.grad.read_f32(r.start - g.grad_offset, &mut data)?;
+                // No accumulator between steps when gradients move: the gradient is zero.
+                if !g.grad_absent() {
+                    g.grad.read_f32(r.start - g.grad_offset, &mut data)?;
+                }
+                if let Some(d) = g.grad_read {
+                    crate::tensor::round_as_accumulated(&mut data, d);
+                }
                 Ok(GradShard {
                     params: g.layout.slots.iter().map(|s| s.name.clone()).collect(),
                     range: r,

@@ -11,6 +11,7 @@ use super::ledger::Location;
 use super::partition::GroupLayout;
 use super::stage::{Extent, Stage};
 use crate::nn::Model;
+use crate::tensor::DType;
 
 /// Stage 3's `max_reuse_distance`: a unit whose parameters are used again (in its backward)
 /// within that many gathered elements stays gathered after forward. `partitioned`: the
@@ -153,6 +154,27 @@ pub fn mlocked_bytes(cfg: &ResolvedConfig, largest_owned: usize) -> u64 {
     }
     let (count, bytes, _) = nvme_pool(cfg, largest_owned);
     (count as u64).saturating_mul(bytes as u64)
+}
+
+/// Whether the step's gradient is the reduced micro-step gradient itself, moved into place,
+/// instead of its cast added into a zeroed accumulator: one micro-step per step
+/// (`gradient_accumulation_steps = 1`) with the accumulator on the device (beside offloaded
+/// optimizer state gradients leave in buckets, `grad_download.rs`). The step then reads it
+/// rounded to the accumulator's dtype (`GradView::rounded`): the same bits, without the
+/// zero-fill, the cast and the addition, and no accumulator between steps. The reduction's
+/// dtype (`communication_data_type`) must be f32 or the storage dtype, so that one rounding
+/// stands for the cast (else the accumulator is kept as before).
+pub fn gradient_by_move(cfg: &ResolvedConfig) -> bool {
+    use super::build::{reduce_dtype, storage_dtype};
+    cfg.gradient_accumulation_steps == 1
+        && grad_location(cfg) == Location::Device
+        && moves_into(reduce_dtype(cfg), storage_dtype(&cfg.precision))
+}
+
+/// Whether a reduced micro-step gradient in `sum` may move into an accumulator of `acc`: its
+/// values are f32 (rounded on reading) or already the accumulator's dtype.
+pub fn moves_into(sum: DType, acc: DType) -> bool {
+    sum == DType::F32 || sum == acc
 }
 
 /// Reduced micro-step gradients on their way down to host accumulators at once: the device

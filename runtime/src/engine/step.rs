@@ -106,7 +106,7 @@ impl Engine {
             }
         }
         for g in &mut self.groups {
-            g.grad.fill_zero()?;
+            g.clear_grad(&*self.be, &mut self.ledger)?;
         }
         self.steps += 1;
         self.micro = 0;
@@ -262,11 +262,7 @@ impl Engine {
                 continue;
             }
             let r = g.layout.shard_range(rank);
-            views.push(
-                g.grad
-                    .view()
-                    .range(r.start - g.grad_offset..r.end - g.grad_offset)?,
-            );
+            views.push(g.grad_view(r.start - g.grad_offset..r.end - g.grad_offset)?);
         }
         let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
         let st = self.be.step_status(&loss_views, &views)?;

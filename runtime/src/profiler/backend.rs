@@ -8,7 +8,7 @@ use super::flops;
 use super::record::{Family, Recorder};
 use crate::backend::{
     Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ClipRule, DeviceActivity,
-    DeviceMemory, ElementwiseOps, Epilogue, HeadLoss, HeadShape, MatmulOps, MatmulShape,
+    DeviceMemory, ElementwiseOps, Epilogue, GradView, HeadLoss, HeadShape, MatmulOps, MatmulShape,
     MemoryModel, MemoryOps, NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, StepTensor,
     Stream, StreamEvent, StreamOps, TokenOps, UpdateRule,
 };
@@ -437,7 +437,7 @@ impl OptimizerOps for ProfilingBackend {
         step: u64,
         grad_scale: f32,
         params: ViewMut<'_>,
-        grads: View<'_>,
+        grads: GradView<'_>,
         m: ViewMut<'_>,
         v: ViewMut<'_>,
         lp: Option<ViewMut<'_>>,
@@ -447,7 +447,7 @@ impl OptimizerOps for ProfilingBackend {
                 .optimizer_update(rule, step, grad_scale, params, grads, m, v, lp)
         })
     }
-    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
+    fn step_status(&self, losses: &[View<'_>], grads: &[GradView<'_>]) -> Result<StepStatus> {
         self.timed(Family::Memory, 0, || self.inner.step_status(losses, grads))
     }
     fn optimizer_update_all(
@@ -466,7 +466,7 @@ impl OptimizerOps for ProfilingBackend {
         &self,
         step: (&UpdateRule, u64, ClipRule),
         losses: &[View<'_>],
-        grads: &[View<'_>],
+        grads: &[GradView<'_>],
         tensors: Vec<StepTensor<'_>>,
     ) -> Result<StepStatus> {
         self.timed(Family::Optimizer, 0, || {

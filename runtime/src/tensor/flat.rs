@@ -260,6 +260,38 @@ impl BufRef<'_> {
     }
 }
 
+impl BufRef<'_> {
+    /// Sum of squares of the elements as an accumulator of `dtype` holds them (f32 values
+    /// rounded to it; others as they are), in the order [`FlatBuf::sum_squares`] uses: the
+    /// bits of the sum over that accumulator.
+    pub fn sum_squares_as(&self, dtype: DType) -> f64 {
+        match (self, dtype) {
+            (BufRef::F32(v), DType::Bf16) => sum_squares_blocked(v, |x| bf16::from_f32(x).to_f32()),
+            (BufRef::F32(v), DType::F16) => sum_squares_blocked(v, |x| f16::from_f32(x).to_f32()),
+            _ => self.sum_squares(),
+        }
+    }
+}
+
+/// Each element as an accumulator of `dtype` holds it once added into zeros: rounded to
+/// `dtype` (to nearest even; f16 overflows to infinity), then `+ 0.0` (so -0.0 is +0.0).
+pub fn round_as_accumulated(v: &mut [f32], dtype: DType) {
+    let round = |c: &mut [f32]| match dtype {
+        DType::F32 => c.iter_mut().for_each(|x| *x += 0.0),
+        DType::Bf16 => c
+            .iter_mut()
+            .for_each(|x| *x = bf16::from_f32(*x).to_f32() + 0.0),
+        DType::F16 => c
+            .iter_mut()
+            .for_each(|x| *x = f16::from_f32(*x).to_f32() + 0.0),
+    };
+    if v.len() >= PAR_MIN {
+        v.par_chunks_mut(PAR_CHUNK).for_each(round);
+    } else {
+        round(v);
+    }
+}
+
 /// Lanes of one chunk's sum: element `i` goes to lane `i % LANES`, so the lanes are
 /// independent chains the compiler vectorises instead of one latency-bound chain.
 const LANES: usize = 8;

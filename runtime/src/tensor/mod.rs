@@ -20,6 +20,7 @@ mod view;
 pub use crate::backend::cuda::{CudaBuf, CudaIds, CudaView, CudaViewMut};
 #[cfg(not(feature = "cuda"))]
 pub use absent::{CudaBuf, CudaIds, CudaView, CudaViewMut};
+pub(crate) use flat::round_as_accumulated;
 pub use flat::FlatBuf;
 pub use host::{BufMut, BufRef};
 pub use storage::{IdBuf, Ids, Storage};

@@ -8,29 +8,34 @@ use ferrozero_offload::optim::{self, LowPrecision};
 
 use super::{f32_in, f32_out, foreign, CpuBackend};
 use crate::backend::status::{host_loss, host_sum_squares};
-use crate::backend::{OptimizerOps, StepStatus, UpdateRule};
-use crate::tensor::{spare, BufMut, BufRef, DType, FlatBuf, View, ViewMut};
+use crate::backend::{GradView, OptimizerOps, StepStatus, UpdateRule};
+use crate::tensor::{round_as_accumulated, spare, BufMut, BufRef, DType, FlatBuf, View, ViewMut};
 use crate::{Error, Result};
 
 const OP: &str = "optimizer step";
 
-/// The gradients as f32: borrowed when they are f32, else widened into a cached buffer.
-fn f32_grads(grads: View<'_>) -> Result<Cow<'_, [f32]>> {
-    match grads {
-        View::Host(BufRef::F32(s)) => Ok(Cow::Borrowed(s)),
-        View::Host(b) => {
+/// The gradients as f32, as [`GradView`] reads them: borrowed when they are f32 read as
+/// stored, else widened (and rounded) into a cached buffer.
+fn f32_grads(grads: GradView<'_>) -> Result<Cow<'_, [f32]>> {
+    let round = grads.checked_round(OP)?;
+    match (grads.values, round) {
+        (View::Host(BufRef::F32(s)), None) => Ok(Cow::Borrowed(s)),
+        (View::Host(b), _) => {
             // Straight from the staged half-precision copy, on every core: a GPU's offloaded
             // step widens the whole owned gradient here.
             let mut w = spare::take_f32(b.len());
             FlatBuf::widen_into(b, &mut w);
+            if let Some(d) = round {
+                round_as_accumulated(&mut w, d);
+            }
             Ok(Cow::Owned(w))
         }
-        View::Cuda(_) => f32_in(OP, "gradients", grads).map(Cow::Borrowed),
+        (View::Cuda(_), _) => f32_in(OP, "gradients", grads.values).map(Cow::Borrowed),
     }
 }
 
 impl OptimizerOps for CpuBackend {
-    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
+    fn step_status(&self, losses: &[View<'_>], grads: &[GradView<'_>]) -> Result<StepStatus> {
         const STATUS: &str = "step status";
         let losses = losses
             .iter()
@@ -38,7 +43,7 @@ impl OptimizerOps for CpuBackend {
             .collect::<Result<_>>()?;
         let sum_squares = grads
             .iter()
-            .map(|g| host_sum_squares(*g).ok_or_else(|| foreign(STATUS, "a gradient")))
+            .map(|g| host_sum_squares(STATUS, *g)?.ok_or_else(|| foreign(STATUS, "a gradient")))
             .collect::<Result<_>>()?;
         Ok(StepStatus {
             losses,
@@ -53,7 +58,7 @@ impl OptimizerOps for CpuBackend {
         step: u64,
         grad_scale: f32,
         params: ViewMut<'_>,
-        grads: View<'_>,
+        grads: GradView<'_>,
         m: ViewMut<'_>,
         v: ViewMut<'_>,
         lp: Option<ViewMut<'_>>,

@@ -9,7 +9,7 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::tensor::BufRef;
+use crate::tensor::{BufRef, DType};
 
 /// Threads per block of the `sum_squares` launch (`status.rs`).
 const THREADS: usize = 256;
@@ -19,20 +19,30 @@ const WARP: usize = 32;
 /// The sum of squares of `v` in the order the device's kernels add them.
 pub(crate) fn sum_squares(v: BufRef<'_>) -> f64 {
     match v {
-        BufRef::F32(s) => in_device_order(s, |x| x),
-        BufRef::Bf16(s) => in_device_order(s, bf16::to_f32),
-        BufRef::F16(s) => in_device_order(s, f16::to_f32),
+        BufRef::F32(s) => in_device_order(s, 4, |x| x),
+        BufRef::Bf16(s) => in_device_order(s, 8, bf16::to_f32),
+        BufRef::F16(s) => in_device_order(s, 8, f16::to_f32),
     }
 }
 
-fn in_device_order<T: Copy + Sync>(x: &[T], to_f32: impl Fn(T) -> f32 + Sync) -> f64 {
+/// The sum of squares of `v` as an accumulator of `dtype` holds it (f32 values rounded), in
+/// the order of that accumulator's kernel (`sum_squares_f32_as_bf16`, `_as_f16`).
+pub(crate) fn sum_squares_as(v: BufRef<'_>, dtype: DType) -> f64 {
+    match (v, dtype) {
+        (BufRef::F32(s), DType::Bf16) => in_device_order(s, 8, |x| bf16::from_f32(x).to_f32()),
+        (BufRef::F32(s), DType::F16) => in_device_order(s, 8, |x| f16::from_f32(x).to_f32()),
+        _ => sum_squares(v),
+    }
+}
+
+/// The kernels' order over `x` taken `pack` elements at a time (16 bytes of the dtype the
+/// values stand for): the packed path needs the base aligned to `pack` stored elements.
+fn in_device_order<T: Copy + Sync>(x: &[T], pack: usize, to_f32: impl Fn(T) -> f32 + Sync) -> f64 {
     let n = x.len();
     if n == 0 {
         return 0.0;
     }
-    // Elements per 16-byte pack, and whether the kernel takes the packed path.
-    let pack = 16 / std::mem::size_of::<T>();
-    let aligned = (x.as_ptr() as usize).is_multiple_of(16);
+    let aligned = (x.as_ptr() as usize).is_multiple_of(pack * std::mem::size_of::<T>());
     let blocks = n.div_ceil(4096).clamp(1, 1024);
     let seg = n.div_ceil(blocks).div_ceil(pack) * pack;
     let sq = |e: T| {

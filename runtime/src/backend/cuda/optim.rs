@@ -9,7 +9,7 @@ use super::driver::{DevPtr, LaunchConfig};
 use super::kernels::params::OptTensor;
 use super::launch::Args;
 use super::storage::{CudaView, CudaViewMut};
-use crate::backend::{ClipRule, OptimizerOps, StepStatus, StepTensor, UpdateRule};
+use crate::backend::{ClipRule, GradView, OptimizerOps, StepStatus, StepTensor, UpdateRule};
 use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
 use ferrozero_offload::optim::WeightDecay;
@@ -23,6 +23,8 @@ const CHUNK: usize = 1 << 16;
 struct DevTensor<'a> {
     p: CudaViewMut<'a>,
     g: CudaView<'a>,
+    /// How the kernel reads `g` (`OptTensor::grad_dtype`).
+    g_read: i64,
     m: CudaViewMut<'a>,
     v: CudaViewMut<'a>,
     lp: Option<CudaViewMut<'a>>,
@@ -40,8 +42,15 @@ impl CudaBackend {
     fn dev_tensor<'a>(&self, rule: &UpdateRule, t: StepTensor<'a>) -> Result<DevTensor<'a>> {
         let (p, g) = (
             self.dev_out(OP, "parameters", t.params)?,
-            self.dev_in(OP, "gradients", t.grads)?,
+            self.dev_in(OP, "gradients", t.grads.values)?,
         );
+        let round = t.grads.checked_round(OP)?;
+        let g_read = OptTensor::grad_read_of(g.dtype(), round).ok_or_else(|| {
+            crate::Error::Invalid(format!(
+                "{OP}: no kernel reads {:?} gradients as {round:?}",
+                g.dtype()
+            ))
+        })?;
         let (m, v) = (
             self.dev_out(OP, "first moment", t.m)?,
             self.dev_out(OP, "second moment", t.v)?,
@@ -63,7 +72,14 @@ impl CudaBackend {
             DType::F32,
             &[("parameters", p.dtype()), ("first moment", m.dtype())],
         )?;
-        Ok(DevTensor { p, g, m, v, lp })
+        Ok(DevTensor {
+            p,
+            g,
+            g_read,
+            m,
+            v,
+            lp,
+        })
     }
 
     /// Updates every tensor with the scale at `scale` (device memory): one launch per
@@ -91,7 +107,7 @@ impl CudaBackend {
                     lp: t.lp.as_ref().map_or(0, |l| l.ptr().0),
                     n: n as i64,
                     first_chunk: chunks as i64,
-                    grad_dtype: OptTensor::grad_dtype_of(t.g.dtype()),
+                    grad_dtype: t.g_read,
                 });
                 chunks += n.div_ceil(CHUNK);
             }
@@ -176,7 +192,7 @@ impl CudaBackend {
 }
 
 impl OptimizerOps for CudaBackend {
-    fn step_status(&self, losses: &[View<'_>], grads: &[View<'_>]) -> Result<StepStatus> {
+    fn step_status(&self, losses: &[View<'_>], grads: &[GradView<'_>]) -> Result<StepStatus> {
         self.read_status(losses, grads)
     }
 
@@ -186,7 +202,7 @@ impl OptimizerOps for CudaBackend {
         step: u64,
         grad_scale: f32,
         params: ViewMut<'_>,
-        grads: View<'_>,
+        grads: GradView<'_>,
         m: ViewMut<'_>,
         v: ViewMut<'_>,
         lp: Option<ViewMut<'_>>,
@@ -225,7 +241,7 @@ impl OptimizerOps for CudaBackend {
         &self,
         (rule, step, clip): (&UpdateRule, u64, ClipRule),
         losses: &[View<'_>],
-        grads: &[View<'_>],
+        grads: &[GradView<'_>],
         tensors: Vec<StepTensor<'_>>,
     ) -> Result<StepStatus> {
         let tensors = tensors
@@ -234,7 +250,7 @@ impl OptimizerOps for CudaBackend {
             .collect::<Result<Vec<_>>>()?;
         // The scale is decided from the sums the device computes: every gradient is here.
         for g in grads {
-            self.dev_in(OP, "a gradient of the norm", *g)?;
+            self.dev_in(OP, "a gradient of the norm", g.values)?;
         }
         let block = self.status_block(losses, grads, 4)?;
         let rule_vals = [clip.loss_scale, clip.clipping];

@@ -8,7 +8,7 @@ use super::driver::{DevPtr, DeviceBuffer, LaunchConfig};
 use super::launch::Args;
 use super::storage::{by_dtype, CudaView};
 use crate::backend::status::host_loss;
-use crate::backend::StepStatus;
+use crate::backend::{GradView, StepStatus};
 use crate::tensor::{DType, View};
 use crate::Result;
 
@@ -17,6 +17,17 @@ const OP: &str = "step status";
 /// Writes the sum of squares of `v` in f64 to `out` (device memory): partial sums per block
 /// in a fixed order set by the length alone, then summed in block order.
 pub(crate) fn sum_squares_into(dev: &CudaDevice, v: CudaView<'_>, out: DevPtr) -> Result<()> {
+    sum_squares_as_into(dev, v, None, out)
+}
+
+/// [`sum_squares_into`] of `v`'s values as an accumulator of `round` holds them (f32 values
+/// rounded; `crate::backend::GradView`), in that accumulator's order.
+fn sum_squares_as_into(
+    dev: &CudaDevice,
+    v: CudaView<'_>,
+    round: Option<DType>,
+    out: DevPtr,
+) -> Result<()> {
     if v.is_empty() {
         return dev.driver().memset_zero(out, 8, STREAM);
     }
@@ -24,7 +35,13 @@ pub(crate) fn sum_squares_into(dev: &CudaDevice, v: CudaView<'_>, out: DevPtr) -
     let partials = dev.alloc(blocks * 8)?;
     let cfg = LaunchConfig::linear(blocks as u32, 256);
     let mut args = Args::new().ptr(v.ptr()).len(v.len()).ptr(partials.ptr());
-    dev.launch(by_dtype!("sum_squares", v.dtype()), cfg, &mut args)?;
+    let name = match (v.dtype(), round) {
+        (DType::F32, Some(DType::Bf16)) => "sum_squares_f32_as_bf16",
+        (DType::F32, Some(DType::F16)) => "sum_squares_f32_as_f16",
+        // Squares ignore the sign of a zero: values in their own dtype read as stored.
+        (d, _) => by_dtype!("sum_squares", d),
+    };
+    dev.launch(name, cfg, &mut args)?;
     let mut args = Args::new()
         .ptr(partials.ptr())
         .len(blocks)
@@ -55,7 +72,7 @@ impl CudaBackend {
     pub(super) fn read_status(
         &self,
         losses: &[View<'_>],
-        grads: &[View<'_>],
+        grads: &[GradView<'_>],
     ) -> Result<StepStatus> {
         Ok(self.status_block(losses, grads, 0)?.read()?.0)
     }
@@ -65,7 +82,7 @@ impl CudaBackend {
     pub(super) fn status_block(
         &self,
         losses: &[View<'_>],
-        grads: &[View<'_>],
+        grads: &[GradView<'_>],
         tail: usize,
     ) -> Result<StatusBlock> {
         let (ng, nl) = (grads.len(), losses.len());
@@ -79,13 +96,19 @@ impl CudaBackend {
         let mut on_device = tail > 0;
         let mut device_grads = vec![false; ng];
         for (i, g) in grads.iter().enumerate() {
-            match g {
+            let round = g.checked_round(OP)?;
+            match g.values {
                 // In the kernels' order: the norm's bits do not depend on where the gradient
                 // accumulated.
-                View::Host(h) => st.sum_squares[i] = super::host_order::sum_squares(*h),
+                View::Host(h) => {
+                    st.sum_squares[i] = match round {
+                        Some(d) => super::host_order::sum_squares_as(h, d),
+                        None => super::host_order::sum_squares(h),
+                    }
+                }
                 View::Cuda(_) => {
-                    let g = self.dev_in(OP, "a gradient", *g)?;
-                    sum_squares_into(&self.dev, g, at(8 * i))?;
+                    let v = self.dev_in(OP, "a gradient", g.values)?;
+                    sum_squares_as_into(&self.dev, v, round, at(8 * i))?;
                     (on_device, device_grads[i]) = (true, true);
                 }
             }

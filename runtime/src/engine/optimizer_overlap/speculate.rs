@@ -110,7 +110,7 @@ impl LaneStep {
         let base = group.grad_offset;
         // Through the backend, as the step's own status: the device's order of additions
         // wherever the gradient accumulated, so the lane's term is the step's bits.
-        let view = group.grad.range(r.start - base..r.end - base)?;
+        let view = group.grad_view(r.start - base..r.end - base)?;
         let sumsq = self.be.step_status(&[], &[view])?.sum_squares[0];
         let go = self.watch.lock().is_ok_and(|mut w| w.admit(sumsq));
         if !go {

@@ -148,6 +148,8 @@ pub const SOURCES: &[KernelSource] = &[
             "sum_squares_f32",
             "sum_squares_bf16",
             "sum_squares_f16",
+            "sum_squares_f32_as_bf16",
+            "sum_squares_f32_as_f16",
             "sum_squares_finalize",
             "colsum_partial_f32",
             "colsum_partial_bf16",

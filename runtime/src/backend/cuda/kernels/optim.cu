@@ -17,7 +17,9 @@
 //     long long first_chunk;      // 48: index of this tensor's first chunk: the sum of
 //                                 //     ceil(n / chunk) over the tensors before it
 //     long long grad_dtype;       // 56: 0 f32, 1 bf16, 2 f16: half-precision gradients are
-//                                 //     widened in registers (exactly), no pass of their own
+//                                 //     widened in registers (exactly), no pass of their own;
+//                                 //     3, 4, 5: f32 read as an f32, bf16, f16 accumulator
+//                                 //     (fz_as: rounded, + 0.0f); 6, 7: bf16, f16 + 0.0f
 //   };
 //
 // and `total_chunks` (the sum over all tensors). Chunk c of the launch is a `chunk`-element
@@ -116,6 +118,12 @@ __device__ __forceinline__ void update_chunk(const Update& up, int chunk, float*
     update_pack<1>(up, p, g, m, v, lp, i);
 }
 
+// Tensor t's gradients from element lo, read as G.
+template <class G>
+__device__ __forceinline__ const G* grads_at(const OptTensor& t, long long lo) {
+  return static_cast<const G*>(t.grads) + lo;
+}
+
 // Runs `up` over every chunk of the launch, reading each tensor's gradients in their dtype.
 template <class LP, class Update>
 __device__ __forceinline__ void for_each_chunk(const OptTensor* tensors, int ntensors,
@@ -131,12 +139,16 @@ __device__ __forceinline__ void for_each_chunk(const OptTensor* tensors, int nte
     float* v = needs_v ? t.v + lo : nullptr;
     LP* lp = sizeof(LP) == 2 ? static_cast<LP*>(t.lp) : nullptr;  // _f32: no copy
     if (lp) lp += lo;
-    if (t.grad_dtype == 1)
-      update_chunk(up, chunk, p, static_cast<const bf16_t*>(t.grads) + lo, m, v, lp, len);
-    else if (t.grad_dtype == 2)
-      update_chunk(up, chunk, p, static_cast<const f16_t*>(t.grads) + lo, m, v, lp, len);
-    else
-      update_chunk(up, chunk, p, static_cast<const float*>(t.grads) + lo, m, v, lp, len);
+    switch (t.grad_dtype) {
+      case 1: update_chunk(up, chunk, p, grads_at<bf16_t>(t, lo), m, v, lp, len); break;
+      case 2: update_chunk(up, chunk, p, grads_at<f16_t>(t, lo), m, v, lp, len); break;
+      case 3: update_chunk(up, chunk, p, grads_at<fz_as<float, float>>(t, lo), m, v, lp, len); break;
+      case 4: update_chunk(up, chunk, p, grads_at<fz_as<float, bf16_t>>(t, lo), m, v, lp, len); break;
+      case 5: update_chunk(up, chunk, p, grads_at<fz_as<float, f16_t>>(t, lo), m, v, lp, len); break;
+      case 6: update_chunk(up, chunk, p, grads_at<fz_as<bf16_t, bf16_t>>(t, lo), m, v, lp, len); break;
+      case 7: update_chunk(up, chunk, p, grads_at<fz_as<f16_t, f16_t>>(t, lo), m, v, lp, len); break;
+      default: update_chunk(up, chunk, p, grads_at<float>(t, lo), m, v, lp, len);
+    }
   }
 }
 

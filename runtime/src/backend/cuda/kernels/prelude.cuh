@@ -126,6 +126,21 @@ __device__ __forceinline__ float fz_exp2_approx(float x) {
 }
 #endif
 
+// ---- gradients read as their accumulator's dtype -------------------------------------------------
+// An element stored as S that stands for an accumulator of dtype D never written (at one micro-step
+// per step the micro-step gradient is the step's): read as D(x) + 0.0f, what adding it into zeros
+// of D held (rounded to nearest even, f16 overflow to infinity, -0.0 turned +0.0). Plain storage,
+// so fz_load reads it with the same vectors as S.
+template <class S, class D>
+struct fz_as {
+  S x;
+};
+
+template <class S, class D>
+__device__ __forceinline__ float to_f32(fz_as<S, D> v) {
+  return __fadd_rn(to_f32(from_f32<D>(to_f32(v.x))), 0.0f);
+}
+
 // ---- vector memory access -----------------------------------------------------------------------
 // `N` consecutive elements of T as f32. When N * sizeof(T) is a multiple of 16 the access is whole
 // 16-byte vectors and the caller guarantees 16-byte alignment (fz_aligned16); otherwise (N = 1 in

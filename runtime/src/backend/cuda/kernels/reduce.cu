@@ -16,6 +16,10 @@
 //       Launch: grid G blocks (G partials), block a multiple of 32 threads. The order depends on
 //       G and the block size, so the host derives both from n alone (e.g. 256 threads,
 //       G = min(ceil(n / 4096), 1024)); every square is exact in f64.
+//   sum_squares_f32_as_bf16(const float* x, long long n, double* partials), _as_f16: the same
+//       partials for f32 values as an accumulator of that dtype holds them (rounded), in that
+//       accumulator's order (its packs, and its alignment test on an f32 base twice as wide):
+//       bit-identical to sum_squares_bf16 (_f16) over the accumulator. Launch as sum_squares_T.
 //   sum_squares_finalize(const double* partials, long long nparts, double* out, float* out_f32)
 //       *out = the partials summed in order (overwritten); out_f32, when not null, gets it
 //       rounded to f32 (what the engine all-reduces). Launch: one block of 32 threads.
@@ -111,10 +115,12 @@ __device__ __forceinline__ void unscale(T* x, long long n, float s, int* nonfini
   if (op.bad) atomicOr(nonfinite, 1);
 }
 
-template <class T>
+// V elements per pack and ALIGN bytes of base alignment for the packed path: those of T itself,
+// or, for f32 values read as a half-precision accumulator (fz_as), those of that accumulator, so
+// the order of every addition (segments, packs, threads) is the accumulator's own.
+template <class T, int V = fz_vec<T>::n, unsigned long long ALIGN = 16>
 __device__ __forceinline__ void sum_squares(const T* x, long long n, double* partials) {
   __shared__ double scratch[32];
-  constexpr int V = fz_vec<T>::n;
   // Segments are whole packs, so every block's segment starts 16-byte aligned.
   const long long per = (n + gridDim.x - 1) / gridDim.x;
   const long long seg = (per + V - 1) / V * V;
@@ -124,7 +130,7 @@ __device__ __forceinline__ void sum_squares(const T* x, long long n, double* par
   const long long len = hi - lo;
   double acc = 0.0;
   long long done = 0;
-  if (fz_aligned16(x)) {
+  if ((reinterpret_cast<unsigned long long>(x) & (ALIGN - 1)) == 0) {
     const long long packs = len / V;
     for (long long p = threadIdx.x; p < packs; p += blockDim.x) {
       float v[V];
@@ -214,6 +220,17 @@ extern "C" __global__ void sum_squares_bf16(const bf16_t* x, long long n, double
 }
 extern "C" __global__ void sum_squares_f16(const f16_t* x, long long n, double* partials) {
   sum_squares(x, n, partials);
+}
+
+extern "C" __global__ void sum_squares_f32_as_bf16(const float* x, long long n,
+                                                   double* partials) {
+  sum_squares<fz_as<float, bf16_t>, fz_vec<bf16_t>::n, 32>(
+      reinterpret_cast<const fz_as<float, bf16_t>*>(x), n, partials);
+}
+extern "C" __global__ void sum_squares_f32_as_f16(const float* x, long long n,
+                                                  double* partials) {
+  sum_squares<fz_as<float, f16_t>, fz_vec<f16_t>::n, 32>(
+      reinterpret_cast<const fz_as<float, f16_t>*>(x), n, partials);
 }
 
 extern "C" __global__ void sum_squares_finalize(const double* partials, long long nparts,

@@ -57,6 +57,9 @@ pub(super) struct Replay<'a> {
     /// Reduced gradients on their way down to host accumulators (`grad_download.rs`): the
     /// device bytes of each, oldest first.
     downloads: VecDeque<u64>,
+    /// Device bytes of the reduced gradients moved into place (`rules::gradient_by_move`),
+    /// held until the step ends.
+    moved: u64,
     /// `offload_param.buffer_count` when stage-3 shards live on NVMe.
     swap_limit: Option<usize>,
     /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
@@ -122,6 +125,7 @@ impl<'a> Replay<'a> {
             work: vec![false; n],
             queued: VecDeque::new(),
             downloads: VecDeque::new(),
+            moved: 0,
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
@@ -178,6 +182,11 @@ impl<'a> Replay<'a> {
         let master = if own_master { 0 } else { owned };
         let state = state_dtype(self.cfg).size();
         let opt_bytes = (master * 4 + owned * moments * state) as u64;
+        // Moved gradients leave no accumulator between steps.
+        let grad_elems = match rules::gradient_by_move(self.cfg) {
+            true => 0,
+            false => grad_elems,
+        };
         let (pb, gb) = (self.lp(param_elems), self.lp(grad_elems));
         self.ledger.alloc(param_loc, Category::Parameters, pb);
         self.ledger
@@ -469,6 +478,14 @@ impl<'a> Replay<'a> {
     pub(super) fn step(&mut self) {
         self.step_transients();
         self.step_swapped();
+        self.publish();
+        // `Group::clear_grad`: moved gradients go once the step is done.
+        let moved = std::mem::take(&mut self.moved);
+        self.ledger
+            .free(Location::Device, Category::Gradients, moved);
+    }
+
+    fn publish(&mut self) {
         // One rank owns everything: the optimizer wrote the parameters in place.
         let world = self.groups.first().map_or(1, |g| g.layout.world_size);
         if self.stage.optimizer() != Extent::Shard || world == 1 {

@@ -30,6 +30,14 @@ impl Replay<'_> {
             return;
         }
         let padded = self.groups[g].layout.padded();
+        if self.cfg.world_size == 1 && self.moves() {
+            // `Engine::reduce_group` at one rank: the f32 micro-step gradient is the step's.
+            let micro = (padded * 4) as u64;
+            self.ledger
+                .free(Location::Device, Category::CommBuffers, micro);
+            self.hold(micro);
+            return;
+        }
         // The reduction's input is in the wire dtype (`communication_data_type`).
         let wire = crate::engine::build::reduce_dtype(self.cfg).size();
         let buf = (padded * wire) as u64;
@@ -61,6 +69,18 @@ impl Replay<'_> {
             .free(Location::Device, Category::CommBuffers, buf);
         self.ledger
             .free(Location::Device, Category::CommBuffers, out);
+        if self.moves() {
+            // `Engine::accumulate`: the reduced sum (the whole buffer, or the rank's shard)
+            // moves into place in the wire dtype.
+            let world = self.groups.first().map_or(1, |g| g.layout.world_size);
+            let elems = match self.stage.grads() {
+                Extent::Shard => padded / world.max(1),
+                Extent::Full => padded,
+            };
+            let wire = crate::engine::build::reduce_dtype(self.cfg).size();
+            self.hold((elems * wire) as u64);
+            return;
+        }
         if rules::grad_location(self.cfg) == Location::Host {
             // The reduced sum in the storage dtype: the rank's shard, or the whole buffer.
             let world = self.groups.first().map_or(1, |g| g.layout.world_size);
@@ -74,6 +94,20 @@ impl Replay<'_> {
             self.downloads.push_back(b);
             self.land_downloads(rules::GRAD_DOWNLOADS_IN_FLIGHT);
         }
+    }
+
+    /// Whether reduced gradients move into place (`Engine::moves_gradient`): one micro-step
+    /// per step, the accumulator on the device, the wire dtype f32 or the storage dtype
+    /// (`rules::gradient_by_move`).
+    fn moves(&self) -> bool {
+        rules::gradient_by_move(self.cfg)
+    }
+
+    /// A moved gradient of `bytes`, held to the step's end.
+    fn hold(&mut self, bytes: u64) {
+        self.moved += bytes;
+        self.ledger
+            .alloc(Location::Device, Category::Gradients, bytes);
     }
 
     /// `Engine::land_oldest_download` until at most `keep` downloads are in flight.

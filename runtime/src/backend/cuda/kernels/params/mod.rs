@@ -105,11 +105,32 @@ pub struct OptTensor {
     pub n: i64,
     /// Index of this tensor's first chunk among all chunks of the launch.
     pub first_chunk: i64,
-    /// The gradients' dtype: 0 f32, 1 bf16, 2 f16 ([`OptTensor::grad_dtype_of`]).
+    /// How the gradients are read: 0 f32, 1 bf16, 2 f16 as stored; 3, 4, 5 f32 read as an
+    /// f32, bf16, f16 accumulator holds them; 6, 7 bf16, f16 likewise
+    /// ([`OptTensor::grad_read_of`]).
     pub grad_dtype: i64,
 }
 
 impl OptTensor {
+    /// The `grad_dtype` code of gradients stored as `stored`, read as an accumulator of
+    /// `round` (`crate::backend::GradView`); `None` for a pair no kernel reads (half-precision
+    /// values standing for another dtype).
+    pub fn grad_read_of(
+        stored: crate::tensor::DType,
+        round: Option<crate::tensor::DType>,
+    ) -> Option<i64> {
+        use crate::tensor::DType::{Bf16, F16, F32};
+        Some(match (stored, round) {
+            (d, None) => Self::grad_dtype_of(d),
+            (F32, Some(F32)) => 3,
+            (F32, Some(Bf16)) => 4,
+            (F32, Some(F16)) => 5,
+            (Bf16, Some(Bf16)) => 6,
+            (F16, Some(F16)) => 7,
+            _ => return None,
+        })
+    }
+
     /// The `grad_dtype` code of a gradient dtype.
     pub fn grad_dtype_of(d: crate::tensor::DType) -> i64 {
         match d {

@@ -121,6 +121,12 @@ pub const TABLE: &[Family] = &[
     single("cast_f16_to_bf16", &[p("src", In(F16)), p("dst", Out(Bf16)), p("n", LongLong)]),
     single("max_assign_f32", &[p("dst", Out(F32)), p("src", In(F32)), p("n", LongLong)]),
     single("div_f32", &[p("x", Out(F32)), p("n", LongLong), p("d", Float)]),
+    single("sum_squares_f32_as_bf16", &[
+        p("x", In(F32)), p("n", LongLong), p("partials", Out(F64)),
+    ]),
+    single("sum_squares_f32_as_f16", &[
+        p("x", In(F32)), p("n", LongLong), p("partials", Out(F64)),
+    ]),
     single("sum_squares_finalize", &[
         p("partials", In(F64)), p("nparts", LongLong), p("out", Out(F64)), p("out_f32", Out(F32)),
     ]),
