@@ -1,0 +1,148 @@
+//! The attention family: scaled dot-product attention over strided Q/K/V views (plain and
+//! grouped-query heads), its backward, and rotary embeddings applied to Q and K.
+
+use super::{Rope, Rotation};
+use crate::tensor::{Storage, View, ViewMut};
+use crate::Result;
+
+/// Layout of an attention call: `batch` rows of `seq` tokens; query head `h` reads key/value
+/// head `h / (q_heads / kv_heads)` (grouped-query attention; equal counts give plain MHA).
+/// Q, K, V rows are strided views: token `t` of head `h` starts at `t * stride + offset + h * head_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads (divides `q_heads`).
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    /// Every backend's rule for the head counts: kv heads dividing q heads, a head dim.
+    pub(crate) fn check_heads(&self, op: &'static str) -> crate::Result<()> {
+        if self.kv_heads == 0 || !self.q_heads.is_multiple_of(self.kv_heads) || self.head_dim == 0 {
+            return Err(crate::Error::Invalid(format!(
+                "{op} needs kv_heads dividing q_heads and head_dim > 0, got {} q heads, {} kv \
+                 heads, head_dim {}",
+                self.q_heads, self.kv_heads, self.head_dim
+            )));
+        }
+        Ok(())
+    }
+
+    /// Every backend's rule for a strided row view of `len` elements: `batch * seq` rows of
+    /// `stride` elements, the heads' columns `[offset, offset + heads * head_dim)` inside each.
+    pub(crate) fn check_view(
+        &self,
+        op: &'static str,
+        name: &str,
+        len: usize,
+        v: RowView,
+        heads: usize,
+    ) -> crate::Result<()> {
+        let rows = self.batch * self.seq;
+        let need = if rows == 0 {
+            0
+        } else {
+            (rows - 1) * v.stride + v.offset + heads * self.head_dim
+        };
+        if len >= need && v.offset + heads * self.head_dim <= v.stride {
+            return Ok(());
+        }
+        Err(crate::Error::Shape {
+            op,
+            expected: format!(
+                "{name}: {rows} rows of stride {} holding {heads} heads of {} at offset {}",
+                v.stride, self.head_dim, v.offset
+            ),
+            got: format!("{len} elements"),
+        })
+    }
+}
+
+/// A strided `[batch * seq, heads * head_dim]` view inside a larger row (e.g. the q, k or v
+/// third of GPT-2's fused `c_attn` output).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowView {
+    /// Elements between consecutive tokens.
+    pub stride: usize,
+    /// Offset of head 0 within a token's row.
+    pub offset: usize,
+}
+
+/// Causal scaled dot-product attention and rotary position embedding.
+pub trait AttentionOps {
+    /// Causal attention `O = softmax(Q Kᵀ / √d + mask) V` into `out`
+    /// (`[batch*seq, q_heads*head_dim]`); returns what backward needs besides Q, K, V and O
+    /// (the CPU: the probabilities; a flash-attention device: per-row log-sum-exp).
+    fn attention_forward(
+        &self,
+        shape: AttentionShape,
+        q: (View<'_>, RowView),
+        k: (View<'_>, RowView),
+        v: (View<'_>, RowView),
+        out: ViewMut<'_>,
+    ) -> Result<Storage>;
+    /// Attention backward from forward's output `out`, its saved state and `dout`: writes dQ,
+    /// dK, dV into the same strided views of `dq`, `dk`, `dv` (overwritten; they may be one
+    /// fused buffer when the views do not overlap).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        shape: AttentionShape,
+        q: (View<'_>, RowView),
+        k: (View<'_>, RowView),
+        v: (View<'_>, RowView),
+        out: View<'_>,
+        saved: &Storage,
+        dout: View<'_>,
+        dqkv: AttentionGrads<'_>,
+    ) -> Result<()>;
+    /// Rotary embedding in place on `[batch*seq, heads*head_dim]` (Hugging Face's
+    /// rotate-half convention: element `i` pairs with `i + head_dim/2`). `direction` Inverse
+    /// rotates by `-θ`, which is the backward of Forward. The angles are [`Rope::angles`]'s
+    /// on every backend.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: ViewMut<'_>,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        rope: &Rope,
+        direction: Rotation,
+    ) -> Result<()>;
+    /// [`AttentionOps::rope`] on the queries and the keys of one attention call at once (one
+    /// launch on a device): `q` holds `shape.q_heads` heads per row, `k` `shape.kv_heads`; the
+    /// same arithmetic as two `rope` calls, so the bits are theirs.
+    fn rope_qk(
+        &self,
+        q: ViewMut<'_>,
+        k: ViewMut<'_>,
+        shape: AttentionShape,
+        rope: &Rope,
+        direction: Rotation,
+    ) -> Result<()>;
+}
+
+/// Destinations of attention's backward.
+#[derive(Debug)]
+pub enum AttentionGrads<'a> {
+    /// One buffer holding dQ, dK and dV at the views' strides and offsets (GPT-2's fused qkv).
+    Fused(ViewMut<'a>),
+    /// Three separate buffers with the views' layouts (Llama's q/k/v projections).
+    Split {
+        /// dQ.
+        dq: ViewMut<'a>,
+        /// dK.
+        dk: ViewMut<'a>,
+        /// dV.
+        dv: ViewMut<'a>,
+    },
+}
