@@ -11,6 +11,7 @@ use super::partition::GroupLayout;
 use super::stage::{Extent, Stage};
 use crate::backend::Backend;
 use crate::nn::{init, ParamSpec};
+use crate::tensor::in_flight::HostPin;
 use crate::tensor::{DType, FlatBuf, Storage};
 use ferrozero_offload::tiled::NvmeAdam;
 
@@ -113,24 +114,18 @@ impl GroupPlan<'_> {
         super::rules::param_extent(self.cfg, self.stage.params(), numel)
     }
 
-    /// Lays out, initialises and places one group (`index` names its swap files).
-    pub fn build(
+    /// Places a group's initial values `full`: replicated on the device, or this rank's shard
+    /// where `offload_param` says (NVMe through `swap`); counted in the ledger. A host shard is
+    /// page-locked once, so its uploads run at the bus's speed from it.
+    fn place_params(
         &self,
         index: usize,
-        specs: &[ParamSpec],
+        layout: &GroupLayout,
+        full: &[f32],
         swap: Option<&mut ParamSwap>,
         ledger: &mut Ledger,
-    ) -> crate::Result<Group> {
+    ) -> crate::Result<(ParamStore, Option<HostPin>)> {
         let dtype = storage_dtype(&self.cfg.precision);
-        let layout = GroupLayout::new(specs, self.world);
-        let mut full = vec![0.0f32; layout.padded()];
-        for (slot, spec) in layout.slots.iter().zip(specs) {
-            init::fill(
-                &spec.init,
-                init::param_seed(self.cfg.seed, &spec.name),
-                &mut full[slot.range()],
-            );
-        }
         let store = |loc: Location, r: std::ops::Range<usize>| -> crate::Result<Storage> {
             let mut b = place(self.be, loc, dtype, r.len())?;
             b.write_f32(0, &full[r])?;
@@ -165,7 +160,6 @@ impl GroupPlan<'_> {
             Location::Device
         };
         ledger.alloc(param_loc, Category::Parameters, param_bytes);
-        // A host shard is page-locked once, so its uploads run at the bus's speed from it.
         let pin = match &mut params {
             ParamStore::Partitioned {
                 shard: Shard::Memory(b),
@@ -173,6 +167,28 @@ impl GroupPlan<'_> {
             } if param_loc == Location::Host => b.pin_host(self.be),
             _ => None,
         };
+        Ok((params, pin))
+    }
+
+    /// Lays out, initialises and places one group (`index` names its swap files).
+    pub fn build(
+        &self,
+        index: usize,
+        specs: &[ParamSpec],
+        swap: Option<&mut ParamSwap>,
+        ledger: &mut Ledger,
+    ) -> crate::Result<Group> {
+        let dtype = storage_dtype(&self.cfg.precision);
+        let layout = GroupLayout::new(specs, self.world);
+        let mut full = vec![0.0f32; layout.padded()];
+        for (slot, spec) in layout.slots.iter().zip(specs) {
+            init::fill(
+                &spec.init,
+                init::param_seed(self.cfg.seed, &spec.name),
+                &mut full[slot.range()],
+            );
+        }
+        let (params, pin) = self.place_params(index, &layout, &full, swap, ledger)?;
 
         let owned = self.stage.optimizer().range(&layout, self.rank);
         let opt_loc = optimizer_location(self.cfg);
