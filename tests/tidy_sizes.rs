@@ -108,7 +108,9 @@ fn the_scanner_measures_functions_and_ignores_braces_in_literals_and_comments() 
     assert_eq!(got, [("a", 1, 7), ("body", 10, 1), ("b", 12, 3)]);
 }
 
-/// Every `.rs` file under `root`, skipping build output and hidden folders.
+/// Every `.rs` file under `root`, skipping hidden folders and build output: any cargo target
+/// directory, whatever its name (`CARGO_TARGET_DIR` may point inside the checkout), is marked
+/// by the `CACHEDIR.TAG` cargo writes there.
 fn rust_files(root: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut dirs = vec![root.to_path_buf()];
@@ -117,7 +119,7 @@ fn rust_files(root: &Path) -> Vec<PathBuf> {
             let path = entry.unwrap().path();
             let name = path.file_name().unwrap().to_string_lossy().into_owned();
             if path.is_dir() {
-                if name != "target" && !name.starts_with('.') {
+                if !name.starts_with('.') && !path.join("CACHEDIR.TAG").exists() {
                     dirs.push(path);
                 }
             } else if name.ends_with(".rs") {
