@@ -126,6 +126,8 @@ pub mod reference;
 pub mod bench;
 #[cfg(any(feature = "mpi", test))]
 pub(crate) mod cores;
+#[cfg(feature = "cuda")]
+mod events;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;

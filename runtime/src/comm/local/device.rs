@@ -13,7 +13,6 @@
 //! one (`ready` is recorded before the next entry, which follows the release; `done` after the
 //! next entry, which every peer reaches only after its waits).
 
-use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -81,45 +80,7 @@ unsafe fn handle<'a>(dev: usize) -> Option<&'a Arc<CudaDevice>> {
     (dev != 0).then(|| unsafe { &*(dev as *const Arc<CudaDevice>) })
 }
 
-/// One rank's events on one device (see the module documentation).
-struct Mark {
-    dev: Arc<CudaDevice>,
-    ready: Event,
-    done: Event,
-}
-
-impl Drop for Mark {
-    fn drop(&mut self) {
-        // Peers are through with them: a group is dropped after its last collective.
-        let _ = self.dev.driver().event_destroy(self.ready);
-        let _ = self.dev.driver().event_destroy(self.done);
-    }
-}
-
-/// A rank's events, per device it has exchanged buffers of.
-#[derive(Default)]
-pub(super) struct Marks(RefCell<Vec<Mark>>);
-
-impl Marks {
-    /// `(ready, done)` on `dev`, created on its first collective.
-    fn of(&self, dev: &Arc<CudaDevice>) -> Result<(Event, Event)> {
-        let mut list = self.0.borrow_mut();
-        if let Some(m) = list.iter().find(|m| Arc::ptr_eq(&m.dev, dev)) {
-            return Ok((m.ready, m.done));
-        }
-        let d = dev.driver();
-        let ready = d.event_create()?;
-        let done = d.event_create().inspect_err(|_| {
-            let _ = d.event_destroy(ready);
-        })?;
-        list.push(Mark {
-            dev: dev.clone(),
-            ready,
-            done,
-        });
-        Ok((ready, done))
-    }
-}
+pub(super) use crate::comm::events::Marks;
 
 /// The device that computes rank `d`'s share (its output's; a rank whose two buffers are in
 /// different places is refused at the entry check).

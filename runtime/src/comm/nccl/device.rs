@@ -11,7 +11,6 @@
 //! collective before it starts the next, so `done` is never recorded again while a wait for
 //! its last record could still be issued.
 
-use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::api::NcclOp;
@@ -37,24 +36,7 @@ pub(super) fn device_of(op: &NcclOp<'_>) -> Option<Dev> {
     }
 }
 
-/// One device's `ready` and `done` events.
-struct Mark {
-    dev: Dev,
-    ready: Event,
-    done: Event,
-}
-
-impl Drop for Mark {
-    fn drop(&mut self) {
-        // Streams already waiting keep waiting; the communicator settled its last collective.
-        let _ = self.dev.driver().event_destroy(self.ready);
-        let _ = self.dev.driver().event_destroy(self.done);
-    }
-}
-
-/// A communicator's events, per device it has run collectives on.
-#[derive(Default)]
-pub(super) struct Marks(RefCell<Vec<Mark>>);
+pub(super) use crate::comm::events::Marks;
 
 /// The end of a collective queued on a device's collective stream.
 pub(super) struct End {
@@ -70,25 +52,6 @@ impl End {
 }
 
 impl Marks {
-    /// `(ready, done)` on `dev`, created on its first collective.
-    fn of(&self, dev: &Dev) -> Result<(Event, Event)> {
-        let mut list = self.0.borrow_mut();
-        if let Some(m) = list.iter().find(|m| Arc::ptr_eq(&m.dev, dev)) {
-            return Ok((m.ready, m.done));
-        }
-        let d = dev.driver();
-        let ready = d.event_create()?;
-        let done = d.event_create().inspect_err(|_| {
-            let _ = d.event_destroy(ready);
-        })?;
-        list.push(Mark {
-            dev: Arc::clone(dev),
-            ready,
-            done,
-        });
-        Ok((ready, done))
-    }
-
     /// Makes `dev`'s collective stream wait for the work queued on its compute stream so far.
     pub(super) fn before(&self, dev: &Dev) -> Result<()> {
         let (ready, _) = self.of(dev)?;
