@@ -12,6 +12,7 @@ mod device_common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::tiny::{self, VOCAB};
 use common::{config, toy};
 use device_common::Dev;
 use ferrozero_config::resolved::{LossScaling, Precision, ResolvedConfig, ZeroStage};
@@ -19,32 +20,17 @@ use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::{gpt2, llama, Model};
+use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::DType;
 
-const VOCAB: usize = 61;
 const SEQ: usize = 8;
 
 fn gpt2_model() -> Model {
-    let cfg = gpt2::Gpt2Config::from_json(&format!(
-        r#"{{"n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": {VOCAB},
-            "n_positions": 16, "layer_norm_epsilon": 1e-5, "model_type": "gpt2",
-            "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0}}"#
-    ))
-    .expect("valid GPT-2 config");
-    gpt2::build(&cfg).expect("GPT-2 builds")
+    tiny::gpt2_model(2)
 }
 
 fn llama_model() -> Model {
-    let cfg = llama::LlamaConfig::from_json(&format!(
-        r#"{{"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": {VOCAB},
-            "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": false, "hidden_act": "silu"}}"#
-    ))
-    .expect("valid Llama config");
-    llama::build(&cfg).expect("Llama builds")
+    tiny::llama_model(2)
 }
 
 /// What a run decided, step by step, and where it ended, all as bits.

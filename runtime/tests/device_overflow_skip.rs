@@ -10,27 +10,16 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::tiny::{self, VOCAB};
 use common::{config, toy};
 use ferrozero_config::resolved::{LossScaling, Precision, ZeroStage};
 use ferrozero_runtime::backend::{self, cuda, Backend};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::{gpt2, Model};
+
 use ferrozero_runtime::tensor::DType;
 
-const VOCAB: usize = 61;
 const STEPS: usize = 14;
-
-fn model() -> Model {
-    let cfg = gpt2::Gpt2Config::from_json(&format!(
-        r#"{{"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": {VOCAB},
-            "n_positions": 16, "layer_norm_epsilon": 1e-5, "model_type": "gpt2",
-            "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0}}"#
-    ))
-    .expect("valid GPT-2 config");
-    gpt2::build(&cfg).expect("GPT-2 builds")
-}
 
 /// Per step: skipped, the loss scale used, and whether the parameters changed.
 type Trail = Vec<(bool, f64, bool)>;
@@ -52,7 +41,7 @@ fn run(be: impl Fn() -> Arc<dyn Backend> + Sync) -> Trail {
     );
     cfg.zero.sub_group_size = 1_000_000_000;
     let out = run_ranks(1, Duration::from_secs(300), |comm| {
-        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be())?;
+        let mut e = Engine::with_backend(tiny::gpt2_model(1), cfg.clone(), comm, be())?;
         let mut trail = Vec::new();
         for s in 0..STEPS {
             let before = e.parameters()?;

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::tiny::{gpt2_model, llama_model, VOCAB};
 use common::{config, toy};
 use ferrozero_config::resolved::{LossScaling, Precision, ZeroStage};
 use ferrozero_runtime::backend::cuda::driver::{StreamKind, TraceOp, Traced};
@@ -20,10 +21,9 @@ use ferrozero_runtime::backend::cuda::{self, CudaBackend};
 use ferrozero_runtime::backend::{Backend, DeviceActivity, MemoryOps};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::{gpt2, llama, Model};
+use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::DType;
 
-const VOCAB: usize = 61;
 const SEQ: usize = 8;
 const GAS: usize = 2;
 
@@ -119,28 +119,6 @@ fn check_optimizer_launch(label: &str, s: &Step) {
         updates[0],
         s.trace.len()
     );
-}
-
-fn gpt2_model(layers: usize) -> Model {
-    let cfg = gpt2::Gpt2Config::from_json(&format!(
-        r#"{{"n_layer": {layers}, "n_head": 2, "n_embd": 16, "vocab_size": {VOCAB},
-            "n_positions": 16, "layer_norm_epsilon": 1e-5, "model_type": "gpt2",
-            "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0}}"#
-    ))
-    .expect("valid GPT-2 config");
-    gpt2::build(&cfg).expect("GPT-2 builds")
-}
-
-fn llama_model(layers: usize) -> Model {
-    let cfg = llama::LlamaConfig::from_json(&format!(
-        r#"{{"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": {layers},
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": {VOCAB},
-            "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": false, "hidden_act": "silu"}}"#
-    ))
-    .expect("valid Llama config");
-    llama::build(&cfg).expect("Llama builds")
 }
 
 /// One traced step: its counts, its trace, and the device's peak live bytes so far.

@@ -10,6 +10,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::tiny::{self, VOCAB};
 use common::{config, toy};
 use ferrozero_config::resolved::{
     CommBackend, CommReduction, Precision, ResolvedConfig, ZeroStage,
@@ -23,23 +24,11 @@ use ferrozero_runtime::comm::nccl::{NcclComm, NcclOptions};
 use ferrozero_runtime::comm::store::{JobSecret, StoreServer, TcpStore};
 use ferrozero_runtime::comm::Communicator;
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::{gpt2, Model};
+
 use ferrozero_runtime::tensor::DType;
 use ferrozero_runtime::Result;
 
-const VOCAB: usize = 61;
 const WORLD: usize = 2;
-
-fn gpt2_model() -> Model {
-    let cfg = gpt2::Gpt2Config::from_json(&format!(
-        r#"{{"n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": {VOCAB},
-            "n_positions": 16, "layer_norm_epsilon": 1e-5, "model_type": "gpt2",
-            "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0}}"#
-    ))
-    .expect("valid GPT-2 config");
-    gpt2::build(&cfg).expect("GPT-2 builds")
-}
 
 /// Every step's loss bits and the final parameters' bits of one rank, and the last step's
 /// trace on its device.
@@ -50,7 +39,7 @@ fn train(cfg: &ResolvedConfig, comm: Box<dyn Communicator>) -> Result<Run> {
     let rank = comm.rank();
     let dev: Arc<CudaBackend> = cuda::emulated(DType::Bf16)?;
     let be: Arc<dyn Backend> = dev.clone();
-    let mut e = Engine::with_backend(gpt2_model(), cfg.clone(), comm, be)?;
+    let mut e = Engine::with_backend(tiny::gpt2_model(2), cfg.clone(), comm, be)?;
     let mut losses = Vec::new();
     for s in 0..3 {
         let batches: Vec<_> = (0..2)

@@ -4,6 +4,7 @@
 
 pub mod runs;
 pub mod scratch;
+pub mod tiny;
 pub mod toy;
 
 use std::time::Duration;

@@ -1,0 +1,34 @@
+//! Tiny GPT-2 and Llama models of real architecture (2 heads / grouped-query heads, 16 wide),
+//! small enough for the emulated device to train in a test: the shapes the device tests count
+//! launches, syncs and bytes on.
+
+#![allow(dead_code)]
+
+use ferrozero_runtime::nn::{gpt2, llama, Model};
+
+/// Vocabulary of both: odd, so the head's padding is exercised.
+pub const VOCAB: usize = 61;
+
+/// A GPT-2 of `layers` blocks, dropout off.
+pub fn gpt2_model(layers: usize) -> Model {
+    let cfg = gpt2::Gpt2Config::from_json(&format!(
+        r#"{{"n_layer": {layers}, "n_head": 2, "n_embd": 16, "vocab_size": {VOCAB},
+            "n_positions": 16, "layer_norm_epsilon": 1e-5, "model_type": "gpt2",
+            "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0}}"#
+    ))
+    .expect("valid GPT-2 config");
+    gpt2::build(&cfg).expect("GPT-2 builds")
+}
+
+/// A Llama of `layers` blocks, 4 query heads over 2 key/value heads, untied head.
+pub fn llama_model(layers: usize) -> Model {
+    let cfg = llama::LlamaConfig::from_json(&format!(
+        r#"{{"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": {layers},
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": {VOCAB},
+            "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": false, "hidden_act": "silu"}}"#
+    ))
+    .expect("valid Llama config");
+    llama::build(&cfg).expect("Llama builds")
+}
