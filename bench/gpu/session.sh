@@ -1,102 +1,278 @@
 #!/usr/bin/env bash
-# One GPU session's work, run on the GPU machine from the repository root (built by
-# bench/gpu/prepare.sh): versions, the GPU tests, train_gpt on CUDA against the CPU on the default
-# task, and GPT-2 124M training (bf16) against PyTorch eager and torch.compile on the same GPU.
-# Every log goes to $OUT (the device tool brings it back); summary.txt has the figures.
+# One GPU session's measurements, run on the GPU machine from the repository root after
+# bench/gpu/prepare.sh built everything into .gpu/:
+#   run(command="bash .gpu/session.sh", carry=[".gpu"], timeout_s=...)
+# Phases, in order (name some to run only those; default: all):
+#   tests    the real-GPU cases of the CUDA tests, cuBLASLt's epilogues first
+#   gpt2     GPT-2 124M bf16, batch 16 x 1024: ferrozero against PyTorch eager and torch.compile
+#   stages   the same model at stage 0, stage 3 + optimizer offload, stage 3 + both offloads:
+#            every step's loss and gradient norm bitwise
+#   offload  a Llama (MHA, 32k vocabulary) at stage 3 with the optimizer on the CPU, 40 GB cap,
+#            against DeepSpeed ZeRO-3 offload: tokens/s, model TFLOP/s, host optimizer share,
+#            peak host RSS, the estimate against the allocator's peak
+#   hf       Llama-3.2-1B's shape against transformers eager and torch.compile
+# `smoke` is a short first look (tests, a few GPT-2 and Llama offload steps, DeepSpeed's import).
+# Every figure is one line of $OUT/summary.txt, written as it comes with the seconds since the
+# start, so a run cut short still reports what it had. BUDGET_S (default 480) bounds the whole
+# run: each command's timeout is what is left of it, and a phase that cannot fit is skipped.
+#
+# --dry-run: ferrozero's side of every phase on the CPU with tiny models (and the baselines'
+# CPU smoke modes where PyTorch and the scripts are present), from target/release when .gpu/ was
+# not prepared: CI runs it to prove the script, its paths and its summary.
 set -uo pipefail
 G=$(cd "$(dirname "$0")" && pwd)
-OUT=${OUT:-/tmp/fz-out}; mkdir -p "$OUT"
-S=$OUT/summary.txt
-note() { echo "$*" | tee -a "$S"; }
-# shellcheck disable=SC1091
-source "$G/device_env.sh" > "$OUT/env.log" 2>&1
-nvidia-smi >> "$OUT/env.log" 2>&1
-export FERROZERO_KERNEL_CACHE=/tmp/fz-kernels RUST_BACKTRACE=1
-export FERROZERO_PTXAS=${FERROZERO_PTXAS:-$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)}
-"$G/ferrozero" report > "$OUT/report.log" 2>&1; grep -E "gpu|nvrtc|cuda" "$OUT/report.log" | tee -a "$S"
+DRY=0 PHASES=()
+for a in "$@"; do
+  case $a in
+    --dry-run) DRY=1 ;;
+    all) PHASES+=(tests gpt2 stages offload hf) ;;
+    tests | gpt2 | stages | offload | hf | smoke) PHASES+=("$a") ;;
+    *) echo "session.sh: unknown argument $a (phases: tests gpt2 stages offload hf smoke all; --dry-run)" >&2; exit 2 ;;
+  esac
+done
+[ ${#PHASES[@]} -gt 0 ] || PHASES=(tests gpt2 stages offload hf)
+want() { [[ " ${PHASES[*]} " == *" $1 "* ]]; }
 
-phase=${1:-all}
-# Seconds per test binary, per training run, and for each side of the GPT-2 comparison; libtest
-# filters for the test binaries (e.g. "::cuda_f32 ::cuda_bf16 real_" for the real-GPU cases only).
-TEST_T=${TEST_T:-300} TRAIN_T=${TRAIN_T:-300} GPT2_T=${GPT2_T:-400}
-read -r -a FILTER <<< "${TEST_FILTER:-}"
-if [ "$phase" = all ] || [ "$phase" = tests ]; then
-  for t in "$G"/tests/*; do
-    n=$(basename "$t")
-    timeout "$TEST_T" "$t" --test-threads 2 "${FILTER[@]}" > "$OUT/test_$n.log" 2>&1
-    note "test $n: exit $? ($(grep -E '^test result' "$OUT/test_$n.log" | tail -1)); skipped lines: $(grep -c '^skipped' "$OUT/test_$n.log")"
-    grep -E '^test .*FAILED|panicked' "$OUT/test_$n.log" | head -5 | tee -a "$S"
-  done
+OUT=${OUT:-/tmp/fz-out}; mkdir -p "$OUT"
+S=$OUT/summary.txt; : > "$S"
+T0=$(date +%s) BUDGET=${BUDGET_S:-480}
+now() { echo $(($(date +%s) - T0)); }
+left() { echo $((BUDGET - $(now))); }
+note() { echo "[$(now)s] $*" | tee -a "$S"; }
+# `lim N`: N seconds, or what is left of the budget if less.
+lim() { local l; l=$(left); [ "$l" -lt "$1" ] && echo $((l > 1 ? l : 1)) || echo "$1"; }
+# `fits N PHASE`: whether N seconds are left for PHASE; notes the skip otherwise.
+fits() { [ "$(left)" -ge "$1" ] && return 0; note "$2: skipped, $(left) s left of $BUDGET (needs $1)"; return 1; }
+last_json() { grep '^{' "$1" | tail -1; }
+
+# Binaries: the prepared folder, else this checkout's release build (the dry run in CI).
+BIN=$G TESTS=$G/tests
+if [ -f "$G/tests.tar.xz" ] && [ ! -d "$TESTS" ]; then
+  mkdir -p /tmp/fz-tests && tar -C /tmp/fz-tests -xJf "$G/tests.tar.xz" && TESTS=/tmp/fz-tests/tests
 fi
-if [ "$phase" = all ] || [ "$phase" = train ]; then
-  for dev in cuda cpu; do
-    timeout "$TRAIN_T" "$G/train_gpt" --device $dev --ranks 1 --no-progress --metrics "$OUT/addition_$dev.jsonl" \
-      > "$OUT/addition_$dev.log" 2>&1
-    note "addition on $dev: exit $? $(grep -o 'heldout_loss=.*' "$OUT/addition_$dev.log")"
-  done
+if [ ! -x "$BIN/train_gpt" ]; then BIN=target/release TESTS=; fi
+TRAIN=$BIN/train_gpt FZ=$BIN/ferrozero
+[ -x "$BIN/examples/train_gpt" ] && TRAIN=$BIN/examples/train_gpt
+for b in "$TRAIN" "$FZ"; do [ -x "$b" ] || { note "missing $b: run bench/gpu/prepare.sh (or build the release examples)"; exit 1; }; done
+# The baselines: beside the binaries when prepared, else the shared folder beside the checkout.
+PY=$G; [ -f "$PY/gpt2_torch.py" ] || PY=../shared/bench/gpu
+have_torch() { [ -f "$PY/$1" ] && python3 -c 'import torch' 2>/dev/null; }
+
+export FERROZERO_KERNEL_CACHE=/tmp/fz-kernels RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
+if [ $DRY = 1 ]; then
+  DEV=cpu
+  note "dry run: ferrozero on the CPU with tiny models, binaries from $BIN"
+else
+  DEV=cuda
+  # shellcheck disable=SC1091
+  source "$G/device_env.sh" > "$OUT/env.log" 2>&1
+  nvidia-smi >> "$OUT/env.log" 2>&1
+  grep device_env "$OUT/env.log" | tee -a "$S"
+  export FERROZERO_PTXAS=${FERROZERO_PTXAS:-$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)}
+  "$FZ" report > "$OUT/report.log" 2>&1; grep -iE "gpu|nvrtc|cuda|cublas" "$OUT/report.log" | head -8 | tee -a "$S"
 fi
-if [ "$phase" = all ] || [ "$phase" = gpt2 ]; then
-  python3 -c "import random,struct; r=random.Random(0); open('/tmp/gpt2_tokens.bin','wb').write(struct.pack('<%dH'%(1<<22),*[r.randrange(50257) for _ in range(1<<22)]))"
-  cat > /tmp/gpt2.json <<'JSON'
-{"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
- "bf16": {"enabled": true}, "zero_optimization": {"stage": 0},
- "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}}
-JSON
-  timeout "$GPT2_T" "$G/train_gpt" --device cuda --ranks 1 --model-config gpt2-124m --config /tmp/gpt2.json \
-    --data /tmp/gpt2_tokens.bin --seq-len 1024 --steps 25 --no-progress --bench-json \
-    --metrics "$OUT/gpt2_ferrozero.jsonl" > "$OUT/gpt2_ferrozero.log" 2>&1
-  note "ferrozero gpt2-124m: exit $? $(grep '^{' "$OUT/gpt2_ferrozero.log" | tail -1)"
-  timeout "$GPT2_T" python3 "$G/gpt2_torch.py" --modes eager,compile --steps 25 > "$OUT/gpt2_torch.log" 2>&1
-  note "torch: exit $?"; grep '^{' "$OUT/gpt2_torch.log" | tee -a "$S"
+
+# DeepSpeed from the carried wheels; its cpu_adam op compiles in the background from the start
+# (about two minutes there), so the offload phase finds it built.
+ds_ready=0
+if [ $DRY = 0 ] && { want offload || want smoke; } && ls "$G"/whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$G"/whl/*.whl > "$OUT/ds_install.log" 2>&1 &&
+    ds_ready=1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} TORCH_EXTENSIONS_DIR=/tmp/ds-ext
+  if [ $ds_ready = 1 ] && want offload; then
+    (MAX_JOBS=8 nice python3 -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()' \
+      > "$OUT/ds_build.log" 2>&1; echo "exit $?" >> "$OUT/ds_build.log") &
+    DS_BUILD=$!
+  fi
+  note "deepspeed wheels: $([ $ds_ready = 1 ] && echo installed || echo "install failed (ds_install.log)")"
 fi
-base='"train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0, "bf16": {"enabled": true},
+
+tokens() { # tokens FILE COUNT VOCAB: random ids (seed 0); 4-byte ids in ferrozero's header past u16
+  python3 - "$@" <<'PY'
+import array, random, struct, sys
+path, n, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+r = random.Random(0)
+a = array.array("H" if vocab <= 65536 else "I", (r.randrange(vocab) for _ in range(n)))
+with open(path, "wb") as f:
+    if vocab > 65536:
+        f.write(b"FZTOKENS" + struct.pack("<II", 4, 0))
+    f.write(a.tobytes())
+PY
+}
+
+# The model shapes: GPT-2 124M and a 1.3B Llama on the GPU, tiny ones in the dry run.
+if [ $DRY = 1 ]; then
+  GPT2=/tmp/fz-gpt2-tiny.json SEQ=64 MICRO=2 GPT2_VOCAB=512
+  echo '{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512, "n_positions": 64,
+    "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0}' > $GPT2
+  LL=(2 64 2 128 512 32 1) # layers d_model heads ffn vocab seq batch
+  TORCH_GPT2=(--device cpu --layers 2 --d-model 64 --heads 2 --vocab 512 --seq 64 --batch 2)
+  HF=(--device cpu --layers 2 --hidden 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 512) HF_T=32 HF_B=2
+  STEPS=3 STAGE_STEPS=3 LL_STEPS=3
+else
+  GPT2=gpt2-124m SEQ=1024 MICRO=16 GPT2_VOCAB=50257
+  LL=(${LLAMA_SHAPE:-22 2048 16 5632 32000 2048 1})
+  TORCH_GPT2=()
+  HF=() HF_T=2048 HF_B=4
+  STEPS=${GPT2_STEPS:-25} STAGE_STEPS=${STAGE_STEPS:-8} LL_STEPS=${LL_STEPS:-8}
+fi
+GPT2_DATA=/tmp/fz-gpt2-tokens.bin
+gpt2_data() { [ -f $GPT2_DATA ] || tokens $GPT2_DATA $((1 << 20)) $GPT2_VOCAB; }
+base='"train_micro_batch_size_per_gpu": '$MICRO', "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+ "bf16": {"enabled": true},
  "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}}'
 off='{"device": "cpu", "pin_memory": true}'
-if [ "$phase" = all ] || [ "$phase" = stages ]; then
-  # GPT-2 124M bf16 on the GPU at stage 0, stage 3 with the optimizer on the CPU (pinned,
-  # overlapped), and stage 3 with parameters and optimizer on the CPU: same world size and
-  # device, so every step's loss and gradient norm must be the same bits.
-  [ -f /tmp/gpt2_tokens.bin ] || python3 -c "import random,struct; r=random.Random(0); open('/tmp/gpt2_tokens.bin','wb').write(struct.pack('<%dH'%(1<<22),*[r.randrange(50257) for _ in range(1<<22)]))"
-  echo "{$base, \"zero_optimization\": {\"stage\": 0}}" > /tmp/s0.json
-  echo "{$base, \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": true, \"offload_optimizer\": $off}}" > /tmp/s3o.json
-  echo "{$base, \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": true, \"offload_optimizer\": $off, \"offload_param\": $off}}" > /tmp/s3op.json
-  for c in s0 s3o s3op; do
-    timeout "$TRAIN_T" "$G/train_gpt" --device cuda --ranks 1 --model-config gpt2-124m --config /tmp/$c.json \
-      --data /tmp/gpt2_tokens.bin --seq-len 1024 --steps "${STAGE_STEPS:-12}" --no-progress --bench-json \
-      --metrics "$OUT/stage_$c.jsonl" > "$OUT/stage_$c.log" 2>&1
-    note "gpt2 $c: exit $? $(grep '^{' "$OUT/stage_$c.log" | tail -1)"
+# `gpt2_run NAME STEPS ZERO_JSON [EXTRA_KEYS]`: ferrozero trains GPT-2; its last JSON line is noted.
+gpt2_run() {
+  echo "{$base, ${4:+$4, }\"zero_optimization\": $3}" > /tmp/fz-$1.json
+  timeout "$(lim 240)" "$TRAIN" --device $DEV --ranks 1 --model-config $GPT2 --config /tmp/fz-$1.json \
+    --data $GPT2_DATA --seq-len $SEQ --steps "$2" --no-progress --bench-json --metrics "$OUT/$1.jsonl" \
+    > "$OUT/$1.log" 2>&1
+  local rc=$?
+  note "ferrozero $1: exit $rc $(last_json "$OUT/$1.log")"
+  [ $rc = 0 ] || grep -E "Error|error|panicked" "$OUT/$1.log" | head -3 | tee -a "$S"
+}
+
+phase_tests() { # the real-GPU cases only; cuBLASLt's epilogues first
+  [ -n "$TESTS" ] && [ -d "$TESTS" ] || { note "tests: no prepared test binaries (prepare.sh builds them)"; return; }
+  local t n first="cuda_driver_gemm_epilogues cuda_driver_gemm device_matmul_backward cuda_driver_gemm_refusals"
+  for n in ${TESTS_ONLY:-$first $(ls "$TESTS" | grep -vxF "${first// /$'\n'}")}; do
+    t=$TESTS/$n; [ -x "$t" ] || continue
+    fits 10 "test $n" || return
+    if [ $DRY = 1 ]; then # no GPU: count the real-GPU cases it would run
+      note "test $n: $("$t" --list real_ cuda_f32 cuda_bf16 2>/dev/null | grep -c ': test$') real-GPU cases"
+      continue
+    fi
+    timeout "$(lim 60)" "$t" --test-threads 4 real_ cuda_f32 cuda_bf16 > "$OUT/test_$n.log" 2>&1
+    note "test $n: exit $? ($(grep -E '^test result' "$OUT/test_$n.log" | tail -1)); skipped: $(grep -c '^skipped' "$OUT/test_$n.log")"
+    grep -E '^test .*FAILED|panicked|failed on' "$OUT/test_$n.log" | head -4 | tee -a "$S"
   done
+}
+
+phase_gpt2() {
+  gpt2_data
+  gpt2_run gpt2_s0 "$STEPS" '{"stage": 0}'
+  if have_torch gpt2_torch.py; then
+    fits 30 "torch gpt2" || return
+    timeout "$(lim 200)" python3 "$PY/gpt2_torch.py" --modes eager,compile --steps "$STEPS" "${TORCH_GPT2[@]}" \
+      > "$OUT/gpt2_torch.log" 2>&1
+    note "torch gpt2: exit $?"; grep '^{' "$OUT/gpt2_torch.log" | tee -a "$S"
+  else
+    note "torch gpt2: skipped (no PyTorch or no $PY/gpt2_torch.py)"
+  fi
+}
+
+phase_stages() { # same world size and device: the same bits at every stage and offload
+  gpt2_data
+  local s3o='{"stage": 3, "overlap_comm": true, "offload_optimizer": '$off'}'
+  local s3op='{"stage": 3, "overlap_comm": true, "offload_optimizer": '$off', "offload_param": '$off'}'
+  gpt2_run stage_s0 "$STAGE_STEPS" '{"stage": 0}'
+  fits 20 "stage 3 offload" && gpt2_run stage_s3o "$STAGE_STEPS" "$s3o"
+  fits 20 "stage 3 param offload" && gpt2_run stage_s3op "$STAGE_STEPS" "$s3op"
   python3 - "$OUT" <<'PY' | tee -a "$S"
-import json, sys
-runs = {c: [json.loads(l) for l in open(f"{sys.argv[1]}/stage_{c}.jsonl")] for c in ("s0", "s3o", "s3op")}
-key = lambda r: [(m["step"], m["loss"], m["grad_norm"]) for m in r]
+import json, os, sys
+def load(c):
+    p = f"{sys.argv[1]}/stage_{c}.jsonl"
+    return [json.loads(l) for l in open(p)] if os.path.exists(p) else []
+key = lambda r: [(m["step"], m["loss"], m["grad_norm"]) for m in r if "loss" in m]
+s0 = key(load("s0"))
 for c in ("s3o", "s3op"):
-    same = key(runs[c]) == key(runs["s0"]) and len(runs[c]) > 0
-    print(f"stages: {c} vs s0 over {len(runs[c])} steps: {'bitwise identical' if same else 'DIFFERENT'}")
-    if not same:
-        for a, b in zip(key(runs["s0"]), key(runs[c])):
-            print("  s0", a, c, b)
+    k = key(load(c))
+    same = k == s0 and len(k) > 0
+    print(f"stages: {c} vs s0 over {len(k)} steps: {'bitwise identical' if same else 'DIFFERENT'}")
+    for a, b in list(zip(s0, k))[:3] if not same else []:
+        print("  s0", a, c, b)
 PY
-fi
-if [ "$phase" = all ] || [ "$phase" = breakdown ]; then
-  # Where a GPT-2 124M step goes at stage 3 on the GPU, with and without the optimizer on the
-  # CPU (per-phase wall clock, the last steps), and the host optimizer alone at 16 and 8 threads.
-  [ -f /tmp/gpt2_tokens.bin ] || python3 -c "import random,struct; r=random.Random(0); open('/tmp/gpt2_tokens.bin','wb').write(struct.pack('<%dH'%(1<<22),*[r.randrange(50257) for _ in range(1<<22)]))"
-  for t in ${ADAM_THREADS-16 8}; do
-    "$G/ferrozero" bench adam --params 124439808 --dtype bf16 --threads $t --steps 5 --json 2>&1 | tail -1 | tee -a "$S"
-  done
-  wc='"wall_clock_breakdown": true, "steps_per_print": 1'
-  echo "{$base, $wc, \"zero_optimization\": {\"stage\": 0}}" > /tmp/b0.json
-  echo "{$base, $wc, \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": false}}" > /tmp/b3n.json
-  echo "{$base, $wc, \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": true}}" > /tmp/b3.json
-  echo "{$base, $wc, \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": true, \"offload_optimizer\": $off}}" > /tmp/b3o.json
-  for run in ${BREAKDOWN_RUNS:-b0:16 b3n:16 b3:16 b3o:16 b3o:4}; do
-    c=${run%:*} t=${run#*:}
-    RAYON_NUM_THREADS=$t timeout "$TRAIN_T" "$G/train_gpt" --device cuda --ranks 1 --model-config gpt2-124m \
-      --config /tmp/$c.json --data /tmp/gpt2_tokens.bin --seq-len 1024 --steps 8 --no-progress \
-      > "$OUT/breakdown_${c}_$t.log" 2>&1
-    note "breakdown $c, $t threads: exit $?"
-    grep "time (ms)" "$OUT/breakdown_${c}_$t.log" | tail -3 | sed 's/.*step/  step/' | tee -a "$S"
-    grep -o "trained .*" "$OUT/breakdown_${c}_$t.log" | sed 's/^/  /' | tee -a "$S"
-  done
-fi
+}
+
+phase_offload() {
+  local L=${LL[0]} D=${LL[1]} H=${LL[2]} F=${LL[3]} V=${LL[4]} T=${LL[5]} B=${LL[6]}
+  local cfg=/tmp/fz-llama.json data=/tmp/fz-llama-tokens.bin
+  python3 - "$cfg" <<PY
+import json, sys
+json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $D,
+           "intermediate_size": $F, "num_hidden_layers": $L, "num_attention_heads": $H,
+           "num_key_value_heads": $H, "vocab_size": $V, "max_position_embeddings": $T,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+           "hidden_act": "silu"}, open(sys.argv[1], "w"))
+PY
+  [ -f $data ] || tokens $data $((T * B * 24)) "$V"
+  echo "{\"train_micro_batch_size_per_gpu\": $B, \"gradient_accumulation_steps\": 1, \"gradient_clipping\": 1.0,
+    \"bf16\": {\"enabled\": true}, \"device_memory_limit\": \"40GB\", \"wall_clock_breakdown\": true, \"steps_per_print\": 1,
+    \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-5, \"betas\": [0.9, 0.95], \"weight_decay\": 0.1}},
+    \"activation_checkpointing\": {\"partition_activations\": false},
+    \"zero_optimization\": {\"stage\": 3, \"overlap_comm\": true, \"contiguous_gradients\": true, \"offload_optimizer\": $off}}" \
+    > /tmp/fz-offload.json
+  "$FZ" estimate --model-config $cfg --config /tmp/fz-offload.json --device $DEV --seq-len "$T" --json \
+    > "$OUT/offload_estimate.json" 2> "$OUT/offload_estimate.err"
+  note "estimate llama ${L}x$D: exit $? $(python3 -c '
+import json, sys
+e = json.load(open(sys.argv[1])); r = e["per_rank"]
+print("params", e["num_params"], "device_bytes", r["device_bytes"], "host_bytes", r["host_bytes"],
+      "page_locked", r["page_locked_bytes"], "fits", e["fits"], "overlap", e.get("optimizer_overlap"))' \
+    "$OUT/offload_estimate.json" 2>&1 | tail -1)"
+  fits 40 "ferrozero llama offload" || return
+  timeout "$(lim 240)" "$TRAIN" --device $DEV --ranks 1 --model-config $cfg --config /tmp/fz-offload.json \
+    --data $data --seq-len "$T" --steps "$LL_STEPS" --no-progress --bench-json --metrics "$OUT/offload_llama.jsonl" \
+    > "$OUT/offload_llama.log" 2>&1
+  note "ferrozero llama offload: exit $? $(last_json "$OUT/offload_llama.log")"
+  grep -E "Error|panicked|overlap" "$OUT/offload_llama.log" | head -4 | tee -a "$S"
+  # The host optimizer's share of a step: its wall time over the step's (the last steps).
+  grep -o "time (ms): .*" "$OUT/offload_llama.log" | tail -3 | sed 's/^/  /' | tee -a "$S"
+  if [ $DRY = 1 ] || [ $ds_ready = 0 ] || [ -n "${NO_DS:-}" ] || [ ! -f "$PY/ds_offload_llama.py" ]; then
+    local smoke=(--device cpu --layers "$L" --d-model "$D" --heads "$H" --ffn "$F" --vocab "$V" --seq "$T" --steps 2)
+    if [ $DRY = 1 ] && python3 -c 'import deepspeed' 2>/dev/null && [ -f "$PY/ds_offload_llama.py" ]; then
+      timeout "$(lim 120)" python3 "$PY/ds_offload_llama.py" "${smoke[@]}" > "$OUT/offload_ds.log" 2>&1
+      note "deepspeed smoke: exit $? $(last_json "$OUT/offload_ds.log")"
+    else
+      note "deepspeed offload: not run (dry run, smoke, or no DeepSpeed wheels or script)"
+    fi
+    return
+  fi
+  [ -n "${DS_BUILD:-}" ] && { wait "$DS_BUILD"; note "deepspeed cpu_adam build: $(tail -1 "$OUT/ds_build.log")"; }
+  fits 60 "deepspeed llama offload" || return
+  timeout "$(lim 240)" python3 "$PY/ds_offload_llama.py" --layers "$L" --d-model "$D" --heads "$H" --ffn "$F" \
+    --vocab "$V" --seq "$T" --batch "$B" --steps "$((LL_STEPS - 2))" --warmup 2 --cap-gb 40 \
+    > "$OUT/offload_ds.log" 2>&1
+  note "deepspeed llama offload: exit $? $(last_json "$OUT/offload_ds.log")"
+}
+
+phase_hf() { # Llama-3.2-1B's shape: transformers (eager, compile) and ferrozero
+  have_torch llama_hf_torch.py || { note "hf: skipped (no PyTorch or no $PY/llama_hf_torch.py)"; return; }
+  python3 -c 'import transformers' 2>/dev/null || { note "hf: skipped (no transformers)"; return; }
+  local cfg=/tmp/fz-hf-llama.json data=/tmp/fz-hf-tokens.bin
+  HF+=(--seq $HF_T --batch $HF_B)
+  python3 "$PY/llama_hf_torch.py" "${HF[@]}" --write-config $cfg > "$OUT/hf_config.log" 2>&1 || { note "hf: config failed"; return; }
+  local V T=$HF_T B=$HF_B
+  V=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' $cfg)
+  tokens $data $((T * B * 12)) "$V"
+  echo "{\"train_micro_batch_size_per_gpu\": $B, \"gradient_accumulation_steps\": 1, \"gradient_clipping\": 1.0,
+    \"bf16\": {\"enabled\": true}, \"zero_optimization\": {\"stage\": 0},
+    \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4, \"betas\": [0.9, 0.95], \"weight_decay\": 0.1}}}" > /tmp/fz-hf.json
+  fits 30 "ferrozero hf llama" || return
+  timeout "$(lim 150)" "$TRAIN" --device $DEV --ranks 1 --model-config $cfg --config /tmp/fz-hf.json --data $data \
+    --seq-len "$T" --steps 10 --no-progress --bench-json > "$OUT/hf_ferrozero.log" 2>&1
+  note "ferrozero hf llama: exit $? $(last_json "$OUT/hf_ferrozero.log")"
+  fits 40 "transformers llama" || return
+  timeout "$(lim 200)" python3 "$PY/llama_hf_torch.py" "${HF[@]}" --modes eager,compile --steps 10 > "$OUT/hf_torch.log" 2>&1
+  note "transformers llama: exit $?"; grep '^{' "$OUT/hf_torch.log" | tee -a "$S"
+}
+
+phase_smoke() { # the first minutes on a new machine: does everything start at all
+  TESTS_ONLY=${TESTS_ONLY:-"cuda_driver_gemm_epilogues cuda_driver_gemm device_matmul_backward device_whole_step device_head"} phase_tests
+  STEPS=6 phase_gpt2_fz_only
+  [ $DRY = 1 ] || LL=(${SMOKE_LLAMA:-4 1024 8 2816 32000 2048 1})
+  LL_STEPS=3 NO_DS=1 phase_offload
+  python3 -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' \
+    > "$OUT/ds_import.log" 2>&1; note "deepspeed import: exit $? $(tail -1 "$OUT/ds_import.log")"
+}
+phase_gpt2_fz_only() { gpt2_data; gpt2_run gpt2_smoke "$STEPS" '{"stage": 0}'; }
+
+for p in tests gpt2 stages offload hf smoke; do
+  want $p || continue
+  t=$(now); note "phase $p: start"
+  "phase_$p"
+  note "phase $p: $(($(now) - t)) s"
+done
+note "done in $(now) s"

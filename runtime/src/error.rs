@@ -70,6 +70,16 @@ pub enum Error {
         /// The library's error name and message (and the compile log for NVRTC).
         detail: String,
     },
+    /// cuBLASLt has no algorithm for a product with this fused epilogue (its heuristic found
+    /// none for these types, layouts and alignments): the backend runs the product and the
+    /// epilogue as separate kernels instead, so a caller outside the backend never sees it.
+    #[error("cuBLASLt has no algorithm for the {epilogue} epilogue: {detail}")]
+    GemmRefused {
+        /// cuBLASLt's name of the epilogue, e.g. `CUBLASLT_EPILOGUE_BGRADA`.
+        epilogue: &'static str,
+        /// The status and the product it was asked for.
+        detail: String,
+    },
     /// A device allocation was refused: by the configured device-memory limit, or by the
     /// device itself after the allocator's cache had been returned to the driver.
     #[error(

@@ -198,6 +198,7 @@ impl Writer {
                     "kernel_launches_per_step": per_step(self.activity, |a| a.kernel_launches),
                     "gemms_per_step": per_step(self.activity, |a| a.gemms),
                     "copies_per_step": per_step(self.activity, |a| a.copies),
+                    "gemm_fallbacks_per_step": per_step(self.activity, |a| a.gemm_fallbacks),
                 })
             );
         }
@@ -256,6 +257,7 @@ fn step_line(r: &StepReport, tps: f64, mfu: Option<f64>, peak_dev: f64, peak_hos
         "kernel_launches_per_step": r.device_activity.map(|a| a.kernel_launches),
         "gemms_per_step": r.device_activity.map(|a| a.gemms),
         "copies_per_step": r.device_activity.map(|a| a.copies),
+        "gemm_fallbacks_per_step": r.device_activity.map(|a| a.gemm_fallbacks),
     });
     if let Some(p) = &r.flops_profile {
         line["flops_profile"] = serde_json::json!(p);

@@ -18,6 +18,9 @@ pub struct DeviceActivity {
     pub copies: u64,
     /// Bytes those copies moved.
     pub copy_bytes: u64,
+    /// Products whose fused cuBLASLt epilogue the library refused (no algorithm), so they ran
+    /// as a plain product and separate kernels: non-zero means a slower step, not a wrong one.
+    pub gemm_fallbacks: u64,
 }
 
 impl std::ops::Add for DeviceActivity {
@@ -32,6 +35,7 @@ impl std::ops::Add for DeviceActivity {
             memsets: self.memsets + o.memsets,
             copies: self.copies + o.copies,
             copy_bytes: self.copy_bytes + o.copy_bytes,
+            gemm_fallbacks: self.gemm_fallbacks + o.gemm_fallbacks,
         }
     }
 }
@@ -48,6 +52,7 @@ impl std::ops::Sub for DeviceActivity {
             memsets: self.memsets - earlier.memsets,
             copies: self.copies - earlier.copies,
             copy_bytes: self.copy_bytes - earlier.copy_bytes,
+            gemm_fallbacks: self.gemm_fallbacks - earlier.gemm_fallbacks,
         }
     }
 }

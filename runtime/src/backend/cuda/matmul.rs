@@ -163,26 +163,82 @@ impl MatmulOps for CudaBackend {
                     c.dtype(),
                     &[("bias", bias.dtype()), ("pre", pre.dtype())],
                 )?;
+                g.epilogue = LtEpilogue::Bias { bias: bias.ptr() };
                 // cuBLASLt's aux output needs a leading dimension that is a multiple of 8 and
-                // 16-byte alignment; otherwise the bias product and GELU run separately.
-                if !s.n.is_multiple_of(8) || !pre.ptr().0.is_multiple_of(16) {
-                    g.c = pre.ptr();
-                    g.epilogue = LtEpilogue::Bias { bias: bias.ptr() };
-                    self.dev.driver().gemm(&g, STREAM)?;
-                    return self.gelu_forward(View::Cuda(pre.as_view()), ViewMut::Cuda(c));
+                // 16-byte alignment; otherwise (or when refused) the bias product and GELU run
+                // separately.
+                if s.n.is_multiple_of(8) && pre.ptr().0.is_multiple_of(16) {
+                    let aux = LtEpilogue::GeluAuxBias {
+                        bias: bias.ptr(),
+                        aux: pre.ptr(),
+                        aux_ld: s.n as u64,
+                    };
+                    if self.fused(&Gemm { epilogue: aux, ..g })? {
+                        return Ok(());
+                    }
                 }
-                g.epilogue = LtEpilogue::GeluAuxBias {
-                    bias: bias.ptr(),
-                    aux: pre.ptr(),
-                    aux_ld: s.n as u64,
-                };
+                g.c = pre.ptr();
+                self.gemm_with_bias(g, s, c.dtype())?;
+                return self.gelu_forward(View::Cuda(pre.as_view()), ViewMut::Cuda(c));
             }
         }
-        self.dev.driver().gemm(&g, STREAM)
+        self.gemm_with_bias(g, s, c.dtype())
     }
 }
 
+/// Epilogues cuBLASLt has refused in this process, so each is logged once.
+static REFUSED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+
 impl CudaBackend {
+    /// Runs `g` with its fused epilogue: `Ok(false)` when cuBLASLt has no algorithm for it
+    /// (nothing ran; said once per epilogue in the log, and counted in the device activity),
+    /// and the caller then runs the separate kernels the epilogue replaces.
+    fn fused(&self, g: &Gemm) -> Result<bool> {
+        match self.dev.driver().gemm(g, STREAM) {
+            Ok(()) => Ok(true),
+            Err(crate::Error::GemmRefused { epilogue, detail }) => {
+                let mut seen = REFUSED.lock().unwrap_or_else(|e| e.into_inner());
+                if !seen.contains(&epilogue) {
+                    seen.push(epilogue);
+                    tracing::warn!(
+                        "cuBLASLt has no algorithm for {epilogue} ({detail}); such products run \
+                         as a plain product and separate kernels from now on (slower, the same \
+                         values to rounding), counted as gemm_fallbacks_per_step"
+                    );
+                }
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `g`, whose epilogue is none or a bias over the row-major `[s.m, s.n]` output: fused when
+    /// cuBLASLt can, else the plain product and then the bias added to every row.
+    fn gemm_with_bias(&self, g: Gemm, s: MatmulShape, dtype: DType) -> Result<()> {
+        let LtEpilogue::Bias { bias } = g.epilogue else {
+            return self.dev.driver().gemm(&g, STREAM);
+        };
+        if self.fused(&g)? {
+            return Ok(());
+        }
+        let plain = Gemm {
+            epilogue: LtEpilogue::None,
+            ..g
+        };
+        self.dev.driver().gemm(&plain, STREAM)?;
+        let n = s.m * s.n;
+        let mut args = Args::new()
+            .ptr(plain.d.unwrap_or(plain.c))
+            .ptr(bias)
+            .len(s.m)
+            .len(s.n);
+        self.dev.launch(
+            by_dtype!("add_bias_rows", dtype),
+            self.dev.grid_for(n),
+            &mut args,
+        )
+    }
+
     /// `C (=|+=) op(A) · op(B)` over row-major operands whose rows lie `ld` elements apart
     /// (a padded buffer's rows, e.g. the head's logits): same dtype rules as
     /// [`MatmulOps::matmul`], no epilogue; `accumulate` adds to C. Only the `[m, n]` block of C
@@ -218,7 +274,8 @@ impl CudaBackend {
     /// (BGRADA when it is our B, BGRADB when our A: the operands swap in the row-major
     /// translation). cuBLASLt overwrites its bias-gradient output while the layer accumulates
     /// over micro-steps, so it lands in a scratch that one `add_assign` adds to the gradient.
-    /// Without an f32 C (cuBLASLt's vectors have C's type) the column sums run separately.
+    /// Without an f32 C (cuBLASLt's vectors have C's type), or when cuBLASLt refuses the
+    /// epilogue, the column sums run separately.
     fn accumulate_bias_grad(
         &self,
         s: MatmulShape,
@@ -231,34 +288,34 @@ impl CudaBackend {
         expect_len(OP, "bias gradient", grad.len(), len)?;
         expect_dtype(OP, DType::F32, &[("bias gradient", grad.dtype())])?;
         let operand = if of == Operand::A { a } else { b };
-        let fused = c.dtype() == DType::F32 && s.m > 0 && s.n > 0 && s.k > 0;
-        if !fused {
-            self.matmul(
-                s,
-                View::Cuda(a),
-                View::Cuda(b),
-                ViewMut::Cuda(c),
-                Epilogue::Accumulate,
-            )?;
-            return self.sum_rows(View::Cuda(operand), len, ViewMut::Cuda(grad));
+        if c.dtype() == DType::F32 && s.m > 0 && s.n > 0 && s.k > 0 {
+            let scratch = CudaBuf::uninit(&self.dev, DType::F32, len)?;
+            let mut g = gemm(s, a, b, c.ptr(), c.dtype());
+            g.beta = 1.0;
+            let bias_grad = scratch.view().ptr();
+            g.epilogue = match of {
+                Operand::A => LtEpilogue::BiasGradB { bias_grad },
+                Operand::B => LtEpilogue::BiasGradA { bias_grad },
+            };
+            if self.fused(&g)? {
+                return self.add_f32(grad, &scratch);
+            }
         }
-        let scratch = CudaBuf::uninit(&self.dev, DType::F32, len)?;
-        let mut g = gemm(s, a, b, c.ptr(), c.dtype());
-        g.beta = 1.0;
-        let bias_grad = scratch.view().ptr();
-        g.epilogue = match of {
-            Operand::A => LtEpilogue::BiasGradB { bias_grad },
-            Operand::B => LtEpilogue::BiasGradA { bias_grad },
-        };
-        self.dev.driver().gemm(&g, STREAM)?;
-        self.add_f32(grad, &scratch)
+        self.matmul(
+            s,
+            View::Cuda(a),
+            View::Cuda(b),
+            ViewMut::Cuda(c),
+            Epilogue::Accumulate,
+        )?;
+        self.sum_rows(View::Cuda(operand), len, ViewMut::Cuda(grad))
     }
 
     /// `C = op(A)·op(B) ⊙ gelu'(pre)` and `bias_grad += Σ_rows C`: cuBLASLt's DGELU_BGRAD,
     /// its (overwritten) bias gradient in C's type in a scratch added to the f32 gradient (a
     /// bf16 C rounds each micro-step's bias gradient to bf16 once, as the engine rounds every
-    /// gradient it accumulates in bf16). Where cuBLASLt's aux layout rules fail, the product,
-    /// the GELU gradient and the column sums run separately.
+    /// gradient it accumulates in bf16). Where cuBLASLt's aux layout rules fail, or it refuses
+    /// the epilogue, the product, the GELU gradient and the column sums run separately.
     fn gelu_backward_bias_grad(
         &self,
         s: MatmulShape,
@@ -273,27 +330,31 @@ impl CudaBackend {
         expect_len(OP, "bias gradient", grad.len(), s.n)?;
         expect_dtype(OP, c.dtype(), &[("pre-activation", pre.dtype())])?;
         expect_dtype(OP, DType::F32, &[("bias gradient", grad.dtype())])?;
-        if !s.n.is_multiple_of(8) || !pre.ptr().0.is_multiple_of(16) {
-            let product = CudaBuf::uninit(&self.dev, c.dtype(), s.m * s.n)?;
-            g.c = product.view().ptr();
-            self.dev.driver().gemm(&g, STREAM)?;
-            let dy = View::Cuda(product.view());
-            self.gelu_backward(View::Cuda(pre), dy, ViewMut::Cuda(c.reborrow()))?;
-            return self.sum_rows(View::Cuda(c.as_view()), s.n, ViewMut::Cuda(grad));
+        if s.n.is_multiple_of(8) && pre.ptr().0.is_multiple_of(16) {
+            let scratch = CudaBuf::uninit(&self.dev, c.dtype(), s.n)?;
+            let dgelu = LtEpilogue::DGeluBiasGrad {
+                aux: pre.ptr(),
+                aux_ld: s.n as u64,
+                bias_grad: scratch.view().ptr(),
+            };
+            if self.fused(&Gemm {
+                epilogue: dgelu,
+                ..g
+            })? {
+                if scratch.dtype() == DType::F32 {
+                    return self.add_f32(grad, &scratch);
+                }
+                let mut wide = CudaBuf::uninit(&self.dev, DType::F32, s.n)?;
+                scratch.cast_into(&mut wide)?;
+                return self.add_f32(grad, &wide);
+            }
         }
-        let scratch = CudaBuf::uninit(&self.dev, c.dtype(), s.n)?;
-        g.epilogue = LtEpilogue::DGeluBiasGrad {
-            aux: pre.ptr(),
-            aux_ld: s.n as u64,
-            bias_grad: scratch.view().ptr(),
-        };
+        let product = CudaBuf::uninit(&self.dev, c.dtype(), s.m * s.n)?;
+        g.c = product.view().ptr();
         self.dev.driver().gemm(&g, STREAM)?;
-        if scratch.dtype() == DType::F32 {
-            return self.add_f32(grad, &scratch);
-        }
-        let mut wide = CudaBuf::uninit(&self.dev, DType::F32, s.n)?;
-        scratch.cast_into(&mut wide)?;
-        self.add_f32(grad, &wide)
+        let dy = View::Cuda(product.view());
+        self.gelu_backward(View::Cuda(pre), dy, ViewMut::Cuda(c.reborrow()))?;
+        self.sum_rows(View::Cuda(c.as_view()), s.n, ViewMut::Cuda(grad))
     }
 
     /// `dst += src` over f32 elements of equal length (the `add_assign` kernel).

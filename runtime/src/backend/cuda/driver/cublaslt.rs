@@ -3,6 +3,7 @@
 //! the call. Layouts, descriptor and algorithm are made once per [`PlanKey`] and kept in the
 //! device's bounded [`PlanCache`]; a call only points the descriptor at its epilogue's buffers.
 
+use std::collections::HashSet;
 use std::ffi::{c_void, CStr};
 use std::sync::{Arc, Mutex};
 
@@ -44,7 +45,16 @@ fn blas_words(e: lt::CublasError) -> String {
     }
 }
 
+/// A failed cuBLASLt call as an error: "not supported" for a product with a fused epilogue is
+/// [`Error::GemmRefused`], which the backend answers with separate kernels; anything else is a
+/// device error.
 fn blas_err(op: &str, e: lt::CublasError, g: &Gemm) -> Error {
+    if e.0 == ltsys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED && g.epilogue != Epilogue::None {
+        return Error::GemmRefused {
+            epilogue: g.epilogue.cublas_name(),
+            detail: format!("{op}: {} for {}", blas_words(e), g.describe()),
+        };
+    }
     Error::Device {
         op: op.into(),
         detail: format!("{} for {}", blas_words(e), g.describe()),
@@ -62,6 +72,8 @@ struct BlasState {
     /// Workspace per stream (0: not yet allocated).
     workspaces: [u64; 4],
     plans: PlanCache<Plan>,
+    /// Products whose epilogue cuBLASLt refused, so a refusal asks the heuristic once.
+    refused: HashSet<PlanKey>,
 }
 
 /// One product's layouts, descriptor and algorithm, destroyed when the cache drops it.
@@ -124,6 +136,7 @@ impl Blas {
             state: Mutex::new(BlasState {
                 workspaces: [0; 4],
                 plans: PlanCache::new(PLAN_CAPACITY),
+                refused: HashSet::new(),
             }),
             version: (v / 10000, (v / 100) % 100, v % 100),
         })
@@ -154,10 +167,25 @@ impl Blas {
     /// Runs `g` (already validated and range-checked) on `stream`, the driver's stream `s`.
     pub(super) fn run(&self, g: &Gemm, s: StreamKind, stream: ltsys::cudaStream_t) -> Result<()> {
         // Held through the call: a cached descriptor is pointed at this call's buffers.
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let ws = workspace(&mut st, s)?;
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = &mut *guard;
+        let ws = workspace(st, s)?;
         let key = PlanKey::of(g, WORKSPACE_BYTES as u64);
-        let plan = st.plans.get_or_make(key, |key| self.plan(g, key))?;
+        if st.refused.contains(&key) {
+            return Err(Error::GemmRefused {
+                epilogue: g.epilogue.cublas_name(),
+                detail: format!("refused before for {}", g.describe()),
+            });
+        }
+        let plan = match st.plans.get_or_make(key, |key| self.plan(g, key)) {
+            Ok(plan) => plan,
+            Err(e) => {
+                if matches!(e, Error::GemmRefused { .. }) {
+                    st.refused.insert(key);
+                }
+                return Err(e);
+            }
+        };
         point(&plan.desc, g)?;
         let Plan {
             a: a_layout,

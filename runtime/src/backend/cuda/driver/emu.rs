@@ -153,6 +153,9 @@ pub struct EmuDriver {
     registered: Mutex<HashMap<usize, (usize, usize, usize)>>,
     /// This driver's identity in the process's stream-order book (`order.rs`).
     id: u64,
+    /// Epilogues (cuBLASLt's names) whose products are refused as a real cuBLASLt refuses a
+    /// product its heuristic has no algorithm for: to test the backend's separate kernels.
+    refused: Vec<&'static str>,
 }
 
 /// The page size CUDA pins host memory in.
@@ -196,7 +199,16 @@ impl EmuDriver {
                 static NEXT: AtomicU64 = AtomicU64::new(1);
                 NEXT.fetch_add(1, Ordering::Relaxed)
             },
+            refused: Vec::new(),
         })
+    }
+
+    /// This driver, refusing every product with one of `epilogues` (cuBLASLt's names, e.g.
+    /// `CUBLASLT_EPILOGUE_BGRADA`) with [`Error::GemmRefused`], as a real cuBLASLt does when its
+    /// heuristic returns no algorithm.
+    pub fn refusing(mut self, epilogues: &[&'static str]) -> Self {
+        self.refused = epilogues.to_vec();
+        self
     }
 
     /// Host bytes currently registered with [`Driver::host_register`].
@@ -519,6 +531,15 @@ impl Driver for EmuDriver {
 
     fn gemm(&self, g: &Gemm, s: StreamKind) -> Result<()> {
         g.validate()?;
+        if self.refused.contains(&g.epilogue.cublas_name()) {
+            return Err(Error::GemmRefused {
+                epilogue: g.epilogue.cublas_name(),
+                detail: format!(
+                    "CUBLAS_STATUS_NOT_SUPPORTED (the emulator refuses it) for {}",
+                    g.describe()
+                ),
+            });
+        }
         let spans: Vec<_> = g
             .ranges()?
             .iter()

@@ -72,6 +72,7 @@ struct Counters {
     memsets: AtomicU64,
     copies: AtomicU64,
     copy_bytes: AtomicU64,
+    gemm_fallbacks: AtomicU64,
 }
 
 /// A driver with counters and an optional trace; forwards every call unchanged.
@@ -109,6 +110,7 @@ impl Observed {
             memsets: get(&c.memsets),
             copies: get(&c.copies),
             copy_bytes: get(&c.copy_bytes),
+            gemm_fallbacks: get(&c.gemm_fallbacks),
         }
     }
 
@@ -258,10 +260,16 @@ impl Driver for Observed {
     }
 
     fn gemm(&self, g: &Gemm, s: StreamKind) -> Result<()> {
+        // A refused epilogue ran nothing: the backend's separate kernels are counted instead.
+        let r = self.inner.gemm(g, s);
+        if matches!(r, Err(crate::Error::GemmRefused { .. })) {
+            Self::bump(&self.counts.gemm_fallbacks, 1);
+            return r;
+        }
         Self::bump(&self.counts.launches, 1);
         Self::bump(&self.counts.gemms, 1);
         self.note(Some(s), || TraceOp::Gemm);
-        self.inner.gemm(g, s)
+        r
     }
 
     fn synchronize(&self, s: StreamKind) -> Result<()> {

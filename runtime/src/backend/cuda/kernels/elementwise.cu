@@ -23,6 +23,10 @@
 //       backward is the same call on the gradient. p <= 0 leaves x untouched.
 //   fill_T(T* x, long long n, float value)
 //       x = value (rounded to T)
+//   add_bias_rows_T(T* y, const T* bias, long long rows, long long cols)
+//       y[r, c] = round_T(y[r, c] + bias[c]) over a row-major [rows, cols] y: the bias a matmul
+//       adds when cuBLASLt has no algorithm for its bias epilogue (a rare path, so one element a
+//       thread, no vectors)
 //
 // The constants are the CPU backend's (backend/cpu/elementwise.rs). tanhf and expf are CUDA's
 // accurate functions; the CPU uses its own polynomial approximations, so the two agree to a few
@@ -220,6 +224,14 @@ __device__ __forceinline__ void fill(T* x, long long n, float value) {
   fz_grid_packs<fz_vec<T>::n>(n, fz_aligned16(x), Fill<T>{x, value});
 }
 
+template <class T>
+__device__ __forceinline__ void add_bias_rows(T* y, const T* bias, long long rows, long long cols) {
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = first; i < rows * cols; i += stride)
+    y[i] = from_f32<T>(to_f32(y[i]) + to_f32(bias[i % cols]));
+}
+
 // ---- instantiations ----------------------------------------------------------------------------
 
 extern "C" __global__ void gelu_forward_f32(const float* x, float* y, long long n) {
@@ -299,3 +311,16 @@ extern "C" __global__ void dropout_f16(f16_t* x, long long n, unsigned long long
 extern "C" __global__ void fill_f32(float* x, long long n, float value) { fill(x, n, value); }
 extern "C" __global__ void fill_bf16(bf16_t* x, long long n, float value) { fill(x, n, value); }
 extern "C" __global__ void fill_f16(f16_t* x, long long n, float value) { fill(x, n, value); }
+
+extern "C" __global__ void add_bias_rows_f32(float* y, const float* bias, long long rows,
+                                             long long cols) {
+  add_bias_rows(y, bias, rows, cols);
+}
+extern "C" __global__ void add_bias_rows_bf16(bf16_t* y, const bf16_t* bias, long long rows,
+                                              long long cols) {
+  add_bias_rows(y, bias, rows, cols);
+}
+extern "C" __global__ void add_bias_rows_f16(f16_t* y, const f16_t* bias, long long rows,
+                                             long long cols) {
+  add_bias_rows(y, bias, rows, cols);
+}

@@ -48,6 +48,9 @@ pub const SOURCES: &[KernelSource] = &[
             "fill_f32",
             "fill_bf16",
             "fill_f16",
+            "add_bias_rows_f32",
+            "add_bias_rows_bf16",
+            "add_bias_rows_f16",
         ],
     },
     KernelSource {

@@ -21,6 +21,9 @@ pub const TABLE: &[Family] = &[
     per_dtype("add_assign", &[p("dst", Out(T)), p("src", In(T)), p("n", LongLong)]),
     per_dtype("dropout", &[p("x", Out(T)), p("n", LongLong), p("seed", ULongLong), p("p", Float)]),
     per_dtype("fill", &[p("x", Out(T)), p("n", LongLong), p("value", Float)]),
+    per_dtype("add_bias_rows", &[
+        p("y", Out(T)), p("bias", In(T)), p("rows", LongLong), p("cols", LongLong),
+    ]),
     // norm.cu
     per_dtype("layernorm_forward", &[
         p("x", In(T)), p("gamma", In(T)), p("beta", In(T)), p("y", Out(T)), p("mean", Out(F32)),
