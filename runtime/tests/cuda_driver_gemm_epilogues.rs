@@ -149,7 +149,9 @@ fn gemm_dgelu_bgrad_as_cublaslt_documents_it(d: &Arc<dyn Driver>) {
         };
         d.gemm(&g, S).unwrap();
         let (c, grad) = (download(d, cp, m * n, t), download(d, gradp, m, t));
-        let rel = if t == DType::F32 { 1e-5 } else { 1e-2 };
+        // cuBLASLt's GELU derivative is not f32-exact: 13.1 on an H200 was 5.4e-5 off (relative)
+        // where the emulator's accurate tanh is within 1e-6.
+        let rel = if t == DType::F32 { 2e-4 } else { 1e-2 };
         for i in 0..m {
             let (mut sum, mut mag) = (0.0, 0.0);
             for j in 0..n {

@@ -3,7 +3,7 @@
 //! accumulator. Against the same run with accumulators kept (`Engine::accumulate_gradients`,
 //! the path before), every step's loss, gradient norm, clipping, loss scale and skip verdict
 //! and the final parameters are bit-identical, on the CPU and on the emulated device: GPT-2
-//! and Llama, bf16 (or f32) at stages 0 and 3 on one rank and stage 2 on two, and fp16 with
+//! and Llama (untied and tied), bf16 (or f32) at stages 0 and 3 on one rank and stage 2 on two, and fp16 with
 //! dynamic loss scaling from a scale that overflows.
 
 mod common;
@@ -31,6 +31,10 @@ fn gpt2_model() -> Model {
 
 fn llama_model() -> Model {
     tiny::llama_model(2)
+}
+
+fn llama_tied_model() -> Model {
+    tiny::llama_tied_model(2)
 }
 
 /// What a run decided, step by step, and where it ended, all as bits.
@@ -119,6 +123,8 @@ fn moved_gradient_steps_as_accumulated(d: &Dev) {
     for (name, model) in [
         ("GPT-2", gpt2_model as fn() -> Model),
         ("Llama", llama_model),
+        // Its embedding unit has no gradient: an empty reduction and no term in the step.
+        ("tied Llama", llama_tied_model),
     ] {
         for (stage, world) in cases {
             let what = format!(

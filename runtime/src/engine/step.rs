@@ -335,7 +335,9 @@ impl Engine {
         let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
         let (mut norms, mut tensors) = (Vec::new(), Vec::new());
         let tile = self.cfg.zero.sub_group_size.max(1);
-        for g in &mut self.groups {
+        // A group with no gradient of its own (a Llama's embedding unit whose table the tied
+        // head owns) adds no term: its empty stand-in lives on the host.
+        for g in self.groups.iter_mut().filter(|g| g.grad_len > 0) {
             let r = g.layout.shard_range(rank);
             let (n, t) = Optimizer::step_tensors(g, tile, r)?;
             norms.push(n);

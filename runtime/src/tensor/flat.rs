@@ -37,6 +37,26 @@ fn widen(src: BufRef<'_>, dst: &mut [f32]) {
     }
 }
 
+/// `d += s` over half-precision elements, each widened to f32, added and rounded once, in
+/// cache-sized runs on the rayon pool (element by element, so the split changes no bit).
+fn add_rounded<T: Send + Sync>(d: &mut [T], s: &[T])
+where
+    [T]: HalfFloatSliceExt,
+{
+    const RUN: usize = 1 << 14;
+    d.par_chunks_mut(RUN).zip(s.par_chunks(RUN)).for_each_init(
+        || vec![0.0f32; 2 * RUN],
+        |buf, (d, s)| {
+            let (acc, add) = buf.split_at_mut(RUN);
+            let (acc, add) = (&mut acc[..d.len()], &mut add[..d.len()]);
+            d.convert_to_f32_slice(acc);
+            s.convert_to_f32_slice(add);
+            acc.iter_mut().zip(add.iter()).for_each(|(a, b)| *a += *b);
+            d.convert_from_f32_slice(acc);
+        },
+    );
+}
+
 impl FlatBuf {
     /// A zero-filled buffer (a large one may be a reused buffer from [`super::spare`]).
     pub fn zeros(dtype: DType, len: usize) -> Self {
@@ -175,6 +195,13 @@ impl FlatBuf {
                 } else {
                     add((d, s));
                 }
+            }
+            // A gradient coming down from the device: a pass over gigabytes, so in parallel.
+            (FlatBuf::Bf16(d), BufRef::Bf16(s)) if n >= PAR_MIN => {
+                add_rounded(&mut d[offset..offset + n], s)
+            }
+            (FlatBuf::F16(d), BufRef::F16(s)) if n >= PAR_MIN => {
+                add_rounded(&mut d[offset..offset + n], s)
             }
             (d, s) => {
                 // In cache-sized chunks: no buffer as large as the gradient, one pass over it.
@@ -341,6 +368,33 @@ mod tests {
         b.accumulate(1, &add, 2, &mut scratch);
         b.load_f32(0, &mut out);
         assert_eq!(out[..3], [1.0, 3.5, -2.0]);
+    }
+
+    /// A long half-precision accumulate (the parallel runs) gives every element the bits of
+    /// one widen-add-round, at an offset that is no multiple of the run length.
+    #[test]
+    fn parallel_half_accumulate_rounds_each_element_once() {
+        let n = PAR_MIN + 12_345;
+        let vals = |k: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * k) % 2039) as f32 * 0.0137 - 13.0)
+                .collect()
+        };
+        for dt in [DType::Bf16, DType::F16] {
+            let (mut d, mut s) = (FlatBuf::zeros(dt, n + 7), FlatBuf::zeros(dt, n));
+            d.store_f32(0, &vals(7919)[..7]);
+            d.store_f32(7, &vals(7919));
+            s.store_f32(0, &vals(104_729));
+            let mut want = d.clone();
+            let (mut a, mut b) = (vec![0.0; 1], vec![0.0; 1]);
+            for i in 0..n {
+                want.load_f32(7 + i, &mut a);
+                s.load_f32(i, &mut b);
+                want.store_f32(7 + i, &[a[0] + b[0]]);
+            }
+            d.accumulate(7, &s, n, &mut Vec::new());
+            assert_eq!(d, want, "{dt:?}");
+        }
     }
 
     #[test]

@@ -248,6 +248,12 @@ impl Storage {
                 self.dtype()
             )));
         }
+        // Nothing to add is no work on any device: a group with no gradient of its own (a
+        // Llama's embedding unit whose table the tied head owns) keeps the host's empty
+        // stand-in while its empty reduction comes from the device.
+        if n == 0 {
+            return Ok(());
+        }
         match (self, src) {
             (Storage::Host(d), Storage::Host(s)) => {
                 d.accumulate(offset, s, n, scratch);

@@ -23,11 +23,21 @@ pub fn gpt2_model(layers: usize) -> Model {
 
 /// A Llama of `layers` blocks, 4 query heads over 2 key/value heads, untied head.
 pub fn llama_model(layers: usize) -> Model {
+    llama_with_head(layers, false)
+}
+
+/// As [`llama_model`] with the head tied to the embedding table (Llama-3.2-1B's layout): the
+/// embedding unit then has no gradient of its own.
+pub fn llama_tied_model(layers: usize) -> Model {
+    llama_with_head(layers, true)
+}
+
+fn llama_with_head(layers: usize, tied: bool) -> Model {
     let cfg = llama::LlamaConfig::from_json(&format!(
         r#"{{"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": {layers},
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": {VOCAB},
             "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": false, "hidden_act": "silu"}}"#
+            "tie_word_embeddings": {tied}, "hidden_act": "silu"}}"#
     ))
     .expect("valid Llama config");
     llama::build(&cfg).expect("Llama builds")

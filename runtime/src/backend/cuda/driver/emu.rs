@@ -430,7 +430,7 @@ impl Driver for EmuDriver {
         dst: DevPtr,
         s: StreamKind,
     ) -> Result<()> {
-        order::issue(self.id, s, &[span(dst, len)])?;
+        order::host_copy(self.id, s, span(dst, len))?;
         let mem = self.memory();
         mem.check("cuMemcpyHtoDAsync", "destination", dst, len as u64)?;
         // SAFETY: the caller guarantees `src..src + len` is readable; the destination is checked.
@@ -445,7 +445,7 @@ impl Driver for EmuDriver {
         len: usize,
         s: StreamKind,
     ) -> Result<()> {
-        order::issue(self.id, s, &[span(src, len)])?;
+        order::host_copy(self.id, s, span(src, len))?;
         let mem = self.memory();
         mem.check("cuMemcpyDtoHAsync", "source", src, len as u64)?;
         // SAFETY: the caller guarantees `dst..dst + len` is writable; the source is checked.

@@ -8,7 +8,8 @@
 //!
 //! Two rules, about memory that a stream other than its device's compute stream touches
 //! through [`Driver::copy_unified`](super::Driver::copy_unified) (a peer copy, the local
-//! communicator's collective stream):
+//! communicator's collective stream) or an asynchronous copy from or to the host (the copy
+//! streams):
 //! - the copy must be ordered after the last operation of the owner's compute stream that
 //!   touched the same memory (the producer, or a reader it would overwrite);
 //! - the owner's compute stream, before an operation that touches that memory again, must be
@@ -227,6 +228,30 @@ pub(super) fn access(
             b.touched.entry(owner).or_default().push((x, pos, span));
         }
     }
+    Ok(())
+}
+
+/// A copy between host memory and `span` of driver `id`'s own memory on stream `s`. On a copy
+/// stream it is held to the peer copy's two rules: a block the caching allocator hands out
+/// again (home: the compute stream) may still be read or written there by work queued before.
+pub(super) fn host_copy(id: u64, s: StreamKind, span: Span) -> Result<()> {
+    let x = (id, s.index());
+    let mut b = book();
+    if x.1 == COMPUTE {
+        return b.issue(x, &[span]).map(|_| ());
+    }
+    let of = (id, COMPUTE);
+    let last = b.last_touch(id, span);
+    if !b.covered(x, of, last) {
+        return Err(order_error(format!(
+            "{} copies device memory without waiting for operation {last} of {}, which \
+             touched it",
+            name(x),
+            name(of)
+        )));
+    }
+    let pos = b.issue(x, &[span])?;
+    b.touched.entry(id).or_default().push((x, pos, span));
     Ok(())
 }
 
