@@ -48,6 +48,57 @@ fn estimate_json_has_per_rank_totals_and_categories() {
     assert!(v["suggestion"].is_null());
 }
 
+/// The 7B preset (stage 3, optimizer on the CPU, clipping) keeps a speculative overlap on a
+/// 120 GiB host: its snapshots bounded to what the host leaves, the whole run within the host.
+#[test]
+fn estimate_states_the_optimizer_overlap_the_host_allows() {
+    let preset = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/llama7b_40gb.toml");
+    let run = |host: &str| {
+        let (code, out, err) = ferrozero(&[
+            "estimate",
+            "--model",
+            "llama-7b",
+            "--config",
+            preset,
+            "--device",
+            "cuda",
+            "--host-memory",
+            host,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{host}: {err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let (v, roomy) = (run("120GiB"), run("400GiB"));
+    assert_eq!(v["optimizer_overlap"], "speculative", "{v}");
+    assert_eq!(roomy["optimizer_overlap"], "speculative", "{roomy}");
+    let share = v["snapshot_share"].as_f64().unwrap();
+    assert!(share > 0.05 && share < 0.5, "{share}");
+    assert_eq!(roomy["snapshot_share"].as_f64(), Some(1.0));
+    let snap = v["snapshot_bytes_per_rank"].as_u64().unwrap();
+    let all = roomy["snapshot_bytes_per_rank"].as_u64().unwrap();
+    assert!(snap > 0 && snap < all, "{snap} of {all}");
+    let host = v["per_rank"]["host_bytes"].as_u64().unwrap();
+    assert!(host <= 120 << 30, "{host}");
+    let why = v["optimizer_overlap_reason"].as_str().unwrap();
+    assert!(why.contains("the others step after backward"), "{why}");
+    // With the optimizer state on the device there is no overlap, and nothing is copied.
+    let (code, out, err) = ferrozero(&[
+        "estimate",
+        "--model",
+        "tiny-llama",
+        "--stage",
+        "3",
+        "--host-memory",
+        "64GiB",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["optimizer_overlap"], "off", "{v}");
+    assert_eq!(v["snapshot_bytes_per_rank"].as_u64(), Some(0));
+}
+
 #[test]
 fn estimate_that_does_not_fit_exits_1_with_a_suggestion() {
     let (code, out, _) = ferrozero(&[

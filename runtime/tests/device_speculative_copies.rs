@@ -17,6 +17,7 @@ use ferrozero_runtime::backend::cuda::driver::{Event, StreamKind, TraceOp, Trace
 use ferrozero_runtime::backend::cuda::{self, CudaBackend};
 use ferrozero_runtime::backend::{Backend, Rope};
 use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::{Batch, Model};
@@ -54,11 +55,19 @@ struct Run {
 }
 
 fn train(cfg: &ResolvedConfig) -> Run {
+    train_with(cfg, None)
+}
+
+/// [`train`], with the optimizer overlap `overlap` when given instead of the config's.
+fn train_with(cfg: &ResolvedConfig, overlap: Option<OptimizerOverlap>) -> Run {
     let out = run_ranks(WORLD, Duration::from_secs(300), |comm| {
         let rank = comm.rank();
         let dev: Arc<CudaBackend> = cuda::emulated(DType::Bf16)?;
         let be: Arc<dyn Backend> = dev.clone();
-        let mut e = Engine::with_backend(toy_model(), cfg.clone(), comm, be)?;
+        let mut e = match overlap.clone() {
+            Some(o) => Engine::with_backend_and_overlap(toy_model(), cfg.clone(), comm, be, o)?,
+            None => Engine::with_backend(toy_model(), cfg.clone(), comm, be)?,
+        };
         e.trace_schedule(true);
         let obs = dev.device().observed();
         obs.start_trace();
@@ -188,4 +197,32 @@ fn a_binding_step_rolls_back_on_the_copy_streams() {
         "{waits} waits for {} restores",
         run.rolled_back
     );
+}
+
+/// A speculation bounded to the last unit's group on the device: with clipping that binds and
+/// that does not, the bits of the run with nothing offloaded and nothing overlapped, and a
+/// binding step rolls back that group alone.
+#[test]
+fn bounded_snapshots_on_the_device_keep_the_bits() {
+    let free = train(&cfg(0.0, true));
+    let m = toy_model();
+    let offloaded = cfg(1.0, true);
+    let e = ferrozero_runtime::engine::estimate::estimate(&m, &offloaded, 2, T);
+    let last = m.units.len() - 1;
+    let bound = e.snapshot_group_bytes[last];
+    assert!(bound > 0, "the last unit's group owns parameters");
+    for clip in [0.5 * free.norm, 2.0 * free.norm] {
+        let overlap = OptimizerOverlap::Speculative("test".into(), Some(bound));
+        let run = train_with(&cfg(clip, true), Some(overlap));
+        let plain = train(&cfg(clip, false));
+        assert!(
+            plain.bits == run.bits,
+            "clip {clip}: the bounded run differs"
+        );
+        assert!(
+            run.rolled_back <= 1,
+            "clip {clip}: {} rolled back",
+            run.rolled_back
+        );
+    }
 }

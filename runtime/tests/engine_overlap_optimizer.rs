@@ -172,7 +172,7 @@ fn a_global_value_makes_the_overlap_speculative_or_keeps_the_step_after_backward
     let scratch = Scratch::new();
     let mut clipped = overlapped(&base(ZeroStage::Stage2, 1, Precision::Bf16));
     clipped.gradient_clipping = 1.0;
-    let OptimizerOverlap::Speculative(why) = OptimizerOverlap::decide(&clipped) else {
+    let OptimizerOverlap::Speculative(why, None) = OptimizerOverlap::decide(&clipped) else {
         panic!("clipping does not make the overlap speculative")
     };
     assert!(
@@ -211,7 +211,7 @@ fn a_global_value_makes_the_overlap_speculative_or_keeps_the_step_after_backward
         }),
     ));
     dynamic.gradient_clipping = 0.0;
-    let OptimizerOverlap::Speculative(why) = OptimizerOverlap::decide(&dynamic) else {
+    let OptimizerOverlap::Speculative(why, None) = OptimizerOverlap::decide(&dynamic) else {
         panic!("a dynamic loss scale does not make the overlap speculative")
     };
     assert!(why.contains("dynamic loss scale"), "{why}");

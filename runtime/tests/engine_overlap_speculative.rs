@@ -123,7 +123,7 @@ fn same_bits(cfg: &ResolvedConfig, model: fn() -> Model, what: &str) -> Vec<bool
         let what = format!("{what} params {:?}", on.zero.offload_param.target);
         for (w, g) in want.iter().zip(&got) {
             assert!(
-                matches!(g.overlap, OptimizerOverlap::Speculative(_)),
+                matches!(g.overlap, OptimizerOverlap::Speculative(..)),
                 "{what}: {:?}",
                 g.overlap
             );
@@ -213,4 +213,134 @@ fn an_fp16_overflow_step_is_skipped_and_the_lane_undone_exactly() {
             }
         }
     }
+}
+
+/// A speculation bounded by host memory: only the groups backward finishes first, about half
+/// of them, are snapshotted and stepped on the lane; the others are stepped after backward.
+/// With clipping that binds in some steps and with fp16 overflowing in one, stages 0-3 (with
+/// and without the parameters offloaded at stage 3), worlds 1 and 2: the bits of the run with
+/// nothing offloaded and nothing overlapped.
+#[test]
+fn bounded_snapshots_keep_the_bits() {
+    let dynamic = Precision::Fp16(LossScaling::Dynamic {
+        initial_scale_power: 8,
+        loss_scale_window: 100,
+        hysteresis: 1,
+        consecutive_hysteresis: false,
+        min_loss_scale: 1.0,
+    });
+    for world in [1, 2] {
+        for stage in STAGES {
+            let clip = median_norm(world);
+            let cases = [
+                (
+                    base(stage, world, Precision::Bf16, clip),
+                    plain as fn() -> Model,
+                ),
+                (base(stage, world, dynamic.clone(), 1e6), with_nan),
+            ];
+            for (cfg, model) in cases {
+                let want = train(&cfg, model);
+                let mut variants = vec![offloaded(&cfg, false)];
+                if stage == ZeroStage::Stage3 {
+                    variants.push(offloaded(&cfg, true));
+                }
+                for on in variants {
+                    let what = format!(
+                        "{stage:?} world {world} {:?} {:?}",
+                        cfg.precision, on.zero.offload_param.target
+                    );
+                    let (bound, planned) = half_the_snapshots(&on, model);
+                    let got = train_with(
+                        &on,
+                        model,
+                        OptimizerOverlap::Speculative("test".into(), Some(bound)),
+                    );
+                    for (w, g) in want.iter().zip(&got) {
+                        assert_eq!(
+                            g.overlap,
+                            OptimizerOverlap::Speculative("test".into(), Some(bound))
+                        );
+                        assert!(w.bits == g.bits, "{what}: parameters differ");
+                        assert_eq!(w.reports, g.reports, "{what}: loss, norm or skip differ");
+                    }
+                    // The lane stepped at most the planned groups, and some step stood with
+                    // the rest stepped after backward.
+                    let groups = model().units.len() + usize::from(!model().shared.is_empty());
+                    let mut stood = false;
+                    for (spans, r) in got[0].traces.iter().zip(&got[0].reports) {
+                        let lane = count(spans, "optimizer", "step");
+                        let after = count(spans, "compute", "step");
+                        let rolled = count(spans, "compute", "rollback");
+                        assert!(
+                            lane <= planned,
+                            "{what}: {lane} lane steps of {planned} planned"
+                        );
+                        if !r.2 && rolled == 0 {
+                            assert_eq!(lane + after, groups, "{what}: {spans:?}");
+                            stood |= lane > 0 && after > 0;
+                        }
+                    }
+                    assert!(
+                        stood,
+                        "{what}: no step split between the lane and after backward"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A clipping threshold between the toy's gradient norms (bf16, `world` ranks): clipping
+/// binds in some steps and not in others.
+fn median_norm(world: usize) -> f64 {
+    let probe = train(&base(ZeroStage::Stage0, world, Precision::Bf16, 0.0), plain);
+    let mut norms: Vec<f64> = probe[0]
+        .reports
+        .iter()
+        .map(|r| f64::from_bits(r.1))
+        .collect();
+    norms.sort_by(f64::total_cmp);
+    norms[STEPS / 2]
+}
+
+/// The snapshot bytes of about half the groups, in the order backward finishes them (the
+/// last units first), as the estimate prices them; and how many groups that is.
+fn half_the_snapshots(cfg: &ResolvedConfig, model: fn() -> Model) -> (u64, usize) {
+    let m = model();
+    let e = ferrozero_runtime::engine::estimate::estimate(&m, cfg, 2, 5);
+    let units = m.units.len();
+    let take = units.div_ceil(2);
+    let bytes: u64 = e.snapshot_group_bytes[units - take..units].iter().sum();
+    (bytes, take)
+}
+
+/// [`train`] with the optimizer overlap `overlap`.
+fn train_with(cfg: &ResolvedConfig, model: fn() -> Model, overlap: OptimizerOverlap) -> Vec<Run> {
+    let world = cfg.world_size;
+    run_ranks(world, Duration::from_secs(120), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::with_overlap(model(), cfg.clone(), comm, Some(overlap.clone()))?;
+        e.trace_schedule(true);
+        let (mut reports, mut traces) = (Vec::new(), Vec::new());
+        for s in 0..STEPS {
+            let b = |i: usize| toy::batch(11, 5, ((s * 2 + i) * world + rank) * 2, 2);
+            let r = e.train_batch(&[b(0), b(1)])?;
+            reports.push((r.loss.to_bits(), r.grad_norm.to_bits(), r.skipped));
+            traces.push(e.take_schedule_trace());
+        }
+        let bits = e
+            .parameters()?
+            .iter()
+            .flat_map(|t| t.data.iter().map(|x| x.to_bits()))
+            .collect();
+        let overlap = e.optimizer_overlap().clone();
+        Ok(Run {
+            bits,
+            reports,
+            traces,
+            overlap,
+        })
+    })
+    .expect("training failed")
 }

@@ -346,3 +346,44 @@ fn checkpointing_lowers_device_activations_and_the_figures_say_so() {
     assert_eq!(a.activations, b.activations);
     assert!(a.activations.with_checkpointing < a.activations.without_checkpointing);
 }
+
+/// A speculative overlap bounded to some groups' snapshots: the ledger's host peak is the
+/// estimate's to the byte, and the snapshots it counts are those of the planned groups alone
+/// (between none and every group's), for GPT-2 and Llama at stage 3 with the optimizer offloaded.
+#[test]
+fn bounded_snapshots_match_the_ledger() {
+    use ferrozero_runtime::engine::estimate::estimate_with_overlap;
+    use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
+    for which in [Which::Gpt2, Which::Llama] {
+        let mut cfg = config(ZeroStage::Stage3, 1, MICRO, 2, Precision::Bf16);
+        cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
+        cfg.zero.overlap_comm = true;
+        let full = estimate(&build(which), &cfg, MICRO, SEQ);
+        let groups = &full.snapshot_group_bytes;
+        let units = build(which).units.len();
+        let bound: u64 = groups[units / 2..units].iter().sum();
+        let overlap = OptimizerOverlap::Speculative("test".into(), Some(bound));
+        let e = estimate_with_overlap(&build(which), &cfg, MICRO, SEQ, &overlap);
+        assert_eq!(e.snapshot_host_bytes, bound, "{which:?}");
+        assert!(bound > 0 && bound < full.snapshot_host_bytes, "{which:?}");
+        let host = run_ranks(1, Duration::from_secs(60), |comm| {
+            let mut e =
+                Engine::with_overlap(build(which), cfg.clone(), comm, Some(overlap.clone()))?;
+            let batches: Vec<_> = (0..2)
+                .map(|m| toy::batch(vocab(which), SEQ, m, MICRO))
+                .collect();
+            e.train_batch(&batches)?;
+            e.train_batch(&batches)?;
+            Ok(e.ledger().peak_total(Location::Host))
+        })
+        .unwrap()[0];
+        assert_eq!(
+            e.host.peak_bytes, host,
+            "{which:?}: estimate against ledger"
+        );
+        assert_eq!(
+            full.host.peak_bytes - e.host.peak_bytes,
+            full.snapshot_host_bytes - bound
+        );
+    }
+}

@@ -13,10 +13,11 @@ use ferrozero_config::resolved::{
 use ferrozero_config::{parse, Device, Format, ResolveContext};
 use ferrozero_runtime::engine::estimate::shape::{self, ModelShape};
 use ferrozero_runtime::engine::estimate::{
-    estimate, memory_model, suggest, Budget, Estimate, Placement,
+    estimate_with_overlap, memory_model, suggest, Budget, Estimate, Placement,
 };
 use ferrozero_runtime::engine::host_limits::HostRamNeed;
 use ferrozero_runtime::engine::ledger::Category;
+use ferrozero_runtime::engine::optimizer_overlap::{shared_group, HostNeed, OptimizerOverlap};
 use serde_json::{json, Value};
 
 /// Arguments.
@@ -94,6 +95,9 @@ struct Plan {
     seq: usize,
     budget: Budget,
     host_ram: u64,
+    /// The optimizer overlap the run gets on this host (bounded or off when the speculative
+    /// overlap's snapshots do not fit), which `est` prices.
+    overlap: OptimizerOverlap,
     est: Estimate,
 }
 
@@ -130,7 +134,7 @@ fn plan(args: &Args) -> Result<Plan, String> {
         device_bytes: device,
         host_bytes: host_ram / args.gpus_per_node as u64,
     };
-    let est = estimate(&shape.model, &cfg, micro, seq);
+    let (overlap, est) = overlap_on_host(&shape.model, &cfg, (micro, seq), args, host_ram);
     Ok(Plan {
         shape,
         cfg,
@@ -138,8 +142,31 @@ fn plan(args: &Args) -> Result<Plan, String> {
         seq,
         budget,
         host_ram,
+        overlap,
         est,
     })
+}
+
+/// The optimizer overlap as `initialize` decides it on a node of `host_ram` bytes shared by
+/// `--gpus-per-node` ranks, and the estimate for it.
+fn overlap_on_host(
+    model: &ferrozero_runtime::nn::Model,
+    cfg: &ResolvedConfig,
+    (micro, seq): (usize, usize),
+    args: &Args,
+    host_ram: u64,
+) -> (OptimizerOverlap, Estimate) {
+    let configured = OptimizerOverlap::decide(cfg);
+    let est = estimate_with_overlap(model, cfg, micro, seq, &configured);
+    let in_ram = ferrozero_runtime::backend::memory_is_host_ram(cfg.device);
+    let need = HostNeed::of(&est, args.gpus_per_node as u64, in_ram);
+    let groups = (&est.snapshot_group_bytes[..], shared_group(model));
+    let overlap = OptimizerOverlap::decide_for_host(cfg, need, groups, host_ram);
+    if overlap == configured {
+        return (overlap, est);
+    }
+    let est = estimate_with_overlap(model, cfg, micro, seq, &overlap);
+    (overlap, est)
 }
 
 fn model(args: &Args) -> Result<ModelShape, String> {
@@ -306,9 +333,20 @@ fn json_report(p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) 
             "host_bytes_per_rank": p.budget.host_bytes,
             "host_ram_bytes": p.host_ram,
         },
+        "optimizer_overlap": p.overlap.name(),
+        "optimizer_overlap_reason": p.overlap.reason(),
+        "snapshot_bytes_per_rank": e.snapshot_host_bytes,
+        "snapshot_share": snapshot_share(e),
         "fits": fits,
         "suggestion": suggestion,
     })
+}
+
+/// The share of the optimizer state a speculative overlap snapshots (0 without one): about
+/// the share of the host's step that can run behind backward when the speculation holds.
+fn snapshot_share(e: &Estimate) -> f64 {
+    let all: u64 = e.snapshot_group_bytes.iter().sum();
+    e.snapshot_host_bytes as f64 / all.max(1) as f64
 }
 
 fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) {
@@ -337,6 +375,15 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
         }
     );
     println!("device: {} ({})", p.cfg.device, memory_model(&p.cfg));
+    if p.cfg.zero.offload_optimizer.target != OffloadTarget::None {
+        println!(
+            "optimizer overlap: {}; snapshots {} per rank ({:.0}% of the optimizer state): {}",
+            p.overlap.name(),
+            human(e.snapshot_host_bytes),
+            100.0 * snapshot_share(e),
+            p.overlap.reason()
+        );
+    }
     println!(
         "\nper rank (peaks) {:>14} {:>14} {:>14}",
         "device", "host", "nvme"

@@ -103,8 +103,9 @@ impl Engine {
         Self::with_overlap(model, cfg, comm, None)
     }
 
-    /// As [`Engine::new`], with the optimizer overlap already decided when `overlap` is set.
-    pub(super) fn with_overlap(
+    /// As [`Engine::new`], with the optimizer overlap already decided when `overlap` is set
+    /// (a caller that weighed the host itself, or a test of a bounded speculation).
+    pub fn with_overlap(
         model: Model,
         cfg: ResolvedConfig,
         comm: Box<dyn Communicator>,
@@ -128,6 +129,18 @@ impl Engine {
         be: Arc<dyn Backend>,
     ) -> Result<Self> {
         Self::assemble(model, cfg, comm, be, None)
+    }
+
+    /// As [`Engine::with_backend`], with the optimizer overlap `overlap` instead of the
+    /// config's.
+    pub fn with_backend_and_overlap(
+        model: Model,
+        cfg: ResolvedConfig,
+        comm: Box<dyn Communicator>,
+        be: Arc<dyn Backend>,
+        overlap: OptimizerOverlap,
+    ) -> Result<Self> {
+        Self::assemble(model, cfg, comm, be, Some(overlap))
     }
 
     /// The engine, with the config's optimizer overlap unless `decided` is set.
@@ -201,18 +214,9 @@ impl Engine {
         tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
         let opt_overlap = decided.unwrap_or_else(|| OptimizerOverlap::decide(&cfg));
         opt_overlap.log(&cfg);
-        let optimizer_lane = match opt_overlap {
-            OptimizerOverlap::On => Some(OptimizerLane::new(
-                comm.rank(),
-                &groups,
-                false,
-                &mut ledger,
-            )?),
-            OptimizerOverlap::Speculative(_) => {
-                Some(OptimizerLane::new(comm.rank(), &groups, true, &mut ledger)?)
-            }
-            OptimizerOverlap::Off(_) => None,
-        };
+        let shared = super::optimizer_overlap::shared_group(&model);
+        let optimizer_lane =
+            OptimizerLane::for_overlap(&opt_overlap, comm.rank(), (&groups, shared), &mut ledger)?;
         let grad_downloads = super::grad_download::GradDownloads::new(&cfg);
         Ok(Self {
             cfg,

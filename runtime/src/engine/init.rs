@@ -9,7 +9,7 @@ use ferrozero_config::{Config, ResolveContext};
 use super::core::Engine;
 use super::host_limits::{check_device_host_ram, check_locked_memory, ranks_here, HostRam};
 use super::ledger::{Category, Location};
-use super::optimizer_overlap::{HostNeed, OptimizerOverlap};
+use super::optimizer_overlap::{shared_group, HostNeed, OptimizerOverlap};
 use crate::backend::memory_is_host_ram;
 use crate::comm::local::LocalComm;
 use crate::comm::Communicator;
@@ -180,7 +180,8 @@ fn preflight(
 
 /// The optimizer overlap for this machine: the config's, unless it is speculative and its
 /// snapshots do not fit in `MemAvailable` beside everything else the pre-flight counts
-/// (then off, the reason giving the numbers). Where the host cannot be measured the config
+/// (then bounded to the groups that fit, or off when none does, the reason giving the
+/// numbers). Where the host cannot be measured the config
 /// decides (the pre-flight, when asked for, refuses such a host anyway).
 fn overlap_for_host(
     model: &Model,
@@ -188,14 +189,15 @@ fn overlap_for_host(
     seq: usize,
 ) -> OptimizerOverlap {
     let decided = OptimizerOverlap::decide(cfg);
-    if !matches!(decided, OptimizerOverlap::Speculative(_)) {
+    if !matches!(decided, OptimizerOverlap::Speculative(..)) {
         return decided;
     }
     let mb = cfg.train_micro_batch_size_per_gpu;
     let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, &decided);
     let need = HostNeed::of(&e, ranks_here(cfg), memory_is_host_ram(cfg.device));
+    let groups = (&e.snapshot_group_bytes[..], shared_group(model));
     match ferrozero_offload::sys::mem_available() {
-        Ok(available) => OptimizerOverlap::decide_for_host(cfg, need, available),
+        Ok(available) => OptimizerOverlap::decide_for_host(cfg, need, groups, available),
         Err(err) => {
             tracing::warn!("speculative optimizer overlap: host memory unknown ({err})");
             decided
@@ -219,7 +221,13 @@ fn requirement(
         }
     }
     ferrozero_offload::preflight::Requirement {
-        host_bytes: HostNeed::of(e, here, device_in_ram).with_snapshots,
+        host_bytes: (e.host_total_bytes()
+            + if device_in_ram {
+                e.device.peak_bytes
+            } else {
+                0
+            })
+        .saturating_mul(here),
         locked_bytes: e.mlocked_host_bytes * here,
         nvme,
     }

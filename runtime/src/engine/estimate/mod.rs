@@ -98,6 +98,9 @@ pub struct Estimate {
     /// Host bytes of the speculative optimizer overlap's snapshots (pageable; included in
     /// `host`), 0 when the overlap estimated is not speculative.
     pub snapshot_host_bytes: u64,
+    /// Each group's snapshot bytes were it snapshotted, in the engine's group order: what a
+    /// speculative overlap bounded by host memory plans from (`OptimizerOverlap::decide_for_host`).
+    pub snapshot_group_bytes: Vec<u64>,
     /// Host bytes the device page-locks for this run (its parameter store, its copies'
     /// staging buffers, its upload ring, its host gradient accumulators), as its driver
     /// counts registrations; 0 on the CPU. Resident and unswappable, so charged against host
@@ -131,21 +134,30 @@ impl Estimate {
     }
 }
 
-/// Replays one step and returns the resulting ledger, the snapshots' host bytes and the
-/// page-locked bytes.
+/// What one replayed step leaves: its ledger, the snapshots' host bytes, each group's snapshot
+/// bytes and the page-locked bytes.
+type Replayed = (Ledger, u64, Vec<u64>, PageLockedFigures);
+
+/// Replays one step.
 fn replay_ledger(
     model: &Model,
     cfg: &ResolvedConfig,
     micro_batch: usize,
     seq: usize,
     overlap: &OptimizerOverlap,
-) -> (Ledger, u64, PageLockedFigures) {
+) -> Replayed {
     let moments = Optimizer::new(cfg.optimizer.clone()).moments();
     let mut r = replay::Replay::build(model, cfg, moments, overlap, memory_model(cfg));
     r.forward(micro_batch, seq);
     r.backward(micro_batch, seq);
     r.step();
-    (r.ledger().clone(), r.snapshot_bytes, r.page_locked())
+    let groups = std::mem::take(&mut r.snapshot_group_bytes);
+    (
+        r.ledger().clone(),
+        r.snapshot_bytes,
+        groups,
+        r.page_locked(),
+    )
 }
 
 fn activation_peak(l: &Ledger) -> u64 {
@@ -172,7 +184,7 @@ pub fn estimate_with_overlap(
     let mut own = cfg.clone();
     own.zero.sub_group_size = super::build::effective_sub_group_size(cfg, model);
     let cfg = &own;
-    let (ledger, snapshot_host_bytes, page_locked) =
+    let (ledger, snapshot_host_bytes, snapshot_group_bytes, page_locked) =
         replay_ledger(model, cfg, micro_batch, seq, overlap);
     let mut flipped = cfg.clone();
     flipped.activation_checkpointing = match &cfg.activation_checkpointing {
@@ -209,6 +221,7 @@ pub fn estimate_with_overlap(
         mlocked_host_bytes: mlocked_bytes(model, cfg),
         other_host_bytes: other_host,
         snapshot_host_bytes,
+        snapshot_group_bytes,
         page_locked,
         swap_buffer_bytes,
         activations,

@@ -1,15 +1,21 @@
-//! Whether the host can hold a speculative overlap's snapshots. They copy every group's
-//! optimizer values (about 14 bytes per parameter in bf16, divided among the ranks), which on
-//! a large model with the optimizer offloaded can be as much as the offloaded state itself: a
-//! 7B Llama at stage 3 on one 128 GiB host holds ~81 GB of state and would need ~94 GB more.
-//! There the overlap falls back to off, as it was with clipping before speculation existed,
-//! rather than turning a run that fits into one the pre-flight refuses or the host swaps.
+//! How much of a speculative overlap's snapshots the host can hold. They copy each lent
+//! group's optimizer values (about 14 bytes per parameter in bf16, divided among the ranks),
+//! which on a large model with the optimizer offloaded can be as much as the offloaded state
+//! itself: a 7B Llama at stage 3 on one 128 GiB host holds ~81 GB of state and would need
+//! ~94 GB more. There the snapshots are bounded by what the host has left: the groups
+//! backward finishes first are snapshotted and speculate, the others are stepped after
+//! backward ([`super::snapshot_plan`]); only when not one group fits is the overlap off.
 
 use ferrozero_config::resolved::ResolvedConfig;
 use ferrozero_offload::sys::human;
 
-use super::OptimizerOverlap;
+use super::{snapshot_plan, OptimizerOverlap};
 use crate::engine::estimate::Estimate;
+use crate::engine::host_limits::HostRamNeed;
+
+/// The share of the host's available memory the snapshots never take (1/16): the process's
+/// own allocations beyond what the estimate counts (code, allocator slack, data loading).
+pub const HOST_MARGIN_DIVISOR: u64 = 16;
 
 /// What the host must hold for this machine's ranks, as the pre-flight check counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,49 +24,85 @@ pub struct HostNeed {
     pub with_snapshots: u64,
     /// Of which the snapshots.
     pub snapshots: u64,
+    /// The ranks on this machine the figures count.
+    pub ranks: u64,
 }
 
 impl HostNeed {
     /// The pre-flight's host requirement for `here` ranks sharing this machine, from `e` (an
-    /// estimate with the snapshots counted), the device working set included when the
-    /// device's memory is the host's.
+    /// estimate with the snapshots counted): the device working set included when the
+    /// device's memory is the host's, else the device's page-locked staging beside the host
+    /// state (each buffer once, as the host-RAM check counts it).
     pub fn of(e: &Estimate, here: u64, device_in_ram: bool) -> Self {
-        let device = if device_in_ram {
-            e.device.peak_bytes
-        } else {
-            0
+        let with_snapshots = match device_in_ram {
+            true => (e.device.peak_bytes + e.host_total_bytes()).saturating_mul(here),
+            false => HostRamNeed::of(e, here).total(),
         };
         HostNeed {
-            with_snapshots: (device + e.host_total_bytes()).saturating_mul(here),
+            with_snapshots,
             snapshots: e.snapshot_host_bytes.saturating_mul(here),
+            ranks: here.max(1),
         }
     }
 }
 
 impl OptimizerOverlap {
     /// The decision for a config on a host with `available` bytes (the pre-flight's figure,
-    /// `MemAvailable`, against which it allows no further margin): a speculative overlap
-    /// whose snapshots do not fit beside everything else falls back to off, with a reason
-    /// that gives the numbers. Any other decision is the config's.
-    pub fn decide_for_host(cfg: &ResolvedConfig, need: HostNeed, available: u64) -> Self {
+    /// `MemAvailable`), given each group's snapshot bytes and the shared group's index
+    /// (`Estimate::snapshot_group_bytes`): a speculative overlap whose snapshots do not fit
+    /// beside everything else, less [`HOST_MARGIN_DIVISOR`]'s share, is bounded to the
+    /// groups that do, and is off (the reason giving the numbers) when none does. Any other
+    /// decision is the config's.
+    pub fn decide_for_host(
+        cfg: &ResolvedConfig,
+        need: HostNeed,
+        (groups, shared): (&[u64], Option<usize>),
+        available: u64,
+    ) -> Self {
         let decided = Self::decide(cfg);
-        let OptimizerOverlap::Speculative(global) = &decided else {
+        let OptimizerOverlap::Speculative(global, _) = &decided else {
             return decided;
         };
-        if need.with_snapshots <= available {
+        let room = available - available / HOST_MARGIN_DIVISOR;
+        if need.with_snapshots <= room {
             return decided;
         }
         let without = need.with_snapshots.saturating_sub(need.snapshots);
+        let per_rank = room.saturating_sub(without) / need.ranks.max(1);
+        let plan = snapshot_plan(groups, shared, Some(per_rank));
+        let kept: u64 = groups
+            .iter()
+            .zip(&plan)
+            .filter(|&(_, &p)| p)
+            .map(|(b, _)| b)
+            .sum();
+        let all: u64 = groups.iter().sum();
         let b = |n: u64| format!("{} ({n} bytes)", human(n));
-        OptimizerOverlap::Off(format!(
-            "{global}, and the speculative overlap's optimizer snapshots need {} of host \
-             memory: with them this run needs {}, without them {}, and {} is available \
-             (MemAvailable); the step runs after backward instead",
+        let host = format!(
+            "every group's snapshots need {} of host memory: with them this run needs {}, \
+             without them {}, and {} is available, of which 1/{HOST_MARGIN_DIVISOR} \
+             is left to the process",
             b(need.snapshots),
             b(need.with_snapshots),
             b(without),
             b(available)
-        ))
+        );
+        if kept == 0 {
+            return OptimizerOverlap::Off(format!(
+                "{global}, and {host}: not one group's snapshot fits, so the step runs after \
+                 backward"
+            ));
+        }
+        let pct = 100.0 * kept as f64 / all.max(1) as f64;
+        OptimizerOverlap::Speculative(
+            format!(
+                "{global}; {host}: snapshots of {} per rank ({pct:.0}% of the optimizer \
+                 state: the groups backward finishes first) speculate, the others step after \
+                 backward",
+                b(kept)
+            ),
+            Some(kept),
+        )
     }
 }
 
@@ -81,33 +123,69 @@ mod tests {
 
     const HOST_128G: u64 = 128 << 30;
 
+    /// With every group's snapshots the need, at a host of `available`: the decision and
+    /// the estimate for it.
+    fn decided(
+        model: &crate::nn::Model,
+        seq: usize,
+        available: u64,
+    ) -> (OptimizerOverlap, HostNeed, Estimate) {
+        let cfg = offload_config();
+        let e = estimate(model, &cfg, 1, seq);
+        let need = HostNeed::of(&e, 1, false);
+        let groups = (
+            &e.snapshot_group_bytes[..],
+            super::super::shared_group(model),
+        );
+        (
+            OptimizerOverlap::decide_for_host(&cfg, need, groups, available),
+            need,
+            e,
+        )
+    }
+
+    /// The 7B preset on a 128 GiB host keeps a speculative overlap, bounded to the groups
+    /// backward finishes first, whose total need is within the host less its margin; the
+    /// reason gives every figure.
     #[test]
-    fn llama_7b_stage3_offload_on_a_128_gib_host_falls_back_to_off_with_the_numbers() {
+    fn llama_7b_stage3_offload_on_a_128_gib_host_keeps_a_bounded_speculation() {
         let cfg = offload_config();
         assert!(matches!(
             OptimizerOverlap::decide(&cfg),
-            OptimizerOverlap::Speculative(_)
+            OptimizerOverlap::Speculative(_, None)
         ));
         let model = preset("llama-7b").unwrap().model;
-        let e = estimate(&model, &cfg, 1, 2048);
+        let (got, need, e) = decided(&model, 2048, HOST_128G);
         // ~14 bytes per parameter: f32 master weights and two f32 moments, a bf16 copy.
         let n = e.num_params;
         assert!(e.snapshot_host_bytes >= 14 * n && e.snapshot_host_bytes < 15 * n);
-        let need = HostNeed::of(&e, 1, false);
-        assert!(
-            need.with_snapshots - need.snapshots < HOST_128G,
-            "fits without them"
+        assert_eq!(
+            e.snapshot_group_bytes.iter().sum::<u64>(),
+            e.snapshot_host_bytes
         );
         assert!(need.with_snapshots > HOST_128G);
-        let OptimizerOverlap::Off(why) = OptimizerOverlap::decide_for_host(&cfg, need, HOST_128G)
-        else {
-            panic!("a 7B speculation on 128 GiB must fall back to off");
+        let OptimizerOverlap::Speculative(why, Some(kept)) = got else {
+            panic!("a 7B speculation on 128 GiB keeps a bounded overlap: {got:?}");
         };
+        let room = HOST_128G - HOST_128G / HOST_MARGIN_DIVISOR;
+        let without = need.with_snapshots - need.snapshots;
+        assert!(
+            kept > 0 && without + kept <= room,
+            "{kept} + {without} within {room}"
+        );
+        // The next group in backward's order would not have fitted.
+        let groups = &e.snapshot_group_bytes;
+        let last_unit = groups.len() - 1;
+        assert!(groups[..last_unit]
+            .iter()
+            .rev()
+            .any(|&b| without + kept + b > room));
         for figure in [
             need.snapshots,
             need.with_snapshots,
-            need.with_snapshots - need.snapshots,
+            without,
             HOST_128G,
+            kept,
         ] {
             assert!(
                 why.contains(&format!("({figure} bytes)")),
@@ -116,22 +194,53 @@ mod tests {
         }
         assert!(why.contains("gradient_clipping=1.0"), "{why}");
         assert!(why.contains("128.0 GiB"), "{why}");
+        // The estimate for the bounded overlap counts those snapshots alone.
+        let bounded = crate::engine::estimate::estimate_with_overlap(
+            &model,
+            &cfg,
+            1,
+            2048,
+            &OptimizerOverlap::Speculative(why, Some(kept)),
+        );
+        assert_eq!(bounded.snapshot_host_bytes, kept);
+        assert!(bounded.host_total_bytes() <= room);
+    }
+
+    /// A host that cannot hold one group's snapshot beside the run turns the overlap off.
+    #[test]
+    fn no_room_for_one_snapshot_turns_the_overlap_off() {
+        let model = preset("llama-7b").unwrap().model;
+        let (_, need, _) = decided(&model, 2048, HOST_128G);
+        let without = need.with_snapshots - need.snapshots;
+        let tight = without + without / (HOST_MARGIN_DIVISOR - 1) + 1;
+        let (got, ..) = decided(&model, 2048, tight);
+        let OptimizerOverlap::Off(why) = got else {
+            panic!("no group fits: {got:?}");
+        };
+        assert!(why.contains("not one group"), "{why}");
     }
 
     #[test]
     fn a_small_model_stays_speculative() {
-        let cfg = offload_config();
         let model = preset("tiny-gpt2").unwrap().model;
-        let e = estimate(&model, &cfg, 1, 64);
+        let (got, need, e) = decided(&model, 64, HOST_128G);
         assert!(e.snapshot_host_bytes > 0);
-        let need = HostNeed::of(&e, 1, true);
-        let got = OptimizerOverlap::decide_for_host(&cfg, need, HOST_128G);
-        assert!(matches!(got, OptimizerOverlap::Speculative(_)), "{got:?}");
-        // Exactly at the limit still fits; one byte short does not.
-        let at = OptimizerOverlap::decide_for_host(&cfg, need, need.with_snapshots);
-        assert!(matches!(at, OptimizerOverlap::Speculative(_)), "{at:?}");
-        let short = OptimizerOverlap::decide_for_host(&cfg, need, need.with_snapshots - 1);
-        assert!(matches!(short, OptimizerOverlap::Off(_)), "{short:?}");
+        assert_eq!(got, OptimizerOverlap::decide(&offload_config()), "{got:?}");
+        // Within the room left beside the margin every snapshot is kept; short of it, fewer.
+        let at = need.with_snapshots * HOST_MARGIN_DIVISOR / (HOST_MARGIN_DIVISOR - 1) + 1;
+        let (full, ..) = decided(&model, 64, at);
+        assert!(
+            matches!(full, OptimizerOverlap::Speculative(_, None)),
+            "{full:?}"
+        );
+        let (short, ..) = decided(&model, 64, need.with_snapshots);
+        assert!(
+            matches!(
+                short,
+                OptimizerOverlap::Speculative(_, Some(_)) | OptimizerOverlap::Off(_)
+            ),
+            "{short:?}"
+        );
     }
 
     #[test]
@@ -141,9 +250,10 @@ mod tests {
         let need = HostNeed {
             with_snapshots: u64::MAX,
             snapshots: 0,
+            ranks: 1,
         };
         assert_eq!(
-            OptimizerOverlap::decide_for_host(&cfg, need, 0),
+            OptimizerOverlap::decide_for_host(&cfg, need, (&[], None), 0),
             OptimizerOverlap::On
         );
         // And an estimate for an overlap that is off counts no snapshot.
@@ -156,6 +266,24 @@ mod tests {
         assert_eq!(
             spec.host.peak_bytes - e.host.peak_bytes,
             spec.snapshot_host_bytes
+        );
+    }
+
+    /// The plan takes the groups in backward's order (the last unit first, the shared group
+    /// last) while they fit, and none after the first that does not.
+    #[test]
+    fn the_plan_follows_backward() {
+        let plan = |b: Option<u64>| snapshot_plan(&[5, 4, 3, 2, 9], Some(4), b);
+        assert_eq!(plan(None), vec![true; 5]);
+        assert_eq!(plan(Some(0)), vec![false; 5]);
+        assert_eq!(plan(Some(5)), vec![false, false, true, true, false]);
+        assert_eq!(plan(Some(9)), vec![false, true, true, true, false]);
+        assert_eq!(plan(Some(14)), vec![true, true, true, true, false]);
+        assert_eq!(plan(Some(23)), vec![true; 5]);
+        // Stops at the first that does not fit, though a later one would.
+        assert_eq!(
+            snapshot_plan(&[1, 9, 2], None, Some(3)),
+            vec![false, false, true]
         );
     }
 }

@@ -28,11 +28,12 @@ use super::group::{Group, ParamStore};
 use super::lane::{Lane, Ticket};
 use super::ledger::Ledger;
 use super::optimizer::StepValues;
+use crate::nn::Model;
 use crate::{Error, Result};
 
 pub use host::HostNeed;
-pub(super) use snapshot::snapshot_bytes;
 use snapshot::Snapshot;
+pub(super) use snapshot::{snapshot_bytes, snapshot_plan};
 pub(super) use speculate::Overlapped;
 use speculate::{Outcome, Watch};
 
@@ -41,9 +42,12 @@ use speculate::{Outcome, Watch};
 pub enum OptimizerOverlap {
     /// Each group's step starts on the optimizer lane as soon as its gradient is final.
     On,
-    /// As `On`, but a global value (named here) may still change the step after backward:
-    /// each group's optimizer values are saved first and restored exactly when it does.
-    Speculative(String),
+    /// As `On`, but a global value (named first) may still change the step after backward:
+    /// each lent group's optimizer values are saved first and restored exactly when it does.
+    /// Second: the snapshot bytes this rank may hold (`None`: every group's); within a bound
+    /// only the groups backward finishes first are lent ([`snapshot_plan`]), the others are
+    /// stepped after backward with the values the step decides.
+    Speculative(String, Option<u64>),
     /// The step runs after backward; the reason names what keeps it there.
     Off(String),
 }
@@ -81,7 +85,26 @@ impl OptimizerOverlap {
                 "{global}, and optimizer state on NVMe is not snapshotted for a rollback"
             ));
         }
-        OptimizerOverlap::Speculative(global)
+        OptimizerOverlap::Speculative(global, None)
+    }
+
+    /// Its name in `ferrozero estimate`'s report: `on`, `speculative` or `off`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerOverlap::On => "on",
+            OptimizerOverlap::Speculative(..) => "speculative",
+            OptimizerOverlap::Off(_) => "off",
+        }
+    }
+
+    /// Why it is as it is, in one line.
+    pub fn reason(&self) -> String {
+        match self {
+            OptimizerOverlap::On => "nothing global changes the step after backward".into(),
+            OptimizerOverlap::Speculative(why, None) => why.clone(),
+            OptimizerOverlap::Speculative(why, Some(_)) => why.clone(),
+            OptimizerOverlap::Off(why) => why.clone(),
+        }
     }
 
     /// The run's one log line about it, when the config offloads the optimizer state (where
@@ -95,13 +118,20 @@ impl OptimizerOverlap {
                 "optimizer overlap on: each group's step starts on the optimizer lane when its \
                  gradient is final"
             ),
-            OptimizerOverlap::Speculative(why) => tracing::info!(
-                "optimizer overlap on, speculative ({why}): each group's values are saved \
-                 before its step and restored when clipping binds or the step overflows"
+            OptimizerOverlap::Speculative(..) => tracing::info!(
+                "optimizer overlap on, speculative ({}): each lent group's values are saved \
+                 before its step and restored when clipping binds or the step overflows",
+                self.reason()
             ),
             OptimizerOverlap::Off(why) => tracing::info!("optimizer overlap off: {why}"),
         }
     }
+}
+
+/// The index of `model`'s shared group (its tied parameters), which the engine places after
+/// every unit's: backward makes it final last.
+pub fn shared_group(model: &Model) -> Option<usize> {
+    (!model.shared.is_empty()).then_some(model.units.len())
 }
 
 /// A group on the optimizer lane: it comes back with its snapshot and what the lane did.
@@ -121,36 +151,47 @@ pub(super) struct OptimizerLane {
     /// Groups on the lane, in submission order. Between arming and joining, these are
     /// exactly the groups the armed step has lent.
     lent: Vec<(usize, Lent)>,
-    /// One snapshot per group when the overlap is speculative (empty otherwise); a lent
-    /// group's travels with it.
+    /// When the overlap is speculative, which groups are lent (and snapshotted); empty
+    /// otherwise, when every group is lent.
+    planned: Vec<bool>,
+    /// One snapshot per planned group when the overlap is speculative; a lent group's
+    /// travels with it.
     snapshots: Vec<Option<Snapshot>>,
 }
 
 impl OptimizerLane {
-    /// The optimizer lane of rank `rank`, with snapshots of `groups` when `speculative`.
-    pub(super) fn new(
+    /// The optimizer lane of rank `rank` for `overlap` (none when it is off), with snapshots
+    /// of the planned `groups` when it is speculative; `shared` is the tied group's index.
+    pub(super) fn for_overlap(
+        overlap: &OptimizerOverlap,
         rank: usize,
-        groups: &[Group],
-        speculative: bool,
+        (groups, shared): (&[Group], Option<usize>),
         ledger: &mut Ledger,
-    ) -> Result<Self> {
-        let snapshots = match speculative {
-            true => groups
-                .iter()
-                .map(|g| Some(Snapshot::for_group(g, ledger)))
-                .collect(),
-            false => Vec::new(),
+    ) -> Result<Option<Self>> {
+        let planned = match overlap {
+            OptimizerOverlap::Off(_) => return Ok(None),
+            OptimizerOverlap::On => Vec::new(),
+            OptimizerOverlap::Speculative(_, budget) => {
+                let bytes: Vec<u64> = groups.iter().map(Snapshot::bytes_of).collect();
+                snapshot_plan(&bytes, shared, *budget)
+            }
         };
-        Ok(Self {
+        let snapshots = groups
+            .iter()
+            .zip(&planned)
+            .map(|(g, &p)| p.then(|| Snapshot::for_group(g, ledger)))
+            .collect();
+        Ok(Some(Self {
             lane: Lane::new(&format!("fz-optim-{rank}"))?,
             armed: None,
             lent: Vec::new(),
+            planned,
             snapshots,
-        })
+        }))
     }
 
     fn speculative(&self) -> bool {
-        !self.snapshots.is_empty()
+        !self.planned.is_empty()
     }
 }
 
@@ -200,6 +241,10 @@ impl Engine {
                 ..
             }
         );
+        // Beyond the snapshots' bound a group waits for the step after backward.
+        if w.speculative() && !w.planned.get(g).copied().unwrap_or(false) {
+            return Ok(());
+        }
         let snap = w.snapshots.get_mut(g).and_then(Option::take);
         if w.lent.iter().any(|(x, _)| *x == g)
             || gathered

@@ -61,25 +61,25 @@ impl Snapshot {
     /// state (the estimator's replay counts the same bytes: [`snapshot_bytes`]).
     pub(in crate::engine) fn for_group(g: &Group, ledger: &mut Ledger) -> Self {
         let n = g.owned.len();
-        let lp_dtype = match &g.params {
-            ParamStore::Replicated(b) => b.dtype(),
-            ParamStore::Partitioned { shard, .. } => shard.dtype(),
-        };
-        // The values updated are the f32 master weights, or the parameters themselves.
-        let p_dtype = g.master.as_ref().map_or(lp_dtype, |m| m.dtype());
+        let (p_dtype, lp_dtype) = dtypes(g);
         let lp = g.master.as_ref().map(|_| Slot::Empty(lp_dtype, n));
-        let bytes = ((p_dtype.size() * n)
-            + g.m.bytes() as usize
-            + g.v.bytes() as usize
-            + lp.as_ref().map_or(0, |_| lp_dtype.size() * n)) as u64;
         // Counted whichever memory holds them (buffers of its own, or staging memory).
-        ledger.alloc(Location::Host, Category::OptimizerState, bytes);
+        ledger.alloc(Location::Host, Category::OptimizerState, Self::bytes_of(g));
         Snapshot {
             p: Slot::Empty(p_dtype, n),
             m: Slot::Empty(g.m.dtype(), g.m.len()),
             v: Slot::Empty(g.v.dtype(), g.v.len()),
             lp,
         }
+    }
+
+    /// The bytes a snapshot of `g` holds: the values updated, the moments and, beside
+    /// master weights, the rounded copy (as [`snapshot_bytes`] prices them).
+    pub(in crate::engine) fn bytes_of(g: &Group) -> u64 {
+        let n = g.owned.len();
+        let (p_dtype, lp_dtype) = dtypes(g);
+        let lp = g.master.as_ref().map_or(0, |_| lp_dtype.size() * n);
+        ((p_dtype.size() * n) + g.m.bytes() as usize + g.v.bytes() as usize + lp) as u64
     }
 
     /// Saves `g`'s current optimizer values; the device ones are on their way down when this
@@ -162,6 +162,43 @@ impl Snapshot {
 /// storage `dtype` (the rounded copy beside master weights, or the values updated themselves).
 pub(in crate::engine) fn snapshot_bytes(owned: usize, opt_bytes: u64, dtype: DType) -> u64 {
     opt_bytes + (owned * dtype.size()) as u64
+}
+
+/// The dtypes of the values a step updates (the f32 master weights, or the parameters
+/// themselves) and of the stored parameters.
+fn dtypes(g: &Group) -> (DType, DType) {
+    let lp = match &g.params {
+        ParamStore::Replicated(b) => b.dtype(),
+        ParamStore::Partitioned { shard, .. } => shard.dtype(),
+    };
+    (g.master.as_ref().map_or(lp, |m| m.dtype()), lp)
+}
+
+/// Which groups a speculative overlap snapshots, from each group's snapshot bytes, the shared
+/// group's index (the tied parameters, final only after backward reaches their first user)
+/// and the rank's budget (`None`: every group): in the order backward finishes them (the last
+/// unit first, the shared group last), as many as fit, and no later one. The first have the
+/// most of backward left to be stepped behind; the others are stepped after backward, when
+/// the norm is known, and need no snapshot. The engine and the estimator's replay both decide
+/// with this.
+pub(in crate::engine) fn snapshot_plan(
+    bytes: &[u64],
+    shared: Option<usize>,
+    budget: Option<u64>,
+) -> Vec<bool> {
+    let Some(mut left) = budget else {
+        return vec![true; bytes.len()];
+    };
+    let mut plan = vec![false; bytes.len()];
+    let units = (0..bytes.len()).rev().filter(|&g| Some(g) != shared);
+    for g in units.chain(shared.filter(|&s| s < bytes.len())) {
+        if bytes[g] > left {
+            break;
+        }
+        left -= bytes[g];
+        plan[g] = true;
+    }
+    plan
 }
 
 fn mismatch(what: &str, want: (DType, usize), got: (DType, usize)) -> Error {

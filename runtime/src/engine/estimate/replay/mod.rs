@@ -22,7 +22,7 @@ use super::book::Book;
 use crate::backend::MemoryModel;
 use crate::engine::build::{optimizer_location, param_location, state_dtype, storage_dtype};
 use crate::engine::ledger::{Category, Ledger, Location};
-use crate::engine::optimizer_overlap::{snapshot_bytes, OptimizerOverlap};
+use crate::engine::optimizer_overlap::{snapshot_bytes, snapshot_plan, OptimizerOverlap};
 use crate::engine::partition::{shard_world, GroupLayout};
 use crate::engine::rules;
 use crate::engine::stage::{self, Extent, Stage};
@@ -72,6 +72,8 @@ pub(super) struct Replay<'a> {
     opt_bytes: Vec<u64>,
     /// Host bytes of the speculative overlap's snapshots (0 without them).
     pub(super) snapshot_bytes: u64,
+    /// Each group's snapshot bytes, were it snapshotted (what a bound is planned from).
+    pub(super) snapshot_group_bytes: Vec<u64>,
     /// Device bytes of the tensor between units: forward's latest output, then backward's
     /// latest input gradient (priced where the device counts transients).
     boundary: u64,
@@ -82,8 +84,9 @@ pub(super) struct Replay<'a> {
     /// Bytes of each checkpoint one forward sends down to host staging, in forward's order
     /// (empty unless `cpu_checkpointing` keeps them in host memory).
     ckpt_down: Vec<u64>,
-    /// Whether the optimizer overlap is speculative (its snapshots stage device values).
-    speculative: bool,
+    /// The groups a speculative overlap snapshots (their snapshots stage device values);
+    /// none when the overlap is not speculative.
+    snapshotted: Vec<bool>,
 }
 
 impl<'a> Replay<'a> {
@@ -133,21 +136,29 @@ impl<'a> Replay<'a> {
             secondary: vec![false; n],
             opt_bytes: vec![0; n],
             snapshot_bytes: 0,
+            snapshot_group_bytes: Vec::new(),
             boundary: 0,
             loss: 0,
             ckpt_up: vec![false; n],
             ckpt_down: Vec::new(),
-            speculative: matches!(overlap, OptimizerOverlap::Speculative(_)),
+            snapshotted: vec![false; n],
         };
         for g in 0..n {
             r.build_group(g, moments);
         }
-        // Mirrors `OptimizerLane::new`: a speculative optimizer overlap keeps one host snapshot
-        // of each group's optimizer values.
-        if let OptimizerOverlap::Speculative(_) = overlap {
-            for g in 0..n {
+        r.snapshot_group_bytes = (0..n)
+            .map(|g| {
                 let owned = r.stage.optimizer().range(&r.groups[g].layout, 0).len();
-                let b = snapshot_bytes(owned, r.opt_bytes[g], r.dtype);
+                snapshot_bytes(owned, r.opt_bytes[g], r.dtype)
+            })
+            .collect();
+        // Mirrors `OptimizerLane::for_overlap`: a speculative optimizer overlap keeps one host
+        // snapshot of each planned group's optimizer values.
+        if let OptimizerOverlap::Speculative(_, budget) = overlap {
+            let shared = crate::engine::optimizer_overlap::shared_group(model);
+            r.snapshotted = snapshot_plan(&r.snapshot_group_bytes, shared, *budget);
+            for g in (0..n).filter(|&g| r.snapshotted[g]) {
+                let b = r.snapshot_group_bytes[g];
                 r.ledger.alloc(Location::Host, Category::OptimizerState, b);
                 r.snapshot_bytes += b;
             }

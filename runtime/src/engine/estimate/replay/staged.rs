@@ -40,14 +40,18 @@ impl Replay<'_> {
     /// or the values updated themselves), when the group's parameters live on the device.
     /// A save takes its new buffer before it gives the previous one back, which then serves
     /// the next save of that shape (the same spare the group's parameter uploads turn over), so
-    /// a snapshot adds one buffer per group; under the registration threshold, none.
+    /// a snapshot adds one buffer per snapshotted group; under the registration threshold,
+    /// none.
     pub(super) fn snapshot_staging(&self) -> u64 {
-        if self.mem.upload_ring == 0 || !self.speculative {
+        if self.mem.upload_ring == 0 {
             return 0;
         }
         let param_loc = param_location(self.cfg);
         self.groups
             .iter()
+            .zip(&self.snapshotted)
+            .filter(|&(_, &planned)| planned)
+            .map(|(g, _)| g)
             .filter(|g| g.params == Extent::Full || param_loc == Location::Device)
             .map(|g| (self.stage.optimizer().range(&g.layout, 0).len() * self.dtype.size()) as u64)
             .filter(|&b| rules::staging_page_locked(b))
