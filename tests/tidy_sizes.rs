@@ -32,11 +32,6 @@ const FNS_ALLOWED: &[(&str, &str, &str)] = &[
         "reference",
         "not split yet: the emulator's documented GEMM, epilogues included, in one pass",
     ),
-    (
-        "runtime/src/engine/core.rs",
-        "assemble",
-        "not split yet: the engine's assembly from the config, model and communicator",
-    ),
 ];
 
 #[test]
