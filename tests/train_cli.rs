@@ -276,3 +276,51 @@ fn a_deepspeed_config_with_monitors_runs_through_ferrozero_train() {
     assert!(text.contains("Comm. Op"), "{text}");
     assert!(text.contains("reduce_scatter_tensor"), "{text}");
 }
+
+/// As a new user runs it, from the data's directory with a relative `--data`, output to a
+/// file: the second run reads the token cache the first wrote (it was deleted as stale
+/// before), the log shows the held-out losses, `--output` carries `generation_config.json`,
+/// and a config with a typo is refused before the corpus is tokenized.
+#[test]
+fn a_relative_data_path_keeps_its_cache_and_the_output_is_complete() {
+    let tmp = TempDir::new("relative");
+    let model = tmp.0.join("model");
+    model_dir(&model);
+    let generation = r#"{"bos_token_id": 0, "eos_token_id": 0, "max_length": 64}"#;
+    std::fs::write(model.join("generation_config.json"), generation).unwrap();
+    std::fs::copy(repo("data/shakespeare/input.txt"), tmp.0.join("input.txt")).unwrap();
+    let out = tmp.0.join("out");
+    let args = [
+        "--data", "input.txt", "--model", s(&model), "--seq-len", "64", "--steps", "4",
+        "--eval-every", "2", "--eval-fraction", "0.1", "--output", s(&out),
+    ];
+    let (ok, first) = train(&tmp.0, &args);
+    assert!(ok, "{first}");
+    assert!(!first.contains("(cached)"), "{first}");
+    assert!(first.contains("step 2 eval_loss=") && first.contains("step 4 eval_loss="), "{first}");
+    let caches = |d: &Path| {
+        std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tokens.bin"))
+            .count()
+    };
+    assert_eq!(caches(&tmp.0), 1, "the cache was written and kept");
+    let (ok, second) = train(&tmp.0, &args);
+    assert!(ok, "{second}");
+    assert!(second.contains("(cached)"), "{second}");
+    assert_eq!(caches(&tmp.0), 1);
+    let copied = std::fs::read_to_string(out.join("generation_config.json")).unwrap();
+    assert_eq!(copied, generation);
+    // A typo in the config is refused before any tokenizing (no cache, no data line).
+    let typo = tmp.0.join("typo.json");
+    std::fs::write(&typo, r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimisation": {}}"#)
+        .unwrap();
+    std::fs::remove_file(tmp.0.join("input.txt")).unwrap();
+    std::fs::copy(repo("data/shakespeare/input.txt"), tmp.0.join("fresh.txt")).unwrap();
+    let bad = ["--data", "fresh.txt", "--model", s(&model), "--config", s(&typo), "--steps", "1"];
+    let (ok, text) = train(&tmp.0, &bad);
+    assert!(!ok && text.contains("zero_optimisation"), "{text}");
+    assert!(!text.contains("data:"), "tokenized before the config was checked: {text}");
+    assert_eq!(caches(&tmp.0), 0, "{text}");
+}

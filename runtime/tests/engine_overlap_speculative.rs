@@ -62,32 +62,7 @@ struct Run {
 }
 
 fn train(cfg: &ResolvedConfig, model: fn() -> Model) -> Vec<Run> {
-    let world = cfg.world_size;
-    run_ranks(world, Duration::from_secs(120), |comm| {
-        let rank = comm.rank();
-        let mut e = Engine::new(model(), cfg.clone(), comm)?;
-        e.trace_schedule(true);
-        let (mut reports, mut traces) = (Vec::new(), Vec::new());
-        for s in 0..STEPS {
-            let b = |i: usize| toy::batch(11, 5, ((s * 2 + i) * world + rank) * 2, 2);
-            let r = e.train_batch(&[b(0), b(1)])?;
-            reports.push((r.loss.to_bits(), r.grad_norm.to_bits(), r.skipped));
-            traces.push(e.take_schedule_trace());
-        }
-        let bits = e
-            .parameters()?
-            .iter()
-            .flat_map(|t| t.data.iter().map(|x| x.to_bits()))
-            .collect();
-        let overlap = e.optimizer_overlap().clone();
-        Ok(Run {
-            bits,
-            reports,
-            traces,
-            overlap,
-        })
-    })
-    .expect("training failed")
+    train_with(cfg, model, None)
 }
 
 fn plain() -> Model {
@@ -254,7 +229,7 @@ fn bounded_snapshots_keep_the_bits() {
                     let got = train_with(
                         &on,
                         model,
-                        OptimizerOverlap::Speculative("test".into(), Some(bound)),
+                        Some(OptimizerOverlap::Speculative("test".into(), Some(bound))),
                     );
                     for (w, g) in want.iter().zip(&got) {
                         assert_eq!(
@@ -315,12 +290,16 @@ fn half_the_snapshots(cfg: &ResolvedConfig, model: fn() -> Model) -> (u64, usize
     (bytes, take)
 }
 
-/// [`train`] with the optimizer overlap `overlap`.
-fn train_with(cfg: &ResolvedConfig, model: fn() -> Model, overlap: OptimizerOverlap) -> Vec<Run> {
+/// [`train`] with the optimizer overlap `overlap` when given, else the config's.
+fn train_with(
+    cfg: &ResolvedConfig,
+    model: fn() -> Model,
+    overlap: Option<OptimizerOverlap>,
+) -> Vec<Run> {
     let world = cfg.world_size;
     run_ranks(world, Duration::from_secs(120), |comm| {
         let rank = comm.rank();
-        let mut e = Engine::with_overlap(model(), cfg.clone(), comm, Some(overlap.clone()))?;
+        let mut e = Engine::with_overlap(model(), cfg.clone(), comm, overlap.clone())?;
         e.trace_schedule(true);
         let (mut reports, mut traces) = (Vec::new(), Vec::new());
         for s in 0..STEPS {

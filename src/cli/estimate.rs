@@ -99,6 +99,8 @@ struct Plan {
     /// overlap's snapshots do not fit), which `est` prices.
     overlap: OptimizerOverlap,
     est: Estimate,
+    /// Why the device priced is that one.
+    device_why: String,
 }
 
 fn plan(args: &Args) -> Result<Plan, String> {
@@ -107,7 +109,7 @@ fn plan(args: &Args) -> Result<Plan, String> {
         return Err("--nodes and --gpus-per-node must be at least 1".into());
     }
     let world = args.nodes * args.gpus_per_node;
-    let cfg = config(args, world, shape.hidden)?;
+    let (cfg, device_why) = config(args, world, shape.hidden)?;
     let micro = args
         .micro_batch
         .unwrap_or(cfg.train_micro_batch_size_per_gpu);
@@ -144,6 +146,7 @@ fn plan(args: &Args) -> Result<Plan, String> {
         host_ram,
         overlap,
         est,
+        device_why,
     })
 }
 
@@ -195,7 +198,9 @@ const DEFAULT_CONFIG: &str = r#"{
   "zero_optimization": {"stage": 0}
 }"#;
 
-fn config(args: &Args, world: usize, hidden: usize) -> Result<ResolvedConfig, String> {
+/// The resolved config (world size, device and stage as the arguments say) and why its device
+/// is the one priced, for the report's first lines.
+fn config(args: &Args, world: usize, hidden: usize) -> Result<(ResolvedConfig, String), String> {
     let loaded = match &args.config {
         Some(p) => ferrozero_config::load(p),
         None => parse(DEFAULT_CONFIG, Format::Json, "built-in default"),
@@ -207,10 +212,19 @@ fn config(args: &Args, world: usize, hidden: usize) -> Result<ResolvedConfig, St
         micro_batch_hint: args.micro_batch,
     };
     let mut cfg = loaded.config.resolve(&ctx).map_err(|e| e.to_string())?;
-    cfg.device = match &args.device {
-        Some(d) => d.parse().map_err(|e| format!("--device {d}: {e}"))?,
-        None if cfg.device == Device::Auto => Device::Cuda(None),
-        None => cfg.device,
+    let why;
+    (cfg.device, why) = match &args.device {
+        Some(d) => (
+            d.parse().map_err(|e| format!("--device {d}: {e}"))?,
+            "--device".to_string(),
+        ),
+        None if cfg.device == Device::Auto => (
+            Device::Cuda(None),
+            "the config's device = \"auto\", priced as a GPU (this command sizes one, whatever \
+             this machine has; --device cpu prices the CPU)"
+                .to_string(),
+        ),
+        None => (cfg.device, format!("the config's device = \"{}\"", cfg.device)),
     };
     if let Some(s) = args.stage {
         cfg.zero.stage = match s {
@@ -220,7 +234,7 @@ fn config(args: &Args, world: usize, hidden: usize) -> Result<ResolvedConfig, St
             _ => ZeroStage::Stage3,
         };
     }
-    Ok(cfg)
+    Ok((cfg, why))
 }
 
 /// Sizes are parsed as the config's `device_memory_limit` is, so a flag and a key agree.
@@ -305,6 +319,7 @@ fn json_report(p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) 
         "stage": e.stage,
         "precision": precision_name(&p.cfg.precision),
         "device": p.cfg.device.to_string(),
+        "device_reason": p.device_why,
         "device_figures": memory_model(&p.cfg).to_string(),
         "micro_batch": e.micro_batch,
         "seq_len": e.seq_len,
@@ -351,6 +366,7 @@ fn snapshot_share(e: &Estimate) -> f64 {
 
 fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::Suggestion>>) {
     let (e, z) = (&p.est, &p.cfg.zero);
+    println!("priced for: {} ({})", p.cfg.device, p.device_why);
     println!(
         "model: {} ({:.3} B params), micro-batch {} x {} tokens",
         p.shape.description,

@@ -127,6 +127,8 @@ fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>>
         )
         .into());
     }
+    // Read and checked before the corpus: a typo in the config costs no tokenization.
+    let config = zero_config(args)?;
     let tokenizer = model.tokenizer();
     let corpus = data::open(
         &args.data,
@@ -146,7 +148,6 @@ fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>>
         corpus.train.len(),
         corpus.eval.as_ref().map_or(0, |e| e.len())
     );
-    let config = zero_config(args)?;
     let rows: Arc<dyn Rows> = if args.shuffle {
         let n = corpus.train.len();
         Arc::new(Shuffled {

@@ -92,9 +92,12 @@ fn store(path: &Path, cached: &Path, ids: &[u32], vocab: usize) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
+    // By name: for a bare relative path the listing's entries read `./<name>`, which no
+    // path comparison would match with the cache just written.
+    let keep = cached.file_name().unwrap_or_default();
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let stale = name.starts_with(&prefix) && name.ends_with(SUFFIX) && e.path() != cached;
+        let stale = name.starts_with(&prefix) && name.ends_with(SUFFIX) && e.file_name() != keep;
         if stale && name.len() == prefix.len() + 32 + SUFFIX.len() {
             let _ = std::fs::remove_file(e.path());
         }

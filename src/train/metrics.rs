@@ -128,12 +128,13 @@ impl Writer {
         let every = engine.config().steps_per_print.max(1) as u64;
         let print_now = self.lead && r.step.is_multiple_of(every);
         match &self.bar {
-            Some(b) => {
+            // Output that is not a terminal hides the bar: it gets the periodic lines instead.
+            Some(b) if !b.is_hidden() => {
                 b.set_message(line);
                 b.inc(1);
             }
-            None if print_now => tracing::info!("step {} {line}", r.step),
-            None => {}
+            _ if print_now => tracing::info!("step {} {line}", r.step),
+            _ => {}
         }
         if print_now && engine.config().wall_clock_breakdown {
             let t = &r.timings;
@@ -152,8 +153,9 @@ impl Writer {
         }
         let line = format!("step {step} eval_loss={loss:.4}");
         match &self.bar {
-            Some(b) => b.println(&line),
-            None => println!("{line}"),
+            // A hidden bar (output not a terminal) prints nothing: the line goes to stdout.
+            Some(b) if !b.is_hidden() => b.println(&line),
+            _ => println!("{line}"),
         }
         if let Some(m) = self.file.as_mut() {
             let j = serde_json::json!({"step": step, "eval_loss": loss});

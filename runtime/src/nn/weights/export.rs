@@ -25,7 +25,12 @@ pub const TOKENIZER_FILES: [&str; 3] = [
     "special_tokens_map.json",
 ];
 
-/// The files of a model directory besides its weights (`config.json`, tokenizer files), by
+/// The generation defaults `generate` reads (`GenerationConfig.from_pretrained`): carried
+/// from the model directory into checkpoints and exports as `save_pretrained` writes it.
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// The files of a model directory besides its weights (`config.json`, the generation config,
+/// tokenizer files), by
 /// file name, as bytes: what a run started from a model directory carries into its
 /// checkpoints and exports.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -35,10 +40,12 @@ pub struct ModelFiles {
 }
 
 impl ModelFiles {
-    /// Reads `config.json` and the tokenizer files that exist in `dir`.
+    /// Reads `config.json`, `generation_config.json` and the tokenizer files that exist in
+    /// `dir`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let mut files = Vec::new();
-        for name in std::iter::once(CONFIG_FILE).chain(TOKENIZER_FILES) {
+        let names = [CONFIG_FILE, GENERATION_CONFIG_FILE].into_iter().chain(TOKENIZER_FILES);
+        for name in names {
             let p = dir.join(name);
             if p.is_file() {
                 files.push((
