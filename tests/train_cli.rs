@@ -291,13 +291,28 @@ fn a_relative_data_path_keeps_its_cache_and_the_output_is_complete() {
     std::fs::copy(repo("data/shakespeare/input.txt"), tmp.0.join("input.txt")).unwrap();
     let out = tmp.0.join("out");
     let args = [
-        "--data", "input.txt", "--model", s(&model), "--seq-len", "64", "--steps", "4",
-        "--eval-every", "2", "--eval-fraction", "0.1", "--output", s(&out),
+        "--data",
+        "input.txt",
+        "--model",
+        s(&model),
+        "--seq-len",
+        "64",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-fraction",
+        "0.1",
+        "--output",
+        s(&out),
     ];
     let (ok, first) = train(&tmp.0, &args);
     assert!(ok, "{first}");
     assert!(!first.contains("(cached)"), "{first}");
-    assert!(first.contains("step 2 eval_loss=") && first.contains("step 4 eval_loss="), "{first}");
+    assert!(
+        first.contains("step 2 eval_loss=") && first.contains("step 4 eval_loss="),
+        "{first}"
+    );
     let caches = |d: &Path| {
         std::fs::read_dir(d)
             .unwrap()
@@ -314,13 +329,32 @@ fn a_relative_data_path_keeps_its_cache_and_the_output_is_complete() {
     assert_eq!(copied, generation);
     // A typo in the config is refused before any tokenizing (no cache, no data line).
     let typo = tmp.0.join("typo.json");
-    std::fs::write(&typo, r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimisation": {}}"#)
-        .unwrap();
-    std::fs::remove_file(tmp.0.join("input.txt")).unwrap();
+    std::fs::write(
+        &typo,
+        r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimisation": {}}"#,
+    )
+    .unwrap();
     std::fs::copy(repo("data/shakespeare/input.txt"), tmp.0.join("fresh.txt")).unwrap();
-    let bad = ["--data", "fresh.txt", "--model", s(&model), "--config", s(&typo), "--steps", "1"];
+    let bad = [
+        "--data",
+        "fresh.txt",
+        "--model",
+        s(&model),
+        "--config",
+        s(&typo),
+        "--steps",
+        "1",
+    ];
     let (ok, text) = train(&tmp.0, &bad);
     assert!(!ok && text.contains("zero_optimisation"), "{text}");
-    assert!(!text.contains("data:"), "tokenized before the config was checked: {text}");
-    assert_eq!(caches(&tmp.0), 0, "{text}");
+    assert!(
+        !text.contains("data:"),
+        "tokenized before the config was checked: {text}"
+    );
+    let fresh = std::fs::read_dir(&tmp.0)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("fresh.txt."))
+        .count();
+    assert_eq!(fresh, 0, "{text}");
 }

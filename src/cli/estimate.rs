@@ -224,7 +224,10 @@ fn config(args: &Args, world: usize, hidden: usize) -> Result<(ResolvedConfig, S
              this machine has; --device cpu prices the CPU)"
                 .to_string(),
         ),
-        None => (cfg.device, format!("the config's device = \"{}\"", cfg.device)),
+        None => (
+            cfg.device,
+            format!("the config's device = \"{}\"", cfg.device),
+        ),
     };
     if let Some(s) = args.stage {
         cfg.zero.stage = match s {

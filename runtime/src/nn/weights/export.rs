@@ -44,7 +44,9 @@ impl ModelFiles {
     /// `dir`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let mut files = Vec::new();
-        let names = [CONFIG_FILE, GENERATION_CONFIG_FILE].into_iter().chain(TOKENIZER_FILES);
+        let names = [CONFIG_FILE, GENERATION_CONFIG_FILE]
+            .into_iter()
+            .chain(TOKENIZER_FILES);
         for name in names {
             let p = dir.join(name);
             if p.is_file() {
