@@ -141,18 +141,7 @@ fn path_of_step(spans: &[Span], groups: usize, skipped: bool, what: &str) -> boo
 fn clipped_steps_are_bitwise_those_of_the_step_after_backward() {
     for world in [1, 2] {
         for precision in [Precision::Bf16, Precision::F32] {
-            // A threshold between the toy's gradient norms: clipping binds in some steps.
-            let probe = train(
-                &base(ZeroStage::Stage0, world, precision.clone(), 0.0),
-                plain,
-            );
-            let mut norms: Vec<f64> = probe[0]
-                .reports
-                .iter()
-                .map(|r| f64::from_bits(r.1))
-                .collect();
-            norms.sort_by(f64::total_cmp);
-            let clip = norms[STEPS / 2];
+            let clip = median_norm(world, precision.clone());
             for stage in STAGES {
                 let cfg = base(stage, world, precision.clone(), clip);
                 let what = format!("{stage:?} world {world} {precision:?} clip {clip}");
@@ -166,15 +155,20 @@ fn clipped_steps_are_bitwise_those_of_the_step_after_backward() {
     }
 }
 
-#[test]
-fn an_fp16_overflow_step_is_skipped_and_the_lane_undone_exactly() {
-    let dynamic = Precision::Fp16(LossScaling::Dynamic {
+/// fp16 with a dynamic loss scale from 2^8 that halves at the first overflow.
+fn dynamic_scale() -> Precision {
+    Precision::Fp16(LossScaling::Dynamic {
         initial_scale_power: 8,
         loss_scale_window: 100,
         hysteresis: 1,
         consecutive_hysteresis: false,
         min_loss_scale: 1.0,
-    });
+    })
+}
+
+#[test]
+fn an_fp16_overflow_step_is_skipped_and_the_lane_undone_exactly() {
+    let dynamic = dynamic_scale();
     for world in [1, 2] {
         for stage in STAGES {
             // With clipping (the usual config) and without (the scale alone speculates).
@@ -197,16 +191,10 @@ fn an_fp16_overflow_step_is_skipped_and_the_lane_undone_exactly() {
 /// nothing offloaded and nothing overlapped.
 #[test]
 fn bounded_snapshots_keep_the_bits() {
-    let dynamic = Precision::Fp16(LossScaling::Dynamic {
-        initial_scale_power: 8,
-        loss_scale_window: 100,
-        hysteresis: 1,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    });
+    let dynamic = dynamic_scale();
     for world in [1, 2] {
         for stage in STAGES {
-            let clip = median_norm(world);
+            let clip = median_norm(world, Precision::Bf16);
             let cases = [
                 (
                     base(stage, world, Precision::Bf16, clip),
@@ -266,10 +254,10 @@ fn bounded_snapshots_keep_the_bits() {
     }
 }
 
-/// A clipping threshold between the toy's gradient norms (bf16, `world` ranks): clipping
-/// binds in some steps and not in others.
-fn median_norm(world: usize) -> f64 {
-    let probe = train(&base(ZeroStage::Stage0, world, Precision::Bf16, 0.0), plain);
+/// A clipping threshold between the toy's gradient norms (`world` ranks, `precision`):
+/// clipping binds in some steps and not in others.
+fn median_norm(world: usize, precision: Precision) -> f64 {
+    let probe = train(&base(ZeroStage::Stage0, world, precision, 0.0), plain);
     let mut norms: Vec<f64> = probe[0]
         .reports
         .iter()
