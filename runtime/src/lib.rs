@@ -8,9 +8,11 @@ pub mod backend;
 pub mod comm;
 pub mod engine;
 pub mod error;
+pub mod ledger;
 pub mod monitor;
 pub mod nn;
 pub mod profiler;
+pub mod report;
 pub mod tensor;
 
 pub use error::{Error, Result};

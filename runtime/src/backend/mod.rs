@@ -40,6 +40,22 @@ pub use stream::{Stream, StreamEvent, StreamOps};
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
 
+/// Target value that contributes no loss (as in PyTorch's cross-entropy); the token
+/// operations skip it, and `nn` re-exports it for the layers.
+pub const IGNORE_INDEX: i32 = -100;
+
+/// Reduction operator of a collective (the device's rank-ordered sums compute it, so it lives
+/// here; `comm` re-exports it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Sum in rank order.
+    Sum,
+    /// Sum in rank order, then divide by the world size.
+    Avg,
+    /// Element-wise maximum.
+    Max,
+}
+
 /// Whether an operand of a matrix product is used as stored or transposed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transpose {

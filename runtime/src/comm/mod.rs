@@ -11,16 +11,7 @@
 use crate::Result;
 pub use ferrozero_config::resolved::CommBackend;
 
-/// Reduction operator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReduceOp {
-    /// Sum in rank order.
-    Sum,
-    /// Sum in rank order, then divide by the world size.
-    Avg,
-    /// Element-wise maximum.
-    Max,
-}
+pub use crate::backend::ReduceOp;
 
 /// How a communicator whose transport has its own reductions (MPI) forms sums.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -18,8 +18,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use ferrozero_config::resolved::{MonitorOutput, Precision, ResolvedConfig};
 
-use crate::engine::ledger::Category;
-use crate::engine::StepReport;
+use crate::ledger::Category;
+use crate::report::StepReport;
 use crate::Result;
 use sinks::Sink;
 use writer::Writer;

@@ -17,8 +17,7 @@ use crate::backend::{Backend, MemoryModel};
 use crate::tensor::{IdBuf, Ids, Storage, Tensor, View, ViewMut};
 use crate::{Error, Result};
 
-/// Target value that contributes no loss (as in PyTorch's cross-entropy).
-pub const IGNORE_INDEX: i32 = -100;
+pub use crate::backend::IGNORE_INDEX;
 
 /// How a parameter is initialised; the engine draws from a seeded RNG so that every world
 /// size and stage starts from the same values.

@@ -5,8 +5,8 @@ use rayon::prelude::*;
 
 use super::simd::simd_kernel;
 use super::{expect_len, f32_in, f32_out, math, CpuBackend};
+use crate::backend::IGNORE_INDEX;
 use crate::backend::{Accumulate, HeadLoss, HeadShape, MatmulShape, TokenOps, Transpose};
-use crate::nn::IGNORE_INDEX;
 use crate::tensor::{spare, FlatBuf, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
 

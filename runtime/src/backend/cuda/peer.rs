@@ -18,7 +18,7 @@ use super::device::{CudaDevice, STREAM};
 use super::driver::{copy_peer, DevPtr, DeviceBuffer, StreamKind};
 use super::launch::Args;
 use super::storage::{CudaView, CudaViewMut};
-use crate::comm::ReduceOp;
+use crate::backend::ReduceOp;
 use crate::tensor::DType;
 use crate::{Error, Result};
 

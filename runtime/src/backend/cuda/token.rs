@@ -11,8 +11,8 @@ use super::driver::LaunchConfig;
 use super::head::HeadIn;
 use super::launch::Args;
 use super::storage::{by_dtype, CudaViewMut};
+use crate::backend::IGNORE_INDEX;
 use crate::backend::{Accumulate, HeadLoss, HeadShape, TokenOps};
-use crate::nn::IGNORE_INDEX;
 use crate::tensor::{DType, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
 

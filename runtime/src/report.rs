@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::ledger::LedgerReport;
+use crate::ledger::LedgerReport;
 
 /// Wall-clock time per phase of one step, in seconds (filled when `wall_clock_breakdown` is on).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -1,0 +1,62 @@
+//! The runtime's floors, as a test of the text: a lower floor never names a higher one. The
+//! backend (with the device, its storage and its operations) knows nothing of layers,
+//! collectives, the engine or its observers; the ledger and the step report sit below both the
+//! engine and the monitors, which read them; the monitors never reach into the engine. An
+//! upward `crate::` path in code (comments and doc links aside) fails here with its file and
+//! line.
+
+use std::path::{Path, PathBuf};
+
+/// (a floor: files or folders under `src/`, the floors above it it must not name).
+const FLOORS: &[(&[&str], &[&str])] = &[
+    (
+        &["backend"],
+        &["nn", "comm", "engine", "monitor", "profiler"],
+    ),
+    (&["ledger.rs", "report.rs"], &["engine", "monitor", "comm"]),
+    (&["monitor"], &["engine"]),
+];
+
+fn rust_files(p: &Path, out: &mut Vec<PathBuf>) {
+    if p.is_dir() {
+        let mut entries: Vec<_> = std::fs::read_dir(p)
+            .expect("a source folder reads")
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        entries.sort();
+        for e in entries {
+            rust_files(&e, out);
+        }
+    } else if p.extension().is_some_and(|x| x == "rs") {
+        out.push(p.to_path_buf());
+    }
+}
+
+#[test]
+fn no_floor_names_one_above_it() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut found = Vec::new();
+    for (floor, above) in FLOORS {
+        let mut files = Vec::new();
+        for f in *floor {
+            rust_files(&src.join(f), &mut files);
+        }
+        assert!(!files.is_empty(), "{floor:?}: no files (moved?)");
+        for file in files {
+            let text = std::fs::read_to_string(&file).expect("a source file reads");
+            for (i, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or_default();
+                for a in *above {
+                    if code.contains(&format!("crate::{a}::"))
+                        || code.contains(&format!("crate::{a};"))
+                    {
+                        let rel = file.strip_prefix(&src).unwrap_or(&file).display();
+                        found.push(format!("src/{rel}:{}: names `{a}`: {}", i + 1, line.trim()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "upward imports:\n{}", found.join("\n"));
+}
