@@ -12,12 +12,10 @@ use ferrozero_config::resolved::{
 };
 use ferrozero_config::{parse, Device, Format, ResolveContext};
 use ferrozero_runtime::engine::estimate::shape::{self, ModelShape};
-use ferrozero_runtime::engine::estimate::{
-    estimate_with_overlap, memory_model, suggest, Budget, Estimate, Placement,
-};
+use ferrozero_runtime::engine::estimate::{memory_model, suggest, Budget, Estimate, Placement};
 use ferrozero_runtime::engine::host_limits::HostRamNeed;
 use ferrozero_runtime::engine::ledger::Category;
-use ferrozero_runtime::engine::optimizer_overlap::{shared_group, HostNeed, OptimizerOverlap};
+use ferrozero_runtime::engine::optimizer_overlap::{overlap_on_host, OptimizerOverlap};
 use serde_json::{json, Value};
 
 /// Arguments.
@@ -136,7 +134,9 @@ fn plan(args: &Args) -> Result<Plan, String> {
         device_bytes: device,
         host_bytes: host_ram / args.gpus_per_node as u64,
     };
-    let (overlap, est) = overlap_on_host(&shape.model, &cfg, (micro, seq), args, host_ram);
+    let in_ram = ferrozero_runtime::backend::memory_is_host_ram(cfg.device);
+    let ranks = (args.gpus_per_node as u64, in_ram);
+    let (overlap, est) = overlap_on_host(&shape.model, &cfg, (micro, seq), ranks, host_ram);
     Ok(Plan {
         shape,
         cfg,
@@ -148,28 +148,6 @@ fn plan(args: &Args) -> Result<Plan, String> {
         est,
         device_why,
     })
-}
-
-/// The optimizer overlap as `initialize` decides it on a node of `host_ram` bytes shared by
-/// `--gpus-per-node` ranks, and the estimate for it.
-fn overlap_on_host(
-    model: &ferrozero_runtime::nn::Model,
-    cfg: &ResolvedConfig,
-    (micro, seq): (usize, usize),
-    args: &Args,
-    host_ram: u64,
-) -> (OptimizerOverlap, Estimate) {
-    let configured = OptimizerOverlap::decide(cfg);
-    let est = estimate_with_overlap(model, cfg, micro, seq, &configured);
-    let in_ram = ferrozero_runtime::backend::memory_is_host_ram(cfg.device);
-    let need = HostNeed::of(&est, args.gpus_per_node as u64, in_ram);
-    let groups = (&est.snapshot_group_bytes[..], shared_group(model));
-    let overlap = OptimizerOverlap::decide_for_host(cfg, need, groups, host_ram);
-    if overlap == configured {
-        return (overlap, est);
-    }
-    let est = estimate_with_overlap(model, cfg, micro, seq, &overlap);
-    (overlap, est)
 }
 
 fn model(args: &Args) -> Result<ModelShape, String> {

@@ -320,7 +320,7 @@ impl Engine {
     }
 
     pub(super) fn shared_index(&self) -> Option<usize> {
-        (!self.model.shared.is_empty()).then_some(self.model.units.len())
+        super::optimizer_overlap::shared_group(&self.model)
     }
 
     pub(super) fn unit_seed(&self, unit: usize) -> u64 {

@@ -9,7 +9,7 @@ use ferrozero_config::{Config, ResolveContext};
 use super::core::Engine;
 use super::host_limits::{check_device_host_ram, check_locked_memory, ranks_here, HostRam};
 use super::ledger::{Category, Location};
-use super::optimizer_overlap::{shared_group, HostNeed, OptimizerOverlap};
+use super::optimizer_overlap::{overlap_on_host, OptimizerOverlap};
 use crate::backend::memory_is_host_ram;
 use crate::comm::local::LocalComm;
 use crate::comm::Communicator;
@@ -193,11 +193,9 @@ fn overlap_for_host(
         return decided;
     }
     let mb = cfg.train_micro_batch_size_per_gpu;
-    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, &decided);
-    let need = HostNeed::of(&e, ranks_here(cfg), memory_is_host_ram(cfg.device));
-    let groups = (&e.snapshot_group_bytes[..], shared_group(model));
+    let ranks = (ranks_here(cfg), memory_is_host_ram(cfg.device));
     match ferrozero_offload::sys::mem_available() {
-        Ok(available) => OptimizerOverlap::decide_for_host(cfg, need, groups, available),
+        Ok(available) => overlap_on_host(model, cfg, (mb, seq), ranks, available).0,
         Err(err) => {
             tracing::warn!("speculative optimizer overlap: host memory unknown ({err})");
             decided

@@ -5,9 +5,8 @@
 use std::sync::Arc;
 
 use super::device::CudaDevice;
-use super::driver::StreamKind;
 use super::storage::{CudaView, CudaViewMut};
-use super::stream::{kind, record_on};
+use super::stream::{kind, record_on, wait_for_stream};
 use crate::backend::{Stream, StreamEvent};
 use crate::tensor::in_flight::{HostCopy, StagingHome};
 use crate::tensor::BufRef;
@@ -75,8 +74,11 @@ impl CudaViewMut<'_> {
         }
         let dev: &Arc<CudaDevice> = self.device();
         let bytes = src.bytes();
+        // The caching allocator's blocks belong to the compute stream: a block handed out
+        // again may still be read or written there by kernels queued before, so a copy stream
+        // writing into it waits for them (on the emulator, the stream-order book checks it).
         if s != Stream::Compute {
-            after_compute(dev, s)?;
+            wait_for_stream(dev, s, Stream::Compute)?;
         }
         // SAFETY: the caller keeps `src` as it is until the event has completed.
         unsafe {
@@ -88,21 +90,6 @@ impl CudaViewMut<'_> {
             let _ = dev.driver().synchronize(kind(s));
         })
     }
-}
-
-/// Orders what stream `s` does next after everything issued on the compute stream so far. The
-/// caching allocator's blocks belong to the compute stream: a block handed out again may still
-/// be read or written there by kernels queued before, so a copy stream writing into it must
-/// wait for them (on the emulator, the stream-order book checks it).
-fn after_compute(dev: &Arc<CudaDevice>, s: Stream) -> Result<()> {
-    let d = dev.driver();
-    let e = d.event_create()?;
-    let waited = d
-        .event_record(e, StreamKind::Compute)
-        .and_then(|()| d.stream_wait_event(kind(s), e));
-    // The wait is queued: the event may go (its resources are freed when it completes).
-    d.event_destroy(e)?;
-    waited
 }
 
 #[cfg(test)]

@@ -64,6 +64,17 @@ pub(crate) fn record_on(dev: &Arc<CudaDevice>, s: Stream) -> Result<StreamEvent>
     Ok(StreamEvent::Device(Box::new(ev)))
 }
 
+/// Orders what `dev`'s stream `waiter` does next after everything issued on its stream `on`
+/// so far; the event goes at once (a queued wait outlives it).
+pub(crate) fn wait_for_stream(dev: &Arc<CudaDevice>, waiter: Stream, on: Stream) -> Result<()> {
+    let ev = CudaEvent {
+        dev: dev.clone(),
+        e: dev.driver().event_create()?,
+    };
+    dev.driver().event_record(ev.e, kind(on))?;
+    dev.driver().stream_wait_event(kind(waiter), ev.e)
+}
+
 impl StreamOps for CudaBackend {
     fn record(&self, s: Stream) -> Result<StreamEvent> {
         record_on(&self.dev, s)

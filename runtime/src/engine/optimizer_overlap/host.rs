@@ -10,7 +10,7 @@ use ferrozero_config::resolved::ResolvedConfig;
 use ferrozero_offload::sys::human;
 
 use super::{snapshot_plan, OptimizerOverlap};
-use crate::engine::estimate::Estimate;
+use crate::engine::estimate::{estimate_with_overlap, Estimate};
 use crate::engine::host_limits::HostRamNeed;
 
 /// The share of the host's available memory the snapshots never take (1/16): the process's
@@ -104,6 +104,29 @@ impl OptimizerOverlap {
             Some(kept),
         )
     }
+}
+
+/// The optimizer overlap `model` gets under `cfg` on a host of `available` bytes shared by
+/// `ranks` ranks (the device's working set counted as RAM when `device_in_ram`), and the
+/// estimate for it at micro-batches of `micro` rows of `seq` tokens: what `initialize` and
+/// `ferrozero estimate` both decide with.
+pub fn overlap_on_host(
+    model: &crate::nn::Model,
+    cfg: &ResolvedConfig,
+    (micro, seq): (usize, usize),
+    (ranks, device_in_ram): (u64, bool),
+    available: u64,
+) -> (OptimizerOverlap, Estimate) {
+    let configured = OptimizerOverlap::decide(cfg);
+    let e = estimate_with_overlap(model, cfg, micro, seq, &configured);
+    let need = HostNeed::of(&e, ranks, device_in_ram);
+    let groups = (&e.snapshot_group_bytes[..], super::shared_group(model));
+    let decided = OptimizerOverlap::decide_for_host(cfg, need, groups, available);
+    if decided == configured {
+        return (decided, e);
+    }
+    let e = estimate_with_overlap(model, cfg, micro, seq, &decided);
+    (decided, e)
 }
 
 #[cfg(test)]

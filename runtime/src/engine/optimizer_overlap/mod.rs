@@ -31,7 +31,7 @@ use super::optimizer::StepValues;
 use crate::nn::Model;
 use crate::{Error, Result};
 
-pub use host::HostNeed;
+pub use host::{overlap_on_host, HostNeed};
 use snapshot::Snapshot;
 pub(super) use snapshot::{snapshot_bytes, snapshot_plan};
 pub(super) use speculate::Overlapped;
@@ -101,9 +101,7 @@ impl OptimizerOverlap {
     pub fn reason(&self) -> String {
         match self {
             OptimizerOverlap::On => "nothing global changes the step after backward".into(),
-            OptimizerOverlap::Speculative(why, None) => why.clone(),
-            OptimizerOverlap::Speculative(why, Some(_)) => why.clone(),
-            OptimizerOverlap::Off(why) => why.clone(),
+            OptimizerOverlap::Speculative(why, _) | OptimizerOverlap::Off(why) => why.clone(),
         }
     }
 
