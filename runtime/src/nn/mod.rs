@@ -1,5 +1,6 @@
 //! Neural-network building blocks: the `Module` contract, layers and models.
 
+pub mod freeze;
 pub mod gpt2;
 pub mod gradcheck;
 pub mod hf;
@@ -7,6 +8,7 @@ pub mod init;
 pub mod linear;
 pub mod llama;
 pub mod module;
+pub mod peft;
 pub(crate) mod saved;
 pub mod weights;
 
