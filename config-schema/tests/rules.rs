@@ -103,6 +103,16 @@ fn one_bit_optimizers_are_refused() {
         (3, 8),
         "OneBitAdam",
     );
+    // The refusal says why, not only that: a user must know the update itself would differ.
+    let d = ds.iter().find(|d| d.path == "optimizer.type").unwrap();
+    assert!(
+        d.message.contains("a different update from Adam's"),
+        "{d:?}"
+    );
+    let ds = diags(&format!("{BASE}[fp8]\nenabled = true\n"));
+    let d = ds.iter().find(|d| d.path == "fp8").unwrap();
+    assert_eq!(d.severity, Severity::Error);
+    assert!(d.help.as_deref().unwrap().contains("fp8 matmuls"), "{d:?}");
 }
 
 #[test]

@@ -235,3 +235,63 @@ fn bf16_optimizer_values_resolve_where_deepspeed_allows_them() {
     );
     assert!(resolve(&on_cpu).optimizer_states);
 }
+
+/// A ZenFlow section runs: each key is checked as DeepSpeed checks it, and one warning on the
+/// section says that ferrozero's exact overlapped offload runs instead.
+#[test]
+fn zenflow_is_checked_then_answered_with_what_runs_instead() {
+    let ok = json_diags(
+        r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2,
+            "offload_optimizer": {"device": "cpu"},
+            "zenflow": {"topk_ratio": 0.1, "select_strategy": "auto", "update_interval": 4, "overlap_step": true}}}"#,
+    );
+    assert_eq!(ok.len(), 1, "{ok:?}");
+    assert_eq!(
+        (ok[0].severity, ok[0].kind),
+        (Severity::Warning, DiagnosticKind::Unsupported)
+    );
+    assert_eq!(ok[0].path, "zero_optimization.zenflow");
+    assert!(
+        ok[0]
+            .help
+            .as_deref()
+            .unwrap()
+            .contains("exact overlapped offload"),
+        "{:?}",
+        ok[0]
+    );
+    let bad = json_diags(
+        r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2,
+            "zenflow": {"topk_ratio": 1.5, "select_strategy": "often", "update_intervl": 4}}}"#,
+    );
+    let errors: Vec<(&str, DiagnosticKind)> = bad
+        .iter()
+        .filter(|d| d.severity == Severity::Error)
+        .map(|d| (d.path.as_str(), d.kind))
+        .collect();
+    assert_eq!(
+        errors,
+        [
+            (
+                "zero_optimization.zenflow.topk_ratio",
+                DiagnosticKind::InvalidValue
+            ),
+            (
+                "zero_optimization.zenflow.select_strategy",
+                DiagnosticKind::InvalidValue
+            ),
+            (
+                "zero_optimization.zenflow.update_intervl",
+                DiagnosticKind::UnknownKey
+            ),
+        ]
+    );
+    let typo = bad
+        .iter()
+        .find(|d| d.kind == DiagnosticKind::UnknownKey)
+        .unwrap();
+    assert!(
+        typo.help.as_deref().unwrap().contains("update_interval"),
+        "{typo:?}"
+    );
+}

@@ -11,6 +11,7 @@ mod profiler;
 mod runtime;
 mod scheduler;
 mod size;
+mod zenflow;
 mod zero;
 
 use std::collections::HashMap;
@@ -30,6 +31,7 @@ pub use profiler::FlopsProfilerSection;
 pub use runtime::{ActivationCheckpointingSection, Aio, Backend, Comms, Reduction};
 pub use scheduler::{Scheduler, SchedulerParams, SchedulerType, WarmupKind};
 pub use size::{parse_size, ByteSize};
+pub use zenflow::ZenFlowSection;
 pub use zero::ZeroOptimization;
 
 use crate::parse::Node;
@@ -242,7 +244,7 @@ const TOP_SUPPORT: &[(&str, Support)] = &[
     ("managed_gradient_accumulation", Support::RefusedUnless(off::is_true, "ferrozero steps the optimizer only at accumulation boundaries; `false` (an update at every step() call) is not implemented")),
     ("gradient_accumulation_dtype", Support::RefusedUnless(off::is_fp32, "gradients are accumulated in f32")),
     ("data_types", Support::RefusedUnless(data_types_default, "ferrozero accumulates gradients in f32 and keeps parameters in the training precision; other dtypes would change the math")),
-    ("fp8", Support::Refused("fp8 training is not implemented")),
+    ("fp8", Support::Refused("fp8 matmuls (scaled e4m3/e5m2 tensors) are not implemented; training in bf16 instead would change the math, so the config is refused")),
     ("moe", Support::Refused("mixture-of-experts parallelism is not implemented")),
 ];
 

@@ -74,17 +74,18 @@ const TYPES: &[(&str, OptimizerType)] = &[
     ("Lion", OptimizerType::Lion),
 ];
 
-/// DeepSpeed optimizer types ferrozero refuses rather than silently replacing.
-const REFUSED_TYPES: &[&str] = &[
-    "OneBitAdam",
-    "ZeroOneAdam",
-    "OneBitLamb",
-    "Lamb",
-    "Adagrad",
-    "Muon",
-    "MuAdam",
-    "MuAdamW",
-    "MuSGD",
+/// DeepSpeed optimizer types ferrozero refuses rather than silently replacing, each with why
+/// (the help says what to use instead).
+const REFUSED_TYPES: &[(&str, &str)] = &[
+    ("OneBitAdam", "1-bit Adam freezes the variance after a warm-up and sends sign-compressed, error-compensated momentum: a different update from Adam's, with communication ferrozero's collectives do not carry"),
+    ("ZeroOneAdam", "0/1 Adam skips variance updates and compresses communication: a different update from Adam's"),
+    ("OneBitLamb", "1-bit LAMB compresses momentum after a warm-up: a different update from LAMB's"),
+    ("Lamb", "LAMB's per-tensor trust ratio is not implemented"),
+    ("Adagrad", "Adagrad is not implemented"),
+    ("Muon", "Muon's orthogonalised updates are not implemented"),
+    ("MuAdam", "muP's per-layer learning-rate scaling is not implemented"),
+    ("MuAdamW", "muP's per-layer learning-rate scaling is not implemented"),
+    ("MuSGD", "muP's per-layer learning-rate scaling is not implemented"),
 ];
 
 const PARAM_SUPPORT: &[(&str, Support)] = &[
@@ -138,12 +139,15 @@ fn has_key(node: &Node, key: &str) -> bool {
 
 fn read_type(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<OptimizerType> {
     if let Kind::Str(s) = &node.kind {
-        if let Some(name) = REFUSED_TYPES.iter().find(|n| n.eq_ignore_ascii_case(s)) {
+        if let Some((name, why)) = REFUSED_TYPES
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(s))
+        {
             cx.error(Report {
                 kind: DiagnosticKind::Unsupported,
                 path,
                 span: &node.span,
-                message: format!("optimizer \"{name}\" is not supported by ferrozero"),
+                message: format!("optimizer \"{name}\" is not supported by ferrozero: {why}"),
                 help: Some("use \"Adam\", \"AdamW\", \"SGD\" or \"Lion\"".into()),
             });
             return None;

@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use super::auto::AutoOr;
 use super::offload::{read_offload, OffloadDevice, OffloadSection};
+use super::zenflow::{read_zenflow, ZenFlowSection};
 use crate::diagnostic::DiagnosticKind;
 use crate::parse::Node;
 use crate::reader::{auto_or, off, to_bool, to_uint, Cx, Report, Support, TableReader};
@@ -88,6 +89,10 @@ pub struct ZeroOptimization {
     /// Where optimizer state (and the fp32 master weights) lives, and where the step runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload_optimizer: Option<OffloadSection>,
+    /// DeepSpeed's ZenFlow: checked, then ignored with a warning; ferrozero's exact
+    /// overlapped offload runs instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zenflow: Option<ZenFlowSection>,
 }
 
 impl Default for ZeroOptimization {
@@ -112,6 +117,7 @@ impl Default for ZeroOptimization {
             mics_hierarchical_params_gather: false,
             offload_param: None,
             offload_optimizer: None,
+            zenflow: None,
         }
     }
 }
@@ -119,31 +125,135 @@ impl Default for ZeroOptimization {
 /// The other keys of DeepSpeed 0.19's `DeepSpeedZeroConfig`, and what ferrozero does with
 /// them (`docs/deepspeed-keys.md` lists them with reasons).
 const SUPPORT: &[(&str, Support)] = &[
-    ("elastic_checkpoint", Support::IgnoredUnless(off::is_false, "ferrozero checkpoints always reload at any world size")),
-    ("load_from_fp32_weights", Support::IgnoredUnless(off::is_true, "ferrozero always reloads from fp32 master weights")),
-    ("ignore_unused_parameters", Support::IgnoredUnless(off::is_true, "unused parameters get zero gradients")),
-    ("legacy_stage1", Support::IgnoredUnless(off::is_false, "there is one stage-1 implementation")),
-    ("memory_efficient_linear", Support::IgnoredUnless(off::is_true, "a memory optimisation of DeepSpeed's linear layer")),
-    ("log_trace_cache_warnings", Support::IgnoredUnless(off::is_false, "logging only")),
-    ("enable_sanity_checks", Support::IgnoredUnless(off::is_false, "DeepSpeed's internal debug checks")),
-    ("override_module_apply", Support::IgnoredUnless(off::is_true, "a PyTorch module hook")),
-    ("pipeline_loading_checkpoint", Support::IgnoredUnless(off::is_false, "pipeline-engine checkpoint loading")),
-    ("stage3_model_persistence_threshold", Support::Ignored("memory tuning only")),
-    ("model_persistence_threshold", Support::Ignored("memory tuning only")),
-    ("stage3_module_granularity_threshold", Support::IgnoredUnless(off::is_zero_or_one, "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units")),
-    ("module_granularity_threshold", Support::IgnoredUnless(off::is_zero_or_one, "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units")),
-    ("stage3_use_all_reduce_for_fetch_params", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero all-gathers (the same values)")),
-    ("use_all_reduce_for_fetch_params", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero all-gathers (the same values)")),
-    ("stage3_allgather_sequential", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero gathers each unit's buffer")),
-    ("allgather_sequential", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero gathers each unit's buffer")),
-    ("leaf_module", Support::IgnoredUnless(off::is_empty, "PyTorch module classes treated as ZeRO-3 leaves; ferrozero's units are its layers")),
-    ("save_muon_momentum_buffer_in_memory", Support::IgnoredUnless(off::is_false, "the Muon optimizer is not implemented")),
-    ("use_multi_rank_bucket_allreduce", Support::IgnoredUnless(off::is_true, "a communication schedule only")),
-    ("zeropp_loco_param", Support::IgnoredUnless(off::is_empty, "LoCo only applies to quantized gradients, which are not implemented")),
-    ("zero_quantized_weights", Support::RefusedUnless(off::is_false, "ZeRO++ quantized weights change numerics")),
-    ("zero_quantized_gradients", Support::RefusedUnless(off::is_false, "ZeRO++ quantized gradients change numerics")),
-    ("zero_quantized_nontrainable_weights", Support::RefusedUnless(off::is_false, "quantized weights change numerics")),
-    ("zenflow", Support::RefusedUnless(off::is_empty, "ZenFlow updates important gradients first and the rest later (stale updates): the math changes")),
+    (
+        "elastic_checkpoint",
+        Support::IgnoredUnless(
+            off::is_false,
+            "ferrozero checkpoints always reload at any world size",
+        ),
+    ),
+    (
+        "load_from_fp32_weights",
+        Support::IgnoredUnless(
+            off::is_true,
+            "ferrozero always reloads from fp32 master weights",
+        ),
+    ),
+    (
+        "ignore_unused_parameters",
+        Support::IgnoredUnless(off::is_true, "unused parameters get zero gradients"),
+    ),
+    (
+        "legacy_stage1",
+        Support::IgnoredUnless(off::is_false, "there is one stage-1 implementation"),
+    ),
+    (
+        "memory_efficient_linear",
+        Support::IgnoredUnless(
+            off::is_true,
+            "a memory optimisation of DeepSpeed's linear layer",
+        ),
+    ),
+    (
+        "log_trace_cache_warnings",
+        Support::IgnoredUnless(off::is_false, "logging only"),
+    ),
+    (
+        "enable_sanity_checks",
+        Support::IgnoredUnless(off::is_false, "DeepSpeed's internal debug checks"),
+    ),
+    (
+        "override_module_apply",
+        Support::IgnoredUnless(off::is_true, "a PyTorch module hook"),
+    ),
+    (
+        "pipeline_loading_checkpoint",
+        Support::IgnoredUnless(off::is_false, "pipeline-engine checkpoint loading"),
+    ),
+    (
+        "stage3_model_persistence_threshold",
+        Support::Ignored("memory tuning only"),
+    ),
+    (
+        "model_persistence_threshold",
+        Support::Ignored("memory tuning only"),
+    ),
+    (
+        "stage3_module_granularity_threshold",
+        Support::IgnoredUnless(
+            off::is_zero_or_one,
+            "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units",
+        ),
+    ),
+    (
+        "module_granularity_threshold",
+        Support::IgnoredUnless(
+            off::is_zero_or_one,
+            "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units",
+        ),
+    ),
+    (
+        "stage3_use_all_reduce_for_fetch_params",
+        Support::IgnoredUnless(
+            off::is_false,
+            "a parameter-fetch schedule; ferrozero all-gathers (the same values)",
+        ),
+    ),
+    (
+        "use_all_reduce_for_fetch_params",
+        Support::IgnoredUnless(
+            off::is_false,
+            "a parameter-fetch schedule; ferrozero all-gathers (the same values)",
+        ),
+    ),
+    (
+        "stage3_allgather_sequential",
+        Support::IgnoredUnless(
+            off::is_false,
+            "a parameter-fetch schedule; ferrozero gathers each unit's buffer",
+        ),
+    ),
+    (
+        "allgather_sequential",
+        Support::IgnoredUnless(
+            off::is_false,
+            "a parameter-fetch schedule; ferrozero gathers each unit's buffer",
+        ),
+    ),
+    (
+        "leaf_module",
+        Support::IgnoredUnless(
+            off::is_empty,
+            "PyTorch module classes treated as ZeRO-3 leaves; ferrozero's units are its layers",
+        ),
+    ),
+    (
+        "save_muon_momentum_buffer_in_memory",
+        Support::IgnoredUnless(off::is_false, "the Muon optimizer is not implemented"),
+    ),
+    (
+        "use_multi_rank_bucket_allreduce",
+        Support::IgnoredUnless(off::is_true, "a communication schedule only"),
+    ),
+    (
+        "zeropp_loco_param",
+        Support::IgnoredUnless(
+            off::is_empty,
+            "LoCo only applies to quantized gradients, which are not implemented",
+        ),
+    ),
+    (
+        "zero_quantized_weights",
+        Support::RefusedUnless(off::is_false, "ZeRO++ quantized weights change numerics"),
+    ),
+    (
+        "zero_quantized_gradients",
+        Support::RefusedUnless(off::is_false, "ZeRO++ quantized gradients change numerics"),
+    ),
+    (
+        "zero_quantized_nontrainable_weights",
+        Support::RefusedUnless(off::is_false, "quantized weights change numerics"),
+    ),
 ];
 
 /// Reads `zero_optimization`; the deprecated boolean form maps to stage 1 or 0.
@@ -237,6 +347,7 @@ fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
         offload_optimizer: t.get(cx, "offload_optimizer", &[], |cx, p, n| {
             read_offload(cx, p, n)
         }),
+        zenflow: t.get(cx, "zenflow", &[], read_zenflow),
     };
     map_cpu_offload(cx, t, &mut z);
     warn_fixed_behaviour(cx, t, &z);
