@@ -174,58 +174,27 @@ impl SgdConsts {
     }
 }
 
-/// One element of SGD: returns (param, buffer). Mirrors `reference::sgd_step`.
-#[inline(always)]
-fn sgd_one(k: &SgdConsts, p: f32, g: f32, b: f32) -> (f32, f32) {
-    let mut g = g * k.gs + k.wd * p;
-    let mut b = b;
-    if k.momentum != Momentum::Off {
-        b = if k.momentum == Momentum::First {
-            g
-        } else {
-            k.mom * b + k.omd * g
-        };
-        g = if k.nesterov { g + k.mom * b } else { b };
-    }
-    (p - k.lr * g, b)
+/// An optimizer with one state buffer, element by element: SGD's momentum, Lion's moment.
+pub(super) trait OneState: Sync {
+    /// One element: returns (param, state).
+    fn one(&self, p: f32, g: f32, s: f32) -> (f32, f32);
 }
 
-#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx2+avx", "x86_64+avx2+avx"))]
-fn sgd_loop(k: &SgdConsts, p: &mut [f32], g: &[f32], b: &mut [f32], lp: Option<&mut [u16]>) {
-    let n = p.len();
-    let (g, b) = (&g[..n], &mut b[..n]);
-    match lp {
-        None => {
-            for i in 0..n {
-                (p[i], b[i]) = sgd_one(k, p[i], g[i], b[i]);
-            }
+/// Mirrors `reference::sgd_step`.
+impl OneState for SgdConsts {
+    #[inline(always)]
+    fn one(&self, p: f32, g: f32, b: f32) -> (f32, f32) {
+        let mut g = g * self.gs + self.wd * p;
+        let mut b = b;
+        if self.momentum != Momentum::Off {
+            b = if self.momentum == Momentum::First {
+                g
+            } else {
+                self.mom * b + self.omd * g
+            };
+            g = if self.nesterov { g + self.mom * b } else { b };
         }
-        Some(lp) => {
-            let lp = &mut lp[..n];
-            for i in 0..n {
-                (p[i], b[i]) = sgd_one(k, p[i], g[i], b[i]);
-                lp[i] = bf16_bits(p[i]);
-            }
-        }
-    }
-}
-
-/// Runs SGD over one tile.
-pub(super) fn sgd(k: &SgdConsts, t: StateTile<'_>) {
-    match t.lp {
-        LowPrecision::None => sgd_loop(k, t.p, t.g, t.s, None),
-        LowPrecision::Bf16(h) => sgd_loop(k, t.p, t.g, t.s, Some(bytemuck::cast_slice_mut(h))),
-        LowPrecision::F16(h) => {
-            let chunks =
-                t.p.chunks_mut(F16_CHUNK)
-                    .zip(t.g.chunks(F16_CHUNK))
-                    .zip(t.s.chunks_mut(F16_CHUNK))
-                    .zip(h.chunks_mut(F16_CHUNK));
-            for (((p, g), b), h) in chunks {
-                sgd_loop(k, p, g, b, None);
-                h.convert_from_f32_slice(p);
-            }
-        }
+        (p - self.lr * g, b)
     }
 }
 
@@ -255,57 +224,69 @@ impl LionConsts {
     }
 }
 
-/// One element of Lion: returns (param, m). Mirrors `reference::lion_step`.
-#[inline(always)]
-fn lion_one(k: &LionConsts, p: f32, g: f32, m: f32) -> (f32, f32) {
-    let g = g * k.gs;
-    let mut p = p;
-    p -= k.lr_wd * p;
-    let c = k.b1 * m + k.omb1 * g;
-    let sign = if c > 0.0 {
-        1.0
-    } else if c < 0.0 {
-        -1.0
-    } else {
-        0.0
-    };
-    p -= k.lr * sign;
-    (p, k.b2 * m + k.omb2 * g)
+/// Mirrors `reference::lion_step`.
+impl OneState for LionConsts {
+    #[inline(always)]
+    fn one(&self, p: f32, g: f32, m: f32) -> (f32, f32) {
+        let g = g * self.gs;
+        let mut p = p;
+        p -= self.lr_wd * p;
+        let c = self.b1 * m + self.omb1 * g;
+        let sign = if c > 0.0 {
+            1.0
+        } else if c < 0.0 {
+            -1.0
+        } else {
+            0.0
+        };
+        p -= self.lr * sign;
+        (p, self.b2 * m + self.omb2 * g)
+    }
 }
 
+// Generic over the rule, so each optimizer's element is inlined into its own copy of the loop
+// (per target, as before): one loop, the same code as one written per optimizer.
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx2+avx", "x86_64+avx2+avx"))]
-fn lion_loop(k: &LionConsts, p: &mut [f32], g: &[f32], m: &mut [f32], lp: Option<&mut [u16]>) {
+fn one_state_loop<K: OneState>(
+    k: &K,
+    p: &mut [f32],
+    g: &[f32],
+    s: &mut [f32],
+    lp: Option<&mut [u16]>,
+) {
     let n = p.len();
-    let (g, m) = (&g[..n], &mut m[..n]);
+    let (g, s) = (&g[..n], &mut s[..n]);
     match lp {
         None => {
             for i in 0..n {
-                (p[i], m[i]) = lion_one(k, p[i], g[i], m[i]);
+                (p[i], s[i]) = k.one(p[i], g[i], s[i]);
             }
         }
         Some(lp) => {
             let lp = &mut lp[..n];
             for i in 0..n {
-                (p[i], m[i]) = lion_one(k, p[i], g[i], m[i]);
+                (p[i], s[i]) = k.one(p[i], g[i], s[i]);
                 lp[i] = bf16_bits(p[i]);
             }
         }
     }
 }
 
-/// Runs Lion over one tile.
-pub(super) fn lion(k: &LionConsts, t: StateTile<'_>) {
+/// Runs an optimizer with one state buffer over one tile.
+pub(super) fn one_state<K: OneState>(k: &K, t: StateTile<'_>) {
     match t.lp {
-        LowPrecision::None => lion_loop(k, t.p, t.g, t.s, None),
-        LowPrecision::Bf16(h) => lion_loop(k, t.p, t.g, t.s, Some(bytemuck::cast_slice_mut(h))),
+        LowPrecision::None => one_state_loop(k, t.p, t.g, t.s, None),
+        LowPrecision::Bf16(h) => {
+            one_state_loop(k, t.p, t.g, t.s, Some(bytemuck::cast_slice_mut(h)))
+        }
         LowPrecision::F16(h) => {
             let chunks =
                 t.p.chunks_mut(F16_CHUNK)
                     .zip(t.g.chunks(F16_CHUNK))
                     .zip(t.s.chunks_mut(F16_CHUNK))
                     .zip(h.chunks_mut(F16_CHUNK));
-            for (((p, g), m), h) in chunks {
-                lion_loop(k, p, g, m, None);
+            for (((p, g), s), h) in chunks {
+                one_state_loop(k, p, g, s, None);
                 h.convert_from_f32_slice(p);
             }
         }

@@ -203,7 +203,7 @@ pub fn sgd_step(
         s: momentum,
         lp: lp_out,
     };
-    tiles::run(tile, &|t: StateTile<'_>| kernels::sgd(&k, t));
+    tiles::run(tile, &|t: StateTile<'_>| kernels::one_state(&k, t));
     Ok(())
 }
 
@@ -224,6 +224,6 @@ pub fn lion_step(
         s: m,
         lp: lp_out,
     };
-    tiles::run(tile, &|t: StateTile<'_>| kernels::lion(&k, t));
+    tiles::run(tile, &|t: StateTile<'_>| kernels::one_state(&k, t));
     Ok(())
 }

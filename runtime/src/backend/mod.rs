@@ -32,6 +32,12 @@ use std::sync::Arc;
 pub use activity::{DeviceActivity, DeviceMemory};
 pub use attention_ops::{AttentionGrads, AttentionOps, AttentionShape, RowView};
 pub use cpu::CpuBackend;
+/// The device arm of storage, views and ids, under names that tensors use without naming a
+/// device backend: the CUDA backend's (uninhabited in a build without CUDA memory).
+pub use cuda::{
+    CudaBuf as DeviceBuf, CudaIds as DeviceIds, CudaView as DeviceView,
+    CudaViewMut as DeviceViewMut,
+};
 pub use memory::MemoryModel;
 pub use rope::{Rope, RopeScaling};
 pub use status::{ClipRule, GradView, StepStatus, StepTensor};

@@ -8,54 +8,48 @@ use std::thread::ThreadId;
 
 use serde::Serialize;
 
-/// The kernel families the profiler sorts operations into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Family {
-    /// Matrix products (linear layers).
-    Matmul,
-    /// Attention and rotary embeddings.
-    Attention,
-    /// LayerNorm and RMSNorm.
-    Norm,
-    /// Pointwise operations, dropout, reductions, embedding lookups.
-    Elementwise,
-    /// The loss head (logits and cross-entropy) and arg-max.
-    Loss,
-    /// Optimizer updates.
-    Optimizer,
-    /// Copies, uploads and fills.
-    Memory,
-    /// Collectives between ranks (timed by the communicator, not the backend).
-    Communication,
+/// `Family` from one list of its variants and their names: the enum, `ALL` in the list's
+/// (table) order and `name`.
+macro_rules! families {
+    ($($(#[doc = $doc:literal])* $v:ident => $name:literal,)*) => {
+        /// The kernel families the profiler sorts operations into.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+        #[serde(rename_all = "lowercase")]
+        pub enum Family {
+            $($(#[doc = $doc])* $v,)*
+        }
+
+        impl Family {
+            /// Every family, in table order.
+            pub const ALL: [Family; 8] = [$(Family::$v),*];
+
+            /// The family's name in tables and metrics.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Family::$v => $name,)*
+                }
+            }
+        }
+    };
 }
 
-impl Family {
-    /// Every family, in table order.
-    pub const ALL: [Family; 8] = [
-        Family::Matmul,
-        Family::Attention,
-        Family::Norm,
-        Family::Elementwise,
-        Family::Loss,
-        Family::Optimizer,
-        Family::Memory,
-        Family::Communication,
-    ];
-
-    /// The family's name in tables and metrics.
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::Matmul => "matmul",
-            Family::Attention => "attention",
-            Family::Norm => "norm",
-            Family::Elementwise => "elementwise",
-            Family::Loss => "loss",
-            Family::Optimizer => "optimizer",
-            Family::Memory => "memory",
-            Family::Communication => "communication",
-        }
-    }
+families! {
+    /// Matrix products (linear layers).
+    Matmul => "matmul",
+    /// Attention and rotary embeddings.
+    Attention => "attention",
+    /// LayerNorm and RMSNorm.
+    Norm => "norm",
+    /// Pointwise operations, dropout, reductions, embedding lookups.
+    Elementwise => "elementwise",
+    /// The loss head (logits and cross-entropy) and arg-max.
+    Loss => "loss",
+    /// Optimizer updates.
+    Optimizer => "optimizer",
+    /// Copies, uploads and fills.
+    Memory => "memory",
+    /// Collectives between ranks (timed by the communicator, not the backend).
+    Communication => "communication",
 }
 
 /// Calls, FLOPs and seconds of one (module, family) cell.

@@ -6,8 +6,6 @@
 //! and communicated, while matmuls accumulate in f32); a device backend chooses its own
 //! activation dtype (`MemoryOps::act_dtype`).
 
-#[cfg(not(feature = "cuda"))]
-mod absent;
 mod flat;
 mod host;
 pub mod in_flight;
@@ -16,10 +14,6 @@ pub mod staging;
 mod storage;
 mod view;
 
-#[cfg(feature = "cuda")]
-pub use crate::backend::cuda::{CudaBuf, CudaIds, CudaView, CudaViewMut};
-#[cfg(not(feature = "cuda"))]
-pub use absent::{CudaBuf, CudaIds, CudaView, CudaViewMut};
 pub(crate) use flat::round_as_accumulated;
 pub use flat::FlatBuf;
 pub use host::{BufMut, BufRef};

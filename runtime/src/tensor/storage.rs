@@ -4,7 +4,8 @@
 
 use std::ops::Range;
 
-use super::{CudaBuf, CudaIds, DType, FlatBuf, View, ViewMut};
+use super::{DType, FlatBuf, View, ViewMut};
+use crate::backend::{DeviceBuf, DeviceIds};
 use crate::{Error, Result};
 
 /// Owned elements in host or device memory.
@@ -13,7 +14,7 @@ pub enum Storage {
     /// Host memory.
     Host(FlatBuf),
     /// Memory of a CUDA device.
-    Cuda(CudaBuf),
+    Cuda(DeviceBuf),
 }
 
 impl Storage {
@@ -397,7 +398,7 @@ pub enum IdBuf {
     /// Host memory.
     Host(Vec<i32>),
     /// Device memory (with the host copy the backend keeps for host-side planning).
-    Cuda(CudaIds),
+    Cuda(DeviceIds),
 }
 
 /// Borrowed integer indices.
@@ -406,7 +407,7 @@ pub enum Ids<'a> {
     /// Host memory.
     Host(&'a [i32]),
     /// Device memory.
-    Cuda(&'a CudaIds),
+    Cuda(&'a DeviceIds),
 }
 
 impl IdBuf {

@@ -4,7 +4,8 @@
 
 use std::ops::Range;
 
-use super::{BufMut, BufRef, CudaView, CudaViewMut, DType};
+use super::{BufMut, BufRef, DType};
+use crate::backend::{DeviceView, DeviceViewMut};
 use crate::{Error, Result};
 
 /// A read-only run of elements in host or device memory.
@@ -13,7 +14,7 @@ pub enum View<'a> {
     /// Host memory.
     Host(BufRef<'a>),
     /// Memory of a CUDA device.
-    Cuda(CudaView<'a>),
+    Cuda(DeviceView<'a>),
 }
 
 /// A mutable run of elements in host or device memory.
@@ -22,7 +23,7 @@ pub enum ViewMut<'a> {
     /// Host memory.
     Host(BufMut<'a>),
     /// Memory of a CUDA device.
-    Cuda(CudaViewMut<'a>),
+    Cuda(DeviceViewMut<'a>),
 }
 
 fn out_of_range(op: &'static str, range: &Range<usize>, len: usize) -> Error {

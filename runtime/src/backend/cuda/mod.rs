@@ -11,6 +11,8 @@ use crate::tensor::DType;
 use crate::Error;
 use crate::Result;
 
+#[cfg(not(feature = "cuda"))]
+mod absent;
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
@@ -50,6 +52,8 @@ mod token;
 #[cfg(feature = "cuda")]
 mod upload;
 
+#[cfg(not(feature = "cuda"))]
+pub use absent::{CudaBuf, CudaIds, CudaView, CudaViewMut};
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;
 #[cfg(feature = "cuda")]

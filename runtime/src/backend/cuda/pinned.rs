@@ -162,6 +162,10 @@ pub(crate) fn pin(dev: &Arc<super::device::CudaDevice>, b: &mut FlatBuf) -> Opti
 mod tests {
     use super::*;
     use crate::backend::cuda::driver::{EmuDriver, EmuOptions};
+    use crate::backend::cuda::{CudaBackend, CudaDevice};
+    use crate::backend::MemoryOps;
+    use crate::tensor::staging::{write_host, Staged, StagedMut};
+    use crate::tensor::{BufMut, BufRef, View, ViewMut};
 
     /// Buffers are registered once and reused by shape; the pool holds at most `MAX_BUFFERS`,
     /// unregistering what it evicts; small buffers are never registered; dropping the pool
@@ -202,5 +206,71 @@ mod tests {
         assert_eq!(drv.registered_host_bytes(), held);
         drop(pool);
         assert_eq!(drv.registered_host_bytes(), 0);
+    }
+
+    fn host_ptr(s: &Staged<'_>) -> *const u8 {
+        match s.view() {
+            View::Host(b) => b.bytes().as_ptr(),
+            View::Cuda(_) => panic!("staged in host memory"),
+        }
+    }
+
+    /// Device views stage through the device's registered buffers, the same ones step after
+    /// step; a write-only staging uploads what was written, a read-write one round-trips, and
+    /// the buffers are unregistered when the device goes.
+    #[test]
+    fn device_views_stage_through_registered_buffers() {
+        let drv = Arc::new(EmuDriver::new(EmuOptions::default()).unwrap());
+        let be = CudaBackend::new(CudaDevice::new(drv.clone(), None), DType::F32);
+        let n = 1 << 19; // 2 MiB of f32: worth registering
+        let vals: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let mut dev = be.upload(BufRef::F32(&vals)).unwrap();
+        let first = {
+            let st = Staged::new(dev.view()).unwrap();
+            let View::Host(BufRef::F32(h)) = st.view() else {
+                panic!("staged in host f32")
+            };
+            assert_eq!(h, &vals[..]);
+            assert_eq!(drv.registered_host_bytes(), n * 4);
+            host_ptr(&st)
+        };
+        let again = Staged::new(dev.view()).unwrap();
+        assert_eq!(host_ptr(&again), first, "the registered buffer is reused");
+        drop(again);
+        let mut st = StagedMut::overwrite(dev.view_mut());
+        let ViewMut::Host(BufMut::F32(h)) = st.view_mut() else {
+            panic!("staged in host f32")
+        };
+        h.fill(7.0);
+        st.finish().unwrap();
+        assert!(dev.to_vec_f32().unwrap().iter().all(|&x| x == 7.0));
+        let mut st = StagedMut::new(dev.view_mut()).unwrap();
+        let ViewMut::Host(BufMut::F32(h)) = st.view_mut() else {
+            panic!("staged in host f32")
+        };
+        assert!(h.iter().all(|&x| x == 7.0), "read-write staging downloads");
+        h[3] = 1.5;
+        drop(st); // not finished: nothing uploaded, the buffer still goes back
+        assert_eq!(dev.to_vec_f32().unwrap()[3], 7.0);
+        write_host(dev.view_mut(), |b| {
+            if let BufMut::F32(h) = b {
+                h[3] = 1.5;
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(dev.to_vec_f32().unwrap()[3], 1.5);
+        assert_eq!(
+            drv.registered_host_bytes(),
+            n * 4,
+            "one buffer, reused throughout"
+        );
+        drop(dev);
+        drop(be);
+        assert_eq!(
+            drv.registered_host_bytes(),
+            0,
+            "unregistered with the device"
+        );
     }
 }

@@ -21,9 +21,9 @@ use super::kernels::chunk;
 use super::LocalComm;
 use crate::backend::cuda::driver::{wait_peer_event, Event, StreamKind};
 use crate::backend::cuda::peer::{copy_between, reduce_runs};
-use crate::backend::cuda::{CudaDevice, RawView};
+use crate::backend::cuda::{CudaDevice, CudaView, CudaViewMut, RawView};
 use crate::comm::ReduceOp;
-use crate::tensor::{CudaView, CudaViewMut, DType};
+use crate::tensor::DType;
 use crate::Result;
 
 /// Address, dtype, length and device handle of a device view, for its descriptor.

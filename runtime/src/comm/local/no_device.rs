@@ -3,8 +3,9 @@
 
 use super::desc::Desc;
 use super::LocalComm;
+use crate::backend::cuda::CudaView;
 use crate::comm::ReduceOp;
-use crate::tensor::{CudaView, DType};
+use crate::tensor::DType;
 use crate::Result;
 
 /// Address, dtype, length and device handle of a device view.

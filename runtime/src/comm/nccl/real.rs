@@ -22,9 +22,9 @@ use cudarc::nccl::sys;
 
 use super::api::{NcclHandle, NcclId, NcclLib, NcclOp, Poll};
 use super::device::{device_of, STREAM};
-use crate::backend::cuda::CudaDevice;
+use crate::backend::cuda::{CudaDevice, CudaView};
 use crate::comm::{BufRef, ReduceOp};
-use crate::tensor::{CudaView, DType, View, ViewMut};
+use crate::tensor::{DType, View, ViewMut};
 use crate::{Error, Result};
 
 /// `NCCL_CONFIG_UNDEF_INT`: "use NCCL's default" for an integer field of `ncclConfig_t`.
