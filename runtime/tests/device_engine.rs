@@ -18,7 +18,7 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::linear::{Linear, WeightLayout};
-use ferrozero_runtime::nn::llama::{Embed, Head, LlamaConfig};
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::module::SavedState;
 use ferrozero_runtime::nn::{Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit};
 use ferrozero_runtime::tensor::{DType, Storage, Tensor};
@@ -160,7 +160,7 @@ fn model() -> Model {
     };
     let mut units = vec![Unit {
         name: "embed".into(),
-        module: Box::new(Embed::new(ends.clone())),
+        module: Box::new(llama::embed(&ends)),
         uses_shared: vec![0],
     }];
     for i in 0..2 {
@@ -174,7 +174,7 @@ fn model() -> Model {
     }
     units.push(Unit {
         name: "head".into(),
-        module: Box::new(Head::new(ends)),
+        module: Box::new(llama::head(&ends)),
         uses_shared: vec![0],
     });
     Model {

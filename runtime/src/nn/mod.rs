@@ -4,6 +4,7 @@ pub mod gpt2;
 pub mod gradcheck;
 pub mod hf;
 pub mod init;
+pub mod layers;
 pub mod linear;
 pub mod llama;
 pub mod module;
