@@ -4,20 +4,17 @@
 //! reads the shared `transformer.wte.weight` `[vocab_size, n_embd]`), one `h.{i}` per block,
 //! and `head` (`transformer.ln_f` + LM head tied to `wte` + summed cross-entropy).
 //!
-//! Block `h.{i}` declares, in this order (`C = n_embd`), under `transformer.h.{i}.`:
-//! `ln_1.weight [C]`, `ln_1.bias [C]`, `attn.c_attn.weight [C, 3C]`, `attn.c_attn.bias [3C]`,
-//! `attn.c_proj.weight [C, C]`, `attn.c_proj.bias [C]`, `ln_2.weight [C]`, `ln_2.bias [C]`,
-//! `mlp.c_fc.weight [C, 4C]`, `mlp.c_fc.bias [4C]`, `mlp.c_proj.weight [4C, C]`,
-//! `mlp.c_proj.bias [C]`. GPT-2's `Conv1D` stores weights as `[in, out]` (so `y = x · W`,
-//! no transposition), exactly as in Hugging Face checkpoints; the LM head multiplies by
-//! `wteᵀ`. `c_attn`'s output columns are q, k, v in thirds, each split into heads of
-//! `C / n_head` columns.
+//! Blocks `transformer.h.{i}.` declare their parameters in [`block`] as Hugging Face's
+//! checkpoints hold them: GPT-2's `Conv1D` stores weights as `[in, out]` (so `y = x · W`, no
+//! transposition); the LM head multiplies by `wteᵀ`. `c_attn`'s output columns are q, k, v in
+//! thirds, each split into heads of `n_embd / n_head` columns.
 //!
 //! Dropout (`resid_pdrop`, `embd_pdrop`) applies after the embedding sum and on each
 //! residual branch; masks derive from `ctx.rng_seed` only. Attention-probability dropout
 //! is not implemented, so a nonzero `attn_pdrop` is rejected by [`Gpt2Config::validate`].
 
-use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, Qkv, TokenEmbed};
+use crate::nn::hf::{self, Architecture, ModelConfig};
+use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::{Init, Model, ParamSpec};
 use crate::{Error, Result};
@@ -79,16 +76,20 @@ impl Gpt2Config {
     /// Parses a Hugging Face `GPT2LMHeadModel` `config.json` (see [`crate::nn::hf`]: keys
     /// that would change the math and are not implemented are refused).
     pub fn from_json(text: &str) -> Result<Self> {
-        crate::nn::hf::gpt2_from_json(text, "config.json")
+        Self::parse(text, "config.json")
     }
 
     /// Reads and parses a `config.json` file.
     pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        crate::nn::hf::gpt2_from_json(&text, &path.display().to_string())
+        Self::parse(&hf::read_text(path)?, &path.display().to_string())
+    }
+
+    fn parse(text: &str, origin: &str) -> Result<Self> {
+        let pick = |c| match c {
+            ModelConfig::Gpt2(c) => Some(c),
+            _ => None,
+        };
+        hf::read_as(text, origin, Architecture::Gpt2, pick)
     }
 
     /// Checks that the sizes are usable.
@@ -134,7 +135,9 @@ impl Gpt2Config {
 pub fn embed(cfg: &Gpt2Config) -> TokenEmbed {
     let sizes = (cfg.n_embd, cfg.vocab_size, cfg.n_positions);
     let wpe = ("transformer.wpe.weight", normal(cfg.initializer_range));
-    TokenEmbed::new(sizes, Some(wpe), None).with_dropout(cfg.embd_pdrop)
+    let mut embed = TokenEmbed::new(sizes, Some(wpe), None);
+    embed.dropout = Some(cfg.embd_pdrop);
+    embed
 }
 
 /// Block `transformer.h.{index}`: LayerNorm, attention over the fused `c_attn`, LayerNorm,
@@ -157,7 +160,7 @@ pub fn block(cfg: &Gpt2Config, index: usize) -> Block {
     let fc = p.dense("mlp.c_fc", lin(c, 4 * c), std, true);
     let proj = p.dense("mlp.c_proj", lin(4 * c, c), proj_std, true);
     let attn = Attention {
-        qkv: Qkv::Fused(c_attn),
+        qkv: vec![c_attn],
         o,
         q_heads: cfg.n_head,
         kv_heads: cfg.n_head,

@@ -6,15 +6,10 @@
 //! With `tie_word_embeddings` the embedding table is a shared parameter read by `embed` and
 //! `head`, and no `lm_head.weight` exists (as in Hugging Face).
 //!
-//! Block `layers.{i}` declares, under `model.layers.{i}.` (`H` hidden, `I` intermediate,
-//! `D` head dim, `Hq`/`Hkv` heads): `self_attn.q_proj.weight [Hq·D, H]`,
-//! `self_attn.k_proj.weight [Hkv·D, H]`, `self_attn.v_proj.weight [Hkv·D, H]`,
-//! `self_attn.o_proj.weight [H, Hq·D]`, `mlp.gate_proj.weight [I, H]`,
-//! `mlp.up_proj.weight [I, H]`, `mlp.down_proj.weight [H, I]`, `input_layernorm.weight [H]`,
-//! `post_attention_layernorm.weight [H]`. All are `nn.Linear` weights stored `[out, in]`
-//! (`y = x · Wᵀ`), exactly as in Hugging Face checkpoints. RoPE follows Hugging Face's
-//! rotate-half convention (dimension `i` pairs with `i + D/2`), with its frequency scalings
-//! (`linear`, `llama3`).
+//! Blocks `model.layers.{i}.` declare their parameters in [`block`] as Hugging Face's
+//! checkpoints hold them: `nn.Linear` weights stored `[out, in]` (`y = x · Wᵀ`). RoPE follows
+//! Hugging Face's rotate-half convention (dimension `i` pairs with `i + D/2`), with its
+//! frequency scalings (`linear`, `llama3`).
 //!
 //! The same code is Mistral (a `sliding_window`: the run's sequence must fit in it, where
 //! windowed attention is full causal attention) and Qwen2 (`qkv_bias`: q/k/v projections
@@ -22,7 +17,8 @@
 //! architecture's `config.json` into a [`LlamaConfig`].
 
 use crate::backend::Rope;
-use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, Qkv, TokenEmbed};
+use crate::nn::hf::{self, Architecture, ModelConfig};
+use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::{Init, Model, ParamSpec};
 use crate::{Error, Result};
@@ -96,16 +92,20 @@ impl LlamaConfig {
     /// Parses a Hugging Face `LlamaForCausalLM` `config.json` (see [`crate::nn::hf`]: keys that
     /// would change the math and are not implemented are refused).
     pub fn from_json(text: &str) -> Result<Self> {
-        crate::nn::hf::llama_from_json(text, "config.json")
+        Self::parse(text, "config.json")
     }
 
     /// Reads and parses a `config.json` file.
     pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        crate::nn::hf::llama_from_json(&text, &path.display().to_string())
+        Self::parse(&hf::read_text(path)?, &path.display().to_string())
+    }
+
+    fn parse(text: &str, origin: &str) -> Result<Self> {
+        let pick = |c| match c {
+            ModelConfig::Llama(c) => Some(c),
+            _ => None,
+        };
+        hf::read_as(text, origin, Architecture::Llama, pick)
     }
 
     /// Key/value heads.
@@ -176,7 +176,9 @@ fn own_table<'a>(cfg: &LlamaConfig, name: &'a str) -> Option<(&'a str, Init)> {
 pub fn embed(cfg: &LlamaConfig) -> TokenEmbed {
     let sizes = (cfg.hidden_size, cfg.vocab_size, cfg.max_position_embeddings);
     let table = own_table(cfg, "model.embed_tokens.weight");
-    TokenEmbed::new(sizes, None, table).with_window(cfg.sliding_window)
+    let mut embed = TokenEmbed::new(sizes, None, table);
+    embed.window = cfg.sliding_window;
+    embed
 }
 
 /// Block `model.layers.{index}`: RMSNorm, grouped-query attention with RoPE, RMSNorm,
@@ -206,11 +208,11 @@ pub fn block(cfg: &LlamaConfig, index: usize) -> Block {
     if cfg.qkv_bias {
         for (dense, n) in qkv.iter_mut().zip(["q", "k", "v"]) {
             let name = format!("self_attn.{n}_proj.bias");
-            *dense = dense.with_bias(p.add(&name, vec![dense.lin.d_out], Init::Zeros));
+            dense.bias = Some(p.add(&name, vec![dense.lin.d_out], Init::Zeros));
         }
     }
     let attn = Attention {
-        qkv: Qkv::Split(qkv),
+        qkv: qkv.to_vec(),
         o,
         q_heads: cfg.num_attention_heads,
         kv_heads: cfg.kv_heads(),

@@ -12,14 +12,14 @@ pub(crate) trait Held {
     /// Bytes held.
     fn bytes(&self) -> usize;
     /// Hands every buffer back to `be` for reuse.
-    fn recycle(self, be: &dyn Backend);
+    fn hand_back(self, be: &dyn Backend);
 }
 
 impl Held for Storage {
     fn bytes(&self) -> usize {
         Storage::bytes(self) as usize
     }
-    fn recycle(self, be: &dyn Backend) {
+    fn hand_back(self, be: &dyn Backend) {
         be.recycle(self);
     }
 }
@@ -28,9 +28,9 @@ impl<T: Held> Held for Option<T> {
     fn bytes(&self) -> usize {
         self.as_ref().map_or(0, Held::bytes)
     }
-    fn recycle(self, be: &dyn Backend) {
+    fn hand_back(self, be: &dyn Backend) {
         if let Some(h) = self {
-            h.recycle(be);
+            h.hand_back(be);
         }
     }
 }
@@ -39,10 +39,20 @@ impl<T: Held> Held for Vec<T> {
     fn bytes(&self) -> usize {
         self.iter().map(Held::bytes).sum()
     }
-    fn recycle(self, be: &dyn Backend) {
+    fn hand_back(self, be: &dyn Backend) {
         for h in self {
-            h.recycle(be);
+            h.hand_back(be);
         }
+    }
+}
+
+impl<A: Held, B: Held> Held for (A, B) {
+    fn bytes(&self) -> usize {
+        self.0.bytes() + self.1.bytes()
+    }
+    fn hand_back(self, be: &dyn Backend) {
+        self.0.hand_back(be);
+        self.1.hand_back(be);
     }
 }
 
@@ -58,8 +68,8 @@ macro_rules! saved_struct {
             fn bytes(&self) -> usize {
                 0 $(+ $crate::nn::saved::Held::bytes(&self.$field))*
             }
-            fn recycle(self, _be: &dyn $crate::backend::Backend) {
-                $($crate::nn::saved::Held::recycle(self.$field, _be);)*
+            fn hand_back(self, _be: &dyn $crate::backend::Backend) {
+                $($crate::nn::saved::Held::hand_back(self.$field, _be);)*
             }
         }
         impl $crate::nn::module::SavedState for $name {

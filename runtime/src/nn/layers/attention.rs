@@ -3,28 +3,19 @@
 //! backend's attention core, and the output projection.
 
 use super::Dense;
-use crate::backend::{
-    Accumulate, AttentionGrads, AttentionShape, Backend, MemoryModel, Rope, Rotation, RowView,
-};
+use crate::backend::{Accumulate, AttentionGrads, AttentionShape, Backend, MemoryModel};
+use crate::backend::{Rope, Rotation, RowView};
 use crate::nn::saved::saved_struct;
 use crate::nn::{act, Grads, Params};
-use crate::tensor::{Storage, View};
+use crate::tensor::{Storage, View, ViewMut};
 use crate::{Error, Result};
-
-/// How queries, keys and values are projected.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Qkv {
-    /// One product whose output columns are q, k and v in turn (GPT-2's `c_attn`).
-    Fused(Dense),
-    /// Three products, q, k and v (Llama's `q_proj`, `k_proj`, `v_proj`).
-    Split([Dense; 3]),
-}
 
 /// Causal self-attention over `[rows, width]` inputs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Attention {
-    /// The q/k/v projections.
-    pub qkv: Qkv,
+    /// The q/k/v projections: one fused product whose output columns are q, k and v in turn
+    /// (GPT-2's `c_attn`), or three (Llama's `q_proj`, `k_proj`, `v_proj`).
+    pub qkv: Vec<Dense>,
     /// The output projection, `[q_heads · head_dim] → width`.
     pub o: Dense,
     /// Query heads.
@@ -33,12 +24,12 @@ pub struct Attention {
     pub kv_heads: usize,
     /// Head width.
     pub head_dim: usize,
-    /// Rotary position embedding of queries and keys (needs [`Qkv::Split`]).
+    /// Rotary position embedding of queries and keys (needs them projected apart).
     pub rope: Option<Rope>,
 }
 
 saved_struct!(
-    /// What attention keeps for backward: q, k and v (one fused buffer or three; after
+    /// What attention keeps for backward: the projections' outputs (q, k and v, after
     /// RoPE), the core's own state and its output.
     AttnActs { qkv: Vec<Storage>, probs: Storage, att: Storage }
 );
@@ -46,12 +37,13 @@ saved_struct!(
 impl Attention {
     /// The core's shape for `batch` rows of `seq` tokens.
     pub fn shape(&self, batch: usize, seq: usize) -> AttentionShape {
+        let (q_heads, kv_heads, head_dim) = (self.q_heads, self.kv_heads, self.head_dim);
         AttentionShape {
             batch,
             seq,
-            q_heads: self.q_heads,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
+            q_heads,
+            kv_heads,
+            head_dim,
         }
     }
 
@@ -60,66 +52,35 @@ impl Attention {
         self.q_heads * self.head_dim
     }
 
-    /// Widths of q, k and v.
-    fn widths(&self) -> [usize; 3] {
-        let kv = self.kv_heads * self.head_dim;
-        [self.width(), kv, kv]
-    }
-
-    /// The widths of the projection buffers: one fused, or q, k and v.
-    fn buffer_widths(&self) -> Vec<usize> {
-        match self.qkv {
-            Qkv::Fused(_) => vec![self.widths().iter().sum()],
-            Qkv::Split(_) => self.widths().to_vec(),
-        }
-    }
-
-    fn projections(&self) -> &[Dense] {
-        match &self.qkv {
-            Qkv::Fused(d) => std::slice::from_ref(d),
-            Qkv::Split(d) => d,
-        }
-    }
-
-    /// q, k and v as strided views of the projection buffers.
+    /// q, k and v as strided views of the projections' outputs.
     fn views<'a>(&self, bufs: &'a [Storage]) -> [(View<'a>, RowView); 3] {
-        let w = self.widths();
+        let (q, kv) = (self.width(), self.kv_heads * self.head_dim);
+        let at = |b: &'a Storage, stride, offset| (b.view(), RowView { stride, offset });
         match bufs {
-            [fused] => {
-                let stride = w.iter().sum();
-                [0, w[0], w[0] + w[1]].map(|offset| (fused.view(), RowView { stride, offset }))
-            }
-            _ => [0, 1, 2].map(|i| {
-                (
-                    bufs[i].view(),
-                    RowView {
-                        stride: w[i],
-                        offset: 0,
-                    },
-                )
-            }),
+            [f] => [0, q, q + kv].map(|offset| at(f, q + 2 * kv, offset)),
+            _ => [(0, q), (1, kv), (2, kv)].map(|(i, w)| at(&bufs[i], w, 0)),
         }
     }
 
-    /// Buffers for the projections of `rows` rows (or their gradients).
+    /// Buffers for the projections' outputs over `rows` rows (or their gradients).
     fn buffers(&self, be: &dyn Backend, rows: usize) -> Result<Vec<Storage>> {
-        let widths = self.buffer_widths();
-        widths.iter().map(|w| act(be, rows * w)).collect()
+        self.qkv
+            .iter()
+            .map(|d| act(be, rows * d.lin.d_out))
+            .collect()
     }
 
     /// Rotates queries and keys (or their gradients) in place.
     fn rotate(
         &self,
         be: &dyn Backend,
-        bufs: &mut [Storage],
+        qkv: &mut [Storage],
         s: AttentionShape,
         dir: Rotation,
     ) -> Result<()> {
-        let Some(rope) = &self.rope else {
-            return Ok(());
-        };
-        match bufs {
-            [q, k, _] => be.rope_qk(q.view_mut(), k.view_mut(), s, rope, dir),
+        match (&self.rope, qkv) {
+            (None, _) => Ok(()),
+            (Some(rope), [q, k, _]) => be.rope_qk(q.view_mut(), k.view_mut(), s, rope, dir),
             _ => Err(Error::Invalid("RoPE needs q and k projected apart".into())),
         }
     }
@@ -130,90 +91,77 @@ impl Attention {
         be: &dyn Backend,
         p: &Params<'_>,
         x: View<'_>,
-        shape: AttentionShape,
+        s: AttentionShape,
     ) -> Result<AttnActs> {
-        let rows = shape.batch * shape.seq;
+        let rows = s.batch * s.seq;
         let mut qkv = self.buffers(be, rows)?;
-        for (d, buf) in self.projections().iter().zip(&mut qkv) {
-            d.forward(be, p, x, buf.view_mut())?;
+        for (d, buf) in self.qkv.iter().zip(&mut qkv) {
+            d.forward(be, p, (x, None), buf.view_mut())?;
         }
-        self.rotate(be, &mut qkv, shape, Rotation::Forward)?;
+        self.rotate(be, &mut qkv, s, Rotation::Forward)?;
         let mut att = act(be, rows * self.width())?;
         let [q, k, v] = self.views(&qkv);
-        let probs = be.attention_forward(shape, q, k, v, att.view_mut())?;
+        let probs = be.attention_forward(s, q, k, v, att.view_mut())?;
         Ok(AttnActs { qkv, probs, att })
     }
 
-    /// The core's backward from `datt`: the gradients of q, k and v (before RoPE), in the
-    /// projection buffers' layout.
+    /// The core's backward from `datt`: the gradients at the projections' outputs.
     pub(crate) fn core_backward(
         &self,
         be: &dyn Backend,
-        s: &AttnActs,
+        a: &AttnActs,
         datt: View<'_>,
-        shape: AttentionShape,
+        s: AttentionShape,
     ) -> Result<Vec<Storage>> {
-        let mut grads = self.buffers(be, shape.batch * shape.seq)?;
-        let [q, k, v] = self.views(&s.qkv);
+        let mut grads = self.buffers(be, s.batch * s.seq)?;
+        let [q, k, v] = self.views(&a.qkv);
         let out = match grads.as_mut_slice() {
             [fused] => AttentionGrads::Fused(fused.view_mut()),
-            [dq, dk, dv] => AttentionGrads::Split {
-                dq: dq.view_mut(),
-                dk: dk.view_mut(),
-                dv: dv.view_mut(),
-            },
+            [dq, dk, dv] => {
+                let (dq, dk, dv) = (dq.view_mut(), dk.view_mut(), dv.view_mut());
+                AttentionGrads::Split { dq, dk, dv }
+            }
             _ => {
                 return Err(Error::Invalid(
                     "attention has one or three projections".into(),
                 ))
             }
         };
-        be.attention_backward(shape, q, k, v, s.att.view(), &s.probs, datt, out)?;
-        self.rotate(be, &mut grads, shape, Rotation::Inverse)?;
+        be.attention_backward(s, q, k, v, a.att.view(), &a.probs, datt, out)?;
+        self.rotate(be, &mut grads, s, Rotation::Inverse)?;
         Ok(grads)
     }
 
-    /// The projections' backward: `dx` overwritten with the input gradient, their weights'
-    /// (and biases') gradients added from the input `x` forward saw.
+    /// The projections' backward from their outputs' gradients: `dx` overwritten with the
+    /// input gradient, their parameters' gradients added from the input `x` forward saw.
     pub(crate) fn projections_backward(
         &self,
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
-        x: View<'_>,
-        dqkv: &[Storage],
-        mut dx: crate::tensor::ViewMut<'_>,
+        (x, dqkv): (View<'_>, &[Storage]),
+        mut dx: ViewMut<'_>,
     ) -> Result<()> {
-        let each = self.projections().iter().zip(dqkv);
-        for (i, (d, dy)) in each.clone().enumerate() {
-            let acc = if i == 0 {
-                Accumulate::Overwrite
-            } else {
-                Accumulate::Add
-            };
+        for (i, (d, dy)) in self.qkv.iter().zip(dqkv).enumerate() {
+            let acc = [Accumulate::Overwrite, Accumulate::Add][usize::from(i > 0)];
             d.backward_input(be, p, dy.view(), dx.reborrow(), acc)?;
         }
-        for (d, dy) in each {
+        for (d, dy) in self.qkv.iter().zip(dqkv) {
             d.backward_params(be, gr, x, dy.view())?;
         }
         Ok(())
     }
 
-    /// Bytes forward keeps for `rows` rows.
-    pub(crate) fn saved_bytes(&self, shape: AttentionShape, m: &MemoryModel) -> usize {
-        let rows = shape.batch * shape.seq;
-        let qkv: usize = self
-            .buffer_widths()
+    /// Bytes of the projections' outputs (or their gradients) over `rows` rows.
+    pub(crate) fn qkv_bytes(&self, rows: usize, m: &MemoryModel) -> usize {
+        self.qkv
             .iter()
-            .map(|w| m.act_bytes(rows * w))
-            .sum();
-        qkv + m.act_bytes(rows * self.width()) + m.attention_saved(shape)
+            .map(|d| m.act_bytes(rows * d.lin.d_out))
+            .sum()
     }
 
-    /// Bytes of the q/k/v gradients for `rows` rows.
-    pub(crate) fn grad_bytes(&self, rows: usize, m: &MemoryModel) -> usize {
-        self.buffer_widths()
-            .iter()
-            .map(|w| m.act_bytes(rows * w))
-            .sum()
+    /// Bytes forward keeps.
+    pub(crate) fn saved_bytes(&self, s: AttentionShape, m: &MemoryModel) -> usize {
+        let rows = s.batch * s.seq;
+        self.qkv_bytes(rows, m) + m.act_bytes(rows * self.width()) + m.attention_saved(s)
     }
 }

@@ -4,9 +4,9 @@
 use super::attention::AttnActs;
 use super::mlp::MlpActs;
 use super::norm::NormStats;
-use super::{reuse, Attention, Dense, Mlp, Norm, ParamList};
-use crate::backend::{rng, Accumulate, Backend, MemoryModel};
-use crate::nn::saved::{saved_struct, take};
+use super::{reuse, Attention, Mlp, Norm, ParamList};
+use crate::backend::{rng, Accumulate, MemoryModel};
+use crate::nn::saved::{saved_struct, take, Held};
 use crate::nn::{act, check_rows, Ctx, Grads, Module, ParamSpec, Params, Transients};
 use crate::tensor::{Storage, Tensor, View, ViewMut};
 use crate::Result;
@@ -45,7 +45,8 @@ pub struct Block {
     pub norm2: Norm,
     /// The feed-forward layer.
     pub mlp: Mlp,
-    /// Dropout on each branch before its residual add (0: none).
+    /// Dropout on each branch before its residual add (0: none). With it, dropout sits
+    /// between the projection and the add, so the product cannot add the residual itself.
     pub resid_pdrop: f32,
 }
 
@@ -54,14 +55,9 @@ impl Block {
         self.params.prefix()
     }
 
-    fn drop(&self, be: &dyn Backend, seed: u64, site: u64, x: ViewMut<'_>) -> Result<()> {
-        be.dropout(rng::derive(seed, site), self.resid_pdrop, x)
-    }
-
-    /// Whether the branches apply dropout: between the projection and the residual add,
-    /// where it keeps the product from adding the residual itself.
-    fn dropout(&self) -> bool {
-        self.resid_pdrop > 0.0
+    fn drop(&self, ctx: &Ctx<'_>, site: u64, x: ViewMut<'_>) -> Result<()> {
+        ctx.be
+            .dropout(rng::derive(ctx.rng_seed, site), self.resid_pdrop, x)
     }
 
     /// `x2 = x + o(att)` (written by the product, or with dropout between them by the norm)
@@ -75,15 +71,15 @@ impl Block {
         (n2, s2): (ViewMut<'_>, &mut NormStats),
     ) -> Result<()> {
         let (be, o) = (ctx.be, &self.attn.o);
-        if !self.dropout() {
-            o.forward_residual(be, p, att, x, x2.reborrow())?;
+        if self.resid_pdrop <= 0.0 {
+            o.forward(be, p, (att, Some(x)), x2.reborrow())?;
             return self.norm2.forward(be, p, x2.as_view(), n2, s2);
         }
         let mut y = act(be, x.len())?;
-        o.forward(be, p, att, y.view_mut())?;
-        self.drop(be, ctx.rng_seed, SITE_ATTN, y.view_mut())?;
+        o.forward(be, p, (att, None), y.view_mut())?;
+        self.drop(ctx, SITE_ATTN, y.view_mut())?;
         self.norm2
-            .residual_forward(be, p, (y.view(), Some(x)), x2, n2, s2)?;
+            .residual_forward(be, p, (y.view(), Some(x)), (x2, n2), s2)?;
         be.recycle(y);
         Ok(())
     }
@@ -93,33 +89,26 @@ impl Block {
         &self,
         ctx: &Ctx<'_>,
         p: &Params<'_>,
-        h: View<'_>,
-        x2: View<'_>,
+        (h, x2): (View<'_>, View<'_>),
         mut out: ViewMut<'_>,
     ) -> Result<()> {
-        let (be, down): (_, &Dense) = (ctx.be, self.mlp.down());
-        if !self.dropout() {
-            return down.forward_residual(be, p, h, x2, out);
+        let down = self.mlp.down();
+        if self.resid_pdrop <= 0.0 {
+            return down.forward(ctx.be, p, (h, Some(x2)), out);
         }
-        down.forward(be, p, h, out.reborrow())?;
-        self.drop(be, ctx.rng_seed, SITE_MLP, out.reborrow())?;
-        be.add_assign(out, x2)
+        down.forward(ctx.be, p, (h, None), out.reborrow())?;
+        self.drop(ctx, SITE_MLP, out.reborrow())?;
+        ctx.be.add_assign(out, x2)
     }
 
     /// The gradient through a branch's dropout: a masked copy of `g`, or `None` when
     /// dropout is off and the branch sees `g` itself (no copy to make).
-    fn drop_grad(
-        &self,
-        be: &dyn Backend,
-        seed: u64,
-        site: u64,
-        g: View<'_>,
-    ) -> Result<Option<Storage>> {
-        if !self.dropout() {
+    fn drop_grad(&self, ctx: &Ctx<'_>, site: u64, g: View<'_>) -> Result<Option<Storage>> {
+        if self.resid_pdrop <= 0.0 {
             return Ok(None);
         }
-        let mut copy = be.copy(g)?;
-        self.drop(be, seed, site, copy.view_mut())?;
+        let mut copy = ctx.be.copy(g)?;
+        self.drop(ctx, site, copy.view_mut())?;
         Ok(Some(copy))
     }
 
@@ -130,31 +119,28 @@ impl Block {
         ctx: &Ctx<'_>,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         s: &BlockSaved,
-        dx2: View<'_>,
-        dn2: Storage,
+        (dx2, dn2): (View<'_>, Storage),
     ) -> Result<Storage> {
         let (be, rows) = (ctx.be, ctx.batch.batch * ctx.batch.seq);
-        let shape = self.attn.shape(ctx.batch.batch, ctx.batch.seq);
-        let da_copy = self.drop_grad(be, ctx.rng_seed, SITE_ATTN, dx2)?;
+        let da_copy = self.drop_grad(ctx, SITE_ATTN, dx2)?;
         let da = da_copy.as_ref().map_or(dx2, Storage::view);
-        let o = &self.attn.o;
+        let (o, att) = (&self.attn.o, s.attn.att.view());
         let mut datt = reuse(be, dn2, rows * self.attn.width())?;
         o.backward_input(be, p, da, datt.view_mut(), Accumulate::Overwrite)?;
-        o.backward_params(be, gr, s.attn.att.view(), da)?;
+        o.backward_params(be, gr, att, da)?;
+        let shape = self.attn.shape(ctx.batch.batch, ctx.batch.seq);
         let dqkv = self.attn.core_backward(be, &s.attn, datt.view(), shape)?;
         let mut dn1 = match da_copy {
             Some(copy) => copy,
             None => act(be, rows * self.width)?,
         };
-        let x = s.n1.view();
+        let x = (s.n1.view(), dqkv.as_slice());
         self.attn
-            .projections_backward(be, (p, gr), x, &dqkv, dn1.view_mut())?;
+            .projections_backward(be, (p, gr), x, dn1.view_mut())?;
         let mut dx = reuse(be, datt, rows * self.width)?;
         let (x, dy) = ((s.x.view(), &s.s1), (dn1.view(), Some(dx2)));
         self.norm1.backward(be, (p, gr), x, dy, dx.view_mut())?;
-        for dead in dqkv.into_iter().chain([dn1]) {
-            be.recycle(dead);
-        }
+        (dqkv, dn1).hand_back(be);
         Ok(dx)
     }
 }
@@ -165,27 +151,21 @@ impl Module for Block {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
-        crate::nn::check_views(
-            self.name(),
-            p,
-            None,
-            &crate::nn::spec_lens(self.params.specs()),
-        )?;
-        let (w, be) = (self.width, ctx.be);
-        let (b, t) = (ctx.batch.batch, ctx.batch.seq);
+        self.params.check(self.name(), p, None)?;
+        let (w, be, b, t) = (self.width, ctx.be, ctx.batch.batch, ctx.batch.seq);
         let n = check_rows("block", input, b * t, w)?;
         // The norm keeps its own copy of the input (the caller reuses the input's buffer).
         let (mut x, mut n1, mut s1) = (act(be, n * w)?, act(be, n * w)?, self.norm1.stats(be, n)?);
         let copy = (input.view(), None);
         self.norm1
-            .residual_forward(be, p, copy, x.view_mut(), n1.view_mut(), &mut s1)?;
+            .residual_forward(be, p, copy, (x.view_mut(), n1.view_mut()), &mut s1)?;
         let attn = self.attn.forward(be, p, n1.view(), self.attn.shape(b, t))?;
         let (mut x2, mut n2, mut s2) = (act(be, n * w)?, act(be, n * w)?, self.norm2.stats(be, n)?);
         let n2_out = (n2.view_mut(), &mut s2);
         self.attn_residual_norm2(ctx, p, (attn.att.view(), x.view()), x2.view_mut(), n2_out)?;
-        let mlp = self.mlp.forward(be, p, n2.view(), n)?;
+        let mlp = self.mlp.forward(be, p, n2.view())?;
         let mut out = act(be, n * w)?;
-        self.mlp_residual(ctx, p, mlp.down_input(), x2.view(), out.view_mut())?;
+        self.mlp_residual(ctx, p, (mlp.down_input(), x2.view()), out.view_mut())?;
         if ctx.training {
             let s = BlockSaved {
                 x,
@@ -209,8 +189,7 @@ impl Module for Block {
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
-        let lens = crate::nn::spec_lens(self.params.specs());
-        crate::nn::check_views(self.name(), p, Some(gr), &lens)?;
+        self.params.check(self.name(), p, Some(gr))?;
         let s = take::<BlockSaved>(ctx.saved, self.name())?;
         let (w, be) = (self.width, ctx.be);
         let n = check_rows(
@@ -221,20 +200,17 @@ impl Module for Block {
         )?;
         crate::nn::check_same_batch(self.name(), s.x.len(), ctx.batch, w)?;
         let dout = grad_output.view();
-        let dm_copy = self.drop_grad(be, ctx.rng_seed, SITE_MLP, dout)?;
+        let dm_copy = self.drop_grad(ctx, SITE_MLP, dout)?;
         let dm = dm_copy.as_ref().map_or(dout, Storage::view);
         let inner = self.mlp.backward_down(be, (p, gr), &s.mlp, dm)?;
-        if let Some(copy) = dm_copy {
-            be.recycle(copy);
-        }
+        dm_copy.hand_back(be);
         let dn2 = self.mlp.backward_up(be, (p, gr), s.n2.view(), inner)?;
         // The residual stream's gradient: through norm2, plus the output's around it.
         let mut dx2 = act(be, n * w)?;
         let (x2, dy) = ((s.x2.view(), &s.s2), (dn2.view(), Some(dout)));
         self.norm2.backward(be, (p, gr), x2, dy, dx2.view_mut())?;
-        let dx = self.attn_backward(ctx, (p, gr), &s, dx2.view(), dn2)?;
-        be.recycle(dx2);
-        crate::nn::saved::Held::recycle(*s, be);
+        let dx = self.attn_backward(ctx, (p, gr), &s, (dx2.view(), dn2))?;
+        (dx2, *s).hand_back(be);
         Tensor::new(grad_output.shape.clone(), dx)
     }
 
@@ -253,21 +229,21 @@ impl Module for Block {
     }
 
     fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
-        let n = batch * seq;
+        let (n, qw) = (batch * seq, self.attn.width());
         let stream = m.act_bytes(n * self.width);
-        let attn = m.attention_transient(self.attn.shape(batch, seq));
         // Around attention's backward: dx2, the q/k/v gradients and dn1 (the input gradient
         // returned is priced by the caller; the core's output gradient becomes it when their
         // widths agree, else it is held too).
-        let datt = if self.attn.width() == self.width {
+        let datt = if qw == self.width {
             0
         } else {
-            m.act_bytes(n * self.attn.width())
+            m.act_bytes(n * qw)
         };
-        let around_attn = 2 * stream + self.attn.grad_bytes(n, m) + attn + datt;
+        let attn = m.attention_transient(self.attn.shape(batch, seq));
+        let around_attn = 2 * stream + self.attn.qkv_bytes(n, m) + attn + datt;
         Transients {
             // With dropout, o's output waits for the norm that adds it to x.
-            forward: if self.dropout() { stream } else { 0 },
+            forward: if self.resid_pdrop > 0.0 { stream } else { 0 },
             backward: self.mlp.backward_bytes(n, stream, m).max(around_attn),
         }
     }

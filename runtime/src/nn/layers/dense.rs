@@ -1,7 +1,7 @@
 //! A linear layer bound to its unit's parameters: [`Linear`]'s products with the weight (and
 //! bias) read from the unit's views and their gradients written to its accumulators.
 
-use crate::backend::{Accumulate, Backend};
+use crate::backend::{Accumulate, Backend, Epilogue};
 use crate::nn::linear::Linear;
 use crate::nn::{Grads, Params};
 use crate::tensor::{View, ViewMut};
@@ -12,51 +12,32 @@ use crate::{Error, Result};
 pub struct Dense {
     /// Dimensions and weight layout.
     pub lin: Linear,
-    weight: usize,
-    bias: Option<usize>,
+    /// The weight's index.
+    pub weight: usize,
+    /// The bias's index, if any.
+    pub bias: Option<usize>,
 }
 
 impl Dense {
-    /// A layer whose weight is parameter `weight` and bias, if any, parameter `bias`.
-    pub fn new(lin: Linear, weight: usize, bias: Option<usize>) -> Self {
-        Self { lin, weight, bias }
-    }
-
-    /// The same layer with a bias at parameter `bias` (declared apart from its weight, as
-    /// Qwen2's q/k/v biases are).
-    pub fn with_bias(self, bias: usize) -> Self {
-        Self {
-            bias: Some(bias),
-            ..self
-        }
-    }
-
     fn bias<'a>(&self, p: &Params<'a>) -> Option<View<'a>> {
         self.bias.map(|b| p.get(b))
     }
 
-    /// `y = x · W (+ b)`.
+    /// `y = x · W (+ b)`, and `+ residual` written by the product itself when given.
     pub fn forward(
         &self,
         be: &dyn Backend,
         p: &Params<'_>,
-        x: View<'_>,
+        (x, residual): (View<'_>, Option<View<'_>>),
         y: ViewMut<'_>,
     ) -> Result<()> {
-        self.lin.forward(be, x, p.get(self.weight), self.bias(p), y)
-    }
-
-    /// `y = residual + x · W (+ b)`, written by the product.
-    pub fn forward_residual(
-        &self,
-        be: &dyn Backend,
-        p: &Params<'_>,
-        x: View<'_>,
-        residual: View<'_>,
-        y: ViewMut<'_>,
-    ) -> Result<()> {
-        let w = (p.get(self.weight), self.bias(p));
-        self.lin.forward_residual(be, x, w, residual, y)
+        let (w, bias) = (p.get(self.weight), self.bias(p));
+        match residual {
+            Some(residual) => self
+                .lin
+                .product(be, x, w, y, Epilogue::Residual { residual, bias }),
+            None => self.lin.forward(be, x, w, bias, y),
+        }
     }
 
     /// `pre = x · W + b` and `y = gelu_tanh(pre)` in one call; the layer needs its bias.
@@ -68,11 +49,9 @@ impl Dense {
         pre: ViewMut<'_>,
         y: ViewMut<'_>,
     ) -> Result<()> {
-        let bias = self.bias(p).ok_or_else(|| {
-            Error::Invalid("a GELU layer's product needs a bias to fuse with".into())
-        })?;
-        self.lin
-            .forward_gelu(be, x, p.get(self.weight), bias, pre, y)
+        let bias = p.get(needs_bias(self.bias)?);
+        let epilogue = Epilogue::BiasGelu { bias, pre };
+        self.lin.product(be, x, p.get(self.weight), y, epilogue)
     }
 
     /// `dx (=|+=) dy · Wᵀ`.
@@ -87,23 +66,21 @@ impl Dense {
         self.lin.backward_input(be, dy, p.get(self.weight), dx, acc)
     }
 
-    /// The input gradient of `gelu(pre)` fed to this layer, through the GELU, with the
-    /// gradient of `before`'s bias (the layer that produced `pre`) from the same product.
+    /// `dx = (dy · Wᵀ) ⊙ gelu_tanh'(pre)`: the input gradient of `gelu(pre)` fed to this
+    /// layer, through the GELU, and the gradient of `before`'s bias (the layer that produced
+    /// `pre`) added from the same product (cuBLASLt's DGELU_BGRAD).
     pub fn backward_input_gelu(
         &self,
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         before: &Dense,
-        dy: View<'_>,
-        pre: View<'_>,
+        (dy, pre): (View<'_>, View<'_>),
         dx: ViewMut<'_>,
     ) -> Result<()> {
-        let bias = before.bias.ok_or_else(|| {
-            Error::Invalid("a GELU layer's input gradient needs the bias before it".into())
-        })?;
-        let w = p.get(self.weight);
+        let bias_grad = gr.get_mut(needs_bias(before.bias)?);
+        let epilogue = Epilogue::GeluBackwardBiasGrad { pre, bias_grad };
         self.lin
-            .backward_input_gelu(be, dy, w, pre, dx, gr.get_mut(bias))
+            .input_product(be, dy, p.get(self.weight), dx, epilogue)
     }
 
     /// `dW += xᵀ · dy` and, with a bias, `db += Σ dy`.
@@ -119,20 +96,14 @@ impl Dense {
                 let (dw, db) = gr.pair_mut(self.weight, b);
                 self.lin.backward_params(be, x, dy, dw, Some(db))
             }
-            None => self.weight_grad(be, gr, x, dy),
+            None => self
+                .lin
+                .backward_params(be, x, dy, gr.get_mut(self.weight), None),
         }
     }
+}
 
-    /// `dW += xᵀ · dy` only: for a layer whose bias gradient came from the product after it
-    /// ([`Dense::backward_input_gelu`]).
-    pub fn weight_grad(
-        &self,
-        be: &dyn Backend,
-        gr: &mut Grads<'_>,
-        x: View<'_>,
-        dy: View<'_>,
-    ) -> Result<()> {
-        let dw = gr.get_mut(self.weight);
-        self.lin.backward_params(be, x, dy, dw, None)
-    }
+/// A GELU fused into a product needs the bias of the layer before it.
+fn needs_bias(bias: Option<usize>) -> Result<usize> {
+    bias.ok_or_else(|| Error::Invalid("a GELU fused into a product needs its bias".into()))
 }

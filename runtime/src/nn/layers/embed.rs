@@ -22,18 +22,18 @@ saved_struct!(
 pub struct TokenEmbed {
     params: ParamList,
     dim: usize,
-    vocab: usize,
     /// The longest sequence: the position table's rows, or the positions RoPE was made for.
     max_seq: usize,
     /// Whether parameter 0 is a learned `[max_seq, dim]` position table.
     positions: bool,
     /// The table's index: after the position table, declared here or shared.
     table: usize,
-    tied: bool,
-    /// Embedding dropout's probability; `None`: the architecture has none.
-    dropout: Option<f32>,
-    /// An attention window the sequence must fit in (Mistral's).
-    window: Option<usize>,
+    /// Embedding dropout's probability, applied even at 0 as GPT-2 does; `None`: the
+    /// architecture has none.
+    pub dropout: Option<f32>,
+    /// An attention window the sequence must fit in (Mistral's): windowed attention is not
+    /// implemented, and within the window it is full causal attention.
+    pub window: Option<usize>,
 }
 
 impl TokenEmbed {
@@ -50,47 +50,22 @@ impl TokenEmbed {
         if let Some((name, init)) = positions {
             params.add(name, vec![max_seq, dim], init);
         }
-        let table = params.specs().len();
-        if let Some((name, init)) = own_table {
-            params.add(name, vec![vocab, dim], init);
-        }
+        let table = match own_table {
+            Some((name, init)) => params.add(name, vec![vocab, dim], init),
+            None => params.shared(vocab * dim),
+        };
         Self {
             params,
             dim,
-            vocab,
             max_seq,
             positions: positions.is_some(),
             table,
-            tied: own_table.is_none(),
             dropout: None,
             window: None,
         }
     }
 
-    /// With embedding dropout of probability `p` (applied even at 0, as GPT-2 does).
-    pub fn with_dropout(self, p: f32) -> Self {
-        Self {
-            dropout: Some(p),
-            ..self
-        }
-    }
-
-    /// Refusing sequences longer than an attention `window`.
-    pub fn with_window(self, window: Option<usize>) -> Self {
-        Self { window, ..self }
-    }
-
-    /// Element counts of the views this unit needs, in `Params` order.
-    fn lens(&self) -> Vec<usize> {
-        let mut lens = crate::nn::spec_lens(self.params.specs());
-        if self.tied {
-            lens.push(self.vocab * self.dim);
-        }
-        lens
-    }
-
-    /// Refuses a sequence longer than the window: windowed attention is not implemented,
-    /// and within the window it is full causal attention.
+    /// Refuses a sequence longer than the window.
     fn check_window(&self, seq: usize) -> Result<()> {
         match self.window {
             Some(w) if seq > w => Err(Error::Invalid(format!(
@@ -109,7 +84,7 @@ impl Module for TokenEmbed {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, _input: &Tensor) -> Result<Tensor> {
-        crate::nn::check_views("embed", p, None, &self.lens())?;
+        self.params.check("embed", p, None)?;
         let (b, t, d, be) = (ctx.batch.batch, ctx.batch.seq, self.dim, ctx.be);
         check_tokens(ctx.batch, self.max_seq)?;
         self.check_window(t)?;
@@ -141,7 +116,7 @@ impl Module for TokenEmbed {
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
-        crate::nn::check_views("embed", p, Some(gr), &self.lens())?;
+        self.params.check("embed", p, Some(gr))?;
         take::<EmbedSaved>(ctx.saved, "embed")?;
         let (b, t, d, be) = (ctx.batch.batch, ctx.batch.seq, self.dim, ctx.be);
         check_rows("embed backward", grad_output, b * t, d)?;

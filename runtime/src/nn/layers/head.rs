@@ -6,7 +6,7 @@ use super::norm::NormStats;
 use super::{Norm, ParamList};
 use crate::backend::{Backend, HeadShape, MemoryModel};
 use crate::nn::linear::{Linear, WeightLayout};
-use crate::nn::saved::{saved_struct, take};
+use crate::nn::saved::{saved_struct, take, Held};
 use crate::nn::{
     act, check_rows, check_tokens, Ctx, Grads, Init, Module, ParamSpec, Params, Transients,
 };
@@ -26,10 +26,8 @@ pub struct LmHead {
     norm: Norm,
     dim: usize,
     vocab: usize,
-    /// The table's index in the unit's `Params`: declared after the norm, or the first
-    /// shared parameter, which comes after the unit's own.
+    /// The table's index in the unit's `Params`.
     table: usize,
-    tied: bool,
 }
 
 impl LmHead {
@@ -42,27 +40,17 @@ impl LmHead {
         (dim, vocab): (usize, usize),
         own_table: Option<(&str, Init)>,
     ) -> Self {
-        let table = params.specs().len();
-        if let Some((name, init)) = own_table {
-            params.add(name, vec![vocab, dim], init);
-        }
+        let table = match own_table {
+            Some((name, init)) => params.add(name, vec![vocab, dim], init),
+            None => params.shared(vocab * dim),
+        };
         Self {
             params,
             norm,
             dim,
             vocab,
             table,
-            tied: own_table.is_none(),
         }
-    }
-
-    /// Element counts of the views this unit needs, in `Params` order.
-    fn lens(&self) -> Vec<usize> {
-        let mut lens = crate::nn::spec_lens(self.params.specs());
-        if self.tied {
-            lens.push(self.vocab * self.dim);
-        }
-        lens
     }
 
     fn lm(&self) -> Linear {
@@ -113,7 +101,7 @@ impl Module for LmHead {
     }
 
     fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
-        crate::nn::check_views("head", p, None, &self.lens())?;
+        self.params.check("head", p, None)?;
         let (b, t, be) = (ctx.batch.batch, ctx.batch.seq, ctx.be);
         check_tokens(ctx.batch, usize::MAX)?;
         let n = check_rows("head", input, b * t, self.dim)?;
@@ -138,7 +126,7 @@ impl Module for LmHead {
         gr: &mut Grads<'_>,
         grad_output: &Tensor,
     ) -> Result<Tensor> {
-        crate::nn::check_views("head", p, Some(gr), &self.lens())?;
+        self.params.check("head", p, Some(gr))?;
         let s = take::<HeadSaved>(ctx.saved, "head")?;
         let g = crate::nn::loss_grad(grad_output)?;
         let (d, be) = (self.dim, ctx.be);
@@ -158,10 +146,7 @@ impl Module for LmHead {
         let mut dx = act(be, n * d)?;
         let (x, dy) = ((s.x.view(), &s.stats), (dnormed.view(), None));
         self.norm.backward(be, (p, gr), x, dy, dx.view_mut())?;
-        crate::nn::saved::Held::recycle(s.stats, be);
-        for dead in [dnormed, s.x, s.normed] {
-            be.recycle(dead);
-        }
+        (dnormed, (s.x, (s.stats, s.normed))).hand_back(be);
         Tensor::new(vec![ctx.batch.batch, ctx.batch.seq, d], dx)
     }
 
@@ -173,7 +158,7 @@ impl Module for LmHead {
         input: &Tensor,
         grad_output: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        crate::nn::check_views("head", p, Some(gr), &self.lens())?;
+        self.params.check("head", p, Some(gr))?;
         let g = crate::nn::loss_grad(grad_output)?;
         let (b, t, d, be) = (ctx.batch.batch, ctx.batch.seq, self.dim, ctx.be);
         check_tokens(ctx.batch, usize::MAX)?;
@@ -192,10 +177,7 @@ impl Module for LmHead {
         let mut dx = act(be, n * d)?;
         let (x, dy) = ((input.view(), &stats), (dnormed.view(), None));
         self.norm.backward(be, (p, gr), x, dy, dx.view_mut())?;
-        crate::nn::saved::Held::recycle(stats, be);
-        for dead in [dnormed, normed] {
-            be.recycle(dead);
-        }
+        (dnormed, (stats, normed)).hand_back(be);
         Ok((Tensor::new(vec![1], loss)?, Tensor::new(vec![b, t, d], dx)?))
     }
 

@@ -4,10 +4,10 @@
 
 use super::Dense;
 use crate::backend::{Accumulate, Backend, MemoryModel};
-use crate::nn::saved::saved_struct;
+use crate::nn::saved::{saved_struct, Held};
 use crate::nn::{act, Grads, Params};
 use crate::tensor::{Storage, View};
-use crate::Result;
+use crate::{Error, Result};
 
 /// A feed-forward layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,15 +57,9 @@ impl Mlp {
         self.down().lin.d_in
     }
 
-    /// Everything before the down projection, for `rows` rows of `x`.
-    pub(crate) fn forward(
-        &self,
-        be: &dyn Backend,
-        p: &Params<'_>,
-        x: View<'_>,
-        rows: usize,
-    ) -> Result<MlpActs> {
-        let n = rows * self.inner();
+    /// Everything before the down projection.
+    pub(crate) fn forward(&self, be: &dyn Backend, p: &Params<'_>, x: View<'_>) -> Result<MlpActs> {
+        let n = x.len() / self.down().lin.d_out.max(1) * self.inner();
         let bufs = match self {
             Mlp::Gelu { fc, .. } => {
                 let (mut h, mut g) = (act(be, n)?, act(be, n)?);
@@ -74,8 +68,8 @@ impl Mlp {
             }
             Mlp::SwiGlu { gate, up, .. } => {
                 let (mut g, mut u) = (act(be, n)?, act(be, n)?);
-                gate.forward(be, p, x, g.view_mut())?;
-                up.forward(be, p, x, u.view_mut())?;
+                gate.forward(be, p, (x, None), g.view_mut())?;
+                up.forward(be, p, (x, None), u.view_mut())?;
                 let mut y = act(be, n)?;
                 be.swiglu_forward(g.view(), u.view(), y.view_mut())?;
                 vec![g, u, y]
@@ -99,7 +93,7 @@ impl Mlp {
                 // Through the GELU inside the product, with fc's bias gradient.
                 let mut dh = act(be, n)?;
                 let pre = s.bufs[0].view();
-                proj.backward_input_gelu(be, (p, gr), fc, dy, pre, dh.view_mut())?;
+                proj.backward_input_gelu(be, (p, gr), fc, (dy, pre), dh.view_mut())?;
                 proj.backward_params(be, gr, s.down_input(), dy)?;
                 Ok(vec![dh])
             }
@@ -129,7 +123,9 @@ impl Mlp {
         match (self, inner.as_slice()) {
             (Mlp::Gelu { fc, .. }, [dh]) => {
                 fc.backward_input(be, p, dh.view(), dx.view_mut(), Accumulate::Overwrite)?;
-                fc.weight_grad(be, gr, x, dh.view())?;
+                // fc's bias gradient came from proj's product, through the GELU.
+                let fc = Dense { bias: None, ..*fc };
+                fc.backward_params(be, gr, x, dh.view())?;
             }
             (Mlp::SwiGlu { gate, up, .. }, [dgate, dup]) => {
                 let (dg, du) = (dgate.view(), dup.view());
@@ -139,22 +135,21 @@ impl Mlp {
                 up.backward_params(be, gr, x, du)?;
             }
             _ => {
-                return Err(crate::Error::Invalid(
-                    "MLP backward got another MLP's gradients".into(),
+                return Err(Error::Invalid(
+                    "an MLP's backward got another's gradients".into(),
                 ))
             }
         }
-        for dead in inner {
-            be.recycle(dead);
-        }
+        inner.hand_back(be);
         Ok(dx)
     }
 
     /// Bytes forward keeps for `rows` rows.
     pub(crate) fn saved_bytes(&self, rows: usize, m: &MemoryModel) -> usize {
-        let count = match self {
-            Mlp::Gelu { .. } => 2,
-            Mlp::SwiGlu { .. } => 3,
+        let count = if matches!(self, Mlp::Gelu { .. }) {
+            2
+        } else {
+            3
         };
         count * m.act_bytes(rows * self.inner())
     }

@@ -17,7 +17,7 @@ mod head;
 mod mlp;
 mod norm;
 
-pub use attention::{Attention, Qkv};
+pub use attention::Attention;
 pub use block::Block;
 pub use dense::Dense;
 pub use embed::TokenEmbed;
@@ -27,9 +27,9 @@ pub use norm::Norm;
 
 use crate::backend::Backend;
 use crate::nn::linear::{Linear, WeightLayout};
-use crate::nn::{act, Init, Model, Module, ParamSpec, Unit};
+use crate::nn::{act, Grads, Init, Model, Module, ParamSpec, Params, Unit};
 use crate::tensor::Storage;
-use crate::Result;
+use crate::{Error, Result};
 
 /// A unit's parameters as they are declared, in layout order; each declaration returns the
 /// index its view will have in the unit's `Params`.
@@ -37,6 +37,8 @@ use crate::Result;
 pub struct ParamList {
     prefix: String,
     specs: Vec<ParamSpec>,
+    /// Element counts of the shared parameters the unit reads after its own.
+    shared: Vec<usize>,
 }
 
 impl ParamList {
@@ -44,7 +46,7 @@ impl ParamList {
     pub fn new(prefix: impl Into<String>) -> Self {
         Self {
             prefix: prefix.into(),
-            specs: Vec::new(),
+            ..Self::default()
         }
     }
 
@@ -56,6 +58,38 @@ impl ParamList {
     /// The declared parameters.
     pub fn specs(&self) -> &[ParamSpec] {
         &self.specs
+    }
+
+    /// Checks that the engine lent exactly the views this unit declared (own, then shared),
+    /// so a layout bug surfaces as an error naming `unit` instead of an index panic.
+    pub(crate) fn check(
+        &self,
+        unit: &str,
+        p: &Params<'_>,
+        gr: Option<&mut Grads<'_>>,
+    ) -> Result<()> {
+        let own = self.specs.iter().map(ParamSpec::numel);
+        let lens: Vec<usize> = own.chain(self.shared.iter().copied()).collect();
+        let bad = |what: &str, got: Vec<usize>| Error::Shape {
+            op: "parameter views",
+            expected: format!("{unit}: {} {what} of lengths {lens:?}", lens.len()),
+            got: format!("{got:?}"),
+        };
+        let got: Vec<usize> = (0..p.len()).map(|i| p.get(i).len()).collect();
+        if got != lens {
+            return Err(bad("parameters", got));
+        }
+        match gr.map(|g| (0..g.len()).map(|i| g.len_of(i)).collect::<Vec<_>>()) {
+            Some(got) if got != lens => Err(bad("gradients", got)),
+            _ => Ok(()),
+        }
+    }
+
+    /// A shared parameter of `len` elements the unit reads (a tied table), and its index:
+    /// shared parameters follow the unit's own, so declare them after those.
+    pub fn shared(&mut self, len: usize) -> usize {
+        self.shared.push(len);
+        self.specs.len() + self.shared.len() - 1
     }
 
     /// Declares `{prefix}{name}` and returns its index.
@@ -77,20 +111,28 @@ impl ParamList {
         };
         let w = self.add(&format!("{name}.weight"), shape, init);
         let b = bias.then(|| self.add(&format!("{name}.bias"), vec![lin.d_out], Init::Zeros));
-        Dense::new(lin, w, b)
+        Dense {
+            lin,
+            weight: w,
+            bias: b,
+        }
     }
 
     /// Declares a LayerNorm's `{name}.weight` (ones) and `{name}.bias` (zeros).
     pub fn layer_norm(&mut self, name: &str, width: usize, eps: f32) -> Norm {
         let weight = self.add(&format!("{name}.weight"), vec![width], Init::Ones);
-        let bias = self.add(&format!("{name}.bias"), vec![width], Init::Zeros);
-        Norm::Layer { weight, bias, eps }
+        let bias = Some(self.add(&format!("{name}.bias"), vec![width], Init::Zeros));
+        Norm { weight, bias, eps }
     }
 
     /// Declares an RMSNorm's `{name}.weight` (ones).
     pub fn rms_norm(&mut self, name: &str, width: usize, eps: f32) -> Norm {
         let weight = self.add(&format!("{name}.weight"), vec![width], Init::Ones);
-        Norm::Rms { weight, eps }
+        Norm {
+            weight,
+            bias: None,
+            eps,
+        }
     }
 }
 

@@ -4,56 +4,37 @@
 use crate::backend::{Backend, MemoryModel};
 use crate::nn::saved::saved_struct;
 use crate::nn::{stats, Grads, Params};
-use crate::tensor::{DType, View, ViewMut};
+use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::Result;
 
-/// A norm's parameters (indices in the unit's `Params`) and epsilon.
+/// A norm over the last dimension: LayerNorm when it has a bias (a shift), else RMSNorm.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Norm {
-    /// LayerNorm: a weight and a bias.
-    Layer {
-        /// The scale's index.
-        weight: usize,
-        /// The shift's index.
-        bias: usize,
-        /// Epsilon.
-        eps: f32,
-    },
-    /// RMSNorm: a weight.
-    Rms {
-        /// The scale's index.
-        weight: usize,
-        /// Epsilon.
-        eps: f32,
-    },
+pub struct Norm {
+    /// The scale's index in the unit's `Params`.
+    pub weight: usize,
+    /// The shift's index: LayerNorm's.
+    pub bias: Option<usize>,
+    /// Epsilon.
+    pub eps: f32,
 }
 
 saved_struct!(
     /// A norm's per-row f32 statistics: LayerNorm's mean (RMSNorm has none) and the
     /// reciprocal std.
-    NormStats { mean: Option<crate::tensor::Storage>, rstd: crate::tensor::Storage }
+    NormStats { mean: Option<Storage>, rstd: Storage }
 );
 
 impl Norm {
     /// Zeroed statistics for `rows` rows.
     pub(crate) fn stats(&self, be: &dyn Backend, rows: usize) -> Result<NormStats> {
-        let mean = match self {
-            Norm::Layer { .. } => Some(stats(be, rows)?),
-            Norm::Rms { .. } => None,
-        };
-        Ok(NormStats {
-            mean,
-            rstd: stats(be, rows)?,
-        })
+        let mean = self.bias.map(|_| stats(be, rows)).transpose()?;
+        let rstd = stats(be, rows)?;
+        Ok(NormStats { mean, rstd })
     }
 
     /// Bytes of [`Norm::stats`] for `rows` rows on a device described by `m`.
     pub(crate) fn stats_bytes(&self, rows: usize, m: &MemoryModel) -> usize {
-        let per = m.bytes(DType::F32, rows);
-        match self {
-            Norm::Layer { .. } => 2 * per,
-            Norm::Rms { .. } => per,
-        }
+        (1 + usize::from(self.bias.is_some())) * m.bytes(DType::F32, rows)
     }
 
     /// `y = norm(x)`, its statistics written to `st`.
@@ -65,38 +46,31 @@ impl Norm {
         y: ViewMut<'_>,
         st: &mut NormStats,
     ) -> Result<()> {
-        let rstd = st.rstd.view_mut();
-        match (*self, st.mean.as_mut()) {
-            (Norm::Layer { weight, bias, eps }, Some(mean)) => {
-                let (w, b) = (p.get(weight), p.get(bias));
-                be.layernorm_forward(x, w, b, eps, y, mean.view_mut(), rstd)
+        let (w, eps, rstd) = (p.get(self.weight), self.eps, st.rstd.view_mut());
+        match (self.bias, st.mean.as_mut()) {
+            (Some(b), Some(mean)) => {
+                be.layernorm_forward(x, w, p.get(b), eps, y, mean.view_mut(), rstd)
             }
-            (Norm::Rms { weight, eps }, _) => be.rmsnorm_forward(x, p.get(weight), eps, y, rstd),
-            (Norm::Layer { .. }, None) => Err(no_mean()),
+            _ => be.rmsnorm_forward(x, w, eps, y, rstd),
         }
     }
 
     /// `sum = x (+ residual)` and `y = norm(sum)` in one pass over the residual stream.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn residual_forward(
         &self,
         be: &dyn Backend,
         p: &Params<'_>,
         (x, residual): (View<'_>, Option<View<'_>>),
-        sum: ViewMut<'_>,
-        y: ViewMut<'_>,
+        (sum, y): (ViewMut<'_>, ViewMut<'_>),
         st: &mut NormStats,
     ) -> Result<()> {
-        let rstd = st.rstd.view_mut();
-        match (*self, st.mean.as_mut()) {
-            (Norm::Layer { weight, bias, eps }, Some(mean)) => {
-                let (w, b, stats) = (p.get(weight), p.get(bias), (mean.view_mut(), rstd));
+        let (w, eps, rstd) = (p.get(self.weight), self.eps, st.rstd.view_mut());
+        match (self.bias, st.mean.as_mut()) {
+            (Some(b), Some(mean)) => {
+                let (b, stats) = (p.get(b), (mean.view_mut(), rstd));
                 be.residual_layernorm_forward(x, residual, w, b, eps, sum, y, stats)
             }
-            (Norm::Rms { weight, eps }, _) => {
-                be.residual_rmsnorm_forward(x, residual, p.get(weight), eps, sum, y, rstd)
-            }
-            (Norm::Layer { .. }, None) => Err(no_mean()),
+            _ => be.residual_rmsnorm_forward(x, residual, w, eps, sum, y, rstd),
         }
     }
 
@@ -110,10 +84,10 @@ impl Norm {
         (dy, dresidual): (View<'_>, Option<View<'_>>),
         dx: ViewMut<'_>,
     ) -> Result<()> {
-        let rstd = st.rstd.view();
-        match (*self, st.mean.as_ref(), dresidual) {
-            (Norm::Layer { weight, bias, .. }, Some(mean), dres) => {
-                let (w, (dw, db)) = (p.get(weight), gr.pair_mut(weight, bias));
+        let (w, rstd) = (p.get(self.weight), st.rstd.view());
+        match (self.bias, st.mean.as_ref(), dresidual) {
+            (Some(b), Some(mean), dres) => {
+                let (dw, db) = gr.pair_mut(self.weight, b);
                 match dres {
                     Some(r) => {
                         let stats = (mean.view(), rstd);
@@ -122,19 +96,10 @@ impl Norm {
                     None => be.layernorm_backward(x, w, mean.view(), rstd, dy, dx, dw, db),
                 }
             }
-            (Norm::Rms { weight, .. }, _, Some(r)) => {
-                let (w, dw) = (p.get(weight), gr.get_mut(weight));
-                be.rmsnorm_backward_residual(x, w, rstd, dy, r, dx, dw)
+            (_, _, Some(r)) => {
+                be.rmsnorm_backward_residual(x, w, rstd, dy, r, dx, gr.get_mut(self.weight))
             }
-            (Norm::Rms { weight, .. }, _, None) => {
-                be.rmsnorm_backward(x, p.get(weight), rstd, dy, dx, gr.get_mut(weight))
-            }
-            (Norm::Layer { .. }, None, _) => Err(no_mean()),
+            _ => be.rmsnorm_backward(x, w, rstd, dy, dx, gr.get_mut(self.weight)),
         }
     }
-}
-
-/// Statistics made by [`Norm::stats`] for another norm.
-fn no_mean() -> crate::Error {
-    crate::Error::Invalid("a LayerNorm's statistics lack the mean".into())
 }
