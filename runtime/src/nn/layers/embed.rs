@@ -28,8 +28,8 @@ pub struct TokenEmbed {
     positions: bool,
     /// The table's index: after the position table, declared here or shared.
     table: usize,
-    /// Embedding dropout's probability, applied even at 0 as GPT-2 does; `None`: the
-    /// architecture has none.
+    /// Embedding dropout's probability (GPT-2's `embd_pdrop`); `None`: the architecture has
+    /// none.
     pub dropout: Option<f32>,
     /// An attention window the sequence must fit in (Mistral's): windowed attention is not
     /// implemented, and within the window it is full causal attention.
