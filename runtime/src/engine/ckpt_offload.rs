@@ -89,8 +89,8 @@ impl Engine {
             Location::Host => self.download_checkpoint(input)?,
             _ => Checkpoint::Kept(input),
         };
-        self.checkpoints.prune()?;
-        self.checkpoints.inputs[unit] = Some(kept);
+        self.acts.checkpoints.prune()?;
+        self.acts.checkpoints.inputs[unit] = Some(kept);
         Ok(())
     }
 
@@ -115,7 +115,7 @@ impl Engine {
     /// Starts bringing unit `unit`'s checkpoint back to the device, when it waits in host
     /// memory (counted on the device from now).
     pub(super) fn checkpoint_ahead(&mut self, unit: usize) -> Result<()> {
-        let Some(Checkpoint::Down { .. }) = &self.checkpoints.inputs[unit] else {
+        let Some(Checkpoint::Down { .. }) = &self.acts.checkpoints.inputs[unit] else {
             if rules::ckpt_location(&self.cfg) == Location::Host {
                 self.count_ahead(unit);
             }
@@ -125,7 +125,7 @@ impl Engine {
             shape,
             dtype,
             mut copy,
-        }) = self.checkpoints.inputs[unit].take()
+        }) = self.acts.checkpoints.inputs[unit].take()
         else {
             unreachable!("matched above");
         };
@@ -136,7 +136,7 @@ impl Engine {
         copy.upload_async(storage.view_mut(), Stream::HostToDevice)?;
         self.ledger
             .alloc(Location::Device, Category::Activations, storage.bytes());
-        self.checkpoints.inputs[unit] = Some(Checkpoint::Up {
+        self.acts.checkpoints.inputs[unit] = Some(Checkpoint::Up {
             input: Tensor { shape, storage },
             copy: Some(copy),
         });
@@ -146,12 +146,12 @@ impl Engine {
     /// The ledger's side of [`Engine::checkpoint_ahead`] for a checkpoint that did not move
     /// (host memory already): the same count as on a device, once.
     fn count_ahead(&mut self, unit: usize) {
-        let slot = &mut self.checkpoints.inputs[unit];
+        let slot = &mut self.acts.checkpoints.inputs[unit];
         if let Some(Checkpoint::Kept(t)) = slot.take_if(|c| matches!(c, Checkpoint::Kept(_))) {
             let bytes = t.bytes() as u64;
             self.ledger
                 .alloc(Location::Device, Category::Activations, bytes);
-            self.checkpoints.inputs[unit] = Some(Checkpoint::Up {
+            self.acts.checkpoints.inputs[unit] = Some(Checkpoint::Up {
                 input: t,
                 copy: None,
             });
@@ -163,7 +163,7 @@ impl Engine {
     pub(super) fn take_checkpoint(&mut self, unit: usize) -> Result<Option<Tensor>> {
         self.checkpoint_ahead(unit)?;
         let loc = rules::ckpt_location(&self.cfg);
-        let input = match self.checkpoints.inputs[unit].take() {
+        let input = match self.acts.checkpoints.inputs[unit].take() {
             None => return Ok(None),
             Some(Checkpoint::Kept(t)) => t,
             Some(Checkpoint::Down { .. }) => unreachable!("brought back above"),
@@ -171,7 +171,7 @@ impl Engine {
                 if let Some(e) = copy.as_ref().and_then(HostCopy::event) {
                     self.be.wait_event(Stream::Compute, e)?;
                 }
-                self.checkpoints.spent.extend(copy);
+                self.acts.checkpoints.spent.extend(copy);
                 self.ledger.free(
                     Location::Device,
                     Category::Activations,

@@ -7,90 +7,54 @@ use std::time::Instant;
 use ferrozero_config::resolved::ResolvedConfig;
 
 use super::build::{optimizer_location, GroupPlan};
+use super::grad_flow::GradFlow;
 use super::group::Group;
 use super::ledger::{Category, Ledger, Location};
 use super::loss_scale::LossScaler;
+use super::micro::MicroState;
 use super::nvme::NvmeOffload;
+use super::observe::Observers;
 use super::optimizer::Optimizer;
 use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
 use super::overlap::CommOverlap;
+use super::param_flow::ParamFlow;
 use super::param_swap::ParamSwap;
-use super::report::Timings;
 use super::rules;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
-use super::topology::{check_backend, open_hybrid, shard_comm};
+use super::step_state::StepState;
+use super::topology::Comms;
 use super::trace::{Span, Trace};
 use crate::backend::Backend;
 use crate::comm::Communicator;
-use crate::nn::{Batch, BatchIds, Model, Saved};
-use crate::tensor::Tensor;
+use crate::nn::Model;
 use crate::{Error, Result};
 
-/// A ZeRO training engine for one rank.
+/// A ZeRO training engine for one rank: the model, its parameter groups and the memory
+/// ledger, and the parts that move their contents (each a plain struct with its own file).
 pub struct Engine {
     pub(super) cfg: ResolvedConfig,
     pub(super) model: Model,
-    pub(super) comm: Box<dyn Communicator>,
-    /// The shard-group communicator when hybrid sharding splits the world (see `topology`).
-    pub(super) hybrid: Option<crate::comm::hybrid::HybridComm>,
-    /// ZeRO++ hpZ's secondary parameter partition and group (see `hpz`).
-    pub(super) hpz: Option<super::hpz::Hpz>,
-    /// Cross-group payload bytes at the end of the last step (reports carry the difference).
-    pub(super) cross_mark: u64,
-    /// The device's counts when the current step began (reports carry the difference).
-    pub(super) activity_mark: Option<crate::backend::DeviceActivity>,
-    /// Gradient bytes handed to reductions since the last step report.
-    pub(super) reduced_bytes: u64,
+    /// The world's and the shard group's communicators.
+    pub(super) comm: Comms,
     /// The device the units compute on.
     pub(super) be: Arc<dyn Backend>,
-    pub(super) stage: Box<dyn Stage>,
-    /// Stage 3 at one rank: shards copied to the device without a collective (before
-    /// `groups`, so copies still reading the shards finish before the shards are freed).
-    pub(super) param_uploads: super::param_upload::ParamUploads,
+    /// Gathers, uploads, hpZ and NVMe shards (before `groups`: uploads still reading the
+    /// shards finish before the shards are freed).
+    pub(super) params: ParamFlow,
     /// One group per unit, then the shared group (if the model has shared parameters).
     pub(super) groups: Vec<Group>,
-    pub(super) optimizer: Optimizer,
-    pub(super) schedule: Schedule,
-    pub(super) scaler: LossScaler,
+    /// Reductions and the gradients' way to their accumulators.
+    pub(super) grads: GradFlow,
+    /// The optimizer and its schedule, loss scale, lane, NVMe store and step count.
+    pub(super) opt: StepState,
     pub(super) ledger: Ledger,
-    pub(super) saved: Vec<Saved>,
-    pub(super) saved_bytes: Vec<u64>,
-    /// The input gradient of the last unit's fused forward and backward (`fused.rs`), until
-    /// `backward_pass` starts from it.
-    pub(super) head_grad: Option<Tensor>,
-    /// Checkpointed units' inputs, until their recompute (`ckpt_offload.rs`).
-    pub(super) checkpoints: super::ckpt_offload::Checkpoints,
-    /// Optimizer steps taken (skipped ones included).
-    pub(super) steps: u64,
-    /// Micro-steps since the last optimizer step.
-    pub(super) micro: usize,
-    /// Each micro-step's loss sum, on the device until the step reads them (in order).
-    pub(super) losses: Vec<Tensor>,
-    pub(super) tokens: u64,
-    /// The last forward's batch and its ids on the device, until backward.
-    pub(super) last_batch: Option<(Batch, BatchIds)>,
-    pub(super) timings: Timings,
-    /// The communication worker when `overlap_comm` is on.
-    pub(super) overlap: Option<CommOverlap>,
-    /// Reduced gradients on their way to host accumulators (optimizer state off the device).
-    pub(super) grad_downloads: super::grad_download::GradDownloads,
-    /// The NVMe store when optimizer state lives there (shared with the optimizer lane).
-    pub(super) nvme: Option<Arc<NvmeOffload>>,
-    /// The NVMe store when stage-3 parameter shards live there.
-    pub(super) param_swap: Option<ParamSwap>,
-    /// NVMe traffic at the end of the last step (reports carry the difference).
-    pub(super) traffic_mark: ferrozero_offload::store::Traffic,
+    /// What forward leaves for backward and the micro-steps for the step.
+    pub(super) acts: MicroState,
+    /// Monitors, the communication logger, the profiler, the trace and the report marks.
+    pub(super) obs: Observers,
     /// The model directory's `config.json` and tokenizer files, saved with each checkpoint.
     pub(super) model_files: crate::nn::weights::ModelFiles,
-    /// Whether the optimizer step overlaps backward (and why not).
-    pub(super) opt_overlap: OptimizerOverlap,
-    /// The optimizer lane when it does.
-    pub(super) optimizer_lane: Option<OptimizerLane>,
-    /// The recorded schedule (off unless asked for).
-    pub(super) trace: Trace,
-    /// Monitors and the communication logger.
-    pub(super) observers: super::observe::Observers,
 }
 
 impl Engine {
@@ -160,19 +124,18 @@ impl Engine {
                 comm.world_size()
             )));
         }
-        let (mut observers, comm) = super::observe::Observers::open(&cfg, comm)?;
-        let (be, model) = observers.instrument(be, model);
-        check_backend(&cfg, comm.as_ref())?;
-        let hybrid = open_hybrid(&cfg, comm.as_ref())?;
-        let shards = shard_comm(comm.as_ref(), &hybrid);
+        let (mut obs, comm) = Observers::open(&cfg, comm)?;
+        let (be, model) = obs.instrument(be, model);
+        let comm = Comms::open(&cfg, comm)?;
+        let shards = comm.shards();
         let stage = stage::for_stage(cfg.zero.stage);
         let optimizer = Optimizer::new(cfg.optimizer.clone());
         let mut ledger = Ledger::with_device_limit(cfg.device_memory_limit);
-        let nvme = open_nvme(&cfg, &model, stage.as_ref(), shards, comm.rank())?;
+        let nvme = open_nvme(&cfg, &model, stage.as_ref(), shards, comm.world.rank())?;
         if let Some(n) = &nvme {
             ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
         }
-        let mut param_swap = open_param_swap(&cfg, comm.as_ref())?;
+        let mut param_swap = open_param_swap(&cfg, comm.world.as_ref())?;
         let plan = GroupPlan {
             stage: stage.as_ref(),
             cfg: &cfg,
@@ -199,14 +162,14 @@ impl Engine {
             .filter_map(|g| g.pin.as_ref().map(|p| p.bytes()))
             .sum();
         ledger.lock_host(pinned as i64);
-        let hpz = super::hpz::open(&cfg, comm.as_ref(), stage.params(), groups.len())?;
+        let hpz = super::hpz::open(&cfg, comm.world.as_ref(), stage.params(), groups.len())?;
         let n = model.units.len();
         let scaler = LossScaler::from_config(match &cfg.precision {
             ferrozero_config::resolved::Precision::Fp16(s) => Some(s),
             _ => None,
         });
         let schedule = Schedule::new(&cfg.optimizer, cfg.scheduler.clone());
-        let overlap = if cfg.zero.overlap_comm && comm.world_size() > 1 {
+        let overlap = if cfg.zero.overlap_comm && comm.world.world_size() > 1 {
             Some(CommOverlap::new(shards)?)
         } else {
             None
@@ -215,57 +178,54 @@ impl Engine {
         let opt_overlap = decided.unwrap_or_else(|| OptimizerOverlap::decide(&cfg));
         opt_overlap.log(&cfg);
         let shared = super::optimizer_overlap::shared_group(&model);
-        let optimizer_lane =
-            OptimizerLane::for_overlap(&opt_overlap, comm.rank(), (&groups, shared), &mut ledger)?;
+        let optimizer_lane = OptimizerLane::for_overlap(
+            &opt_overlap,
+            comm.world.rank(),
+            (&groups, shared),
+            &mut ledger,
+        )?;
         let grad_downloads = super::grad_download::GradDownloads::new(&cfg);
         Ok(Self {
             cfg,
             model,
             comm,
-            hybrid,
-            hpz,
-            cross_mark: 0,
-            activity_mark: be.activity(),
-            reduced_bytes: 0,
             be,
-            stage,
+            params: ParamFlow {
+                stage,
+                uploads: Default::default(),
+                hpz,
+                swap: param_swap,
+            },
             groups,
-            optimizer,
-            schedule,
-            scaler,
+            grads: GradFlow {
+                overlap,
+                downloads: grad_downloads,
+                reduced_bytes: 0,
+            },
+            opt: StepState {
+                optimizer,
+                schedule,
+                scaler,
+                overlap: opt_overlap,
+                lane: optimizer_lane,
+                nvme: nvme.map(Arc::new),
+                steps: 0,
+            },
             ledger,
-            saved: (0..n).map(|_| None).collect(),
-            saved_bytes: vec![0; n],
-            head_grad: None,
-            checkpoints: super::ckpt_offload::Checkpoints::new(n),
-            steps: 0,
-            micro: 0,
-            losses: Vec::new(),
-            tokens: 0,
-            last_batch: None,
-            timings: Timings::default(),
-            overlap,
-            grad_downloads,
-            nvme: nvme.map(Arc::new),
-            param_swap,
-            param_uploads: Default::default(),
-            traffic_mark: Default::default(),
+            acts: MicroState::new(n),
+            obs,
             model_files: Default::default(),
-            opt_overlap,
-            optimizer_lane,
-            trace: Trace::default(),
-            observers,
         })
     }
 
     /// What the communication logger recorded (`comms_logger`), if it is enabled.
     pub fn comm_stats(&self) -> Option<&Arc<crate::comm::logger::CommStats>> {
-        self.observers.comms.as_ref()
+        self.obs.comms.as_ref()
     }
 
     /// The directories this rank's monitors write (empty when none is enabled here).
     pub fn monitor_dirs(&self) -> &[std::path::PathBuf] {
-        self.observers.monitor.as_ref().map_or(&[], |m| m.dirs())
+        self.obs.monitor.as_ref().map_or(&[], |m| m.dirs())
     }
 
     /// The resolved configuration.
@@ -273,14 +233,32 @@ impl Engine {
         &self.cfg
     }
 
+    /// This rank's position among the ranks its sharded state is split across (the shard
+    /// group's rank with hybrid sharding, else the rank).
+    pub fn shard_rank(&self) -> usize {
+        self.comm.shards().rank()
+    }
+
+    /// Ranks one copy of the sharded state is split across: `mics_shard_size` with
+    /// hybrid sharding, else the world size.
+    pub fn shard_world(&self) -> usize {
+        self.comm.shards().world_size()
+    }
+
+    /// Copies of the sharded state across the world: `world / mics_shard_size` with
+    /// hybrid sharding, else 1.
+    pub fn replicas(&self) -> usize {
+        self.comm.replicas()
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.comm.world.rank()
     }
 
     /// Ranks in the data-parallel group.
     pub fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.comm.world.world_size()
     }
 
     /// The memory ledger.
@@ -290,7 +268,7 @@ impl Engine {
 
     /// Optimizer steps taken so far.
     pub fn global_steps(&self) -> u64 {
-        self.steps
+        self.opt.steps
     }
 
     /// The model being trained.
@@ -305,18 +283,18 @@ impl Engine {
 
     /// Whether the optimizer step overlaps backward in `train_batch`, and why not.
     pub fn optimizer_overlap(&self) -> &OptimizerOverlap {
-        &self.opt_overlap
+        &self.opt.overlap
     }
 
     /// Starts (or stops) recording which lane runs what: each unit's backward and each
     /// group's optimizer step, with start and end times.
     pub fn trace_schedule(&mut self, on: bool) {
-        self.trace = if on { Trace::on() } else { Trace::default() };
+        self.obs.trace = if on { Trace::on() } else { Trace::default() };
     }
 
     /// The spans recorded since the last call, oldest first.
     pub fn take_schedule_trace(&self) -> Vec<Span> {
-        self.trace.take()
+        self.obs.trace.take()
     }
 
     pub(super) fn shared_index(&self) -> Option<usize> {
@@ -325,9 +303,9 @@ impl Engine {
 
     pub(super) fn unit_seed(&self, unit: usize) -> u64 {
         let mix = |h: u64, x: u64| (h ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
-        let h = mix(self.cfg.seed, self.steps);
-        let h = mix(h, self.micro as u64);
-        let h = mix(h, self.comm.rank() as u64);
+        let h = mix(self.cfg.seed, self.opt.steps);
+        let h = mix(h, self.acts.micro as u64);
+        let h = mix(h, self.comm.world.rank() as u64);
         mix(h, unit as u64)
     }
 
@@ -362,7 +340,7 @@ impl Engine {
                 self.hpz_after_forward_gather(g, rules::hpz_cuts_secondary(unit, g, fused))?;
             }
         }
-        self.timings.gather += t.elapsed().as_secs_f64();
+        self.obs.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -373,9 +351,9 @@ impl Engine {
             .gather_direct(g)
             .and_then(|()| self.hpz_gather(g, bucket))
         {
-            Ok(false) => self.stage.gather(
+            Ok(false) => self.params.stage.gather(
                 &mut self.groups[g],
-                shard_comm(self.comm.as_ref(), &self.hybrid),
+                self.comm.shards(),
                 &*self.be,
                 bucket,
                 &mut self.ledger,
@@ -401,13 +379,15 @@ impl Engine {
 
     pub(super) fn release_unit(&mut self, unit: usize) {
         let be = &*self.be;
-        self.stage
+        self.params
+            .stage
             .release(&mut self.groups[unit], be, &mut self.ledger);
         if let Some(s) = self
             .shared_index()
             .filter(|_| !self.model.units[unit].uses_shared.is_empty())
         {
-            self.stage
+            self.params
+                .stage
                 .release(&mut self.groups[s], be, &mut self.ledger);
         }
     }

@@ -35,7 +35,7 @@ impl Engine {
         input: &Tensor,
         loss_grad: f32,
     ) -> Result<Tensor> {
-        let trace = self.trace.clone();
+        let trace = self.obs.trace.clone();
         let grad = Tensor::scalar(loss_grad);
         let r = trace.span("compute", "backward", unit, || {
             self.with_unit_grads(unit, (batch, ids), |m, ctx, p, g| {
@@ -43,7 +43,7 @@ impl Engine {
             })
         });
         let (loss, dx) = r?;
-        self.head_grad = Some(dx);
+        self.acts.head_grad = Some(dx);
         Ok(loss)
     }
 

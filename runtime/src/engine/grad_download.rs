@@ -69,8 +69,8 @@ impl Engine {
     /// path is compared with, bit for bit. Takes effect from the next micro-step; a gradient
     /// already held becomes an accumulator holding the same values.
     pub fn accumulate_gradients(&mut self) -> Result<()> {
-        self.grad_downloads.moves = false;
-        if self.grad_downloads.leave {
+        self.grads.downloads.moves = false;
+        if self.grads.downloads.leave {
             return Ok(());
         }
         for g in &mut self.groups {
@@ -84,7 +84,7 @@ impl Engine {
     /// (a second micro-step before the step is added, `accumulate_reduced`).
     pub(super) fn moves_gradient(&self, g: usize, sum: crate::tensor::DType) -> bool {
         let grp = &self.groups[g];
-        self.grad_downloads.moves && grp.grad_absent() && rules::moves_into(sum, grp.grad_dtype())
+        self.grads.downloads.moves && grp.grad_absent() && rules::moves_into(sum, grp.grad_dtype())
     }
 
     /// Makes `sum` group `g`'s gradient for the step ([`Engine::moves_gradient`]); the group
@@ -98,12 +98,12 @@ impl Engine {
     /// coordinates) into its accumulator: on the device in place, or queued on its way down.
     /// Once the addition is done, at an armed boundary the group may step.
     pub(super) fn accumulate_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
-        if !self.grad_downloads.leave {
+        if !self.grads.downloads.leave {
             // A moved gradient (a second micro-step before the step), or none at all
             // (accumulation turned back on), becomes an accumulator first.
             self.groups[g].materialize_accumulator(&*self.be, &mut self.ledger)?;
             let n = sum.len();
-            let scratch = &mut self.grad_downloads.scratch;
+            let scratch = &mut self.grads.downloads.scratch;
             let r = self.groups[g].grad.accumulate(0, &sum, n, scratch);
             self.be.recycle(sum);
             r?;
@@ -125,8 +125,8 @@ impl Engine {
             range,
             sum,
         };
-        self.grad_downloads.queue.push_back(down);
-        while self.grad_downloads.queue.len() > rules::GRAD_DOWNLOADS_IN_FLIGHT {
+        self.grads.downloads.queue.push_back(down);
+        while self.grads.downloads.queue.len() > rules::GRAD_DOWNLOADS_IN_FLIGHT {
             self.land_oldest_download()?;
         }
         Ok(())
@@ -141,7 +141,7 @@ impl Engine {
     /// Waits for the oldest download alone, adds it into its host accumulator and reuses its
     /// device buffer; false when none is queued.
     fn land_oldest_download(&mut self) -> Result<bool> {
-        let Some(mut down) = self.grad_downloads.queue.pop_front() else {
+        let Some(mut down) = self.grads.downloads.queue.pop_front() else {
             return Ok(false);
         };
         let g = down.g;
@@ -150,7 +150,7 @@ impl Engine {
                 Some(c) => c.ready_ref().map(View::from),
                 None => down.sum.range(down.range.clone()),
             };
-            let scratch = &mut self.grad_downloads.scratch;
+            let scratch = &mut self.grads.downloads.scratch;
             src.and_then(|s| {
                 self.groups[g]
                     .grad
@@ -163,7 +163,7 @@ impl Engine {
             .free(Location::Device, Category::CommBuffers, down.sum.bytes());
         self.be.recycle(down.sum);
         added?;
-        if !self.grad_downloads.queue.iter().any(|d| d.g == g) {
+        if !self.grads.downloads.queue.iter().any(|d| d.g == g) {
             self.lend_for_step(g)?;
         }
         Ok(true)

@@ -63,7 +63,7 @@ impl Engine {
     /// other groups and, once per step when backward will read it (`cut`), cuts this rank's
     /// secondary slice from the gathered buffer.
     pub(super) fn hpz_after_forward_gather(&mut self, g: usize, cut: bool) -> Result<()> {
-        let Some(h) = &mut self.hpz else {
+        let Some(h) = &mut self.params.hpz else {
             return Ok(());
         };
         let ParamStore::Partitioned {
@@ -73,7 +73,7 @@ impl Engine {
         else {
             return Ok(());
         };
-        let (world, size) = (self.comm.world_size(), h.group.world_size());
+        let (world, size) = (self.comm.world.world_size(), h.group.world_size());
         h.crossed += full.bytes() * (world - size) as u64 / world as u64;
         if h.fresh[g] || !cut {
             return Ok(());
@@ -95,7 +95,7 @@ impl Engine {
     /// Backward's gather of group `g` from the secondary partition, inside the group; false
     /// (nothing done) when hpZ is off, outside backward, or the secondary copy is stale.
     pub(super) fn hpz_gather(&mut self, g: usize, bucket: usize) -> Result<bool> {
-        let Some(h) = &self.hpz else {
+        let Some(h) = &self.params.hpz else {
             return Ok(false);
         };
         let Some(sec) = h.secondary[g].as_ref().filter(|_| h.backward && h.fresh[g]) else {
@@ -120,14 +120,14 @@ impl Engine {
 
     /// The optimizer step changed the parameters: every secondary copy is stale.
     pub(super) fn hpz_stale(&mut self) {
-        if let Some(h) = &mut self.hpz {
+        if let Some(h) = &mut self.params.hpz {
             h.fresh.iter_mut().for_each(|f| *f = false);
         }
     }
 
     /// Enters or leaves backward (whose gathers use the secondary partition).
     pub(super) fn hpz_backward(&mut self, on: bool) {
-        if let Some(h) = &mut self.hpz {
+        if let Some(h) = &mut self.params.hpz {
             h.backward = on;
         }
     }
@@ -135,12 +135,13 @@ impl Engine {
     /// Whether backward gathers from the secondary partition now (the comm worker's
     /// prefetch, which gathers over the world, stays off then).
     pub(super) fn hpz_in_backward(&self) -> bool {
-        self.hpz.as_ref().is_some_and(|h| h.backward)
+        self.params.hpz.as_ref().is_some_and(|h| h.backward)
     }
 
     /// hpZ's cross-group bytes since the last call (forward's gathers only).
     pub(super) fn take_hpz_crossed(&mut self) -> u64 {
-        self.hpz
+        self.params
+            .hpz
             .as_mut()
             .map_or(0, |h| std::mem::take(&mut h.crossed))
     }

@@ -53,7 +53,7 @@ impl Engine {
         let rank = self.shard_rank();
         self.settle_swapped()?;
         for gi in 0..self.groups.len() {
-            load_group(&mut self.groups[gi], self.param_swap.as_mut(), rank, src)?;
+            load_group(&mut self.groups[gi], self.params.swap.as_mut(), rank, src)?;
         }
         Ok(())
     }

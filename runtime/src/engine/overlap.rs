@@ -12,7 +12,6 @@ use super::ledger::{Category, Location};
 use super::stage::{
     gather_buffer, gather_shards, reduce_gradient, reduce_output, to_storage, Extent, Reduced,
 };
-use super::topology::shard_comm;
 use crate::comm::worker::{CommWorker, Pending};
 use crate::tensor::Storage;
 use crate::Result;
@@ -49,31 +48,31 @@ impl Engine {
         let wire = super::build::reduce_dtype(&self.cfg);
         // One rank reduces nothing: the f32 gradient itself is the step's, read rounded to
         // the accumulator's dtype, unless the wire's rounding would differ from that one.
-        if self.comm.world_size() == 1 && self.moves_gradient(g, wire) {
+        if self.comm.world.world_size() == 1 && self.moves_gradient(g, wire) {
             self.hold_reduced(g, micro)?;
-            self.timings.reduce += t.elapsed().as_secs_f64();
+            self.obs.timings.reduce += t.elapsed().as_secs_f64();
             return Ok(());
         }
         let buf = to_storage(micro, wire, &*self.be)?;
         let bytes = buf.bytes();
-        if self.comm.world_size() > 1 {
-            self.reduced_bytes += bytes;
+        if self.comm.world.world_size() > 1 {
+            self.grads.reduced_bytes += bytes;
         }
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, bytes);
         let (mut extent, mut world, s) = (
-            self.stage.grads(),
+            self.params.stage.grads(),
             self.groups[g].layout.world_size,
             self.groups[g].layout.shard_len,
         );
-        if world == 1 && self.replicas() > 1 {
+        if world == 1 && self.comm.replicas() > 1 {
             // Shard groups of one rank (`mics_shard_size = 1`): the shard is the whole
             // gradient, summed in place across the replicas like a full one.
             (extent, world) = (Extent::Full, self.world_size());
         }
         let bucket = self.cfg.zero.reduce_bucket_size;
         let out = reduce_output(extent, &buf, world, s)?;
-        match &mut self.overlap {
+        match &mut self.grads.overlap {
             Some(o) => {
                 let p = o.worker.submit("reduce_gradient", move |c| {
                     reduce_gradient(extent, buf, out, world, s, c, bucket)
@@ -82,14 +81,14 @@ impl Engine {
                 self.bound_reductions()?;
             }
             None => {
-                let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
+                let shards = self.comm.shards();
                 let red = reduce_gradient(extent, buf, out, world, s, shards, bucket);
                 self.ledger
                     .free(Location::Device, Category::CommBuffers, bytes);
                 self.accumulate(g, red?)?;
             }
         }
-        self.timings.reduce += t.elapsed().as_secs_f64();
+        self.obs.timings.reduce += t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -110,13 +109,17 @@ impl Engine {
     pub(super) fn finish_reductions(&mut self) -> Result<()> {
         let t = Instant::now();
         while self.finish_oldest_reduction()? {}
-        self.timings.reduce += t.elapsed().as_secs_f64();
+        self.obs.timings.reduce += t.elapsed().as_secs_f64();
         Ok(())
     }
 
     /// Waits for the oldest queued reduction and accumulates it; false when none is queued.
     fn finish_oldest_reduction(&mut self) -> Result<bool> {
-        let Some((g, bytes, p)) = self.overlap.as_mut().and_then(|o| o.reductions.pop_front())
+        let Some((g, bytes, p)) = self
+            .grads
+            .overlap
+            .as_mut()
+            .and_then(|o| o.reductions.pop_front())
         else {
             return Ok(false);
         };
@@ -131,7 +134,7 @@ impl Engine {
     /// buckets of elements, and always the newest one), so overlap never holds a second copy
     /// of every gradient; results are still accumulated in submission order.
     fn bound_reductions(&mut self) -> Result<()> {
-        while let Some(o) = &self.overlap {
+        while let Some(o) = &self.grads.overlap {
             let queued: usize = o
                 .reductions
                 .iter()
@@ -190,10 +193,12 @@ impl Engine {
                 return;
             }
         }
-        if self.overlap.is_none() {
+        if self.grads.overlap.is_none() {
             return;
         }
-        let Some(o) = &mut self.overlap else { return };
+        let Some(o) = &mut self.grads.overlap else {
+            return;
+        };
         let grp = &self.groups[g];
         let ParamStore::Partitioned {
             shard: Shard::Memory(shard),
@@ -227,7 +232,12 @@ impl Engine {
 
     /// Installs a prefetched gather of group `g`, if one is in flight.
     pub(super) fn take_prefetched(&mut self, g: usize) -> Result<()> {
-        let Some(p) = self.overlap.as_mut().and_then(|o| o.prefetched.remove(&g)) else {
+        let Some(p) = self
+            .grads
+            .overlap
+            .as_mut()
+            .and_then(|o| o.prefetched.remove(&g))
+        else {
             return Ok(());
         };
         let full = p.wait()?;

@@ -90,10 +90,10 @@ impl Engine {
         if !self.uploads_directly(g) || !rules::uploads_ahead(&self.cfg, shard_world) {
             return Ok(false);
         }
-        if !self.param_uploads.ahead.contains_key(&g) {
+        if !self.params.uploads.ahead.contains_key(&g) {
             let (full, done) = self.start_upload(g)?;
-            let step = self.steps;
-            self.param_uploads.ahead.insert(g, (full, done, step));
+            let step = self.opt.steps;
+            self.params.uploads.ahead.insert(g, (full, done, step));
         }
         Ok(true)
     }
@@ -104,8 +104,8 @@ impl Engine {
         if !self.uploads_directly(g) {
             return Ok(());
         }
-        let (full, done) = match self.param_uploads.ahead.remove(&g) {
-            Some((full, done, step)) if step == self.steps => (full, done),
+        let (full, done) = match self.params.uploads.ahead.remove(&g) {
+            Some((full, done, step)) if step == self.opt.steps => (full, done),
             stale => {
                 if let Some(old) = stale {
                     self.drop_ahead(old)?;
@@ -125,7 +125,7 @@ impl Engine {
     /// Drops every upload started ahead and not used (before the host writes shards outside
     /// the optimizer step).
     pub(in crate::engine) fn drop_uploads_ahead(&mut self) -> Result<()> {
-        let ahead: Vec<Ahead> = self.param_uploads.ahead.drain().map(|(_, a)| a).collect();
+        let ahead: Vec<Ahead> = self.params.uploads.ahead.drain().map(|(_, a)| a).collect();
         ahead.into_iter().try_for_each(|a| self.drop_ahead(a))
     }
 

@@ -9,7 +9,6 @@ use super::group::{not_resident, Group, ParamStore};
 use super::nvme::NvmeOffload;
 use super::param_swap::ParamSwap;
 use super::swap::{edit_shard, nvme_shard_copy};
-use super::topology::shard_comm;
 use crate::comm::{BufMut, BufRef};
 pub use crate::nn::weights::NamedTensor;
 use crate::{Error, Result};
@@ -52,11 +51,11 @@ impl Engine {
     pub fn parameters(&self) -> Result<Vec<NamedTensor>> {
         // Parameters are read or written here: the optimizer's uploads land first.
         self.await_landings()?;
-        let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
+        let shards = self.comm.shards();
         let (rank, world) = (shards.rank(), shards.world_size());
         let mut out = Vec::new();
         for g in &self.groups {
-            let shard = shard_values(g, rank, self.nvme.as_deref(), self.param_swap.as_ref())?;
+            let shard = shard_values(g, rank, self.opt.nvme.as_deref(), self.params.swap.as_ref())?;
             let mut full = vec![0.0f32; g.layout.shard_len * world];
             shards.all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
             for s in &g.layout.slots {
@@ -116,7 +115,7 @@ impl Engine {
             if !values.is_empty() {
                 write_values(
                     &mut self.groups[gi],
-                    self.param_swap.as_mut(),
+                    self.params.swap.as_mut(),
                     rank,
                     &values,
                 )?;

@@ -26,7 +26,7 @@ impl Engine {
         let Self {
             model,
             groups,
-            saved,
+            acts,
             be,
             ..
         } = self;
@@ -38,20 +38,22 @@ impl Engine {
             ids,
             training,
             rng_seed: seed,
-            saved: &mut saved[unit],
+            saved: &mut acts.saved[unit],
         };
         u.module.forward(&mut ctx, &params, input)
     }
 
     fn track_saved(&mut self, unit: usize) {
-        let b = self.saved[unit].as_ref().map_or(0, |s| s.bytes() as u64);
+        let b = self.acts.saved[unit]
+            .as_ref()
+            .map_or(0, |s| s.bytes() as u64);
         self.ledger
             .alloc(Location::Device, Category::Activations, b);
-        self.saved_bytes[unit] = b;
+        self.acts.saved_bytes[unit] = b;
     }
 
     fn untrack_saved(&mut self, unit: usize) {
-        let b = std::mem::take(&mut self.saved_bytes[unit]);
+        let b = std::mem::take(&mut self.acts.saved_bytes[unit]);
         self.ledger.free(Location::Device, Category::Activations, b);
     }
 
@@ -74,9 +76,9 @@ impl Engine {
         fused: Option<f32>,
     ) -> Result<Tensor> {
         // A gradient left by a failed step must not seed the next backward.
-        self.head_grad = None;
-        if training && self.micro == 0 && self.losses.is_empty() {
-            self.observers.step_begin(self.steps + 1, &*self.be)?;
+        self.acts.head_grad = None;
+        if training && self.acts.micro == 0 && self.acts.losses.is_empty() {
+            self.obs.step_begin(self.opt.steps + 1, &*self.be)?;
         }
         let t = Instant::now();
         // The step's staging (uploads in flight) is still held: the device's locked bytes now.
@@ -100,7 +102,7 @@ impl Engine {
             let out = out?;
             if training && fuse.is_none() {
                 if self.checkpointing() {
-                    self.saved[unit] = None;
+                    self.acts.saved[unit] = None;
                     let input = std::mem::take(&mut x);
                     self.leave_checkpoint(unit, input)?;
                 } else {
@@ -112,7 +114,7 @@ impl Engine {
             let input = std::mem::replace(&mut x, out);
             self.be.recycle(input.storage);
         }
-        self.timings.forward += t.elapsed().as_secs_f64();
+        self.obs.timings.forward += t.elapsed().as_secs_f64();
         if x.numel() != 1 {
             return Err(Error::Shape {
                 op: "model output",
@@ -144,7 +146,7 @@ impl Engine {
         self.ledger
             .observe_device_locked(self.be.page_locked_bytes());
         r?;
-        self.timings.backward += t.elapsed().as_secs_f64();
+        self.obs.timings.backward += t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -156,7 +158,7 @@ impl Engine {
             .position(|u| !u.uses_shared.is_empty());
         let n = self.model.units.len();
         // After a fused last unit, backward starts below it from its input gradient.
-        let (mut grad, top) = match self.head_grad.take() {
+        let (mut grad, top) = match self.acts.head_grad.take() {
             Some(dx) => {
                 self.finish_fused_unit(n - 1, first_shared_user)?;
                 (dx, n - 1)
@@ -171,7 +173,7 @@ impl Engine {
             if let Some(below) = rules::checkpoint_up_with(unit) {
                 self.checkpoint_ahead(below)?;
             }
-            let trace = self.trace.clone();
+            let trace = self.obs.trace.clone();
             let r = trace.span("compute", "backward", unit, || {
                 self.unit_backward(unit, batch, &grad)
             });
@@ -236,7 +238,7 @@ impl Engine {
         let Self {
             model,
             groups,
-            saved,
+            acts,
             be,
             ..
         } = self;
@@ -248,11 +250,11 @@ impl Engine {
             ids,
             training: true,
             rng_seed: seed,
-            saved: &mut saved[unit],
+            saved: &mut acts.saved[unit],
         };
         let out = f(&*u.module, &mut ctx, &params, &mut grads);
         drop(grads);
-        self.saved[unit] = None;
+        self.acts.saved[unit] = None;
         out
     }
 
@@ -263,9 +265,9 @@ impl Engine {
         let loss = self.forward_pass((batch, &ids), true)?;
         // The caller asked for the value: it leaves the device now.
         let sum = f64::from(loss.to_vec_f32()?[0]);
-        self.losses.push(loss);
-        self.tokens += batch.valid_targets() as u64;
-        self.last_batch = Some((batch.clone(), ids));
+        self.acts.losses.push(loss);
+        self.acts.tokens += batch.valid_targets() as u64;
+        self.acts.last_batch = Some((batch.clone(), ids));
         Ok(sum / batch.valid_targets().max(1) as f64)
     }
 
@@ -273,20 +275,21 @@ impl Engine {
     /// divided by the accumulation steps and averaged over ranks.
     pub fn backward(&mut self) -> Result<()> {
         let (batch, ids) = self
+            .acts
             .last_batch
             .take()
             .ok_or_else(|| Error::Invalid("backward() without a preceding forward()".into()))?;
         let denom =
             batch.valid_targets().max(1) * self.cfg.gradient_accumulation_steps * self.world_size();
-        let grad = (self.scaler.scale() / denom as f64) as f32;
+        let grad = (self.opt.scaler.scale() / denom as f64) as f32;
         self.backward_pass((&batch, &ids), grad)?;
-        self.micro += 1;
+        self.acts.micro += 1;
         Ok(())
     }
 
     /// Whether the next [`Engine::step`] will update parameters (accumulation boundary).
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
-        self.micro >= self.cfg.gradient_accumulation_steps
+        self.acts.micro >= self.cfg.gradient_accumulation_steps
     }
 }
 

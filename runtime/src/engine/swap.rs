@@ -64,15 +64,15 @@ pub(super) fn edit_shard(
 impl Engine {
     /// Bytes this rank has moved to and from NVMe since it was built (both stores).
     pub fn swap_traffic(&self) -> ferrozero_offload::store::Traffic {
-        let opt = self.nvme.as_ref().map(|n| n.store.bytes_moved());
-        let par = self.param_swap.as_ref().map(|s| s.store.bytes_moved());
+        let opt = self.opt.nvme.as_ref().map(|n| n.store.bytes_moved());
+        let par = self.params.swap.as_ref().map(|s| s.store.bytes_moved());
         opt.unwrap_or_default() + par.unwrap_or_default()
     }
 
     /// NVMe traffic since the last call (the last step).
     pub(super) fn step_traffic(&mut self) -> super::report::SwapTraffic {
         let now = self.swap_traffic();
-        let d = now - std::mem::replace(&mut self.traffic_mark, now);
+        let d = now - std::mem::replace(&mut self.obs.traffic_mark, now);
         super::report::SwapTraffic {
             read_bytes: d.read,
             written_bytes: d.written,
@@ -92,7 +92,7 @@ impl Engine {
                 shard: Shard::Nvme(slot),
                 ..
             },
-        ) = (self.param_swap.as_mut(), &mut self.groups[g].params)
+        ) = (self.params.swap.as_mut(), &mut self.groups[g].params)
         else {
             return None;
         };
@@ -139,7 +139,8 @@ impl Engine {
     /// fewer than `buffer_count` shards and `max_in_cpu` elements occupy buffers with it.
     pub(super) fn prefetch_swap(&mut self, g: usize) {
         let Some((limit, max_elems)) = self
-            .param_swap
+            .params
+            .swap
             .as_ref()
             .map(|s| (s.buffer_count, s.max_in_cpu))
         else {
@@ -193,7 +194,7 @@ impl Engine {
             Some(r) => r?,
         }
         writing.push_back(g);
-        let limit = self.param_swap.as_ref().map_or(1, |s| s.buffer_count);
+        let limit = self.params.swap.as_ref().map_or(1, |s| s.buffer_count);
         while writing.len() >= limit {
             self.finish_swap_write(writing)?;
         }

@@ -4,7 +4,6 @@
 
 use ferrozero_config::resolved::{CommBackend, ResolvedConfig, ZeroStage};
 
-use super::core::Engine;
 use crate::comm::hybrid::HybridComm;
 use crate::comm::Communicator;
 use crate::{Error, Result};
@@ -98,22 +97,37 @@ pub(super) fn shard_comm<'a>(
     }
 }
 
-impl Engine {
-    /// This rank's position among the ranks its sharded state is split across (the shard
-    /// group's rank with hybrid sharding, else the rank).
-    pub fn shard_rank(&self) -> usize {
-        shard_comm(&*self.comm, &self.hybrid).rank()
+/// The engine's communicators: the world, and the shard group's when hybrid sharding
+/// splits it.
+pub(super) struct Comms {
+    /// All ranks (wrapped by the observers that time collectives).
+    pub(super) world: Box<dyn Communicator>,
+    /// The shard-group communicator when hybrid sharding splits the world.
+    pub(super) hybrid: Option<HybridComm>,
+    /// Cross-group payload bytes at the end of the last step (reports carry the difference).
+    pub(super) cross_mark: u64,
+}
+
+impl Comms {
+    /// The communicators of `cfg`'s topology over `world` (collective with hybrid sharding).
+    pub(super) fn open(cfg: &ResolvedConfig, world: Box<dyn Communicator>) -> Result<Self> {
+        check_backend(cfg, world.as_ref())?;
+        let hybrid = open_hybrid(cfg, world.as_ref())?;
+        Ok(Self {
+            world,
+            hybrid,
+            cross_mark: 0,
+        })
     }
 
-    /// Ranks one copy of the sharded state is split across: `mics_shard_size` with
-    /// hybrid sharding, else the world size.
-    pub fn shard_world(&self) -> usize {
-        shard_comm(&*self.comm, &self.hybrid).world_size()
+    /// The communicator sharded state is split across.
+    pub(super) fn shards(&self) -> &dyn Communicator {
+        shard_comm(&*self.world, &self.hybrid)
     }
 
     /// Copies of the sharded state across the world: `world / mics_shard_size` with
     /// hybrid sharding, else 1.
-    pub fn replicas(&self) -> usize {
+    pub(super) fn replicas(&self) -> usize {
         self.hybrid.as_ref().map_or(1, HybridComm::replicas)
     }
 
@@ -130,18 +144,17 @@ impl Engine {
     }
 
     /// The ranks one copy of the sharded state is split across (for sums over that copy).
-    pub(super) fn one_copy_comm(&self) -> &dyn Communicator {
+    pub(super) fn one_copy(&self) -> &dyn Communicator {
         match &self.hybrid {
             Some(h) => h.shard_group(),
-            None => &*self.comm,
+            None => &*self.world,
         }
     }
 
     /// Bytes this rank sent across shard groups since the last call, as a ring collective
-    /// over the replicas sends them (`2 (R - 1) / R` of the reduced payload).
-    /// Under hpZ: the parameter bytes forward's gathers brought from other groups.
-    pub(super) fn take_cross_group_bytes(&mut self) -> u64 {
-        let hpz = self.take_hpz_crossed();
+    /// over the replicas sends them (`2 (R - 1) / R` of the reduced payload); `hpz`: the
+    /// parameter bytes hpZ's forward gathers brought from other groups, counted instead.
+    pub(super) fn take_cross_group_bytes(&mut self, hpz: u64) -> u64 {
         let Some(h) = &self.hybrid else { return hpz };
         let total = h.cross_group_bytes();
         let payload = total - std::mem::replace(&mut self.cross_mark, total);

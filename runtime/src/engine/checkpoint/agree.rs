@@ -39,6 +39,7 @@ impl Engine {
         let world = self.world_size();
         let mut lens = vec![0.0f32; world];
         self.comm
+            .world
             .all_gather(BufRef::F32(&[bytes.len() as f32]), BufMut::F32(&mut lens))?;
         let longest = lens.iter().fold(0.0f32, |m, &l| m.max(l)) as usize;
         if longest == 0 {
@@ -50,6 +51,7 @@ impl Engine {
         }
         let mut all = vec![0.0f32; longest * world];
         self.comm
+            .world
             .all_gather(BufRef::F32(&local), BufMut::F32(&mut all))?;
         Ok(all
             .chunks_exact(longest)

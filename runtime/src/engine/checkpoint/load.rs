@@ -30,7 +30,7 @@ impl Engine {
         // started ahead from the shards are dropped.
         self.await_landings()?;
         self.drop_uploads_ahead()?;
-        if self.micro != 0 {
+        if self.acts.micro != 0 {
             return Err(Error::Invalid(
                 "load_checkpoint in the middle of gradient accumulation".into(),
             ));
@@ -92,11 +92,11 @@ impl Engine {
                 });
             }
         }
-        if m.moments < self.optimizer.moments() {
+        if m.moments < self.opt.optimizer.moments() {
             return bad(format!(
                 "holds {} optimizer moments per element; this optimizer needs {}",
                 m.moments,
-                self.optimizer.moments()
+                self.opt.optimizer.moments()
             ));
         }
         Ok(())
@@ -107,21 +107,21 @@ impl Engine {
         let rank = self.shard_rank();
         self.settle_swapped()?;
         for (gi, g) in self.groups.iter_mut().enumerate() {
-            restore_group(reader, gi, g, self.param_swap.as_mut(), rank)?;
-            restore_nvme_state(reader, gi, g, self.nvme.as_deref())?;
+            restore_group(reader, gi, g, self.params.swap.as_mut(), rank)?;
+            restore_nvme_state(reader, gi, g, self.opt.nvme.as_deref())?;
             if g.work.is_some() {
                 refresh_work(g)?;
             }
         }
         let m = reader.meta();
-        self.steps = m.step;
-        self.micro = 0;
-        self.losses.clear();
-        self.tokens = 0;
+        self.opt.steps = m.step;
+        self.acts.micro = 0;
+        self.acts.losses.clear();
+        self.acts.tokens = 0;
         // Dropout masks derive from the seed; resuming with another seed would diverge.
         self.cfg.seed = m.seed;
-        if same_kind(&self.scaler, &m.scaler) {
-            self.scaler = m.scaler.clone();
+        if same_kind(&self.opt.scaler, &m.scaler) {
+            self.opt.scaler = m.scaler.clone();
         } else {
             tracing::warn!(
                 saved = ?m.scaler,

@@ -144,7 +144,7 @@ impl Engine {
         self.await_landings()?;
         let dir = dir.as_ref();
         check_tag(tag)?;
-        if self.micro != 0 {
+        if self.acts.micro != 0 {
             return Err(Error::Invalid(
                 "save_checkpoint in the middle of gradient accumulation; save after step()".into(),
             ));
@@ -179,8 +179,8 @@ impl Engine {
         // NVMe-resident state streams into the file one group at a time.
         let streamer = Streamer::default();
         let src = NvmeSources {
-            nvme: self.nvme.as_deref(),
-            swap: self.param_swap.as_ref(),
+            nvme: self.opt.nvme.as_deref(),
+            swap: self.params.swap.as_ref(),
             streamer: &streamer,
         };
         let mut tensors = Vec::new();
@@ -220,6 +220,7 @@ impl Engine {
         let local: Vec<f32> = pieces(bytes).chain(pieces(crc as u64)).collect();
         let mut all = vec![0.0f32; local.len() * self.world_size()];
         self.comm
+            .world
             .all_gather(BufRef::F32(&local), BufMut::F32(&mut all))?;
         let join = |p: &[f32]| {
             p.iter()
@@ -249,7 +250,7 @@ impl Engine {
             format: FORMAT.into(),
             version: VERSION,
             tag: tag.into(),
-            step: self.steps,
+            step: self.opt.steps,
             data_position: pos,
             world_size: self.shard_world(),
             stage: self.cfg.zero.stage.number(),
@@ -258,10 +259,10 @@ impl Engine {
                 .groups
                 .iter()
                 .any(|g| g.master.is_some() || g.nvme_adam.is_some()),
-            moments: self.optimizer.moments(),
+            moments: self.opt.optimizer.moments(),
             seed: self.cfg.seed,
-            scaler: self.scaler.clone(),
-            next_lr: self.schedule.lr_at(self.steps),
+            scaler: self.opt.scaler.clone(),
+            next_lr: self.opt.schedule.lr_at(self.opt.steps),
             config: serde_json::to_value(&self.cfg)
                 .map_err(|e| Error::Invalid(format!("config does not serialise: {e}")))?,
             groups: self

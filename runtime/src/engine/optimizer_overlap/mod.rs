@@ -194,13 +194,13 @@ impl OptimizerLane {
 }
 
 impl Engine {
-    /// The values of optimizer step `self.steps`, gradients multiplied by `grad_scale`.
+    /// The values of optimizer step `self.opt.steps`, gradients multiplied by `grad_scale`.
     pub(super) fn step_values(&self, grad_scale: f32) -> StepValues {
-        let k = self.steps;
+        let k = self.opt.steps;
         StepValues {
             step: k + 1,
-            lr: self.schedule.lr_at(k),
-            beta1: self.schedule.momentum_at(k),
+            lr: self.opt.schedule.lr_at(k),
+            beta1: self.opt.schedule.momentum_at(k),
             grad_scale,
         }
     }
@@ -210,13 +210,13 @@ impl Engine {
     /// lane already used). The lane assumes clipping coefficient 1, as the step computes it
     /// when clipping does not bind.
     pub(super) fn arm_optimizer_lane(&mut self) {
-        if self.optimizer_lane.is_none() {
+        if self.opt.lane.is_none() {
             return;
         }
-        let scale = self.scaler.scale();
+        let scale = self.opt.scaler.scale();
         let sv = self.step_values((1.0 / scale) as f32);
         let watch = Watch::new(self.cfg.gradient_clipping, scale);
-        if let Some(w) = &mut self.optimizer_lane {
+        if let Some(w) = &mut self.opt.lane {
             let watch = Arc::new(Mutex::new(watch));
             w.armed = Some(Armed { sv, watch });
         }
@@ -226,7 +226,7 @@ impl Engine {
     /// the write-behind is armed, leaving a stand-in in its place.
     pub(super) fn lend_for_step(&mut self, g: usize) -> Result<()> {
         let rank = self.shard_rank();
-        let Some(w) = self.optimizer_lane.as_mut() else {
+        let Some(w) = self.opt.lane.as_mut() else {
             return Ok(());
         };
         let Some(armed) = &w.armed else {
@@ -256,7 +256,7 @@ impl Engine {
         // The gradient's last addition may still be running on the device's compute stream:
         // its download is queued behind it on the copy stream, the lane waits for that copy
         // alone and the engine's thread goes on with backward.
-        let inbound = self.optimizer.fetch(&self.groups[g], &*self.be)?;
+        let inbound = self.opt.optimizer.fetch(&self.groups[g], &*self.be)?;
         let stand_in = self.groups[g].stand_in();
         let group = std::mem::replace(&mut self.groups[g], stand_in);
         let job = speculate::LaneStep {
@@ -264,11 +264,11 @@ impl Engine {
             rank,
             sv: armed.sv,
             watch: armed.watch.clone(),
-            opt: self.optimizer.clone(),
+            opt: self.opt.optimizer.clone(),
             be: self.be.clone(),
-            trace: self.trace.clone(),
+            trace: self.obs.trace.clone(),
             tile: self.cfg.zero.sub_group_size.max(1),
-            nvme: self.nvme.clone(),
+            nvme: self.opt.nvme.clone(),
         };
         let t = w
             .lane
@@ -281,7 +281,7 @@ impl Engine {
     /// (the values it stepped with, which groups it stepped, each lent group's sum of
     /// squares), or `None` when this step was not armed.
     pub(super) fn join_optimizer_lane(&mut self) -> Result<Option<Overlapped>> {
-        let Some(w) = self.optimizer_lane.as_mut() else {
+        let Some(w) = self.opt.lane.as_mut() else {
             return Ok(None);
         };
         let Some(armed) = w.armed.take() else {
@@ -290,7 +290,7 @@ impl Engine {
         let speculative = w.speculative();
         let t = Instant::now();
         let back = self.take_back_lent();
-        self.timings.optimizer += t.elapsed().as_secs_f64();
+        self.obs.timings.optimizer += t.elapsed().as_secs_f64();
         let n = self.groups.len();
         let mut lane = Overlapped {
             sv: armed.sv,
@@ -309,12 +309,13 @@ impl Engine {
     /// speculative step is undone (a step that was not speculative stays applied: the error
     /// stops the run).
     pub(super) fn disarm_optimizer_lane(&mut self) -> Result<()> {
-        if let Some(w) = self.optimizer_lane.as_mut() {
+        if let Some(w) = self.opt.lane.as_mut() {
             w.armed = None;
         }
         let back = self.take_back_lent()?;
         if self
-            .optimizer_lane
+            .opt
+            .lane
             .as_ref()
             .is_some_and(OptimizerLane::speculative)
         {
@@ -331,7 +332,7 @@ impl Engine {
     /// the first error (a failed update, or a lane that stopped and lost its group) comes
     /// after all others were taken back.
     fn take_back_lent(&mut self) -> Result<Vec<(usize, Outcome)>> {
-        let Some(w) = self.optimizer_lane.as_mut() else {
+        let Some(w) = self.opt.lane.as_mut() else {
             return Ok(Vec::new());
         };
         let lent = std::mem::take(&mut w.lent);

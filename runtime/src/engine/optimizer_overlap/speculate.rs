@@ -170,7 +170,7 @@ impl Engine {
                 self.roll_back(&lane.stepped)?;
                 Ok(vec![false; n])
             }
-            (false, None) => Err(super::overlapped_overflow(self.steps + 1)),
+            (false, None) => Err(super::overlapped_overflow(self.opt.steps + 1)),
             (false, Some(sv)) => Err(Error::Invalid(format!(
                 "the optimizer lane stepped with {:?} but the step's values are {sv:?}",
                 lane.sv
@@ -181,7 +181,7 @@ impl Engine {
     /// Writes every `stepped` group's saved optimizer values back.
     pub(in crate::engine) fn roll_back(&mut self, stepped: &[bool]) -> Result<()> {
         let t = Instant::now();
-        let Some(w) = self.optimizer_lane.as_mut() else {
+        let Some(w) = self.opt.lane.as_mut() else {
             return Ok(());
         };
         for g in (0..self.groups.len()).filter(|&g| stepped[g]) {
@@ -198,10 +198,11 @@ impl Engine {
             // The lane's uploads land before the saved values are written over them.
             group.landing.await_on(&*self.be)?;
             let be = &*self.be;
-            self.trace
+            self.obs
+                .trace
                 .span("compute", "rollback", g, || snap.restore(group, be))?;
         }
-        self.timings.optimizer += t.elapsed().as_secs_f64();
+        self.obs.timings.optimizer += t.elapsed().as_secs_f64();
         Ok(())
     }
 }

@@ -1,0 +1,28 @@
+//! The step's state: the optimizer and what shapes its update (schedule, loss scale), where
+//! its state lives (NVMe), whether it overlaps backward, and how many steps were taken.
+
+use std::sync::Arc;
+
+use super::loss_scale::LossScaler;
+use super::nvme::NvmeOffload;
+use super::optimizer::Optimizer;
+use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
+use super::schedule::Schedule;
+
+/// The optimizer step's state across steps.
+pub(super) struct StepState {
+    /// The update rule.
+    pub(super) optimizer: Optimizer,
+    /// The learning rate (and momentum) schedule.
+    pub(super) schedule: Schedule,
+    /// fp16's loss scale (static or dynamic), or none.
+    pub(super) scaler: LossScaler,
+    /// Whether the optimizer step overlaps backward (and why not).
+    pub(super) overlap: OptimizerOverlap,
+    /// The optimizer lane when it does.
+    pub(super) lane: Option<OptimizerLane>,
+    /// The NVMe store when optimizer state lives there (shared with the optimizer lane).
+    pub(super) nvme: Option<Arc<NvmeOffload>>,
+    /// Optimizer steps taken (skipped ones included).
+    pub(super) steps: u64,
+}
