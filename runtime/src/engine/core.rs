@@ -335,9 +335,16 @@ impl Engine {
         if let Some(s) = shared {
             self.gather_group(s, bucket)?;
         }
-        if !self.hpz_in_backward() {
+        if !self.params.hpz.in_backward() {
             for g in fresh {
-                self.hpz_after_forward_gather(g, rules::hpz_cuts_secondary(unit, g, fused))?;
+                let cut = rules::hpz_cuts_secondary(unit, g, fused);
+                let world = self.comm.world.world_size();
+                self.params.hpz.after_forward_gather(
+                    (g, &self.groups[g]),
+                    world,
+                    cut,
+                    &mut self.ledger,
+                )?;
             }
         }
         self.obs.timings.gather += t.elapsed().as_secs_f64();
@@ -347,10 +354,14 @@ impl Engine {
     /// Swaps group `g`'s shard in from NVMe if it lives there, gathers, and swaps it out.
     fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
         self.swap_in_for_gather(g)?;
-        let r = match self
-            .gather_direct(g)
-            .and_then(|()| self.hpz_gather(g, bucket))
-        {
+        let r = match self.gather_direct(g).and_then(|()| {
+            self.params.hpz.gather(
+                (g, &mut self.groups[g]),
+                &*self.be,
+                bucket,
+                &mut self.ledger,
+            )
+        }) {
             Ok(false) => self.params.stage.gather(
                 &mut self.groups[g],
                 self.comm.shards(),

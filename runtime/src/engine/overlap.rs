@@ -155,7 +155,7 @@ impl Engine {
     /// ahead, with or without overlap.
     pub(super) fn prefetch(&mut self, g: usize) {
         // hpZ: backward gathers from the secondary partition inside the group, on this thread.
-        if self.hpz_in_backward() {
+        if self.params.hpz.in_backward() {
             return;
         }
         let live: usize = self

@@ -14,7 +14,7 @@ pub(super) struct ParamFlow {
     /// the groups, so copies still reading the shards finish before the shards are freed).
     pub(super) uploads: ParamUploads,
     /// ZeRO++ hpZ's secondary parameter partition and group (see `hpz`).
-    pub(super) hpz: Option<Hpz>,
+    pub(super) hpz: Hpz,
     /// The NVMe store when stage-3 parameter shards live there.
     pub(super) swap: Option<ParamSwap>,
 }

@@ -132,9 +132,9 @@ impl Engine {
         loss_grad: f32,
     ) -> Result<()> {
         let t = Instant::now();
-        self.hpz_backward(true);
+        self.params.hpz.set_backward(true);
         let r = self.backward_units(batch, loss_grad);
-        self.hpz_backward(false);
+        self.params.hpz.set_backward(false);
         if r.is_err() {
             // Gradients still on their way down land (their buffers come back) before the
             // error leaves the engine.

@@ -110,7 +110,7 @@ impl Engine {
         self.opt.steps += 1;
         self.acts.micro = 0;
         let flops_profile = self.obs.step_end(self.opt.steps, &*self.be)?;
-        let hpz_crossed = self.take_hpz_crossed();
+        let hpz_crossed = self.params.hpz.take_crossed();
         let report = StepReport {
             step: self.opt.steps,
             loss: loss_sum / tokens.max(1) as f64,
@@ -223,7 +223,7 @@ impl Engine {
                 .stage
                 .publish(g, shards, bucket, &mut self.ledger)?;
         }
-        self.hpz_stale();
+        self.params.hpz.stale();
         self.ledger.check_limit()?;
         self.obs.timings.gather += t.elapsed().as_secs_f64();
         Ok(())

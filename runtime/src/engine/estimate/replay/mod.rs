@@ -166,7 +166,7 @@ impl<'a> Replay<'a> {
         r
     }
 
-    /// `Engine::hpz_after_forward_gather`: a sharded group's first forward gather allocates
+    /// `Hpz::after_forward_gather`: a sharded group's first forward gather allocates
     /// its secondary partition (`1 / G` of the padded parameters), kept from then on.
     fn keep_secondary(&mut self, g: usize) {
         if self.hpz > 1 && self.groups[g].params == Extent::Shard && !self.secondary[g] {
