@@ -354,14 +354,18 @@ impl Engine {
     /// Swaps group `g`'s shard in from NVMe if it lives there, gathers, and swaps it out.
     fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
         self.swap_in_for_gather(g)?;
-        let r = match self.gather_direct(g).and_then(|()| {
-            self.params.hpz.gather(
-                (g, &mut self.groups[g]),
-                &*self.be,
-                bucket,
-                &mut self.ledger,
-            )
-        }) {
+        let step = self.opt.steps;
+        let direct = (g, &mut self.groups[g]);
+        let r = match (self.params.uploads)
+            .gather(direct, step, &*self.be, &mut self.ledger)
+            .and_then(|()| {
+                self.params.hpz.gather(
+                    (g, &mut self.groups[g]),
+                    &*self.be,
+                    bucket,
+                    &mut self.ledger,
+                )
+            }) {
             Ok(false) => self.params.stage.gather(
                 &mut self.groups[g],
                 self.comm.shards(),

@@ -31,7 +31,7 @@ impl Engine {
         // Parameters are written here: the optimizer's uploads land first, and uploads
         // started ahead from the shards are dropped.
         self.await_landings()?;
-        self.drop_uploads_ahead()?;
+        self.params.uploads.drop_all(&*self.be, &mut self.ledger)?;
         let expected: Vec<(String, Vec<usize>)> = self
             .groups
             .iter()

@@ -181,8 +181,14 @@ impl Engine {
         let shared = self
             .shared_index()
             .filter(|_| !self.model.units[g].uses_shared.is_empty());
-        let started = self.prefetch_upload(g).and_then(|up| match shared {
-            Some(s) if up => self.await_landing(s).and_then(|()| self.prefetch_upload(s)),
+        let upload = |e: &mut Self, g: usize| {
+            let at = (&e.cfg, e.opt.steps);
+            e.params
+                .uploads
+                .prefetch((g, &e.groups[g]), at, &*e.be, &mut e.ledger)
+        };
+        let started = upload(self, g).and_then(|up| match shared {
+            Some(s) if up => self.await_landing(s).and_then(|()| upload(self, s)),
             _ => Ok(up),
         });
         match started {

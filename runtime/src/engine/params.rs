@@ -75,7 +75,7 @@ impl Engine {
         // Parameters are written here: the optimizer's uploads land first, and uploads
         // started ahead from the shards are dropped.
         self.await_landings()?;
-        self.drop_uploads_ahead()?;
+        self.params.uploads.drop_all(&*self.be, &mut self.ledger)?;
         let mut index = HashMap::new();
         for (gi, g) in self.groups.iter().enumerate() {
             for (si, s) in g.layout.slots.iter().enumerate() {

@@ -29,7 +29,7 @@ impl Engine {
         // Parameters are written here: the optimizer's uploads land first, and uploads
         // started ahead from the shards are dropped.
         self.await_landings()?;
-        self.drop_uploads_ahead()?;
+        self.params.uploads.drop_all(&*self.be, &mut self.ledger)?;
         if self.acts.micro != 0 {
             return Err(Error::Invalid(
                 "load_checkpoint in the middle of gradient accumulation".into(),
