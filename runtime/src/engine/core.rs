@@ -408,6 +408,50 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// A one-screen summary: stage, precision, world, parameters, bytes per rank by category.
+    pub fn summary(&self) -> String {
+        let l = &self.ledger;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let mut s = format!(
+            "ZeRO stage {} on {} | {:?} | world size {} over {}{} | {} parameters | micro-batch {} x accumulation {} = {} per step\n",
+            self.cfg.zero.stage.number(),
+            self.be.name(),
+            self.cfg.precision,
+            self.world_size(),
+            super::topology::backend_name(self.comm.world.backend()),
+            self.comm.hybrid_summary(),
+            self.model.num_params(),
+            self.cfg.train_micro_batch_size_per_gpu,
+            self.cfg.gradient_accumulation_steps,
+            self.cfg.train_batch_size,
+        );
+        for loc in [Location::Device, Location::Host, Location::Nvme] {
+            let parts: Vec<String> = Category::ALL
+                .iter()
+                .filter(|&&c| l.current(loc, c) > 0)
+                .map(|&c| format!("{c:?} {:.1} MiB", mib(l.current(loc, c))))
+                .collect();
+            if !parts.is_empty() {
+                s.push_str(&format!("  {loc:?} per rank: {}\n", parts.join(", ")));
+            }
+        }
+        s
+    }
+
+    /// Orders the compute stream after group `g`'s parameter uploads: called where the
+    /// parameters are next used.
+    pub(super) fn await_landing(&self, g: usize) -> Result<()> {
+        self.groups[g].landing.await_on(&*self.be)
+    }
+
+    /// Orders the compute stream after every group's parameter uploads (before parameters
+    /// are read or written wholesale: checkpoints, `parameters`, `set_parameters`).
+    pub(in crate::engine) fn await_landings(&self) -> Result<()> {
+        (0..self.groups.len()).try_for_each(|g| self.await_landing(g))
+    }
+}
+
 /// Opens the rank's parameter swap store when `offload_param.device = "nvme"`.
 fn open_param_swap(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Option<ParamSwap>> {
     match &cfg.zero.offload_param.target {

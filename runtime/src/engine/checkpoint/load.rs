@@ -4,6 +4,7 @@
 use std::ops::Range;
 use std::path::Path;
 
+use super::agree::agree;
 use super::meta::{GroupMeta, TensorKind};
 use super::reader::CheckpointReader;
 use super::{LoadedCheckpoint, Tag};
@@ -36,13 +37,13 @@ impl Engine {
             ));
         }
         let reader = CheckpointReader::open(dir.as_ref(), tag);
-        let reader = self.agree(reader)?;
+        let reader = agree(self.comm.world.as_ref(), reader)?;
         let checked = self
             .verify_share(&reader)
             .and_then(|()| self.check_compatible(&reader));
-        self.agree(checked)?;
+        agree(self.comm.world.as_ref(), checked)?;
         let restored = self.restore(&reader);
-        self.agree(restored)?;
+        agree(self.comm.world.as_ref(), restored)?;
         let m = reader.meta();
         Ok(LoadedCheckpoint {
             tag: m.tag.clone(),

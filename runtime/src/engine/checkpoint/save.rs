@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use super::agree::{agree, all_gather_text};
 use super::fsio;
 use super::meta::{
     dtype_name, rank_file_name, CheckpointMeta, FileMeta, GroupMeta, TensorKind, FORMAT,
@@ -152,16 +153,19 @@ impl Engine {
         let tmp = dir.join(format!(".tmp-{tag}"));
         let dst = dir.join(tag);
         let rank = self.rank();
-        self.agree(if rank == 0 {
-            fresh_dir(dir, &tmp)
-        } else {
-            Ok(())
-        })?;
+        agree(
+            self.comm.world.as_ref(),
+            if rank == 0 {
+                fresh_dir(dir, &tmp)
+            } else {
+                Ok(())
+            },
+        )?;
         // Under hybrid sharding every shard group holds the same state: the first group's
         // ranks write it, and the checkpoint is the one a plain run over one group writes.
         let writes = rank == self.shard_rank();
         let mine = writes.then(|| self.write_rank_file(&tmp)).transpose();
-        let mine = self.agree(mine)?;
+        let mine = agree(self.comm.world.as_ref(), mine)?;
         let files = self.gather_file_meta(mine)?;
         let publish = if rank == 0 {
             self.write_meta(&tmp, tag, data_position, files)
@@ -170,7 +174,7 @@ impl Engine {
         } else {
             Ok(())
         };
-        self.agree(publish)?;
+        agree(self.comm.world.as_ref(), publish)?;
         Ok(dst)
     }
 
@@ -214,7 +218,7 @@ impl Engine {
             serde_json::to_string(&m.tensors)
                 .map_err(|e| Error::Invalid(format!("tensor checksums do not serialise: {e}")))
         })?;
-        let per_tensor = self.all_gather_text(&per_tensor)?;
+        let per_tensor = all_gather_text(self.comm.world.as_ref(), &per_tensor)?;
         let pieces = |x: u64| (0..4).map(move |i| ((x >> (16 * i)) & 0xffff) as f32);
         let (bytes, crc) = mine.map_or((0, 0), |m| (m.bytes, m.crc32c));
         let local: Vec<f32> = pieces(bytes).chain(pieces(crc as u64)).collect();
