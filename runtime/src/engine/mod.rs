@@ -10,7 +10,6 @@ mod ckpt_offload;
 mod core;
 pub mod estimate;
 mod eval;
-mod fused;
 mod grad_download;
 mod grad_flow;
 pub mod group;
@@ -46,6 +45,7 @@ pub(crate) mod swap;
 pub mod timeline;
 mod topology;
 pub mod trace;
+mod unit_views;
 
 /// A config for the engine's unit tests: `src` as TOML, resolved for one rank.
 #[cfg(test)]

@@ -1,15 +1,27 @@
 //! A micro-batch's passes through the units: forward (with checkpointing and the fused last
-//! unit), backward (recompute, the unit's gradients, reductions as each unit finishes), and the
-//! views of a unit's parameters and gradients they hand to its module.
+//! unit), backward (recompute, the unit's gradients, reductions as each unit finishes), and
+//! evaluation's forward without gradients.
+//!
+//! The fused last unit (`Module::forward_backward`): `train_batch` knows the loss gradient
+//! before forward (the loss scale over the global batch's targets), and its backward follows
+//! forward at once, so the last unit (the loss head) computes its loss and its gradients
+//! together: a device runs each chunk's logits product once, nothing is saved, checkpointed or
+//! recomputed. Its parameters are forward's gather (hpZ cuts no secondary copy of them:
+//! backward does not gather them again) and its gradients land in the micro-step buffers
+//! then; everything backward does after a unit's computation (prefetching the next unit, the
+//! reduction, the shared group's after its first user) still happens at the start of
+//! backward, in the same order, so no reduction, lane or bit changes. `Engine::forward` (the
+//! manual API) does not fuse: its caller may never call backward.
 
 use std::time::Instant;
 
 use super::core::Engine;
-use super::group::{compute_view, Group};
+use super::eval::Evaluation;
 use super::ledger::{Category, Location};
 use super::rules;
+use super::unit_views::{unit_params, unit_params_and_grads};
 use crate::nn::{Batch, BatchIds, Ctx, Grads, Module, Params};
-use crate::tensor::{Tensor, View, ViewMut};
+use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 impl Engine {
@@ -291,106 +303,102 @@ impl Engine {
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
         self.acts.micro >= self.cfg.gradient_accumulation_steps
     }
-}
 
-fn compute_view_of<'a>(g: &'a Group, what: &str) -> Result<View<'a>> {
-    g.compute_params().ok_or_else(|| {
-        Error::Invalid(format!(
-            "parameters of {what} used before they were gathered"
-        ))
-    })
-}
-
-/// Parameter views for a unit: its own slots, then the shared slots it uses.
-pub(super) fn unit_params<'a>(
-    groups: &'a [Group],
-    unit: usize,
-    uses: &[usize],
-    shared: Option<usize>,
-) -> Result<Params<'a>> {
-    let own = compute_view_of(&groups[unit], "a unit")?;
-    let mut v = groups[unit]
-        .layout
-        .slots
-        .iter()
-        .map(|s| own.range(s.range()))
-        .collect::<Result<Vec<View<'_>>>>()?;
-    if let Some(s) = shared.filter(|_| !uses.is_empty()) {
-        let sh = compute_view_of(&groups[s], "the shared group")?;
-        for &i in uses {
-            v.push(sh.range(groups[s].layout.slots[i].range())?);
+    /// Evaluates one batch (collective in stage 3: every rank must call it).
+    pub fn evaluate(&mut self, batch: &Batch) -> Result<Evaluation> {
+        let n = self.model.units.len();
+        let ids = BatchIds::new(&*self.be, batch)?;
+        let mut x = Tensor::default();
+        let mut predictions = None;
+        for unit in 0..n {
+            self.gather_unit(unit, false)?;
+            let r = self.eval_unit(unit, (batch, &ids), &x, unit + 1 == n);
+            self.release_unit(unit);
+            let (out, pred) = r?;
+            predictions = predictions.or(pred);
+            x = out;
         }
+        Ok(Evaluation {
+            loss_sum: x.to_vec_f32()?.first().copied().unwrap_or(0.0) as f64,
+            tokens: batch.valid_targets() as u64,
+            predictions,
+        })
     }
-    Ok(Params::new(v))
-}
 
-/// Parameter and gradient views for a unit's backward.
-fn unit_params_and_grads<'a>(
-    groups: &'a mut [Group],
-    unit: usize,
-    uses: &[usize],
-    shared: Option<usize>,
-) -> Result<(Params<'a>, Grads<'a>)> {
-    let (head, tail) = groups.split_at_mut(shared.unwrap_or(groups.len()).max(unit + 1));
-    let Group {
-        layout,
-        params,
-        work,
-        micro,
-        ..
-    } = &mut head[unit];
-    let own_params = compute_view(params, work)
-        .ok_or_else(|| Error::Invalid("unit parameters not gathered".into()))?;
-    let own_micro = micro
-        .as_mut()
-        .ok_or_else(|| Error::Invalid("no gradient buffer".into()))?;
-    let mut p = layout
-        .slots
-        .iter()
-        .map(|s| own_params.range(s.range()))
-        .collect::<Result<Vec<View<'_>>>>()?;
-    let mut g = split_slots(own_micro.view_mut(), layout.slots.iter().map(|s| s.range()))?;
-    if let (Some(_), false) = (shared, uses.is_empty()) {
-        let Group {
-            layout,
-            params,
-            work,
-            micro,
-            ..
-        } = &mut tail[0];
-        let sp = compute_view(params, work)
-            .ok_or_else(|| Error::Invalid("shared parameters not gathered".into()))?;
-        for &i in uses {
-            p.push(sp.range(layout.slots[i].range())?);
+    fn eval_unit(
+        &mut self,
+        unit: usize,
+        (batch, ids): (&Batch, &BatchIds),
+        x: &Tensor,
+        last: bool,
+    ) -> Result<(Tensor, Option<Vec<u32>>)> {
+        let out = self.run_unit_forward(unit, (batch, ids), x, false)?;
+        if !last {
+            return Ok((out, None));
         }
-        let sm = micro
-            .as_mut()
-            .ok_or_else(|| Error::Invalid("no shared gradient buffer".into()))?;
-        let all = split_slots(sm.view_mut(), layout.slots.iter().map(|s| s.range()))?;
-        let mut picked: Vec<Option<ViewMut<'_>>> = all.into_iter().map(Some).collect();
-        for &i in uses {
-            g.push(picked[i].take().ok_or_else(|| {
-                Error::Invalid(format!("shared parameter {i} used twice by one unit"))
-            })?);
-        }
+        let shared = self.shared_index();
+        let Self {
+            model, groups, be, ..
+        } = self;
+        let u = &model.units[unit];
+        let params = unit_params(groups, unit, &u.uses_shared, shared)?;
+        let mut saved = None;
+        let mut ctx = Ctx {
+            be: &**be,
+            batch,
+            ids,
+            training: false,
+            rng_seed: 0,
+            saved: &mut saved,
+        };
+        Ok((out, u.module.predict(&mut ctx, &params, x)?))
     }
-    Ok((Params::new(p), Grads::new(g)))
-}
 
-/// Splits a flat buffer into disjoint mutable views for consecutive, ordered ranges.
-fn split_slots<'a>(
-    buf: ViewMut<'a>,
-    ranges: impl Iterator<Item = std::ops::Range<usize>>,
-) -> Result<Vec<ViewMut<'a>>> {
-    let mut rest = buf;
-    let mut consumed = 0;
-    let mut out = Vec::new();
-    for r in ranges {
-        let (_, tail) = rest.split_at(r.start - consumed)?;
-        let (slot, tail) = tail.split_at(r.len())?;
-        out.push(slot);
-        rest = tail;
-        consumed = r.end;
+    /// Forward over every unit for `train_batch`: the last runs its backward too, for
+    /// `loss_grad`; its input gradient waits in `head_grad` for [`Engine::backward_pass`].
+    pub(super) fn forward_pass_fused(
+        &mut self,
+        batch: (&Batch, &BatchIds),
+        loss_grad: f32,
+    ) -> Result<Tensor> {
+        self.forward_units(batch, true, Some(loss_grad))
     }
-    Ok(out)
+
+    /// The last unit's forward and backward with its parameters gathered; returns the loss.
+    pub(super) fn run_unit_fused(
+        &mut self,
+        unit: usize,
+        (batch, ids): (&Batch, &BatchIds),
+        input: &Tensor,
+        loss_grad: f32,
+    ) -> Result<Tensor> {
+        let trace = self.obs.trace.clone();
+        let grad = Tensor::scalar(loss_grad);
+        let r = trace.span("compute", "backward", unit, || {
+            self.with_unit_grads(unit, (batch, ids), |m, ctx, p, g| {
+                m.forward_backward(ctx, p, g, input, &grad)
+            })
+        });
+        let (loss, dx) = r?;
+        self.acts.head_grad = Some(dx);
+        Ok(loss)
+    }
+
+    /// What backward does after the fused unit's computation: the next unit's prefetch, then
+    /// the unit's reduction (and the shared group's, when it is the first user).
+    pub(super) fn finish_fused_unit(
+        &mut self,
+        unit: usize,
+        first_shared_user: Option<usize>,
+    ) -> Result<()> {
+        if unit > 0 {
+            self.prefetch(unit - 1);
+        }
+        // The unit below's checkpoint comes up while this unit's gradient is reduced, as it
+        // would during this unit's backward without the fusion.
+        if let Some(below) = super::rules::checkpoint_up_with(unit) {
+            self.checkpoint_ahead(below)?;
+        }
+        self.reduce_unit(unit, first_shared_user)
+    }
 }
