@@ -116,7 +116,9 @@ impl Engine {
                 if self.checkpointing() {
                     self.acts.saved[unit] = None;
                     let input = std::mem::take(&mut x);
-                    self.leave_checkpoint(unit, input)?;
+                    let loc = rules::ckpt_location(&self.cfg);
+                    let be = &*self.be;
+                    (self.acts.checkpoints).leave((unit, input), loc, be, &mut self.ledger)?;
                 } else {
                     self.track_saved(unit);
                 }
@@ -220,7 +222,9 @@ impl Engine {
         (batch, ids): (&Batch, &BatchIds),
         grad: &Tensor,
     ) -> Result<Tensor> {
-        if let Some(input) = self.take_checkpoint(unit)? {
+        let loc = rules::ckpt_location(&self.cfg);
+        let be = &*self.be;
+        if let Some(input) = (self.acts.checkpoints).take(unit, loc, be, &mut self.ledger)? {
             self.run_unit_forward(unit, (batch, ids), &input, true)?;
             self.track_saved(unit);
         }
@@ -400,5 +404,12 @@ impl Engine {
             self.checkpoint_ahead(below)?;
         }
         self.reduce_unit(unit, first_shared_user)
+    }
+
+    /// Starts bringing unit `unit`'s checkpoint back to the device when it waits in host
+    /// memory ([`Checkpoints::ahead`](super::ckpt_offload::Checkpoints::ahead)).
+    fn checkpoint_ahead(&mut self, unit: usize) -> Result<()> {
+        let loc = rules::ckpt_location(&self.cfg);
+        (self.acts.checkpoints).ahead(unit, loc, &*self.be, &mut self.ledger)
     }
 }

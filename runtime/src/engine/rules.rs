@@ -38,7 +38,7 @@ pub fn ckpt_location(cfg: &ResolvedConfig) -> Location {
 pub const CHECKPOINTS_AHEAD: usize = 1;
 
 /// The unit whose host checkpoint starts coming up to the device when unit `unit`'s backward
-/// starts (`Engine::checkpoint_ahead`, and the replay's): [`CHECKPOINTS_AHEAD`] units below;
+/// starts (`Checkpoints::ahead`, and the replay's): [`CHECKPOINTS_AHEAD`] units below;
 /// `None` near the bottom.
 pub fn checkpoint_up_with(unit: usize) -> Option<usize> {
     unit.checked_sub(CHECKPOINTS_AHEAD)

@@ -335,7 +335,7 @@ impl<'a> Replay<'a> {
         rules::ckpt_location(self.cfg)
     }
 
-    /// `Engine::checkpoint_ahead`: a checkpoint in host memory goes up to the device
+    /// `Checkpoints::ahead`: a checkpoint in host memory goes up to the device
     /// [`rules::CHECKPOINTS_AHEAD`] units ahead of its recompute.
     fn checkpoint_ahead(&mut self, unit: usize, mb: usize, seq: usize) {
         if self.checkpointing().is_none()
@@ -456,7 +456,7 @@ impl<'a> Replay<'a> {
             if self.checkpointing().is_some() {
                 self.unit_forward_transients(unit, mb, seq);
                 let b = self.input_bytes(unit, mb, seq);
-                // `Engine::take_checkpoint`: back on the device (ahead, or now), then used.
+                // `Checkpoints::take`: back on the device (ahead, or now), then used.
                 if self.ckpt_location() == Location::Host {
                     self.checkpoint_ahead(unit, mb, seq);
                     self.ckpt_up[unit] = false;
