@@ -1,5 +1,6 @@
 //! Where a checkpointed unit's input waits for backward (`activation_checkpointing`), and its
-//! trips when that is host memory (`cpu_checkpointing`, [`rules::ckpt_location`](super::rules::ckpt_location)):
+//! trips when that is host memory (`cpu_checkpointing`,
+//! [`rules::ckpt_location`](super::rules::ckpt_location)):
 //!
 //! 1. [`Checkpoints::leave`], after the unit's forward: an event on the compute stream,
 //!    the device-to-host stream waiting for it, the input downloaded on that stream into
