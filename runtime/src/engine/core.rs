@@ -23,6 +23,7 @@ use super::rules;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
 use super::step_state::StepState;
+use super::swap::Swap;
 use super::topology::Comms;
 use super::trace::{Span, Trace};
 use crate::backend::Backend;
@@ -153,7 +154,7 @@ impl Engine {
         let groups = specs
             .iter()
             .enumerate()
-            .map(|(i, s)| plan.build(i, s, param_swap.as_mut(), &mut ledger))
+            .map(|(i, s)| plan.build(i, s, param_swap.store_mut(), &mut ledger))
             .collect::<Result<Vec<Group>>>()?;
         // The resident state alone may already exceed the cap: refuse at initialize.
         ledger.check_limit()?;
@@ -353,7 +354,7 @@ impl Engine {
 
     /// Swaps group `g`'s shard in from NVMe if it lives there, gathers, and swaps it out.
     fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
-        self.swap_in_for_gather(g)?;
+        (self.params.swap).in_for_gather(&mut self.groups[g], &mut self.ledger)?;
         let step = self.opt.steps;
         let direct = (g, &mut self.groups[g]);
         let r = match (self.params.uploads)
@@ -375,7 +376,7 @@ impl Engine {
             ),
             done => done.map(|_| ()),
         };
-        self.swap_out_after_gather(g);
+        (self.params.swap).out_after_gather(&mut self.groups[g], &mut self.ledger);
         r
     }
 
@@ -453,12 +454,12 @@ impl Engine {
 }
 
 /// Opens the rank's parameter swap store when `offload_param.device = "nvme"`.
-fn open_param_swap(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Option<ParamSwap>> {
+fn open_param_swap(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Swap> {
     match &cfg.zero.offload_param.target {
         ferrozero_config::resolved::OffloadTarget::Nvme(dir) => {
-            ParamSwap::open(cfg, dir, comm.rank()).map(Some)
+            ParamSwap::open(cfg, dir, comm.rank()).map(Swap::Nvme)
         }
-        _ => Ok(None),
+        _ => Ok(Swap::Off),
     }
 }
 

@@ -51,9 +51,16 @@ impl Engine {
             ));
         }
         let rank = self.shard_rank();
-        self.settle_swapped()?;
+        self.params
+            .swap
+            .settle(&mut self.groups, &mut self.ledger)?;
         for gi in 0..self.groups.len() {
-            load_group(&mut self.groups[gi], self.params.swap.as_mut(), rank, src)?;
+            load_group(
+                &mut self.groups[gi],
+                self.params.swap.store_mut(),
+                rank,
+                src,
+            )?;
         }
         Ok(())
     }

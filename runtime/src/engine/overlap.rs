@@ -166,7 +166,7 @@ impl Engine {
             .sum();
         let bucket = self.cfg.zero.allgather_bucket_size;
         // Shards on NVMe are read ahead instead; their gather runs when they arrive.
-        self.prefetch_swap(g);
+        (self.params.swap).prefetch((g, &mut self.groups), &mut self.ledger);
         let n = self.groups[g].layout.padded();
         if !super::rules::prefetch_fits(&self.cfg, n, live) {
             return;

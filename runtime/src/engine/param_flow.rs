@@ -2,9 +2,9 @@
 //! gather and release, the one-rank uploads, hpZ's secondary partition, NVMe shards).
 
 use super::hpz::Hpz;
-use super::param_swap::ParamSwap;
 use super::param_upload::ParamUploads;
 use super::stage::Stage;
+use super::swap::Swap;
 
 /// Everything between a group's parameter shard and the full parameters a unit computes with.
 pub(super) struct ParamFlow {
@@ -15,6 +15,6 @@ pub(super) struct ParamFlow {
     pub(super) uploads: ParamUploads,
     /// ZeRO++ hpZ's secondary parameter partition and group (see `hpz`).
     pub(super) hpz: Hpz,
-    /// The NVMe store when stage-3 parameter shards live there.
-    pub(super) swap: Option<ParamSwap>,
+    /// Stage-3 parameter shards on NVMe, or off.
+    pub(super) swap: Swap,
 }

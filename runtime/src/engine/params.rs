@@ -55,7 +55,7 @@ impl Engine {
         let (rank, world) = (shards.rank(), shards.world_size());
         let mut out = Vec::new();
         for g in &self.groups {
-            let shard = shard_values(g, rank, self.opt.nvme.as_deref(), self.params.swap.as_ref())?;
+            let shard = shard_values(g, rank, self.opt.nvme.as_deref(), self.params.swap.store())?;
             let mut full = vec![0.0f32; g.layout.shard_len * world];
             shards.all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
             for s in &g.layout.slots {
@@ -105,7 +105,9 @@ impl Engine {
             ));
         }
         let rank = self.shard_rank();
-        self.settle_swapped()?;
+        self.params
+            .swap
+            .settle(&mut self.groups, &mut self.ledger)?;
         for gi in 0..self.groups.len() {
             let values: Vec<(usize, &[f32])> = plan
                 .iter()
@@ -115,7 +117,7 @@ impl Engine {
             if !values.is_empty() {
                 write_values(
                     &mut self.groups[gi],
-                    self.params.swap.as_mut(),
+                    self.params.swap.store_mut(),
                     rank,
                     &values,
                 )?;

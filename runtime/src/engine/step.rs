@@ -189,7 +189,9 @@ impl Engine {
             None => Inbound::default(),
         };
         for (i, &gi) in todo.iter().enumerate() {
-            self.swap_in_for_step(gi)?;
+            self.params
+                .swap
+                .in_for_step(&mut self.groups[gi], &mut self.ledger)?;
             let inbound = std::mem::take(&mut next);
             if let Some(&after) = todo.get(i + 1) {
                 next = self.opt.optimizer.fetch(&self.groups[after], &*self.be)?;
@@ -200,10 +202,11 @@ impl Engine {
                     .optimizer
                     .step_group(g, sv, tile, nvme, &*self.be, inbound)
             })?;
-            self.swap_out_after_step(gi, &mut writing)?;
+            let at = (gi, &mut self.groups[..]);
+            (self.params.swap).out_after_step(at, &mut writing, &mut self.ledger)?;
         }
         while !writing.is_empty() {
-            self.finish_swap_write(&mut writing)?;
+            (self.params.swap).finish_write(&mut self.groups, &mut writing, &mut self.ledger)?;
         }
         self.obs.timings.optimizer += t.elapsed().as_secs_f64();
         Ok(())
@@ -379,6 +382,23 @@ impl Engine {
         match skip {
             true => Ok(()),
             false => self.publish(),
+        }
+    }
+
+    /// Bytes this rank has moved to and from NVMe since it was built (both stores).
+    pub fn swap_traffic(&self) -> ferrozero_offload::store::Traffic {
+        let opt = self.opt.nvme.as_ref().map(|n| n.store.bytes_moved());
+        let par = self.params.swap.store().map(|s| s.store.bytes_moved());
+        opt.unwrap_or_default() + par.unwrap_or_default()
+    }
+
+    /// NVMe traffic since the last call (the last step).
+    pub(super) fn step_traffic(&mut self) -> super::report::SwapTraffic {
+        let now = self.swap_traffic();
+        let d = now - std::mem::replace(&mut self.obs.traffic_mark, now);
+        super::report::SwapTraffic {
+            read_bytes: d.read,
+            written_bytes: d.written,
         }
     }
 }

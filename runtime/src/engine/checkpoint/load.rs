@@ -106,9 +106,11 @@ impl Engine {
     fn restore(&mut self, reader: &CheckpointReader) -> Result<()> {
         // The shard this rank holds (its shard group's position under hybrid sharding).
         let rank = self.shard_rank();
-        self.settle_swapped()?;
+        self.params
+            .swap
+            .settle(&mut self.groups, &mut self.ledger)?;
         for (gi, g) in self.groups.iter_mut().enumerate() {
-            restore_group(reader, gi, g, self.params.swap.as_mut(), rank)?;
+            restore_group(reader, gi, g, self.params.swap.store_mut(), rank)?;
             restore_nvme_state(reader, gi, g, self.opt.nvme.as_deref())?;
             if g.work.is_some() {
                 refresh_work(g)?;

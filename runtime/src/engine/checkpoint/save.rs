@@ -184,7 +184,7 @@ impl Engine {
         let streamer = Streamer::default();
         let src = NvmeSources {
             nvme: self.opt.nvme.as_deref(),
-            swap: self.params.swap.as_ref(),
+            swap: self.params.swap.store(),
             streamer: &streamer,
         };
         let mut tensors = Vec::new();

@@ -234,7 +234,7 @@ impl<'a> Replay<'a> {
             self.work[g] = true;
             self.ledger.alloc(Location::Device, Category::Prefetch, b);
         }
-        // `Engine::swap_out_after_gather`: the file still holds the shard.
+        // `Swap::out_after_gather`: the file still holds the shard.
         self.swap_buffer(g, false);
     }
 

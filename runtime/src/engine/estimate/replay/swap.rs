@@ -26,7 +26,7 @@ impl Replay<'_> {
         }
     }
 
-    /// `Engine::prefetch_swap`: read a needed NVMe shard ahead when a buffer is free and the
+    /// `Swap::prefetch`: read a needed NVMe shard ahead when a buffer is free and the
     /// held elements stay within `max_in_cpu`.
     pub(super) fn prefetch_swap(&mut self, g: usize) {
         let held = (0..self.groups.len()).filter(|&i| self.swapped_in[i]);
