@@ -287,6 +287,15 @@ impl Engine {
         &self.opt.overlap
     }
 
+    /// Keeps zeroed accumulators and adds every micro-step's gradient into them even at one
+    /// micro-step per step, as before gradients moved into place: the reference the moved
+    /// path is compared with, bit for bit. Takes effect from the next micro-step; a gradient
+    /// already held becomes an accumulator holding the same values.
+    pub fn accumulate_gradients(&mut self) -> Result<()> {
+        let (groups, be) = (&mut self.groups, &*self.be);
+        (self.grads.downloads).accumulate_always(groups, be, &mut self.ledger)
+    }
+
     /// Starts (or stops) recording which lane runs what: each unit's backward and each
     /// group's optimizer step, with start and end times.
     pub fn trace_schedule(&mut self, on: bool) {

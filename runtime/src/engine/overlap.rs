@@ -48,7 +48,7 @@ impl Engine {
         let wire = super::build::reduce_dtype(&self.cfg);
         // One rank reduces nothing: the f32 gradient itself is the step's, read rounded to
         // the accumulator's dtype, unless the wire's rounding would differ from that one.
-        if self.comm.world.world_size() == 1 && self.moves_gradient(g, wire) {
+        if self.comm.world.world_size() == 1 && self.grads.downloads.moves(&self.groups[g], wire) {
             self.hold_reduced(g, micro)?;
             self.obs.timings.reduce += t.elapsed().as_secs_f64();
             return Ok(());
@@ -97,7 +97,7 @@ impl Engine {
         if let Some(spent) = spent {
             self.be.recycle(spent);
         }
-        if self.moves_gradient(g, sum.dtype()) {
+        if self.grads.downloads.moves(&self.groups[g], sum.dtype()) {
             return self.hold_reduced(g, sum);
         }
         // The cast runs where the reduction did (on the device), wherever the sum is added.
@@ -251,5 +251,44 @@ impl Engine {
             *gathered = Some(full);
         }
         Ok(())
+    }
+
+    /// Makes `sum` group `g`'s gradient for the step (`GradDownloads::moves`); the group
+    /// may step at an armed boundary.
+    fn hold_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
+        self.groups[g].hold_gradient(sum, &mut self.ledger)?;
+        self.lend_for_step(g)
+    }
+
+    /// Adds group `g`'s reduced micro-step gradient into its accumulator
+    /// (`GradDownloads::add`); once the addition is done, at an armed boundary the group
+    /// may step.
+    fn accumulate_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
+        let grp = (g, &mut self.groups[g]);
+        if (self.grads.downloads).add(grp, sum, &*self.be, &mut self.ledger)? {
+            return self.lend_for_step(g);
+        }
+        while self.grads.downloads.over_bound() {
+            self.land_oldest_download()?;
+        }
+        Ok(())
+    }
+
+    /// Lands every gradient still on its way down (the end of a backward).
+    pub(super) fn land_downloads(&mut self) -> Result<()> {
+        while self.land_oldest_download()? {}
+        Ok(())
+    }
+
+    /// Lands the oldest download (`GradDownloads::land_oldest`) and lends its group when
+    /// its gradient is final; false when none is queued.
+    fn land_oldest_download(&mut self) -> Result<bool> {
+        let downloads = &mut self.grads.downloads;
+        match downloads.land_oldest(&mut self.groups, &*self.be, &mut self.ledger)? {
+            None => Ok(false),
+            Some(done) => done
+                .map_or(Ok(()), |g| self.lend_for_step(g))
+                .map(|()| true),
+        }
     }
 }
