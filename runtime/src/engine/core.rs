@@ -170,11 +170,7 @@ impl Engine {
             _ => None,
         });
         let schedule = Schedule::new(&cfg.optimizer, cfg.scheduler.clone());
-        let overlap = if cfg.zero.overlap_comm && comm.world.world_size() > 1 {
-            Some(CommOverlap::new(shards)?)
-        } else {
-            None
-        };
+        let overlap = CommOverlap::open(&cfg, comm.world.as_ref(), shards)?;
         tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
         let opt_overlap = decided.unwrap_or_else(|| OptimizerOverlap::decide(&cfg));
         opt_overlap.log(&cfg);

@@ -6,8 +6,8 @@ use super::overlap::CommOverlap;
 
 /// What carries gradients from backward to the accumulators.
 pub(super) struct GradFlow {
-    /// The communication worker when `overlap_comm` is on.
-    pub(super) overlap: Option<CommOverlap>,
+    /// The communication worker, or inline collectives.
+    pub(super) overlap: CommOverlap,
     /// Reduced gradients on their way to host accumulators (optimizer state off the device).
     pub(super) downloads: GradDownloads,
     /// Gradient bytes handed to reductions since the last step report.

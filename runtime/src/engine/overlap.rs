@@ -6,18 +6,33 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
+use std::sync::Arc;
+
+use ferrozero_config::resolved::ResolvedConfig;
+
 use super::core::Engine;
-use super::group::{ParamStore, Shard};
-use super::ledger::{Category, Location};
+use super::group::{Group, ParamStore, Shard};
+use super::ledger::{Category, Ledger, Location};
 use super::stage::{
     gather_buffer, gather_shards, reduce_gradient, reduce_output, to_storage, Extent, Reduced,
 };
+use crate::backend::Backend;
 use crate::comm::worker::{CommWorker, Pending};
+use crate::comm::Communicator;
 use crate::tensor::Storage;
 use crate::Result;
 
+/// Communication beside compute (`overlap_comm`): off (every collective runs inline on the
+/// engine's thread), or the worker and what is in flight on it.
+pub(super) enum CommOverlap {
+    /// Collectives run inline (`overlap_comm` off, or one rank).
+    Off,
+    /// The worker.
+    On(Worker),
+}
+
 /// The communication worker and what is in flight on it.
-pub(super) struct CommOverlap {
+pub(super) struct Worker {
     worker: CommWorker,
     /// Reductions in submission order: (group, bytes counted in the ledger, result).
     reductions: VecDeque<(usize, u64, Pending<Reduced>)>,
@@ -26,13 +41,101 @@ pub(super) struct CommOverlap {
 }
 
 impl CommOverlap {
-    /// A worker over a duplicate of the engine's communicator (a collective call).
-    pub(super) fn new(comm: &dyn crate::comm::Communicator) -> Result<Self> {
-        Ok(Self {
-            worker: CommWorker::duplicate_of(comm)?,
+    /// A worker over a duplicate of `shards` (a collective call) when `overlap_comm` is on and
+    /// the `world` has several ranks.
+    pub(super) fn open(
+        cfg: &ResolvedConfig,
+        world: &dyn Communicator,
+        shards: &dyn Communicator,
+    ) -> Result<Self> {
+        if !(cfg.zero.overlap_comm && world.world_size() > 1) {
+            return Ok(CommOverlap::Off);
+        }
+        Ok(CommOverlap::On(Worker {
+            worker: CommWorker::duplicate_of(shards)?,
             reductions: VecDeque::new(),
             prefetched: HashMap::new(),
-        })
+        }))
+    }
+
+    /// The oldest queued reduction: its group, the bytes the ledger counts for it, its result.
+    fn pop_reduction(&mut self) -> Option<(usize, u64, Pending<Reduced>)> {
+        match self {
+            CommOverlap::On(o) => o.reductions.pop_front(),
+            CommOverlap::Off => None,
+        }
+    }
+
+    /// Whether the queued reductions exceed DeepSpeed's double buffer (two
+    /// `reduce_bucket_size` buckets of elements, and always the newest one).
+    fn over_bound(&self, cfg: &ResolvedConfig, groups: &[Group]) -> bool {
+        let CommOverlap::On(o) = self else {
+            return false;
+        };
+        let queued: usize = o
+            .reductions
+            .iter()
+            .map(|r| groups[r.0].layout.padded())
+            .sum();
+        super::rules::reductions_over_bound(cfg, o.reductions.len(), queued)
+    }
+
+    /// Starts gathering `grp` (index `g`) on the worker, if it is partitioned in memory, not
+    /// gathered or in flight yet; nothing when overlap is off.
+    fn start_gather(
+        &mut self,
+        (g, grp): (usize, &Group),
+        bucket: usize,
+        be: &Arc<dyn Backend>,
+        ledger: &mut Ledger,
+    ) {
+        let CommOverlap::On(o) = self else {
+            return;
+        };
+        let ParamStore::Partitioned {
+            shard: Shard::Memory(shard),
+            gathered: None,
+        } = &grp.params
+        else {
+            return;
+        };
+        if o.prefetched.contains_key(&g) {
+            return;
+        }
+        // The worker gathers from a copy, so the shard stays usable here meanwhile.
+        let Ok(shard) = shard.try_clone() else {
+            return;
+        };
+        let (world, s) = (grp.layout.world_size, grp.layout.shard_len);
+        let Ok(full) = gather_buffer(&shard, world, s) else {
+            return;
+        };
+        let n = grp.layout.padded();
+        ledger.alloc(
+            Location::Device,
+            Category::Prefetch,
+            (n * shard.dtype().size()) as u64,
+        );
+        let be = be.clone();
+        let p = o.worker.submit("prefetch_gather", move |c| {
+            gather_shards(&shard, full, world, s, c, bucket, &*be)
+        });
+        o.prefetched.insert(g, p);
+    }
+
+    /// Installs the prefetched gather of `grp` (index `g`), if one is in flight.
+    fn take_gathered(&mut self, (g, grp): (usize, &mut Group)) -> Result<()> {
+        let CommOverlap::On(o) = self else {
+            return Ok(());
+        };
+        let Some(p) = o.prefetched.remove(&g) else {
+            return Ok(());
+        };
+        let full = p.wait()?;
+        if let ParamStore::Partitioned { gathered, .. } = &mut grp.params {
+            *gathered = Some(full);
+        }
+        Ok(())
     }
 }
 
@@ -73,14 +176,14 @@ impl Engine {
         let bucket = self.cfg.zero.reduce_bucket_size;
         let out = reduce_output(extent, &buf, world, s)?;
         match &mut self.grads.overlap {
-            Some(o) => {
+            CommOverlap::On(o) => {
                 let p = o.worker.submit("reduce_gradient", move |c| {
                     reduce_gradient(extent, buf, out, world, s, c, bucket)
                 });
                 o.reductions.push_back((g, bytes, p));
                 self.bound_reductions()?;
             }
-            None => {
+            CommOverlap::Off => {
                 let shards = self.comm.shards();
                 let red = reduce_gradient(extent, buf, out, world, s, shards, bucket);
                 self.ledger
@@ -115,12 +218,7 @@ impl Engine {
 
     /// Waits for the oldest queued reduction and accumulates it; false when none is queued.
     fn finish_oldest_reduction(&mut self) -> Result<bool> {
-        let Some((g, bytes, p)) = self
-            .grads
-            .overlap
-            .as_mut()
-            .and_then(|o| o.reductions.pop_front())
-        else {
+        let Some((g, bytes, p)) = self.grads.overlap.pop_reduction() else {
             return Ok(false);
         };
         let red = p.wait();
@@ -134,15 +232,7 @@ impl Engine {
     /// buckets of elements, and always the newest one), so overlap never holds a second copy
     /// of every gradient; results are still accumulated in submission order.
     fn bound_reductions(&mut self) -> Result<()> {
-        while let Some(o) = &self.grads.overlap {
-            let queued: usize = o
-                .reductions
-                .iter()
-                .map(|r| self.groups[r.0].layout.padded())
-                .sum();
-            if !super::rules::reductions_over_bound(&self.cfg, o.reductions.len(), queued) {
-                break;
-            }
+        while self.grads.overlap.over_bound(&self.cfg, &self.groups) {
             self.finish_oldest_reduction()?;
         }
         Ok(())
@@ -167,8 +257,7 @@ impl Engine {
         let bucket = self.cfg.zero.allgather_bucket_size;
         // Shards on NVMe are read ahead instead; their gather runs when they arrive.
         (self.params.swap).prefetch((g, &mut self.groups), &mut self.ledger);
-        let n = self.groups[g].layout.padded();
-        if !super::rules::prefetch_fits(&self.cfg, n, live) {
+        if !super::rules::prefetch_fits(&self.cfg, self.groups[g].layout.padded(), live) {
             return;
         }
         // The copy taken here is the shard's first use since the optimizer's upload; a failed
@@ -199,60 +288,14 @@ impl Engine {
                 return;
             }
         }
-        if self.grads.overlap.is_none() {
-            return;
-        }
-        let Some(o) = &mut self.grads.overlap else {
-            return;
-        };
-        let grp = &self.groups[g];
-        let ParamStore::Partitioned {
-            shard: Shard::Memory(shard),
-            gathered: None,
-        } = &grp.params
-        else {
-            return;
-        };
-        if o.prefetched.contains_key(&g) {
-            return;
-        }
-        // The worker gathers from a copy, so the shard stays usable here meanwhile.
-        let Ok(shard) = shard.try_clone() else {
-            return;
-        };
-        let (world, s) = (grp.layout.world_size, grp.layout.shard_len);
-        let Ok(full) = gather_buffer(&shard, world, s) else {
-            return;
-        };
-        self.ledger.alloc(
-            Location::Device,
-            Category::Prefetch,
-            (n * shard.dtype().size()) as u64,
-        );
-        let be = self.be.clone();
-        let p = o.worker.submit("prefetch_gather", move |c| {
-            gather_shards(&shard, full, world, s, c, bucket, &*be)
-        });
-        o.prefetched.insert(g, p);
+        let grp = (g, &self.groups[g]);
+        (self.grads.overlap).start_gather(grp, bucket, &self.be, &mut self.ledger);
     }
 
     /// Installs a prefetched gather of group `g`, if one is in flight.
     pub(super) fn take_prefetched(&mut self, g: usize) -> Result<()> {
-        let Some(p) = self
-            .grads
-            .overlap
-            .as_mut()
-            .and_then(|o| o.prefetched.remove(&g))
-        else {
-            return Ok(());
-        };
-        let full = p.wait()?;
-        if let ParamStore::Partitioned { gathered, .. } = &mut self.groups[g].params {
-            *gathered = Some(full);
-        }
-        Ok(())
+        self.grads.overlap.take_gathered((g, &mut self.groups[g]))
     }
-
     /// Makes `sum` group `g`'s gradient for the step (`GradDownloads::moves`); the group
     /// may step at an armed boundary.
     fn hold_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
