@@ -13,6 +13,7 @@ use ferrozero_config::resolved::ResolvedConfig;
 use super::core::Engine;
 use super::group::{Group, ParamStore, Shard};
 use super::ledger::{Category, Ledger, Location};
+use super::optimizer_overlap::LendCtx;
 use super::stage::{
     gather_buffer, gather_shards, reduce_gradient, reduce_output, to_storage, Extent, Reduced,
 };
@@ -333,5 +334,19 @@ impl Engine {
                 .map_or(Ok(()), |g| self.lend_for_step(g))
                 .map(|()| true),
         }
+    }
+
+    /// Called when group `g`'s gradient is final: lends the group to the optimizer lane when
+    /// the write-behind is armed.
+    fn lend_for_step(&mut self, g: usize) -> Result<()> {
+        let ctx = LendCtx {
+            rank: self.shard_rank(),
+            opt: &self.opt.optimizer,
+            be: &self.be,
+            trace: &self.obs.trace,
+            tile: self.cfg.zero.sub_group_size.max(1),
+            nvme: self.opt.nvme.as_ref(),
+        };
+        self.opt.lane.lend((g, &mut self.groups), ctx)
     }
 }

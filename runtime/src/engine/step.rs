@@ -43,7 +43,9 @@ impl Engine {
             self.acts.tokens += b.valid_targets() as u64;
             if i + 1 == gas {
                 // The step follows this backward at once: its groups may step while it runs.
-                self.arm_optimizer_lane();
+                let scale = self.opt.scaler.scale();
+                let sv = self.opt.values((1.0 / scale) as f32);
+                (self.opt.lane).arm(sv, self.cfg.gradient_clipping, scale);
             }
             if let Err(e) = self.backward_pass((b, &ids), grad) {
                 // Lent groups come home before the error leaves the engine.
@@ -65,7 +67,8 @@ impl Engine {
         }
         // The optimizer lane gives every group back first, so no error below leaves a group
         // lent.
-        let lane = self.join_optimizer_lane()?;
+        let waited = &mut self.obs.timings.optimizer;
+        let lane = self.opt.lane.join(&mut self.groups, waited)?;
         let clip = ClipRule {
             loss_scale: self.opt.scaler.scale(),
             clipping: self.cfg.gradient_clipping,
@@ -97,7 +100,7 @@ impl Engine {
         match applied {
             Some(device) => self.settle_whole_step(device, decision.skip_step, grad_scale)?,
             None if !decision.skip_step => {
-                let sv = self.step_values(grad_scale);
+                let sv = self.opt.values(grad_scale);
                 self.apply_update(&sv, lane)?;
             }
             None => {
@@ -340,7 +343,7 @@ impl Engine {
         let t = Instant::now();
         let rank = self.shard_rank();
         // The scale is the device's to decide; the rule reads the schedule's values only.
-        let sv = self.step_values(f32::NAN);
+        let sv = self.opt.values(f32::NAN);
         let rule = self.opt.optimizer.rule(&sv)?;
         let losses = std::mem::take(&mut self.acts.losses);
         let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
@@ -400,5 +403,58 @@ impl Engine {
             read_bytes: d.read,
             written_bytes: d.written,
         }
+    }
+}
+
+impl Engine {
+    /// Which groups still need the update with the step's values `sv` (and `None` when
+    /// the step is skipped), after undoing the lane's work when it does not stand.
+    fn settle_overlap(
+        &mut self,
+        sv: Option<&StepValues>,
+        lane: Option<Overlapped>,
+    ) -> Result<Vec<bool>> {
+        let n = self.groups.len();
+        let Some(lane) = lane else {
+            return Ok(vec![false; n]);
+        };
+        if sv == Some(&lane.sv) {
+            return Ok(lane.stepped);
+        }
+        if !lane.stepped.iter().any(|&s| s) {
+            return Ok(vec![false; n]);
+        }
+        match (lane.speculative, sv) {
+            (true, _) => {
+                self.roll_back(&lane.stepped)?;
+                Ok(vec![false; n])
+            }
+            (false, None) => Err(super::optimizer_overlap::overlapped_overflow(
+                self.opt.steps + 1,
+            )),
+            (false, Some(sv)) => Err(Error::Invalid(format!(
+                "the optimizer lane stepped with {:?} but the step's values are {sv:?}",
+                lane.sv
+            ))),
+        }
+    }
+
+    /// Abandons an armed step after its backward failed: lent groups come back, and a
+    /// speculative step is undone (a step that was not speculative stays applied: the error
+    /// stops the run).
+    fn disarm_optimizer_lane(&mut self) -> Result<()> {
+        match self.opt.lane.disarm(&mut self.groups)? {
+            Some(stepped) => self.roll_back(&stepped),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes every `stepped` group's saved optimizer values back.
+    fn roll_back(&mut self, stepped: &[bool]) -> Result<()> {
+        let t = Instant::now();
+        let (be, trace) = (&*self.be, &self.obs.trace);
+        (self.opt.lane).roll_back((&mut self.groups, stepped), be, trace)?;
+        self.obs.timings.optimizer += t.elapsed().as_secs_f64();
+        Ok(())
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::loss_scale::LossScaler;
 use super::nvme::NvmeOffload;
-use super::optimizer::Optimizer;
+use super::optimizer::{Optimizer, StepValues};
 use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
 use super::schedule::Schedule;
 
@@ -19,10 +19,23 @@ pub(super) struct StepState {
     pub(super) scaler: LossScaler,
     /// Whether the optimizer step overlaps backward (and why not).
     pub(super) overlap: OptimizerOverlap,
-    /// The optimizer lane when it does.
-    pub(super) lane: Option<OptimizerLane>,
+    /// The optimizer lane, or off.
+    pub(super) lane: OptimizerLane,
     /// The NVMe store when optimizer state lives there (shared with the optimizer lane).
     pub(super) nvme: Option<Arc<NvmeOffload>>,
     /// Optimizer steps taken (skipped ones included).
     pub(super) steps: u64,
+}
+
+impl StepState {
+    /// The values of optimizer step `steps`, gradients multiplied by `grad_scale`.
+    pub(super) fn values(&self, grad_scale: f32) -> StepValues {
+        let k = self.steps;
+        StepValues {
+            step: k + 1,
+            lr: self.schedule.lr_at(k),
+            beta1: self.schedule.momentum_at(k),
+            grad_scale,
+        }
+    }
 }
