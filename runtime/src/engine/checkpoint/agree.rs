@@ -11,7 +11,7 @@ const MAX_TEXT: usize = 1 << 20;
 
 /// Makes every rank fail when any rank failed, so no rank waits at a later collective for
 /// a peer that gave up; the error names the lowest failing rank and says what it said.
-pub(super) fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> Result<T> {
+pub(in crate::engine) fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> Result<T> {
     let text = match &local {
         Err(e) => e.to_string(),
         Ok(_) => String::new(),
