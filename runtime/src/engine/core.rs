@@ -385,6 +385,65 @@ impl Engine {
         r
     }
 
+    /// Starts gathering group `g` on the worker (stage 3, overlap on), if it is partitioned
+    /// in memory, not gathered or in flight yet, and fits `stage3_prefetch_bucket_size` and
+    /// `stage3_max_live_parameters` next to what is live now. At one rank the shard is
+    /// uploaded instead (`param_upload.rs`), with or without overlap; a shard on NVMe is read
+    /// ahead, with or without overlap.
+    pub(super) fn prefetch(&mut self, g: usize) {
+        // hpZ: backward gathers from the secondary partition inside the group, on this thread.
+        if self.params.hpz.in_backward() {
+            return;
+        }
+        let live: usize = self
+            .groups
+            .iter()
+            .filter(|x| x.full_params().is_some())
+            .map(|x| x.layout.padded())
+            .sum();
+        let bucket = self.cfg.zero.allgather_bucket_size;
+        // Shards on NVMe are read ahead instead; their gather runs when they arrive.
+        (self.params.swap).prefetch((g, &mut self.groups), &mut self.ledger);
+        if !super::rules::prefetch_fits(&self.cfg, self.groups[g].layout.padded(), live) {
+            return;
+        }
+        // The copy taken here is the shard's first use since the optimizer's upload; a failed
+        // wait or upload leaves the gather to `gather_unit`, which reports it.
+        if self.await_landing(g).is_err() {
+            return;
+        }
+        // One rank: the shard goes up on the copy stream, with or without the worker, and the
+        // tied parameters with it when the unit uses them and they are not gathered.
+        let shared = self
+            .shared_index()
+            .filter(|_| !self.model.units[g].uses_shared.is_empty());
+        let upload = |e: &mut Self, g: usize| {
+            let at = (&e.cfg, e.opt.steps);
+            e.params
+                .uploads
+                .prefetch((g, &e.groups[g]), at, &*e.be, &mut e.ledger)
+        };
+        let started = upload(self, g).and_then(|up| match shared {
+            Some(s) if up => self.await_landing(s).and_then(|()| upload(self, s)),
+            _ => Ok(up),
+        });
+        match started {
+            Ok(false) => {}
+            Ok(true) => return,
+            Err(e) => {
+                tracing::debug!("parameter upload of group {g} not started ahead: {e}");
+                return;
+            }
+        }
+        let grp = (g, &self.groups[g]);
+        (self.grads.overlap).start_gather(grp, bucket, &self.be, &mut self.ledger);
+    }
+
+    /// Installs a prefetched gather of group `g`, if one is in flight.
+    pub(super) fn take_prefetched(&mut self, g: usize) -> Result<()> {
+        self.grads.overlap.take_gathered((g, &mut self.groups[g]))
+    }
+
     /// [`rules::reused_soon`] for `unit`.
     pub(super) fn reused_soon(&self, unit: usize) -> bool {
         let later: usize = self.groups[unit + 1..self.model.units.len()]

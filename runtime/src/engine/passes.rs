@@ -18,10 +18,13 @@ use std::time::Instant;
 use super::core::Engine;
 use super::eval::Evaluation;
 use super::ledger::{Category, Location};
+use super::optimizer_overlap::LendCtx;
+use super::overlap::CommOverlap;
 use super::rules;
+use super::stage::{reduce_gradient, reduce_output, to_storage, Extent, Reduced};
 use super::unit_views::{unit_params, unit_params_and_grads};
 use crate::nn::{Batch, BatchIds, Ctx, Grads, Module, Params};
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 use crate::{Error, Result};
 
 impl Engine {
@@ -411,5 +414,155 @@ impl Engine {
     fn checkpoint_ahead(&mut self, unit: usize) -> Result<()> {
         let loc = rules::ckpt_location(&self.cfg);
         (self.acts.checkpoints).ahead(unit, loc, &*self.be, &mut self.ledger)
+    }
+
+    /// Reduces group `g`'s micro-step gradient across ranks and accumulates it (overlapped:
+    /// queued on the worker, accumulated in [`Engine::finish_reductions`]).
+    pub(super) fn reduce_group(&mut self, g: usize) -> Result<()> {
+        let t = Instant::now();
+        let Some(micro) = self.groups[g].take_micro(&mut self.ledger) else {
+            return Ok(());
+        };
+        // The payload is rounded to the wire dtype once here; `accumulate` widens the sum back.
+        let wire = super::build::reduce_dtype(&self.cfg);
+        // One rank reduces nothing: the f32 gradient itself is the step's, read rounded to
+        // the accumulator's dtype, unless the wire's rounding would differ from that one.
+        if self.comm.world.world_size() == 1 && self.grads.downloads.moves(&self.groups[g], wire) {
+            self.hold_reduced(g, micro)?;
+            self.obs.timings.reduce += t.elapsed().as_secs_f64();
+            return Ok(());
+        }
+        let buf = to_storage(micro, wire, &*self.be)?;
+        let bytes = buf.bytes();
+        if self.comm.world.world_size() > 1 {
+            self.grads.reduced_bytes += bytes;
+        }
+        self.ledger
+            .alloc(Location::Device, Category::CommBuffers, bytes);
+        let (mut extent, mut world, s) = (
+            self.params.stage.grads(),
+            self.groups[g].layout.world_size,
+            self.groups[g].layout.shard_len,
+        );
+        if world == 1 && self.comm.replicas() > 1 {
+            // Shard groups of one rank (`mics_shard_size = 1`): the shard is the whole
+            // gradient, summed in place across the replicas like a full one.
+            (extent, world) = (Extent::Full, self.world_size());
+        }
+        let bucket = self.cfg.zero.reduce_bucket_size;
+        let out = reduce_output(extent, &buf, world, s)?;
+        match &mut self.grads.overlap {
+            CommOverlap::On(o) => {
+                o.reduce((g, bytes), move |c| {
+                    reduce_gradient(extent, buf, out, world, s, c, bucket)
+                });
+                self.bound_reductions()?;
+            }
+            CommOverlap::Off => {
+                let shards = self.comm.shards();
+                let red = reduce_gradient(extent, buf, out, world, s, shards, bucket);
+                self.ledger
+                    .free(Location::Device, Category::CommBuffers, bytes);
+                self.accumulate(g, red?)?;
+            }
+        }
+        self.obs.timings.reduce += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn accumulate(&mut self, g: usize, reduced: Reduced) -> Result<()> {
+        let Reduced { sum, spent } = reduced;
+        if let Some(spent) = spent {
+            self.be.recycle(spent);
+        }
+        if self.grads.downloads.moves(&self.groups[g], sum.dtype()) {
+            return self.hold_reduced(g, sum);
+        }
+        // The cast runs where the reduction did (on the device), wherever the sum is added.
+        let sum = to_storage(sum, self.groups[g].grad_dtype(), &*self.be)?;
+        self.accumulate_reduced(g, sum)
+    }
+
+    /// Waits for every queued reduction and accumulates the results in submission order.
+    pub(super) fn finish_reductions(&mut self) -> Result<()> {
+        let t = Instant::now();
+        while self.finish_oldest_reduction()? {}
+        self.obs.timings.reduce += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Waits for the oldest queued reduction and accumulates it; false when none is queued.
+    fn finish_oldest_reduction(&mut self) -> Result<bool> {
+        let Some((g, bytes, p)) = self.grads.overlap.pop_reduction() else {
+            return Ok(false);
+        };
+        let red = p.wait();
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, bytes);
+        self.accumulate(g, red?)?;
+        Ok(true)
+    }
+
+    /// Keeps queued reductions within DeepSpeed's double buffer (two `reduce_bucket_size`
+    /// buckets of elements, and always the newest one), so overlap never holds a second copy
+    /// of every gradient; results are still accumulated in submission order.
+    fn bound_reductions(&mut self) -> Result<()> {
+        while self.grads.overlap.over_bound(&self.cfg, &self.groups) {
+            self.finish_oldest_reduction()?;
+        }
+        Ok(())
+    }
+
+    /// Makes `sum` group `g`'s gradient for the step (`GradDownloads::moves`); the group
+    /// may step at an armed boundary.
+    fn hold_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
+        self.groups[g].hold_gradient(sum, &mut self.ledger)?;
+        self.lend_for_step(g)
+    }
+
+    /// Adds group `g`'s reduced micro-step gradient into its accumulator
+    /// (`GradDownloads::add`); once the addition is done, at an armed boundary the group
+    /// may step.
+    fn accumulate_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
+        let grp = (g, &mut self.groups[g]);
+        if (self.grads.downloads).add(grp, sum, &*self.be, &mut self.ledger)? {
+            return self.lend_for_step(g);
+        }
+        while self.grads.downloads.over_bound() {
+            self.land_oldest_download()?;
+        }
+        Ok(())
+    }
+
+    /// Lands every gradient still on its way down (the end of a backward).
+    pub(super) fn land_downloads(&mut self) -> Result<()> {
+        while self.land_oldest_download()? {}
+        Ok(())
+    }
+
+    /// Lands the oldest download (`GradDownloads::land_oldest`) and lends its group when
+    /// its gradient is final; false when none is queued.
+    fn land_oldest_download(&mut self) -> Result<bool> {
+        let downloads = &mut self.grads.downloads;
+        match downloads.land_oldest(&mut self.groups, &*self.be, &mut self.ledger)? {
+            None => Ok(false),
+            Some(done) => done
+                .map_or(Ok(()), |g| self.lend_for_step(g))
+                .map(|()| true),
+        }
+    }
+
+    /// Called when group `g`'s gradient is final: lends the group to the optimizer lane when
+    /// the write-behind is armed.
+    fn lend_for_step(&mut self, g: usize) -> Result<()> {
+        let ctx = LendCtx {
+            rank: self.shard_rank(),
+            opt: &self.opt.optimizer,
+            be: &self.be,
+            trace: &self.obs.trace,
+            tile: self.cfg.zero.sub_group_size.max(1),
+            nvme: self.opt.nvme.as_ref(),
+        };
+        self.opt.lane.lend((g, &mut self.groups), ctx)
     }
 }
