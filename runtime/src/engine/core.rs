@@ -12,7 +12,7 @@ use super::group::Group;
 use super::ledger::{Category, Ledger, Location};
 use super::loss_scale::LossScaler;
 use super::micro::MicroState;
-use super::nvme::NvmeOffload;
+use super::nvme::{NvmeOffload, OptimizerStore};
 use super::observe::Observers;
 use super::optimizer::Optimizer;
 use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
@@ -205,7 +205,9 @@ impl Engine {
                 scaler,
                 overlap: opt_overlap,
                 lane: optimizer_lane,
-                nvme: nvme.map(Arc::new),
+                nvme: nvme.map_or(OptimizerStore::Memory, |n| {
+                    OptimizerStore::Nvme(Arc::new(n))
+                }),
                 steps: 0,
             },
             ledger,

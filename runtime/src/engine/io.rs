@@ -16,7 +16,7 @@ impl Engine {
     /// Every parameter's fp32 value (collective: every rank must call it).
     pub fn parameters(&self) -> Result<Vec<NamedTensor>> {
         self.await_landings()?;
-        let stores = (self.opt.nvme.as_deref(), self.params.swap.store());
+        let stores = (self.opt.nvme.get(), self.params.swap.store());
         super::params::gather_parameters(&self.groups, self.comm.shards(), stores)
     }
 
@@ -123,7 +123,7 @@ impl Engine {
         // The shard this rank holds (its shard group's position under hybrid sharding).
         let rank = self.shard_rank();
         (self.params.swap).settle(&mut self.groups, &mut self.ledger)?;
-        let stores = (self.params.swap.store_mut(), self.opt.nvme.as_deref());
+        let stores = (self.params.swap.store_mut(), self.opt.nvme.get());
         checkpoint::restore_groups(reader, &mut self.groups, stores, rank)?;
         let m = reader.meta();
         self.opt.steps = m.step;

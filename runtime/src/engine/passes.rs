@@ -561,7 +561,7 @@ impl Engine {
             be: &self.be,
             trace: &self.obs.trace,
             tile: self.cfg.zero.sub_group_size.max(1),
-            nvme: self.opt.nvme.as_ref(),
+            nvme: self.opt.nvme.shared(),
         };
         self.opt.lane.lend((g, &mut self.groups), ctx)
     }

@@ -199,7 +199,7 @@ impl Engine {
             if let Some(&after) = todo.get(i + 1) {
                 next = self.opt.optimizer.fetch(&self.groups[after], &*self.be)?;
             }
-            let (g, nvme) = (&mut self.groups[gi], self.opt.nvme.as_deref());
+            let (g, nvme) = (&mut self.groups[gi], self.opt.nvme.get());
             trace.span("compute", "step", gi, || {
                 self.opt
                     .optimizer
@@ -390,7 +390,7 @@ impl Engine {
 
     /// Bytes this rank has moved to and from NVMe since it was built (both stores).
     pub fn swap_traffic(&self) -> ferrozero_offload::store::Traffic {
-        let opt = self.opt.nvme.as_ref().map(|n| n.store.bytes_moved());
+        let opt = self.opt.nvme.shared().map(|n| n.store.bytes_moved());
         let par = self.params.swap.store().map(|s| s.store.bytes_moved());
         opt.unwrap_or_default() + par.unwrap_or_default()
     }

@@ -1,10 +1,8 @@
 //! The step's state: the optimizer and what shapes its update (schedule, loss scale), where
 //! its state lives (NVMe), whether it overlaps backward, and how many steps were taken.
 
-use std::sync::Arc;
-
 use super::loss_scale::LossScaler;
-use super::nvme::NvmeOffload;
+use super::nvme::OptimizerStore;
 use super::optimizer::{Optimizer, StepValues};
 use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
 use super::schedule::Schedule;
@@ -21,8 +19,8 @@ pub(super) struct StepState {
     pub(super) overlap: OptimizerOverlap,
     /// The optimizer lane, or off.
     pub(super) lane: OptimizerLane,
-    /// The NVMe store when optimizer state lives there (shared with the optimizer lane).
-    pub(super) nvme: Option<Arc<NvmeOffload>>,
+    /// The optimizer state's NVMe store, or memory.
+    pub(super) nvme: OptimizerStore,
     /// Optimizer steps taken (skipped ones included).
     pub(super) steps: u64,
 }

@@ -188,7 +188,7 @@ impl Saving<'_> {
         // NVMe-resident state streams into the file one group at a time.
         let streamer = Streamer::default();
         let src = NvmeSources {
-            nvme: self.opt.nvme.as_deref(),
+            nvme: self.opt.nvme.get(),
             swap: self.swap,
             streamer: &streamer,
         };
