@@ -40,11 +40,11 @@ pub struct Engine {
     pub(super) comm: Comms,
     /// The device the units compute on.
     pub(super) be: Arc<dyn Backend>,
-    /// Gathers, uploads, hpZ and NVMe shards (before `groups`: uploads still reading the
-    /// shards finish before the shards are freed).
-    pub(super) params: ParamFlow,
     /// One group per unit, then the shared group (if the model has shared parameters).
     pub(super) groups: Vec<Group>,
+    /// Gathers, uploads, hpZ and NVMe shards (after `groups`: the shards are dropped before
+    /// their swap store, and `Engine`'s drop waits for uploads still reading them first).
+    pub(super) params: ParamFlow,
     /// Reductions and the gradients' way to their accumulators.
     pub(super) grads: GradFlow,
     /// The optimizer and its schedule, loss scale, lane, NVMe store and step count.
@@ -56,6 +56,13 @@ pub struct Engine {
     pub(super) obs: Observers,
     /// The model directory's `config.json` and tokenizer files, saved with each checkpoint.
     pub(super) model_files: crate::nn::weights::ModelFiles,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Copies still reading the shards finish before the groups free them.
+        self.params.uploads.wait_all();
+    }
 }
 
 impl Engine {
@@ -182,18 +189,20 @@ impl Engine {
             &mut ledger,
         )?;
         let grad_downloads = super::grad_download::GradDownloads::new(&cfg);
+        // The first step's report counts the device's work from here, not the build's.
+        obs.activity_mark = be.activity();
         Ok(Self {
             cfg,
             model,
             comm,
             be,
+            groups,
             params: ParamFlow {
                 stage,
                 uploads: Default::default(),
                 hpz,
                 swap: param_swap,
             },
-            groups,
             grads: GradFlow {
                 overlap,
                 downloads: grad_downloads,

@@ -4,7 +4,7 @@
 //! forward's all-gather over the world, so backward's all-gathers run inside the group of `G`
 //! consecutive ranks (one node). The secondary copy is stale after each optimizer step and is
 //! cut afresh by the next forward; checkpoints hold only the primary partition. The loss head
-//! under `train_batch` runs its backward inside forward (`fused.rs`): backward never gathers
+//! under `train_batch` runs its backward inside forward (`passes.rs`): backward never gathers
 //! its parameters, so no secondary copy of them is cut (`rules::hpz_cuts_secondary`).
 
 use ferrozero_config::resolved::ResolvedConfig;

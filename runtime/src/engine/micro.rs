@@ -11,7 +11,7 @@ pub(super) struct MicroState {
     pub(super) saved: Vec<Saved>,
     /// The bytes the ledger counts for each unit's saved activations.
     pub(super) saved_bytes: Vec<u64>,
-    /// The input gradient of the last unit's fused forward and backward (`fused.rs`), until
+    /// The input gradient of the last unit's fused forward and backward (`passes.rs`), until
     /// `backward_pass` starts from it (transient state, not a switch).
     pub(super) head_grad: Option<Tensor>,
     /// Checkpointed units' inputs, until their recompute (`ckpt_offload.rs`).

@@ -80,12 +80,10 @@ impl Observers {
         be: Arc<dyn Backend>,
         model: Model,
     ) -> (Arc<dyn Backend>, Model) {
-        let (be, model) = match &mut self.profiler {
+        match &mut self.profiler {
             Some(p) => p.instrument(be, model),
             None => (be, model),
-        };
-        self.activity_mark = be.activity();
-        (be, model)
+        }
     }
 
     /// Before the first forward of optimizer step `step`.

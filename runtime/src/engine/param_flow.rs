@@ -10,8 +10,8 @@ use super::swap::Swap;
 pub(super) struct ParamFlow {
     /// Which of parameters, gradients and optimizer state are full or sharded.
     pub(super) stage: Box<dyn Stage>,
-    /// Stage 3 at one rank: shards copied to the device without a collective (dropped before
-    /// the groups, so copies still reading the shards finish before the shards are freed).
+    /// Stage 3 at one rank: shards copied to the device without a collective (waited for by
+    /// the engine's drop, before the groups free the shards they read).
     pub(super) uploads: ParamUploads,
     /// ZeRO++ hpZ's secondary parameter partition and group (see `hpz`).
     pub(super) hpz: Hpz,

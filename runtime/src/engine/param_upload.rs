@@ -36,14 +36,22 @@ pub struct ParamUploads {
     ahead: HashMap<usize, Ahead>,
 }
 
-impl Drop for ParamUploads {
-    fn drop(&mut self) {
-        // A copy may still read its shard, which is freed after this: wait for it.
+impl ParamUploads {
+    /// Waits for every upload started ahead and drops it (before the shards they read are
+    /// freed: the engine's drop).
+    pub(super) fn wait_all(&mut self) {
         for (g, (_, done, _)) in self.ahead.drain() {
             if let Some(Err(e)) = done.map(|e| e.synchronize()) {
                 tracing::error!("an upload of group {g} ahead of its use failed: {e}");
             }
         }
+    }
+}
+
+impl Drop for ParamUploads {
+    fn drop(&mut self) {
+        // A copy may still read its shard: wait for it.
+        self.wait_all();
     }
 }
 

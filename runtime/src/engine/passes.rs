@@ -83,7 +83,7 @@ impl Engine {
     }
 
     /// [`Engine::forward_pass`]; in training with `fused` (the loss gradient), the last unit
-    /// runs its backward at once (`fused.rs`): not checkpointed, nothing saved.
+    /// runs its backward at once (the fused unit): not checkpointed, nothing saved.
     pub(super) fn forward_units(
         &mut self,
         batch: (&Batch, &BatchIds),

@@ -95,7 +95,7 @@ pub fn hpz_size(cfg: &ResolvedConfig, world: usize, params: Extent) -> usize {
 
 /// Whether forward's gather of `group` for `unit` cuts hpZ's secondary copy of it: not when
 /// `unit` runs its backward inside forward (`fused`: `train_batch`'s loss head,
-/// `engine/fused.rs`) and `group` is its own, which backward never gathers again; a group
+/// `engine/passes.rs`) and `group` is its own, which backward never gathers again; a group
 /// shared with other units is cut for their backward.
 pub fn hpz_cuts_secondary(unit: usize, group: usize, fused: bool) -> bool {
     !(fused && group == unit)

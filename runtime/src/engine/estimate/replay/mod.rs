@@ -366,7 +366,7 @@ impl<'a> Replay<'a> {
     }
 
     /// One training forward over every unit (`train_batch`'s: the last unit runs its backward
-    /// at once, `engine/fused.rs`).
+    /// at once, `engine/passes.rs`).
     pub(super) fn forward(&mut self, mb: usize, seq: usize) {
         self.begin_forward_transients(mb, seq);
         let n = self.model.units.len();

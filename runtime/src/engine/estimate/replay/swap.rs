@@ -1,5 +1,5 @@
 //! Stage-3 parameter shards on NVMe in the replay: the host buffers a shard occupies while it
-//! is read ahead, gathered from or written back (`Engine::with_slot` and `swap.rs`).
+//! is read ahead, gathered from or written back (`Swap::with_slot` and `swap.rs`).
 
 use std::collections::VecDeque;
 
@@ -13,7 +13,7 @@ impl Replay<'_> {
         self.swap_limit.is_some() && self.groups[g].params == Extent::Shard
     }
 
-    /// `Engine::with_slot`'s ledger entry: a shard starts or stops occupying a host buffer.
+    /// `Swap::with_slot`'s ledger entry: a shard starts or stops occupying a host buffer.
     pub(super) fn swap_buffer(&mut self, g: usize, held: bool) {
         if self.swapped_in[g] == held {
             return;
