@@ -4,6 +4,7 @@
 //! accumulated in micro-step order, in every stage; the gradient norm sums each rank's shard
 //! range in every stage. That is what makes stages 0-3 bitwise identical for one world size.
 
+mod assemble;
 mod build;
 pub mod checkpoint;
 mod ckpt_offload;
