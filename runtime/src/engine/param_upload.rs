@@ -15,6 +15,7 @@
 //! gradient download, which the copy stream starts after an event recorded behind those
 //! kernels (`offload_copies.rs`); or it is dropped unused, after a host wait.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use ferrozero_config::resolved::ResolvedConfig;
@@ -116,9 +117,9 @@ impl ParamUploads {
         if !uploads_directly(grp) || !rules::uploads_ahead(cfg, grp.layout.world_size) {
             return Ok(false);
         }
-        if !self.ahead.contains_key(&g) {
+        if let Entry::Vacant(e) = self.ahead.entry(g) {
             let (full, done) = start_upload((g, grp), be, ledger)?;
-            self.ahead.insert(g, (full, done, step));
+            e.insert((full, done, step));
         }
         Ok(true)
     }

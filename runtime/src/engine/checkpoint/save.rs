@@ -272,7 +272,7 @@ impl Saving<'_> {
             seed: self.cfg.seed,
             scaler: self.opt.scaler.clone(),
             next_lr: self.opt.schedule.lr_at(self.opt.steps),
-            config: serde_json::to_value(&self.cfg)
+            config: serde_json::to_value(self.cfg)
                 .map_err(|e| Error::Invalid(format!("config does not serialise: {e}")))?,
             groups: self
                 .groups
