@@ -1,14 +1,15 @@
 //! Where a checkpointed unit's input waits for backward (`activation_checkpointing`), and its
-//! trips when that is host memory (`cpu_checkpointing`, [`rules::ckpt_location`]):
+//! trips when that is host memory (`cpu_checkpointing`,
+//! [`rules::ckpt_location`](super::rules::ckpt_location)):
 //!
-//! 1. [`Engine::leave_checkpoint`], after the unit's forward: an event on the compute stream,
+//! 1. [`Checkpoints::leave`], after the unit's forward: an event on the compute stream,
 //!    the device-to-host stream waiting for it, the input downloaded on that stream into
 //!    page-locked staging memory; its device buffer is released marked as used by that stream,
 //!    so the allocator reuses the block only after the copy (the host never waits).
-//! 2. [`Engine::checkpoint_ahead`], when the backward of the unit after it starts: a device
+//! 2. [`Checkpoints::ahead`], when the backward of the unit after it starts: a device
 //!    buffer, the host-to-device stream ordered after the compute stream's work so far, the
 //!    input uploaded on it (one unit ahead, as parameters go up in `param_upload.rs`).
-//! 3. [`Engine::take_checkpoint`], at the recompute: the compute stream waits for that upload's
+//! 3. [`Checkpoints::take`], at the recompute: the compute stream waits for that upload's
 //!    event; the host never does. The staging buffer goes back to the pool once its copy
 //!    has completed (polled; waited for only when the engine drops).
 //!
@@ -20,10 +21,8 @@
 //! host memory from its forward to its recompute, and on the device from its upload ahead to
 //! its recompute; the estimator's replay mirrors both.
 
-use super::core::Engine;
-use super::ledger::{Category, Location};
-use super::rules;
-use crate::backend::Stream;
+use super::ledger::{Category, Ledger, Location};
+use crate::backend::{Backend, Stream};
 use crate::tensor::in_flight::HostCopy;
 use crate::tensor::{DType, Tensor};
 use crate::Result;
@@ -76,48 +75,38 @@ impl Checkpoints {
         }
         Ok(())
     }
-}
 
-impl Engine {
     /// Keeps `input`, unit `unit`'s input, for its recompute in backward, where
-    /// [`rules::ckpt_location`] says (counted there by the ledger).
-    pub(super) fn leave_checkpoint(&mut self, unit: usize, input: Tensor) -> Result<()> {
-        let loc = rules::ckpt_location(&self.cfg);
-        self.ledger
-            .alloc(loc, Category::Activations, input.bytes() as u64);
+    /// `loc` says (counted there by the ledger).
+    pub(super) fn leave(
+        &mut self,
+        (unit, input): (usize, Tensor),
+        loc: Location,
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<()> {
+        ledger.alloc(loc, Category::Activations, input.bytes() as u64);
         let kept = match loc {
-            Location::Host => self.download_checkpoint(input)?,
+            Location::Host => download(input, be)?,
             _ => Checkpoint::Kept(input),
         };
-        self.checkpoints.prune()?;
-        self.checkpoints.inputs[unit] = Some(kept);
+        self.prune()?;
+        self.inputs[unit] = Some(kept);
         Ok(())
-    }
-
-    fn download_checkpoint(&mut self, mut input: Tensor) -> Result<Checkpoint> {
-        let ready = self.be.record(Stream::Compute)?;
-        self.be.wait_event(Stream::DeviceToHost, &ready)?;
-        let dtype = input.storage.dtype();
-        let Some(copy) = input.storage.view().download_async(Stream::DeviceToHost)? else {
-            // Host memory already: nothing moves.
-            return Ok(Checkpoint::Kept(input));
-        };
-        // The block is reused only after the copy reading it (the allocator's stream order).
-        input.storage.record_stream(Stream::DeviceToHost);
-        self.be.recycle(input.storage);
-        Ok(Checkpoint::Down {
-            shape: input.shape,
-            dtype,
-            copy,
-        })
     }
 
     /// Starts bringing unit `unit`'s checkpoint back to the device, when it waits in host
     /// memory (counted on the device from now).
-    pub(super) fn checkpoint_ahead(&mut self, unit: usize) -> Result<()> {
-        let Some(Checkpoint::Down { .. }) = &self.checkpoints.inputs[unit] else {
-            if rules::ckpt_location(&self.cfg) == Location::Host {
-                self.count_ahead(unit);
+    pub(super) fn ahead(
+        &mut self,
+        unit: usize,
+        loc: Location,
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<()> {
+        let Some(Checkpoint::Down { .. }) = &self.inputs[unit] else {
+            if loc == Location::Host {
+                self.count_ahead(unit, ledger);
             }
             return Ok(());
         };
@@ -125,33 +114,31 @@ impl Engine {
             shape,
             dtype,
             mut copy,
-        }) = self.checkpoints.inputs[unit].take()
+        }) = self.inputs[unit].take()
         else {
             unreachable!("matched above");
         };
-        let mut storage = self.be.buffer_uninit(dtype, copy.len())?;
+        let mut storage = be.buffer_uninit(dtype, copy.len())?;
         // The new block may have been the compute stream's until now.
-        let ready = self.be.record(Stream::Compute)?;
-        self.be.wait_event(Stream::HostToDevice, &ready)?;
+        let ready = be.record(Stream::Compute)?;
+        be.wait_event(Stream::HostToDevice, &ready)?;
         copy.upload_async(storage.view_mut(), Stream::HostToDevice)?;
-        self.ledger
-            .alloc(Location::Device, Category::Activations, storage.bytes());
-        self.checkpoints.inputs[unit] = Some(Checkpoint::Up {
+        ledger.alloc(Location::Device, Category::Activations, storage.bytes());
+        self.inputs[unit] = Some(Checkpoint::Up {
             input: Tensor { shape, storage },
             copy: Some(copy),
         });
         Ok(())
     }
 
-    /// The ledger's side of [`Engine::checkpoint_ahead`] for a checkpoint that did not move
+    /// The ledger's side of [`Checkpoints::ahead`] for a checkpoint that did not move
     /// (host memory already): the same count as on a device, once.
-    fn count_ahead(&mut self, unit: usize) {
-        let slot = &mut self.checkpoints.inputs[unit];
+    fn count_ahead(&mut self, unit: usize, ledger: &mut Ledger) {
+        let slot = &mut self.inputs[unit];
         if let Some(Checkpoint::Kept(t)) = slot.take_if(|c| matches!(c, Checkpoint::Kept(_))) {
             let bytes = t.bytes() as u64;
-            self.ledger
-                .alloc(Location::Device, Category::Activations, bytes);
-            self.checkpoints.inputs[unit] = Some(Checkpoint::Up {
+            ledger.alloc(Location::Device, Category::Activations, bytes);
+            self.inputs[unit] = Some(Checkpoint::Up {
                 input: t,
                 copy: None,
             });
@@ -160,19 +147,24 @@ impl Engine {
 
     /// Unit `unit`'s checkpointed input for its recompute, on the compute device with the
     /// compute stream ordered after its upload; `None` when the unit kept none.
-    pub(super) fn take_checkpoint(&mut self, unit: usize) -> Result<Option<Tensor>> {
-        self.checkpoint_ahead(unit)?;
-        let loc = rules::ckpt_location(&self.cfg);
-        let input = match self.checkpoints.inputs[unit].take() {
+    pub(super) fn take(
+        &mut self,
+        unit: usize,
+        loc: Location,
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<Option<Tensor>> {
+        self.ahead(unit, loc, be, ledger)?;
+        let input = match self.inputs[unit].take() {
             None => return Ok(None),
             Some(Checkpoint::Kept(t)) => t,
             Some(Checkpoint::Down { .. }) => unreachable!("brought back above"),
             Some(Checkpoint::Up { input, copy }) => {
                 if let Some(e) = copy.as_ref().and_then(HostCopy::event) {
-                    self.be.wait_event(Stream::Compute, e)?;
+                    be.wait_event(Stream::Compute, e)?;
                 }
-                self.checkpoints.spent.extend(copy);
-                self.ledger.free(
+                self.spent.extend(copy);
+                ledger.free(
                     Location::Device,
                     Category::Activations,
                     input.bytes() as u64,
@@ -180,8 +172,27 @@ impl Engine {
                 input
             }
         };
-        self.ledger
-            .free(loc, Category::Activations, input.bytes() as u64);
+        ledger.free(loc, Category::Activations, input.bytes() as u64);
         Ok(Some(input))
     }
+}
+
+/// Downloads a checkpoint to host memory on the device-to-host stream, after the compute
+/// stream's work so far.
+fn download(mut input: Tensor, be: &dyn Backend) -> Result<Checkpoint> {
+    let ready = be.record(Stream::Compute)?;
+    be.wait_event(Stream::DeviceToHost, &ready)?;
+    let dtype = input.storage.dtype();
+    let Some(copy) = input.storage.view().download_async(Stream::DeviceToHost)? else {
+        // Host memory already: nothing moves.
+        return Ok(Checkpoint::Kept(input));
+    };
+    // The block is reused only after the copy reading it (the allocator's stream order).
+    input.storage.record_stream(Stream::DeviceToHost);
+    be.recycle(input.storage);
+    Ok(Checkpoint::Down {
+        shape: input.shape,
+        dtype,
+        copy,
+    })
 }

@@ -6,91 +6,54 @@ use std::time::Instant;
 
 use ferrozero_config::resolved::ResolvedConfig;
 
-use super::build::{optimizer_location, GroupPlan};
+use super::grad_flow::GradFlow;
 use super::group::Group;
 use super::ledger::{Category, Ledger, Location};
-use super::loss_scale::LossScaler;
-use super::nvme::NvmeOffload;
-use super::optimizer::Optimizer;
-use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
-use super::overlap::CommOverlap;
-use super::param_swap::ParamSwap;
-use super::report::Timings;
+use super::micro::MicroState;
+use super::observe::Observers;
+use super::optimizer_overlap::OptimizerOverlap;
+use super::param_flow::ParamFlow;
 use super::rules;
-use super::schedule::Schedule;
-use super::stage::{self, Stage};
-use super::topology::{check_backend, open_hybrid, shard_comm};
+use super::step_state::StepState;
+use super::topology::Comms;
 use super::trace::{Span, Trace};
 use crate::backend::Backend;
 use crate::comm::Communicator;
-use crate::nn::{Batch, BatchIds, Model, Saved};
-use crate::tensor::Tensor;
-use crate::{Error, Result};
+use crate::nn::Model;
+use crate::Result;
 
-/// A ZeRO training engine for one rank.
+/// A ZeRO training engine for one rank: the model, its parameter groups and the memory
+/// ledger, and the parts that move their contents (each a plain struct with its own file).
 pub struct Engine {
     pub(super) cfg: ResolvedConfig,
     pub(super) model: Model,
-    pub(super) comm: Box<dyn Communicator>,
-    /// The shard-group communicator when hybrid sharding splits the world (see `topology`).
-    pub(super) hybrid: Option<crate::comm::hybrid::HybridComm>,
-    /// ZeRO++ hpZ's secondary parameter partition and group (see `hpz`).
-    pub(super) hpz: Option<super::hpz::Hpz>,
-    /// Cross-group payload bytes at the end of the last step (reports carry the difference).
-    pub(super) cross_mark: u64,
-    /// The device's counts when the current step began (reports carry the difference).
-    pub(super) activity_mark: Option<crate::backend::DeviceActivity>,
-    /// Gradient bytes handed to reductions since the last step report.
-    pub(super) reduced_bytes: u64,
+    /// The world's and the shard group's communicators.
+    pub(super) comm: Comms,
     /// The device the units compute on.
     pub(super) be: Arc<dyn Backend>,
-    pub(super) stage: Box<dyn Stage>,
-    /// Stage 3 at one rank: shards copied to the device without a collective (before
-    /// `groups`, so copies still reading the shards finish before the shards are freed).
-    pub(super) param_uploads: super::param_upload::ParamUploads,
     /// One group per unit, then the shared group (if the model has shared parameters).
     pub(super) groups: Vec<Group>,
-    pub(super) optimizer: Optimizer,
-    pub(super) schedule: Schedule,
-    pub(super) scaler: LossScaler,
+    /// Gathers, uploads, hpZ and NVMe shards (after `groups`: the shards are dropped before
+    /// their swap store, and `Engine`'s drop waits for uploads still reading them first).
+    pub(super) params: ParamFlow,
+    /// Reductions and the gradients' way to their accumulators.
+    pub(super) grads: GradFlow,
+    /// The optimizer and its schedule, loss scale, lane, NVMe store and step count.
+    pub(super) opt: StepState,
     pub(super) ledger: Ledger,
-    pub(super) saved: Vec<Saved>,
-    pub(super) saved_bytes: Vec<u64>,
-    /// The input gradient of the last unit's fused forward and backward (`fused.rs`), until
-    /// `backward_pass` starts from it.
-    pub(super) head_grad: Option<Tensor>,
-    /// Checkpointed units' inputs, until their recompute (`ckpt_offload.rs`).
-    pub(super) checkpoints: super::ckpt_offload::Checkpoints,
-    /// Optimizer steps taken (skipped ones included).
-    pub(super) steps: u64,
-    /// Micro-steps since the last optimizer step.
-    pub(super) micro: usize,
-    /// Each micro-step's loss sum, on the device until the step reads them (in order).
-    pub(super) losses: Vec<Tensor>,
-    pub(super) tokens: u64,
-    /// The last forward's batch and its ids on the device, until backward.
-    pub(super) last_batch: Option<(Batch, BatchIds)>,
-    pub(super) timings: Timings,
-    /// The communication worker when `overlap_comm` is on.
-    pub(super) overlap: Option<CommOverlap>,
-    /// Reduced gradients on their way to host accumulators (optimizer state off the device).
-    pub(super) grad_downloads: super::grad_download::GradDownloads,
-    /// The NVMe store when optimizer state lives there (shared with the optimizer lane).
-    pub(super) nvme: Option<Arc<NvmeOffload>>,
-    /// The NVMe store when stage-3 parameter shards live there.
-    pub(super) param_swap: Option<ParamSwap>,
-    /// NVMe traffic at the end of the last step (reports carry the difference).
-    pub(super) traffic_mark: ferrozero_offload::store::Traffic,
+    /// What forward leaves for backward and the micro-steps for the step.
+    pub(super) acts: MicroState,
+    /// Monitors, the communication logger, the profiler, the trace and the report marks.
+    pub(super) obs: Observers,
     /// The model directory's `config.json` and tokenizer files, saved with each checkpoint.
     pub(super) model_files: crate::nn::weights::ModelFiles,
-    /// Whether the optimizer step overlaps backward (and why not).
-    pub(super) opt_overlap: OptimizerOverlap,
-    /// The optimizer lane when it does.
-    pub(super) optimizer_lane: Option<OptimizerLane>,
-    /// The recorded schedule (off unless asked for).
-    pub(super) trace: Trace,
-    /// Monitors and the communication logger.
-    pub(super) observers: super::observe::Observers,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Copies still reading the shards finish before the groups free them.
+        self.params.uploads.wait_all();
+    }
 }
 
 impl Engine {
@@ -116,7 +79,7 @@ impl Engine {
         if let Some(limit) = cfg.device_memory_limit {
             be.set_memory_limit(Some(limit))?;
         }
-        Self::assemble(model, cfg, comm, be, overlap)
+        super::assemble::assemble(model, cfg, comm, be, overlap)
     }
 
     /// Builds an engine whose units compute on `be`. The caller's backend may be shared (ranks
@@ -128,7 +91,7 @@ impl Engine {
         comm: Box<dyn Communicator>,
         be: Arc<dyn Backend>,
     ) -> Result<Self> {
-        Self::assemble(model, cfg, comm, be, None)
+        super::assemble::assemble(model, cfg, comm, be, None)
     }
 
     /// As [`Engine::with_backend`], with the optimizer overlap `overlap` instead of the
@@ -140,132 +103,17 @@ impl Engine {
         be: Arc<dyn Backend>,
         overlap: OptimizerOverlap,
     ) -> Result<Self> {
-        Self::assemble(model, cfg, comm, be, Some(overlap))
-    }
-
-    /// The engine, with the config's optimizer overlap unless `decided` is set.
-    fn assemble(
-        model: Model,
-        cfg: ResolvedConfig,
-        comm: Box<dyn Communicator>,
-        be: Arc<dyn Backend>,
-        decided: Option<OptimizerOverlap>,
-    ) -> Result<Self> {
-        let mut cfg = cfg;
-        cfg.zero.sub_group_size = super::build::effective_sub_group_size(&cfg, &model);
-        if cfg.world_size != comm.world_size() {
-            return Err(Error::Config(format!(
-                "config was resolved for world size {} but the communicator has {} ranks",
-                cfg.world_size,
-                comm.world_size()
-            )));
-        }
-        let (mut observers, comm) = super::observe::Observers::open(&cfg, comm)?;
-        let (be, model) = observers.instrument(be, model);
-        check_backend(&cfg, comm.as_ref())?;
-        let hybrid = open_hybrid(&cfg, comm.as_ref())?;
-        let shards = shard_comm(comm.as_ref(), &hybrid);
-        let stage = stage::for_stage(cfg.zero.stage);
-        let optimizer = Optimizer::new(cfg.optimizer.clone());
-        let mut ledger = Ledger::with_device_limit(cfg.device_memory_limit);
-        let nvme = open_nvme(&cfg, &model, stage.as_ref(), shards, comm.rank())?;
-        if let Some(n) = &nvme {
-            ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
-        }
-        let mut param_swap = open_param_swap(&cfg, comm.as_ref())?;
-        let plan = GroupPlan {
-            stage: stage.as_ref(),
-            cfg: &cfg,
-            world: shards.world_size(),
-            rank: shards.rank(),
-            moments: optimizer.moments(),
-            nvme: nvme.as_ref(),
-            be: &*be,
-        };
-        let mut specs: Vec<Vec<crate::nn::ParamSpec>> =
-            model.units.iter().map(|u| u.module.param_specs()).collect();
-        if !model.shared.is_empty() {
-            specs.push(model.shared.clone());
-        }
-        let groups = specs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| plan.build(i, s, param_swap.as_mut(), &mut ledger))
-            .collect::<Result<Vec<Group>>>()?;
-        // The resident state alone may already exceed the cap: refuse at initialize.
-        ledger.check_limit()?;
-        let pinned: u64 = groups
-            .iter()
-            .filter_map(|g| g.pin.as_ref().map(|p| p.bytes()))
-            .sum();
-        ledger.lock_host(pinned as i64);
-        let hpz = super::hpz::open(&cfg, comm.as_ref(), stage.params(), groups.len())?;
-        let n = model.units.len();
-        let scaler = LossScaler::from_config(match &cfg.precision {
-            ferrozero_config::resolved::Precision::Fp16(s) => Some(s),
-            _ => None,
-        });
-        let schedule = Schedule::new(&cfg.optimizer, cfg.scheduler.clone());
-        let overlap = if cfg.zero.overlap_comm && comm.world_size() > 1 {
-            Some(CommOverlap::new(shards)?)
-        } else {
-            None
-        };
-        tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
-        let opt_overlap = decided.unwrap_or_else(|| OptimizerOverlap::decide(&cfg));
-        opt_overlap.log(&cfg);
-        let shared = super::optimizer_overlap::shared_group(&model);
-        let optimizer_lane =
-            OptimizerLane::for_overlap(&opt_overlap, comm.rank(), (&groups, shared), &mut ledger)?;
-        let grad_downloads = super::grad_download::GradDownloads::new(&cfg);
-        Ok(Self {
-            cfg,
-            model,
-            comm,
-            hybrid,
-            hpz,
-            cross_mark: 0,
-            activity_mark: be.activity(),
-            reduced_bytes: 0,
-            be,
-            stage,
-            groups,
-            optimizer,
-            schedule,
-            scaler,
-            ledger,
-            saved: (0..n).map(|_| None).collect(),
-            saved_bytes: vec![0; n],
-            head_grad: None,
-            checkpoints: super::ckpt_offload::Checkpoints::new(n),
-            steps: 0,
-            micro: 0,
-            losses: Vec::new(),
-            tokens: 0,
-            last_batch: None,
-            timings: Timings::default(),
-            overlap,
-            grad_downloads,
-            nvme: nvme.map(Arc::new),
-            param_swap,
-            param_uploads: Default::default(),
-            traffic_mark: Default::default(),
-            model_files: Default::default(),
-            opt_overlap,
-            optimizer_lane,
-            trace: Trace::default(),
-            observers,
-        })
+        super::assemble::assemble(model, cfg, comm, be, Some(overlap))
     }
 
     /// What the communication logger recorded (`comms_logger`), if it is enabled.
     pub fn comm_stats(&self) -> Option<&Arc<crate::comm::logger::CommStats>> {
-        self.observers.comms.as_ref()
+        self.obs.comms.as_ref()
     }
 
     /// The directories this rank's monitors write (empty when none is enabled here).
     pub fn monitor_dirs(&self) -> &[std::path::PathBuf] {
-        self.observers.monitor.as_ref().map_or(&[], |m| m.dirs())
+        self.obs.monitor.as_ref().map_or(&[], |m| m.dirs())
     }
 
     /// The resolved configuration.
@@ -273,14 +121,32 @@ impl Engine {
         &self.cfg
     }
 
+    /// This rank's position among the ranks its sharded state is split across (the shard
+    /// group's rank with hybrid sharding, else the rank).
+    pub fn shard_rank(&self) -> usize {
+        self.comm.shards().rank()
+    }
+
+    /// Ranks one copy of the sharded state is split across: `mics_shard_size` with
+    /// hybrid sharding, else the world size.
+    pub fn shard_world(&self) -> usize {
+        self.comm.shards().world_size()
+    }
+
+    /// Copies of the sharded state across the world: `world / mics_shard_size` with
+    /// hybrid sharding, else 1.
+    pub fn replicas(&self) -> usize {
+        self.comm.replicas()
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.comm.world.rank()
     }
 
     /// Ranks in the data-parallel group.
     pub fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.comm.world.world_size()
     }
 
     /// The memory ledger.
@@ -290,7 +156,7 @@ impl Engine {
 
     /// Optimizer steps taken so far.
     pub fn global_steps(&self) -> u64 {
-        self.steps
+        self.opt.steps
     }
 
     /// The model being trained.
@@ -305,18 +171,27 @@ impl Engine {
 
     /// Whether the optimizer step overlaps backward in `train_batch`, and why not.
     pub fn optimizer_overlap(&self) -> &OptimizerOverlap {
-        &self.opt_overlap
+        &self.opt.overlap
+    }
+
+    /// Keeps zeroed accumulators and adds every micro-step's gradient into them even at one
+    /// micro-step per step, as before gradients moved into place: the reference the moved
+    /// path is compared with, bit for bit. Takes effect from the next micro-step; a gradient
+    /// already held becomes an accumulator holding the same values.
+    pub fn accumulate_gradients(&mut self) -> Result<()> {
+        let (groups, be) = (&mut self.groups, &*self.be);
+        (self.grads.downloads).accumulate_always(groups, be, &mut self.ledger)
     }
 
     /// Starts (or stops) recording which lane runs what: each unit's backward and each
     /// group's optimizer step, with start and end times.
     pub fn trace_schedule(&mut self, on: bool) {
-        self.trace = if on { Trace::on() } else { Trace::default() };
+        self.obs.trace = if on { Trace::on() } else { Trace::default() };
     }
 
     /// The spans recorded since the last call, oldest first.
     pub fn take_schedule_trace(&self) -> Vec<Span> {
-        self.trace.take()
+        self.obs.trace.take()
     }
 
     pub(super) fn shared_index(&self) -> Option<usize> {
@@ -325,9 +200,9 @@ impl Engine {
 
     pub(super) fn unit_seed(&self, unit: usize) -> u64 {
         let mix = |h: u64, x: u64| (h ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
-        let h = mix(self.cfg.seed, self.steps);
-        let h = mix(h, self.micro as u64);
-        let h = mix(h, self.comm.rank() as u64);
+        let h = mix(self.cfg.seed, self.opt.steps);
+        let h = mix(h, self.acts.micro as u64);
+        let h = mix(h, self.comm.world.rank() as u64);
         mix(h, unit as u64)
     }
 
@@ -357,33 +232,107 @@ impl Engine {
         if let Some(s) = shared {
             self.gather_group(s, bucket)?;
         }
-        if !self.hpz_in_backward() {
+        if !self.params.hpz.in_backward() {
             for g in fresh {
-                self.hpz_after_forward_gather(g, rules::hpz_cuts_secondary(unit, g, fused))?;
+                let cut = rules::hpz_cuts_secondary(unit, g, fused);
+                let world = self.comm.world.world_size();
+                self.params.hpz.after_forward_gather(
+                    (g, &self.groups[g]),
+                    world,
+                    cut,
+                    &mut self.ledger,
+                )?;
             }
         }
-        self.timings.gather += t.elapsed().as_secs_f64();
+        self.obs.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
     }
 
     /// Swaps group `g`'s shard in from NVMe if it lives there, gathers, and swaps it out.
     fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
-        self.swap_in_for_gather(g)?;
-        let r = match self
-            .gather_direct(g)
-            .and_then(|()| self.hpz_gather(g, bucket))
-        {
-            Ok(false) => self.stage.gather(
+        (self.params.swap).in_for_gather(&mut self.groups[g], &mut self.ledger)?;
+        let step = self.opt.steps;
+        let direct = (g, &mut self.groups[g]);
+        let r = match (self.params.uploads)
+            .gather(direct, step, &*self.be, &mut self.ledger)
+            .and_then(|()| {
+                self.params.hpz.gather(
+                    (g, &mut self.groups[g]),
+                    &*self.be,
+                    bucket,
+                    &mut self.ledger,
+                )
+            }) {
+            Ok(false) => self.params.stage.gather(
                 &mut self.groups[g],
-                shard_comm(self.comm.as_ref(), &self.hybrid),
+                self.comm.shards(),
                 &*self.be,
                 bucket,
                 &mut self.ledger,
             ),
             done => done.map(|_| ()),
         };
-        self.swap_out_after_gather(g);
+        (self.params.swap).out_after_gather(&mut self.groups[g], &mut self.ledger);
         r
+    }
+
+    /// Starts gathering group `g` on the worker (stage 3, overlap on), if it is partitioned
+    /// in memory, not gathered or in flight yet, and fits `stage3_prefetch_bucket_size` and
+    /// `stage3_max_live_parameters` next to what is live now. At one rank the shard is
+    /// uploaded instead (`param_upload.rs`), with or without overlap; a shard on NVMe is read
+    /// ahead, with or without overlap.
+    pub(super) fn prefetch(&mut self, g: usize) {
+        // hpZ: backward gathers from the secondary partition inside the group, on this thread.
+        if self.params.hpz.in_backward() {
+            return;
+        }
+        let live: usize = self
+            .groups
+            .iter()
+            .filter(|x| x.full_params().is_some())
+            .map(|x| x.layout.padded())
+            .sum();
+        let bucket = self.cfg.zero.allgather_bucket_size;
+        // Shards on NVMe are read ahead instead; their gather runs when they arrive.
+        (self.params.swap).prefetch((g, &mut self.groups), &mut self.ledger);
+        if !super::rules::prefetch_fits(&self.cfg, self.groups[g].layout.padded(), live) {
+            return;
+        }
+        // The copy taken here is the shard's first use since the optimizer's upload; a failed
+        // wait or upload leaves the gather to `gather_unit`, which reports it.
+        if self.await_landing(g).is_err() {
+            return;
+        }
+        // One rank: the shard goes up on the copy stream, with or without the worker, and the
+        // tied parameters with it when the unit uses them and they are not gathered.
+        let shared = self
+            .shared_index()
+            .filter(|_| !self.model.units[g].uses_shared.is_empty());
+        let upload = |e: &mut Self, g: usize| {
+            let at = (&e.cfg, e.opt.steps);
+            e.params
+                .uploads
+                .prefetch((g, &e.groups[g]), at, &*e.be, &mut e.ledger)
+        };
+        let started = upload(self, g).and_then(|up| match shared {
+            Some(s) if up => self.await_landing(s).and_then(|()| upload(self, s)),
+            _ => Ok(up),
+        });
+        match started {
+            Ok(false) => {}
+            Ok(true) => return,
+            Err(e) => {
+                tracing::debug!("parameter upload of group {g} not started ahead: {e}");
+                return;
+            }
+        }
+        let grp = (g, &self.groups[g]);
+        (self.grads.overlap).start_gather(grp, bucket, &self.be, &mut self.ledger);
+    }
+
+    /// Installs a prefetched gather of group `g`, if one is in flight.
+    pub(super) fn take_prefetched(&mut self, g: usize) -> Result<()> {
+        self.grads.overlap.take_gathered((g, &mut self.groups[g]))
     }
 
     /// [`rules::reused_soon`] for `unit`.
@@ -401,41 +350,60 @@ impl Engine {
 
     pub(super) fn release_unit(&mut self, unit: usize) {
         let be = &*self.be;
-        self.stage
+        self.params
+            .stage
             .release(&mut self.groups[unit], be, &mut self.ledger);
         if let Some(s) = self
             .shared_index()
             .filter(|_| !self.model.units[unit].uses_shared.is_empty())
         {
-            self.stage
+            self.params
+                .stage
                 .release(&mut self.groups[s], be, &mut self.ledger);
         }
     }
 }
 
-/// Opens the rank's parameter swap store when `offload_param.device = "nvme"`.
-fn open_param_swap(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Option<ParamSwap>> {
-    match &cfg.zero.offload_param.target {
-        ferrozero_config::resolved::OffloadTarget::Nvme(dir) => {
-            ParamSwap::open(cfg, dir, comm.rank()).map(Some)
+impl Engine {
+    /// A one-screen summary: stage, precision, world, parameters, bytes per rank by category.
+    pub fn summary(&self) -> String {
+        let l = &self.ledger;
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let mut s = format!(
+            "ZeRO stage {} on {} | {:?} | world size {} over {}{} | {} parameters | micro-batch {} x accumulation {} = {} per step\n",
+            self.cfg.zero.stage.number(),
+            self.be.name(),
+            self.cfg.precision,
+            self.world_size(),
+            super::topology::backend_name(self.comm.world.backend()),
+            self.comm.hybrid_summary(),
+            self.model.num_params(),
+            self.cfg.train_micro_batch_size_per_gpu,
+            self.cfg.gradient_accumulation_steps,
+            self.cfg.train_batch_size,
+        );
+        for loc in [Location::Device, Location::Host, Location::Nvme] {
+            let parts: Vec<String> = Category::ALL
+                .iter()
+                .filter(|&&c| l.current(loc, c) > 0)
+                .map(|&c| format!("{c:?} {:.1} MiB", mib(l.current(loc, c))))
+                .collect();
+            if !parts.is_empty() {
+                s.push_str(&format!("  {loc:?} per rank: {}\n", parts.join(", ")));
+            }
         }
-        _ => Ok(None),
+        s
     }
-}
 
-/// Opens the rank's NVMe store when `offload_optimizer.device = "nvme"`.
-/// `shards` lays out the sharded state; `rank` (the world's) names the rank's files.
-fn open_nvme(
-    cfg: &ResolvedConfig,
-    model: &Model,
-    stage: &dyn Stage,
-    shards: &dyn Communicator,
-    rank: usize,
-) -> Result<Option<NvmeOffload>> {
-    let ferrozero_config::resolved::OffloadTarget::Nvme(dir) = &cfg.zero.offload_optimizer.target
-    else {
-        return Ok(None);
-    };
-    let largest = rules::largest_owned(model, stage, shards.world_size(), shards.rank());
-    NvmeOffload::open(cfg, dir, rank, largest).map(Some)
+    /// Orders the compute stream after group `g`'s parameter uploads: called where the
+    /// parameters are next used.
+    pub(super) fn await_landing(&self, g: usize) -> Result<()> {
+        self.groups[g].landing.await_on(&*self.be)
+    }
+
+    /// Orders the compute stream after every group's parameter uploads (before parameters
+    /// are read or written wholesale: checkpoints, `parameters`, `set_parameters`).
+    pub(in crate::engine) fn await_landings(&self) -> Result<()> {
+        (0..self.groups.len()).try_for_each(|g| self.await_landing(g))
+    }
 }

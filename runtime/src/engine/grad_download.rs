@@ -16,12 +16,12 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use super::core::Engine;
-use super::ledger::{Category, Location};
+use super::group::Group;
+use super::ledger::{Category, Ledger, Location};
 use super::rules;
-use crate::backend::Stream;
+use crate::backend::{Backend, Stream};
 use crate::tensor::in_flight::HostCopy;
-use crate::tensor::{Storage, View};
+use crate::tensor::{DType, Storage, View};
 use crate::Result;
 
 /// The gradients on their way down, and whether gradients leave the device at all.
@@ -63,86 +63,87 @@ impl GradDownloads {
     }
 }
 
-impl Engine {
-    /// Keeps zeroed accumulators and adds every micro-step's gradient into them even at one
-    /// micro-step per step, as before gradients moved into place: the reference the moved
-    /// path is compared with, bit for bit. Takes effect from the next micro-step; a gradient
-    /// already held becomes an accumulator holding the same values.
-    pub fn accumulate_gradients(&mut self) -> Result<()> {
-        self.grad_downloads.moves = false;
-        if self.grad_downloads.leave {
+impl GradDownloads {
+    /// Keeps zeroed accumulators in `groups` and adds every micro-step's gradient into them
+    /// even at one micro-step per step (`Engine::accumulate_gradients`).
+    pub(super) fn accumulate_always(
+        &mut self,
+        groups: &mut [Group],
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<()> {
+        self.moves = false;
+        if self.leave {
             return Ok(());
         }
-        for g in &mut self.groups {
-            g.materialize_accumulator(&*self.be, &mut self.ledger)?;
+        for g in groups {
+            g.materialize_accumulator(be, ledger)?;
         }
         Ok(())
     }
 
-    /// Whether group `g`'s reduced gradient, with values in `sum`, becomes the step's gradient
+    /// Whether `grp`'s reduced gradient, with values in `sum`, becomes the step's gradient
     /// by move: gradients move, its values can stand for the accumulator, and none is held yet
-    /// (a second micro-step before the step is added, `accumulate_reduced`).
-    pub(super) fn moves_gradient(&self, g: usize, sum: crate::tensor::DType) -> bool {
-        let grp = &self.groups[g];
-        self.grad_downloads.moves && grp.grad_absent() && rules::moves_into(sum, grp.grad_dtype())
-    }
-
-    /// Makes `sum` group `g`'s gradient for the step ([`Engine::moves_gradient`]); the group
-    /// may step at an armed boundary.
-    pub(super) fn hold_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
-        self.groups[g].hold_gradient(sum, &mut self.ledger)?;
-        self.lend_for_step(g)
+    /// (a second micro-step before the step is added, [`GradDownloads::add`]).
+    pub(super) fn moves(&self, grp: &Group, sum: DType) -> bool {
+        self.moves && grp.grad_absent() && rules::moves_into(sum, grp.grad_dtype())
     }
 
     /// Adds group `g`'s reduced micro-step gradient (storage dtype, the accumulator's
-    /// coordinates) into its accumulator: on the device in place, or queued on its way down.
-    /// Once the addition is done, at an armed boundary the group may step.
-    pub(super) fn accumulate_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
-        if !self.grad_downloads.leave {
+    /// coordinates) into its accumulator: on the device in place (true: the gradient is
+    /// final for this micro-step), or queued on its way down (false: it is final once
+    /// [`GradDownloads::land_oldest`] lands its last download).
+    pub(super) fn add(
+        &mut self,
+        (g, grp): (usize, &mut Group),
+        sum: Storage,
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<bool> {
+        if !self.leave {
             // A moved gradient (a second micro-step before the step), or none at all
             // (accumulation turned back on), becomes an accumulator first.
-            self.groups[g].materialize_accumulator(&*self.be, &mut self.ledger)?;
+            grp.materialize_accumulator(be, ledger)?;
             let n = sum.len();
-            let scratch = &mut self.grad_downloads.scratch;
-            let r = self.groups[g].grad.accumulate(0, &sum, n, scratch);
-            self.be.recycle(sum);
+            let r = grp.grad.accumulate(0, &sum, n, &mut self.scratch);
+            be.recycle(sum);
             r?;
-            return self.lend_for_step(g);
+            return Ok(true);
         }
-        let grp = &self.groups[g];
         // Only the owned range is read by the step, the norm and `gradient_shards`.
         let range = grp.owned.start - grp.grad_offset..grp.owned.end - grp.grad_offset;
-        let ready = self.be.record(Stream::Compute)?;
-        self.be.wait_event(Stream::DeviceToHost, &ready)?;
+        let ready = be.record(Stream::Compute)?;
+        be.wait_event(Stream::DeviceToHost, &ready)?;
         let copy = sum
             .range(range.clone())?
             .download_async(Stream::DeviceToHost)?;
-        self.ledger
-            .alloc(Location::Device, Category::CommBuffers, sum.bytes());
+        ledger.alloc(Location::Device, Category::CommBuffers, sum.bytes());
         let down = Down {
             copy,
             g,
             range,
             sum,
         };
-        self.grad_downloads.queue.push_back(down);
-        while self.grad_downloads.queue.len() > rules::GRAD_DOWNLOADS_IN_FLIGHT {
-            self.land_oldest_download()?;
-        }
-        Ok(())
+        self.queue.push_back(down);
+        Ok(false)
     }
 
-    /// Lands every gradient still on its way down (the end of a backward).
-    pub(super) fn land_downloads(&mut self) -> Result<()> {
-        while self.land_oldest_download()? {}
-        Ok(())
+    /// Whether more than [`rules::GRAD_DOWNLOADS_IN_FLIGHT`] downloads are queued.
+    pub(super) fn over_bound(&self) -> bool {
+        self.queue.len() > rules::GRAD_DOWNLOADS_IN_FLIGHT
     }
 
     /// Waits for the oldest download alone, adds it into its host accumulator and reuses its
-    /// device buffer; false when none is queued.
-    fn land_oldest_download(&mut self) -> Result<bool> {
-        let Some(mut down) = self.grad_downloads.queue.pop_front() else {
-            return Ok(false);
+    /// device buffer: `None` when none is queued, else the group whose gradient is final now
+    /// (its last download landed), if any.
+    pub(super) fn land_oldest(
+        &mut self,
+        groups: &mut [Group],
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<Option<Option<usize>>> {
+        let Some(mut down) = self.queue.pop_front() else {
+            return Ok(None);
         };
         let g = down.g;
         let added = {
@@ -150,22 +151,14 @@ impl Engine {
                 Some(c) => c.ready_ref().map(View::from),
                 None => down.sum.range(down.range.clone()),
             };
-            let scratch = &mut self.grad_downloads.scratch;
-            src.and_then(|s| {
-                self.groups[g]
-                    .grad
-                    .accumulate_view(down.range.start, s, scratch)
-            })
+            let scratch = &mut self.scratch;
+            src.and_then(|s| groups[g].grad.accumulate_view(down.range.start, s, scratch))
         };
         // The copy completed (or failed and was waited for): the device buffer is free.
         drop(down.copy.take());
-        self.ledger
-            .free(Location::Device, Category::CommBuffers, down.sum.bytes());
-        self.be.recycle(down.sum);
+        ledger.free(Location::Device, Category::CommBuffers, down.sum.bytes());
+        be.recycle(down.sum);
         added?;
-        if !self.grad_downloads.queue.iter().any(|d| d.g == g) {
-            self.lend_for_step(g)?;
-        }
-        Ok(true)
+        Ok(Some((!self.queue.iter().any(|d| d.g == g)).then_some(g)))
     }
 }

@@ -8,7 +8,6 @@ use ferrozero_config::{Config, ResolveContext};
 
 use super::core::Engine;
 use super::host_limits::{check_device_host_ram, check_locked_memory, ranks_here, HostRam};
-use super::ledger::{Category, Location};
 use super::optimizer_overlap::{overlap_on_host, OptimizerOverlap};
 use crate::backend::memory_is_host_ram;
 use crate::comm::local::LocalComm;
@@ -272,38 +271,6 @@ pub fn default_config_path() -> PathBuf {
         env!("CARGO_MANIFEST_DIR"),
         "/../configs/default.toml"
     ))
-}
-
-impl Engine {
-    /// A one-screen summary: stage, precision, world, parameters, bytes per rank by category.
-    pub fn summary(&self) -> String {
-        let l = &self.ledger;
-        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-        let mut s = format!(
-            "ZeRO stage {} on {} | {:?} | world size {} over {}{} | {} parameters | micro-batch {} x accumulation {} = {} per step\n",
-            self.cfg.zero.stage.number(),
-            self.be.name(),
-            self.cfg.precision,
-            self.world_size(),
-            super::topology::backend_name(self.comm.backend()),
-            self.hybrid_summary(),
-            self.model.num_params(),
-            self.cfg.train_micro_batch_size_per_gpu,
-            self.cfg.gradient_accumulation_steps,
-            self.cfg.train_batch_size,
-        );
-        for loc in [Location::Device, Location::Host, Location::Nvme] {
-            let parts: Vec<String> = Category::ALL
-                .iter()
-                .filter(|&&c| l.current(loc, c) > 0)
-                .map(|&c| format!("{c:?} {:.1} MiB", mib(l.current(loc, c))))
-                .collect();
-            if !parts.is_empty() {
-                s.push_str(&format!("  {loc:?} per rank: {}\n", parts.join(", ")));
-            }
-        }
-        s
-    }
 }
 
 #[cfg(test)]

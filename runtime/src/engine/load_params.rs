@@ -5,58 +5,45 @@
 
 use std::ops::Range;
 
-use super::core::Engine;
 use super::group::{not_resident, Group, ParamStore, Shard};
 use super::param_swap::ParamSwap;
-use crate::nn::weights::{ModelFiles, ParamSource};
+use crate::nn::weights::ParamSource;
 use crate::tensor::FlatBuf;
 use crate::{Error, Result};
 
-impl Engine {
-    /// The model directory's files (`config.json`, tokenizer files) that every checkpoint
-    /// saved from now on carries, so an export is a directory `from_pretrained` loads.
-    pub fn set_model_files(&mut self, files: ModelFiles) {
-        self.model_files = files;
+/// Checks that `src` holds exactly `groups`' parameters ([`ParamSource::check`]) and that no
+/// optimizer state lives on NVMe (which loading cannot rewrite), before anything changes.
+pub(super) fn check_source(groups: &[Group], src: &dyn ParamSource) -> Result<()> {
+    let expected: Vec<(String, Vec<usize>)> = groups
+        .iter()
+        .flat_map(|g| &g.layout.slots)
+        .map(|s| (s.name.clone(), s.shape.clone()))
+        .collect();
+    let borrowed: Vec<(&str, &[usize])> = expected
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.as_slice()))
+        .collect();
+    src.check(&borrowed)?;
+    if groups.iter().any(|g| g.nvme_adam.is_some()) {
+        return Err(Error::Invalid(
+            "load_parameters with optimizer state on NVMe: load weights before enabling \
+             NVMe offload, or resume from a checkpoint"
+                .into(),
+        ));
     }
+    Ok(())
+}
 
-    /// The files [`Engine::set_model_files`] gave.
-    pub fn model_files(&self) -> &ModelFiles {
-        &self.model_files
-    }
-
-    /// Sets every parameter from `src`, which must hold exactly the model's parameters (its
-    /// [`ParamSource::check`] runs first, so a bad source changes nothing). Collective only in
-    /// that every rank reads the same source; no communication happens.
-    pub fn load_parameters(&mut self, src: &dyn ParamSource) -> Result<()> {
-        // Parameters are written here: the optimizer's uploads land first, and uploads
-        // started ahead from the shards are dropped.
-        self.await_landings()?;
-        self.drop_uploads_ahead()?;
-        let expected: Vec<(String, Vec<usize>)> = self
-            .groups
-            .iter()
-            .flat_map(|g| &g.layout.slots)
-            .map(|s| (s.name.clone(), s.shape.clone()))
-            .collect();
-        let borrowed: Vec<(&str, &[usize])> = expected
-            .iter()
-            .map(|(n, s)| (n.as_str(), s.as_slice()))
-            .collect();
-        src.check(&borrowed)?;
-        if self.groups.iter().any(|g| g.nvme_adam.is_some()) {
-            return Err(Error::Invalid(
-                "load_parameters with optimizer state on NVMe: load weights before enabling \
-                 NVMe offload, or resume from a checkpoint"
-                    .into(),
-            ));
-        }
-        let rank = self.shard_rank();
-        self.settle_swapped()?;
-        for gi in 0..self.groups.len() {
-            load_group(&mut self.groups[gi], self.param_swap.as_mut(), rank, src)?;
-        }
-        Ok(())
-    }
+/// Loads every group's elements that shard `rank` keeps from `src`.
+pub(super) fn load_groups(
+    groups: &mut [Group],
+    mut swap: Option<&mut ParamSwap>,
+    rank: usize,
+    src: &dyn ParamSource,
+) -> Result<()> {
+    groups
+        .iter_mut()
+        .try_for_each(|g| load_group(g, swap.as_deref_mut(), rank, src))
 }
 
 /// `a ∩ b`, empty (at `a.start`) when they do not meet.

@@ -74,3 +74,27 @@ impl NvmeOffload {
         (self.pool.buffer_count() * self.pool.buffer_size()) as u64
     }
 }
+
+/// Where the optimizer state lives beyond memory: nowhere (`Memory`), or the rank's NVMe
+/// store (`offload_optimizer.device = "nvme"`), shared with the optimizer lane.
+pub(super) enum OptimizerStore {
+    /// The optimizer state is in memory.
+    Memory,
+    /// The rank's NVMe store.
+    Nvme(std::sync::Arc<NvmeOffload>),
+}
+
+impl OptimizerStore {
+    /// The NVMe store, if the state lives there.
+    pub(super) fn get(&self) -> Option<&NvmeOffload> {
+        self.shared().map(|n| &**n)
+    }
+
+    /// The NVMe store's shared handle, if the state lives there.
+    pub(super) fn shared(&self) -> Option<&std::sync::Arc<NvmeOffload>> {
+        match self {
+            OptimizerStore::Nvme(n) => Some(n),
+            OptimizerStore::Memory => None,
+        }
+    }
+}

@@ -6,9 +6,11 @@
 use std::sync::Arc;
 
 use ferrozero_config::resolved::ResolvedConfig;
+use ferrozero_offload::store::Traffic;
 
+use super::trace::Trace;
 use super::{StepReport, Timings};
-use crate::backend::Backend;
+use crate::backend::{Backend, DeviceActivity};
 use crate::comm::logger::{CommStats, CommsLogger};
 use crate::comm::Communicator;
 use crate::monitor::Monitor;
@@ -16,13 +18,22 @@ use crate::nn::Model;
 use crate::profiler::{FlopsProfile, Profiler};
 use crate::Result;
 
-/// What watches the engine's steps; at the end the communication summary is logged once more
-/// and the monitor's files are flushed.
+/// What watches the engine's steps, and the marks its reports count from; at the end the
+/// communication summary is logged once more and the monitor's files are flushed.
 pub(super) struct Observers {
     pub(super) monitor: Option<Monitor>,
     pub(super) comms: Option<Arc<CommStats>>,
     profiler: Option<Profiler>,
     every: u64,
+    /// The recorded schedule (off unless asked for).
+    pub(super) trace: Trace,
+    /// Seconds by phase since the last step report.
+    pub(super) timings: Timings,
+    /// The device's counts when the current step began (reports carry the difference; none
+    /// where the device counts nothing).
+    pub(super) activity_mark: Option<DeviceActivity>,
+    /// NVMe traffic at the end of the last step (reports carry the difference).
+    pub(super) traffic_mark: Traffic,
 }
 
 impl Observers {
@@ -54,6 +65,10 @@ impl Observers {
             comms,
             profiler,
             every: cfg.steps_per_print.max(1) as u64,
+            trace: Trace::default(),
+            timings: Timings::default(),
+            activity_mark: None,
+            traffic_mark: Traffic::default(),
         };
         Ok((observers, comm))
     }
@@ -79,16 +94,10 @@ impl Observers {
         }
     }
 
-    /// After the update of optimizer step `step`, timed by phase in `t`: its profile, if it
-    /// was profiled.
-    pub(super) fn step_end(
-        &mut self,
-        step: u64,
-        be: &dyn Backend,
-        t: &Timings,
-    ) -> Result<Option<FlopsProfile>> {
+    /// After the update of optimizer step `step`: its profile, if it was profiled.
+    pub(super) fn step_end(&mut self, step: u64, be: &dyn Backend) -> Result<Option<FlopsProfile>> {
         match &mut self.profiler {
-            Some(p) => p.end(step, be, t.optimizer),
+            Some(p) => p.end(step, be, self.timings.optimizer),
             None => Ok(None),
         }
     }

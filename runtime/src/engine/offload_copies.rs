@@ -20,7 +20,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::core::Engine;
 use super::group::{owned_params, Group, ParamStore};
 use super::optimizer::StepValues;
 use super::partition::chunks;
@@ -65,20 +64,6 @@ impl Landing {
         }
         self.awaited.store(true, Ordering::Release);
         Ok(())
-    }
-}
-
-impl Engine {
-    /// Orders the compute stream after group `g`'s parameter uploads: called where the
-    /// parameters are next used.
-    pub(super) fn await_landing(&self, g: usize) -> Result<()> {
-        self.groups[g].landing.await_on(&*self.be)
-    }
-
-    /// Orders the compute stream after every group's parameter uploads (before parameters
-    /// are read or written wholesale: checkpoints, `parameters`, `set_parameters`).
-    pub(in crate::engine) fn await_landings(&self) -> Result<()> {
-        (0..self.groups.len()).try_for_each(|g| self.await_landing(g))
     }
 }
 

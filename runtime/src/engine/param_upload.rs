@@ -15,13 +15,15 @@
 //! gradient download, which the copy stream starts after an event recorded behind those
 //! kernels (`offload_copies.rs`); or it is dropped unused, after a host wait.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
-use super::core::Engine;
-use super::group::ParamStore;
-use super::ledger::{Category, Location};
+use ferrozero_config::resolved::ResolvedConfig;
+
+use super::group::{Group, ParamStore};
+use super::ledger::{Category, Ledger, Location};
 use super::rules;
-use crate::backend::{Stream, StreamEvent};
+use crate::backend::{Backend, Stream, StreamEvent};
 use crate::tensor::Storage;
 use crate::Result;
 
@@ -35,9 +37,10 @@ pub struct ParamUploads {
     ahead: HashMap<usize, Ahead>,
 }
 
-impl Drop for ParamUploads {
-    fn drop(&mut self) {
-        // A copy may still read its shard, which is freed after this: wait for it.
+impl ParamUploads {
+    /// Waits for every upload started ahead and drops it (before the shards they read are
+    /// freed: the engine's drop).
+    pub(super) fn wait_all(&mut self) {
         for (g, (_, done, _)) in self.ahead.drain() {
             if let Some(Err(e)) = done.map(|e| e.synchronize()) {
                 tracing::error!("an upload of group {g} ahead of its use failed: {e}");
@@ -46,77 +49,107 @@ impl Drop for ParamUploads {
     }
 }
 
-impl Engine {
-    /// Whether group `g` is a stage-3 shard of a one-rank shard group (its layout's world is
-    /// the shard group), in memory and not gathered.
-    fn uploads_directly(&self, g: usize) -> bool {
-        let grp = &self.groups[g];
-        let ParamStore::Partitioned {
-            shard,
-            gathered: None,
-        } = &grp.params
-        else {
-            return false;
-        };
-        grp.layout.world_size == 1 && shard.resident().is_some()
+impl Drop for ParamUploads {
+    fn drop(&mut self) {
+        // A copy may still read its shard: wait for it.
+        self.wait_all();
     }
+}
 
-    /// Starts the copy of group `g`'s shard to the device, counted as prefetched parameters.
-    fn start_upload(&mut self, g: usize) -> Result<(Storage, Option<StreamEvent>)> {
-        let ParamStore::Partitioned { shard, .. } = &self.groups[g].params else {
-            return Err(crate::Error::Invalid(format!(
-                "group {g} is not partitioned"
-            )));
-        };
-        let shard = shard
-            .resident()
-            .ok_or_else(|| super::group::not_resident("upload"))?;
-        let mut full = self.be.buffer_uninit(shard.dtype(), shard.len())?;
-        // SAFETY: the shard is not written before the copy completes (the module's comment).
-        let done = unsafe {
-            full.view_mut()
-                .upload_async_from(shard.view(), Stream::HostToDevice)?
-        };
-        self.ledger
-            .alloc(Location::Device, Category::Prefetch, full.bytes());
-        Ok((full, done))
+/// Whether `grp` is a stage-3 shard of a one-rank shard group (its layout's world is the
+/// shard group), in memory and not gathered.
+fn uploads_directly(grp: &Group) -> bool {
+    let ParamStore::Partitioned {
+        shard,
+        gathered: None,
+    } = &grp.params
+    else {
+        return false;
+    };
+    grp.layout.world_size == 1 && shard.resident().is_some()
+}
+
+/// Starts the copy of group `g`'s shard to the device, counted as prefetched parameters.
+fn start_upload(
+    (g, grp): (usize, &Group),
+    be: &dyn Backend,
+    ledger: &mut Ledger,
+) -> Result<(Storage, Option<StreamEvent>)> {
+    let ParamStore::Partitioned { shard, .. } = &grp.params else {
+        return Err(crate::Error::Invalid(format!(
+            "group {g} is not partitioned"
+        )));
+    };
+    let shard = shard
+        .resident()
+        .ok_or_else(|| super::group::not_resident("upload"))?;
+    let mut full = be.buffer_uninit(shard.dtype(), shard.len())?;
+    // SAFETY: the shard is not written before the copy completes (the module's comment).
+    let done = unsafe {
+        full.view_mut()
+            .upload_async_from(shard.view(), Stream::HostToDevice)?
+    };
+    ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
+    Ok((full, done))
+}
+
+/// Frees an unused upload's device buffer once its copy has completed.
+fn drop_ahead((full, done, _): Ahead, be: &dyn Backend, ledger: &mut Ledger) -> Result<()> {
+    if let Some(e) = done {
+        e.synchronize()?;
     }
+    ledger.free(Location::Device, Category::Prefetch, full.bytes());
+    be.recycle(full);
+    Ok(())
+}
 
-    /// Starts uploading group `g` ahead of its unit; false when `g` is not uploaded directly
-    /// or its shard is on the device (a copy on the compute stream gains nothing by starting
-    /// early and would hold a unit's memory sooner).
-    pub(super) fn prefetch_upload(&mut self, g: usize) -> Result<bool> {
-        let shard_world = self.groups[g].layout.world_size;
-        if !self.uploads_directly(g) || !rules::uploads_ahead(&self.cfg, shard_world) {
+impl ParamUploads {
+    /// Starts uploading group `g` ahead of its unit for optimizer step `step`; false when `g`
+    /// is not uploaded directly or its shard is on the device (a copy on the compute stream
+    /// gains nothing by starting early and would hold a unit's memory sooner).
+    pub(super) fn prefetch(
+        &mut self,
+        (g, grp): (usize, &Group),
+        (cfg, step): (&ResolvedConfig, u64),
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<bool> {
+        if !uploads_directly(grp) || !rules::uploads_ahead(cfg, grp.layout.world_size) {
             return Ok(false);
         }
-        if !self.param_uploads.ahead.contains_key(&g) {
-            let (full, done) = self.start_upload(g)?;
-            let step = self.steps;
-            self.param_uploads.ahead.insert(g, (full, done, step));
+        if let Entry::Vacant(e) = self.ahead.entry(g) {
+            let (full, done) = start_upload((g, grp), be, ledger)?;
+            e.insert((full, done, step));
         }
         Ok(true)
     }
 
     /// Installs group `g`'s parameters without a collective when it is uploaded directly:
-    /// the upload started ahead, else one started now; the compute stream waits for it.
-    pub(super) fn gather_direct(&mut self, g: usize) -> Result<()> {
-        if !self.uploads_directly(g) {
+    /// the upload started ahead for `step`, else one started now; the compute stream waits
+    /// for it.
+    pub(super) fn gather(
+        &mut self,
+        (g, grp): (usize, &mut Group),
+        step: u64,
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<()> {
+        if !uploads_directly(grp) {
             return Ok(());
         }
-        let (full, done) = match self.param_uploads.ahead.remove(&g) {
-            Some((full, done, step)) if step == self.steps => (full, done),
+        let (full, done) = match self.ahead.remove(&g) {
+            Some((full, done, s)) if s == step => (full, done),
             stale => {
                 if let Some(old) = stale {
-                    self.drop_ahead(old)?;
+                    drop_ahead(old, be, ledger)?;
                 }
-                self.start_upload(g)?
+                start_upload((g, grp), be, ledger)?
             }
         };
         if let Some(e) = &done {
-            self.be.wait_event(Stream::Compute, e)?;
+            be.wait_event(Stream::Compute, e)?;
         }
-        if let ParamStore::Partitioned { gathered, .. } = &mut self.groups[g].params {
+        if let ParamStore::Partitioned { gathered, .. } = &mut grp.params {
             *gathered = Some(full);
         }
         Ok(())
@@ -124,19 +157,14 @@ impl Engine {
 
     /// Drops every upload started ahead and not used (before the host writes shards outside
     /// the optimizer step).
-    pub(in crate::engine) fn drop_uploads_ahead(&mut self) -> Result<()> {
-        let ahead: Vec<Ahead> = self.param_uploads.ahead.drain().map(|(_, a)| a).collect();
-        ahead.into_iter().try_for_each(|a| self.drop_ahead(a))
-    }
-
-    /// Frees an unused upload's device buffer once its copy has completed.
-    fn drop_ahead(&mut self, (full, done, _): Ahead) -> Result<()> {
-        if let Some(e) = done {
-            e.synchronize()?;
-        }
-        self.ledger
-            .free(Location::Device, Category::Prefetch, full.bytes());
-        self.be.recycle(full);
-        Ok(())
+    pub(in crate::engine) fn drop_all(
+        &mut self,
+        be: &dyn Backend,
+        ledger: &mut Ledger,
+    ) -> Result<()> {
+        let ahead: Vec<Ahead> = self.ahead.drain().map(|(_, a)| a).collect();
+        ahead
+            .into_iter()
+            .try_for_each(|a| drop_ahead(a, be, ledger))
     }
 }

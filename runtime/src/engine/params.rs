@@ -4,13 +4,11 @@
 
 use std::collections::HashMap;
 
-use super::core::Engine;
 use super::group::{not_resident, Group, ParamStore};
 use super::nvme::NvmeOffload;
 use super::param_swap::ParamSwap;
 use super::swap::{edit_shard, nvme_shard_copy};
-use super::topology::shard_comm;
-use crate::comm::{BufMut, BufRef};
+use crate::comm::{BufMut, BufRef, Communicator};
 pub use crate::nn::weights::NamedTensor;
 use crate::{Error, Result};
 
@@ -47,83 +45,86 @@ fn shard_values(
     Ok(out)
 }
 
-impl Engine {
-    /// Every parameter's fp32 value (collective: every rank must call it).
-    pub fn parameters(&self) -> Result<Vec<NamedTensor>> {
-        // Parameters are read or written here: the optimizer's uploads land first.
-        self.await_landings()?;
-        let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
-        let (rank, world) = (shards.rank(), shards.world_size());
-        let mut out = Vec::new();
-        for g in &self.groups {
-            let shard = shard_values(g, rank, self.nvme.as_deref(), self.param_swap.as_ref())?;
-            let mut full = vec![0.0f32; g.layout.shard_len * world];
-            shards.all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
-            for s in &g.layout.slots {
-                out.push(NamedTensor {
-                    name: s.name.clone(),
-                    shape: s.shape.clone(),
-                    data: full[s.range()].to_vec(),
-                });
-            }
+/// Every parameter's fp32 value from `groups` sharded over `shards` (collective), the NVMe
+/// stores read where state lives there.
+pub(super) fn gather_parameters(
+    groups: &[Group],
+    shards: &dyn Communicator,
+    (nvme, swap): (Option<&NvmeOffload>, Option<&ParamSwap>),
+) -> Result<Vec<NamedTensor>> {
+    let (rank, world) = (shards.rank(), shards.world_size());
+    let mut out = Vec::new();
+    for g in groups {
+        let shard = shard_values(g, rank, nvme, swap)?;
+        let mut full = vec![0.0f32; g.layout.shard_len * world];
+        shards.all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;
+        for s in &g.layout.slots {
+            out.push(NamedTensor {
+                name: s.name.clone(),
+                shape: s.shape.clone(),
+                data: full[s.range()].to_vec(),
+            });
         }
-        Ok(out)
     }
+    Ok(out)
+}
 
-    /// Sets parameters by name from full fp32 values (every rank passes the same values).
-    /// Names not in the model are an error; parameters not named keep their values.
-    pub fn set_parameters(&mut self, values: &[NamedTensor]) -> Result<()> {
-        // Parameters are written here: the optimizer's uploads land first, and uploads
-        // started ahead from the shards are dropped.
-        self.await_landings()?;
-        self.drop_uploads_ahead()?;
-        let mut index = HashMap::new();
-        for (gi, g) in self.groups.iter().enumerate() {
-            for (si, s) in g.layout.slots.iter().enumerate() {
-                index.insert(s.name.as_str(), (gi, si));
-            }
+/// Where each of `values` goes: (group, offset in its flat buffer, value); an error for a
+/// name not in `groups`, a wrong shape, or optimizer state on NVMe (which this path cannot
+/// rewrite).
+pub(super) fn plan_values<'v>(
+    groups: &[Group],
+    values: &'v [NamedTensor],
+) -> Result<Vec<(usize, usize, &'v NamedTensor)>> {
+    let mut index = HashMap::new();
+    for (gi, g) in groups.iter().enumerate() {
+        for (si, s) in g.layout.slots.iter().enumerate() {
+            index.insert(s.name.as_str(), (gi, si));
         }
-        let mut plan = Vec::new();
-        for v in values {
-            let &(gi, si) = index.get(v.name.as_str()).ok_or_else(|| {
-                Error::Invalid(format!("model has no parameter named {}", v.name))
-            })?;
-            let slot = &self.groups[gi].layout.slots[si];
-            if slot.shape != v.shape || v.data.len() != slot.numel {
-                return Err(Error::Shape {
-                    op: "set_parameters",
-                    expected: format!("{} {:?}", v.name, slot.shape),
-                    got: format!("{:?}", v.shape),
-                });
-            }
-            plan.push((gi, slot.offset, v));
-        }
-        if self.groups.iter().any(|g| g.nvme_adam.is_some()) {
-            return Err(Error::Invalid(
-                "set_parameters with optimizer state on NVMe: load weights before enabling NVMe offload, \
-                 or resume from a checkpoint"
-                    .into(),
-            ));
-        }
-        let rank = self.shard_rank();
-        self.settle_swapped()?;
-        for gi in 0..self.groups.len() {
-            let values: Vec<(usize, &[f32])> = plan
-                .iter()
-                .filter(|p| p.0 == gi)
-                .map(|&(_, offset, v)| (offset, v.data.as_slice()))
-                .collect();
-            if !values.is_empty() {
-                write_values(
-                    &mut self.groups[gi],
-                    self.param_swap.as_mut(),
-                    rank,
-                    &values,
-                )?;
-            }
-        }
-        Ok(())
     }
+    let mut plan = Vec::new();
+    for v in values {
+        let &(gi, si) = index
+            .get(v.name.as_str())
+            .ok_or_else(|| Error::Invalid(format!("model has no parameter named {}", v.name)))?;
+        let slot = &groups[gi].layout.slots[si];
+        if slot.shape != v.shape || v.data.len() != slot.numel {
+            return Err(Error::Shape {
+                op: "set_parameters",
+                expected: format!("{} {:?}", v.name, slot.shape),
+                got: format!("{:?}", v.shape),
+            });
+        }
+        plan.push((gi, slot.offset, v));
+    }
+    if groups.iter().any(|g| g.nvme_adam.is_some()) {
+        return Err(Error::Invalid(
+            "set_parameters with optimizer state on NVMe: load weights before enabling NVMe offload, \
+             or resume from a checkpoint"
+                .into(),
+        ));
+    }
+    Ok(plan)
+}
+
+/// Writes the planned values ([`plan_values`]) into what shard `rank` stores of `groups`.
+pub(super) fn write_plan(
+    groups: &mut [Group],
+    mut swap: Option<&mut ParamSwap>,
+    rank: usize,
+    plan: &[(usize, usize, &NamedTensor)],
+) -> Result<()> {
+    for (gi, g) in groups.iter_mut().enumerate() {
+        let values: Vec<(usize, &[f32])> = plan
+            .iter()
+            .filter(|p| p.0 == gi)
+            .map(|&(_, offset, v)| (offset, v.data.as_slice()))
+            .collect();
+        if !values.is_empty() {
+            write_values(g, swap.as_deref_mut(), rank, &values)?;
+        }
+    }
+    Ok(())
 }
 
 /// Writes full-buffer values (each at its offset) into whatever this rank stores of one
@@ -181,29 +182,26 @@ pub struct GradShard {
     pub data: Vec<f32>,
 }
 
-impl Engine {
-    /// This rank's shard of every group's accumulated gradient, groups in unit order then the
-    /// shared group. Read it between `backward` and `step`.
-    pub fn gradient_shards(&self) -> Result<Vec<GradShard>> {
-        let rank = self.shard_rank();
-        self.groups
-            .iter()
-            .map(|g| {
-                let r = g.layout.shard_range(rank);
-                let mut data = vec![0.0; r.len()];
-                // No accumulator between steps when gradients move: the gradient is zero.
-                if !g.grad_absent() {
-                    g.grad.read_f32(r.start - g.grad_offset, &mut data)?;
-                }
-                if let Some(d) = g.grad_read {
-                    crate::tensor::round_as_accumulated(&mut data, d);
-                }
-                Ok(GradShard {
-                    params: g.layout.slots.iter().map(|s| s.name.clone()).collect(),
-                    range: r,
-                    data,
-                })
+/// Shard `rank` of every group's accumulated gradient, groups in unit order then the shared
+/// group (`Engine::gradient_shards`).
+pub(super) fn gradient_shards(groups: &[Group], rank: usize) -> Result<Vec<GradShard>> {
+    groups
+        .iter()
+        .map(|g| {
+            let r = g.layout.shard_range(rank);
+            let mut data = vec![0.0; r.len()];
+            // No accumulator between steps when gradients move: the gradient is zero.
+            if !g.grad_absent() {
+                g.grad.read_f32(r.start - g.grad_offset, &mut data)?;
+            }
+            if let Some(d) = g.grad_read {
+                crate::tensor::round_as_accumulated(&mut data, d);
+            }
+            Ok(GradShard {
+                params: g.layout.slots.iter().map(|s| s.name.clone()).collect(),
+                range: r,
+                data,
             })
-            .collect()
-    }
+        })
+        .collect()
 }

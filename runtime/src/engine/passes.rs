@@ -1,15 +1,30 @@
 //! A micro-batch's passes through the units: forward (with checkpointing and the fused last
-//! unit), backward (recompute, the unit's gradients, reductions as each unit finishes), and the
-//! views of a unit's parameters and gradients they hand to its module.
+//! unit), backward (recompute, the unit's gradients, reductions as each unit finishes), and
+//! evaluation's forward without gradients.
+//!
+//! The fused last unit (`Module::forward_backward`): `train_batch` knows the loss gradient
+//! before forward (the loss scale over the global batch's targets), and its backward follows
+//! forward at once, so the last unit (the loss head) computes its loss and its gradients
+//! together: a device runs each chunk's logits product once, nothing is saved, checkpointed or
+//! recomputed. Its parameters are forward's gather (hpZ cuts no secondary copy of them:
+//! backward does not gather them again) and its gradients land in the micro-step buffers
+//! then; everything backward does after a unit's computation (prefetching the next unit, the
+//! reduction, the shared group's after its first user) still happens at the start of
+//! backward, in the same order, so no reduction, lane or bit changes. `Engine::forward` (the
+//! manual API) does not fuse: its caller may never call backward.
 
 use std::time::Instant;
 
 use super::core::Engine;
-use super::group::{compute_view, Group};
+use super::eval::Evaluation;
 use super::ledger::{Category, Location};
+use super::optimizer_overlap::LendCtx;
+use super::overlap::CommOverlap;
 use super::rules;
+use super::stage::{reduce_gradient, reduce_output, to_storage, Extent, Reduced};
+use super::unit_views::{unit_params, unit_params_and_grads};
 use crate::nn::{Batch, BatchIds, Ctx, Grads, Module, Params};
-use crate::tensor::{Tensor, View, ViewMut};
+use crate::tensor::{Storage, Tensor};
 use crate::{Error, Result};
 
 impl Engine {
@@ -26,7 +41,7 @@ impl Engine {
         let Self {
             model,
             groups,
-            saved,
+            acts,
             be,
             ..
         } = self;
@@ -38,20 +53,22 @@ impl Engine {
             ids,
             training,
             rng_seed: seed,
-            saved: &mut saved[unit],
+            saved: &mut acts.saved[unit],
         };
         u.module.forward(&mut ctx, &params, input)
     }
 
     fn track_saved(&mut self, unit: usize) {
-        let b = self.saved[unit].as_ref().map_or(0, |s| s.bytes() as u64);
+        let b = self.acts.saved[unit]
+            .as_ref()
+            .map_or(0, |s| s.bytes() as u64);
         self.ledger
             .alloc(Location::Device, Category::Activations, b);
-        self.saved_bytes[unit] = b;
+        self.acts.saved_bytes[unit] = b;
     }
 
     fn untrack_saved(&mut self, unit: usize) {
-        let b = std::mem::take(&mut self.saved_bytes[unit]);
+        let b = std::mem::take(&mut self.acts.saved_bytes[unit]);
         self.ledger.free(Location::Device, Category::Activations, b);
     }
 
@@ -66,7 +83,7 @@ impl Engine {
     }
 
     /// [`Engine::forward_pass`]; in training with `fused` (the loss gradient), the last unit
-    /// runs its backward at once (`fused.rs`): not checkpointed, nothing saved.
+    /// runs its backward at once (the fused unit): not checkpointed, nothing saved.
     pub(super) fn forward_units(
         &mut self,
         batch: (&Batch, &BatchIds),
@@ -74,9 +91,9 @@ impl Engine {
         fused: Option<f32>,
     ) -> Result<Tensor> {
         // A gradient left by a failed step must not seed the next backward.
-        self.head_grad = None;
-        if training && self.micro == 0 && self.losses.is_empty() {
-            self.observers.step_begin(self.steps + 1, &*self.be)?;
+        self.acts.head_grad = None;
+        if training && self.acts.micro == 0 && self.acts.losses.is_empty() {
+            self.obs.step_begin(self.opt.steps + 1, &*self.be)?;
         }
         let t = Instant::now();
         // The step's staging (uploads in flight) is still held: the device's locked bytes now.
@@ -100,9 +117,11 @@ impl Engine {
             let out = out?;
             if training && fuse.is_none() {
                 if self.checkpointing() {
-                    self.saved[unit] = None;
+                    self.acts.saved[unit] = None;
                     let input = std::mem::take(&mut x);
-                    self.leave_checkpoint(unit, input)?;
+                    let loc = rules::ckpt_location(&self.cfg);
+                    let be = &*self.be;
+                    (self.acts.checkpoints).leave((unit, input), loc, be, &mut self.ledger)?;
                 } else {
                     self.track_saved(unit);
                 }
@@ -112,7 +131,7 @@ impl Engine {
             let input = std::mem::replace(&mut x, out);
             self.be.recycle(input.storage);
         }
-        self.timings.forward += t.elapsed().as_secs_f64();
+        self.obs.timings.forward += t.elapsed().as_secs_f64();
         if x.numel() != 1 {
             return Err(Error::Shape {
                 op: "model output",
@@ -130,9 +149,9 @@ impl Engine {
         loss_grad: f32,
     ) -> Result<()> {
         let t = Instant::now();
-        self.hpz_backward(true);
+        self.params.hpz.set_backward(true);
         let r = self.backward_units(batch, loss_grad);
-        self.hpz_backward(false);
+        self.params.hpz.set_backward(false);
         if r.is_err() {
             // Gradients still on their way down land (their buffers come back) before the
             // error leaves the engine.
@@ -144,7 +163,7 @@ impl Engine {
         self.ledger
             .observe_device_locked(self.be.page_locked_bytes());
         r?;
-        self.timings.backward += t.elapsed().as_secs_f64();
+        self.obs.timings.backward += t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -156,7 +175,7 @@ impl Engine {
             .position(|u| !u.uses_shared.is_empty());
         let n = self.model.units.len();
         // After a fused last unit, backward starts below it from its input gradient.
-        let (mut grad, top) = match self.head_grad.take() {
+        let (mut grad, top) = match self.acts.head_grad.take() {
             Some(dx) => {
                 self.finish_fused_unit(n - 1, first_shared_user)?;
                 (dx, n - 1)
@@ -171,7 +190,7 @@ impl Engine {
             if let Some(below) = rules::checkpoint_up_with(unit) {
                 self.checkpoint_ahead(below)?;
             }
-            let trace = self.trace.clone();
+            let trace = self.obs.trace.clone();
             let r = trace.span("compute", "backward", unit, || {
                 self.unit_backward(unit, batch, &grad)
             });
@@ -206,7 +225,9 @@ impl Engine {
         (batch, ids): (&Batch, &BatchIds),
         grad: &Tensor,
     ) -> Result<Tensor> {
-        if let Some(input) = self.take_checkpoint(unit)? {
+        let loc = rules::ckpt_location(&self.cfg);
+        let be = &*self.be;
+        if let Some(input) = (self.acts.checkpoints).take(unit, loc, be, &mut self.ledger)? {
             self.run_unit_forward(unit, (batch, ids), &input, true)?;
             self.track_saved(unit);
         }
@@ -236,7 +257,7 @@ impl Engine {
         let Self {
             model,
             groups,
-            saved,
+            acts,
             be,
             ..
         } = self;
@@ -248,11 +269,11 @@ impl Engine {
             ids,
             training: true,
             rng_seed: seed,
-            saved: &mut saved[unit],
+            saved: &mut acts.saved[unit],
         };
         let out = f(&*u.module, &mut ctx, &params, &mut grads);
         drop(grads);
-        self.saved[unit] = None;
+        self.acts.saved[unit] = None;
         out
     }
 
@@ -263,9 +284,9 @@ impl Engine {
         let loss = self.forward_pass((batch, &ids), true)?;
         // The caller asked for the value: it leaves the device now.
         let sum = f64::from(loss.to_vec_f32()?[0]);
-        self.losses.push(loss);
-        self.tokens += batch.valid_targets() as u64;
-        self.last_batch = Some((batch.clone(), ids));
+        self.acts.losses.push(loss);
+        self.acts.tokens += batch.valid_targets() as u64;
+        self.acts.last_batch = Some((batch.clone(), ids));
         Ok(sum / batch.valid_targets().max(1) as f64)
     }
 
@@ -273,121 +294,275 @@ impl Engine {
     /// divided by the accumulation steps and averaged over ranks.
     pub fn backward(&mut self) -> Result<()> {
         let (batch, ids) = self
+            .acts
             .last_batch
             .take()
             .ok_or_else(|| Error::Invalid("backward() without a preceding forward()".into()))?;
         let denom =
             batch.valid_targets().max(1) * self.cfg.gradient_accumulation_steps * self.world_size();
-        let grad = (self.scaler.scale() / denom as f64) as f32;
+        let grad = (self.opt.scaler.scale() / denom as f64) as f32;
         self.backward_pass((&batch, &ids), grad)?;
-        self.micro += 1;
+        self.acts.micro += 1;
         Ok(())
     }
 
     /// Whether the next [`Engine::step`] will update parameters (accumulation boundary).
     pub fn is_gradient_accumulation_boundary(&self) -> bool {
-        self.micro >= self.cfg.gradient_accumulation_steps
+        self.acts.micro >= self.cfg.gradient_accumulation_steps
     }
-}
 
-fn compute_view_of<'a>(g: &'a Group, what: &str) -> Result<View<'a>> {
-    g.compute_params().ok_or_else(|| {
-        Error::Invalid(format!(
-            "parameters of {what} used before they were gathered"
-        ))
-    })
-}
+    /// Evaluates one batch (collective in stage 3: every rank must call it).
+    pub fn evaluate(&mut self, batch: &Batch) -> Result<Evaluation> {
+        let n = self.model.units.len();
+        let ids = BatchIds::new(&*self.be, batch)?;
+        let mut x = Tensor::default();
+        let mut predictions = None;
+        for unit in 0..n {
+            self.gather_unit(unit, false)?;
+            let r = self.eval_unit(unit, (batch, &ids), &x, unit + 1 == n);
+            self.release_unit(unit);
+            let (out, pred) = r?;
+            predictions = predictions.or(pred);
+            x = out;
+        }
+        Ok(Evaluation {
+            loss_sum: x.to_vec_f32()?.first().copied().unwrap_or(0.0) as f64,
+            tokens: batch.valid_targets() as u64,
+            predictions,
+        })
+    }
 
-/// Parameter views for a unit: its own slots, then the shared slots it uses.
-pub(super) fn unit_params<'a>(
-    groups: &'a [Group],
-    unit: usize,
-    uses: &[usize],
-    shared: Option<usize>,
-) -> Result<Params<'a>> {
-    let own = compute_view_of(&groups[unit], "a unit")?;
-    let mut v = groups[unit]
-        .layout
-        .slots
-        .iter()
-        .map(|s| own.range(s.range()))
-        .collect::<Result<Vec<View<'_>>>>()?;
-    if let Some(s) = shared.filter(|_| !uses.is_empty()) {
-        let sh = compute_view_of(&groups[s], "the shared group")?;
-        for &i in uses {
-            v.push(sh.range(groups[s].layout.slots[i].range())?);
+    fn eval_unit(
+        &mut self,
+        unit: usize,
+        (batch, ids): (&Batch, &BatchIds),
+        x: &Tensor,
+        last: bool,
+    ) -> Result<(Tensor, Option<Vec<u32>>)> {
+        let out = self.run_unit_forward(unit, (batch, ids), x, false)?;
+        if !last {
+            return Ok((out, None));
+        }
+        let shared = self.shared_index();
+        let Self {
+            model, groups, be, ..
+        } = self;
+        let u = &model.units[unit];
+        let params = unit_params(groups, unit, &u.uses_shared, shared)?;
+        let mut saved = None;
+        let mut ctx = Ctx {
+            be: &**be,
+            batch,
+            ids,
+            training: false,
+            rng_seed: 0,
+            saved: &mut saved,
+        };
+        Ok((out, u.module.predict(&mut ctx, &params, x)?))
+    }
+
+    /// Forward over every unit for `train_batch`: the last runs its backward too, for
+    /// `loss_grad`; its input gradient waits in `head_grad` for [`Engine::backward_pass`].
+    pub(super) fn forward_pass_fused(
+        &mut self,
+        batch: (&Batch, &BatchIds),
+        loss_grad: f32,
+    ) -> Result<Tensor> {
+        self.forward_units(batch, true, Some(loss_grad))
+    }
+
+    /// The last unit's forward and backward with its parameters gathered; returns the loss.
+    pub(super) fn run_unit_fused(
+        &mut self,
+        unit: usize,
+        (batch, ids): (&Batch, &BatchIds),
+        input: &Tensor,
+        loss_grad: f32,
+    ) -> Result<Tensor> {
+        let trace = self.obs.trace.clone();
+        let grad = Tensor::scalar(loss_grad);
+        let r = trace.span("compute", "backward", unit, || {
+            self.with_unit_grads(unit, (batch, ids), |m, ctx, p, g| {
+                m.forward_backward(ctx, p, g, input, &grad)
+            })
+        });
+        let (loss, dx) = r?;
+        self.acts.head_grad = Some(dx);
+        Ok(loss)
+    }
+
+    /// What backward does after the fused unit's computation: the next unit's prefetch, then
+    /// the unit's reduction (and the shared group's, when it is the first user).
+    pub(super) fn finish_fused_unit(
+        &mut self,
+        unit: usize,
+        first_shared_user: Option<usize>,
+    ) -> Result<()> {
+        if unit > 0 {
+            self.prefetch(unit - 1);
+        }
+        // The unit below's checkpoint comes up while this unit's gradient is reduced, as it
+        // would during this unit's backward without the fusion.
+        if let Some(below) = super::rules::checkpoint_up_with(unit) {
+            self.checkpoint_ahead(below)?;
+        }
+        self.reduce_unit(unit, first_shared_user)
+    }
+
+    /// Starts bringing unit `unit`'s checkpoint back to the device when it waits in host
+    /// memory ([`Checkpoints::ahead`](super::ckpt_offload::Checkpoints::ahead)).
+    fn checkpoint_ahead(&mut self, unit: usize) -> Result<()> {
+        let loc = rules::ckpt_location(&self.cfg);
+        (self.acts.checkpoints).ahead(unit, loc, &*self.be, &mut self.ledger)
+    }
+
+    /// Reduces group `g`'s micro-step gradient across ranks and accumulates it (overlapped:
+    /// queued on the worker, accumulated in [`Engine::finish_reductions`]).
+    pub(super) fn reduce_group(&mut self, g: usize) -> Result<()> {
+        let t = Instant::now();
+        let Some(micro) = self.groups[g].take_micro(&mut self.ledger) else {
+            return Ok(());
+        };
+        // The payload is rounded to the wire dtype once here; `accumulate` widens the sum back.
+        let wire = super::build::reduce_dtype(&self.cfg);
+        // One rank reduces nothing: the f32 gradient itself is the step's, read rounded to
+        // the accumulator's dtype, unless the wire's rounding would differ from that one.
+        if self.comm.world.world_size() == 1 && self.grads.downloads.moves(&self.groups[g], wire) {
+            self.hold_reduced(g, micro)?;
+            self.obs.timings.reduce += t.elapsed().as_secs_f64();
+            return Ok(());
+        }
+        let buf = to_storage(micro, wire, &*self.be)?;
+        let bytes = buf.bytes();
+        if self.comm.world.world_size() > 1 {
+            self.grads.reduced_bytes += bytes;
+        }
+        self.ledger
+            .alloc(Location::Device, Category::CommBuffers, bytes);
+        let (mut extent, mut world, s) = (
+            self.params.stage.grads(),
+            self.groups[g].layout.world_size,
+            self.groups[g].layout.shard_len,
+        );
+        if world == 1 && self.comm.replicas() > 1 {
+            // Shard groups of one rank (`mics_shard_size = 1`): the shard is the whole
+            // gradient, summed in place across the replicas like a full one.
+            (extent, world) = (Extent::Full, self.world_size());
+        }
+        let bucket = self.cfg.zero.reduce_bucket_size;
+        let out = reduce_output(extent, &buf, world, s)?;
+        match &mut self.grads.overlap {
+            CommOverlap::On(o) => {
+                o.reduce((g, bytes), move |c| {
+                    reduce_gradient(extent, buf, out, world, s, c, bucket)
+                });
+                self.bound_reductions()?;
+            }
+            CommOverlap::Off => {
+                let shards = self.comm.shards();
+                let red = reduce_gradient(extent, buf, out, world, s, shards, bucket);
+                self.ledger
+                    .free(Location::Device, Category::CommBuffers, bytes);
+                self.accumulate(g, red?)?;
+            }
+        }
+        self.obs.timings.reduce += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn accumulate(&mut self, g: usize, reduced: Reduced) -> Result<()> {
+        let Reduced { sum, spent } = reduced;
+        if let Some(spent) = spent {
+            self.be.recycle(spent);
+        }
+        if self.grads.downloads.moves(&self.groups[g], sum.dtype()) {
+            return self.hold_reduced(g, sum);
+        }
+        // The cast runs where the reduction did (on the device), wherever the sum is added.
+        let sum = to_storage(sum, self.groups[g].grad_dtype(), &*self.be)?;
+        self.accumulate_reduced(g, sum)
+    }
+
+    /// Waits for every queued reduction and accumulates the results in submission order.
+    pub(super) fn finish_reductions(&mut self) -> Result<()> {
+        let t = Instant::now();
+        while self.finish_oldest_reduction()? {}
+        self.obs.timings.reduce += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Waits for the oldest queued reduction and accumulates it; false when none is queued.
+    fn finish_oldest_reduction(&mut self) -> Result<bool> {
+        let Some((g, bytes, p)) = self.grads.overlap.pop_reduction() else {
+            return Ok(false);
+        };
+        let red = p.wait();
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, bytes);
+        self.accumulate(g, red?)?;
+        Ok(true)
+    }
+
+    /// Keeps queued reductions within DeepSpeed's double buffer (two `reduce_bucket_size`
+    /// buckets of elements, and always the newest one), so overlap never holds a second copy
+    /// of every gradient; results are still accumulated in submission order.
+    fn bound_reductions(&mut self) -> Result<()> {
+        while self.grads.overlap.over_bound(&self.cfg, &self.groups) {
+            self.finish_oldest_reduction()?;
+        }
+        Ok(())
+    }
+
+    /// Makes `sum` group `g`'s gradient for the step (`GradDownloads::moves`); the group
+    /// may step at an armed boundary.
+    fn hold_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
+        self.groups[g].hold_gradient(sum, &mut self.ledger)?;
+        self.lend_for_step(g)
+    }
+
+    /// Adds group `g`'s reduced micro-step gradient into its accumulator
+    /// (`GradDownloads::add`); once the addition is done, at an armed boundary the group
+    /// may step.
+    fn accumulate_reduced(&mut self, g: usize, sum: Storage) -> Result<()> {
+        let grp = (g, &mut self.groups[g]);
+        if (self.grads.downloads).add(grp, sum, &*self.be, &mut self.ledger)? {
+            return self.lend_for_step(g);
+        }
+        while self.grads.downloads.over_bound() {
+            self.land_oldest_download()?;
+        }
+        Ok(())
+    }
+
+    /// Lands every gradient still on its way down (the end of a backward).
+    pub(super) fn land_downloads(&mut self) -> Result<()> {
+        while self.land_oldest_download()? {}
+        Ok(())
+    }
+
+    /// Lands the oldest download (`GradDownloads::land_oldest`) and lends its group when
+    /// its gradient is final; false when none is queued.
+    fn land_oldest_download(&mut self) -> Result<bool> {
+        let downloads = &mut self.grads.downloads;
+        match downloads.land_oldest(&mut self.groups, &*self.be, &mut self.ledger)? {
+            None => Ok(false),
+            Some(done) => done
+                .map_or(Ok(()), |g| self.lend_for_step(g))
+                .map(|()| true),
         }
     }
-    Ok(Params::new(v))
-}
 
-/// Parameter and gradient views for a unit's backward.
-fn unit_params_and_grads<'a>(
-    groups: &'a mut [Group],
-    unit: usize,
-    uses: &[usize],
-    shared: Option<usize>,
-) -> Result<(Params<'a>, Grads<'a>)> {
-    let (head, tail) = groups.split_at_mut(shared.unwrap_or(groups.len()).max(unit + 1));
-    let Group {
-        layout,
-        params,
-        work,
-        micro,
-        ..
-    } = &mut head[unit];
-    let own_params = compute_view(params, work)
-        .ok_or_else(|| Error::Invalid("unit parameters not gathered".into()))?;
-    let own_micro = micro
-        .as_mut()
-        .ok_or_else(|| Error::Invalid("no gradient buffer".into()))?;
-    let mut p = layout
-        .slots
-        .iter()
-        .map(|s| own_params.range(s.range()))
-        .collect::<Result<Vec<View<'_>>>>()?;
-    let mut g = split_slots(own_micro.view_mut(), layout.slots.iter().map(|s| s.range()))?;
-    if let (Some(_), false) = (shared, uses.is_empty()) {
-        let Group {
-            layout,
-            params,
-            work,
-            micro,
-            ..
-        } = &mut tail[0];
-        let sp = compute_view(params, work)
-            .ok_or_else(|| Error::Invalid("shared parameters not gathered".into()))?;
-        for &i in uses {
-            p.push(sp.range(layout.slots[i].range())?);
-        }
-        let sm = micro
-            .as_mut()
-            .ok_or_else(|| Error::Invalid("no shared gradient buffer".into()))?;
-        let all = split_slots(sm.view_mut(), layout.slots.iter().map(|s| s.range()))?;
-        let mut picked: Vec<Option<ViewMut<'_>>> = all.into_iter().map(Some).collect();
-        for &i in uses {
-            g.push(picked[i].take().ok_or_else(|| {
-                Error::Invalid(format!("shared parameter {i} used twice by one unit"))
-            })?);
-        }
+    /// Called when group `g`'s gradient is final: lends the group to the optimizer lane when
+    /// the write-behind is armed.
+    fn lend_for_step(&mut self, g: usize) -> Result<()> {
+        let ctx = LendCtx {
+            rank: self.shard_rank(),
+            opt: &self.opt.optimizer,
+            be: &self.be,
+            trace: &self.obs.trace,
+            tile: self.cfg.zero.sub_group_size.max(1),
+            nvme: self.opt.nvme.shared(),
+        };
+        self.opt.lane.lend((g, &mut self.groups), ctx)
     }
-    Ok((Params::new(p), Grads::new(g)))
-}
-
-/// Splits a flat buffer into disjoint mutable views for consecutive, ordered ranges.
-fn split_slots<'a>(
-    buf: ViewMut<'a>,
-    ranges: impl Iterator<Item = std::ops::Range<usize>>,
-) -> Result<Vec<ViewMut<'a>>> {
-    let mut rest = buf;
-    let mut consumed = 0;
-    let mut out = Vec::new();
-    for r in ranges {
-        let (_, tail) = rest.split_at(r.start - consumed)?;
-        let (slot, tail) = tail.split_at(r.len())?;
-        out.push(slot);
-        rest = tail;
-        consumed = r.end;
-    }
-    Ok(out)
 }

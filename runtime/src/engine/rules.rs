@@ -38,7 +38,7 @@ pub fn ckpt_location(cfg: &ResolvedConfig) -> Location {
 pub const CHECKPOINTS_AHEAD: usize = 1;
 
 /// The unit whose host checkpoint starts coming up to the device when unit `unit`'s backward
-/// starts (`Engine::checkpoint_ahead`, and the replay's): [`CHECKPOINTS_AHEAD`] units below;
+/// starts (`Checkpoints::ahead`, and the replay's): [`CHECKPOINTS_AHEAD`] units below;
 /// `None` near the bottom.
 pub fn checkpoint_up_with(unit: usize) -> Option<usize> {
     unit.checked_sub(CHECKPOINTS_AHEAD)
@@ -95,7 +95,7 @@ pub fn hpz_size(cfg: &ResolvedConfig, world: usize, params: Extent) -> usize {
 
 /// Whether forward's gather of `group` for `unit` cuts hpZ's secondary copy of it: not when
 /// `unit` runs its backward inside forward (`fused`: `train_batch`'s loss head,
-/// `engine/fused.rs`) and `group` is its own, which backward never gathers again; a group
+/// `engine/passes.rs`) and `group` is its own, which backward never gathers again; a group
 /// shared with other units is cut for their backward.
 pub fn hpz_cuts_secondary(unit: usize, group: usize, fused: bool) -> bool {
     !(fused && group == unit)

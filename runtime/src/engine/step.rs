@@ -9,7 +9,6 @@ use super::offload_copies::Inbound;
 use super::optimizer::{Optimizer, StepValues};
 use super::optimizer_overlap::Overlapped;
 use super::report::{StepReport, Timings};
-use super::topology::shard_comm;
 use crate::backend::ClipRule;
 use crate::comm::{BufMut, ReduceOp};
 use crate::nn::Batch;
@@ -27,24 +26,26 @@ impl Engine {
                 micro_batches.len()
             )));
         }
-        if self.micro != 0 {
+        if self.acts.micro != 0 {
             return Err(Error::Invalid(
                 "train_batch called in the middle of a manual accumulation".into(),
             ));
         }
-        self.activity_mark = self.be.activity();
+        self.obs.activity_mark = self.be.activity();
         let local: u64 = micro_batches.iter().map(|b| b.valid_targets() as u64).sum();
         let global = self.sum_across_ranks(local as f64)? as u64;
-        let grad = (self.scaler.scale() / global.max(1) as f64) as f32;
+        let grad = (self.opt.scaler.scale() / global.max(1) as f64) as f32;
         for (i, b) in micro_batches.iter().enumerate() {
             let ids = crate::nn::BatchIds::new(&*self.be, b)?;
             // The head's backward runs with its forward: the gradient is known already.
             let loss = self.forward_pass_fused((b, &ids), grad)?;
-            self.losses.push(loss);
-            self.tokens += b.valid_targets() as u64;
+            self.acts.losses.push(loss);
+            self.acts.tokens += b.valid_targets() as u64;
             if i + 1 == gas {
                 // The step follows this backward at once: its groups may step while it runs.
-                self.arm_optimizer_lane();
+                let scale = self.opt.scaler.scale();
+                let sv = self.opt.values((1.0 / scale) as f32);
+                (self.opt.lane).arm(sv, self.cfg.gradient_clipping, scale);
             }
             if let Err(e) = self.backward_pass((b, &ids), grad) {
                 // Lent groups come home before the error leaves the engine.
@@ -53,7 +54,7 @@ impl Engine {
                 }
                 return Err(e);
             }
-            self.micro += 1;
+            self.acts.micro += 1;
         }
         self.step()?
             .ok_or_else(|| Error::Invalid("no step at the accumulation boundary".into()))
@@ -66,9 +67,10 @@ impl Engine {
         }
         // The optimizer lane gives every group back first, so no error below leaves a group
         // lent.
-        let lane = self.join_optimizer_lane()?;
+        let waited = &mut self.obs.timings.optimizer;
+        let lane = self.opt.lane.join(&mut self.groups, waited)?;
         let clip = ClipRule {
-            loss_scale: self.scaler.scale(),
+            loss_scale: self.opt.scaler.scale(),
             clipping: self.cfg.gradient_clipping,
         };
         // The micro-steps' losses and the owned gradients' sums of squares leave the device
@@ -85,20 +87,20 @@ impl Engine {
             (l, s, None)
         };
         let loss_sum = self.sum_across_ranks(local)?;
-        let tokens = self.sum_across_ranks(self.tokens as f64)? as u64;
+        let tokens = self.sum_across_ranks(self.acts.tokens as f64)? as u64;
         let overflow = self.any_overflow(!local_sumsq.is_finite())?;
         let norm = if overflow {
             f64::NAN
         } else {
             self.global_norm(local_sumsq, &clip)?
         };
-        let decision = self.scaler.update(overflow)?;
-        let lr = self.schedule.lr_at(self.steps);
+        let decision = self.opt.scaler.update(overflow)?;
+        let lr = self.opt.schedule.lr_at(self.opt.steps);
         let grad_scale = clip.grad_scale(norm);
         match applied {
             Some(device) => self.settle_whole_step(device, decision.skip_step, grad_scale)?,
             None if !decision.skip_step => {
-                let sv = self.step_values(grad_scale);
+                let sv = self.opt.values(grad_scale);
                 self.apply_update(&sv, lane)?;
             }
             None => {
@@ -108,31 +110,30 @@ impl Engine {
         for g in &mut self.groups {
             g.clear_grad(&*self.be, &mut self.ledger)?;
         }
-        self.steps += 1;
-        self.micro = 0;
-        let flops_profile = self
-            .observers
-            .step_end(self.steps, &*self.be, &self.timings)?;
+        self.opt.steps += 1;
+        self.acts.micro = 0;
+        let flops_profile = self.obs.step_end(self.opt.steps, &*self.be)?;
+        let hpz_crossed = self.params.hpz.take_crossed();
         let report = StepReport {
-            step: self.steps,
+            step: self.opt.steps,
             loss: loss_sum / tokens.max(1) as f64,
             lr,
             loss_scale: decision.scale_used,
             skipped: decision.skip_step,
             grad_norm: norm,
             tokens,
-            timings: std::mem::take(&mut self.timings),
+            timings: std::mem::take(&mut self.obs.timings),
             memory: self.ledger.report(),
             device_memory: self.be.memory_stats(),
             swap: self.step_traffic(),
-            cross_group_bytes: self.take_cross_group_bytes(),
-            reduced_bytes: std::mem::take(&mut self.reduced_bytes),
+            cross_group_bytes: self.comm.take_cross_group_bytes(hpz_crossed),
+            reduced_bytes: std::mem::take(&mut self.grads.reduced_bytes),
             flops_profile,
             device_activity: self.step_activity(),
         };
 
-        self.tokens = 0;
-        self.observers.step(&report)?;
+        self.acts.tokens = 0;
+        self.obs.step(&report)?;
         if !self.cfg.wall_clock_breakdown {
             return Ok(Some(StepReport {
                 timings: Timings::default(),
@@ -146,7 +147,7 @@ impl Engine {
     /// `forward`/`backward`/`step` counts from the previous step's end.
     fn step_activity(&mut self) -> Option<crate::backend::DeviceActivity> {
         let now = self.be.activity();
-        match (std::mem::replace(&mut self.activity_mark, now), now) {
+        match (std::mem::replace(&mut self.obs.activity_mark, now), now) {
             (Some(then), Some(now)) => Some(now - then),
             _ => None,
         }
@@ -166,7 +167,7 @@ impl Engine {
         let tile = self.cfg.zero.sub_group_size.max(1);
         if self.state_on_device() {
             // Every group's owned range at once: one launch on a device.
-            let rule = self.optimizer.rule(sv)?;
+            let rule = self.opt.optimizer.rule(sv)?;
             let mut tensors = Vec::new();
             for (_, g) in self
                 .groups
@@ -179,34 +180,38 @@ impl Engine {
             }
             self.be
                 .optimizer_update_all(&rule, sv.step, sv.grad_scale, tensors)?;
-            self.timings.optimizer += t.elapsed().as_secs_f64();
+            self.obs.timings.optimizer += t.elapsed().as_secs_f64();
             return Ok(());
         }
         let mut writing = std::collections::VecDeque::new();
-        let trace = self.trace.clone();
+        let trace = self.obs.trace.clone();
         let todo: Vec<usize> = (0..self.groups.len()).filter(|&g| !done[g]).collect();
         // Group g+1's gradient goes down on the copy stream while the host steps group g.
         let mut next = match todo.first() {
-            Some(&g) => self.optimizer.fetch(&self.groups[g], &*self.be)?,
+            Some(&g) => self.opt.optimizer.fetch(&self.groups[g], &*self.be)?,
             None => Inbound::default(),
         };
         for (i, &gi) in todo.iter().enumerate() {
-            self.swap_in_for_step(gi)?;
+            self.params
+                .swap
+                .in_for_step(&mut self.groups[gi], &mut self.ledger)?;
             let inbound = std::mem::take(&mut next);
             if let Some(&after) = todo.get(i + 1) {
-                next = self.optimizer.fetch(&self.groups[after], &*self.be)?;
+                next = self.opt.optimizer.fetch(&self.groups[after], &*self.be)?;
             }
-            let (g, nvme) = (&mut self.groups[gi], self.nvme.as_deref());
+            let (g, nvme) = (&mut self.groups[gi], self.opt.nvme.get());
             trace.span("compute", "step", gi, || {
-                self.optimizer
+                self.opt
+                    .optimizer
                     .step_group(g, sv, tile, nvme, &*self.be, inbound)
             })?;
-            self.swap_out_after_step(gi, &mut writing)?;
+            let at = (gi, &mut self.groups[..]);
+            (self.params.swap).out_after_step(at, &mut writing, &mut self.ledger)?;
         }
         while !writing.is_empty() {
-            self.finish_swap_write(&mut writing)?;
+            (self.params.swap).finish_write(&mut self.groups, &mut writing, &mut self.ledger)?;
         }
-        self.timings.optimizer += t.elapsed().as_secs_f64();
+        self.obs.timings.optimizer += t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -214,17 +219,19 @@ impl Engine {
     fn publish(&mut self) -> Result<()> {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
-        let shards = shard_comm(self.comm.as_ref(), &self.hybrid);
+        let shards = self.comm.shards();
         for g in &mut self.groups {
             // The all-gather reads the updated parameters on the device.
             if g.layout.world_size > 1 {
                 g.landing.await_on(&*self.be)?;
             }
-            self.stage.publish(g, shards, bucket, &mut self.ledger)?;
+            self.params
+                .stage
+                .publish(g, shards, bucket, &mut self.ledger)?;
         }
-        self.hpz_stale();
+        self.params.hpz.stale();
         self.ledger.check_limit()?;
-        self.timings.gather += t.elapsed().as_secs_f64();
+        self.obs.timings.gather += t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -234,14 +241,18 @@ impl Engine {
         let hi = (x / 16_777_216.0).floor();
         let lo = x - hi * 16_777_216.0;
         let mut v = [hi as f32, lo as f32];
-        self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)?;
+        self.comm
+            .world
+            .all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)?;
         Ok(v[0] as f64 * 16_777_216.0 + v[1] as f64)
     }
 
     /// Whether any rank's owned gradients contain Inf or NaN, given whether this rank's do.
     fn any_overflow(&self, local: bool) -> Result<bool> {
         let mut v = [if local { 1.0f32 } else { 0.0 }];
-        self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Max)?;
+        self.comm
+            .world
+            .all_reduce(BufMut::F32(&mut v), ReduceOp::Max)?;
         Ok(v[0] > 0.0)
     }
 
@@ -255,7 +266,7 @@ impl Engine {
     fn local_status(&mut self, known: Option<&[Option<f64>]>) -> Result<(f64, f64)> {
         let rank = self.shard_rank();
         let known = |i: usize| known.and_then(|k| k.get(i).copied().flatten());
-        let losses = std::mem::take(&mut self.losses);
+        let losses = std::mem::take(&mut self.acts.losses);
         let mut views = Vec::new();
         for (i, g) in self.groups.iter().enumerate() {
             if known(i).is_some() {
@@ -281,7 +292,8 @@ impl Engine {
         let mut v = [local as f32];
         // One copy of the sharded gradient: the shard group's sum (the world's, without
         // hybrid sharding).
-        self.one_copy_comm()
+        self.comm
+            .one_copy()
             .all_reduce(BufMut::F32(&mut v), ReduceOp::Sum)?;
         Ok(clip.norm(v[0]))
     }
@@ -289,7 +301,9 @@ impl Engine {
     /// Maximum of a value over ranks (collective; f32 precision, for reports).
     pub fn max_across_ranks(&self, x: f64) -> Result<f64> {
         let mut v = [x as f32];
-        self.comm.all_reduce(BufMut::F32(&mut v), ReduceOp::Max)?;
+        self.comm
+            .world
+            .all_reduce(BufMut::F32(&mut v), ReduceOp::Max)?;
         Ok(v[0] as f64)
     }
 
@@ -310,7 +324,7 @@ impl Engine {
     /// parameters placed on the compute device (neither offloaded to host memory nor to
     /// NVMe). The optimizer lane, when armed, is checked by the caller.
     fn whole_step_applies(&self) -> bool {
-        self.comm.world_size() == 1 && self.state_on_device()
+        self.comm.world.world_size() == 1 && self.state_on_device()
     }
 
     /// Whether the optimizer state and the parameters are placed on the compute device, so
@@ -329,9 +343,9 @@ impl Engine {
         let t = Instant::now();
         let rank = self.shard_rank();
         // The scale is the device's to decide; the rule reads the schedule's values only.
-        let sv = self.step_values(f32::NAN);
-        let rule = self.optimizer.rule(&sv)?;
-        let losses = std::mem::take(&mut self.losses);
+        let sv = self.opt.values(f32::NAN);
+        let rule = self.opt.optimizer.rule(&sv)?;
+        let losses = std::mem::take(&mut self.acts.losses);
         let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
         let (mut norms, mut tensors) = (Vec::new(), Vec::new());
         let tile = self.cfg.zero.sub_group_size.max(1);
@@ -346,7 +360,7 @@ impl Engine {
         let st = self
             .be
             .whole_step((&rule, sv.step, clip), &loss_views, &norms, tensors)?;
-        self.timings.optimizer += t.elapsed().as_secs_f64();
+        self.obs.timings.optimizer += t.elapsed().as_secs_f64();
         let applied = st.grad_scale.ok_or_else(|| {
             Error::Invalid("the whole step came back without the scale it applied".into())
         })?;
@@ -365,12 +379,82 @@ impl Engine {
             return Err(Error::Invalid(format!(
                 "step {}: the device applied gradient scale {device:e}, the host decided \
                  {host:e} (skipped: {skip})",
-                self.steps + 1
+                self.opt.steps + 1
             )));
         }
         match skip {
             true => Ok(()),
             false => self.publish(),
         }
+    }
+
+    /// Bytes this rank has moved to and from NVMe since it was built (both stores).
+    pub fn swap_traffic(&self) -> ferrozero_offload::store::Traffic {
+        let opt = self.opt.nvme.shared().map(|n| n.store.bytes_moved());
+        let par = self.params.swap.store().map(|s| s.store.bytes_moved());
+        opt.unwrap_or_default() + par.unwrap_or_default()
+    }
+
+    /// NVMe traffic since the last call (the last step).
+    pub(super) fn step_traffic(&mut self) -> super::report::SwapTraffic {
+        let now = self.swap_traffic();
+        let d = now - std::mem::replace(&mut self.obs.traffic_mark, now);
+        super::report::SwapTraffic {
+            read_bytes: d.read,
+            written_bytes: d.written,
+        }
+    }
+}
+
+impl Engine {
+    /// Which groups still need the update with the step's values `sv` (and `None` when
+    /// the step is skipped), after undoing the lane's work when it does not stand.
+    fn settle_overlap(
+        &mut self,
+        sv: Option<&StepValues>,
+        lane: Option<Overlapped>,
+    ) -> Result<Vec<bool>> {
+        let n = self.groups.len();
+        let Some(lane) = lane else {
+            return Ok(vec![false; n]);
+        };
+        if sv == Some(&lane.sv) {
+            return Ok(lane.stepped);
+        }
+        if !lane.stepped.iter().any(|&s| s) {
+            return Ok(vec![false; n]);
+        }
+        match (lane.speculative, sv) {
+            (true, _) => {
+                self.roll_back(&lane.stepped)?;
+                Ok(vec![false; n])
+            }
+            (false, None) => Err(super::optimizer_overlap::overlapped_overflow(
+                self.opt.steps + 1,
+            )),
+            (false, Some(sv)) => Err(Error::Invalid(format!(
+                "the optimizer lane stepped with {:?} but the step's values are {sv:?}",
+                lane.sv
+            ))),
+        }
+    }
+
+    /// Abandons an armed step after its backward failed: lent groups come back, and a
+    /// speculative step is undone (a step that was not speculative stays applied: the error
+    /// stops the run).
+    fn disarm_optimizer_lane(&mut self) -> Result<()> {
+        match self.opt.lane.disarm(&mut self.groups)? {
+            Some(stepped) => self.roll_back(&stepped),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes every `stepped` group's saved optimizer values back.
+    fn roll_back(&mut self, stepped: &[bool]) -> Result<()> {
+        let t = Instant::now();
+        let (be, trace) = (&*self.be, &self.obs.trace);
+        (self.opt.lane).roll_back((&mut self.groups, stepped), be, trace)?;
+        self.obs.timings.optimizer += t.elapsed().as_secs_f64();
+        Ok(())
     }
 }

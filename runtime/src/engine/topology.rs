@@ -4,7 +4,6 @@
 
 use ferrozero_config::resolved::{CommBackend, ResolvedConfig, ZeroStage};
 
-use super::core::Engine;
 use crate::comm::hybrid::HybridComm;
 use crate::comm::Communicator;
 use crate::{Error, Result};
@@ -64,19 +63,16 @@ pub(super) fn check_backend(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Re
 
 /// The hybrid-sharding communicator when `mics_shard_size` splits the world into
 /// several groups (collective), groups of one rank included (every rank's state replicated,
-/// DeepSpeed's `mics_shard_size = 1`); `None` when it is 0 or the whole world (plain ZeRO).
-pub(super) fn open_hybrid(
-    cfg: &ResolvedConfig,
-    comm: &dyn Communicator,
-) -> Result<Option<HybridComm>> {
+/// DeepSpeed's `mics_shard_size = 1`); flat when it is 0 or the whole world (plain ZeRO).
+fn open_hybrid(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Sharding> {
     let g = cfg.zero.mics_shard_size;
     let world = comm.world_size();
     if g == 0 {
-        return Ok(None);
+        return Ok(Sharding::Flat);
     }
     crate::comm::hybrid::check_group_size("mics_shard_size", g, world)?;
     if g == world {
-        return Ok(None);
+        return Ok(Sharding::Flat);
     }
     if cfg.zero.stage == ZeroStage::Stage0 && comm.rank() == 0 {
         tracing::warn!(
@@ -84,65 +80,84 @@ pub(super) fn open_hybrid(
              all-reduce hierarchical (inside groups of {g}, then across them)"
         );
     }
-    HybridComm::new(comm, g).map(Some)
+    HybridComm::new(comm, g).map(Sharding::Hybrid)
 }
 
-/// The communicator for sharded data: the shard group when hybrid sharding is on.
-pub(super) fn shard_comm<'a>(
-    world: &'a dyn Communicator,
-    hybrid: &'a Option<HybridComm>,
-) -> &'a dyn Communicator {
-    match hybrid {
-        Some(h) => h,
-        None => world,
-    }
+/// How sharded state is split across the world.
+pub(super) enum Sharding {
+    /// Across the whole world (plain ZeRO).
+    Flat,
+    /// Across each shard group of hybrid sharding (`mics_shard_size`).
+    Hybrid(HybridComm),
 }
 
-impl Engine {
-    /// This rank's position among the ranks its sharded state is split across (the shard
-    /// group's rank with hybrid sharding, else the rank).
-    pub fn shard_rank(&self) -> usize {
-        shard_comm(&*self.comm, &self.hybrid).rank()
+/// The engine's communicators: the world, and the shard group's when hybrid sharding
+/// splits it.
+pub(super) struct Comms {
+    /// All ranks (wrapped by the observers that time collectives).
+    pub(super) world: Box<dyn Communicator>,
+    /// Flat, or the shard-group communicator when hybrid sharding splits the world.
+    pub(super) hybrid: Sharding,
+    /// Cross-group payload bytes at the end of the last step (reports carry the difference).
+    pub(super) cross_mark: u64,
+}
+
+impl Comms {
+    /// The communicators of `cfg`'s topology over `world` (collective with hybrid sharding).
+    pub(super) fn open(cfg: &ResolvedConfig, world: Box<dyn Communicator>) -> Result<Self> {
+        check_backend(cfg, world.as_ref())?;
+        let hybrid = open_hybrid(cfg, world.as_ref())?;
+        Ok(Self {
+            world,
+            hybrid,
+            cross_mark: 0,
+        })
     }
 
-    /// Ranks one copy of the sharded state is split across: `mics_shard_size` with
-    /// hybrid sharding, else the world size.
-    pub fn shard_world(&self) -> usize {
-        shard_comm(&*self.comm, &self.hybrid).world_size()
+    /// The communicator sharded state is split across.
+    pub(super) fn shards(&self) -> &dyn Communicator {
+        match &self.hybrid {
+            Sharding::Hybrid(h) => h,
+            Sharding::Flat => &*self.world,
+        }
     }
 
     /// Copies of the sharded state across the world: `world / mics_shard_size` with
     /// hybrid sharding, else 1.
-    pub fn replicas(&self) -> usize {
-        self.hybrid.as_ref().map_or(1, HybridComm::replicas)
+    pub(super) fn replicas(&self) -> usize {
+        match &self.hybrid {
+            Sharding::Hybrid(h) => h.replicas(),
+            Sharding::Flat => 1,
+        }
     }
 
     /// ` (hybrid: R groups of G)` when hybrid sharding is on, for the summary.
     pub(super) fn hybrid_summary(&self) -> String {
         match &self.hybrid {
-            Some(h) => format!(
+            Sharding::Hybrid(h) => format!(
                 " (hybrid sharding: {} groups of {})",
                 h.replicas(),
                 h.world_size()
             ),
-            None => String::new(),
+            Sharding::Flat => String::new(),
         }
     }
 
     /// The ranks one copy of the sharded state is split across (for sums over that copy).
-    pub(super) fn one_copy_comm(&self) -> &dyn Communicator {
+    pub(super) fn one_copy(&self) -> &dyn Communicator {
         match &self.hybrid {
-            Some(h) => h.shard_group(),
-            None => &*self.comm,
+            Sharding::Hybrid(h) => h.shard_group(),
+            Sharding::Flat => &*self.world,
         }
     }
 
     /// Bytes this rank sent across shard groups since the last call, as a ring collective
-    /// over the replicas sends them (`2 (R - 1) / R` of the reduced payload).
-    /// Under hpZ: the parameter bytes forward's gathers brought from other groups.
-    pub(super) fn take_cross_group_bytes(&mut self) -> u64 {
-        let hpz = self.take_hpz_crossed();
-        let Some(h) = &self.hybrid else { return hpz };
+    /// over the replicas sends them (`2 (R - 1) / R` of the reduced payload); `hpz`: the
+    /// parameter bytes hpZ's forward gathers brought from other groups, counted instead.
+    pub(super) fn take_cross_group_bytes(&mut self, hpz: u64) -> u64 {
+        let Sharding::Hybrid(h) = &self.hybrid else {
+            return hpz;
+        };
         let total = h.cross_group_bytes();
         let payload = total - std::mem::replace(&mut self.cross_mark, total);
         let r = h.replicas() as u64;

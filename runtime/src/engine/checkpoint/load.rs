@@ -1,135 +1,105 @@
-//! `Engine::load_checkpoint`: restores every rank's state from a checkpoint saved at any
-//! world size and stage, one group at a time, re-sharding by this engine's own layout.
+//! `Engine::load_checkpoint`'s work: restores every rank's state from a checkpoint saved at
+//! any world size and stage, one group at a time, re-sharding by this engine's own layout.
 
 use std::ops::Range;
 use std::path::Path;
 
+use super::agree::agree;
 use super::meta::{GroupMeta, TensorKind};
 use super::reader::CheckpointReader;
-use super::{LoadedCheckpoint, Tag};
-use crate::engine::core::Engine;
+use super::Tag;
+use crate::comm::Communicator;
 use crate::engine::group::{Group, ParamStore};
 use crate::engine::loss_scale::LossScaler;
+use crate::engine::nvme::NvmeOffload;
 use crate::engine::param_swap::ParamSwap;
 use crate::engine::swap::edit_shard;
 use crate::tensor::{FlatBuf, Storage};
 use crate::{Error, Result};
 
-impl Engine {
-    /// Loads checkpoint `tag` of `dir` into this engine (collective: every rank calls it).
-    /// Parameters, master weights, optimizer moments, the step counter, the loss scaler and
-    /// the seed are restored, so training continues as if it had never stopped; the saved
-    /// world size and stage may differ from this engine's. Shard files are verified against
-    /// their checksums first (each rank verifies a share of them).
-    pub fn load_checkpoint(
-        &mut self,
-        dir: impl AsRef<Path>,
-        tag: &Tag,
-    ) -> Result<LoadedCheckpoint> {
-        // Parameters are written here: the optimizer's uploads land first, and uploads
-        // started ahead from the shards are dropped.
-        self.await_landings()?;
-        self.drop_uploads_ahead()?;
-        if self.micro != 0 {
-            return Err(Error::Invalid(
-                "load_checkpoint in the middle of gradient accumulation".into(),
-            ));
+/// Opens checkpoint `tag` of `dir` on every rank of `comm` (collective), verifies this rank's
+/// share of its files against their checksums and checks that it fits `groups` and an
+/// optimizer of `moments` moments; any rank's failure is every rank's.
+pub(in crate::engine) fn open_checked(
+    comm: &dyn Communicator,
+    (dir, tag): (&Path, &Tag),
+    groups: &[Group],
+    moments: usize,
+) -> Result<CheckpointReader> {
+    let reader = agree(comm, CheckpointReader::open(dir, tag))?;
+    let checked =
+        verify_share(&reader, comm).and_then(|()| check_compatible(&reader, groups, moments));
+    agree(comm, checked)?;
+    Ok(reader)
+}
+
+/// Restores every group's parameters and optimizer state for shard `rank` (collectively
+/// agreed by the caller), refreshing gathered working copies.
+pub(in crate::engine) fn restore_groups(
+    reader: &CheckpointReader,
+    groups: &mut [Group],
+    (mut swap, nvme): (Option<&mut ParamSwap>, Option<&NvmeOffload>),
+    rank: usize,
+) -> Result<()> {
+    for (gi, g) in groups.iter_mut().enumerate() {
+        restore_group(reader, gi, g, swap.as_deref_mut(), rank)?;
+        restore_nvme_state(reader, gi, g, nvme)?;
+        if g.work.is_some() {
+            refresh_work(g)?;
         }
-        let reader = CheckpointReader::open(dir.as_ref(), tag);
-        let reader = self.agree(reader)?;
-        let checked = self
-            .verify_share(&reader)
-            .and_then(|()| self.check_compatible(&reader));
-        self.agree(checked)?;
-        let restored = self.restore(&reader);
-        self.agree(restored)?;
-        let m = reader.meta();
-        Ok(LoadedCheckpoint {
-            tag: m.tag.clone(),
-            step: m.step,
-            data_position: m.data_position,
-            saved_world_size: m.world_size,
+    }
+    Ok(())
+}
+
+/// Verifies the files this rank of `comm` checks (every world-th from its rank).
+fn verify_share(reader: &CheckpointReader, comm: &dyn Communicator) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    (0..reader.meta().world_size)
+        .filter(|q| q % world == rank)
+        .try_for_each(|q| reader.verify_file(q))
+}
+
+/// Whether the checkpoint holds `groups`' layouts and at least `moments` moments.
+fn check_compatible(reader: &CheckpointReader, groups: &[Group], moments: usize) -> Result<()> {
+    let m = reader.meta();
+    let path = reader.tag_dir().display().to_string();
+    let bad = |reason: String| {
+        Err(Error::File {
+            path: path.clone(),
+            reason,
         })
+    };
+    if m.groups.len() != groups.len() {
+        return bad(format!(
+            "holds {} parameter groups, this model has {}",
+            m.groups.len(),
+            groups.len()
+        ));
     }
-
-    fn verify_share(&self, reader: &CheckpointReader) -> Result<()> {
-        let (rank, world) = (self.rank(), self.world_size());
-        (0..reader.meta().world_size)
-            .filter(|q| q % world == rank)
-            .try_for_each(|q| reader.verify_file(q))
+    for (gi, (saved, g)) in m.groups.iter().zip(groups).enumerate() {
+        let mine = GroupMeta::from_layout(&g.layout);
+        if saved.slots != mine.slots {
+            let diff = saved.slots.iter().zip(&mine.slots).find(|(a, b)| a != b);
+            return bad(match diff {
+                Some((a, b)) => format!(
+                    "group {gi}: saved parameter {} {:?} where the model has {} {:?}",
+                    a.name, a.shape, b.name, b.shape
+                ),
+                None => format!(
+                    "group {gi}: {} parameters saved, the model has {}",
+                    saved.slots.len(),
+                    mine.slots.len()
+                ),
+            });
+        }
     }
-
-    fn check_compatible(&self, reader: &CheckpointReader) -> Result<()> {
-        let m = reader.meta();
-        let path = reader.tag_dir().display().to_string();
-        let bad = |reason: String| {
-            Err(Error::File {
-                path: path.clone(),
-                reason,
-            })
-        };
-        if m.groups.len() != self.groups.len() {
-            return bad(format!(
-                "holds {} parameter groups, this model has {}",
-                m.groups.len(),
-                self.groups.len()
-            ));
-        }
-        for (gi, (saved, g)) in m.groups.iter().zip(&self.groups).enumerate() {
-            let mine = GroupMeta::from_layout(&g.layout);
-            if saved.slots != mine.slots {
-                let diff = saved.slots.iter().zip(&mine.slots).find(|(a, b)| a != b);
-                return bad(match diff {
-                    Some((a, b)) => format!(
-                        "group {gi}: saved parameter {} {:?} where the model has {} {:?}",
-                        a.name, a.shape, b.name, b.shape
-                    ),
-                    None => format!(
-                        "group {gi}: {} parameters saved, the model has {}",
-                        saved.slots.len(),
-                        mine.slots.len()
-                    ),
-                });
-            }
-        }
-        if m.moments < self.optimizer.moments() {
-            return bad(format!(
-                "holds {} optimizer moments per element; this optimizer needs {}",
-                m.moments,
-                self.optimizer.moments()
-            ));
-        }
-        Ok(())
+    if m.moments < moments {
+        return bad(format!(
+            "holds {} optimizer moments per element; this optimizer needs {moments}",
+            m.moments
+        ));
     }
-
-    fn restore(&mut self, reader: &CheckpointReader) -> Result<()> {
-        // The shard this rank holds (its shard group's position under hybrid sharding).
-        let rank = self.shard_rank();
-        self.settle_swapped()?;
-        for (gi, g) in self.groups.iter_mut().enumerate() {
-            restore_group(reader, gi, g, self.param_swap.as_mut(), rank)?;
-            restore_nvme_state(reader, gi, g, self.nvme.as_deref())?;
-            if g.work.is_some() {
-                refresh_work(g)?;
-            }
-        }
-        let m = reader.meta();
-        self.steps = m.step;
-        self.micro = 0;
-        self.losses.clear();
-        self.tokens = 0;
-        // Dropout masks derive from the seed; resuming with another seed would diverge.
-        self.cfg.seed = m.seed;
-        if same_kind(&self.scaler, &m.scaler) {
-            self.scaler = m.scaler.clone();
-        } else {
-            tracing::warn!(
-                saved = ?m.scaler,
-                "the checkpoint's loss scaler does not match this precision; starting afresh"
-            );
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 fn refresh_work(g: &mut Group) -> Result<()> {
@@ -277,6 +247,6 @@ fn fill_params(
 }
 
 /// Whether a scaler state came from the same kind of scaler.
-fn same_kind(a: &LossScaler, b: &LossScaler) -> bool {
+pub(in crate::engine) fn same_kind(a: &LossScaler, b: &LossScaler) -> bool {
     std::mem::discriminant(a) == std::mem::discriminant(b)
 }

@@ -19,9 +19,12 @@ mod save;
 mod shard_file;
 mod stream;
 
+pub(in crate::engine) use agree::agree;
 pub use consolidate::{consolidate, consolidate_dir, ConsolidateReport, OutputDType};
+pub(in crate::engine) use load::{open_checked, restore_groups, same_kind};
 pub use meta::{CheckpointMeta, FileMeta, GroupMeta, SlotMeta, TensorKind};
 pub use reader::CheckpointReader;
+pub(in crate::engine) use save::{check_tag, Saving};
 
 /// Which checkpoint of a directory to load.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,6 +7,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use ferrozero_config::resolved::ResolvedConfig;
+
+use super::agree::{agree, all_gather_text};
 use super::fsio;
 use super::meta::{
     dtype_name, rank_file_name, CheckpointMeta, FileMeta, GroupMeta, TensorKind, FORMAT,
@@ -16,10 +19,12 @@ use super::reader::st_dtype;
 use super::shard_file::{self, Bytes, RawTensor};
 use super::stream::Streamer;
 use crate::comm::{BufMut, BufRef};
-use crate::engine::core::Engine;
 use crate::engine::group::{not_resident, Group, ParamStore, Shard};
 use crate::engine::nvme::NvmeOffload;
 use crate::engine::param_swap::ParamSwap;
+use crate::engine::step_state::StepState;
+use crate::engine::topology::Comms;
+use crate::nn::weights::ModelFiles;
 use crate::tensor::{DType, FlatBuf, Storage};
 use crate::{Error, Result};
 
@@ -130,38 +135,42 @@ fn group_tensors<'a>(
     Ok(())
 }
 
-impl Engine {
-    /// Saves a checkpoint as `dir/tag` and points `dir/latest` at it (collective: every rank
-    /// calls it). `data_position` is handed back by [`Engine::load_checkpoint`]. An existing
-    /// tag is replaced atomically. Call it at an accumulation boundary.
-    pub fn save_checkpoint(
+/// The engine's state a save reads.
+pub(in crate::engine) struct Saving<'a> {
+    pub(in crate::engine) cfg: &'a ResolvedConfig,
+    pub(in crate::engine) comm: &'a Comms,
+    pub(in crate::engine) groups: &'a [Group],
+    pub(in crate::engine) opt: &'a StepState,
+    pub(in crate::engine) swap: Option<&'a ParamSwap>,
+    pub(in crate::engine) model_files: &'a ModelFiles,
+}
+
+impl Saving<'_> {
+    /// Saves a checkpoint as `dir/tag` and points `dir/latest` at it (collective; the
+    /// caller checked the tag and that it is an accumulation boundary).
+    pub(in crate::engine) fn save(
         &self,
-        dir: impl AsRef<Path>,
+        dir: &Path,
         tag: &str,
         data_position: u64,
     ) -> Result<PathBuf> {
-        // Parameters are read or written here: the optimizer's uploads land first.
-        self.await_landings()?;
-        let dir = dir.as_ref();
-        check_tag(tag)?;
-        if self.micro != 0 {
-            return Err(Error::Invalid(
-                "save_checkpoint in the middle of gradient accumulation; save after step()".into(),
-            ));
-        }
+        let world = self.comm.world.as_ref();
         let tmp = dir.join(format!(".tmp-{tag}"));
         let dst = dir.join(tag);
-        let rank = self.rank();
-        self.agree(if rank == 0 {
-            fresh_dir(dir, &tmp)
-        } else {
-            Ok(())
-        })?;
+        let rank = world.rank();
+        agree(
+            world,
+            if rank == 0 {
+                fresh_dir(dir, &tmp)
+            } else {
+                Ok(())
+            },
+        )?;
         // Under hybrid sharding every shard group holds the same state: the first group's
         // ranks write it, and the checkpoint is the one a plain run over one group writes.
-        let writes = rank == self.shard_rank();
+        let writes = rank == self.comm.shards().rank();
         let mine = writes.then(|| self.write_rank_file(&tmp)).transpose();
-        let mine = self.agree(mine)?;
+        let mine = agree(world, mine)?;
         let files = self.gather_file_meta(mine)?;
         let publish = if rank == 0 {
             self.write_meta(&tmp, tag, data_position, files)
@@ -170,17 +179,17 @@ impl Engine {
         } else {
             Ok(())
         };
-        self.agree(publish)?;
+        agree(world, publish)?;
         Ok(dst)
     }
 
     fn write_rank_file(&self, tmp: &Path) -> Result<FileMeta> {
-        let rank = self.shard_rank();
+        let rank = self.comm.shards().rank();
         // NVMe-resident state streams into the file one group at a time.
         let streamer = Streamer::default();
         let src = NvmeSources {
-            nvme: self.nvme.as_deref(),
-            swap: self.param_swap.as_ref(),
+            nvme: self.opt.nvme.get(),
+            swap: self.swap,
             streamer: &streamer,
         };
         let mut tensors = Vec::new();
@@ -214,12 +223,13 @@ impl Engine {
             serde_json::to_string(&m.tensors)
                 .map_err(|e| Error::Invalid(format!("tensor checksums do not serialise: {e}")))
         })?;
-        let per_tensor = self.all_gather_text(&per_tensor)?;
+        let per_tensor = all_gather_text(self.comm.world.as_ref(), &per_tensor)?;
         let pieces = |x: u64| (0..4).map(move |i| ((x >> (16 * i)) & 0xffff) as f32);
         let (bytes, crc) = mine.map_or((0, 0), |m| (m.bytes, m.crc32c));
         let local: Vec<f32> = pieces(bytes).chain(pieces(crc as u64)).collect();
-        let mut all = vec![0.0f32; local.len() * self.world_size()];
+        let mut all = vec![0.0f32; local.len() * self.comm.world.world_size()];
         self.comm
+            .world
             .all_gather(BufRef::F32(&local), BufMut::F32(&mut all))?;
         let join = |p: &[f32]| {
             p.iter()
@@ -228,7 +238,7 @@ impl Engine {
         };
         Ok(all
             .chunks_exact(8)
-            .take(self.shard_world())
+            .take(self.comm.shards().world_size())
             .enumerate()
             .map(|(q, c)| FileMeta {
                 name: rank_file_name(q),
@@ -249,20 +259,20 @@ impl Engine {
             format: FORMAT.into(),
             version: VERSION,
             tag: tag.into(),
-            step: self.steps,
+            step: self.opt.steps,
             data_position: pos,
-            world_size: self.shard_world(),
+            world_size: self.comm.shards().world_size(),
             stage: self.cfg.zero.stage.number(),
             param_dtype: dtype_name(dtype).into(),
             has_master: self
                 .groups
                 .iter()
                 .any(|g| g.master.is_some() || g.nvme_adam.is_some()),
-            moments: self.optimizer.moments(),
+            moments: self.opt.optimizer.moments(),
             seed: self.cfg.seed,
-            scaler: self.scaler.clone(),
-            next_lr: self.schedule.lr_at(self.steps),
-            config: serde_json::to_value(&self.cfg)
+            scaler: self.opt.scaler.clone(),
+            next_lr: self.opt.schedule.lr_at(self.opt.steps),
+            config: serde_json::to_value(self.cfg)
                 .map_err(|e| Error::Invalid(format!("config does not serialise: {e}")))?,
             groups: self
                 .groups

@@ -23,11 +23,13 @@ use std::time::Instant;
 
 use ferrozero_config::resolved::{LossScaling, OffloadTarget, Precision, ResolvedConfig};
 
-use super::core::Engine;
 use super::group::{Group, ParamStore};
 use super::lane::{Lane, Ticket};
 use super::ledger::Ledger;
-use super::optimizer::StepValues;
+use super::nvme::NvmeOffload;
+use super::optimizer::{Optimizer, StepValues};
+use super::trace::Trace;
+use crate::backend::Backend;
 use crate::nn::Model;
 use crate::{Error, Result};
 
@@ -141,8 +143,17 @@ struct Armed {
     watch: Arc<Mutex<Watch>>,
 }
 
+/// The optimizer lane: off (the step follows backward), or the lane and the step in flight
+/// on it.
+pub(super) enum OptimizerLane {
+    /// The optimizer step does not overlap backward.
+    Off,
+    /// The lane.
+    On(LaneState),
+}
+
 /// The optimizer lane and the step in flight on it.
-pub(super) struct OptimizerLane {
+pub(super) struct LaneState {
     lane: Lane,
     /// The step that the current backward ends; `None` between steps.
     armed: Option<Armed>,
@@ -157,17 +168,33 @@ pub(super) struct OptimizerLane {
     snapshots: Vec<Option<Snapshot>>,
 }
 
+/// What a lent group's job needs from the engine besides the group.
+pub(super) struct LendCtx<'a> {
+    /// The rank in the shard group (which range of the gradient the norm sums).
+    pub(super) rank: usize,
+    /// The update rule.
+    pub(super) opt: &'a Optimizer,
+    /// The device.
+    pub(super) be: &'a Arc<dyn Backend>,
+    /// The recorded schedule.
+    pub(super) trace: &'a Trace,
+    /// Elements per tile of the update (`sub_group_size`).
+    pub(super) tile: usize,
+    /// The NVMe store of the optimizer state, if it lives there.
+    pub(super) nvme: Option<&'a Arc<NvmeOffload>>,
+}
+
 impl OptimizerLane {
-    /// The optimizer lane of rank `rank` for `overlap` (none when it is off), with snapshots
+    /// The optimizer lane of rank `rank` for `overlap` (off when it is), with snapshots
     /// of the planned `groups` when it is speculative; `shared` is the tied group's index.
     pub(super) fn for_overlap(
         overlap: &OptimizerOverlap,
         rank: usize,
         (groups, shared): (&[Group], Option<usize>),
         ledger: &mut Ledger,
-    ) -> Result<Option<Self>> {
+    ) -> Result<Self> {
         let planned = match overlap {
-            OptimizerOverlap::Off(_) => return Ok(None),
+            OptimizerOverlap::Off(_) => return Ok(OptimizerLane::Off),
             OptimizerOverlap::On => Vec::new(),
             OptimizerOverlap::Speculative(_, budget) => {
                 let bytes: Vec<u64> = groups.iter().map(Snapshot::bytes_of).collect();
@@ -179,7 +206,7 @@ impl OptimizerLane {
             .zip(&planned)
             .map(|(g, &p)| p.then(|| Snapshot::for_group(g, ledger)))
             .collect();
-        Ok(Some(Self {
+        Ok(OptimizerLane::On(LaneState {
             lane: Lane::new(&format!("fz-optim-{rank}"))?,
             armed: None,
             lent: Vec::new(),
@@ -188,52 +215,37 @@ impl OptimizerLane {
         }))
     }
 
+    /// Whether the lane's steps are saved first and can be undone.
     fn speculative(&self) -> bool {
-        !self.planned.is_empty()
-    }
-}
-
-impl Engine {
-    /// The values of optimizer step `self.steps`, gradients multiplied by `grad_scale`.
-    pub(super) fn step_values(&self, grad_scale: f32) -> StepValues {
-        let k = self.steps;
-        StepValues {
-            step: k + 1,
-            lr: self.schedule.lr_at(k),
-            beta1: self.schedule.momentum_at(k),
-            grad_scale,
-        }
+        matches!(self, OptimizerLane::On(w) if w.speculative())
     }
 
-    /// Arms the write-behind for the backward that ends this accumulation (only `train_batch`
-    /// does: it takes the step right after, so no later micro-step can add to a gradient the
-    /// lane already used). The lane assumes clipping coefficient 1, as the step computes it
-    /// when clipping does not bind.
-    pub(super) fn arm_optimizer_lane(&mut self) {
-        if self.optimizer_lane.is_none() {
-            return;
-        }
-        let scale = self.scaler.scale();
-        let sv = self.step_values((1.0 / scale) as f32);
-        let watch = Watch::new(self.cfg.gradient_clipping, scale);
-        if let Some(w) = &mut self.optimizer_lane {
-            let watch = Arc::new(Mutex::new(watch));
+    /// Arms the write-behind for the backward that ends this accumulation, to step with
+    /// `sv` (only `train_batch` does: it takes the step right after, so no later micro-step
+    /// can add to a gradient the lane already used). The lane assumes clipping coefficient 1,
+    /// as the step computes it when clipping does not bind (`clip`, at loss scale `scale`).
+    pub(super) fn arm(&mut self, sv: StepValues, clip: f64, scale: f64) {
+        if let OptimizerLane::On(w) = self {
+            let watch = Arc::new(Mutex::new(Watch::new(clip, scale)));
             w.armed = Some(Armed { sv, watch });
         }
     }
 
-    /// Called when group `g`'s gradient is final: lends the group to the optimizer lane when
-    /// the write-behind is armed, leaving a stand-in in its place.
-    pub(super) fn lend_for_step(&mut self, g: usize) -> Result<()> {
-        let rank = self.shard_rank();
-        let Some(w) = self.optimizer_lane.as_mut() else {
+    /// Called when group `g` of `groups` has its final gradient: lends the group to the
+    /// lane when the write-behind is armed, leaving a stand-in in its place.
+    pub(super) fn lend(
+        &mut self,
+        (g, groups): (usize, &mut [Group]),
+        ctx: LendCtx<'_>,
+    ) -> Result<()> {
+        let OptimizerLane::On(w) = self else {
             return Ok(());
         };
         let Some(armed) = &w.armed else {
             return Ok(());
         };
         let gathered = matches!(
-            self.groups[g].params,
+            groups[g].params,
             ParamStore::Partitioned {
                 gathered: Some(_),
                 ..
@@ -246,7 +258,7 @@ impl Engine {
         let snap = w.snapshots.get_mut(g).and_then(Option::take);
         if w.lent.iter().any(|(x, _)| *x == g)
             || gathered
-            || self.groups[g].work.is_some()
+            || groups[g].work.is_some()
             || (w.speculative() && snap.is_none())
         {
             return Err(Error::Invalid(format!(
@@ -256,19 +268,19 @@ impl Engine {
         // The gradient's last addition may still be running on the device's compute stream:
         // its download is queued behind it on the copy stream, the lane waits for that copy
         // alone and the engine's thread goes on with backward.
-        let inbound = self.optimizer.fetch(&self.groups[g], &*self.be)?;
-        let stand_in = self.groups[g].stand_in();
-        let group = std::mem::replace(&mut self.groups[g], stand_in);
+        let inbound = ctx.opt.fetch(&groups[g], &**ctx.be)?;
+        let stand_in = groups[g].stand_in();
+        let group = std::mem::replace(&mut groups[g], stand_in);
         let job = speculate::LaneStep {
             g,
-            rank,
+            rank: ctx.rank,
             sv: armed.sv,
             watch: armed.watch.clone(),
-            opt: self.optimizer.clone(),
-            be: self.be.clone(),
-            trace: self.trace.clone(),
-            tile: self.cfg.zero.sub_group_size.max(1),
-            nvme: self.nvme.clone(),
+            opt: ctx.opt.clone(),
+            be: ctx.be.clone(),
+            trace: ctx.trace.clone(),
+            tile: ctx.tile,
+            nvme: ctx.nvme.cloned(),
         };
         let t = w
             .lane
@@ -277,11 +289,16 @@ impl Engine {
         Ok(())
     }
 
-    /// Ends the armed step's overlap: takes every lent group back. Returns what the lane did
-    /// (the values it stepped with, which groups it stepped, each lent group's sum of
-    /// squares), or `None` when this step was not armed.
-    pub(super) fn join_optimizer_lane(&mut self) -> Result<Option<Overlapped>> {
-        let Some(w) = self.optimizer_lane.as_mut() else {
+    /// Ends the armed step's overlap: takes every lent group back into `groups` (the wait
+    /// added to `waited`). Returns what the lane did (the values it stepped with, which
+    /// groups it stepped, each lent group's sum of squares), or `None` when this step was
+    /// not armed.
+    pub(super) fn join(
+        &mut self,
+        groups: &mut [Group],
+        waited: &mut f64,
+    ) -> Result<Option<Overlapped>> {
+        let OptimizerLane::On(w) = self else {
             return Ok(None);
         };
         let Some(armed) = w.armed.take() else {
@@ -289,9 +306,9 @@ impl Engine {
         };
         let speculative = w.speculative();
         let t = Instant::now();
-        let back = self.take_back_lent();
-        self.timings.optimizer += t.elapsed().as_secs_f64();
-        let n = self.groups.len();
+        let back = self.take_back(groups);
+        *waited += t.elapsed().as_secs_f64();
+        let n = groups.len();
         let mut lane = Overlapped {
             sv: armed.sv,
             stepped: vec![false; n],
@@ -305,33 +322,29 @@ impl Engine {
         Ok(Some(lane))
     }
 
-    /// Abandons an armed step after its backward failed: lent groups come back, and a
-    /// speculative step is undone (a step that was not speculative stays applied: the error
-    /// stops the run).
-    pub(super) fn disarm_optimizer_lane(&mut self) -> Result<()> {
-        if let Some(w) = self.optimizer_lane.as_mut() {
+    /// Abandons an armed step after its backward failed: lent groups come back into
+    /// `groups`; returns which groups a speculative step stepped (to undo: a step that was not
+    /// speculative stays applied, the error stops the run).
+    pub(super) fn disarm(&mut self, groups: &mut [Group]) -> Result<Option<Vec<bool>>> {
+        if let OptimizerLane::On(w) = self {
             w.armed = None;
         }
-        let back = self.take_back_lent()?;
-        if self
-            .optimizer_lane
-            .as_ref()
-            .is_some_and(OptimizerLane::speculative)
-        {
-            let mut stepped = vec![false; self.groups.len()];
-            for (g, o) in back {
-                stepped[g] = o.stepped;
-            }
-            self.roll_back(&stepped)?;
+        let back = self.take_back(groups)?;
+        if !self.speculative() {
+            return Ok(None);
         }
-        Ok(())
+        let mut stepped = vec![false; groups.len()];
+        for (g, o) in back {
+            stepped[g] = o.stepped;
+        }
+        Ok(Some(stepped))
     }
 
     /// Waits for every lent group, in submission order, and puts it (and its snapshot) back;
     /// the first error (a failed update, or a lane that stopped and lost its group) comes
     /// after all others were taken back.
-    fn take_back_lent(&mut self) -> Result<Vec<(usize, Outcome)>> {
-        let Some(w) = self.optimizer_lane.as_mut() else {
+    fn take_back(&mut self, groups: &mut [Group]) -> Result<Vec<(usize, Outcome)>> {
+        let OptimizerLane::On(w) = self else {
             return Ok(Vec::new());
         };
         let lent = std::mem::take(&mut w.lent);
@@ -339,7 +352,7 @@ impl Engine {
         let mut done = Vec::with_capacity(lent.len());
         for (g, ticket) in lent {
             let r = ticket.wait().and_then(|(group, snap, r)| {
-                self.groups[g] = group;
+                groups[g] = group;
                 if let Some(s) = snap {
                     w.snapshots[g] = Some(s);
                 }
@@ -351,6 +364,12 @@ impl Engine {
             }
         }
         first.map(|()| done)
+    }
+}
+
+impl LaneState {
+    fn speculative(&self) -> bool {
+        !self.planned.is_empty()
     }
 }
 

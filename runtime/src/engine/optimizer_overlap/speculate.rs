@@ -15,11 +15,9 @@
 //! groups the lane leaves alone are stepped after backward with the step's real values.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use super::snapshot::Snapshot;
 use crate::backend::Backend;
-use crate::engine::core::Engine;
 use crate::engine::group::Group;
 use crate::engine::nvme::NvmeOffload;
 use crate::engine::offload_copies::Inbound;
@@ -147,44 +145,18 @@ pub(in crate::engine) struct Overlapped {
     pub(in crate::engine) speculative: bool,
 }
 
-impl Engine {
-    /// Which groups still need the update with the step's values `sv` (and `None` when
-    /// the step is skipped), after undoing the lane's work when it does not stand.
-    pub(in crate::engine) fn settle_overlap(
+impl super::OptimizerLane {
+    /// Writes every `stepped` group's saved optimizer values back into `groups`.
+    pub(in crate::engine) fn roll_back(
         &mut self,
-        sv: Option<&StepValues>,
-        lane: Option<Overlapped>,
-    ) -> Result<Vec<bool>> {
-        let n = self.groups.len();
-        let Some(lane) = lane else {
-            return Ok(vec![false; n]);
-        };
-        if sv == Some(&lane.sv) {
-            return Ok(lane.stepped);
-        }
-        if !lane.stepped.iter().any(|&s| s) {
-            return Ok(vec![false; n]);
-        }
-        match (lane.speculative, sv) {
-            (true, _) => {
-                self.roll_back(&lane.stepped)?;
-                Ok(vec![false; n])
-            }
-            (false, None) => Err(super::overlapped_overflow(self.steps + 1)),
-            (false, Some(sv)) => Err(Error::Invalid(format!(
-                "the optimizer lane stepped with {:?} but the step's values are {sv:?}",
-                lane.sv
-            ))),
-        }
-    }
-
-    /// Writes every `stepped` group's saved optimizer values back.
-    pub(in crate::engine) fn roll_back(&mut self, stepped: &[bool]) -> Result<()> {
-        let t = Instant::now();
-        let Some(w) = self.optimizer_lane.as_mut() else {
+        (groups, stepped): (&mut [Group], &[bool]),
+        be: &dyn Backend,
+        trace: &Trace,
+    ) -> Result<()> {
+        let super::OptimizerLane::On(w) = self else {
             return Ok(());
         };
-        for g in (0..self.groups.len()).filter(|&g| stepped[g]) {
+        for g in (0..groups.len()).filter(|&g| stepped[g]) {
             let snap = w
                 .snapshots
                 .get_mut(g)
@@ -194,14 +166,11 @@ impl Engine {
                         "group {g} was stepped on the lane without a snapshot"
                     ))
                 })?;
-            let group = &mut self.groups[g];
+            let group = &mut groups[g];
             // The lane's uploads land before the saved values are written over them.
-            group.landing.await_on(&*self.be)?;
-            let be = &*self.be;
-            self.trace
-                .span("compute", "rollback", g, || snap.restore(group, be))?;
+            group.landing.await_on(be)?;
+            trace.span("compute", "rollback", g, || snap.restore(group, be))?;
         }
-        self.timings.optimizer += t.elapsed().as_secs_f64();
         Ok(())
     }
 }

@@ -166,7 +166,7 @@ impl<'a> Replay<'a> {
         r
     }
 
-    /// `Engine::hpz_after_forward_gather`: a sharded group's first forward gather allocates
+    /// `Hpz::after_forward_gather`: a sharded group's first forward gather allocates
     /// its secondary partition (`1 / G` of the padded parameters), kept from then on.
     fn keep_secondary(&mut self, g: usize) {
         if self.hpz > 1 && self.groups[g].params == Extent::Shard && !self.secondary[g] {
@@ -234,7 +234,7 @@ impl<'a> Replay<'a> {
             self.work[g] = true;
             self.ledger.alloc(Location::Device, Category::Prefetch, b);
         }
-        // `Engine::swap_out_after_gather`: the file still holds the shard.
+        // `Swap::out_after_gather`: the file still holds the shard.
         self.swap_buffer(g, false);
     }
 
@@ -335,7 +335,7 @@ impl<'a> Replay<'a> {
         rules::ckpt_location(self.cfg)
     }
 
-    /// `Engine::checkpoint_ahead`: a checkpoint in host memory goes up to the device
+    /// `Checkpoints::ahead`: a checkpoint in host memory goes up to the device
     /// [`rules::CHECKPOINTS_AHEAD`] units ahead of its recompute.
     fn checkpoint_ahead(&mut self, unit: usize, mb: usize, seq: usize) {
         if self.checkpointing().is_none()
@@ -366,7 +366,7 @@ impl<'a> Replay<'a> {
     }
 
     /// One training forward over every unit (`train_batch`'s: the last unit runs its backward
-    /// at once, `engine/fused.rs`).
+    /// at once, `engine/passes.rs`).
     pub(super) fn forward(&mut self, mb: usize, seq: usize) {
         self.begin_forward_transients(mb, seq);
         let n = self.model.units.len();
@@ -456,7 +456,7 @@ impl<'a> Replay<'a> {
             if self.checkpointing().is_some() {
                 self.unit_forward_transients(unit, mb, seq);
                 let b = self.input_bytes(unit, mb, seq);
-                // `Engine::take_checkpoint`: back on the device (ahead, or now), then used.
+                // `Checkpoints::take`: back on the device (ahead, or now), then used.
                 if self.ckpt_location() == Location::Host {
                     self.checkpoint_ahead(unit, mb, seq);
                     self.ckpt_up[unit] = false;

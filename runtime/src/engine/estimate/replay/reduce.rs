@@ -96,7 +96,7 @@ impl Replay<'_> {
         }
     }
 
-    /// Whether reduced gradients move into place (`Engine::moves_gradient`): one micro-step
+    /// Whether reduced gradients move into place (`GradDownloads::moves`): one micro-step
     /// per step, the accumulator on the device, the wire dtype f32 or the storage dtype
     /// (`rules::gradient_by_move`).
     fn moves(&self) -> bool {

@@ -14,7 +14,7 @@ use crate::engine::stage::Extent;
 
 impl Replay<'_> {
     /// The device's staging pool over the checkpoints of two micro-steps' forwards: each
-    /// checkpoint takes a buffer for its download (`Engine::leave_checkpoint`), keeps it through
+    /// checkpoint takes a buffer for its download (`Checkpoints::leave`), keeps it through
     /// its upload ahead of the recompute, and gives it back only at the next checkpoint's
     /// download (the engine's `prune` runs after that download's `take`), so the second forward
     /// holds one more buffer than the first for a moment.

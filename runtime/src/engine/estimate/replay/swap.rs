@@ -1,5 +1,5 @@
 //! Stage-3 parameter shards on NVMe in the replay: the host buffers a shard occupies while it
-//! is read ahead, gathered from or written back (`Engine::with_slot` and `swap.rs`).
+//! is read ahead, gathered from or written back (`Swap::with_slot` and `swap.rs`).
 
 use std::collections::VecDeque;
 
@@ -13,7 +13,7 @@ impl Replay<'_> {
         self.swap_limit.is_some() && self.groups[g].params == Extent::Shard
     }
 
-    /// `Engine::with_slot`'s ledger entry: a shard starts or stops occupying a host buffer.
+    /// `Swap::with_slot`'s ledger entry: a shard starts or stops occupying a host buffer.
     pub(super) fn swap_buffer(&mut self, g: usize, held: bool) {
         if self.swapped_in[g] == held {
             return;
@@ -26,7 +26,7 @@ impl Replay<'_> {
         }
     }
 
-    /// `Engine::prefetch_swap`: read a needed NVMe shard ahead when a buffer is free and the
+    /// `Swap::prefetch`: read a needed NVMe shard ahead when a buffer is free and the
     /// held elements stay within `max_in_cpu`.
     pub(super) fn prefetch_swap(&mut self, g: usize) {
         let held = (0..self.groups.len()).filter(|&i| self.swapped_in[i]);
