@@ -367,14 +367,11 @@ fn build_model(args: &Args) -> Model {
         module,
         uses_shared: vec![],
     };
-    let mut units = vec![unit(
-        "embed".into(),
-        Box::new(llama::Embed::new(ends.clone())),
-    )];
+    let mut units = vec![unit("embed".into(), Box::new(llama::embed(&ends)))];
     for i in 0..args.blocks {
         units.push(unit(format!("blocks.{i}"), Box::new(block(args, i))));
     }
-    units.push(unit("head".into(), Box::new(llama::Head::new(ends))));
+    units.push(unit("head".into(), Box::new(llama::head(&ends))));
     Model {
         shared: vec![],
         units,

@@ -13,12 +13,12 @@ use std::time::Duration;
 use common::{config, toy};
 use device_common::Dev;
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
-use ferrozero_runtime::backend::{Accumulate, Backend, MemoryModel, Rope};
+use ferrozero_runtime::backend::{Accumulate, Backend, Epilogue, MemoryModel, Rope};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::linear::{Linear, WeightLayout};
-use ferrozero_runtime::nn::llama::{Embed, Head, LlamaConfig};
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::module::SavedState;
 use ferrozero_runtime::nn::{Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit};
 use ferrozero_runtime::tensor::{DType, Storage, Tensor};
@@ -75,14 +75,11 @@ impl Module for Mlp {
         let be = ctx.be;
         let rows = x.numel() / H;
         let (mut pre, mut act) = (ctx.alloc(rows * INNER)?, ctx.alloc(rows * INNER)?);
-        lin(H, INNER).forward_gelu(
-            be,
-            x.view(),
-            p.get(0),
-            p.get(1),
-            pre.view_mut(),
-            act.view_mut(),
-        )?;
+        let gelu = Epilogue::BiasGelu {
+            bias: p.get(1),
+            pre: pre.view_mut(),
+        };
+        lin(H, INNER).product(be, x.view(), p.get(0), act.view_mut(), gelu)?;
         let mut y = ctx.alloc(rows * H)?;
         lin(INNER, H).forward(be, act.view(), p.get(2), Some(p.get(3)), y.view_mut())?;
         be.add_assign(y.view_mut(), x.view())?;
@@ -160,7 +157,7 @@ fn model() -> Model {
     };
     let mut units = vec![Unit {
         name: "embed".into(),
-        module: Box::new(Embed::new(ends.clone())),
+        module: Box::new(llama::embed(&ends)),
         uses_shared: vec![0],
     }];
     for i in 0..2 {
@@ -174,7 +171,7 @@ fn model() -> Model {
     }
     units.push(Unit {
         name: "head".into(),
-        module: Box::new(Head::new(ends)),
+        module: Box::new(llama::head(&ends)),
         uses_shared: vec![0],
     });
     Model {

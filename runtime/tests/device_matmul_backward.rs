@@ -221,7 +221,7 @@ const GPT2_BLOCK_BACKWARD_LAUNCHES: u64 = 20;
 #[test]
 fn gpt2_block_backward_stays_within_its_launch_budget() {
     use ferrozero_runtime::backend::{self, Backend};
-    use ferrozero_runtime::nn::gpt2::{Block, Gpt2Config};
+    use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
     use ferrozero_runtime::nn::{BatchIds, Ctx, Grads, Module, Params};
     use ferrozero_runtime::tensor::{FlatBuf, Storage, Tensor};
 
@@ -231,7 +231,7 @@ fn gpt2_block_backward_stays_within_its_launch_budget() {
     };
     let mut cfg = Gpt2Config::preset("tiny").unwrap();
     (cfg.n_head, cfg.n_embd, cfg.resid_pdrop) = (2, 32, 0.0);
-    let block = Block::new(cfg, 0);
+    let block = gpt2::block(&cfg, 0);
     let put = |v: &[f32], t: DType| {
         let mut b = FlatBuf::zeros(t, v.len());
         b.store_f32(0, v);

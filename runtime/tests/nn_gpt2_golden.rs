@@ -5,7 +5,7 @@ mod nn_common;
 
 use std::path::Path;
 
-use ferrozero_runtime::nn::gpt2::{self, Gpt2Config, Head};
+use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::weights::{self, Naming};
 use ferrozero_runtime::nn::{Batch, BatchIds, Ctx, Params, Saved};
 use ferrozero_runtime::tensor::{Tensor, View};
@@ -117,7 +117,7 @@ fn logits_match_pytorch() {
             .expect("forward");
         assert!(saved.is_none(), "evaluation mode must not save activations");
     }
-    let head = Head::new(config());
+    let head = gpt2::head(&config());
     let p = Params::new(vec![
         w.units[last][0].as_slice().into(),
         w.units[last][1].as_slice().into(),

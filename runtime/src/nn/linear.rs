@@ -52,45 +52,18 @@ impl Linear {
             Some(b) => Epilogue::Bias(b),
             None => Epilogue::Store,
         };
-        be.matmul(self.forward_shape(x.len()), x, w, y, epilogue)
+        self.product(be, x, w, y, epilogue)
     }
 
-    /// `pre = x · W + bias` and `y = gelu_tanh(pre)` in one call (fused where the device can).
-    pub fn forward_gelu(
-        &self,
-        be: &dyn Backend,
-        x: View<'_>,
-        w: View<'_>,
-        bias: View<'_>,
-        pre: ViewMut<'_>,
-        y: ViewMut<'_>,
-    ) -> Result<()> {
-        let epilogue = Epilogue::BiasGelu { bias, pre };
-        be.matmul(self.forward_shape(x.len()), x, w, y, epilogue)
-    }
-
-    /// `y += x · W`: fuses a residual connection into the product.
-    pub fn forward_add(
+    /// `y = x · W` with `epilogue` applied (a bias, a GELU, a residual: see [`Epilogue`]).
+    pub fn product(
         &self,
         be: &dyn Backend,
         x: View<'_>,
         w: View<'_>,
         y: ViewMut<'_>,
+        epilogue: Epilogue<'_>,
     ) -> Result<()> {
-        be.matmul(self.forward_shape(x.len()), x, w, y, Epilogue::Accumulate)
-    }
-
-    /// `y = residual + x · W (+ bias)`: a residual connection written by the product itself
-    /// (no copy of the residual stream first, no separate add on a device).
-    pub fn forward_residual(
-        &self,
-        be: &dyn Backend,
-        x: View<'_>,
-        (w, bias): (View<'_>, Option<View<'_>>),
-        residual: View<'_>,
-        y: ViewMut<'_>,
-    ) -> Result<()> {
-        let epilogue = Epilogue::Residual { residual, bias };
         be.matmul(self.forward_shape(x.len()), x, w, y, epilogue)
     }
 
@@ -107,6 +80,18 @@ impl Linear {
             Accumulate::Overwrite => Epilogue::Store,
             Accumulate::Add => Epilogue::Accumulate,
         };
+        self.input_product(be, dy, w, dx, epilogue)
+    }
+
+    /// `dx = dy · Wᵀ` (in the layout's terms) with `epilogue` applied (e.g. through a GELU).
+    pub fn input_product(
+        &self,
+        be: &dyn Backend,
+        dy: View<'_>,
+        w: View<'_>,
+        dx: ViewMut<'_>,
+        epilogue: Epilogue<'_>,
+    ) -> Result<()> {
         be.matmul(self.input_grad_shape(dy.len()), dy, w, dx, epilogue)
     }
 
@@ -122,25 +107,6 @@ impl Linear {
                 WeightLayout::OutIn => Transpose::No,
             },
         }
-    }
-
-    /// `dx = (dy · Wᵀ) ⊙ gelu_tanh'(pre)` and `db_pre += Σ_rows dx`: the input gradient of a
-    /// layer fed by [`Linear::forward_gelu`]'s output `gelu(pre)`, through that GELU, and the
-    /// gradient of the bias that produced `pre`, in one product (cuBLASLt's DGELU_BGRAD).
-    pub fn backward_input_gelu(
-        &self,
-        be: &dyn Backend,
-        dy: View<'_>,
-        w: View<'_>,
-        pre: View<'_>,
-        dx: ViewMut<'_>,
-        db_pre: ViewMut<'_>,
-    ) -> Result<()> {
-        let epilogue = Epilogue::GeluBackwardBiasGrad {
-            pre,
-            bias_grad: db_pre,
-        };
-        be.matmul(self.input_grad_shape(dy.len()), dy, w, dx, epilogue)
     }
 
     /// `dW += xᵀ · dy` (stored in the layout) and `db += Σ_rows dy`, the bias gradient from

@@ -5,6 +5,7 @@ pub mod gpt2;
 pub mod gradcheck;
 pub mod hf;
 pub mod init;
+pub mod layers;
 pub mod linear;
 pub mod llama;
 pub mod module;
@@ -79,37 +80,6 @@ pub(crate) fn loss_grad(grad_output: &Tensor) -> Result<f32> {
             got: format!("shape {:?}", grad_output.shape),
         }),
     }
-}
-
-/// Checks that the engine lent exactly the views a unit needs (`lens`: element counts in
-/// [`Params`] order), so a layout bug surfaces as an error instead of an index panic.
-pub(crate) fn check_views(
-    unit: &str,
-    params: &Params<'_>,
-    grads: Option<&mut Grads<'_>>,
-    lens: &[usize],
-) -> Result<()> {
-    let bad = |what: &str, got: String| Error::Shape {
-        op: "parameter views",
-        expected: format!("{unit}: {} {what} of lengths {lens:?}", lens.len()),
-        got,
-    };
-    let got: Vec<usize> = (0..params.len()).map(|i| params.get(i).len()).collect();
-    if got != lens {
-        return Err(bad("parameters", format!("{got:?}")));
-    }
-    if let Some(g) = grads {
-        let got: Vec<usize> = (0..g.len()).map(|i| g.len_of(i)).collect();
-        if got != lens {
-            return Err(bad("gradients", format!("{got:?}")));
-        }
-    }
-    Ok(())
-}
-
-/// Element counts of `specs`, in order.
-pub(crate) fn spec_lens(specs: &[ParamSpec]) -> Vec<usize> {
-    specs.iter().map(ParamSpec::numel).collect()
 }
 
 /// Backward must see the batch forward saw: the saved input of `saved_len` elements must

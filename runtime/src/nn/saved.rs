@@ -2,25 +2,79 @@
 //! count is exactly what they hold, so the memory ledger sees the real figure.
 
 use super::module::{Saved, SavedState};
+use crate::backend::Backend;
+use crate::tensor::Storage;
 use crate::{Error, Result};
 
-/// Declares a saved-state struct of [`crate::tensor::Storage`] fields with an exact `bytes()`.
+/// Buffers a layer keeps between forward and backward: what they weigh and how they go back
+/// to the device, so a block's saved state can nest its layers' without counting by hand.
+pub(crate) trait Held {
+    /// Bytes held.
+    fn bytes(&self) -> usize;
+    /// Hands every buffer back to `be` for reuse.
+    fn hand_back(self, be: &dyn Backend);
+}
+
+impl Held for Storage {
+    fn bytes(&self) -> usize {
+        Storage::bytes(self) as usize
+    }
+    fn hand_back(self, be: &dyn Backend) {
+        be.recycle(self);
+    }
+}
+
+impl<T: Held> Held for Option<T> {
+    fn bytes(&self) -> usize {
+        self.as_ref().map_or(0, Held::bytes)
+    }
+    fn hand_back(self, be: &dyn Backend) {
+        if let Some(h) = self {
+            h.hand_back(be);
+        }
+    }
+}
+
+impl<T: Held> Held for Vec<T> {
+    fn bytes(&self) -> usize {
+        self.iter().map(Held::bytes).sum()
+    }
+    fn hand_back(self, be: &dyn Backend) {
+        for h in self {
+            h.hand_back(be);
+        }
+    }
+}
+
+impl<A: Held, B: Held> Held for (A, B) {
+    fn bytes(&self) -> usize {
+        self.0.bytes() + self.1.bytes()
+    }
+    fn hand_back(self, be: &dyn Backend) {
+        self.0.hand_back(be);
+        self.1.hand_back(be);
+    }
+}
+
+/// Declares a saved-state struct of [`Held`] fields with an exact `bytes()`; it is itself
+/// [`Held`], so layers' states nest in a unit's.
 macro_rules! saved_struct {
-    ($(#[$m:meta])* $name:ident { $($field:ident),* $(,)? }) => {
+    ($(#[$m:meta])* $name:ident { $($field:ident : $ty:ty),* $(,)? }) => {
         $(#[$m])*
         pub(crate) struct $name {
-            $(pub(crate) $field: $crate::tensor::Storage,)*
+            $(pub(crate) $field: $ty,)*
         }
-        impl $name {
-            /// Hands every buffer back to `be` for reuse (at the end of backward).
-            #[allow(dead_code)] // states without buffers never call it
-            pub(crate) fn recycle(self, _be: &dyn $crate::backend::Backend) {
-                $(_be.recycle(self.$field);)*
+        impl $crate::nn::saved::Held for $name {
+            fn bytes(&self) -> usize {
+                0 $(+ $crate::nn::saved::Held::bytes(&self.$field))*
+            }
+            fn hand_back(self, _be: &dyn $crate::backend::Backend) {
+                $($crate::nn::saved::Held::hand_back(self.$field, _be);)*
             }
         }
         impl $crate::nn::module::SavedState for $name {
             fn bytes(&self) -> usize {
-                0 $(+ self.$field.bytes() as usize)*
+                $crate::nn::saved::Held::bytes(self)
             }
             fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
                 self

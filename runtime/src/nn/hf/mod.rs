@@ -95,11 +95,7 @@ pub struct HfModel {
 impl HfModel {
     /// Reads `config.json` at `path`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        Self::from_json(&text, &path.display().to_string())
+        Self::from_json(&read_text(path)?, &path.display().to_string())
     }
 
     /// Parses `config.json` text; `origin` names it in errors.
@@ -164,37 +160,36 @@ impl HfModel {
     }
 }
 
-/// Parses `text` as a Llama-family config (`LlamaConfig::from_json`): `architectures` and
-/// `model_type` may be absent, and then it is read as `LlamaForCausalLM`.
-pub fn llama_from_json(text: &str, origin: &str) -> Result<LlamaConfig> {
-    let map = object(text, origin)?;
-    let arch = if has_name(&map) {
-        architecture(&map, origin)?
-    } else {
-        Architecture::Llama
-    };
-    match HfModel::read(&map, origin, arch)?.config {
-        ModelConfig::Llama(c) => Ok(c),
-        ModelConfig::Gpt2(_) => Err(Error::Config(format!(
-            "{origin}: a GPT-2 config where a Llama-family one was expected"
-        ))),
-    }
+/// The text of the `config.json` at `path`.
+pub(crate) fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| Error::File {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
 }
 
-/// Parses `text` as a GPT-2 config (`Gpt2Config::from_json`; `architectures` may be absent).
-pub fn gpt2_from_json(text: &str, origin: &str) -> Result<Gpt2Config> {
+/// Parses `text` (`origin` names it in errors) as the architecture it names, or as `default`
+/// when it names none (`architectures` and `model_type` may be absent); `pick` takes the
+/// config of `default`'s family and refuses another.
+pub(crate) fn read_as<T>(
+    text: &str,
+    origin: &str,
+    default: Architecture,
+    pick: fn(ModelConfig) -> Option<T>,
+) -> Result<T> {
     let map = object(text, origin)?;
     let arch = if has_name(&map) {
         architecture(&map, origin)?
     } else {
-        Architecture::Gpt2
+        default
     };
-    match HfModel::read(&map, origin, arch)?.config {
-        ModelConfig::Gpt2(c) => Ok(c),
-        ModelConfig::Llama(_) => Err(Error::Config(format!(
-            "{origin}: a Llama-family config where a GPT-2 one was expected"
-        ))),
-    }
+    pick(HfModel::read(&map, origin, arch)?.config).ok_or_else(|| {
+        Error::Config(format!(
+            "{origin}: a {} config where one of {}'s family was expected",
+            arch.class_name(),
+            default.class_name()
+        ))
+    })
 }
 
 fn object(text: &str, origin: &str) -> Result<Map<String, Value>> {

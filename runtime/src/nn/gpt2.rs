@@ -4,26 +4,19 @@
 //! reads the shared `transformer.wte.weight` `[vocab_size, n_embd]`), one `h.{i}` per block,
 //! and `head` (`transformer.ln_f` + LM head tied to `wte` + summed cross-entropy).
 //!
-//! Block `h.{i}` declares, in this order (`C = n_embd`), under `transformer.h.{i}.`:
-//! `ln_1.weight [C]`, `ln_1.bias [C]`, `attn.c_attn.weight [C, 3C]`, `attn.c_attn.bias [3C]`,
-//! `attn.c_proj.weight [C, C]`, `attn.c_proj.bias [C]`, `ln_2.weight [C]`, `ln_2.bias [C]`,
-//! `mlp.c_fc.weight [C, 4C]`, `mlp.c_fc.bias [4C]`, `mlp.c_proj.weight [4C, C]`,
-//! `mlp.c_proj.bias [C]`. GPT-2's `Conv1D` stores weights as `[in, out]` (so `y = x · W`,
-//! no transposition), exactly as in Hugging Face checkpoints; the LM head multiplies by
-//! `wteᵀ`. `c_attn`'s output columns are q, k, v in thirds, each split into heads of
-//! `C / n_head` columns.
+//! Blocks `transformer.h.{i}.` declare their parameters in [`block`] as Hugging Face's
+//! checkpoints hold them: GPT-2's `Conv1D` stores weights as `[in, out]` (so `y = x · W`, no
+//! transposition); the LM head multiplies by `wteᵀ`. `c_attn`'s output columns are q, k, v in
+//! thirds, each split into heads of `n_embd / n_head` columns.
 //!
 //! Dropout (`resid_pdrop`, `embd_pdrop`) applies after the embedding sum and on each
 //! residual branch; masks derive from `ctx.rng_seed` only. Attention-probability dropout
 //! is not implemented, so a nonzero `attn_pdrop` is rejected by [`Gpt2Config::validate`].
 
-mod block;
-mod ends;
-
-pub use block::Block;
-pub use ends::{Embed, Head};
-
-use crate::nn::{Init, Model, ParamSpec, Unit};
+use crate::nn::hf::{self, Architecture, ModelConfig};
+use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
+use crate::nn::linear::{Linear, WeightLayout};
+use crate::nn::{Init, Model, ParamSpec};
 use crate::{Error, Result};
 
 /// GPT-2 hyper-parameters, field names as in Hugging Face's `GPT2Config` (`config.json`,
@@ -83,16 +76,20 @@ impl Gpt2Config {
     /// Parses a Hugging Face `GPT2LMHeadModel` `config.json` (see [`crate::nn::hf`]: keys
     /// that would change the math and are not implemented are refused).
     pub fn from_json(text: &str) -> Result<Self> {
-        crate::nn::hf::gpt2_from_json(text, "config.json")
+        Self::parse(text, "config.json")
     }
 
     /// Reads and parses a `config.json` file.
     pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        crate::nn::hf::gpt2_from_json(&text, &path.display().to_string())
+        Self::parse(&hf::read_text(path)?, &path.display().to_string())
+    }
+
+    fn parse(text: &str, origin: &str) -> Result<Self> {
+        let pick = |c| match c {
+            ModelConfig::Gpt2(c) => Some(c),
+            _ => None,
+        };
+        hf::read_as(text, origin, Architecture::Gpt2, pick)
     }
 
     /// Checks that the sizes are usable.
@@ -134,6 +131,64 @@ impl Gpt2Config {
     }
 }
 
+/// `embed`: `wte[token] + wpe[position]` (`wte` shared with the head), then dropout.
+pub fn embed(cfg: &Gpt2Config) -> TokenEmbed {
+    let sizes = (cfg.n_embd, cfg.vocab_size, cfg.n_positions);
+    let wpe = ("transformer.wpe.weight", normal(cfg.initializer_range));
+    let mut embed = TokenEmbed::new(sizes, Some(wpe), None);
+    embed.dropout = Some(cfg.embd_pdrop);
+    embed
+}
+
+/// Block `transformer.h.{index}`: LayerNorm, attention over the fused `c_attn`, LayerNorm,
+/// GELU MLP, each projection a `Conv1D` (`[in, out]`) with a bias.
+pub fn block(cfg: &Gpt2Config, index: usize) -> Block {
+    let (c, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
+    let std = normal(cfg.initializer_range);
+    // GPT-2 scales residual projections by 1/sqrt(2 * n_layer).
+    let proj_std = normal(cfg.initializer_range / (2.0 * cfg.n_layer as f32).sqrt());
+    let lin = |d_in, d_out| Linear {
+        d_in,
+        d_out,
+        layout: WeightLayout::InOut,
+    };
+    let mut p = ParamList::new(format!("transformer.h.{index}."));
+    let norm1 = p.layer_norm("ln_1", c, eps);
+    let c_attn = p.dense("attn.c_attn", lin(c, 3 * c), std, true);
+    let o = p.dense("attn.c_proj", lin(c, c), proj_std, true);
+    let norm2 = p.layer_norm("ln_2", c, eps);
+    let fc = p.dense("mlp.c_fc", lin(c, 4 * c), std, true);
+    let proj = p.dense("mlp.c_proj", lin(4 * c, c), proj_std, true);
+    let attn = Attention {
+        qkv: vec![c_attn],
+        o,
+        q_heads: cfg.n_head,
+        kv_heads: cfg.n_head,
+        head_dim: cfg.head_dim(),
+        rope: None,
+    };
+    Block {
+        params: p,
+        width: c,
+        norm1,
+        attn,
+        norm2,
+        mlp: Mlp::Gelu { fc, proj },
+        resid_pdrop: cfg.resid_pdrop,
+    }
+}
+
+/// `head`: `transformer.ln_f`, then the LM head tied to `wte`.
+pub fn head(cfg: &Gpt2Config) -> LmHead {
+    let mut p = ParamList::new("transformer.");
+    let norm = p.layer_norm("ln_f", cfg.n_embd, cfg.layer_norm_epsilon);
+    LmHead::new(p, norm, (cfg.n_embd, cfg.vocab_size), None)
+}
+
+fn normal(std: f32) -> Init {
+    Init::Normal { std }
+}
+
 /// Builds the model. It holds no device: the engine (or whoever calls the modules) passes
 /// the backend in each call's [`crate::nn::Ctx`], so one model runs on any device.
 pub fn build(cfg: &Gpt2Config) -> Result<Model> {
@@ -141,29 +196,8 @@ pub fn build(cfg: &Gpt2Config) -> Result<Model> {
     let wte = ParamSpec {
         name: "transformer.wte.weight".into(),
         shape: vec![cfg.vocab_size, cfg.n_embd],
-        init: Init::Normal {
-            std: cfg.initializer_range,
-        },
+        init: normal(cfg.initializer_range),
     };
-    let mut units = vec![Unit {
-        name: "embed".into(),
-        module: Box::new(Embed::new(cfg.clone())),
-        uses_shared: vec![0],
-    }];
-    for i in 0..cfg.n_layer {
-        units.push(Unit {
-            name: format!("h.{i}"),
-            module: Box::new(Block::new(cfg.clone(), i)),
-            uses_shared: vec![],
-        });
-    }
-    units.push(Unit {
-        name: "head".into(),
-        module: Box::new(Head::new(cfg.clone())),
-        uses_shared: vec![0],
-    });
-    Ok(Model {
-        shared: vec![wte],
-        units,
-    })
+    let blocks = (0..cfg.n_layer).map(|i| block(cfg, i)).collect();
+    Ok(decoder(Some(wte), embed(cfg), ("h", blocks), head(cfg)))
 }

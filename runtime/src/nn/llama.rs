@@ -6,29 +6,21 @@
 //! With `tie_word_embeddings` the embedding table is a shared parameter read by `embed` and
 //! `head`, and no `lm_head.weight` exists (as in Hugging Face).
 //!
-//! Block `layers.{i}` declares, under `model.layers.{i}.` (`H` hidden, `I` intermediate,
-//! `D` head dim, `Hq`/`Hkv` heads): `self_attn.q_proj.weight [Hq·D, H]`,
-//! `self_attn.k_proj.weight [Hkv·D, H]`, `self_attn.v_proj.weight [Hkv·D, H]`,
-//! `self_attn.o_proj.weight [H, Hq·D]`, `mlp.gate_proj.weight [I, H]`,
-//! `mlp.up_proj.weight [I, H]`, `mlp.down_proj.weight [H, I]`, `input_layernorm.weight [H]`,
-//! `post_attention_layernorm.weight [H]`. All are `nn.Linear` weights stored `[out, in]`
-//! (`y = x · Wᵀ`), exactly as in Hugging Face checkpoints. RoPE follows Hugging Face's
-//! rotate-half convention (dimension `i` pairs with `i + D/2`), with its frequency scalings
-//! (`linear`, `llama3`).
+//! Blocks `model.layers.{i}.` declare their parameters in [`block`] as Hugging Face's
+//! checkpoints hold them: `nn.Linear` weights stored `[out, in]` (`y = x · Wᵀ`). RoPE follows
+//! Hugging Face's rotate-half convention (dimension `i` pairs with `i + D/2`), with its
+//! frequency scalings (`linear`, `llama3`).
 //!
 //! The same code is Mistral (a `sliding_window`: the run's sequence must fit in it, where
 //! windowed attention is full causal attention) and Qwen2 (`qkv_bias`: q/k/v projections
 //! carry `bias [width]` parameters after their weights). [`crate::nn::hf`] reads each
 //! architecture's `config.json` into a [`LlamaConfig`].
 
-mod block;
-mod ends;
-
-pub use block::Block;
-pub use ends::{Embed, Head};
-
 use crate::backend::Rope;
-use crate::nn::{Init, Model, ParamSpec, Unit};
+use crate::nn::hf::{self, Architecture, ModelConfig};
+use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
+use crate::nn::linear::{Linear, WeightLayout};
+use crate::nn::{Init, Model, ParamSpec};
 use crate::{Error, Result};
 
 /// Llama hyper-parameters, field names as in Hugging Face's `LlamaConfig` (`config.json`,
@@ -100,16 +92,20 @@ impl LlamaConfig {
     /// Parses a Hugging Face `LlamaForCausalLM` `config.json` (see [`crate::nn::hf`]: keys that
     /// would change the math and are not implemented are refused).
     pub fn from_json(text: &str) -> Result<Self> {
-        crate::nn::hf::llama_from_json(text, "config.json")
+        Self::parse(text, "config.json")
     }
 
     /// Reads and parses a `config.json` file.
     pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        crate::nn::hf::llama_from_json(&text, &path.display().to_string())
+        Self::parse(&hf::read_text(path)?, &path.display().to_string())
+    }
+
+    fn parse(text: &str, origin: &str) -> Result<Self> {
+        let pick = |c| match c {
+            ModelConfig::Llama(c) => Some(c),
+            _ => None,
+        };
+        hf::read_as(text, origin, Architecture::Llama, pick)
     }
 
     /// Key/value heads.
@@ -168,6 +164,80 @@ impl LlamaConfig {
     }
 }
 
+/// The embedding table's name and initialiser, when the unit declares it (untied).
+fn own_table<'a>(cfg: &LlamaConfig, name: &'a str) -> Option<(&'a str, Init)> {
+    let init = Init::Normal {
+        std: cfg.initializer_range,
+    };
+    (!cfg.tie_word_embeddings).then_some((name, init))
+}
+
+/// `embed`: `embed_tokens[token]` (shared with the head when tied).
+pub fn embed(cfg: &LlamaConfig) -> TokenEmbed {
+    let sizes = (cfg.hidden_size, cfg.vocab_size, cfg.max_position_embeddings);
+    let table = own_table(cfg, "model.embed_tokens.weight");
+    let mut embed = TokenEmbed::new(sizes, None, table);
+    embed.window = cfg.sliding_window;
+    embed
+}
+
+/// Block `model.layers.{index}`: RMSNorm, grouped-query attention with RoPE, RMSNorm,
+/// SwiGLU; every projection an `nn.Linear` (`[out, in]`), biased only on q/k/v with
+/// `qkv_bias`, whose biases come after the nine weights so the weights keep their places.
+pub fn block(cfg: &LlamaConfig, index: usize) -> Block {
+    let (h, i, eps) = (cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps);
+    let d = cfg.head_dim();
+    let (qw, kvw) = (cfg.num_attention_heads * d, cfg.kv_heads() * d);
+    let w = Init::Normal {
+        std: cfg.initializer_range,
+    };
+    let lin = |d_in, d_out| Linear {
+        d_in,
+        d_out,
+        layout: WeightLayout::OutIn,
+    };
+    let mut p = ParamList::new(format!("model.layers.{index}."));
+    let mut qkv = [("q", qw), ("k", kvw), ("v", kvw)]
+        .map(|(n, out)| p.dense(&format!("self_attn.{n}_proj"), lin(h, out), w, false));
+    let o = p.dense("self_attn.o_proj", lin(qw, h), w, false);
+    let gate = p.dense("mlp.gate_proj", lin(h, i), w, false);
+    let up = p.dense("mlp.up_proj", lin(h, i), w, false);
+    let down = p.dense("mlp.down_proj", lin(i, h), w, false);
+    let norm1 = p.rms_norm("input_layernorm", h, eps);
+    let norm2 = p.rms_norm("post_attention_layernorm", h, eps);
+    if cfg.qkv_bias {
+        for (dense, n) in qkv.iter_mut().zip(["q", "k", "v"]) {
+            let name = format!("self_attn.{n}_proj.bias");
+            dense.bias = Some(p.add(&name, vec![dense.lin.d_out], Init::Zeros));
+        }
+    }
+    let attn = Attention {
+        qkv: qkv.to_vec(),
+        o,
+        q_heads: cfg.num_attention_heads,
+        kv_heads: cfg.kv_heads(),
+        head_dim: d,
+        rope: Some(cfg.rope),
+    };
+    Block {
+        params: p,
+        width: h,
+        norm1,
+        attn,
+        norm2,
+        mlp: Mlp::SwiGlu { gate, up, down },
+        resid_pdrop: 0.0,
+    }
+}
+
+/// `head`: `model.norm`, then `lm_head` (the embedding table when tied).
+pub fn head(cfg: &LlamaConfig) -> LmHead {
+    let mut p = ParamList::new("");
+    let norm = p.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps);
+    let table = own_table(cfg, "lm_head.weight");
+    LmHead::new(p, norm, (cfg.hidden_size, cfg.vocab_size), table)
+}
+
 /// Builds the model. It holds no device: the engine (or whoever calls the modules) passes
 /// the backend in each call's [`crate::nn::Ctx`], so one model runs on any device.
 pub fn build(cfg: &LlamaConfig) -> Result<Model> {
@@ -179,27 +249,7 @@ pub fn build(cfg: &LlamaConfig) -> Result<Model> {
             std: cfg.initializer_range,
         },
     };
-    let (shared, uses) = if cfg.tie_word_embeddings {
-        (vec![table], vec![0])
-    } else {
-        (vec![], vec![])
-    };
-    let mut units = vec![Unit {
-        name: "embed".into(),
-        module: Box::new(Embed::new(cfg.clone())),
-        uses_shared: uses.clone(),
-    }];
-    for i in 0..cfg.num_hidden_layers {
-        units.push(Unit {
-            name: format!("layers.{i}"),
-            module: Box::new(Block::new(cfg.clone(), i)),
-            uses_shared: vec![],
-        });
-    }
-    units.push(Unit {
-        name: "head".into(),
-        module: Box::new(Head::new(cfg.clone())),
-        uses_shared: uses,
-    });
-    Ok(Model { shared, units })
+    let tied = cfg.tie_word_embeddings.then_some(table);
+    let blocks = (0..cfg.num_hidden_layers).map(|i| block(cfg, i)).collect();
+    Ok(decoder(tied, embed(cfg), ("layers", blocks), head(cfg)))
 }
