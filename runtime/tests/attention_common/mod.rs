@@ -35,6 +35,7 @@ impl AttnCase {
             q_heads: self.q_heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            dropout: None,
         }
     }
 

@@ -222,6 +222,12 @@ struct Dims {
 /// Checks the shape: kv heads dividing q heads, a head dim the kernels take, sizes in range.
 fn dims(op: &'static str, s: &AttentionShape) -> Result<Dims> {
     s.check_heads(op)?;
+    if s.dropout.is_some() {
+        return Err(Error::Unavailable {
+            what: "CUDA attention",
+            why: "dropout on the attention probabilities is not in the kernels yet".into(),
+        });
+    }
     let Some(padded) = PADDED_DIMS.iter().position(|&p| s.head_dim <= p) else {
         return Err(Error::Unavailable {
             what: "CUDA attention",

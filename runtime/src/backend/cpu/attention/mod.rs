@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use super::simd::simd_kernel;
 use super::{f32_in, f32_out, gemm_raw, math, CpuBackend, SendPtr, StridedMat};
 use crate::backend::{
-    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Rope, Rotation, RowView,
+    Accumulate, AttentionGrads, AttentionOps, AttentionShape, AttnDropout, Rope, Rotation, RowView,
 };
 use crate::tensor::{FlatBuf, Storage, View, ViewMut};
 use crate::{Error, Result};
@@ -116,6 +116,42 @@ simd_kernel! {
     }
 }
 
+/// `out = P ∘ M / (1-p)` for the `[t, t]` probabilities `p` of head `h` of sequence `b`
+/// (the masked upper triangle zero, as in `p`).
+fn drop_probs(
+    dr: &AttnDropout,
+    s: &AttentionShape,
+    (b, h): (usize, usize),
+    p: &[f32],
+    out: &mut [f32],
+) {
+    let (t, scale) = (s.seq, dr.scale());
+    for (i, (prow, orow)) in p.chunks(t).zip(out.chunks_mut(t)).enumerate() {
+        for (j, (o, &pv)) in orow.iter_mut().zip(prow).enumerate() {
+            *o = if j <= i && dr.keep(s, (b, h, i, j)) {
+                pv * scale
+            } else {
+                0.0
+            };
+        }
+    }
+}
+
+/// `dP ∘ M / (1-p)` in place on the causal part of head `h` of sequence `b`: the gradient
+/// reaching the probabilities through the same mask forward drew.
+fn drop_grad(dr: &AttnDropout, s: &AttentionShape, (b, h): (usize, usize), dp: &mut [f32]) {
+    let (t, scale) = (s.seq, dr.scale());
+    for (i, row) in dp.chunks_mut(t).enumerate() {
+        for (j, g) in row[..=i].iter_mut().enumerate() {
+            *g = if dr.keep(s, (b, h, i, j)) {
+                *g * scale
+            } else {
+                0.0
+            };
+        }
+    }
+}
+
 impl AttentionOps for CpuBackend {
     fn attention_forward(
         &self,
@@ -156,6 +192,8 @@ impl AttentionOps for CpuBackend {
             .enumerate()
             .for_each(|(task, pg)| {
                 let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
+                // With dropout the product reads a dropped copy; `probs` keeps P for backward.
+                let mut dropped = s.dropout.map(|_| vec![0.0f32; tt]);
                 for (g, p) in pg.chunks_mut(tt).enumerate() {
                     let h = kvh * group + g;
                     let (qh, kt) = (
@@ -184,10 +222,17 @@ impl AttentionOps for CpuBackend {
                         }
                     }
                     causal_softmax(p, t, scale);
+                    let pv = match (&s.dropout, dropped.as_mut()) {
+                        (Some(dr), Some(pd)) => {
+                            drop_probs(dr, &s, (b, h), p, pd);
+                            pd.as_ptr()
+                        }
+                        _ => p.as_ptr(),
+                    };
                     // SAFETY: as above.
                     unsafe {
                         for (r0, r1) in row_blocks(t) {
-                            let pr = rows(square(p.as_ptr(), t), r0);
+                            let pr = rows(square(pv, t), r0);
                             gemm_raw(
                                 r1 - r0,
                                 d,
