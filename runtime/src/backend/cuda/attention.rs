@@ -222,12 +222,6 @@ struct Dims {
 /// Checks the shape: kv heads dividing q heads, a head dim the kernels take, sizes in range.
 fn dims(op: &'static str, s: &AttentionShape) -> Result<Dims> {
     s.check_heads(op)?;
-    if s.dropout.is_some() {
-        return Err(Error::Unavailable {
-            what: "CUDA attention",
-            why: "dropout on the attention probabilities is not in the kernels yet".into(),
-        });
-    }
     let Some(padded) = PADDED_DIMS.iter().position(|&p| s.head_dim <= p) else {
         return Err(Error::Unavailable {
             what: "CUDA attention",
@@ -285,8 +279,15 @@ fn grid(l: &Launch, d: &Dims, heads: i32) -> Result<LaunchConfig> {
     })
 }
 
-/// Appends the views' strides and offsets and the sizes (every kernel's trailing parameters).
-fn view_args(args: Args, q: RowView, k: RowView, v: RowView, d: &Dims, scale: f32) -> Args {
+/// Appends the views' strides and offsets, the sizes and the dropout (every kernel's trailing
+/// parameters; p = 0 is no dropout).
+fn view_args(
+    args: Args,
+    (q, k, v): (RowView, RowView, RowView),
+    s: &AttentionShape,
+    d: &Dims,
+) -> Args {
+    let (seed, p) = s.dropout.map_or((0, 0.0), |dr| (dr.seed, dr.p));
     args.len(q.stride)
         .len(q.offset)
         .len(k.stride)
@@ -298,7 +299,9 @@ fn view_args(args: Args, q: RowView, k: RowView, v: RowView, d: &Dims, scale: f3
         .i32(d.q_heads)
         .i32(d.kv_heads)
         .i32(d.head_dim)
-        .f32(scale)
+        .f32(softmax_scale(s.head_dim))
+        .u64(seed)
+        .f32(p)
 }
 
 /// The CPU backend's softmax scale, `1 / √head_dim` in f32.
@@ -365,7 +368,7 @@ impl AttentionOps for CudaBackend {
             .ptr(vd.ptr())
             .ptr(out.ptr())
             .ptr(lse.view().ptr());
-        let mut args = view_args(args, q.1, k.1, v.1, &d, softmax_scale(s.head_dim));
+        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
         self.dev.launch(l.name, cfg, &mut args)?;
         Ok(Storage::Cuda(lse))
     }
@@ -444,7 +447,6 @@ impl AttentionOps for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let scale = softmax_scale(s.head_dim);
         // di = rowsum(dO ∘ O): a warp per (token, head).
         let di = self.dev.alloc(rows * 4)?;
         let mut args = Args::new()
@@ -474,7 +476,7 @@ impl AttentionOps for CudaBackend {
             .ptr(di.ptr())
             .ptr(dk)
             .ptr(dv);
-        let mut args = view_args(args, q.1, k.1, v.1, &d, scale);
+        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
         self.dev.launch(l.name, cfg, &mut args)?;
 
         let l = launch_for(Pass::Dq, dt, d.padded);
@@ -487,7 +489,7 @@ impl AttentionOps for CudaBackend {
             .ptr(lse.ptr())
             .ptr(di.ptr())
             .ptr(dq);
-        let mut args = view_args(args, q.1, k.1, v.1, &d, scale);
+        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
         self.dev.launch(l.name, cfg, &mut args)
     }
 
