@@ -6,6 +6,8 @@
 //! `di = rowsum(dO ∘ O)`, then dK/dV (a block per tile of keys of one kv head, summing over the
 //! group's query heads and the query tiles in a fixed order) and dQ (a block per tile of query
 //! rows, summing over the key tiles in order): no atomics, so results depend on the shape alone.
+//! Probability dropout is two trailing kernel parameters (seed, p; p = 0 is none): each kernel
+//! redraws the CPU's mask element by element, so nothing is stored for backward.
 //! The kernels are compiled for head dims padded to 32, 64, 96 and 128; this file mirrors their
 //! tile table (`attention.cu`'s header), and a kernel traps when launched with other sizes.
 

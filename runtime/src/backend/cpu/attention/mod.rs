@@ -3,7 +3,8 @@
 //! One rayon task per (sequence, key/value head): the query heads of a group run in that
 //! task, so the group's dK/dV accumulate without races, and each per-head product is a
 //! single-threaded gemm on strided views (no transposition copies). The backward's steps are
-//! in `backward`.
+//! in `backward`. With probability dropout the forward keeps the undropped P and multiplies V
+//! by a dropped copy; backward redraws the same mask from its counter instead of reading it.
 
 mod backward;
 
