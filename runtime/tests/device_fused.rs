@@ -338,6 +338,7 @@ fn rope_queries_and_keys(d: &Dev) {
             q_heads: hq,
             kv_heads: hkv,
             head_dim: hd,
+            dropout: None,
         };
         let (q, k) = (
             d.round(&rand(b * t * hq * hd, 51)),

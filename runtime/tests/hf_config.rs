@@ -177,13 +177,19 @@ fn unsupported_architectures_and_values_are_named_with_what_is_supported() {
     let mut q = llama(json!({"layer_types": ["full_attention", "chunked_attention"]}));
     q["architectures"] = json!(["Qwen2ForCausalLM"]);
     assert!(err(&q).contains("chunked_attention"), "{}", err(&q));
-    let e = err(
-        &json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
-        "vocab_size": 10, "n_positions": 16}),
-    );
+    // transformers' defaults (every dropout 0.1) train as shipped; only a rate of 1 is refused.
+    let gpt2 = json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,
+        "vocab_size": 10, "n_positions": 16});
+    match read(&gpt2).unwrap().config {
+        ModelConfig::Gpt2(c) => assert_eq!(c.attn_pdrop, 0.1),
+        other => panic!("not GPT-2: {other:?}"),
+    }
+    let mut sure = gpt2.clone();
+    sure["attn_pdrop"] = json!(1.0);
     assert!(
-        e.contains("attn_pdrop = 0.1") && e.contains("set it to 0.0"),
-        "{e}"
+        err(&sure).contains("attn_pdrop = 1 is outside [0, 1)"),
+        "{}",
+        err(&sure)
     );
     let e = err(
         &json!({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8,

@@ -16,7 +16,7 @@ use nn_common::{batch, random, Weights};
 fn odd_gpt2(dropout: f32) -> Gpt2Config {
     let mut c = Gpt2Config::preset("tiny").unwrap();
     (c.n_layer, c.n_head, c.n_embd, c.vocab_size, c.n_positions) = (1, 3, 15, 37, 11);
-    (c.resid_pdrop, c.embd_pdrop) = (dropout, dropout);
+    (c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) = (dropout, dropout, dropout);
     c
 }
 
@@ -336,12 +336,21 @@ fn naive_attention(
                             .sum()
                     })
                     .collect();
+                // Dropout's factor per key: 0 where dropped, 1/(1-p) where kept.
+                let f: Vec<f64> = (0..=i)
+                    .map(|j| match &sh.dropout {
+                        Some(dr) if dr.keep(sh, (b, h, i, j)) => f64::from(dr.scale()),
+                        Some(_) => 0.0,
+                        None => 1.0,
+                    })
+                    .collect();
+                let dp: Vec<f64> = dp.iter().zip(&f).map(|(g, f)| g * f).collect();
                 let dot: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
                 for j in 0..=i {
                     let ds = p[j] * (dp[j] - dot) * scale;
                     for c in 0..d {
-                        o[qi(i, c)] += p[j] * f64::from(v[ki(j, c)]);
-                        dv[ki(j, c)] += p[j] * f64::from(dout[qi(i, c)]);
+                        o[qi(i, c)] += p[j] * f[j] * f64::from(v[ki(j, c)]);
+                        dv[ki(j, c)] += p[j] * f[j] * f64::from(dout[qi(i, c)]);
                         dq[qi(i, c)] += ds * f64::from(k[ki(j, c)]);
                         dk[ki(j, c)] += ds * f64::from(q[qi(i, c)]);
                     }
@@ -354,6 +363,16 @@ fn naive_attention(
 
 #[test]
 fn blocked_attention_matches_a_naive_reference_across_row_blocks() {
+    blocked_attention_against_naive(None);
+}
+
+#[test]
+fn attention_dropout_matches_a_naive_reference_with_the_same_mask() {
+    let dr = backend::AttnDropout { seed: 17, p: 0.3 };
+    blocked_attention_against_naive(Some(dr));
+}
+
+fn blocked_attention_against_naive(dropout: Option<backend::AttnDropout>) {
     use backend::{AttentionGrads, AttentionShape, RowView};
     let be = backend::cpu();
     // seq 71 spans three row blocks with a ragged last one; 6 query heads share 2 kv heads.
@@ -363,6 +382,7 @@ fn blocked_attention_matches_a_naive_reference_across_row_blocks() {
         q_heads: 6,
         kv_heads: 2,
         head_dim: 5,
+        dropout,
     };
     let (n, qw, kw) = (2 * 71, 30, 10);
     let host = |t: Tensor| t.to_vec_f32().unwrap();

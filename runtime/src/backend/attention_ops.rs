@@ -20,6 +20,39 @@ pub struct AttentionShape {
     pub kv_heads: usize,
     /// Elements per head.
     pub head_dim: usize,
+    /// Dropout on the probabilities (training only; `None` costs nothing).
+    pub dropout: Option<AttnDropout>,
+}
+
+/// Dropout on the attention probabilities, as transformers applies it: `O = (P ∘ M / (1-p)) V`.
+/// Element (sequence `b`, query head `h`, query `i`, key `j`) is kept when
+/// [`rng::uniform_f32`](super::rng::uniform_f32)`(seed, ((b·q_heads + h)·seq + i)·seq + j)`
+/// is at least `p`: a pure function of its position, so forward and backward, every backend
+/// and every tiling agree without storing the mask.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnDropout {
+    /// The stream the mask is drawn from.
+    pub seed: u64,
+    /// Drop probability, in `(0, 1)`.
+    pub p: f32,
+}
+
+// Equality is total here: `p` is a validated probability, never NaN.
+impl Eq for AttnDropout {}
+
+impl AttnDropout {
+    /// Whether element `(b, h, i, j)` of `s`'s probabilities survives.
+    #[inline]
+    pub fn keep(&self, s: &AttentionShape, (b, h, i, j): (usize, usize, usize, usize)) -> bool {
+        let t = s.seq as u64;
+        let index = ((b * s.q_heads + h) as u64 * t + i as u64) * t + j as u64;
+        super::rng::uniform_f32(self.seed, index) >= self.p
+    }
+
+    /// The factor kept elements are scaled by.
+    pub fn scale(&self) -> f32 {
+        1.0 / (1.0 - self.p)
+    }
 }
 
 impl AttentionShape {

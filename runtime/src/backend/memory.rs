@@ -257,6 +257,7 @@ mod tests {
             q_heads: 4,
             kv_heads: 4,
             head_dim: 16,
+            dropout: None,
         }
     }
 

@@ -30,7 +30,7 @@ pub mod stream;
 use std::sync::Arc;
 
 pub use activity::{DeviceActivity, DeviceMemory};
-pub use attention_ops::{AttentionGrads, AttentionOps, AttentionShape, RowView};
+pub use attention_ops::{AttentionGrads, AttentionOps, AttentionShape, AttnDropout, RowView};
 pub use cpu::CpuBackend;
 /// The device arm of storage, views and ids, under names that tensors use without naming a
 /// device backend: the CUDA backend's (uninhabited in a build without CUDA memory).

@@ -9,9 +9,9 @@
 //! transposition); the LM head multiplies by `wteᵀ`. `c_attn`'s output columns are q, k, v in
 //! thirds, each split into heads of `n_embd / n_head` columns.
 //!
-//! Dropout (`resid_pdrop`, `embd_pdrop`) applies after the embedding sum and on each
-//! residual branch; masks derive from `ctx.rng_seed` only. Attention-probability dropout
-//! is not implemented, so a nonzero `attn_pdrop` is rejected by [`Gpt2Config::validate`].
+//! Dropout (`resid_pdrop`, `embd_pdrop`, `attn_pdrop`) applies after the embedding sum, on
+//! each residual branch and on the attention probabilities; masks derive from
+//! `ctx.rng_seed` only.
 
 use crate::nn::hf::{self, Architecture, ModelConfig};
 use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
@@ -39,7 +39,7 @@ pub struct Gpt2Config {
     pub resid_pdrop: f32,
     /// Embedding dropout probability.
     pub embd_pdrop: f32,
-    /// Attention-probability dropout (must be 0 here).
+    /// Attention-probability dropout.
     pub attn_pdrop: f32,
     /// Std of the normal initialiser.
     pub initializer_range: f32,
@@ -110,17 +110,11 @@ impl Gpt2Config {
         for (name, p) in [
             ("resid_pdrop", self.resid_pdrop),
             ("embd_pdrop", self.embd_pdrop),
+            ("attn_pdrop", self.attn_pdrop),
         ] {
             if !(0.0..1.0).contains(&p) {
                 return bad(format!("{name} = {p} is outside [0, 1)"));
             }
-        }
-        if self.attn_pdrop != 0.0 {
-            return bad(format!(
-                "attn_pdrop = {} is not supported (attention dropout is not implemented; \
-                 set it to 0.0 to train without it)",
-                self.attn_pdrop
-            ));
         }
         Ok(())
     }
@@ -166,6 +160,7 @@ pub fn block(cfg: &Gpt2Config, index: usize) -> Block {
         kv_heads: cfg.n_head,
         head_dim: cfg.head_dim(),
         rope: None,
+        pdrop: cfg.attn_pdrop,
     };
     Block {
         params: p,

@@ -218,6 +218,7 @@ pub fn block(cfg: &LlamaConfig, index: usize) -> Block {
         kv_heads: cfg.kv_heads(),
         head_dim: d,
         rope: Some(cfg.rope),
+        pdrop: 0.0,
     };
     Block {
         params: p,

@@ -84,6 +84,7 @@ mod tests {
             q_heads: 3,
             kv_heads: 1,
             head_dim: 8,
+            dropout: None,
         };
         // Half of 2 · (2·T·T·d) per head and sequence: GQA's shared K/V change nothing.
         assert_eq!(attention_forward(&a), 2 * 2 * 3 * 8 * 16);

@@ -12,7 +12,7 @@
 #![allow(dead_code)]
 
 use crate::device_common::{assert_close, cpu, get, rand, Dev, Tol};
-use ferrozero_runtime::backend::{AttentionGrads, AttentionShape, RowView};
+use ferrozero_runtime::backend::{AttentionGrads, AttentionShape, AttnDropout, RowView};
 use ferrozero_runtime::tensor::{DType, Storage};
 
 /// One attention layout: GPT-2's fused `[rows, 3C]` qkv (q, k, v thirds, one fused gradient
@@ -35,6 +35,7 @@ impl AttnCase {
             q_heads: self.q_heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            dropout: None,
         }
     }
 
@@ -99,7 +100,17 @@ pub struct AttnResult {
 
 /// Forward and backward of `case` on `d.be`.
 pub fn run(d: &Dev, case: &AttnCase, qkv: &[Vec<f32>], dout: &[f32]) -> AttnResult {
-    let s = case.shape();
+    run_shape(d, case, case.shape(), qkv, dout)
+}
+
+/// [`run`] with shape `s` (`case`'s, perhaps with dropout).
+fn run_shape(
+    d: &Dev,
+    case: &AttnCase,
+    s: AttentionShape,
+    qkv: &[Vec<f32>],
+    dout: &[f32],
+) -> AttnResult {
     let (views, _) = case.views();
     let bufs: Vec<Storage> = qkv.iter().map(|x| d.put(x)).collect();
     let (qb, kb, vb) = if case.fused {
@@ -310,7 +321,40 @@ pub fn check(d: &Dev) {
             assert_eq!(bits(a), bits(g), "{what}: grads[{i}] run to run");
         }
     }
+    check_dropout(d);
     check_errors(d);
+}
+
+/// Probability dropout: the device draws the CPU's mask (a different element dropped moves the
+/// output by a whole probability's share of V, far beyond the tolerances), and it does drop.
+fn check_dropout(d: &Dev) {
+    let c = cpu();
+    for (n, case) in [CASES[0], CASES[1], CASES[4]].iter().enumerate() {
+        let (qkv, dout) = case.inputs(d, 500 + n as u64);
+        let dr = AttnDropout {
+            seed: 77 + n as u64,
+            p: 0.2,
+        };
+        let s = AttentionShape {
+            dropout: Some(dr),
+            ..case.shape()
+        };
+        let got = run_shape(d, case, s, &qkv, &dout);
+        let want = run_shape(&c, case, s, &qkv, &dout);
+        let what = format!("{} dropout {case:?}", d.name);
+        let t = d.tol();
+        assert_close(&format!("{what}: out"), &got.out, &want.out, t);
+        let terms = (case.seq * case.q_heads / case.kv_heads) as f64;
+        let gt = Tol {
+            abs: t.abs * (terms / 64.0).sqrt().max(1.0),
+            rel: t.rel,
+        };
+        for (i, (g, w)) in got.grads.iter().zip(&want.grads).enumerate() {
+            assert_close(&format!("{what}: grads[{i}]"), g, w, gt);
+        }
+        let plain = run(&c, case, &qkv, &dout);
+        assert_ne!(bits(&plain.out), bits(&want.out), "{what}: nothing dropped");
+    }
 }
 
 /// Views that do not fit the shape, and a saved state of the wrong size, are errors on every

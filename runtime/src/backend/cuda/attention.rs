@@ -6,6 +6,8 @@
 //! `di = rowsum(dO ∘ O)`, then dK/dV (a block per tile of keys of one kv head, summing over the
 //! group's query heads and the query tiles in a fixed order) and dQ (a block per tile of query
 //! rows, summing over the key tiles in order): no atomics, so results depend on the shape alone.
+//! Probability dropout is two trailing kernel parameters (seed, p; p = 0 is none): each kernel
+//! redraws the CPU's mask element by element, so nothing is stored for backward.
 //! The kernels are compiled for head dims padded to 32, 64, 96 and 128; this file mirrors their
 //! tile table (`attention.cu`'s header), and a kernel traps when launched with other sizes.
 
@@ -279,8 +281,15 @@ fn grid(l: &Launch, d: &Dims, heads: i32) -> Result<LaunchConfig> {
     })
 }
 
-/// Appends the views' strides and offsets and the sizes (every kernel's trailing parameters).
-fn view_args(args: Args, q: RowView, k: RowView, v: RowView, d: &Dims, scale: f32) -> Args {
+/// Appends the views' strides and offsets, the sizes and the dropout (every kernel's trailing
+/// parameters; p = 0 is no dropout).
+fn view_args(
+    args: Args,
+    (q, k, v): (RowView, RowView, RowView),
+    s: &AttentionShape,
+    d: &Dims,
+) -> Args {
+    let (seed, p) = s.dropout.map_or((0, 0.0), |dr| (dr.seed, dr.p));
     args.len(q.stride)
         .len(q.offset)
         .len(k.stride)
@@ -292,7 +301,9 @@ fn view_args(args: Args, q: RowView, k: RowView, v: RowView, d: &Dims, scale: f3
         .i32(d.q_heads)
         .i32(d.kv_heads)
         .i32(d.head_dim)
-        .f32(scale)
+        .f32(softmax_scale(s.head_dim))
+        .u64(seed)
+        .f32(p)
 }
 
 /// The CPU backend's softmax scale, `1 / √head_dim` in f32.
@@ -359,7 +370,7 @@ impl AttentionOps for CudaBackend {
             .ptr(vd.ptr())
             .ptr(out.ptr())
             .ptr(lse.view().ptr());
-        let mut args = view_args(args, q.1, k.1, v.1, &d, softmax_scale(s.head_dim));
+        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
         self.dev.launch(l.name, cfg, &mut args)?;
         Ok(Storage::Cuda(lse))
     }
@@ -438,7 +449,6 @@ impl AttentionOps for CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let scale = softmax_scale(s.head_dim);
         // di = rowsum(dO ∘ O): a warp per (token, head).
         let di = self.dev.alloc(rows * 4)?;
         let mut args = Args::new()
@@ -468,7 +478,7 @@ impl AttentionOps for CudaBackend {
             .ptr(di.ptr())
             .ptr(dk)
             .ptr(dv);
-        let mut args = view_args(args, q.1, k.1, v.1, &d, scale);
+        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
         self.dev.launch(l.name, cfg, &mut args)?;
 
         let l = launch_for(Pass::Dq, dt, d.padded);
@@ -481,7 +491,7 @@ impl AttentionOps for CudaBackend {
             .ptr(lse.ptr())
             .ptr(di.ptr())
             .ptr(dq);
-        let mut args = view_args(args, q.1, k.1, v.1, &d, scale);
+        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
         self.dev.launch(l.name, cfg, &mut args)
     }
 

@@ -3,7 +3,8 @@
 //! backend's attention core, and the output projection.
 
 use super::Dense;
-use crate::backend::{Accumulate, AttentionGrads, AttentionShape, Backend, MemoryModel};
+use crate::backend::MemoryModel;
+use crate::backend::{Accumulate, AttentionGrads, AttentionShape, AttnDropout, Backend};
 use crate::backend::{Rope, Rotation, RowView};
 use crate::nn::saved::saved_struct;
 use crate::nn::{act, Grads, Params};
@@ -26,6 +27,8 @@ pub struct Attention {
     pub head_dim: usize,
     /// Rotary position embedding of queries and keys (needs them projected apart).
     pub rope: Option<Rope>,
+    /// Dropout on the attention probabilities while training (0: none).
+    pub pdrop: f32,
 }
 
 saved_struct!(
@@ -44,7 +47,18 @@ impl Attention {
             q_heads,
             kv_heads,
             head_dim,
+            dropout: None,
         }
+    }
+
+    /// `s` with this layer's probability dropout drawn from `seed` (unchanged when `pdrop`
+    /// is 0, so training without dropout does no extra work).
+    pub fn with_dropout(&self, s: AttentionShape, seed: u64) -> AttentionShape {
+        let dropout = (self.pdrop > 0.0).then_some(AttnDropout {
+            seed,
+            p: self.pdrop,
+        });
+        AttentionShape { dropout, ..s }
     }
 
     /// Query heads × head width: the core's output width.

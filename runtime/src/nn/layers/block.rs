@@ -5,7 +5,7 @@ use super::attention::AttnActs;
 use super::mlp::MlpActs;
 use super::norm::NormStats;
 use super::{reuse, Attention, Mlp, Norm, ParamList};
-use crate::backend::{rng, Accumulate, MemoryModel};
+use crate::backend::{rng, Accumulate, AttentionShape, MemoryModel};
 use crate::nn::saved::{saved_struct, take, Held};
 use crate::nn::{act, check_rows, Ctx, Grads, Module, ParamSpec, Params, Transients};
 use crate::tensor::{Storage, Tensor, View, ViewMut};
@@ -14,6 +14,7 @@ use crate::Result;
 /// Dropout site tags within a block.
 const SITE_ATTN: u64 = 1;
 const SITE_MLP: u64 = 2;
+const SITE_PROBS: u64 = 3;
 
 saved_struct!(
     /// What a block keeps for backward: its input, each norm's statistics and output, the
@@ -53,6 +54,16 @@ pub struct Block {
 impl Block {
     fn name(&self) -> &str {
         self.params.prefix()
+    }
+
+    /// The attention core's shape for this call: probability dropout only while training.
+    fn attn_shape(&self, ctx: &Ctx<'_>) -> AttentionShape {
+        let s = self.attn.shape(ctx.batch.batch, ctx.batch.seq);
+        if !ctx.training {
+            return s;
+        }
+        self.attn
+            .with_dropout(s, rng::derive(ctx.rng_seed, SITE_PROBS))
     }
 
     fn drop(&self, ctx: &Ctx<'_>, site: u64, x: ViewMut<'_>) -> Result<()> {
@@ -128,7 +139,7 @@ impl Block {
         let mut datt = reuse(be, dn2, rows * self.attn.width())?;
         o.backward_input(be, p, da, datt.view_mut(), Accumulate::Overwrite)?;
         o.backward_params(be, gr, att, da)?;
-        let shape = self.attn.shape(ctx.batch.batch, ctx.batch.seq);
+        let shape = self.attn_shape(ctx);
         let dqkv = self.attn.core_backward(be, &s.attn, datt.view(), shape)?;
         let mut dn1 = match da_copy {
             Some(copy) => copy,
@@ -159,7 +170,7 @@ impl Module for Block {
         let copy = (input.view(), None);
         self.norm1
             .residual_forward(be, p, copy, (x.view_mut(), n1.view_mut()), &mut s1)?;
-        let attn = self.attn.forward(be, p, n1.view(), self.attn.shape(b, t))?;
+        let attn = self.attn.forward(be, p, n1.view(), self.attn_shape(ctx))?;
         let (mut x2, mut n2, mut s2) = (act(be, n * w)?, act(be, n * w)?, self.norm2.stats(be, n)?);
         let n2_out = (n2.view_mut(), &mut s2);
         self.attn_residual_norm2(ctx, p, (attn.att.view(), x.view()), x2.view_mut(), n2_out)?;

@@ -6,7 +6,8 @@
 use rayon::prelude::*;
 
 use super::super::{f32_in, f32_out, gemm_raw, SendPtr, StridedMat};
-use super::{head, head_t, operand, row_blocks, rows, softmax_backward, square, zero_head};
+use super::{drop_grad, drop_probs, head, head_t, operand, row_blocks, rows, softmax_backward};
+use super::{square, zero_head};
 use crate::backend::{Accumulate, AttentionGrads, AttentionShape, RowView};
 use crate::tensor::{Storage, View};
 use crate::{Error, Result};
@@ -143,6 +144,7 @@ impl Backward<'_> {
     fn kv_head(&self, b: usize, kvh: usize) {
         let (s, t, d) = (&self.s, self.s.seq, self.s.head_dim);
         let mut dp = vec![0.0f32; t * t];
+        let mut dropped = s.dropout.map(|_| vec![0.0f32; t * t]);
         let kv = KvHead {
             b,
             kh: head(self.k.0.as_ptr(), self.k.1, s, b, kvh),
@@ -158,18 +160,30 @@ impl Backward<'_> {
         }
         let group = s.q_heads / s.kv_heads;
         for h in kvh * group..(kvh + 1) * group {
-            self.query_head(&kv, h, &mut dp);
+            self.query_head(&kv, h, &mut dp, dropped.as_deref_mut());
         }
     }
 
-    /// Query head `h` of `kv`'s group: `dp` is its `[seq, seq]` scratch for dP, then dS.
-    fn query_head(&self, kv: &KvHead, h: usize, dp: &mut [f32]) {
+    /// Query head `h` of `kv`'s group: `dp` is its `[seq, seq]` scratch for dP, then dS;
+    /// `dropped`, with dropout, scratch for the dropped probabilities forward multiplied V by.
+    fn query_head(&self, kv: &KvHead, h: usize, dp: &mut [f32], dropped: Option<&mut [f32]>) {
         let (s, b, t) = (&self.s, kv.b, self.s.seq);
         let tt = t * t;
         let p = &self.probs[(b * s.q_heads + h) * tt..][..tt];
         let do_h = head(self.dout.as_ptr(), self.ov, s, b, h);
+        let pv: &[f32] = match (&s.dropout, dropped) {
+            (Some(dr), Some(pd)) => {
+                drop_probs(dr, s, (b, h), p, pd);
+                pd
+            }
+            _ => p,
+        };
         // SAFETY: as in `kv_head`.
-        unsafe { self.value_and_prob_grads(kv, p, do_h, dp) };
+        unsafe { self.value_and_prob_grads(kv, pv, do_h, dp) };
+        if let Some(dr) = &s.dropout {
+            // rowsum(P ∘ dP ∘ M/(1-p)) is rowsum(dO ∘ O), so the softmax backward is unchanged.
+            drop_grad(dr, s, (b, h), dp);
+        }
         softmax_backward(p, dp, t, self.scale);
         let qh = head(self.q.0.as_ptr(), self.q.1, s, b, h);
         let dqh = head(self.dq.get(), self.q.1, s, b, h);
@@ -177,7 +191,8 @@ impl Backward<'_> {
         unsafe { self.query_and_key_grads(kv, dp, qh, dqh) };
     }
 
-    /// `dV += Pᵀ·dO` and `dP = dO·Vᵀ`, per row block (only the causal columns).
+    /// `dV += Pᵀ·dO` (P as forward multiplied V by) and `dP = dO·Vᵀ`, per row block (only
+    /// the causal columns).
     ///
     /// # Safety
     /// The views must be in bounds and this task the only writer of `kv`'s dV.

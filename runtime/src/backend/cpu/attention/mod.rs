@@ -3,7 +3,8 @@
 //! One rayon task per (sequence, key/value head): the query heads of a group run in that
 //! task, so the group's dK/dV accumulate without races, and each per-head product is a
 //! single-threaded gemm on strided views (no transposition copies). The backward's steps are
-//! in `backward`.
+//! in `backward`. With probability dropout the forward keeps the undropped P and multiplies V
+//! by a dropped copy; backward redraws the same mask from its counter instead of reading it.
 
 mod backward;
 
@@ -12,7 +13,7 @@ use rayon::prelude::*;
 use super::simd::simd_kernel;
 use super::{f32_in, f32_out, gemm_raw, math, CpuBackend, SendPtr, StridedMat};
 use crate::backend::{
-    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Rope, Rotation, RowView,
+    Accumulate, AttentionGrads, AttentionOps, AttentionShape, AttnDropout, Rope, Rotation, RowView,
 };
 use crate::tensor::{FlatBuf, Storage, View, ViewMut};
 use crate::{Error, Result};
@@ -116,6 +117,105 @@ simd_kernel! {
     }
 }
 
+/// `out = P ∘ M / (1-p)` for the `[t, t]` probabilities `p` of head `h` of sequence `b`
+/// (the masked upper triangle zero, as in `p`).
+fn drop_probs(
+    dr: &AttnDropout,
+    s: &AttentionShape,
+    (b, h): (usize, usize),
+    p: &[f32],
+    out: &mut [f32],
+) {
+    let (t, scale) = (s.seq, dr.scale());
+    for (i, (prow, orow)) in p.chunks(t).zip(out.chunks_mut(t)).enumerate() {
+        for (j, (o, &pv)) in orow.iter_mut().zip(prow).enumerate() {
+            *o = if j <= i && dr.keep(s, (b, h, i, j)) {
+                pv * scale
+            } else {
+                0.0
+            };
+        }
+    }
+}
+
+/// `dP ∘ M / (1-p)` in place on the causal part of head `h` of sequence `b`: the gradient
+/// reaching the probabilities through the same mask forward drew.
+fn drop_grad(dr: &AttnDropout, s: &AttentionShape, (b, h): (usize, usize), dp: &mut [f32]) {
+    let (t, scale) = (s.seq, dr.scale());
+    for (i, row) in dp.chunks_mut(t).enumerate() {
+        for (j, g) in row[..=i].iter_mut().enumerate() {
+            *g = if dr.keep(s, (b, h, i, j)) {
+                *g * scale
+            } else {
+                0.0
+            };
+        }
+    }
+}
+
+/// One query head's operands in a forward: Q, Kᵀ and V of its kv head, and its output.
+struct Heads {
+    q: StridedMat,
+    kt: StridedMat,
+    v: StridedMat,
+    o: StridedMat,
+}
+
+/// Head `h` of sequence `b`: scores into `p` (its `[t, t]` block), the causal softmax, then
+/// `O = P·V`, through `dropped` (scratch for `P ∘ M / (1-p)`) when `s` has dropout.
+///
+/// # Safety
+/// The heads must be in bounds and the caller the only writer of `m.o`.
+unsafe fn head_forward(
+    s: &AttentionShape,
+    (b, h): (usize, usize),
+    m: Heads,
+    p: &mut [f32],
+    dropped: Option<&mut [f32]>,
+) {
+    let (t, d) = (s.seq, s.head_dim);
+    for (r0, r1) in row_blocks(t) {
+        let pr = rows(square(p.as_ptr(), t), r0);
+        // SAFETY: guaranteed by the caller; `p` is exclusively borrowed.
+        unsafe {
+            gemm_raw(
+                r1 - r0,
+                r1,
+                d,
+                pr,
+                rows(m.q, r0),
+                m.kt,
+                Accumulate::Overwrite,
+                1,
+            )
+        };
+    }
+    causal_softmax(p, t, 1.0 / (d as f32).sqrt());
+    let pv = match (&s.dropout, dropped) {
+        (Some(dr), Some(pd)) => {
+            drop_probs(dr, s, (b, h), p, pd);
+            pd.as_ptr()
+        }
+        _ => p.as_ptr(),
+    };
+    for (r0, r1) in row_blocks(t) {
+        let pr = rows(square(pv, t), r0);
+        // SAFETY: guaranteed by the caller.
+        unsafe {
+            gemm_raw(
+                r1 - r0,
+                d,
+                r1,
+                rows(m.o, r0),
+                pr,
+                m.v,
+                Accumulate::Overwrite,
+                1,
+            )
+        };
+    }
+}
+
 impl AttentionOps for CpuBackend {
     fn attention_forward(
         &self,
@@ -148,7 +248,6 @@ impl AttentionOps for CpuBackend {
         // Every element is written: the products fill each row up to the diagonal and the
         // softmax zeroes the masked rest, so a reused buffer needs no fill.
         let mut probs = crate::tensor::spare::take_f32(s.batch * hq * tt);
-        let scale = 1.0 / (d as f32).sqrt();
         let group = hq / s.kv_heads;
         let out_ptr = SendPtr(out.as_mut_ptr());
         probs
@@ -156,50 +255,19 @@ impl AttentionOps for CpuBackend {
             .enumerate()
             .for_each(|(task, pg)| {
                 let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
+                // With dropout the product reads a dropped copy; `probs` keeps P for backward.
+                let mut dropped = s.dropout.map(|_| vec![0.0f32; tt]);
                 for (g, p) in pg.chunks_mut(tt).enumerate() {
                     let h = kvh * group + g;
-                    let (qh, kt) = (
-                        head(q.0.as_ptr(), q.1, &s, b, h),
-                        head_t(k.0.as_ptr(), k.1, &s, b, kvh),
-                    );
-                    let (vh, o) = (
-                        head(v.0.as_ptr(), v.1, &s, b, kvh),
-                        head(out_ptr.get(), ov, &s, b, h),
-                    );
+                    let heads = Heads {
+                        q: head(q.0.as_ptr(), q.1, &s, b, h),
+                        kt: head_t(k.0.as_ptr(), k.1, &s, b, kvh),
+                        v: head(v.0.as_ptr(), v.1, &s, b, kvh),
+                        o: head(out_ptr.get(), ov, &s, b, h),
+                    };
                     // SAFETY: views were bounds-checked; this task alone writes head h of
                     // sequence b in `out` and its own probs block.
-                    unsafe {
-                        for (r0, r1) in row_blocks(t) {
-                            let pr = rows(square(p.as_ptr(), t), r0);
-                            gemm_raw(
-                                r1 - r0,
-                                r1,
-                                d,
-                                pr,
-                                rows(qh, r0),
-                                kt,
-                                Accumulate::Overwrite,
-                                1,
-                            );
-                        }
-                    }
-                    causal_softmax(p, t, scale);
-                    // SAFETY: as above.
-                    unsafe {
-                        for (r0, r1) in row_blocks(t) {
-                            let pr = rows(square(p.as_ptr(), t), r0);
-                            gemm_raw(
-                                r1 - r0,
-                                d,
-                                r1,
-                                rows(o, r0),
-                                pr,
-                                vh,
-                                Accumulate::Overwrite,
-                                1,
-                            );
-                        }
-                    }
+                    unsafe { head_forward(&s, (b, h), heads, p, dropped.as_deref_mut()) };
                 }
             });
         Ok(Storage::Host(FlatBuf::F32(probs)))

@@ -15,9 +15,13 @@
 //   attention_forward_dDP_T(const T* q, const T* k, const T* v, T* out, float* lse,
 //       long long q_stride, long long q_off, long long k_stride, long long k_off,
 //       long long v_stride, long long v_off, int batch, int seq, int q_heads, int kv_heads,
-//       int head_dim, float scale)
-//     out = softmax(scale * Q K^T + causal mask) V and lse[b][h][s] = log(sum_{s' <= s}
-//     exp(scale * q_s . k_s')) (natural log), both overwritten.
+//       int head_dim, float scale, unsigned long long seed, float p)
+//     out = dropout(softmax(scale * Q K^T + causal mask)) V and lse[b][h][s] =
+//     log(sum_{s' <= s} exp(scale * q_s . k_s')) (natural log, before dropout), both
+//     overwritten. Dropout (p > 0; p = 0 is none): probability (b, h, i, j) is kept, scaled
+//     by 1 / (1 - p), when uniform_f32(seed, ((b*Hq + h)*S + i)*S + j) >= p, backend/rng.rs's
+//     generator in the same integer arithmetic, so the CPU backend drops the same elements.
+//     The backward kernels take the same seed and p and regenerate the mask.
 //   attention_bwd_dot_T(const T* out, const T* dout, float* di, int batch, int seq,
 //       int q_heads, int head_dim)
 //     di[b][h][s] = sum_d dout * out over the head's row (FlashAttention-2's D_i), overwritten.
@@ -25,14 +29,14 @@
 //   attention_bwd_dkdv_dDP_T(const T* q, const T* k, const T* v, const T* dout,
 //       const float* lse, const float* di, T* dk, T* dv, long long q_stride, long long q_off,
 //       long long k_stride, long long k_off, long long v_stride, long long v_off, int batch,
-//       int seq, int q_heads, int kv_heads, int head_dim, float scale)
+//       int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p)
 //     dK and dV of every kv head, overwritten: a block owns a tile of keys of one kv head and
 //     accumulates over the group's query heads in order, and for each over the query tiles in
 //     order (no atomics, no partial buffers).
 //   attention_bwd_dq_dDP_T(const T* q, const T* k, const T* v, const T* dout,
 //       const float* lse, const float* di, T* dq, long long q_stride, long long q_off,
 //       long long k_stride, long long k_off, long long v_stride, long long v_off, int batch,
-//       int seq, int q_heads, int kv_heads, int head_dim, float scale)
+//       int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p)
 //     dQ, overwritten: a block owns a tile of query rows and loops over the key tiles in order.
 //   Backward runs dot, then dkdv and dq (in either order: both read di and lse, neither writes
 //   what the other reads).
@@ -80,7 +84,28 @@ struct Geom {
   long long q_stride, q_off, k_stride, k_off, v_stride, v_off;
   int batch, seq, hq, hkv, d;
   float scale;
+  unsigned long long mixed_seed;  // rng_mix(seed): the dropout stream
+  float p, keep_scale;            // drop probability (0: none) and 1 / (1 - p)
 };
+
+// backend/rng.rs's mix64, in the same 64-bit integer arithmetic.
+__device__ __forceinline__ unsigned long long rng_mix(unsigned long long z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// What dropout multiplies probability (b, h, row, col) by: 0 where dropped, 1 / (1 - p) where
+// kept. The draw is the CPU's (AttnDropout::keep), bit for bit, whatever the tile.
+__device__ __forceinline__ float keep_factor(const Geom& g, int b, int h, int row, int col) {
+  const unsigned long long t = static_cast<unsigned long long>(g.seq);
+  const unsigned long long idx =
+      ((static_cast<unsigned long long>(b) * g.hq + h) * t + row) * t + col;
+  const unsigned long long bits = rng_mix(g.mixed_seed ^ (idx * 0xD1B54A32D192ED03ull));
+  const float u = static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);
+  return u >= g.p ? g.keep_scale : 0.0f;
+}
 
 template <class T>
 __device__ __forceinline__ T zero() {
@@ -398,6 +423,16 @@ __device__ __forceinline__ void forward_mma(const T* q, const T* k, const T* v, 
           l[e >> 1] += s[nt][e];
         }
       }
+      if (g.p > 0.0f) {  // after the row sums: lse is the undropped softmax's
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = wq0 + gq + (e >> 1) * 8, col = kv0 + nt * 8 + 2 * tq + (e & 1);
+            s[nt][e] *= keep_factor(g, tl.b, tl.h, row, col);
+          }
+        }
+      }
       mma_pv<T, NT, DT, LD>(o, s, tV, lane);
     }
     __syncthreads();
@@ -515,7 +550,7 @@ __device__ __forceinline__ void dkdv_mma(const T* q, const T* k, const T* v, con
       fz_cp_async_wait<0>();
     }
     __syncthreads();
-    const int qi0 = (i_start + it % per_head) * BM;
+    const int qi0 = (i_start + it % per_head) * BM, qh = tl.h * group + it / per_head;
     // Warp-uniform: skip a query tile that lies wholly before the warp's keys.
     if (qi0 + BM - 1 >= wk0 && wk0 < g.seq) {
       const T* tQ = sQ + buf * BM * LD;
@@ -544,8 +579,11 @@ __device__ __forceinline__ void dkdv_mma(const T* q, const T* k, const T* v, con
           const int qc = nt * 8 + 2 * tq + (e & 1);
           float p = fz_exp2_approx(fmaf(st[nt][e], sl2, -tL[qc]));
           if (masked && wk0 + gq + (e >> 1) * 8 > qi0 + qc) p = 0.0f;
-          st[nt][e] = p;
-          dpt[nt][e] = p * (dpt[nt][e] - tD[qc]);
+          // dV takes the dropped P; dS = P (dP M / (1 - p) - di).
+          const int key = wk0 + gq + (e >> 1) * 8;
+          const float f = g.p > 0.0f ? keep_factor(g, tl.b, qh, qi0 + qc, key) : 1.0f;
+          st[nt][e] = p * f;
+          dpt[nt][e] = p * (dpt[nt][e] * f - tD[qc]);
         }
       }
       mma_pv<T, MT, DT, LD>(dva, st, tO, lane);   // dV += P^T dO
@@ -656,6 +694,10 @@ __device__ __forceinline__ void dq_mma(const T* q, const T* k, const T* v, const
             const int row = wq0 + gq + 8 * r, col = kv0 + nt * 8 + 2 * tq + (e & 1);
             if (col > row || col >= g.seq) p = 0.0f;
           }
+          if (g.p > 0.0f) {
+            const int row = wq0 + gq + 8 * r, col = kv0 + nt * 8 + 2 * tq + (e & 1);
+            dp[nt][e] *= keep_factor(g, tl.b, tl.h, row, col);
+          }
           dp[nt][e] = p * (dp[nt][e] - dr[r]);
         }
       }
@@ -759,7 +801,8 @@ __device__ __forceinline__ void forward_simt(const float* q, const float* k, con
       for (int jj = 0; jj < CT; ++jj) {
         const float p = fz_exp2_approx(fmaf(s[jj], sl2, -base));
         l += p;
-        sP[r * kSimtLP + c + 4 * jj] = p;
+        sP[r * kSimtLP + c + 4 * jj] =
+            g.p > 0.0f ? p * keep_factor(g, tl.b, tl.h, row, kv0 + c + 4 * jj) : p;
       }
       __syncwarp();
       for (int kl = 0; kl < BN; ++kl) {
@@ -869,7 +912,7 @@ __device__ __forceinline__ void dkdv_simt(const float* q, const float* k, const 
       fz_cp_async_wait<0>();
     }
     __syncthreads();
-    const int qi0 = (i_start + it % per_head) * BM;
+    const int qi0 = (i_start + it % per_head) * BM, qh = tl.h * group + it / per_head;
     if (qi0 + BM - 1 >= wk0 && wk0 < g.seq) {  // warp-uniform
       const float* tQ = sQ + buf * BM * LD;
       const float* tO = sO + buf * BM * LD;
@@ -880,8 +923,9 @@ __device__ __forceinline__ void dkdv_simt(const float* q, const float* k, const 
         const float dp = dot_rows<DP>(sV + r * LD, tO + ql * LD);
         float p = fz_exp2_approx(fmaf(s, sl2, -sL[buf * BM + ql]));
         if (key > qi0 + ql) p = 0.0f;
-        sP[r * kSimtLP + ql] = p;
-        sS[r * kSimtLP + ql] = p * (dp - sD[buf * BM + ql]);
+        const float f = g.p > 0.0f ? keep_factor(g, tl.b, qh, qi0 + ql, key) : 1.0f;
+        sP[r * kSimtLP + ql] = p * f;
+        sS[r * kSimtLP + ql] = p * (dp * f - sD[buf * BM + ql]);
       }
       __syncwarp();
       for (int ql = 0; ql < BM; ++ql) {
@@ -981,7 +1025,8 @@ __device__ __forceinline__ void dq_simt(const float* q, const float* k, const fl
         const float dp = dot_rows<DP>(sO + r * LD, tV + kl * LD);
         float p = fz_exp2_approx(fmaf(s, sl2, -l2));
         if (key > row || key >= g.seq) p = 0.0f;
-        sS[r * kSimtLP + kl] = p * (dp - dr);
+        const float f = g.p > 0.0f ? keep_factor(g, tl.b, tl.h, row, key) : 1.0f;
+        sS[r * kSimtLP + kl] = p * (dp * f - dr);
       }
       __syncwarp();
       for (int kl = 0; kl < BN; ++kl) {
@@ -1107,7 +1152,7 @@ __device__ __forceinline__ void dq(const T* q, const T* k, const T* v, const T* 
 #define FZ_ATTN_GEOM                                                                            \
   const attn::Geom g {                                                                          \
     q_stride, q_off, k_stride, k_off, v_stride, v_off, batch, seq, q_heads, kv_heads, head_dim, \
-        scale                                                                                   \
+        scale, attn::rng_mix(seed), p, p > 0.0f ? 1.0f / (1.0f - p) : 1.0f                      \
   }
 
 // Forward.
@@ -1115,7 +1160,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_forward_d32_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale) {
+    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<float, 32>(q, k, v, out, lse, g);
 }
@@ -1123,7 +1168,7 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads32, attn::kFwdBlocks32)
 void attention_forward_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
-    int q_heads, int kv_heads, int head_dim, float scale) {
+    int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 32>(q, k, v, out, lse, g);
 }
@@ -1131,7 +1176,7 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads32, attn::kFwdBlocks32)
 void attention_forward_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale) {
+    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 32>(q, k, v, out, lse, g);
 }
@@ -1139,7 +1184,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_forward_d64_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale) {
+    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<float, 64>(q, k, v, out, lse, g);
 }
@@ -1147,7 +1192,7 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads64, attn::kFwdBlocks64)
 void attention_forward_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
-    int q_heads, int kv_heads, int head_dim, float scale) {
+    int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 64>(q, k, v, out, lse, g);
 }
@@ -1155,7 +1200,7 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads64, attn::kFwdBlocks64)
 void attention_forward_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale) {
+    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 64>(q, k, v, out, lse, g);
 }
@@ -1163,7 +1208,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_forward_d96_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale) {
+    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<float, 96>(q, k, v, out, lse, g);
 }
@@ -1171,7 +1216,7 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads96, attn::kFwdBlocks96)
 void attention_forward_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
-    int q_heads, int kv_heads, int head_dim, float scale) {
+    int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 96>(q, k, v, out, lse, g);
 }
@@ -1179,7 +1224,7 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads96, attn::kFwdBlocks96)
 void attention_forward_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale) {
+    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 96>(q, k, v, out, lse, g);
 }
@@ -1187,7 +1232,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_forward_d128_f32(const float* q, const float* k,
     const float* v, float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale) {
+    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<float, 128>(q, k, v, out, lse, g);
 }
@@ -1195,7 +1240,7 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads128, attn::kFwdBlocks12
 void attention_forward_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
-    int q_heads, int kv_heads, int head_dim, float scale) {
+    int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 128>(q, k, v, out, lse, g);
 }
@@ -1203,7 +1248,7 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads128, attn::kFwdBlocks12
 void attention_forward_d128_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale) {
+    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 128>(q, k, v, out, lse, g);
 }
@@ -1227,7 +1272,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dkdv_d32_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1235,7 +1280,7 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads32, attn::kKvBlocks32)
 void attention_bwd_dkdv_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1243,7 +1288,7 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads32, attn::kKvBlocks32)
 void attention_bwd_dkdv_d32_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1251,7 +1296,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dkdv_d64_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1259,7 +1304,7 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads64, attn::kKvBlocks64)
 void attention_bwd_dkdv_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1267,7 +1312,7 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads64, attn::kKvBlocks64)
 void attention_bwd_dkdv_d64_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1275,7 +1320,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dkdv_d96_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1283,7 +1328,7 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads96, attn::kKvBlocks96)
 void attention_bwd_dkdv_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1291,7 +1336,7 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads96, attn::kKvBlocks96)
 void attention_bwd_dkdv_d96_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1299,7 +1344,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dkdv_d128_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 128>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1307,7 +1352,7 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads128, attn::kKvBlocks128)
 void attention_bwd_dkdv_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 128>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1315,7 +1360,7 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads128, attn::kKvBlocks128)
 void attention_bwd_dkdv_d128_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 128>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1325,7 +1370,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dq_d32_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<float, 32>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1333,7 +1378,7 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads32, attn::kQBlocks32)
 void attention_bwd_dq_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 32>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1341,7 +1386,7 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads32, attn::kQBlocks32)
 void attention_bwd_dq_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 32>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1349,7 +1394,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dq_d64_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<float, 64>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1357,7 +1402,7 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads64, attn::kQBlocks64)
 void attention_bwd_dq_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 64>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1365,7 +1410,7 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads64, attn::kQBlocks64)
 void attention_bwd_dq_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 64>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1373,7 +1418,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dq_d96_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<float, 96>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1381,7 +1426,7 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads96, attn::kQBlocks96)
 void attention_bwd_dq_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 96>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1389,7 +1434,7 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads96, attn::kQBlocks96)
 void attention_bwd_dq_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 96>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1397,7 +1442,7 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dq_d128_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<float, 128>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1405,7 +1450,7 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads128, attn::kQBlocks128)
 void attention_bwd_dq_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 128>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1413,7 +1458,7 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads128, attn::kQBlocks128)
 void attention_bwd_dq_d128_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 128>(q, k, v, dout, lse, di, dq, g);
 }

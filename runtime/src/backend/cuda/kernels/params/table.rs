@@ -162,24 +162,28 @@ pub const TABLE: &[Family] = &[
         p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
         p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
         p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_forward_d64", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
         p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
         p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
         p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_forward_d96", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
         p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
         p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
         p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_forward_d128", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
         p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
         p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
         p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dot", &[
         p("out", In(T)), p("dout", In(T)), p("di", Out(F32)), p("batch", Int), p("seq", Int),
@@ -191,6 +195,7 @@ pub const TABLE: &[Family] = &[
         p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
         p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dkdv_d64", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -198,6 +203,7 @@ pub const TABLE: &[Family] = &[
         p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
         p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dkdv_d96", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -205,6 +211,7 @@ pub const TABLE: &[Family] = &[
         p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
         p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dkdv_d128", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -212,6 +219,7 @@ pub const TABLE: &[Family] = &[
         p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
         p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dq_d32", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -219,6 +227,7 @@ pub const TABLE: &[Family] = &[
         p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dq_d64", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -226,6 +235,7 @@ pub const TABLE: &[Family] = &[
         p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dq_d96", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -233,6 +243,7 @@ pub const TABLE: &[Family] = &[
         p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dq_d128", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -240,5 +251,6 @@ pub const TABLE: &[Family] = &[
         p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
+        p("seed", ULongLong), p("p", Float),
     ]),
 ];
