@@ -347,6 +347,7 @@ fn ends_config(args: &Args) -> LlamaConfig {
         initializer_range: 0.02,
         qkv_bias: false,
         sliding_window: None,
+        attention_dropout: 0.0,
     }
 }
 

@@ -46,6 +46,7 @@ fn model() -> Model {
         initializer_range: 0.3,
         qkv_bias: false,
         sliding_window: None,
+        attention_dropout: 0.0,
     })
     .expect("a valid Llama")
 }

@@ -120,6 +120,7 @@ fn toy_model() -> Model {
         initializer_range: 0.3,
         qkv_bias: false,
         sliding_window: None,
+        attention_dropout: 0.0,
     })
     .expect("a valid Llama")
 }

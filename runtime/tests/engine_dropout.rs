@@ -10,7 +10,7 @@ use common::{config, toy};
 use ferrozero_config::resolved::{Precision, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::{gpt2, Model};
+use ferrozero_runtime::nn::{gpt2, llama, Model};
 
 const T: usize = 8;
 
@@ -25,13 +25,27 @@ fn gpt2_with_dropout(p: f32, attn: f32) -> Model {
     gpt2::build(&cfg).expect("GPT-2 builds")
 }
 
+/// The tiny Llama preset (vocabulary 64) with attention dropout `attn`.
+fn llama_with_dropout(attn: f32) -> Model {
+    let cfg = llama::LlamaConfig {
+        attention_dropout: attn,
+        ..llama::LlamaConfig::preset("tiny").expect("a preset")
+    };
+    llama::build(&cfg).expect("Llama builds")
+}
+
 /// The losses of 3 steps at `stage` on `world` ranks (rank 0's view of the global mean).
 fn losses((p, attn): (f32, f32), stage: ZeroStage, world: usize) -> Vec<u64> {
+    train(|| gpt2_with_dropout(p, attn), stage, world)
+}
+
+/// The losses of 3 steps of the model `build` makes, at `stage` on `world` ranks.
+fn train(build: impl Fn() -> Model + Sync, stage: ZeroStage, world: usize) -> Vec<u64> {
     let cfg = config(stage, world, 2, 2, Precision::F32);
     let (micro, gas) = (2, 2);
     let out = run_ranks(world, Duration::from_secs(60), |comm| {
         let rank = comm.rank();
-        let mut e = Engine::new(gpt2_with_dropout(p, attn), cfg.clone(), comm)?;
+        let mut e = Engine::new(build(), cfg.clone(), comm)?;
         let mut losses = Vec::new();
         for s in 0..3 {
             let batches: Vec<_> = (0..gas)
@@ -60,4 +74,16 @@ fn attention_dropout_alone_changes_training_and_is_stage_independent() {
     let on = losses((0.0, 0.1), ZeroStage::Stage0, 1);
     assert_ne!(on, off, "attention dropout 0.1 drops something");
     assert_eq!(on, losses((0.0, 0.1), ZeroStage::Stage3, 1));
+}
+
+#[test]
+fn llama_attention_dropout_is_stage_independent() {
+    let off = train(|| llama_with_dropout(0.0), ZeroStage::Stage0, 1);
+    let on = train(|| llama_with_dropout(0.1), ZeroStage::Stage0, 1);
+    assert_ne!(on, off, "attention_dropout 0.1 drops something");
+    for world in [1, 2] {
+        let s0 = train(|| llama_with_dropout(0.1), ZeroStage::Stage0, world);
+        let s3 = train(|| llama_with_dropout(0.1), ZeroStage::Stage3, world);
+        assert_eq!(s0, s3, "world {world}: stage 0 vs 3");
+    }
 }

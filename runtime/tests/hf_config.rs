@@ -165,8 +165,10 @@ fn unsupported_architectures_and_values_are_named_with_what_is_supported() {
     );
     let e = err(&llama(json!({"mlp_bias": true})));
     assert!(e.contains("`mlp_bias` = true"), "{e}");
-    let e = err(&llama(json!({"attention_dropout": 0.1})));
-    assert!(e.contains("`attention_dropout` = 0.1"), "{e}");
+    let m = read(&llama(json!({"attention_dropout": 0.1}))).unwrap();
+    assert_eq!(llama_cfg(&m).attention_dropout, 0.1);
+    let e = err(&llama(json!({"attention_dropout": 1.0})));
+    assert!(e.contains("attention_dropout = 1 is outside [0, 1)"), "{e}");
     let e = err(&llama(json!({"quantization_config": {"bits": 4}})));
     assert!(
         e.contains("key `quantization_config` is not supported"),

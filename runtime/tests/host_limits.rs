@@ -36,6 +36,7 @@ fn model() -> Model {
         initializer_range: 0.02,
         qkv_bias: false,
         sliding_window: None,
+        attention_dropout: 0.0,
     })
     .expect("a valid Llama")
 }

@@ -56,6 +56,8 @@ pub struct LlamaConfig {
     /// Mistral's attention window; a run's sequence may not exceed it (within it, windowed
     /// attention is full causal attention).
     pub sliding_window: Option<usize>,
+    /// Dropout on the attention probabilities while training (`attention_dropout`).
+    pub attention_dropout: f32,
 }
 
 impl LlamaConfig {
@@ -86,6 +88,7 @@ impl LlamaConfig {
             initializer_range: 0.02,
             qkv_bias: false,
             sliding_window: None,
+            attention_dropout: 0.0,
         })
     }
 
@@ -154,6 +157,12 @@ impl LlamaConfig {
                 self.num_attention_heads
             ));
         }
+        if !(0.0..1.0).contains(&self.attention_dropout) {
+            return bad(format!(
+                "attention_dropout = {} is outside [0, 1)",
+                self.attention_dropout
+            ));
+        }
         if self.max_position_embeddings == 0 || self.sliding_window == Some(0) {
             return bad("max_position_embeddings and sliding_window must be positive".into());
         }
@@ -218,7 +227,7 @@ pub fn block(cfg: &LlamaConfig, index: usize) -> Block {
         kv_heads: cfg.kv_heads(),
         head_dim: d,
         rope: Some(cfg.rope),
-        pdrop: 0.0,
+        pdrop: cfg.attention_dropout,
     };
     Block {
         params: p,

@@ -118,6 +118,7 @@ pub fn from_size(
         initializer_range: 0.02,
         qkv_bias: false,
         sliding_window: None,
+        attention_dropout: 0.0,
     };
     let what = format!("Llama-shaped, {params:.3e} params, {layers} layers, width {hidden}");
     from_llama(cfg, what)

@@ -11,7 +11,6 @@ pub(super) fn read(k: &mut Keys<'_>, arch: Architecture) -> Result<LlamaConfig> 
     let hidden_size = k.usize("hidden_size")?;
     let num_attention_heads = k.usize("num_attention_heads")?;
     k.one_of("hidden_act", "silu", &["silu", "swish"])?;
-    k.require_zero("attention_dropout")?;
     // Tensor-parallel pretraining splits the same products into slices: the math is unchanged.
     k.accept(&["pretraining_tp"]);
     let (qkv_bias, sliding_window) = match arch {
@@ -40,6 +39,7 @@ pub(super) fn read(k: &mut Keys<'_>, arch: Architecture) -> Result<LlamaConfig> 
         initializer_range: k.f32_or("initializer_range", 0.02)?,
         qkv_bias,
         sliding_window,
+        attention_dropout: k.f32_or("attention_dropout", 0.0)?,
     };
     cfg.validate().map_err(|e| k.err(e))?;
     Ok(cfg)
