@@ -124,136 +124,32 @@ impl Default for ZeroOptimization {
 
 /// The other keys of DeepSpeed 0.19's `DeepSpeedZeroConfig`, and what ferrozero does with
 /// them (`docs/deepspeed-keys.md` lists them with reasons).
+#[rustfmt::skip]
 const SUPPORT: &[(&str, Support)] = &[
-    (
-        "elastic_checkpoint",
-        Support::IgnoredUnless(
-            off::is_false,
-            "ferrozero checkpoints always reload at any world size",
-        ),
-    ),
-    (
-        "load_from_fp32_weights",
-        Support::IgnoredUnless(
-            off::is_true,
-            "ferrozero always reloads from fp32 master weights",
-        ),
-    ),
-    (
-        "ignore_unused_parameters",
-        Support::IgnoredUnless(off::is_true, "unused parameters get zero gradients"),
-    ),
-    (
-        "legacy_stage1",
-        Support::IgnoredUnless(off::is_false, "there is one stage-1 implementation"),
-    ),
-    (
-        "memory_efficient_linear",
-        Support::IgnoredUnless(
-            off::is_true,
-            "a memory optimisation of DeepSpeed's linear layer",
-        ),
-    ),
-    (
-        "log_trace_cache_warnings",
-        Support::IgnoredUnless(off::is_false, "logging only"),
-    ),
-    (
-        "enable_sanity_checks",
-        Support::IgnoredUnless(off::is_false, "DeepSpeed's internal debug checks"),
-    ),
-    (
-        "override_module_apply",
-        Support::IgnoredUnless(off::is_true, "a PyTorch module hook"),
-    ),
-    (
-        "pipeline_loading_checkpoint",
-        Support::IgnoredUnless(off::is_false, "pipeline-engine checkpoint loading"),
-    ),
-    (
-        "stage3_model_persistence_threshold",
-        Support::Ignored("memory tuning only"),
-    ),
-    (
-        "model_persistence_threshold",
-        Support::Ignored("memory tuning only"),
-    ),
-    (
-        "stage3_module_granularity_threshold",
-        Support::IgnoredUnless(
-            off::is_zero_or_one,
-            "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units",
-        ),
-    ),
-    (
-        "module_granularity_threshold",
-        Support::IgnoredUnless(
-            off::is_zero_or_one,
-            "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units",
-        ),
-    ),
-    (
-        "stage3_use_all_reduce_for_fetch_params",
-        Support::IgnoredUnless(
-            off::is_false,
-            "a parameter-fetch schedule; ferrozero all-gathers (the same values)",
-        ),
-    ),
-    (
-        "use_all_reduce_for_fetch_params",
-        Support::IgnoredUnless(
-            off::is_false,
-            "a parameter-fetch schedule; ferrozero all-gathers (the same values)",
-        ),
-    ),
-    (
-        "stage3_allgather_sequential",
-        Support::IgnoredUnless(
-            off::is_false,
-            "a parameter-fetch schedule; ferrozero gathers each unit's buffer",
-        ),
-    ),
-    (
-        "allgather_sequential",
-        Support::IgnoredUnless(
-            off::is_false,
-            "a parameter-fetch schedule; ferrozero gathers each unit's buffer",
-        ),
-    ),
-    (
-        "leaf_module",
-        Support::IgnoredUnless(
-            off::is_empty,
-            "PyTorch module classes treated as ZeRO-3 leaves; ferrozero's units are its layers",
-        ),
-    ),
-    (
-        "save_muon_momentum_buffer_in_memory",
-        Support::IgnoredUnless(off::is_false, "the Muon optimizer is not implemented"),
-    ),
-    (
-        "use_multi_rank_bucket_allreduce",
-        Support::IgnoredUnless(off::is_true, "a communication schedule only"),
-    ),
-    (
-        "zeropp_loco_param",
-        Support::IgnoredUnless(
-            off::is_empty,
-            "LoCo only applies to quantized gradients, which are not implemented",
-        ),
-    ),
-    (
-        "zero_quantized_weights",
-        Support::RefusedUnless(off::is_false, "ZeRO++ quantized weights change numerics"),
-    ),
-    (
-        "zero_quantized_gradients",
-        Support::RefusedUnless(off::is_false, "ZeRO++ quantized gradients change numerics"),
-    ),
-    (
-        "zero_quantized_nontrainable_weights",
-        Support::RefusedUnless(off::is_false, "quantized weights change numerics"),
-    ),
+    ("elastic_checkpoint", Support::IgnoredUnless(off::is_false, "ferrozero checkpoints always reload at any world size")),
+    ("load_from_fp32_weights", Support::IgnoredUnless(off::is_true, "ferrozero always reloads from fp32 master weights")),
+    ("ignore_unused_parameters", Support::IgnoredUnless(off::is_true, "unused parameters get zero gradients")),
+    ("legacy_stage1", Support::IgnoredUnless(off::is_false, "there is one stage-1 implementation")),
+    ("memory_efficient_linear", Support::IgnoredUnless(off::is_true, "a memory optimisation of DeepSpeed's linear layer")),
+    ("log_trace_cache_warnings", Support::IgnoredUnless(off::is_false, "logging only")),
+    ("enable_sanity_checks", Support::IgnoredUnless(off::is_false, "DeepSpeed's internal debug checks")),
+    ("override_module_apply", Support::IgnoredUnless(off::is_true, "a PyTorch module hook")),
+    ("pipeline_loading_checkpoint", Support::IgnoredUnless(off::is_false, "pipeline-engine checkpoint loading")),
+    ("stage3_model_persistence_threshold", Support::Ignored("memory tuning only")),
+    ("model_persistence_threshold", Support::Ignored("memory tuning only")),
+    ("stage3_module_granularity_threshold", Support::IgnoredUnless(off::is_zero_or_one, "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units")),
+    ("module_granularity_threshold", Support::IgnoredUnless(off::is_zero_or_one, "a fetch-granularity tuning of PyTorch module hooks; ferrozero gathers whole units")),
+    ("stage3_use_all_reduce_for_fetch_params", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero all-gathers (the same values)")),
+    ("use_all_reduce_for_fetch_params", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero all-gathers (the same values)")),
+    ("stage3_allgather_sequential", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero gathers each unit's buffer")),
+    ("allgather_sequential", Support::IgnoredUnless(off::is_false, "a parameter-fetch schedule; ferrozero gathers each unit's buffer")),
+    ("leaf_module", Support::IgnoredUnless(off::is_empty, "PyTorch module classes treated as ZeRO-3 leaves; ferrozero's units are its layers")),
+    ("save_muon_momentum_buffer_in_memory", Support::IgnoredUnless(off::is_false, "the Muon optimizer is not implemented")),
+    ("use_multi_rank_bucket_allreduce", Support::IgnoredUnless(off::is_true, "a communication schedule only")),
+    ("zeropp_loco_param", Support::IgnoredUnless(off::is_empty, "LoCo only applies to quantized gradients, which are not implemented")),
+    ("zero_quantized_weights", Support::RefusedUnless(off::is_false, "ZeRO++ quantized weights change numerics")),
+    ("zero_quantized_gradients", Support::RefusedUnless(off::is_false, "ZeRO++ quantized gradients change numerics")),
+    ("zero_quantized_nontrainable_weights", Support::RefusedUnless(off::is_false, "quantized weights change numerics")),
 ];
 
 /// Reads `zero_optimization`; the deprecated boolean form maps to stage 1 or 0.

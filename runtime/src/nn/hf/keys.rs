@@ -192,17 +192,6 @@ impl<'a> Keys<'a> {
         )))
     }
 
-    /// Requires a number to be zero (dropout probabilities this model does not implement).
-    pub(super) fn require_zero(&mut self, key: &'static str) -> Result<()> {
-        let v = self.f32_or(key, 0.0)?;
-        if v == 0.0 {
-            return Ok(());
-        }
-        Err(self.err(format!(
-            "key `{key}` = {v} is not supported (this dropout is not implemented; supported: 0.0)"
-        )))
-    }
-
     /// Marks `keys` as read: they are accepted whatever their value (the caller checked them,
     /// or they leave training's math alone for this architecture).
     pub(super) fn accept(&mut self, keys: &[&'static str]) {
