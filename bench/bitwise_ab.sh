@@ -37,7 +37,7 @@ mkdir -p nvme_old nvme_new
 nvme_cfg "$W/nvme_old" > nvme_old.json
 nvme_cfg "$W/nvme_new" > nvme_new.json
 # A GPT-2 with every dropout on, so the masks are compared too.
-echo '{"model_type":"gpt2","n_layer":2,"n_head":4,"n_embd":64,"vocab_size":256,"n_positions":64,"resid_pdrop":0.1,"embd_pdrop":0.1,"attn_pdrop":0.0}' > dropout.json
+echo '{"model_type":"gpt2","n_layer":2,"n_head":4,"n_embd":64,"vocab_size":256,"n_positions":64,"resid_pdrop":0.1,"embd_pdrop":0.1,"attn_pdrop":0.1}' > dropout.json
 
 # name | model | ranks | config
 JOBS=(
