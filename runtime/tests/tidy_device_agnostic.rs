@@ -3,7 +3,11 @@
 //! storage, except the lines in [`ALLOWED`], each with its reason (the offload placement sites,
 //! where host memory is the point). Adding such a line fails with its path and line number.
 
-use std::path::{Path, PathBuf};
+mod tidy_common;
+
+use std::path::Path;
+
+use tidy_common::rust_files;
 
 /// What engine and layer code must not say: each pattern, and what it would mean.
 const FORBIDDEN: &[(&str, &str)] = &[
@@ -78,18 +82,6 @@ fn violations(rel: &str, text: &str) -> Vec<String> {
         }
     }
     out
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    for e in entries {
-        let p = e.expect("directory entry").path();
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
 }
 
 /// (path under `src/`, text) of every engine and layer file.

@@ -4,29 +4,17 @@
 //! (the rest are methods of the parts, which take the other parts they need). A breach fails
 //! here with its file and line.
 
+mod tidy_common;
+
 use std::path::{Path, PathBuf};
+
+use tidy_common::rust_files;
 
 /// The most fields `Engine` may have.
 const MAX_FIELDS: usize = 12;
 
 /// The most files that may hold an `impl Engine` block.
 const MAX_IMPL_FILES: usize = 4;
-
-fn rust_files(p: &Path, out: &mut Vec<PathBuf>) {
-    if p.is_dir() {
-        let mut entries: Vec<_> = std::fs::read_dir(p)
-            .expect("a source folder reads")
-            .flatten()
-            .map(|e| e.path())
-            .collect();
-        entries.sort();
-        for e in entries {
-            rust_files(&e, out);
-        }
-    } else if p.extension().is_some_and(|x| x == "rs") {
-        out.push(p.to_path_buf());
-    }
-}
 
 fn src() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")

@@ -7,7 +7,11 @@
 //! upward `crate::` path in code (comments and doc links aside) fails here with its file and
 //! line.
 
-use std::path::{Path, PathBuf};
+mod tidy_common;
+
+use std::path::Path;
+
+use tidy_common::rust_files;
 
 /// (a floor: files or folders under `src/`, the floors above it it must not name).
 const FLOORS: &[(&[&str], &[&str])] = &[
@@ -33,22 +37,6 @@ const FLOORS: &[(&[&str], &[&str])] = &[
     (&["ledger.rs", "report.rs"], &["engine", "monitor", "comm"]),
     (&["monitor"], &["engine", "nn", "comm"]),
 ];
-
-fn rust_files(p: &Path, out: &mut Vec<PathBuf>) {
-    if p.is_dir() {
-        let mut entries: Vec<_> = std::fs::read_dir(p)
-            .expect("a source folder reads")
-            .flatten()
-            .map(|e| e.path())
-            .collect();
-        entries.sort();
-        for e in entries {
-            rust_files(&e, out);
-        }
-    } else if p.extension().is_some_and(|x| x == "rs") {
-        out.push(p.to_path_buf());
-    }
-}
 
 #[test]
 fn no_floor_names_one_above_it() {

@@ -50,10 +50,7 @@ impl TokenEmbed {
         if let Some((name, init)) = positions {
             params.add(name, vec![max_seq, dim], init);
         }
-        let table = match own_table {
-            Some((name, init)) => params.add(name, vec![vocab, dim], init),
-            None => params.shared(vocab * dim),
-        };
+        let table = params.table(own_table, (vocab, dim));
         Self {
             params,
             dim,

@@ -40,10 +40,7 @@ impl LmHead {
         (dim, vocab): (usize, usize),
         own_table: Option<(&str, Init)>,
     ) -> Self {
-        let table = match own_table {
-            Some((name, init)) => params.add(name, vec![vocab, dim], init),
-            None => params.shared(vocab * dim),
-        };
+        let table = params.table(own_table, (vocab, dim));
         Self {
             params,
             norm,

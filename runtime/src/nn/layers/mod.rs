@@ -92,6 +92,15 @@ impl ParamList {
         self.specs.len() + self.shared.len() - 1
     }
 
+    /// The token table `[vocab, dim]`: declared as `{prefix}{name}` when the unit owns it
+    /// (`own` names it), else read from the model's shared parameters (a tied table).
+    pub fn table(&mut self, own: Option<(&str, Init)>, (vocab, dim): (usize, usize)) -> usize {
+        match own {
+            Some((name, init)) => self.add(name, vec![vocab, dim], init),
+            None => self.shared(vocab * dim),
+        }
+    }
+
     /// Declares `{prefix}{name}` and returns its index.
     pub fn add(&mut self, name: &str, shape: Vec<usize>, init: Init) -> usize {
         self.specs.push(ParamSpec {
