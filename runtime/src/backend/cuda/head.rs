@@ -8,9 +8,15 @@
 //!
 //! The chunk's rows lie [`crate::backend::MemoryModel::head_ld`] elements apart (the
 //! vocabulary rounded up to 128), so every head product has 16-byte aligned leading
-//! dimensions and cuBLASLt its aligned kernels. Only the vocabulary's columns are computed,
-//! read or in the loss; the padding lives in this transient buffer alone, never in
-//! parameters, gradients, checkpoints or exports.
+//! dimensions. Only the vocabulary's columns are computed, read or in the loss; the padding
+//! lives in this transient buffer alone, never in parameters, gradients, checkpoints or
+//! exports.
+//!
+//! Aligned strides are not enough: cuBLASLt also looks at the vocabulary's extent, and for an
+//! odd one (GPT-2's 50257) it picks its one-element-aligned Turing kernels, about a sixth of
+//! the H200's matrix throughput (measured: 26 of a GPT-2 step's 62 ms of kernel time). So each
+//! product runs over the vocabulary in two parts, the largest multiple of eight and the rest
+//! (at most seven columns, a negligible product of its own).
 
 use std::ops::Range;
 
@@ -34,7 +40,17 @@ struct Plan {
     chunk: usize,
 }
 
+/// The vocabulary's columns a product covers at once: a multiple of this, then the rest.
+const VOCAB_PART: usize = 8;
+
 impl Plan {
+    /// The vocabulary's column ranges, each a product of its own: the aligned bulk, then the
+    /// remainder (absent when the vocabulary is a multiple of [`VOCAB_PART`]).
+    fn parts(&self) -> impl Iterator<Item = Range<usize>> {
+        let (v, bulk) = (self.s.vocab, self.s.vocab / VOCAB_PART * VOCAB_PART);
+        [0..bulk, bulk..v].into_iter().filter(|r| !r.is_empty())
+    }
+
     /// The chunks' row ranges, in order.
     fn chunks(&self) -> impl Iterator<Item = Range<usize>> + '_ {
         (0..self.s.rows)
@@ -78,7 +94,8 @@ impl CudaBackend {
         Ok(f)
     }
 
-    /// `logits[.., :vocab] = x[rows] · wᵀ` into the chunk buffer (row stride `ld`).
+    /// `logits[.., :vocab] = x[rows] · wᵀ` into the chunk buffer (row stride `ld`), one
+    /// product per part of the vocabulary.
     fn chunk_logits(
         &self,
         p: &Plan,
@@ -88,22 +105,29 @@ impl CudaBackend {
     ) -> Result<()> {
         let s = p.s;
         let xc = h.x.range(rows.start * s.dim..rows.end * s.dim)?;
-        let shape = MatmulShape {
-            m: rows.len(),
-            n: s.vocab,
-            k: s.dim,
-            ta: Transpose::No,
-            tb: Transpose::Yes,
-        };
         let ld = RowStrides {
             a: s.dim,
             b: s.dim,
             c: p.ld,
         };
-        self.matmul_strided(shape, (xc, h.w, logits.view_mut()), ld, false)
+        let len = logits.len();
+        for cols in p.parts() {
+            let shape = MatmulShape {
+                m: rows.len(),
+                n: cols.len(),
+                k: s.dim,
+                ta: Transpose::No,
+                tb: Transpose::Yes,
+            };
+            let w = h.w.range(cols.start * s.dim..cols.end * s.dim)?;
+            let c = logits.view_mut().range(cols.start..len)?;
+            self.matmul_strided(shape, (xc, w, c), ld, false)?;
+        }
+        Ok(())
     }
 
-    /// `dx[rows] = dlogits · W`, then `dW += dlogitsᵀ · x[rows]`, from the chunk's gradients.
+    /// `dx[rows] = dlogits · W`, then `dW += dlogitsᵀ · x[rows]`, from the chunk's gradients,
+    /// one product per part of the vocabulary (dX sums the parts: the first overwrites).
     fn chunk_grads(
         &self,
         p: &Plan,
@@ -115,29 +139,38 @@ impl CudaBackend {
     ) -> Result<()> {
         let (s, n) = (p.s, rows.len());
         let span = rows.start * s.dim..rows.end * s.dim;
-        let dxs = MatmulShape {
-            m: n,
-            n: s.dim,
-            k: s.vocab,
-            ta: Transpose::No,
-            tb: Transpose::No,
-        };
+        let xc = h.x.range(span.clone())?;
         let ld = RowStrides {
             a: p.ld,
             b: s.dim,
             c: s.dim,
         };
-        let dxc = dx.reborrow().range(span.clone())?;
-        self.matmul_strided(dxs, (dlogits, h.w, dxc), ld, false)?;
-        let dws = MatmulShape {
-            m: s.vocab,
-            n: s.dim,
-            k: n,
-            ta: Transpose::Yes,
-            tb: Transpose::No,
-        };
-        let xc = h.x.range(span)?;
-        self.matmul_strided(dws, (dlogits, xc, dw.reborrow()), ld, true)
+        for (i, cols) in p.parts().enumerate() {
+            let part = dlogits.range(cols.start..dlogits.len())?;
+            let weights = cols.start * s.dim..cols.end * s.dim;
+            let dxs = MatmulShape {
+                m: n,
+                n: s.dim,
+                k: cols.len(),
+                ta: Transpose::No,
+                tb: Transpose::No,
+            };
+            let (w, dxc) = (
+                h.w.range(weights.clone())?,
+                dx.reborrow().range(span.clone())?,
+            );
+            self.matmul_strided(dxs, (part, w, dxc), ld, i > 0)?;
+            let dws = MatmulShape {
+                m: cols.len(),
+                n: s.dim,
+                k: n,
+                ta: Transpose::Yes,
+                tb: Transpose::No,
+            };
+            let dwc = dw.reborrow().range(weights)?;
+            self.matmul_strided(dws, (part, xc, dwc), ld, true)?;
+        }
+        Ok(())
     }
 
     /// The loss sum of `rows` per-row losses into a fresh one-element f32 buffer. One block of
