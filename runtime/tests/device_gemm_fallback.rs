@@ -33,8 +33,10 @@ const ALL: &[&str] = &[
     "CUBLASLT_EPILOGUE_DGELU_BGRAD",
 ];
 
+/// The device with every epilogue on, cuBLASLt's GELU-gradient one included (off by default).
 fn fused(act: DType) -> Dev {
     let be = cuda::emulated(act).expect("the emulator");
+    let be = Arc::new(be.with_fused_dgelu(true));
     Dev { name: "fused", be }
 }
 
@@ -42,7 +44,8 @@ fn refusing(act: DType, epilogues: &[&'static str]) -> Dev {
     let drv = EmuDriver::builtin()
         .expect("the emulator")
         .refusing(epilogues);
-    let be = Arc::new(CudaBackend::new(CudaDevice::new(Arc::new(drv), None), act));
+    let be = CudaBackend::new(CudaDevice::new(Arc::new(drv), None), act);
+    let be = Arc::new(be.with_fused_dgelu(true));
     Dev {
         name: "refusing",
         be,

@@ -133,9 +133,34 @@ fn weight_grad_with_bias_grad(d: &Dev) {
 test_device!(weight_grad_with_bias_grad);
 
 /// `dh = (dy·Wᵀ) ⊙ gelu'(pre)` with `db += Σ_rows dh`, against the CPU's product,
-/// `gelu_backward` and `sum_rows`; n = 32 takes cuBLASLt's DGELU_BGRAD on a GPU, n = 12 (not
-/// a multiple of 8: no valid aux leading dimension) the separate path.
+/// `gelu_backward` and `sum_rows`: on a device the separate kernels (the default).
 fn gelu_input_grad_with_bias_grad(d: &Dev) {
+    gelu_grad_check(d, false);
+}
+test_device!(gelu_input_grad_with_bias_grad);
+
+/// The same through cuBLASLt's DGELU_BGRAD epilogue, where the backend is asked for it: n =
+/// 32 takes the epilogue, n = 12 (not a multiple of 8: no valid aux leading dimension) the
+/// separate path still.
+#[cfg(feature = "cuda")]
+#[test]
+fn gelu_input_grad_with_cublaslt_epilogue() {
+    use ferrozero_runtime::backend::cuda;
+    for (name, act) in [
+        ("cuda_emu_f32_dgelu", DType::F32),
+        ("cuda_emu_bf16_dgelu", DType::Bf16),
+    ] {
+        let Ok(base) = cuda::emulated(act) else {
+            cuda::emu::skip_unless_required("DGELU epilogue: no emulator");
+            return;
+        };
+        let be = std::sync::Arc::new(base.with_fused_dgelu(true));
+        gelu_grad_check(&Dev { name, be }, true);
+    }
+}
+
+/// The GELU-gradient product's check; `fused`: whether the backend takes the epilogue.
+fn gelu_grad_check(d: &Dev, fused: bool) {
     let c = cpu();
     for n in [32, 12] {
         let (rows, k) = (21, 16);
@@ -161,9 +186,9 @@ fn gelu_input_grad_with_bias_grad(d: &Dev) {
         if let (Some(before), Some(after)) = (before, d.be.activity()) {
             // Fused: the matmul, (a widening cast of a bf16 bias gradient,) the add into the
             // gradient. Separate: the matmul, the GELU gradient, the column sums' two kernels.
-            let want = match (n % 8, d.act()) {
-                (0, DType::F32) => 2,
-                (0, _) => 3,
+            let want = match (n % 8, d.act(), fused) {
+                (0, DType::F32, true) => 2,
+                (0, _, true) => 3,
                 _ => 4,
             };
             let used = after - before;
@@ -198,24 +223,25 @@ fn gelu_input_grad_with_bias_grad(d: &Dev) {
         );
     }
 }
-test_device!(gelu_input_grad_with_bias_grad);
 
 /// Kernel launches (cuBLASLt matmuls included) of one GPT-2 block's backward on the emulated
 /// device with bf16 activations and no dropout, f32 gradients, counted by the driver:
 ///
 /// - 8 matmuls: the input and weight gradients of c_attn, c_proj, c_fc and the MLP's c_proj,
-///   the bias gradients in them (BGRADA for three, DGELU_BGRAD for c_fc's with the GELU);
-/// - 4 adds of those (overwritten) bias gradients into the accumulated ones, and 1 widening
-///   cast of DGELU_BGRAD's bf16 bias gradient;
+///   three of them with their bias gradient (BGRADA);
+/// - 3 adds of those (overwritten) bias gradients into the accumulated ones;
+/// - c_fc's GELU gradient after its plain input-gradient product (the default: cuBLASLt's
+///   DGELU_BGRAD epilogue measured slower on an H200) and its bias gradient, a 2-kernel
+///   column sum;
 /// - 2 LayerNorm backwards of 2 kernels each (rows, then the dgamma/dbeta partials' sum), the
 ///   rows' kernel also adding the residual gradient around the norm to its input gradient;
 /// - 3 attention-backward kernels.
 ///
-/// 8 + 4 + 1 + 4 + 3 = 20. Before the residual gradient went into the norms: 22 (2 separate
-/// adds); before the backward epilogues: 26 (four 2-kernel column sums instead of the 4 adds
-/// and the cast, and a separate GELU backward).
+/// 8 + 3 + 3 + 4 + 3 = 21 (20 with the DGELU_BGRAD epilogue: its add and a widening cast
+/// instead of the 3). Before the residual gradient went into the norms: 2 more (separate
+/// adds); before the backward epilogues: 6 more (2-kernel column sums instead of the adds).
 #[cfg(feature = "cuda")]
-const GPT2_BLOCK_BACKWARD_LAUNCHES: u64 = 20;
+const GPT2_BLOCK_BACKWARD_LAUNCHES: u64 = 21;
 
 #[cfg(feature = "cuda")]
 #[test]

@@ -314,8 +314,9 @@ impl CudaBackend {
     /// `C = op(A)·op(B) ⊙ gelu'(pre)` and `bias_grad += Σ_rows C`: cuBLASLt's DGELU_BGRAD,
     /// its (overwritten) bias gradient in C's type in a scratch added to the f32 gradient (a
     /// bf16 C rounds each micro-step's bias gradient to bf16 once, as the engine rounds every
-    /// gradient it accumulates in bf16). Where cuBLASLt's aux layout rules fail, or it refuses
-    /// the epilogue, the product, the GELU gradient and the column sums run separately.
+    /// gradient it accumulates in bf16), when [`CudaBackend::with_fused_dgelu`] asked for it.
+    /// Otherwise, or where cuBLASLt's aux layout rules fail or it refuses the epilogue, the
+    /// product, the GELU gradient and the column sums run separately.
     fn gelu_backward_bias_grad(
         &self,
         s: MatmulShape,
@@ -330,7 +331,7 @@ impl CudaBackend {
         expect_len(OP, "bias gradient", grad.len(), s.n)?;
         expect_dtype(OP, c.dtype(), &[("pre-activation", pre.dtype())])?;
         expect_dtype(OP, DType::F32, &[("bias gradient", grad.dtype())])?;
-        if s.n.is_multiple_of(8) && pre.ptr().0.is_multiple_of(16) {
+        if self.fused_dgelu() && s.n.is_multiple_of(8) && pre.ptr().0.is_multiple_of(16) {
             let scratch = CudaBuf::uninit(&self.dev, c.dtype(), s.n)?;
             let dgelu = LtEpilogue::DGeluBiasGrad {
                 aux: pre.ptr(),

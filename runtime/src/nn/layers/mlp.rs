@@ -155,13 +155,14 @@ impl Mlp {
     }
 
     /// The most bytes backward holds at once for `rows` rows (`out`: the bytes of the input
-    /// gradient it returns): GELU's dh beside that gradient (its input gradient goes through
-    /// the GELU inside the product: no separate dg); SwiGLU's dact, dgate and dup, then
-    /// dgate and dup beside the input gradient.
+    /// gradient it returns): GELU's dh beside the plain product it is the GELU gradient of
+    /// (a device's default; cuBLASLt's DGELU_BGRAD epilogue needs no product), then beside
+    /// that input gradient; SwiGLU's dact, dgate and dup, then dgate and dup beside the input
+    /// gradient.
     pub(crate) fn backward_bytes(&self, rows: usize, out: usize, m: &MemoryModel) -> usize {
         let inner = m.act_bytes(rows * self.inner());
         match self {
-            Mlp::Gelu { .. } => inner + out,
+            Mlp::Gelu { .. } => inner + inner.max(out),
             Mlp::SwiGlu { .. } => (3 * inner).max(2 * inner + out),
         }
     }
