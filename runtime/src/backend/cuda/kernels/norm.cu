@@ -491,7 +491,8 @@ extern "C" __global__ void rmsnorm_backward_residual_f16(
 }
 
 // The sum over chunks is serial per element (the CPU's order, hence its bits); eight
-// independent loads at a time keep it from waiting on memory once per chunk.
+// independent loads at a time keep it from waiting on memory once per chunk (on an H200 a
+// GPT-2 step's 25 calls take 0.74 ms; 32 at a time took twice that).
 extern "C" __global__ void norm_dparams_finalize(const float* partial, long long nchunks, int dim,
                                                  float* dgamma, float* dbeta) {
   const long long stride = dbeta ? 2ll * dim : static_cast<long long>(dim);
