@@ -226,7 +226,7 @@ fn save_view(what: &str, src: View<'_>, dst: &mut Slot) -> Result<()> {
         unreachable!("a host slot was made above")
     };
     read_host(src, |h| {
-        buf.as_mut().bytes_mut().copy_from_slice(h.bytes());
+        FlatBuf::copy_bytes(buf.as_mut().bytes_mut(), h.bytes());
         Ok(())
     })
 }
@@ -246,10 +246,7 @@ fn restore_view(what: &str, dst: ViewMut<'_>, src: &mut Slot) -> Result<()> {
         Slot::Host(b) => {
             // Every element is overwritten: nothing is read first.
             let mut staged = StagedMut::overwrite(dst);
-            staged
-                .host_mut()
-                .bytes_mut()
-                .copy_from_slice(b.as_ref().bytes());
+            FlatBuf::copy_bytes(staged.host_mut().bytes_mut(), b.as_ref().bytes());
             staged.finish()
         }
     }
