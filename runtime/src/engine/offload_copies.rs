@@ -14,19 +14,26 @@
 //! 3. [`Landing::await_on`]: the compute stream waits for the upload's event only where the
 //!    parameters are next used (the unit's gather in the next forward, a publish, a rollback,
 //!    a read by the caller); the host never waits for it.
+//! 4. [`UploadWindow`]: the staging memory an upload goes up from is held until
+//!    [`rules::UPLOADS_IN_FLIGHT`] later groups have queued theirs, then given back (a host
+//!    wait on that upload alone, long complete by then). So the staging pool holds a few
+//!    groups' parameters, not the whole model's (a 7B's 12.6 GiB page-locked otherwise).
 //!
 //! On the CPU every view is host memory: nothing is copied, every event is complete, and the
 //! update runs in place on the same tiles with the same arithmetic, so no bit changes.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::group::{owned_params, Group, ParamStore};
 use super::optimizer::StepValues;
 use super::partition::chunks;
+use super::rules;
 use crate::backend::{Backend, CpuBackend, OptimizerOps, Stream, UpdateRule};
 use crate::tensor::in_flight::HostCopy;
 use crate::tensor::{View, ViewMut};
-use crate::Result;
+use crate::{Error, Result};
 
 /// The host executor of offloaded optimizer state.
 static HOST: CpuBackend = CpuBackend;
@@ -42,11 +49,19 @@ pub struct Inbound {
     params: Option<HostCopy>,
 }
 
-/// A group's updated parameters on their way up; held by the group until the next step, so
-/// the staging memory outlives the copy.
+/// The staging copies of one group's upload, shared by the group's [`Landing`] (which orders
+/// readers after them) and the [`UploadWindow`] (which gives their memory back).
+type Copies = Arc<Mutex<Vec<HostCopy>>>;
+
+fn lock(c: &Copies) -> Result<MutexGuard<'_, Vec<HostCopy>>> {
+    c.lock()
+        .map_err(|_| Error::Invalid("a parameter upload's copies were poisoned by a panic".into()))
+}
+
+/// A group's updated parameters on their way up.
 #[derive(Debug, Default)]
 pub struct Landing {
-    copies: Vec<HostCopy>,
+    copies: Copies,
     /// Whether the compute stream already waits (readers of parameters hold `&Group`).
     awaited: AtomicBool,
 }
@@ -59,10 +74,40 @@ impl Landing {
             return Ok(());
         }
         // The host-to-device stream runs in issue order: the last upload's event covers all.
-        if let Some(e) = self.copies.iter().rev().find_map(HostCopy::event) {
+        // Copies the window gave back were waited for: nothing to order after.
+        if let Some(e) = lock(&self.copies)?.iter().rev().find_map(HostCopy::event) {
             be.wait_event(Stream::Compute, e)?;
         }
         self.awaited.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// The staging memory of the last [`rules::UPLOADS_IN_FLIGHT`] groups' parameter uploads,
+/// oldest first, shared by every thread that steps groups (the engine's and the optimizer
+/// lane's). The estimator's replay gives staging back at the same points
+/// (`estimate/replay/page_locked.rs`).
+#[derive(Debug, Default)]
+pub struct UploadWindow {
+    held: Mutex<VecDeque<Copies>>,
+}
+
+impl UploadWindow {
+    /// Holds `landing`'s staging; gives back the oldest held beyond the window, after a host
+    /// wait on its upload.
+    fn admit(&self, landing: &Landing) -> Result<()> {
+        let mut held = self
+            .held
+            .lock()
+            .map_err(|_| Error::Invalid("the upload window was poisoned by a panic".into()))?;
+        held.push_back(landing.copies.clone());
+        while held.len() > rules::UPLOADS_IN_FLIGHT {
+            let Some(old) = held.pop_front() else { break };
+            let mut copies = lock(&old)?;
+            copies.iter_mut().try_for_each(HostCopy::wait)?;
+            // Dropped after their wait: the staging goes back to the device's pool.
+            copies.clear();
+        }
         Ok(())
     }
 }
@@ -102,7 +147,7 @@ pub(super) fn host_step(
     sv: &StepValues,
     tile: usize,
     g: &mut Group,
-    inbound: Inbound,
+    (inbound, window): (Inbound, &UploadWindow),
     be: &dyn Backend,
 ) -> Result<Landing> {
     let inbound = match inbound.fetched {
@@ -183,10 +228,14 @@ pub(super) fn host_step(
             )?;
         }
     }
-    let mut landing = Landing::default();
-    for (mut c, dst) in up {
-        c.upload_async(dst, Stream::HostToDevice)?;
-        landing.copies.push(c);
+    let landing = Landing::default();
+    {
+        let mut copies = lock(&landing.copies)?;
+        for (mut c, dst) in up {
+            c.upload_async(dst, Stream::HostToDevice)?;
+            copies.push(c);
+        }
     }
+    window.admit(&landing)?;
     Ok(landing)
 }

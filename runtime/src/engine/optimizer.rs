@@ -10,7 +10,7 @@ use ferrozero_offload::optim::{AdamHyper, LionHyper, LowPrecision, SgdHyper, Wei
 
 use super::group::{owned_lp, owned_params, read_as, Group};
 use super::nvme::NvmeOffload;
-use super::offload_copies::{self, Inbound, Landing};
+use super::offload_copies::{self, Inbound, Landing, UploadWindow};
 use super::partition::chunks;
 use crate::backend::{Backend, GradView, StepTensor, UpdateRule};
 use crate::tensor::{FlatBuf, ViewMut};
@@ -30,16 +30,21 @@ pub struct StepValues {
     pub grad_scale: f32,
 }
 
-/// The configured optimizer.
-#[derive(Debug, Clone, PartialEq)]
+/// The configured optimizer. Its clones (the optimizer lane's) share one window of
+/// parameter uploads in flight.
+#[derive(Debug, Clone)]
 pub struct Optimizer {
     cfg: OptimizerConfig,
+    uploads: std::sync::Arc<UploadWindow>,
 }
 
 impl Optimizer {
     /// Wraps a resolved optimizer config.
     pub fn new(cfg: OptimizerConfig) -> Self {
-        Self { cfg }
+        Self {
+            cfg,
+            uploads: Default::default(),
+        }
     }
 
     /// f32 state buffers per parameter element (Adam: m and v; SGD and Lion: one).
@@ -80,8 +85,8 @@ impl Optimizer {
         let Group { m, .. } = &*g;
         let offloaded = m.host().is_some();
         if offloaded {
-            // The previous step's uploads are complete by now; their staging goes back first.
             g.landing = Landing::default();
+            let inbound = (inbound, &*self.uploads);
             g.landing = offload_copies::host_step(&rule, sv, tile, g, inbound, be)?;
             return Ok(());
         }

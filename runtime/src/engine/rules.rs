@@ -182,6 +182,10 @@ pub fn moves_into(sum: DType, acc: DType) -> bool {
 /// next); the oldest is landed before another is queued.
 pub const GRAD_DOWNLOADS_IN_FLIGHT: usize = 2;
 
+/// Offloaded groups' parameter uploads whose page-locked staging is held at once: the
+/// oldest beyond this is waited for (long complete) and its staging reused by the next.
+pub const UPLOADS_IN_FLIGHT: usize = 2;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -65,9 +65,10 @@ impl Replay<'_> {
 
     /// The device's staging pool over two offloaded steps (`step.rs` `update_groups`,
     /// `offload_copies.rs`): group g+1's gradient is taken for its download before group g's
-    /// host step; a step gives back the group's previous upload buffer, takes one for its
-    /// parameters when they live on the device, and gives back its gradient's. Buffers are
-    /// reused by shape, and those under the registration threshold never count.
+    /// host step; a step takes a buffer for its parameters when they live on the device and
+    /// gives back its gradient's, and the upload window gives back the oldest upload's beyond
+    /// [`rules::UPLOADS_IN_FLIGHT`]. Buffers are reused by shape, and those under the
+    /// registration threshold never count.
     fn offload_staging(&self) -> u64 {
         if self.cfg.zero.offload_optimizer.target != OffloadTarget::Cpu {
             return 0;
@@ -83,16 +84,19 @@ impl Replay<'_> {
             })
             .collect();
         let mut pool = Pool::default();
-        let mut landing: Vec<Option<u64>> = vec![None; sizes.len()];
+        let mut window = std::collections::VecDeque::new();
         for _ in 0..2 {
             let mut next = sizes.first().map(|&(b, _)| pool.take(b));
             for (g, &(b, on_device)) in sizes.iter().enumerate() {
                 let grad = next.take();
                 next = sizes.get(g + 1).map(|&(b, _)| pool.take(b));
-                if let Some(old) = landing[g].take() {
-                    pool.give(old);
+                // Every offloaded step enters the window, an upload-free one empty.
+                window.push_back(on_device.then(|| pool.take(b)));
+                while window.len() > rules::UPLOADS_IN_FLIGHT {
+                    if let Some(Some(old)) = window.pop_front() {
+                        pool.give(old);
+                    }
                 }
-                landing[g] = on_device.then(|| pool.take(b));
                 if let Some(b) = grad {
                     pool.give(b);
                 }
