@@ -35,5 +35,5 @@ strip .gpu/train_gpt .gpu/ferrozero .gpu/tests/*
 tar -C .gpu -cf - tests | xz -T0 -6 > .gpu/tests.tar.xz && rm -r .gpu/tests
 cp ../shared/bench/gpu/*.py ../shared/bench/gpu/*.sh .gpu/ 2>/dev/null || true
 [ -x ../shared/bench/gpu/prepare_wheels.sh ] && bash ../shared/bench/gpu/prepare_wheels.sh .gpu/whl > /dev/null
-cp bench/gpu/session.sh .gpu/
+cp bench/gpu/session.sh bench/gpu/*.py .gpu/
 du -sh .gpu; ls -la .gpu

@@ -11,6 +11,11 @@
 #            against DeepSpeed ZeRO-3 offload: tokens/s, model TFLOP/s, host optimizer share,
 #            peak host RSS, the estimate against the allocator's peak
 #   hf       Llama-3.2-1B's shape against transformers eager and torch.compile
+#   profile  GPT-2's step kernel by kernel: ferrozero under Nsight Compute and its own
+#            flops_profiler, PyTorch compiled under its profiler, one table per side by kernel
+#            family (kernel_table.py); the stage 3 offload step's phases; the 7B preset's estimate
+#   ab       GPT-2 stage 0 with and without each backend switch (AB_ENV, default
+#            FERROZERO_FUSE_DGELU=0), alternated AB_ROUNDS times (default 2)
 # `smoke` is a short first look (tests, a few GPT-2 and Llama offload steps, DeepSpeed's import).
 # Every figure is one line of $OUT/summary.txt, written as it comes with the seconds since the
 # start, so a run cut short still reports what it had. BUDGET_S (default 480) bounds the whole
@@ -25,12 +30,12 @@ DRY=0 PHASES=()
 for a in "$@"; do
   case $a in
     --dry-run) DRY=1 ;;
-    all) PHASES+=(tests gpt2 stages offload hf) ;;
-    tests | gpt2 | stages | offload | hf | smoke) PHASES+=("$a") ;;
-    *) echo "session.sh: unknown argument $a (phases: tests gpt2 stages offload hf smoke all; --dry-run)" >&2; exit 2 ;;
+    all) PHASES+=(tests gpt2 stages offload hf profile) ;;
+    tests | gpt2 | stages | offload | hf | profile | ab | smoke) PHASES+=("$a") ;;
+    *) echo "session.sh: unknown argument $a (phases: tests gpt2 stages offload hf profile ab smoke all; --dry-run)" >&2; exit 2 ;;
   esac
 done
-[ ${#PHASES[@]} -gt 0 ] || PHASES=(tests gpt2 stages offload hf)
+[ ${#PHASES[@]} -gt 0 ] || PHASES=(tests gpt2 stages offload hf profile)
 want() { [[ " ${PHASES[*]} " == *" $1 "* ]]; }
 
 OUT=${OUT:-/tmp/fz-out}; mkdir -p "$OUT"
@@ -168,7 +173,11 @@ phase_tests() { # the real-GPU cases only; cuBLASLt's epilogues first
       continue
     fi
     timeout "$(lim 60)" "$t" --test-threads 4 real_ cuda_f32 cuda_bf16 > "$OUT/test_$n.log" 2>&1
-    note "test $n: exit $? ($(grep -E '^test result' "$OUT/test_$n.log" | tail -1)); skipped: $(grep -c '^skipped' "$OUT/test_$n.log")"
+    local rc=$?
+    note "test $n: exit $rc ($(grep -E '^test result' "$OUT/test_$n.log" | tail -1)); skipped: $(grep -c '^skipped' "$OUT/test_$n.log")"
+    # A test that never finished: which ones (listed, and not reported done)
+    [ $rc = 124 ] && "$t" --list real_ cuda_f32 cuda_bf16 2> /dev/null | sed -n 's/: test$//p' |
+      while read -r c; do grep -qE "^test $c \.\.\. " "$OUT/test_$n.log" || note "  unfinished: $c"; done
     grep -E -A1 '^test .*FAILED|panicked|failed on' "$OUT/test_$n.log" | grep -v '^--' | cut -c1-400 | head -12 | tee -a "$S"
   done
 }
@@ -299,6 +308,63 @@ phase_hf() { # Llama-3.2-1B's shape: transformers (eager, compile) and ferrozero
   fits 40 "transformers llama" || return
   timeout "$(lim 200)" python3 "$PY/llama_hf_torch.py" "${HF[@]}" --modes eager,compile --steps 10 > "$OUT/hf_torch.log" 2>&1
   note "transformers llama: exit $?"; grep '^{' "$OUT/hf_torch.log" | tee -a "$S"
+}
+
+phase_profile() { # what stands between GPT-2's step and torch.compile's, kernel by kernel
+  gpt2_data
+  # ferrozero's own profiler (each operation between two events: its time, not the overlap's)
+  gpt2_run prof_fz 4 '{"stage": 0}' '"flops_profiler": {"enabled": true, "profile_step": 3, "module_depth": 1, "output_file": "'"$OUT"'/prof_fz_table.txt"}'
+  [ -f "$OUT/prof_fz_table.txt" ] && grep -v "^ *h\.[0-9]" "$OUT/prof_fz_table.txt" | head -"${PROF_LINES:-45}" | sed 's/^/  /' | tee -a "$S"
+  local ncu
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | tail -1)
+  if [ $DRY = 0 ] && [ -n "$ncu" ] && fits 60 "ncu ferrozero gpt2"; then
+    echo "{$base, \"zero_optimization\": {\"stage\": 0}}" > /tmp/fz-ncu.json
+    timeout "$(lim 180)" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      --log-file "$OUT/ncu.csv" "$TRAIN" --device cuda --ranks 1 --model-config $GPT2 --config /tmp/fz-ncu.json \
+      --data $GPT2_DATA --seq-len $SEQ --steps 3 --no-progress > "$OUT/ncu_run.log" 2>&1
+    note "ncu ferrozero gpt2: exit $? ($(grep -c gpu__time_duration "$OUT/ncu.csv" 2> /dev/null) kernels timed)"
+    cat "$OUT/ncu.csv" "$OUT/ncu_run.log" > "$OUT/ncu_all.txt" 2> /dev/null
+    python3 "$G/kernel_table.py" --ncu "$OUT/ncu_all.txt" --label ferrozero 2>&1 | tee -a "$S"
+  else
+    note "ncu: not run (dry run, no ncu, or no time)"
+  fi
+  if have_torch gpt2_torch.py && [ -f "$G/gpt2_torch_profile.py" ]; then
+    local m
+    for m in ${PROF_MODES-compile eager}; do
+      fits 40 "torch profile $m" || break
+      GPT2_TORCH_DIR=$PY timeout "$(lim 150)" python3 "$G/gpt2_torch_profile.py" --mode $m --trace "$OUT/torch_$m.json" \
+        "${TORCH_GPT2[@]}" > "$OUT/prof_torch_$m.log" 2>&1
+      note "torch profile $m: exit $? $(tail -1 "$OUT/prof_torch_$m.log")"
+      [ $DRY = 1 ] || python3 "$G/kernel_table.py" --trace "$OUT/torch_$m.json" --steps 3 --label "torch_$m" 2>&1 | tee -a "$S"
+    done
+  else
+    note "torch profile: skipped (no PyTorch or no gpt2_torch.py)"
+  fi
+  # The stage 3 step with the optimizer on the CPU, phase by phase
+  fits 20 "stage 3 offload phases" &&
+    gpt2_run prof_s3o "$STAGE_STEPS" '{"stage": 3, "overlap_comm": true, "offload_optimizer": '"$off"'}' \
+      '"wall_clock_breakdown": true, "steps_per_print": 1' &&
+    grep -o "time (ms): .*" "$OUT/prof_s3o.log" | tail -3 | sed 's/^/  /' | tee -a "$S"
+  # The 7B preset on this host: does the optimizer overlap stay on within its memory
+  if [ -f configs/llama7b_40gb.toml ]; then
+    # (the dry run prices the GPU machine's 128 GiB; there, the host it runs on)
+    local host=(); [ $DRY = 1 ] && host=(--host-memory 128GiB)
+    "$FZ" estimate --model llama-7b --config configs/llama7b_40gb.toml --device cuda "${host[@]}" \
+      > "$OUT/estimate_7b.txt" 2>&1
+    note "estimate 7b preset on this host: exit $?"
+    head -${EST_LINES:-30} "$OUT/estimate_7b.txt" | sed 's/^/  /' | tee -a "$S"
+  fi
+}
+
+phase_ab() { # the same run with a backend switch and without, alternated
+  gpt2_data
+  local i sw=${AB_ENV:-FERROZERO_FUSE_DGELU=0}
+  for i in $(seq "${AB_ROUNDS:-2}"); do
+    fits 15 "ab round $i" || return
+    gpt2_run "ab_base_$i" "$STEPS" '{"stage": 0}'
+    (export "${sw?}" && gpt2_run "ab_switch_$i" "$STEPS" '{"stage": 0}')
+  done
+  note "ab: switch $sw; tokens/s base $(grep -ho '"tokens_per_s":[0-9.]*' "$OUT"/ab_base_*.log | cut -d: -f2 | tr '\n' ' ')switch $(grep -ho '"tokens_per_s":[0-9.]*' "$OUT"/ab_switch_*.log | cut -d: -f2 | tr '\n' ' ')"
 }
 
 phase_smoke() { # the first minutes on a new machine: does everything start at all
