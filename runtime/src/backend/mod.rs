@@ -120,6 +120,9 @@ pub enum Epilogue<'a> {
     Store,
     /// `C += A·B`.
     Accumulate,
+    /// `C += alpha·A·B`: a low-rank adapter's branch, scaled by `lora_alpha / r` in the
+    /// product itself.
+    ScaledAccumulate(f32),
     /// `C = A·B + bias`, the bias (length `n`) added to every row.
     Bias(View<'a>),
     /// `pre = A·B + bias` and `C = gelu_tanh(pre)` (both written; backward needs `pre`).

@@ -46,7 +46,7 @@ pub(crate) unsafe fn gemm_raw(
     dst: StridedMat,
     lhs: StridedMat,
     rhs: StridedMat,
-    acc: Accumulate,
+    (acc, alpha): (Accumulate, f32),
     threads: usize,
 ) {
     let long = m.max(n);
@@ -57,7 +57,7 @@ pub(crate) unsafe fn gemm_raw(
     };
     if parts == 1 {
         // SAFETY: forwarded from the caller.
-        unsafe { gemm_one(m, n, k, dst, lhs, rhs, acc) };
+        unsafe { gemm_one(m, n, k, dst, lhs, rhs, (acc, alpha)) };
         return;
     }
     let step = long.div_ceil(parts).div_ceil(PART_ALIGN) * PART_ALIGN;
@@ -70,10 +70,10 @@ pub(crate) unsafe fn gemm_raw(
         unsafe {
             if m >= n {
                 let (d, l) = (d.0.offset(lo, 0), l.0.offset(lo, 0));
-                gemm_one(hi - lo, n, k, d, l, r.0, acc);
+                gemm_one(hi - lo, n, k, d, l, r.0, (acc, alpha));
             } else {
                 let (d, r) = (d.0.offset(0, lo), r.0.offset(0, lo));
-                gemm_one(m, hi - lo, k, d, l.0, r, acc);
+                gemm_one(m, hi - lo, k, d, l.0, r, (acc, alpha));
             }
         }
     });
@@ -105,10 +105,10 @@ unsafe fn gemm_one(
     dst: StridedMat,
     lhs: StridedMat,
     rhs: StridedMat,
-    acc: Accumulate,
+    (acc, alpha): (Accumulate, f32),
 ) {
     let read_dst = acc == Accumulate::Add;
-    // SAFETY: the caller guarantees the views; gemm computes dst = 1·dst + 1·lhs·rhs.
+    // SAFETY: the caller guarantees the views; gemm computes dst = 1·dst + alpha·lhs·rhs.
     unsafe {
         gemm::gemm(
             m,
@@ -125,7 +125,7 @@ unsafe fn gemm_one(
             rhs.cs,
             rhs.rs,
             1.0,
-            1.0,
+            alpha,
             false,
             false,
             false,
@@ -166,6 +166,18 @@ impl CpuBackend {
         c: &mut [f32],
         acc: Accumulate,
     ) -> Result<()> {
+        self.matmul_host_scaled(s, (a, b), c, acc, 1.0)
+    }
+
+    /// `c (=|+=) alpha · op(a) · op(b)` on host f32 slices.
+    fn matmul_host_scaled(
+        &self,
+        s: MatmulShape,
+        (a, b): (&[f32], &[f32]),
+        c: &mut [f32],
+        acc: Accumulate,
+        alpha: f32,
+    ) -> Result<()> {
         check_len("A", a.len(), s.m * s.k)?;
         check_len("B", b.len(), s.k * s.n)?;
         check_len("C", c.len(), s.m * s.n)?;
@@ -191,7 +203,7 @@ impl CpuBackend {
                 view(c.as_mut_ptr(), (n, 1)),
                 view(a.as_ptr(), lhs),
                 view(b.as_ptr(), rhs),
-                acc,
+                (acc, alpha),
                 rayon::current_num_threads(),
             );
         }
@@ -222,6 +234,9 @@ impl MatmulOps for CpuBackend {
         match epilogue {
             Epilogue::Store => self.matmul_host(s, &a, &b, c, Accumulate::Overwrite),
             Epilogue::Accumulate => self.matmul_host(s, &a, &b, c, Accumulate::Add),
+            Epilogue::ScaledAccumulate(alpha) => {
+                self.matmul_host_scaled(s, (&a, &b), c, Accumulate::Add, alpha)
+            }
             Epilogue::Bias(bias) => {
                 check_len("C", c.len(), s.m * s.n)?;
                 self.broadcast_bias(bias, c, s.n)?;

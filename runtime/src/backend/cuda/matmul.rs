@@ -120,7 +120,7 @@ impl MatmulOps for CudaBackend {
         if s.k == 0 {
             // cuBLASLt rejects k = 0; the product is all zeros.
             return match epilogue {
-                Epilogue::Accumulate => Ok(()),
+                Epilogue::Accumulate | Epilogue::ScaledAccumulate(_) => Ok(()),
                 _ => self.fill_product_of_nothing(c, epilogue),
             };
         }
@@ -134,6 +134,7 @@ impl MatmulOps for CudaBackend {
             }
             Epilogue::Store => {}
             Epilogue::Accumulate => g.beta = 1.0,
+            Epilogue::ScaledAccumulate(alpha) => (g.alpha, g.beta) = (alpha, 1.0),
             Epilogue::Residual { residual, bias } => {
                 let r = self.dev_in(OP, "residual", residual)?;
                 expect_len(OP, "residual", r.len(), s.m * s.n)?;

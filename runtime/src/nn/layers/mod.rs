@@ -14,6 +14,7 @@ mod block;
 mod dense;
 mod embed;
 mod head;
+mod lora;
 mod mlp;
 mod norm;
 
@@ -22,6 +23,7 @@ pub use block::Block;
 pub use dense::Dense;
 pub use embed::TokenEmbed;
 pub use head::LmHead;
+pub use lora::Lora;
 pub use mlp::Mlp;
 pub use norm::Norm;
 

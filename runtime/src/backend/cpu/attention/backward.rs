@@ -220,7 +220,7 @@ impl Backward<'_> {
                     kv.dvh,
                     pt,
                     rows(do_h, r0),
-                    Accumulate::Add,
+                    (Accumulate::Add, 1.0),
                     1,
                 );
                 gemm_raw(
@@ -230,7 +230,7 @@ impl Backward<'_> {
                     dpr,
                     rows(do_h, r0),
                     kv.vt,
-                    Accumulate::Overwrite,
+                    (Accumulate::Overwrite, 1.0),
                     1,
                 );
             }
@@ -259,7 +259,7 @@ impl Backward<'_> {
                     rows(dqh, r0),
                     dsr,
                     kv.kh,
-                    Accumulate::Overwrite,
+                    (Accumulate::Overwrite, 1.0),
                     1,
                 );
                 gemm_raw(
@@ -269,7 +269,7 @@ impl Backward<'_> {
                     kv.dkh,
                     dst,
                     rows(qh, r0),
-                    Accumulate::Add,
+                    (Accumulate::Add, 1.0),
                     1,
                 );
             }

@@ -185,7 +185,7 @@ unsafe fn head_forward(
                 pr,
                 rows(m.q, r0),
                 m.kt,
-                Accumulate::Overwrite,
+                (Accumulate::Overwrite, 1.0),
                 1,
             )
         };
@@ -209,7 +209,7 @@ unsafe fn head_forward(
                 rows(m.o, r0),
                 pr,
                 m.v,
-                Accumulate::Overwrite,
+                (Accumulate::Overwrite, 1.0),
                 1,
             )
         };

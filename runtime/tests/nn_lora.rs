@@ -1,0 +1,242 @@
+//! A LoRA adapter's branch (`nn::layers::Lora`) on a linear layer in GPT-2's Conv1D layout,
+//! on every device: its forward against a naive `x·W + b + scale·(x·Aᵀ)·Bᵀ`, and the input's,
+//! the base weight's and both adapter matrices' gradients against finite differences, with
+//! and without the adapter's input dropout (whose mask backward redraws).
+
+mod device_common;
+mod nn_common;
+
+use std::any::Any;
+
+use device_common::{assert_close, get, Dev, Tol};
+use ferrozero_runtime::backend::{Accumulate, MemoryModel};
+use ferrozero_runtime::nn::gradcheck::{self, Options};
+use ferrozero_runtime::nn::layers::{Dense, Lora};
+use ferrozero_runtime::nn::linear::{Linear, WeightLayout};
+use ferrozero_runtime::nn::{
+    module::SavedState, Batch, BatchIds, Ctx, Grads, Init, Module, ParamSpec, Params,
+};
+use ferrozero_runtime::tensor::{DType, Storage, Tensor};
+use ferrozero_runtime::Result;
+use nn_common::{batch, random};
+
+const D_IN: usize = 13;
+const D_OUT: usize = 11;
+const R: usize = 3;
+
+/// `y = x·W + b + scale·B(A x')` over `[2, 7, D_IN]` inputs.
+#[derive(Debug)]
+struct LoraLinear {
+    dense: Dense,
+    lora: Lora,
+}
+
+struct Kept(Storage);
+
+impl SavedState for Kept {
+    fn bytes(&self) -> usize {
+        self.0.bytes() as usize
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+fn layer(scale: f32, dropout: f32) -> LoraLinear {
+    let lin = Linear {
+        d_in: D_IN,
+        d_out: D_OUT,
+        layout: WeightLayout::InOut,
+    };
+    LoraLinear {
+        dense: Dense {
+            lin,
+            weight: 0,
+            bias: Some(1),
+        },
+        lora: Lora {
+            a: 2,
+            b: 3,
+            r: R,
+            scale,
+            dropout,
+            dims: (D_IN, D_OUT),
+        },
+    }
+}
+
+impl Module for LoraLinear {
+    fn param_specs(&self) -> Vec<ParamSpec> {
+        let spec = |name: &str, shape: Vec<usize>| ParamSpec {
+            name: name.into(),
+            shape,
+            init: Init::Normal { std: 0.3 },
+        };
+        vec![
+            spec("c_attn.weight", vec![D_IN, D_OUT]),
+            spec("c_attn.bias", vec![D_OUT]),
+            spec("c_attn.lora_A.weight", vec![R, D_IN]),
+            spec("c_attn.lora_B.weight", vec![D_OUT, R]),
+        ]
+    }
+
+    fn forward(&self, ctx: &mut Ctx<'_>, p: &Params<'_>, input: &Tensor) -> Result<Tensor> {
+        let be = ctx.be;
+        let rows = input.numel() / D_IN;
+        let mut y = be.zeros(be.act_dtype(), rows * D_OUT)?;
+        self.dense
+            .forward(be, p, (input.view(), None), y.view_mut())?;
+        let drop = ctx.training.then_some(ctx.rng_seed);
+        self.lora.forward(be, p, input.view(), y.view_mut(), drop)?;
+        if ctx.training {
+            *ctx.saved = Some(Box::new(Kept(be.copy(input.view())?)));
+        }
+        let mut shape = input.shape.clone();
+        *shape.last_mut().unwrap() = D_OUT;
+        Tensor::new(shape, y)
+    }
+
+    fn backward(
+        &self,
+        ctx: &mut Ctx<'_>,
+        p: &Params<'_>,
+        gr: &mut Grads<'_>,
+        dy: &Tensor,
+    ) -> Result<Tensor> {
+        let be = ctx.be;
+        let x = ctx
+            .saved
+            .take()
+            .unwrap()
+            .into_any()
+            .downcast::<Kept>()
+            .unwrap()
+            .0;
+        let drop = Some(ctx.rng_seed);
+        let mut dx = be.zeros(be.act_dtype(), x.len())?;
+        self.dense
+            .backward_input(be, p, dy.view(), dx.view_mut(), Accumulate::Overwrite)?;
+        self.lora
+            .backward_input(be, p, dy.view(), dx.view_mut(), drop)?;
+        self.dense.backward_params(be, gr, x.view(), dy.view())?;
+        self.lora
+            .backward_params(be, (p, gr), x.view(), dy.view(), drop)?;
+        let mut shape = dy.shape.clone();
+        *shape.last_mut().unwrap() = D_IN;
+        Tensor::new(shape, dx)
+    }
+
+    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(batch * seq * D_IN)
+    }
+
+    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
+        m.act_bytes(batch * seq * D_OUT)
+    }
+}
+
+/// A tensor's elements on the host.
+fn host(t: &Tensor) -> Vec<f32> {
+    get(&t.storage)
+}
+
+fn params(seed: u64) -> Vec<Vec<f32>> {
+    let l = layer(1.0, 0.0);
+    l.param_specs()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| host(&random(s.shape.clone(), seed + i as u64)))
+        .collect()
+}
+
+/// `module`'s inference forward on `d` with parameters `ps` and input `x` (host values).
+fn forward_on(d: &Dev, module: &LoraLinear, b: &Batch, ps: &[Vec<f32>], x: &[f32]) -> Vec<f32> {
+    let be = &*d.be;
+    let stored: Vec<Storage> = ps.iter().map(|v| d.put(v)).collect();
+    let p = Params::new(stored.iter().map(Storage::view).collect());
+    let ids = BatchIds::new(be, b).unwrap();
+    let mut saved = None;
+    let mut ctx = Ctx {
+        be,
+        batch: b,
+        ids: &ids,
+        training: false,
+        rng_seed: 0,
+        saved: &mut saved,
+    };
+    let input = Tensor::new(vec![2, 7, D_IN], d.put(x)).unwrap();
+    host(&module.forward(&mut ctx, &p, &input).unwrap())
+}
+
+/// `x·W + b + scale·(x·Aᵀ)·Bᵀ` in f64.
+fn naive(p: &[Vec<f32>], x: &[f32], scale: f64) -> Vec<f64> {
+    let rows = x.len() / D_IN;
+    let (w, b, a, bb) = (&p[0], &p[1], &p[2], &p[3]);
+    let mut y = vec![0.0; rows * D_OUT];
+    for i in 0..rows {
+        let xi = &x[i * D_IN..(i + 1) * D_IN];
+        let t: Vec<f64> = (0..R)
+            .map(|q| {
+                (0..D_IN)
+                    .map(|k| xi[k] as f64 * a[q * D_IN + k] as f64)
+                    .sum()
+            })
+            .collect();
+        for j in 0..D_OUT {
+            let base: f64 = (0..D_IN)
+                .map(|k| xi[k] as f64 * w[k * D_OUT + j] as f64)
+                .sum();
+            let low: f64 = (0..R).map(|q| t[q] * bb[j * R + q] as f64).sum();
+            y[i * D_OUT + j] = base + b[j] as f64 + scale * low;
+        }
+    }
+    y
+}
+
+/// Forward against the naive formula (inference: no dropout), on `d`.
+fn forward_matches_the_formula(d: &Dev) {
+    let b = batch(2, 7, 5, 1);
+    let raw = params(10);
+    let x = random(vec![2, 7, D_IN], 3);
+    let xs = d.round(&host(&x));
+    let ps: Vec<Vec<f32>> = raw.iter().map(|v| d.round(v)).collect();
+    let want = naive(&ps, &xs, 2.5);
+    let module = layer(2.5, 0.3);
+    let got = forward_on(d, &module, &b, &ps, &xs);
+    let want: Vec<f32> = want.iter().map(|&v| v as f32).collect();
+    let tol = match d.act() {
+        DType::F32 => Tol {
+            abs: 1e-4,
+            rel: 1e-4,
+        },
+        _ => d.tol(),
+    };
+    assert_close(&format!("{}: lora forward", d.name), &got, &want, tol);
+    // The scale is the branch's only: at scale 0 the layer is the base product.
+    let base = forward_on(d, &layer(0.0, 0.0), &b, &ps, &xs);
+    let want0: Vec<f32> = naive(&ps, &xs, 0.0).iter().map(|&v| v as f32).collect();
+    assert_close(&format!("{}: scale 0", d.name), &base, &want0, tol);
+}
+test_device!(forward_matches_the_formula);
+
+/// The input's, W's, b's, A's and B's gradients against finite differences, with and without
+/// the adapter's input dropout, on every f32 device.
+fn backward_matches_finite_differences(d: &Dev) {
+    if d.act() != DType::F32 {
+        return;
+    }
+    for dropout in [0.0, 0.3] {
+        let module = layer(2.5, dropout);
+        let b = batch(2, 7, 5, 2);
+        let mut ps = params(20);
+        let x = random(vec![2, 7, D_IN], 4);
+        let opts = Options {
+            max_per_tensor: 0,
+            ..Options::default()
+        };
+        let report = gradcheck::check_on(&*d.be, &module, &b, &mut ps, &x, &opts).unwrap();
+        assert!(report.passed(), "{} dropout {dropout}:\n{report}", d.name);
+        assert_eq!(report.tensors.len(), 5, "input and four parameters");
+    }
+}
+test_device!(backward_matches_finite_differences);
