@@ -63,12 +63,13 @@ impl Block {
             return s;
         }
         self.attn
-            .with_dropout(s, rng::derive(ctx.rng_seed, SITE_PROBS))
+            .with_dropout(s, (rng::derive(ctx.rng_seed, SITE_PROBS), 0))
     }
 
+    /// Residual dropout over a `[batch·seq, width]` branch output.
     fn drop(&self, ctx: &Ctx<'_>, site: u64, x: ViewMut<'_>) -> Result<()> {
-        ctx.be
-            .dropout(rng::derive(ctx.rng_seed, site), self.resid_pdrop, x)
+        let seed = rng::derive(ctx.rng_seed, site);
+        ctx.be.dropout(seed, 0, self.resid_pdrop, x)
     }
 
     /// `x2 = x + o(att)` (written by the product, or with dropout between them by the norm)
