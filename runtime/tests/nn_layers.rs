@@ -353,6 +353,71 @@ fn dropout_at_a_row_offset_draws_the_rows_of_a_bigger_batch() {
     assert_ne!(attend(1, 0), part, "the offset moves the attention mask");
 }
 
+/// GPT-2's units with every dropout on, run forward on rows 1..4 of a batch alone at
+/// `rng_row` 1, give those rows of the whole batch's outputs: the layers count their masks
+/// from `Ctx::rng_row`. (Bit for bit on x86-64 today; the bound leaves a product free to
+/// block rows differently. At `rng_row` 0 the rows differ by about 8e-2.)
+#[test]
+fn units_at_rng_row_draw_the_masks_of_the_batch_they_came_from() {
+    use ferrozero_runtime::nn::{Batch, BatchIds, Ctx, Params};
+    let be = backend::cpu();
+    let model = gpt2::build(&odd_gpt2(0.2)).unwrap();
+    let w = Weights::init(&model, 4);
+    let (rows, t, first) = (4, 7, 1);
+    let whole = batch(rows, t, vocab_of(&model), 8);
+    let part = Batch {
+        batch: rows - first,
+        seq: t,
+        tokens: whole.tokens[first * t..].to_vec(),
+        targets: whole.targets[first * t..].to_vec(),
+    };
+    // Each unit's output but the head's (a loss over the batch), the units chained.
+    let outputs = |b: &Batch, rng_row: u64| -> Vec<Vec<f32>> {
+        let ids = BatchIds::new(&*be, b).unwrap();
+        let mut x = Tensor::default();
+        let body = &model.units[..model.units.len() - 1];
+        body.iter()
+            .enumerate()
+            .map(|(u, unit)| {
+                let stores = nn_common::upload_params(&*be, &model, &w, u, be.act_dtype());
+                let stores = stores.unwrap();
+                let mut saved = None;
+                let mut ctx = Ctx {
+                    be: &*be,
+                    batch: b,
+                    ids: &ids,
+                    training: true,
+                    rng_seed: 77 + u as u64,
+                    rng_row,
+                    saved: &mut saved,
+                };
+                let p = Params::new(stores.iter().map(Storage::view).collect());
+                x = unit.module.forward(&mut ctx, &p, &x).unwrap();
+                x.to_vec_f32().unwrap()
+            })
+            .collect()
+    };
+    let (want, got, unmoved) = (outputs(&whole, 0), outputs(&part, 1), outputs(&part, 0));
+    for (u, (want, (got, unmoved))) in want.iter().zip(got.iter().zip(&unmoved)).enumerate() {
+        let want = &want[want.len() / rows * first..];
+        let diff = |a: &[f32]| {
+            a.iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max)
+        };
+        assert!(
+            diff(got) < 1e-5,
+            "unit {u}: rows at rng_row 1 differ by {}",
+            diff(got)
+        );
+        assert!(
+            diff(unmoved) > 1e-2,
+            "unit {u}: rng_row 0 draws the same masks"
+        );
+    }
+}
+
 /// Plain f64 causal GQA attention: returns O and, for upstream gradient `dout`, dQ, dK, dV.
 #[allow(clippy::type_complexity)]
 fn naive_attention(

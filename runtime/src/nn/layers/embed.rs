@@ -66,7 +66,8 @@ impl TokenEmbed {
     /// gradient under the same mask.
     fn drop(&self, ctx: &Ctx<'_>, pdrop: f32, x: ViewMut<'_>) -> Result<()> {
         let seed = rng::derive(ctx.rng_seed, SITE_EMBED);
-        ctx.be.dropout(seed, 0, pdrop, x)
+        let offset = ctx.rng_offset(ctx.batch.seq * self.dim);
+        ctx.be.dropout(seed, offset, pdrop, x)
     }
 
     /// Refuses a sequence longer than the window.
