@@ -153,6 +153,7 @@ fn step(
             ids: &ids,
             training: true,
             rng_seed: u as u64,
+            rng_row: 0,
             saved: &mut slots[u],
         };
         x = unit.module.forward(&mut ctx, &Params::new(p), &x)?;
@@ -181,6 +182,7 @@ fn step(
             ids: &ids,
             training: true,
             rng_seed: u as u64,
+            rng_row: 0,
             saved: &mut slots[u],
         };
         gy = unit

@@ -137,13 +137,24 @@ fn check_elementwise<T: Elem>(emu: &Emu) {
             &round_to::<T>(&want),
         );
 
-        // Dropout: the same mask and the same scaled values as the CPU, bit for bit.
-        for (seed, p) in [(7u64, 0.1f32), (u64::MAX, 0.5), (3, 0.0)] {
+        // Dropout: the same mask and the same scaled values as the CPU, bit for bit; the
+        // offsets reach past 32 bits and wrap past 64.
+        let offsets = [0u64, 3 << 40, u64::MAX - 5];
+        for ((seed, p), offset) in [(7u64, 0.1f32), (u64::MAX, 0.5), (3, 0.0)]
+            .into_iter()
+            .zip(offsets)
+        {
             let (b, bv) = dev::<T>(&rand_vec(seed, n, 3.0), off);
-            let args = [b.at(off), len, Arg::U64(seed), Arg::F32(p)];
+            let args = [
+                b.at(off),
+                len,
+                Arg::U64(seed),
+                Arg::U64(offset),
+                Arg::F32(p),
+            ];
             emu.run(&name::<T>("dropout"), grid, 64, &args);
             let mut want = bv.clone();
-            cpu::dropout(seed, p, &mut want);
+            cpu::dropout(seed, offset, p, &mut want);
             assert_bits(&what("dropout"), &host(&b, off, n), &round_to::<T>(&want));
         }
 

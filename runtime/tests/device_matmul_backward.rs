@@ -286,6 +286,7 @@ fn gpt2_block_backward_stays_within_its_launch_budget() {
         ids: &ids,
         training: true,
         rng_seed: 1,
+        rng_row: 0,
         saved: &mut saved,
     };
     let p = Params::new(params.iter().map(Storage::view).collect());

@@ -187,9 +187,11 @@ fn elementwise(d: &Dev) {
     // dropout: the same mask on every device, bit for bit
     let ones = vec![1.0f32; n];
     let mut dd = d.put(&ones);
-    d.be.dropout(42, 0.3, dd.view_mut()).unwrap();
+    let offset = (5 << 33) + 11;
+    d.be.dropout(42, offset, 0.3, dd.view_mut()).unwrap();
     let mut wd = ones.clone();
-    c.be.dropout(42, 0.3, ViewMut::from(&mut wd[..])).unwrap();
+    c.be.dropout(42, offset, 0.3, ViewMut::from(&mut wd[..]))
+        .unwrap();
     let got = get(&dd);
     for i in 0..n {
         assert_eq!(got[i] == 0.0, wd[i] == 0.0, "dropout mask at {i}");

@@ -224,6 +224,7 @@ fn mistral_refuses_a_sequence_longer_than_its_window() {
             ids: &ids,
             training: false,
             rng_seed: 0,
+            rng_row: 0,
             saved: &mut saved,
         };
         let p = Params::new(vec![View::from(&w[..])]);

@@ -109,6 +109,7 @@ fn logits_match_pytorch() {
             ids: &ids,
             training: false,
             rng_seed: 0,
+            rng_row: 0,
             saved: &mut saved,
         };
         x = unit

@@ -283,15 +283,139 @@ fn dropout_is_seeded_scaled_and_near_its_rate() {
     let be = backend::cpu();
     let mut a = vec![1.0f32; 100_003];
     let mut b = a.clone();
-    be.dropout(5, 0.25, ViewMut::from(&mut a[..])).unwrap();
-    be.dropout(5, 0.25, ViewMut::from(&mut b[..])).unwrap();
+    be.dropout(5, 0, 0.25, ViewMut::from(&mut a[..])).unwrap();
+    be.dropout(5, 0, 0.25, ViewMut::from(&mut b[..])).unwrap();
     assert_eq!(a, b, "same seed, same mask");
     let zeros = a.iter().filter(|&&v| v == 0.0).count() as f64 / a.len() as f64;
     assert!((zeros - 0.25).abs() < 0.01, "drop rate {zeros}");
     assert!(a.iter().all(|&v| v == 0.0 || (v - 4.0 / 3.0).abs() < 1e-6));
     let mut c = vec![1.0f32; 100_003];
-    be.dropout(6, 0.25, ViewMut::from(&mut c[..])).unwrap();
+    be.dropout(6, 0, 0.25, ViewMut::from(&mut c[..])).unwrap();
     assert_ne!(a, c, "another seed, another mask");
+}
+
+#[test]
+fn dropout_at_a_row_offset_draws_the_rows_of_a_bigger_batch() {
+    use backend::{AttentionShape, AttnDropout, RowView};
+    let be = backend::cpu();
+    // Elementwise: rows 2..5 of 6 rows of 13, alone at the offset of row 2.
+    let (row, rows, first) = (13, 6, 2);
+    let x = random(vec![rows * row], 3).to_vec_f32().unwrap();
+    let mut big = x.clone();
+    be.dropout(9, 0, 0.3, ViewMut::from(&mut big[..])).unwrap();
+    let mut part = x[first * row..].to_vec();
+    let offset = (first * row) as u64;
+    be.dropout(9, offset, 0.3, ViewMut::from(&mut part[..]))
+        .unwrap();
+    assert_eq!(part, big[first * row..], "elementwise rows at an offset");
+    let mut at_zero = x[first * row..].to_vec();
+    be.dropout(9, 0, 0.3, ViewMut::from(&mut at_zero[..]))
+        .unwrap();
+    assert_ne!(part, at_zero, "the offset moves the mask");
+
+    // Attention: sequences 1..3 of 3, alone at the offset of sequence 1.
+    let (seqs, t, heads, hd) = (3, 9, 2, 4);
+    let w = heads * hd;
+    let qkv: Vec<Vec<f32>> = (0..3)
+        .map(|i| random(vec![seqs * t * w], 20 + i).to_vec_f32().unwrap())
+        .collect();
+    let attend = |first: usize, offset: u64| {
+        let n = seqs - first;
+        let s = AttentionShape {
+            batch: n,
+            seq: t,
+            q_heads: heads,
+            kv_heads: heads,
+            head_dim: hd,
+            dropout: Some(AttnDropout {
+                seed: 5,
+                offset,
+                p: 0.3,
+            }),
+        };
+        let view = |i: usize| {
+            (
+                View::from(&qkv[i][first * t * w..]),
+                RowView {
+                    stride: w,
+                    offset: 0,
+                },
+            )
+        };
+        let mut o = vec![0.0; n * t * w];
+        be.attention_forward(s, view(0), view(1), view(2), ViewMut::from(&mut o[..]))
+            .unwrap();
+        o
+    };
+    let big = attend(0, 0);
+    let part = attend(1, (heads * t * t) as u64);
+    assert_eq!(part, big[t * w..], "attention sequences at an offset");
+    assert_ne!(attend(1, 0), part, "the offset moves the attention mask");
+}
+
+/// GPT-2's units with every dropout on, run forward on rows 1..4 of a batch alone at
+/// `rng_row` 1, give those rows of the whole batch's outputs: the layers count their masks
+/// from `Ctx::rng_row`. (Bit for bit on x86-64 today; the bound leaves a product free to
+/// block rows differently. At `rng_row` 0 the rows differ by about 8e-2.)
+#[test]
+fn units_at_rng_row_draw_the_masks_of_the_batch_they_came_from() {
+    use ferrozero_runtime::nn::{Batch, BatchIds, Ctx, Params};
+    let be = backend::cpu();
+    let model = gpt2::build(&odd_gpt2(0.2)).unwrap();
+    let w = Weights::init(&model, 4);
+    let (rows, t, first) = (4, 7, 1);
+    let whole = batch(rows, t, vocab_of(&model), 8);
+    let part = Batch {
+        batch: rows - first,
+        seq: t,
+        tokens: whole.tokens[first * t..].to_vec(),
+        targets: whole.targets[first * t..].to_vec(),
+    };
+    // Each unit's output but the head's (a loss over the batch), the units chained.
+    let outputs = |b: &Batch, rng_row: u64| -> Vec<Vec<f32>> {
+        let ids = BatchIds::new(&*be, b).unwrap();
+        let mut x = Tensor::default();
+        let body = &model.units[..model.units.len() - 1];
+        body.iter()
+            .enumerate()
+            .map(|(u, unit)| {
+                let stores = nn_common::upload_params(&*be, &model, &w, u, be.act_dtype());
+                let stores = stores.unwrap();
+                let mut saved = None;
+                let mut ctx = Ctx {
+                    be: &*be,
+                    batch: b,
+                    ids: &ids,
+                    training: true,
+                    rng_seed: 77 + u as u64,
+                    rng_row,
+                    saved: &mut saved,
+                };
+                let p = Params::new(stores.iter().map(Storage::view).collect());
+                x = unit.module.forward(&mut ctx, &p, &x).unwrap();
+                x.to_vec_f32().unwrap()
+            })
+            .collect()
+    };
+    let (want, got, unmoved) = (outputs(&whole, 0), outputs(&part, 1), outputs(&part, 0));
+    for (u, (want, (got, unmoved))) in want.iter().zip(got.iter().zip(&unmoved)).enumerate() {
+        let want = &want[want.len() / rows * first..];
+        let diff = |a: &[f32]| {
+            a.iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max)
+        };
+        assert!(
+            diff(got) < 1e-5,
+            "unit {u}: rows at rng_row 1 differ by {}",
+            diff(got)
+        );
+        assert!(
+            diff(unmoved) > 1e-2,
+            "unit {u}: rng_row 0 draws the same masks"
+        );
+    }
 }
 
 /// Plain f64 causal GQA attention: returns O and, for upstream gradient `dout`, dQ, dK, dV.
@@ -368,7 +492,11 @@ fn blocked_attention_matches_a_naive_reference_across_row_blocks() {
 
 #[test]
 fn attention_dropout_matches_a_naive_reference_with_the_same_mask() {
-    let dr = backend::AttnDropout { seed: 17, p: 0.3 };
+    let dr = backend::AttnDropout {
+        seed: 17,
+        offset: 0,
+        p: 0.3,
+    };
     blocked_attention_against_naive(Some(dr));
 }
 

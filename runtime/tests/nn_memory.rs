@@ -205,6 +205,7 @@ fn bad_inputs_are_errors_not_panics() {
         ids: &ids,
         training: true,
         rng_seed: 0,
+        rng_row: 0,
         saved: &mut saved,
     };
     let mut g: Vec<Vec<f32>> = p.iter().map(|v| vec![0.0; v.len()]).collect();

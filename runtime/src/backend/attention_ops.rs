@@ -26,13 +26,17 @@ pub struct AttentionShape {
 
 /// Dropout on the attention probabilities, as transformers applies it: `O = (P ∘ M / (1-p)) V`.
 /// Element (sequence `b`, query head `h`, query `i`, key `j`) is kept when
-/// [`rng::uniform_f32`](super::rng::uniform_f32)`(seed, ((b·q_heads + h)·seq + i)·seq + j)`
-/// is at least `p`: a pure function of its position, so forward and backward, every backend
-/// and every tiling agree without storing the mask.
+/// [`rng::uniform_f32`](super::rng::uniform_f32)`(seed, offset + ((b·q_heads + h)·seq + i)·seq + j)`
+/// (wrapping in 64 bits) is at least `p`: a pure function of its position, so forward and
+/// backward, every backend and every tiling agree without storing the mask, and a batch whose
+/// `offset` is `R·q_heads·seq²` draws the masks of sequences `R..` of a larger one.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnDropout {
     /// The stream the mask is drawn from.
     pub seed: u64,
+    /// The counter of element `(0, 0, 0, 0)`: the engine's global index of the batch's first
+    /// sequence times `q_heads·seq²`.
+    pub offset: u64,
     /// Drop probability, in `(0, 1)`.
     pub p: f32,
 }
@@ -46,6 +50,7 @@ impl AttnDropout {
     pub fn keep(&self, s: &AttentionShape, (b, h, i, j): (usize, usize, usize, usize)) -> bool {
         let t = s.seq as u64;
         let index = ((b * s.q_heads + h) as u64 * t + i as u64) * t + j as u64;
+        let index = self.offset.wrapping_add(index);
         super::rng::uniform_f32(self.seed, index) >= self.p
     }
 

@@ -356,10 +356,13 @@ pub trait ElementwiseOps {
     /// `dst += src` (residual connections).
     fn add_assign(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()>;
     /// Inverted dropout in place: each element is zeroed with probability `p` and otherwise
-    /// scaled by `1/(1-p)`; the mask is a pure function of `(seed, index)`, so backward
-    /// applies the same mask to the gradient by calling this again with the same seed, and
-    /// every device draws the same mask.
-    fn dropout(&self, seed: u64, p: f32, x: ViewMut<'_>) -> Result<()>;
+    /// scaled by `1/(1-p)`. Element `i` is kept when
+    /// [`rng::uniform_f32`]`(seed, offset + i)` (wrapping) is at least `p`: a pure function
+    /// of `(seed, counter)`, so backward applies the same mask to the gradient by calling this
+    /// again with the same arguments, every device draws the same mask, and a buffer holding
+    /// rows `R..` of a larger one draws that one's mask when `offset` is `R` times the
+    /// elements per row.
+    fn dropout(&self, seed: u64, offset: u64, p: f32, x: ViewMut<'_>) -> Result<()>;
     /// `acc[j] += Σ_i m[i, j]` over `[rows, cols]` data, in a fixed order (bias gradients).
     fn sum_rows(&self, m: View<'_>, cols: usize, acc: ViewMut<'_>) -> Result<()>;
 }

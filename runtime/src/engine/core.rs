@@ -19,7 +19,7 @@ use super::topology::Comms;
 use super::trace::{Span, Trace};
 use crate::backend::Backend;
 use crate::comm::Communicator;
-use crate::nn::Model;
+use crate::nn::{Batch, Model};
 use crate::Result;
 
 /// A ZeRO training engine for one rank: the model, its parameter groups and the memory
@@ -198,12 +198,30 @@ impl Engine {
         super::optimizer_overlap::shared_group(&self.model)
     }
 
+    /// `unit`'s dropout seed: the run's seed and the unit only. The step, micro-step and
+    /// rank enter through the counter ([`Engine::rng_row`]), so every rank and micro-step
+    /// draws from one stream per unit and dropout site.
     pub(super) fn unit_seed(&self, unit: usize) -> u64 {
         let mix = |h: u64, x: u64| (h ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
-        let h = mix(self.cfg.seed, self.opt.steps);
-        let h = mix(h, self.acts.micro as u64);
-        let h = mix(h, self.comm.world.rank() as u64);
-        mix(h, unit as u64)
+        mix(self.cfg.seed, unit as u64)
+    }
+
+    /// The run's global index of `batch`'s first sample, `Ctx::rng_row`.
+    ///
+    /// Invariant: within an optimizer step the global batch is ordered micro-step-major,
+    /// then rank, then row: row `b` of rank `r`'s micro-batch `k` (of `gas` micro-steps,
+    /// world `w`, micro-batch `B`) is the run's sample `((step·gas + k)·w + r)·B + b`, and a
+    /// dropout mask's counter is that index times the elements of a sample plus the element's
+    /// position inside it. So a sample's masks depend only on the seed, the unit, the site,
+    /// the global sample and the position, not on the rank, micro-step, world size, stage or
+    /// device: a world-1 run of micro-batch 4, a world-2 run of 2 and a world-1 run of 2
+    /// with two micro-steps, fed the same samples in this order, drop the same elements
+    /// (`tests/engine_dropout.rs`: `dropout_masks_follow_the_sample_across_worlds_and_splits`).
+    pub(super) fn rng_row(&self, batch: &Batch) -> u64 {
+        let gas = self.cfg.gradient_accumulation_steps as u64;
+        let micro_step = self.opt.steps * gas + self.acts.micro as u64;
+        let rank_batch = micro_step * self.world_size() as u64 + self.rank() as u64;
+        rank_batch * batch.batch as u64
     }
 
     pub(super) fn checkpointing(&self) -> bool {

@@ -36,7 +36,7 @@ impl Engine {
         input: &Tensor,
         training: bool,
     ) -> Result<Tensor> {
-        let seed = self.unit_seed(unit);
+        let (seed, row) = (self.unit_seed(unit), self.rng_row(batch));
         let shared = self.shared_index();
         let Self {
             model,
@@ -53,6 +53,7 @@ impl Engine {
             ids,
             training,
             rng_seed: seed,
+            rng_row: row,
             saved: &mut acts.saved[unit],
         };
         u.module.forward(&mut ctx, &params, input)
@@ -247,7 +248,7 @@ impl Engine {
         (batch, ids): (&Batch, &BatchIds),
         f: impl FnOnce(&dyn Module, &mut Ctx<'_>, &Params<'_>, &mut Grads<'_>) -> Result<R>,
     ) -> Result<R> {
-        let seed = self.unit_seed(unit);
+        let (seed, row) = (self.unit_seed(unit), self.rng_row(batch));
         let shared = self.shared_index();
         let uses_shared = !self.model.units[unit].uses_shared.is_empty();
         self.groups[unit].ensure_micro(&*self.be, &mut self.ledger)?;
@@ -269,6 +270,7 @@ impl Engine {
             ids,
             training: true,
             rng_seed: seed,
+            rng_row: row,
             saved: &mut acts.saved[unit],
         };
         let out = f(&*u.module, &mut ctx, &params, &mut grads);
@@ -356,6 +358,7 @@ impl Engine {
             ids,
             training: false,
             rng_seed: 0,
+            rng_row: 0,
             saved: &mut saved,
         };
         Ok((out, u.module.predict(&mut ctx, &params, x)?))

@@ -11,7 +11,7 @@
 //!
 //! Dropout (`resid_pdrop`, `embd_pdrop`, `attn_pdrop`) applies after the embedding sum, on
 //! each residual branch and on the attention probabilities; masks derive from
-//! `ctx.rng_seed` only.
+//! `ctx.rng_seed` and `ctx.rng_row` only.
 
 use crate::nn::hf::{self, Architecture, ModelConfig};
 use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};

@@ -122,6 +122,7 @@ impl Probe<'_> {
             ids: self.ids,
             training: true,
             rng_seed: self.seed,
+            rng_row: 0,
             saved: &mut saved,
         };
         let stores = upload_all(self.be, params)?;
@@ -187,6 +188,7 @@ pub fn check_on(
             ids: &ids,
             training: true,
             rng_seed: opts.seed,
+            rng_row: 0,
             saved: &mut saved,
         };
         let stores = upload_all(be, params)?;
@@ -217,6 +219,7 @@ pub fn check_on(
             ids: &ids,
             training: true,
             rng_seed: opts.seed,
+            rng_row: 0,
             saved: &mut saved,
         };
         let stores = upload_all(be, params)?;

@@ -9,7 +9,7 @@
 //! Forward stores what backward needs in the unit's [`Saved`] slot. With activation
 //! checkpointing the engine drops that slot after forward and runs forward again (same
 //! [`Ctx`], same RNG seed) just before backward, so forward must be deterministic given
-//! its inputs and `ctx.rng_seed`.
+//! its inputs, `ctx.rng_seed` and `ctx.rng_row`.
 
 use std::any::Any;
 
@@ -197,8 +197,13 @@ pub struct Ctx<'a> {
     pub ids: &'a BatchIds,
     /// Training (dropout on, state saved) or evaluation.
     pub training: bool,
-    /// Seed for this (step, micro-step, rank, unit); dropout masks derive from it.
+    /// Seed for this unit of this run (not the step, micro-step or rank: those enter
+    /// through `rng_row`); dropout masks derive from it.
     pub rng_seed: u64,
+    /// The run's global index of the batch's first sequence (sequence `b` is `rng_row + b`):
+    /// dropout counts its mask's elements from `rng_row` times the elements of a sequence,
+    /// so a sequence draws the same mask whichever rank, micro-step or batch size holds it.
+    pub rng_row: u64,
     /// The unit's saved state: forward fills it, backward takes it.
     pub saved: &'a mut Saved,
 }
@@ -217,6 +222,15 @@ impl Ctx<'_> {
     /// The batch's targets.
     pub fn targets(&self) -> Ids<'_> {
         self.ids.targets.ids()
+    }
+
+    /// The dropout counter of this batch's first element in a buffer of `per_sequence`
+    /// elements a sequence: the offset
+    /// [`ElementwiseOps::dropout`](crate::backend::ElementwiseOps::dropout) and
+    /// [`AttnDropout`](crate::backend::AttnDropout) take. Wrapping: counters are 64-bit and
+    /// need only differ, not be ordered.
+    pub fn rng_offset(&self, per_sequence: usize) -> u64 {
+        self.rng_row.wrapping_mul(per_sequence as u64)
     }
 }
 

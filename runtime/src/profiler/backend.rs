@@ -109,7 +109,7 @@ profiled! {
         fn swiglu_backward(gate: View<'_>, up: View<'_>, dy: View<'_>, dgate: ViewMut<'_>,
             dup: ViewMut<'_>) -> Result<()> => Elementwise(0);
         fn add_assign(dst: ViewMut<'_>, src: View<'_>) -> Result<()> => Elementwise(0);
-        fn dropout(seed: u64, p: f32, x: ViewMut<'_>) -> Result<()> => Elementwise(0);
+        fn dropout(seed: u64, offset: u64, p: f32, x: ViewMut<'_>) -> Result<()> => Elementwise(0);
         fn sum_rows(m: View<'_>, cols: usize, acc: ViewMut<'_>) -> Result<()> => Elementwise(0);
     }
     impl NormOps {

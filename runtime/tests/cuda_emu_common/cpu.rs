@@ -48,8 +48,8 @@ pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     cpu().add_assign(m(dst), v(src)).unwrap();
 }
 
-pub fn dropout(seed: u64, p: f32, x: &mut [f32]) {
-    cpu().dropout(seed, p, m(x)).unwrap();
+pub fn dropout(seed: u64, offset: u64, p: f32, x: &mut [f32]) {
+    cpu().dropout(seed, offset, p, m(x)).unwrap();
 }
 
 /// (y, mean, rstd).

@@ -113,7 +113,7 @@ pub fn step(model: &Model, w: &Weights, batch: &Batch, seed: u64, g: f32) -> Res
 
 /// Unit `u`'s parameters (then the shared ones it uses) copied to `be`'s device in `dtype`
 /// (rounded to nearest even when that is a half type).
-fn upload_params(
+pub fn upload_params(
     be: &dyn Backend,
     model: &Model,
     w: &Weights,
@@ -155,6 +155,7 @@ pub fn step_on(
             ids: &ids,
             training: true,
             rng_seed: seed + u as u64,
+            rng_row: 0,
             saved: &mut slots[u],
         };
         x = unit.module.forward(
@@ -181,6 +182,7 @@ pub fn step_on(
             ids: &ids,
             training: true,
             rng_seed: seed + u as u64,
+            rng_row: 0,
             saved: &mut slots[u],
         };
         gy = unit.module.backward(

@@ -161,16 +161,16 @@ impl ElementwiseOps for CpuBackend {
         Ok(())
     }
 
-    fn dropout(&self, seed: u64, p: f32, x: ViewMut<'_>) -> Result<()> {
+    fn dropout(&self, seed: u64, offset: u64, p: f32, x: ViewMut<'_>) -> Result<()> {
         let x = f32_out("dropout", "x", x)?;
         if p <= 0.0 {
             return Ok(());
         }
         let scale = 1.0 / (1.0 - p);
         x.par_chunks_mut(CHUNK).enumerate().for_each(|(c, x)| {
-            let base = (c * CHUNK) as u64;
+            let base = offset.wrapping_add((c * CHUNK) as u64);
             for (i, v) in x.iter_mut().enumerate() {
-                let keep = rng::uniform_f32(seed, base + i as u64) >= p;
+                let keep = rng::uniform_f32(seed, base.wrapping_add(i as u64)) >= p;
                 *v = if keep { *v * scale } else { 0.0 };
             }
         });

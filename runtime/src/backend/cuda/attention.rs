@@ -289,7 +289,9 @@ fn view_args(
     s: &AttentionShape,
     d: &Dims,
 ) -> Args {
-    let (seed, p) = s.dropout.map_or((0, 0.0), |dr| (dr.seed, dr.p));
+    let (seed, offset, p) = s
+        .dropout
+        .map_or((0, 0, 0.0), |dr| (dr.seed, dr.offset, dr.p));
     args.len(q.stride)
         .len(q.offset)
         .len(k.stride)
@@ -303,6 +305,7 @@ fn view_args(
         .i32(d.head_dim)
         .f32(softmax_scale(s.head_dim))
         .u64(seed)
+        .u64(offset)
         .f32(p)
 }
 

@@ -124,12 +124,17 @@ impl ElementwiseOps for CudaBackend {
             .launch(by_dtype!("add_assign", d.dtype()), cfg, &mut args)
     }
 
-    fn dropout(&self, seed: u64, p: f32, x: ViewMut<'_>) -> Result<()> {
+    fn dropout(&self, seed: u64, offset: u64, p: f32, x: ViewMut<'_>) -> Result<()> {
         let x = self.dev_out("dropout", "x", x)?;
         if p <= 0.0 || x.is_empty() {
             return Ok(());
         }
-        let mut args = Args::new().ptr(x.ptr()).len(x.len()).u64(seed).f32(p);
+        let mut args = Args::new()
+            .ptr(x.ptr())
+            .len(x.len())
+            .u64(seed)
+            .u64(offset)
+            .f32(p);
         let cfg = self.dev.grid_for(x.len());
         self.dev
             .launch(by_dtype!("dropout", x.dtype()), cfg, &mut args)

@@ -51,11 +51,13 @@ impl Attention {
         }
     }
 
-    /// `s` with this layer's probability dropout drawn from `seed` (unchanged when `pdrop`
-    /// is 0, so training without dropout does no extra work).
-    pub fn with_dropout(&self, s: AttentionShape, seed: u64) -> AttentionShape {
+    /// `s` with this layer's probability dropout drawn from `seed` with its counters from
+    /// `offset` ([`AttnDropout`]); unchanged when `pdrop` is 0, so training without dropout
+    /// does no extra work.
+    pub fn with_dropout(&self, s: AttentionShape, (seed, offset): (u64, u64)) -> AttentionShape {
         let dropout = (self.pdrop > 0.0).then_some(AttnDropout {
             seed,
+            offset,
             p: self.pdrop,
         });
         AttentionShape { dropout, ..s }

@@ -62,13 +62,16 @@ impl Block {
         if !ctx.training {
             return s;
         }
+        let offset = ctx.rng_offset(self.attn.q_heads * s.seq * s.seq);
         self.attn
-            .with_dropout(s, rng::derive(ctx.rng_seed, SITE_PROBS))
+            .with_dropout(s, (rng::derive(ctx.rng_seed, SITE_PROBS), offset))
     }
 
+    /// Residual dropout over a `[batch·seq, width]` branch output.
     fn drop(&self, ctx: &Ctx<'_>, site: u64, x: ViewMut<'_>) -> Result<()> {
-        ctx.be
-            .dropout(rng::derive(ctx.rng_seed, site), self.resid_pdrop, x)
+        let seed = rng::derive(ctx.rng_seed, site);
+        let offset = ctx.rng_offset(ctx.batch.seq * self.width);
+        ctx.be.dropout(seed, offset, self.resid_pdrop, x)
     }
 
     /// `x2 = x + o(att)` (written by the product, or with dropout between them by the norm)

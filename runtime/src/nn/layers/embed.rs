@@ -7,7 +7,7 @@ use crate::nn::saved::{saved_struct, take};
 use crate::nn::{
     act, check_rows, check_tokens, Ctx, Grads, Init, Module, ParamSpec, Params, Transients,
 };
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, ViewMut};
 use crate::{Error, Result};
 
 const SITE_EMBED: u64 = 0;
@@ -62,6 +62,14 @@ impl TokenEmbed {
         }
     }
 
+    /// Embedding dropout over a `[batch·seq, dim]` buffer: forward's output, or backward's
+    /// gradient under the same mask.
+    fn drop(&self, ctx: &Ctx<'_>, pdrop: f32, x: ViewMut<'_>) -> Result<()> {
+        let seed = rng::derive(ctx.rng_seed, SITE_EMBED);
+        let offset = ctx.rng_offset(ctx.batch.seq * self.dim);
+        ctx.be.dropout(seed, offset, pdrop, x)
+    }
+
     /// Refuses a sequence longer than the window.
     fn check_window(&self, seq: usize) -> Result<()> {
         match self.window {
@@ -98,7 +106,7 @@ impl Module for TokenEmbed {
             be.position_forward(p.get(0), b, t, out.view_mut())?;
         }
         if let Some(pdrop) = self.dropout {
-            be.dropout(rng::derive(ctx.rng_seed, SITE_EMBED), pdrop, out.view_mut())?;
+            self.drop(ctx, pdrop, out.view_mut())?;
         }
         if ctx.training {
             *ctx.saved = Some(Box::new(EmbedSaved {}));
@@ -121,7 +129,7 @@ impl Module for TokenEmbed {
         let copy = match self.dropout {
             Some(pdrop) => {
                 let mut g = be.copy(grad_output.view())?;
-                be.dropout(rng::derive(ctx.rng_seed, SITE_EMBED), pdrop, g.view_mut())?;
+                self.drop(ctx, pdrop, g.view_mut())?;
                 Some(g)
             }
             None => None,

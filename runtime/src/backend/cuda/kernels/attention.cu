@@ -15,13 +15,15 @@
 //   attention_forward_dDP_T(const T* q, const T* k, const T* v, T* out, float* lse,
 //       long long q_stride, long long q_off, long long k_stride, long long k_off,
 //       long long v_stride, long long v_off, int batch, int seq, int q_heads, int kv_heads,
-//       int head_dim, float scale, unsigned long long seed, float p)
+//       int head_dim, float scale, unsigned long long seed, unsigned long long offset, float p)
 //     out = dropout(softmax(scale * Q K^T + causal mask)) V and lse[b][h][s] =
 //     log(sum_{s' <= s} exp(scale * q_s . k_s')) (natural log, before dropout), both
 //     overwritten. Dropout (p > 0; p = 0 is none): probability (b, h, i, j) is kept, scaled
-//     by 1 / (1 - p), when uniform_f32(seed, ((b*Hq + h)*S + i)*S + j) >= p, backend/rng.rs's
-//     generator in the same integer arithmetic, so the CPU backend drops the same elements.
-//     The backward kernels take the same seed and p and regenerate the mask.
+//     by 1 / (1 - p), when uniform_f32(seed, offset + ((b*Hq + h)*S + i)*S + j) >= p (64-bit
+//     wrapping: offset is the engine's global index of sequence 0 times Hq*S*S, so a sequence's
+//     mask does not depend on the batch it sits in), backend/rng.rs's generator in the same
+//     integer arithmetic, so the CPU backend drops the same elements. The backward kernels
+//     take the same seed, offset and p and regenerate the mask.
 //   attention_bwd_dot_T(const T* out, const T* dout, float* di, int batch, int seq,
 //       int q_heads, int head_dim)
 //     di[b][h][s] = sum_d dout * out over the head's row (FlashAttention-2's D_i), overwritten.
@@ -29,14 +31,16 @@
 //   attention_bwd_dkdv_dDP_T(const T* q, const T* k, const T* v, const T* dout,
 //       const float* lse, const float* di, T* dk, T* dv, long long q_stride, long long q_off,
 //       long long k_stride, long long k_off, long long v_stride, long long v_off, int batch,
-//       int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p)
+//       int seq, int q_heads, int kv_heads, int head_dim, float scale,
+//       unsigned long long seed, unsigned long long offset, float p)
 //     dK and dV of every kv head, overwritten: a block owns a tile of keys of one kv head and
 //     accumulates over the group's query heads in order, and for each over the query tiles in
 //     order (no atomics, no partial buffers).
 //   attention_bwd_dq_dDP_T(const T* q, const T* k, const T* v, const T* dout,
 //       const float* lse, const float* di, T* dq, long long q_stride, long long q_off,
 //       long long k_stride, long long k_off, long long v_stride, long long v_off, int batch,
-//       int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p)
+//       int seq, int q_heads, int kv_heads, int head_dim, float scale,
+//       unsigned long long seed, unsigned long long offset, float p)
 //     dQ, overwritten: a block owns a tile of query rows and loops over the key tiles in order.
 //   Backward runs dot, then dkdv and dq (in either order: both read di and lse, neither writes
 //   what the other reads).
@@ -84,8 +88,9 @@ struct Geom {
   long long q_stride, q_off, k_stride, k_off, v_stride, v_off;
   int batch, seq, hq, hkv, d;
   float scale;
-  unsigned long long mixed_seed;  // rng_mix(seed): the dropout stream
-  float p, keep_scale;            // drop probability (0: none) and 1 / (1 - p)
+  unsigned long long mixed_seed;   // rng_mix(seed): the dropout stream
+  unsigned long long drop_offset;  // the counter of probability (0, 0, 0, 0)
+  float p, keep_scale;             // drop probability (0: none) and 1 / (1 - p)
 };
 
 // backend/rng.rs's mix64, in the same 64-bit integer arithmetic.
@@ -101,7 +106,7 @@ __device__ __forceinline__ unsigned long long rng_mix(unsigned long long z) {
 __device__ __forceinline__ float keep_factor(const Geom& g, int b, int h, int row, int col) {
   const unsigned long long t = static_cast<unsigned long long>(g.seq);
   const unsigned long long idx =
-      ((static_cast<unsigned long long>(b) * g.hq + h) * t + row) * t + col;
+      g.drop_offset + ((static_cast<unsigned long long>(b) * g.hq + h) * t + row) * t + col;
   const unsigned long long bits = rng_mix(g.mixed_seed ^ (idx * 0xD1B54A32D192ED03ull));
   const float u = static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);
   return u >= g.p ? g.keep_scale : 0.0f;
@@ -1152,7 +1157,7 @@ __device__ __forceinline__ void dq(const T* q, const T* k, const T* v, const T* 
 #define FZ_ATTN_GEOM                                                                            \
   const attn::Geom g {                                                                          \
     q_stride, q_off, k_stride, k_off, v_stride, v_off, batch, seq, q_heads, kv_heads, head_dim, \
-        scale, attn::rng_mix(seed), p, p > 0.0f ? 1.0f / (1.0f - p) : 1.0f                      \
+        scale, attn::rng_mix(seed), offset, p, p > 0.0f ? 1.0f / (1.0f - p) : 1.0f              \
   }
 
 // Forward.
@@ -1160,7 +1165,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_forward_d32_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<float, 32>(q, k, v, out, lse, g);
 }
@@ -1168,7 +1174,8 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads32, attn::kFwdBlocks32)
 void attention_forward_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
-    int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 32>(q, k, v, out, lse, g);
 }
@@ -1176,7 +1183,8 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads32, attn::kFwdBlocks32)
 void attention_forward_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 32>(q, k, v, out, lse, g);
 }
@@ -1184,7 +1192,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_forward_d64_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<float, 64>(q, k, v, out, lse, g);
 }
@@ -1192,7 +1201,8 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads64, attn::kFwdBlocks64)
 void attention_forward_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
-    int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 64>(q, k, v, out, lse, g);
 }
@@ -1200,7 +1210,8 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads64, attn::kFwdBlocks64)
 void attention_forward_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 64>(q, k, v, out, lse, g);
 }
@@ -1208,7 +1219,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_forward_d96_f32(const float* q, const float* k, const float* v,
     float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<float, 96>(q, k, v, out, lse, g);
 }
@@ -1216,7 +1228,8 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads96, attn::kFwdBlocks96)
 void attention_forward_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
-    int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 96>(q, k, v, out, lse, g);
 }
@@ -1224,7 +1237,8 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads96, attn::kFwdBlocks96)
 void attention_forward_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 96>(q, k, v, out, lse, g);
 }
@@ -1232,7 +1246,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_forward_d128_f32(const float* q, const float* k,
     const float* v, float* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<float, 128>(q, k, v, out, lse, g);
 }
@@ -1240,7 +1255,8 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads128, attn::kFwdBlocks12
 void attention_forward_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, bf16_t* out, float* lse, long long q_stride, long long q_off,
     long long k_stride, long long k_off, long long v_stride, long long v_off, int batch, int seq,
-    int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<bf16_t, 128>(q, k, v, out, lse, g);
 }
@@ -1248,7 +1264,8 @@ extern "C" __global__ __launch_bounds__(attn::kFwdThreads128, attn::kFwdBlocks12
 void attention_forward_d128_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, f16_t* out, float* lse, long long q_stride, long long q_off, long long k_stride,
     long long k_off, long long v_stride, long long v_off, int batch, int seq, int q_heads,
-    int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::forward<f16_t, 128>(q, k, v, out, lse, g);
 }
@@ -1272,7 +1289,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dkdv_d32_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1280,7 +1298,8 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads32, attn::kKvBlocks32)
 void attention_bwd_dkdv_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1288,7 +1307,8 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads32, attn::kKvBlocks32)
 void attention_bwd_dkdv_d32_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 32>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1296,7 +1316,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dkdv_d64_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1304,7 +1325,8 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads64, attn::kKvBlocks64)
 void attention_bwd_dkdv_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1312,7 +1334,8 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads64, attn::kKvBlocks64)
 void attention_bwd_dkdv_d64_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 64>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1320,7 +1343,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dkdv_d96_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1328,7 +1352,8 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads96, attn::kKvBlocks96)
 void attention_bwd_dkdv_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1336,7 +1361,8 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads96, attn::kKvBlocks96)
 void attention_bwd_dkdv_d96_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 96>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1344,7 +1370,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dkdv_d128_f32(const float* q, const float* k,
     const float* v, const float* dout, const float* lse, const float* di, float* dk, float* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<float, 128>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1352,7 +1379,8 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads128, attn::kKvBlocks128)
 void attention_bwd_dkdv_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dk, bf16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<bf16_t, 128>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1360,7 +1388,8 @@ extern "C" __global__ __launch_bounds__(attn::kKvThreads128, attn::kKvBlocks128)
 void attention_bwd_dkdv_d128_f16(const f16_t* q, const f16_t* k,
     const f16_t* v, const f16_t* dout, const float* lse, const float* di, f16_t* dk, f16_t* dv,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dkdv<f16_t, 128>(q, k, v, dout, lse, di, dk, dv, g);
 }
@@ -1370,7 +1399,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dq_d32_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<float, 32>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1378,7 +1408,8 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads32, attn::kQBlocks32)
 void attention_bwd_dq_d32_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 32>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1386,7 +1417,8 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads32, attn::kQBlocks32)
 void attention_bwd_dq_d32_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 32>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1394,7 +1426,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dq_d64_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<float, 64>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1402,7 +1435,8 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads64, attn::kQBlocks64)
 void attention_bwd_dq_d64_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 64>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1410,7 +1444,8 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads64, attn::kQBlocks64)
 void attention_bwd_dq_d64_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 64>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1418,7 +1453,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dq_d96_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<float, 96>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1426,7 +1462,8 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads96, attn::kQBlocks96)
 void attention_bwd_dq_d96_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 96>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1434,7 +1471,8 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads96, attn::kQBlocks96)
 void attention_bwd_dq_d96_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 96>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1442,7 +1480,8 @@ extern "C" __global__ __launch_bounds__(128, 2)
 void attention_bwd_dq_d128_f32(const float* q, const float* k, const float* v,
     const float* dout, const float* lse, const float* di, float* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<float, 128>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1450,7 +1489,8 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads128, attn::kQBlocks128)
 void attention_bwd_dq_d128_bf16(const bf16_t* q, const bf16_t* k,
     const bf16_t* v, const bf16_t* dout, const float* lse, const float* di, bf16_t* dq,
     long long q_stride, long long q_off, long long k_stride, long long k_off, long long v_stride,
-    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    long long v_off, int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<bf16_t, 128>(q, k, v, dout, lse, di, dq, g);
 }
@@ -1458,7 +1498,8 @@ extern "C" __global__ __launch_bounds__(attn::kQThreads128, attn::kQBlocks128)
 void attention_bwd_dq_d128_f16(const f16_t* q, const f16_t* k, const f16_t* v,
     const f16_t* dout, const float* lse, const float* di, f16_t* dq, long long q_stride,
     long long q_off, long long k_stride, long long k_off, long long v_stride, long long v_off,
-    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale, unsigned long long seed, float p) {
+    int batch, int seq, int q_heads, int kv_heads, int head_dim, float scale,
+    unsigned long long seed, unsigned long long offset, float p) {
   FZ_ATTN_GEOM;
   attn::dq<f16_t, 128>(q, k, v, dout, lse, di, dq, g);
 }

@@ -17,9 +17,11 @@
 //       dup = dy * silu(gate); dgate = dy * up * s * (1 + gate * (1 - s)), s = sigmoid(gate)
 //   add_assign_T(T* dst, const T* src, long long n)
 //       dst = round_T(dst + src), added in f32 and rounded once (also FlatBuf::accumulate's)
-//   dropout_T(T* x, long long n, unsigned long long seed, float p)
-//       in place: x = keep ? x / (1 - p) : 0 with keep = uniform(seed, i) >= p, i the element's
-//       index in the buffer; the mask equals the CPU backend's bit for bit (backend/rng.rs), so
+//   dropout_T(T* x, long long n, unsigned long long seed, unsigned long long offset, float p)
+//       in place: x = keep ? x / (1 - p) : 0 with keep = uniform(seed, offset + i) >= p, i the
+//       element's index in the buffer and the sum wrapping in 64 bits (offset places the buffer
+//       inside a larger one's counters: the engine's global sample index times the elements a
+//       sample holds); the mask equals the CPU backend's bit for bit (backend/rng.rs), so
 //       backward is the same call on the gradient. p <= 0 leaves x untouched.
 //   fill_T(T* x, long long n, float value)
 //       x = value (rounded to T)
@@ -57,9 +59,9 @@ __device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
 }
 
 // uniform_f32(seed, index) given mix64(seed): 24 random bits scaled by 2^-24 (exact in f32).
-__device__ __forceinline__ float uniform_f32(unsigned long long mixed_seed, long long index) {
-  const unsigned long long b =
-      mix64(mixed_seed ^ (static_cast<unsigned long long>(index) * 0xD1B54A32D192ED03ull));
+__device__ __forceinline__ float uniform_f32(unsigned long long mixed_seed,
+                                             unsigned long long index) {
+  const unsigned long long b = mix64(mixed_seed ^ (index * 0xD1B54A32D192ED03ull));
   return static_cast<float>(b >> 40) * (1.0f / 16777216.0f);
 }
 
@@ -157,6 +159,7 @@ template <class T>
 struct Dropout {
   T* x;
   unsigned long long mixed_seed;  // mix64(seed), the same for every element
+  unsigned long long offset;      // the counter of element 0
   float p;
   float scale;  // 1 / (1 - p), rounded as the CPU rounds it
   template <int W>
@@ -164,7 +167,7 @@ struct Dropout {
     float v[W];
     fz_load<W>(x + i, v);
 #pragma unroll
-    for (int k = 0; k < W; ++k) v[k] = uniform_f32(mixed_seed, i + k) >= p ? v[k] * scale : 0.0f;
+    for (int k = 0; k < W; ++k) v[k] = uniform_f32(mixed_seed, offset + static_cast<unsigned long long>(i + k)) >= p ? v[k] * scale : 0.0f;
     fz_store<W>(x + i, v);
   }
 };
@@ -213,9 +216,10 @@ __device__ __forceinline__ void add_assign(T* dst, const T* src, long long n) {
 }
 
 template <class T>
-__device__ __forceinline__ void dropout(T* x, long long n, unsigned long long seed, float p) {
+__device__ __forceinline__ void dropout(T* x, long long n, unsigned long long seed,
+                                        unsigned long long offset, float p) {
   if (p <= 0.0f) return;
-  const Dropout<T> op{x, mix64(seed), p, 1.0f / (1.0f - p)};
+  const Dropout<T> op{x, mix64(seed), offset, p, 1.0f / (1.0f - p)};
   fz_grid_packs<fz_vec<T>::n>(n, fz_aligned16(x), op);
 }
 
@@ -296,15 +300,17 @@ extern "C" __global__ void add_assign_f16(f16_t* dst, const f16_t* src, long lon
   add_assign(dst, src, n);
 }
 
-extern "C" __global__ void dropout_f32(float* x, long long n, unsigned long long seed, float p) {
-  dropout(x, n, seed, p);
+extern "C" __global__ void dropout_f32(float* x, long long n, unsigned long long seed,
+                                       unsigned long long offset, float p) {
+  dropout(x, n, seed, offset, p);
 }
 extern "C" __global__ void dropout_bf16(bf16_t* x, long long n, unsigned long long seed,
-                                        float p) {
-  dropout(x, n, seed, p);
+                                        unsigned long long offset, float p) {
+  dropout(x, n, seed, offset, p);
 }
-extern "C" __global__ void dropout_f16(f16_t* x, long long n, unsigned long long seed, float p) {
-  dropout(x, n, seed, p);
+extern "C" __global__ void dropout_f16(f16_t* x, long long n, unsigned long long seed,
+                                       unsigned long long offset, float p) {
+  dropout(x, n, seed, offset, p);
 }
 
 

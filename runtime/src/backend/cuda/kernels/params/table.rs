@@ -19,7 +19,10 @@ pub const TABLE: &[Family] = &[
         p("n", LongLong),
     ]),
     per_dtype("add_assign", &[p("dst", Out(T)), p("src", In(T)), p("n", LongLong)]),
-    per_dtype("dropout", &[p("x", Out(T)), p("n", LongLong), p("seed", ULongLong), p("p", Float)]),
+    per_dtype("dropout", &[
+        p("x", Out(T)), p("n", LongLong), p("seed", ULongLong), p("offset", ULongLong),
+        p("p", Float),
+    ]),
     per_dtype("fill", &[p("x", Out(T)), p("n", LongLong), p("value", Float)]),
     per_dtype("add_bias_rows", &[
         p("y", Out(T)), p("bias", In(T)), p("rows", LongLong), p("cols", LongLong),
@@ -162,28 +165,28 @@ pub const TABLE: &[Family] = &[
         p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
         p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
         p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_forward_d64", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
         p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
         p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
         p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_forward_d96", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
         p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
         p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
         p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_forward_d128", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
         p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
         p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
         p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dot", &[
         p("out", In(T)), p("dout", In(T)), p("di", Out(F32)), p("batch", Int), p("seq", Int),
@@ -195,7 +198,7 @@ pub const TABLE: &[Family] = &[
         p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
         p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dkdv_d64", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -203,7 +206,7 @@ pub const TABLE: &[Family] = &[
         p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
         p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dkdv_d96", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -211,7 +214,7 @@ pub const TABLE: &[Family] = &[
         p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
         p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dkdv_d128", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -219,7 +222,7 @@ pub const TABLE: &[Family] = &[
         p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
         p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dq_d32", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -227,7 +230,7 @@ pub const TABLE: &[Family] = &[
         p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dq_d64", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -235,7 +238,7 @@ pub const TABLE: &[Family] = &[
         p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dq_d96", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -243,7 +246,7 @@ pub const TABLE: &[Family] = &[
         p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
     per_dtype("attention_bwd_dq_d128", &[
         p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
@@ -251,6 +254,6 @@ pub const TABLE: &[Family] = &[
         p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("p", Float),
+        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
     ]),
 ];
