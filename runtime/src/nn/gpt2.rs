@@ -14,7 +14,9 @@
 //! `ctx.rng_seed` and `ctx.rng_row` only.
 
 use crate::nn::hf::{self, Architecture, ModelConfig};
-use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
+use std::sync::Arc;
+
+use crate::nn::layers::{decoder, Adapters, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::{Init, Model, ParamSpec};
 use crate::{Error, Result};
@@ -137,6 +139,11 @@ pub fn embed(cfg: &Gpt2Config) -> TokenEmbed {
 /// Block `transformer.h.{index}`: LayerNorm, attention over the fused `c_attn`, LayerNorm,
 /// GELU MLP, each projection a `Conv1D` (`[in, out]`) with a bias.
 pub fn block(cfg: &Gpt2Config, index: usize) -> Block {
+    block_with(cfg, index, &Arc::default())
+}
+
+/// [`block`] with LoRA `adapters` on the linear layers they name.
+pub fn block_with(cfg: &Gpt2Config, index: usize, adapters: &Arc<Adapters>) -> Block {
     let (c, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
     let std = normal(cfg.initializer_range);
     // GPT-2 scales residual projections by 1/sqrt(2 * n_layer).
@@ -146,7 +153,7 @@ pub fn block(cfg: &Gpt2Config, index: usize) -> Block {
         d_out,
         layout: WeightLayout::InOut,
     };
-    let mut p = ParamList::new(format!("transformer.h.{index}."));
+    let mut p = ParamList::new(format!("transformer.h.{index}.")).with_adapters(adapters);
     let norm1 = p.layer_norm("ln_1", c, eps);
     let c_attn = p.dense("attn.c_attn", lin(c, 3 * c), std, true);
     let o = p.dense("attn.c_proj", lin(c, c), proj_std, true);
@@ -187,12 +194,23 @@ fn normal(std: f32) -> Init {
 /// Builds the model. It holds no device: the engine (or whoever calls the modules) passes
 /// the backend in each call's [`crate::nn::Ctx`], so one model runs on any device.
 pub fn build(cfg: &Gpt2Config) -> Result<Model> {
+    build_with(cfg, &Adapters::default())
+}
+
+/// [`build`] with LoRA `adapters` on the linear layers they name (Hugging Face module names);
+/// an adapter whose layer this model lacks is an error.
+pub fn build_with(cfg: &Gpt2Config, adapters: &Adapters) -> Result<Model> {
     cfg.validate()?;
+    let plan = Arc::new(adapters.clone());
     let wte = ParamSpec {
         name: "transformer.wte.weight".into(),
         shape: vec![cfg.vocab_size, cfg.n_embd],
         init: normal(cfg.initializer_range),
     };
-    let blocks = (0..cfg.n_layer).map(|i| block(cfg, i)).collect();
-    Ok(decoder(Some(wte), embed(cfg), ("h", blocks), head(cfg)))
+    let blocks = (0..cfg.n_layer)
+        .map(|i| block_with(cfg, i, &plan))
+        .collect();
+    let model = decoder(Some(wte), embed(cfg), ("h", blocks), head(cfg));
+    adapters.check_placed(&model)?;
+    Ok(model)
 }

@@ -18,7 +18,9 @@
 
 use crate::backend::Rope;
 use crate::nn::hf::{self, Architecture, ModelConfig};
-use crate::nn::layers::{decoder, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
+use std::sync::Arc;
+
+use crate::nn::layers::{decoder, Adapters, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::{Init, Model, ParamSpec};
 use crate::{Error, Result};
@@ -194,6 +196,11 @@ pub fn embed(cfg: &LlamaConfig) -> TokenEmbed {
 /// SwiGLU; every projection an `nn.Linear` (`[out, in]`), biased only on q/k/v with
 /// `qkv_bias`, whose biases come after the nine weights so the weights keep their places.
 pub fn block(cfg: &LlamaConfig, index: usize) -> Block {
+    block_with(cfg, index, &Arc::default())
+}
+
+/// [`block`] with LoRA `adapters` on the linear layers they name.
+pub fn block_with(cfg: &LlamaConfig, index: usize, adapters: &Arc<Adapters>) -> Block {
     let (h, i, eps) = (cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps);
     let d = cfg.head_dim();
     let (qw, kvw) = (cfg.num_attention_heads * d, cfg.kv_heads() * d);
@@ -205,7 +212,7 @@ pub fn block(cfg: &LlamaConfig, index: usize) -> Block {
         d_out,
         layout: WeightLayout::OutIn,
     };
-    let mut p = ParamList::new(format!("model.layers.{index}."));
+    let mut p = ParamList::new(format!("model.layers.{index}.")).with_adapters(adapters);
     let mut qkv = [("q", qw), ("k", kvw), ("v", kvw)]
         .map(|(n, out)| p.dense(&format!("self_attn.{n}_proj"), lin(h, out), w, false));
     let o = p.dense("self_attn.o_proj", lin(qw, h), w, false);
@@ -251,7 +258,14 @@ pub fn head(cfg: &LlamaConfig) -> LmHead {
 /// Builds the model. It holds no device: the engine (or whoever calls the modules) passes
 /// the backend in each call's [`crate::nn::Ctx`], so one model runs on any device.
 pub fn build(cfg: &LlamaConfig) -> Result<Model> {
+    build_with(cfg, &Adapters::default())
+}
+
+/// [`build`] with LoRA `adapters` on the linear layers they name (Hugging Face module names);
+/// an adapter whose layer this model lacks is an error.
+pub fn build_with(cfg: &LlamaConfig, adapters: &Adapters) -> Result<Model> {
     cfg.validate()?;
+    let plan = Arc::new(adapters.clone());
     let table = ParamSpec {
         name: "model.embed_tokens.weight".into(),
         shape: vec![cfg.vocab_size, cfg.hidden_size],
@@ -260,6 +274,10 @@ pub fn build(cfg: &LlamaConfig) -> Result<Model> {
         },
     };
     let tied = cfg.tie_word_embeddings.then_some(table);
-    let blocks = (0..cfg.num_hidden_layers).map(|i| block(cfg, i)).collect();
-    Ok(decoder(tied, embed(cfg), ("layers", blocks), head(cfg)))
+    let blocks = (0..cfg.num_hidden_layers)
+        .map(|i| block_with(cfg, i, &plan))
+        .collect();
+    let model = decoder(tied, embed(cfg), ("layers", blocks), head(cfg));
+    adapters.check_placed(&model)?;
+    Ok(model)
 }

@@ -107,12 +107,12 @@ impl Attention {
         be: &dyn Backend,
         p: &Params<'_>,
         x: View<'_>,
-        s: AttentionShape,
+        (s, drop): (AttentionShape, Option<u64>),
     ) -> Result<AttnActs> {
         let rows = s.batch * s.seq;
         let mut qkv = self.buffers(be, rows)?;
         for (d, buf) in self.qkv.iter().zip(&mut qkv) {
-            d.forward(be, p, (x, None), buf.view_mut())?;
+            d.forward(be, p, (x, None), buf.view_mut(), drop)?;
         }
         self.rotate(be, &mut qkv, s, Rotation::Forward)?;
         let mut att = act(be, rows * self.width())?;
@@ -155,14 +155,14 @@ impl Attention {
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         (x, dqkv): (View<'_>, &[Storage]),
-        mut dx: ViewMut<'_>,
+        (mut dx, drop): (ViewMut<'_>, Option<u64>),
     ) -> Result<()> {
         for (i, (d, dy)) in self.qkv.iter().zip(dqkv).enumerate() {
             let acc = [Accumulate::Overwrite, Accumulate::Add][usize::from(i > 0)];
-            d.backward_input(be, p, dy.view(), dx.reborrow(), acc)?;
+            d.backward_input(be, p, dy.view(), (dx.reborrow(), acc), drop)?;
         }
         for (d, dy) in self.qkv.iter().zip(dqkv) {
-            d.backward_params(be, gr, x, dy.view())?;
+            d.backward_params(be, (p, gr), (x, dy.view()), drop)?;
         }
         Ok(())
     }

@@ -86,11 +86,11 @@ impl Block {
     ) -> Result<()> {
         let (be, o) = (ctx.be, &self.attn.o);
         if self.resid_pdrop <= 0.0 {
-            o.forward(be, p, (att, Some(x)), x2.reborrow())?;
+            o.forward(be, p, (att, Some(x)), x2.reborrow(), seed(ctx))?;
             return self.norm2.forward(be, p, x2.as_view(), n2, s2);
         }
         let mut y = act(be, x.len())?;
-        o.forward(be, p, (att, None), y.view_mut())?;
+        o.forward(be, p, (att, None), y.view_mut(), seed(ctx))?;
         self.drop(ctx, SITE_ATTN, y.view_mut())?;
         self.norm2
             .residual_forward(be, p, (y.view(), Some(x)), (x2, n2), s2)?;
@@ -108,9 +108,9 @@ impl Block {
     ) -> Result<()> {
         let down = self.mlp.down();
         if self.resid_pdrop <= 0.0 {
-            return down.forward(ctx.be, p, (h, Some(x2)), out);
+            return down.forward(ctx.be, p, (h, Some(x2)), out, seed(ctx));
         }
-        down.forward(ctx.be, p, (h, None), out.reborrow())?;
+        down.forward(ctx.be, p, (h, None), out.reborrow(), seed(ctx))?;
         self.drop(ctx, SITE_MLP, out.reborrow())?;
         ctx.be.add_assign(out, x2)
     }
@@ -140,8 +140,9 @@ impl Block {
         let da = da_copy.as_ref().map_or(dx2, Storage::view);
         let (o, att) = (&self.attn.o, s.attn.att.view());
         let mut datt = reuse(be, dn2, rows * self.attn.width())?;
-        o.backward_input(be, p, da, datt.view_mut(), Accumulate::Overwrite)?;
-        o.backward_params(be, gr, att, da)?;
+        let drop = seed(ctx);
+        o.backward_input(be, p, da, (datt.view_mut(), Accumulate::Overwrite), drop)?;
+        o.backward_params(be, (p, gr), (att, da), drop)?;
         let shape = self.attn_shape(ctx);
         let dqkv = self.attn.core_backward(be, &s.attn, datt.view(), shape)?;
         let mut dn1 = match da_copy {
@@ -150,13 +151,18 @@ impl Block {
         };
         let x = (s.n1.view(), dqkv.as_slice());
         self.attn
-            .projections_backward(be, (p, gr), x, dn1.view_mut())?;
+            .projections_backward(be, (p, gr), x, (dn1.view_mut(), drop))?;
         let mut dx = reuse(be, datt, rows * self.width)?;
         let (x, dy) = ((s.x.view(), &s.s1), (dn1.view(), Some(dx2)));
         self.norm1.backward(be, (p, gr), x, dy, dx.view_mut())?;
         (dqkv, dn1).hand_back(be);
         Ok(dx)
     }
+}
+
+/// The unit's seed when training, for the adapters' input dropout ([`super::Dense`]).
+fn seed(ctx: &Ctx<'_>) -> Option<u64> {
+    ctx.training.then_some(ctx.rng_seed)
 }
 
 impl Module for Block {
@@ -173,11 +179,13 @@ impl Module for Block {
         let copy = (input.view(), None);
         self.norm1
             .residual_forward(be, p, copy, (x.view_mut(), n1.view_mut()), &mut s1)?;
-        let attn = self.attn.forward(be, p, n1.view(), self.attn_shape(ctx))?;
+        let attn = self
+            .attn
+            .forward(be, p, n1.view(), (self.attn_shape(ctx), seed(ctx)))?;
         let (mut x2, mut n2, mut s2) = (act(be, n * w)?, act(be, n * w)?, self.norm2.stats(be, n)?);
         let n2_out = (n2.view_mut(), &mut s2);
         self.attn_residual_norm2(ctx, p, (attn.att.view(), x.view()), x2.view_mut(), n2_out)?;
-        let mlp = self.mlp.forward(be, p, n2.view())?;
+        let mlp = self.mlp.forward(be, p, n2.view(), seed(ctx))?;
         let mut out = act(be, n * w)?;
         self.mlp_residual(ctx, p, (mlp.down_input(), x2.view()), out.view_mut())?;
         if ctx.training {
@@ -216,9 +224,13 @@ impl Module for Block {
         let dout = grad_output.view();
         let dm_copy = self.drop_grad(ctx, SITE_MLP, dout)?;
         let dm = dm_copy.as_ref().map_or(dout, Storage::view);
-        let inner = self.mlp.backward_down(be, (p, gr), &s.mlp, dm)?;
+        let inner = self
+            .mlp
+            .backward_down(be, (p, gr), &s.mlp, (dm, seed(ctx)))?;
         dm_copy.hand_back(be);
-        let dn2 = self.mlp.backward_up(be, (p, gr), s.n2.view(), inner)?;
+        let dn2 = self
+            .mlp
+            .backward_up(be, (p, gr), (s.n2.view(), seed(ctx)), inner)?;
         // The residual stream's gradient: through norm2, plus the output's around it.
         let mut dx2 = act(be, n * w)?;
         let (x2, dy) = ((s.x2.view(), &s.s2), (dn2.view(), Some(dout)));

@@ -58,18 +58,24 @@ impl Mlp {
     }
 
     /// Everything before the down projection.
-    pub(crate) fn forward(&self, be: &dyn Backend, p: &Params<'_>, x: View<'_>) -> Result<MlpActs> {
+    pub(crate) fn forward(
+        &self,
+        be: &dyn Backend,
+        p: &Params<'_>,
+        x: View<'_>,
+        drop: Option<u64>,
+    ) -> Result<MlpActs> {
         let n = x.len() / self.down().lin.d_out.max(1) * self.inner();
         let bufs = match self {
             Mlp::Gelu { fc, .. } => {
                 let (mut h, mut g) = (act(be, n)?, act(be, n)?);
-                fc.forward_gelu(be, p, x, h.view_mut(), g.view_mut())?;
+                fc.forward_gelu(be, p, x, (h.view_mut(), g.view_mut()), drop)?;
                 vec![h, g]
             }
             Mlp::SwiGlu { gate, up, .. } => {
                 let (mut g, mut u) = (act(be, n)?, act(be, n)?);
-                gate.forward(be, p, (x, None), g.view_mut())?;
-                up.forward(be, p, (x, None), u.view_mut())?;
+                gate.forward(be, p, (x, None), g.view_mut(), drop)?;
+                up.forward(be, p, (x, None), u.view_mut(), drop)?;
                 let mut y = act(be, n)?;
                 be.swiglu_forward(g.view(), u.view(), y.view_mut())?;
                 vec![g, u, y]
@@ -85,7 +91,7 @@ impl Mlp {
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         s: &MlpActs,
-        dy: View<'_>,
+        (dy, drop): (View<'_>, Option<u64>),
     ) -> Result<Vec<Storage>> {
         let n = s.bufs[0].len();
         match self {
@@ -93,14 +99,14 @@ impl Mlp {
                 // Through the GELU inside the product, with fc's bias gradient.
                 let mut dh = act(be, n)?;
                 let pre = s.bufs[0].view();
-                proj.backward_input_gelu(be, (p, gr), fc, (dy, pre), dh.view_mut())?;
-                proj.backward_params(be, gr, s.down_input(), dy)?;
+                proj.backward_input_gelu(be, (p, gr), fc, (dy, pre), (dh.view_mut(), drop))?;
+                proj.backward_params(be, (p, gr), (s.down_input(), dy), drop)?;
                 Ok(vec![dh])
             }
             Mlp::SwiGlu { down, .. } => {
                 let mut dact = act(be, n)?;
-                down.backward_input(be, p, dy, dact.view_mut(), Accumulate::Overwrite)?;
-                down.backward_params(be, gr, s.down_input(), dy)?;
+                down.backward_input(be, p, dy, (dact.view_mut(), Accumulate::Overwrite), drop)?;
+                down.backward_params(be, (p, gr), (s.down_input(), dy), drop)?;
                 let (mut dgate, mut dup) = (act(be, n)?, act(be, n)?);
                 let (g, u) = (s.bufs[0].view(), s.bufs[1].view());
                 be.swiglu_backward(g, u, dact.view(), dgate.view_mut(), dup.view_mut())?;
@@ -116,23 +122,29 @@ impl Mlp {
         &self,
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
-        x: View<'_>,
+        (x, drop): (View<'_>, Option<u64>),
         inner: Vec<Storage>,
     ) -> Result<Storage> {
         let mut dx = act(be, x.len())?;
         match (self, inner.as_slice()) {
             (Mlp::Gelu { fc, .. }, [dh]) => {
-                fc.backward_input(be, p, dh.view(), dx.view_mut(), Accumulate::Overwrite)?;
+                fc.backward_input(
+                    be,
+                    p,
+                    dh.view(),
+                    (dx.view_mut(), Accumulate::Overwrite),
+                    drop,
+                )?;
                 // fc's bias gradient came from proj's product, through the GELU.
                 let fc = Dense { bias: None, ..*fc };
-                fc.backward_params(be, gr, x, dh.view())?;
+                fc.backward_params(be, (p, gr), (x, dh.view()), drop)?;
             }
             (Mlp::SwiGlu { gate, up, .. }, [dgate, dup]) => {
                 let (dg, du) = (dgate.view(), dup.view());
-                gate.backward_input(be, p, dg, dx.view_mut(), Accumulate::Overwrite)?;
-                up.backward_input(be, p, du, dx.view_mut(), Accumulate::Add)?;
-                gate.backward_params(be, gr, x, dg)?;
-                up.backward_params(be, gr, x, du)?;
+                gate.backward_input(be, p, dg, (dx.view_mut(), Accumulate::Overwrite), drop)?;
+                up.backward_input(be, p, du, (dx.view_mut(), Accumulate::Add), drop)?;
+                gate.backward_params(be, (p, gr), (x, dg), drop)?;
+                up.backward_params(be, (p, gr), (x, du), drop)?;
             }
             _ => {
                 return Err(Error::Invalid(

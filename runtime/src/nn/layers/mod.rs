@@ -27,11 +27,73 @@ pub use lora::Lora;
 pub use mlp::Mlp;
 pub use norm::Norm;
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use crate::backend::Backend;
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::{act, Grads, Init, Model, Module, ParamSpec, Params, Unit};
 use crate::tensor::Storage;
 use crate::{Error, Result};
+
+/// One linear layer's LoRA adapter as a model is built with it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdapterSpec {
+    /// The rank.
+    pub r: usize,
+    /// The branch's scale (`lora_alpha / r`, or `/ √r` with rsLoRA).
+    pub scale: f32,
+    /// The adapter's input dropout (`lora_dropout`).
+    pub dropout: f32,
+    /// `lora_A.weight`'s initialiser (`lora_B.weight` starts at zero, as in PEFT).
+    pub init_a: Init,
+}
+
+/// LoRA adapters by the Hugging Face name of the linear layer they go on (e.g.
+/// `transformer.h.0.attn.c_attn`); a model built with them declares each adapter's
+/// `{module}.lora_A.weight` and `{module}.lora_B.weight` right after the layer's own.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Adapters {
+    by_module: BTreeMap<String, AdapterSpec>,
+}
+
+impl Adapters {
+    /// Puts `spec` on the layer named `module`.
+    pub fn insert(&mut self, module: impl Into<String>, spec: AdapterSpec) {
+        self.by_module.insert(module.into(), spec);
+    }
+
+    /// Whether no layer has one.
+    pub fn is_empty(&self) -> bool {
+        self.by_module.is_empty()
+    }
+
+    /// The layers' names, sorted.
+    pub fn modules(&self) -> impl Iterator<Item = &str> {
+        self.by_module.keys().map(String::as_str)
+    }
+
+    /// Fails, naming them, when some adapters' layers are not among `model`'s parameters:
+    /// a name that matches nothing must not train nothing in silence.
+    pub fn check_placed(&self, model: &Model) -> Result<()> {
+        let names: std::collections::HashSet<String> = model
+            .units
+            .iter()
+            .flat_map(|u| u.module.param_specs())
+            .map(|s| s.name)
+            .collect();
+        let missing: Vec<&str> = self
+            .modules()
+            .filter(|m| !names.contains(&format!("{m}.lora_A.weight")))
+            .collect();
+        match missing.is_empty() {
+            true => Ok(()),
+            false => Err(Error::Invalid(format!(
+                "LoRA adapters for {missing:?} match no linear layer of this model"
+            ))),
+        }
+    }
+}
 
 /// A unit's parameters as they are declared, in layout order; each declaration returns the
 /// index its view will have in the unit's `Params`.
@@ -41,6 +103,8 @@ pub struct ParamList {
     specs: Vec<ParamSpec>,
     /// Element counts of the shared parameters the unit reads after its own.
     shared: Vec<usize>,
+    /// The adapters linear layers declared here get, by full name.
+    adapters: Option<Arc<Adapters>>,
 }
 
 impl ParamList {
@@ -50,6 +114,12 @@ impl ParamList {
             prefix: prefix.into(),
             ..Self::default()
         }
+    }
+
+    /// This list with `adapters` put on the linear layers it declares from now on.
+    pub fn with_adapters(mut self, adapters: &Arc<Adapters>) -> Self {
+        self.adapters = (!adapters.is_empty()).then(|| adapters.clone());
+        self
     }
 
     /// The prefix, which also names the unit in errors.
@@ -122,11 +192,38 @@ impl ParamList {
         };
         let w = self.add(&format!("{name}.weight"), shape, init);
         let b = bias.then(|| self.add(&format!("{name}.bias"), vec![lin.d_out], Init::Zeros));
+        let lora = self.lora(name, lin);
         Dense {
             lin,
             weight: w,
             bias: b,
+            lora,
         }
+    }
+
+    /// Declares `{name}.lora_A.weight` `[r, in]` and `{name}.lora_B.weight` `[out, r]` (zeros)
+    /// when an adapter goes on the layer `{prefix}{name}`.
+    fn lora(&mut self, name: &str, lin: Linear) -> Option<Lora> {
+        let full = format!("{}{name}", self.prefix);
+        let spec = *self.adapters.as_ref()?.by_module.get(&full)?;
+        let a = self.add(
+            &format!("{name}.lora_A.weight"),
+            vec![spec.r, lin.d_in],
+            spec.init_a,
+        );
+        let b = self.add(
+            &format!("{name}.lora_B.weight"),
+            vec![lin.d_out, spec.r],
+            Init::Zeros,
+        );
+        Some(Lora {
+            a,
+            b,
+            r: spec.r,
+            scale: spec.scale,
+            dropout: spec.dropout,
+            dims: (lin.d_in, lin.d_out),
+        })
     }
 
     /// Declares a LayerNorm's `{name}.weight` (ones) and `{name}.bias` (zeros).
