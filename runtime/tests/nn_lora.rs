@@ -12,7 +12,7 @@ use device_common::{assert_close, get, Dev, Tol};
 use ferrozero_runtime::backend::{self, Accumulate, MemoryModel};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::gradcheck::{self, Options};
-use ferrozero_runtime::nn::layers::{AdapterSpec, Adapters, Dense, Lora};
+use ferrozero_runtime::nn::layers::{AdapterSpec, Adapters, Dense, Draw, Lora};
 use ferrozero_runtime::nn::linear::{Linear, WeightLayout};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::{
@@ -89,7 +89,7 @@ impl Module for LoraLinear {
         let mut y = be.zeros(be.act_dtype(), rows * D_OUT)?;
         self.dense
             .forward(be, p, (input.view(), None), y.view_mut(), None)?;
-        let drop = ctx.training.then_some(ctx.rng_seed);
+        let drop = Draw::of(ctx);
         self.lora.forward(be, p, input.view(), y.view_mut(), drop)?;
         if ctx.training {
             *ctx.saved = Some(Box::new(Kept(be.copy(input.view())?)));
@@ -115,7 +115,7 @@ impl Module for LoraLinear {
             .downcast::<Kept>()
             .unwrap()
             .0;
-        let drop = Some(ctx.rng_seed);
+        let drop = Draw::of(ctx);
         let mut dx = be.zeros(be.act_dtype(), x.len())?;
         let dxo = (dx.view_mut(), Accumulate::Overwrite);
         self.dense.backward_input(be, p, dy.view(), dxo, None)?;
@@ -166,6 +166,7 @@ fn forward_on(d: &Dev, module: &LoraLinear, b: &Batch, ps: &[Vec<f32>], x: &[f32
         ids: &ids,
         training: false,
         rng_seed: 0,
+        rng_row: 0,
         saved: &mut saved,
     };
     let input = Tensor::new(vec![2, 7, D_IN], d.put(x)).unwrap();

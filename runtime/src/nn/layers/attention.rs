@@ -2,6 +2,7 @@
 //! with grouped-query widths), RoPE on queries and keys when the architecture has it, the
 //! backend's attention core, and the output projection.
 
+use super::lora::Draw;
 use super::Dense;
 use crate::backend::MemoryModel;
 use crate::backend::{Accumulate, AttentionGrads, AttentionShape, AttnDropout, Backend};
@@ -107,7 +108,7 @@ impl Attention {
         be: &dyn Backend,
         p: &Params<'_>,
         x: View<'_>,
-        (s, drop): (AttentionShape, Option<u64>),
+        (s, drop): (AttentionShape, Option<Draw>),
     ) -> Result<AttnActs> {
         let rows = s.batch * s.seq;
         let mut qkv = self.buffers(be, rows)?;
@@ -155,7 +156,7 @@ impl Attention {
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         (x, dqkv): (View<'_>, &[Storage]),
-        (mut dx, drop): (ViewMut<'_>, Option<u64>),
+        (mut dx, drop): (ViewMut<'_>, Option<Draw>),
     ) -> Result<()> {
         for (i, (d, dy)) in self.qkv.iter().zip(dqkv).enumerate() {
             let acc = [Accumulate::Overwrite, Accumulate::Add][usize::from(i > 0)];

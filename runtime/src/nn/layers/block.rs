@@ -2,6 +2,7 @@
 //! `out = x2 + down(mlp(norm2(x2)))`, with optional dropout on both branches.
 
 use super::attention::AttnActs;
+use super::lora::Draw;
 use super::mlp::MlpActs;
 use super::norm::NormStats;
 use super::{reuse, Attention, Mlp, Norm, ParamList};
@@ -160,9 +161,9 @@ impl Block {
     }
 }
 
-/// The unit's seed when training, for the adapters' input dropout ([`super::Dense`]).
-fn seed(ctx: &Ctx<'_>) -> Option<u64> {
-    ctx.training.then_some(ctx.rng_seed)
+/// The batch's draw when training, for the adapters' input dropout ([`super::Dense`]).
+fn seed(ctx: &Ctx<'_>) -> Option<Draw> {
+    Draw::of(ctx)
 }
 
 impl Module for Block {

@@ -2,10 +2,11 @@
 //! bias) read from the unit's views and their gradients written to its accumulators, and a
 //! LoRA adapter's branch beside them when the layer has one.
 //!
-//! Every method takes `drop`, the unit's seed in training (`None` in inference): only an
-//! adapter's input dropout reads it. A GELU fused into a product (forward's bias+GELU,
+//! Every method takes `drop`, the batch's [`Draw`] in training (`None` in inference): only
+//! an adapter's input dropout reads it. A GELU fused into a product (forward's bias+GELU,
 //! backward's DGELU) runs apart when an adapter's branch must be added before the GELU.
 
+use super::lora::Draw;
 use super::Lora;
 use crate::backend::{Accumulate, Backend, Epilogue};
 use crate::nn::linear::Linear;
@@ -39,7 +40,7 @@ impl Dense {
         p: &Params<'_>,
         (x, residual): (View<'_>, Option<View<'_>>),
         mut y: ViewMut<'_>,
-        drop: Option<u64>,
+        drop: Option<Draw>,
     ) -> Result<()> {
         let (w, bias) = (p.get(self.weight), self.bias(p));
         match residual {
@@ -63,7 +64,7 @@ impl Dense {
         p: &Params<'_>,
         x: View<'_>,
         (mut pre, y): (ViewMut<'_>, ViewMut<'_>),
-        drop: Option<u64>,
+        drop: Option<Draw>,
     ) -> Result<()> {
         let bias = p.get(needs_bias(self.bias)?);
         let Some(l) = &self.lora else {
@@ -83,7 +84,7 @@ impl Dense {
         p: &Params<'_>,
         dy: View<'_>,
         (mut dx, acc): (ViewMut<'_>, Accumulate),
-        drop: Option<u64>,
+        drop: Option<Draw>,
     ) -> Result<()> {
         let w = p.get(self.weight);
         self.lin.backward_input(be, dy, w, dx.reborrow(), acc)?;
@@ -103,7 +104,7 @@ impl Dense {
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         before: &Dense,
         (dy, pre): (View<'_>, View<'_>),
-        (mut dx, drop): (ViewMut<'_>, Option<u64>),
+        (mut dx, drop): (ViewMut<'_>, Option<Draw>),
     ) -> Result<()> {
         let bias_grad = gr.get_mut(needs_bias(before.bias)?);
         let w = p.get(self.weight);
@@ -126,7 +127,7 @@ impl Dense {
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         (x, dy): (View<'_>, View<'_>),
-        drop: Option<u64>,
+        drop: Option<Draw>,
     ) -> Result<()> {
         self.base_params(be, gr, x, dy)?;
         match &self.lora {

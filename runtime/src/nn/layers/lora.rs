@@ -10,7 +10,7 @@
 //! mask that backward redraws.
 
 use crate::backend::{Backend, Epilogue, MatmulShape, Transpose};
-use crate::nn::{act, Grads, Params};
+use crate::nn::{act, Ctx, Grads, Params};
 use crate::tensor::{Storage, View, ViewMut};
 use crate::Result;
 
@@ -29,6 +29,37 @@ pub struct Lora {
     pub dropout: f32,
     /// The layer's input and output widths.
     pub dims: (usize, usize),
+}
+
+/// What an adapter's input dropout draws from in training: the unit's seed, and the run's
+/// global index of the micro-batch's first sequence with the batch's sequence count, so a
+/// sequence's mask follows it across ranks, micro-steps and batch sizes (as every dropout's
+/// does: `Ctx::rng_row`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Draw {
+    /// The unit's seed.
+    pub seed: u64,
+    /// The global index of the batch's first sequence.
+    pub first: u64,
+    /// Sequences in the batch.
+    pub sequences: usize,
+}
+
+impl Draw {
+    /// `ctx`'s draw when it trains, `None` in inference (no dropout).
+    pub fn of(ctx: &Ctx<'_>) -> Option<Draw> {
+        ctx.training.then_some(Draw {
+            seed: ctx.rng_seed,
+            first: ctx.rng_row,
+            sequences: ctx.batch.batch,
+        })
+    }
+
+    /// The counter offset of a mask over `len` elements of this batch.
+    fn offset(&self, len: usize) -> u64 {
+        self.first
+            .wrapping_mul((len / self.sequences.max(1)) as u64)
+    }
 }
 
 /// The dropout site of an adapter's input, mixed into the unit's seed with the layer's
@@ -51,11 +82,12 @@ impl Lora {
     }
 
     /// The adapter's input: `x`, or a dropped copy of it in training.
-    fn input(&self, be: &dyn Backend, x: View<'_>, drop: Option<u64>) -> Result<Option<Storage>> {
+    fn input(&self, be: &dyn Backend, x: View<'_>, drop: Option<Draw>) -> Result<Option<Storage>> {
         match drop {
-            Some(seed) if self.dropout > 0.0 => {
+            Some(draw) if self.dropout > 0.0 => {
                 let mut d = be.copy(x)?;
-                be.dropout(self.seed(seed), self.dropout, d.view_mut())?;
+                let (seed, offset) = (self.seed(draw.seed), draw.offset(d.len()));
+                be.dropout(seed, offset, self.dropout, d.view_mut())?;
                 Ok(Some(d))
             }
             _ => Ok(None),
@@ -71,14 +103,14 @@ impl Lora {
         Ok(t)
     }
 
-    /// `y += scale · B (A x')`; `drop`: the unit's seed when training (dropout applies).
+    /// `y += scale · B (A x')`; `drop`: the batch's [`Draw`] when training (dropout applies).
     pub fn forward(
         &self,
         be: &dyn Backend,
         p: &Params<'_>,
         x: View<'_>,
         y: ViewMut<'_>,
-        drop: Option<u64>,
+        drop: Option<Draw>,
     ) -> Result<()> {
         let dropped = self.input(be, x, drop)?;
         let x = dropped.as_ref().map_or(x, Storage::view);
@@ -107,21 +139,21 @@ impl Lora {
     }
 
     /// `dx += scale · (dy · B) · A`, through the input dropout's mask when there is one
-    /// (`drop`: the unit's seed, as in forward).
+    /// (`drop`: the batch's draw, as in forward).
     pub fn backward_input(
         &self,
         be: &dyn Backend,
         p: &Params<'_>,
         dy: View<'_>,
         dx: ViewMut<'_>,
-        drop: Option<u64>,
+        drop: Option<Draw>,
     ) -> Result<()> {
         let u = self.up_grad(be, p, dy)?;
         let rows = dy.len() / self.dims.1.max(1);
         let s = shape(rows, self.dims.0, self.r, Transpose::No, Transpose::No);
         let a = p.get(self.a);
         match drop {
-            Some(seed) if self.dropout > 0.0 => {
+            Some(draw) if self.dropout > 0.0 => {
                 let mut v = be.zeros(be.act_dtype(), rows * self.dims.0)?;
                 be.matmul(
                     s,
@@ -130,7 +162,8 @@ impl Lora {
                     v.view_mut(),
                     Epilogue::ScaledAccumulate(self.scale),
                 )?;
-                be.dropout(self.seed(seed), self.dropout, v.view_mut())?;
+                let (seed, offset) = (self.seed(draw.seed), draw.offset(v.len()));
+                be.dropout(seed, offset, self.dropout, v.view_mut())?;
                 be.add_assign(dx, v.view())?;
                 be.recycle(v);
             }
@@ -147,7 +180,7 @@ impl Lora {
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         x: View<'_>,
         dy: View<'_>,
-        drop: Option<u64>,
+        drop: Option<Draw>,
     ) -> Result<()> {
         let dropped = self.input(be, x, drop)?;
         let x = dropped.as_ref().map_or(x, Storage::view);

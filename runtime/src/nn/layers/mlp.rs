@@ -2,6 +2,7 @@
 //! which writes the residual stream, is the block's to run (with the residual and dropout);
 //! the MLP runs everything before it in forward and after it in backward.
 
+use super::lora::Draw;
 use super::Dense;
 use crate::backend::{Accumulate, Backend, MemoryModel};
 use crate::nn::saved::{saved_struct, Held};
@@ -63,7 +64,7 @@ impl Mlp {
         be: &dyn Backend,
         p: &Params<'_>,
         x: View<'_>,
-        drop: Option<u64>,
+        drop: Option<Draw>,
     ) -> Result<MlpActs> {
         let n = x.len() / self.down().lin.d_out.max(1) * self.inner();
         let bufs = match self {
@@ -91,7 +92,7 @@ impl Mlp {
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
         s: &MlpActs,
-        (dy, drop): (View<'_>, Option<u64>),
+        (dy, drop): (View<'_>, Option<Draw>),
     ) -> Result<Vec<Storage>> {
         let n = s.bufs[0].len();
         match self {
@@ -122,7 +123,7 @@ impl Mlp {
         &self,
         be: &dyn Backend,
         (p, gr): (&Params<'_>, &mut Grads<'_>),
-        (x, drop): (View<'_>, Option<u64>),
+        (x, drop): (View<'_>, Option<Draw>),
         inner: Vec<Storage>,
     ) -> Result<Storage> {
         let mut dx = act(be, x.len())?;

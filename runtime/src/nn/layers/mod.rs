@@ -23,7 +23,7 @@ pub use block::Block;
 pub use dense::Dense;
 pub use embed::TokenEmbed;
 pub use head::LmHead;
-pub use lora::Lora;
+pub use lora::{Draw, Lora};
 pub use mlp::Mlp;
 pub use norm::Norm;
 
