@@ -87,11 +87,11 @@ impl Block {
     ) -> Result<()> {
         let (be, o) = (ctx.be, &self.attn.o);
         if self.resid_pdrop <= 0.0 {
-            o.forward(be, p, (att, Some(x)), x2.reborrow(), seed(ctx))?;
+            o.forward(be, p, (att, Some(x)), x2.reborrow(), Draw::of(ctx))?;
             return self.norm2.forward(be, p, x2.as_view(), n2, s2);
         }
         let mut y = act(be, x.len())?;
-        o.forward(be, p, (att, None), y.view_mut(), seed(ctx))?;
+        o.forward(be, p, (att, None), y.view_mut(), Draw::of(ctx))?;
         self.drop(ctx, SITE_ATTN, y.view_mut())?;
         self.norm2
             .residual_forward(be, p, (y.view(), Some(x)), (x2, n2), s2)?;
@@ -109,9 +109,9 @@ impl Block {
     ) -> Result<()> {
         let down = self.mlp.down();
         if self.resid_pdrop <= 0.0 {
-            return down.forward(ctx.be, p, (h, Some(x2)), out, seed(ctx));
+            return down.forward(ctx.be, p, (h, Some(x2)), out, Draw::of(ctx));
         }
-        down.forward(ctx.be, p, (h, None), out.reborrow(), seed(ctx))?;
+        down.forward(ctx.be, p, (h, None), out.reborrow(), Draw::of(ctx))?;
         self.drop(ctx, SITE_MLP, out.reborrow())?;
         ctx.be.add_assign(out, x2)
     }
@@ -141,7 +141,7 @@ impl Block {
         let da = da_copy.as_ref().map_or(dx2, Storage::view);
         let (o, att) = (&self.attn.o, s.attn.att.view());
         let mut datt = reuse(be, dn2, rows * self.attn.width())?;
-        let drop = seed(ctx);
+        let drop = Draw::of(ctx);
         o.backward_input(be, p, da, (datt.view_mut(), Accumulate::Overwrite), drop)?;
         o.backward_params(be, (p, gr), (att, da), drop)?;
         let shape = self.attn_shape(ctx);
@@ -161,11 +161,6 @@ impl Block {
     }
 }
 
-/// The batch's draw when training, for the adapters' input dropout ([`super::Dense`]).
-fn seed(ctx: &Ctx<'_>) -> Option<Draw> {
-    Draw::of(ctx)
-}
-
 impl Module for Block {
     fn param_specs(&self) -> Vec<ParamSpec> {
         self.params.specs().to_vec()
@@ -182,11 +177,11 @@ impl Module for Block {
             .residual_forward(be, p, copy, (x.view_mut(), n1.view_mut()), &mut s1)?;
         let attn = self
             .attn
-            .forward(be, p, n1.view(), (self.attn_shape(ctx), seed(ctx)))?;
+            .forward(be, p, n1.view(), (self.attn_shape(ctx), Draw::of(ctx)))?;
         let (mut x2, mut n2, mut s2) = (act(be, n * w)?, act(be, n * w)?, self.norm2.stats(be, n)?);
         let n2_out = (n2.view_mut(), &mut s2);
         self.attn_residual_norm2(ctx, p, (attn.att.view(), x.view()), x2.view_mut(), n2_out)?;
-        let mlp = self.mlp.forward(be, p, n2.view(), seed(ctx))?;
+        let mlp = self.mlp.forward(be, p, n2.view(), Draw::of(ctx))?;
         let mut out = act(be, n * w)?;
         self.mlp_residual(ctx, p, (mlp.down_input(), x2.view()), out.view_mut())?;
         if ctx.training {
@@ -227,11 +222,11 @@ impl Module for Block {
         let dm = dm_copy.as_ref().map_or(dout, Storage::view);
         let inner = self
             .mlp
-            .backward_down(be, (p, gr), &s.mlp, (dm, seed(ctx)))?;
+            .backward_down(be, (p, gr), &s.mlp, (dm, Draw::of(ctx)))?;
         dm_copy.hand_back(be);
         let dn2 = self
             .mlp
-            .backward_up(be, (p, gr), (s.n2.view(), seed(ctx)), inner)?;
+            .backward_up(be, (p, gr), (s.n2.view(), Draw::of(ctx)), inner)?;
         // The residual stream's gradient: through norm2, plus the output's around it.
         let mut dx2 = act(be, n * w)?;
         let (x2, dy) = ((s.x2.view(), &s.s2), (dn2.view(), Some(dout)));
