@@ -227,7 +227,7 @@ impl Module for ResidualMlp {
         // Parameter gradients are added (+=) into the lent buffers, never assigned: the
         // contract lets every reader of a parameter (tied weights) add its own share.
         // `backward_params` adds by design.
-        let (dw2, db2) = g.pair_mut(2, 3);
+        let (dw2, db2) = g.require_pair(2, 3)?;
         self.fc2()
             .backward_params(be, act.view(), dy.view(), dw2, Some(db2))?;
         let mut dact = act;
@@ -240,7 +240,7 @@ impl Module for ResidualMlp {
         )?;
         let mut dpre = ctx.alloc(rows * self.inner)?;
         be.gelu_backward(s.pre.view(), dact.view(), dpre.view_mut())?;
-        let (dw1, db1) = g.pair_mut(0, 1);
+        let (dw1, db1) = g.require_pair(0, 1)?;
         self.fc1()
             .backward_params(be, s.x.view(), dpre.view(), dw1, Some(db1))?;
         // The residual path passes dy straight through; the branch adds its share.
@@ -373,10 +373,7 @@ fn build_model(args: &Args) -> Model {
         units.push(unit(format!("blocks.{i}"), Box::new(block(args, i))));
     }
     units.push(unit("head".into(), Box::new(llama::head(&ends))));
-    Model {
-        shared: vec![],
-        units,
-    }
+    Model::new(vec![], units)
 }
 
 /// Rows `first..first + rows` of the task: random tokens, each to be mapped to

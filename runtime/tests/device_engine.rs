@@ -110,7 +110,7 @@ impl Module for Mlp {
         let rows = dy.numel() / H;
         let mut act = ctx.alloc(rows * INNER)?;
         be.gelu_forward(s.pre.view(), act.view_mut())?;
-        let (dw2, db2) = g.pair_mut(2, 3);
+        let (dw2, db2) = g.require_pair(2, 3)?;
         lin(INNER, H).backward_params(be, act.view(), dy.view(), dw2, Some(db2))?;
         let mut dact = ctx.alloc(rows * INNER)?;
         lin(INNER, H).backward_input(
@@ -122,7 +122,7 @@ impl Module for Mlp {
         )?;
         let mut dpre = ctx.alloc(rows * INNER)?;
         be.gelu_backward(s.pre.view(), dact.view(), dpre.view_mut())?;
-        let (dw1, db1) = g.pair_mut(0, 1);
+        let (dw1, db1) = g.require_pair(0, 1)?;
         lin(H, INNER).backward_params(be, s.x.view(), dpre.view(), dw1, Some(db1))?;
         let mut dx = be.copy(dy.view())?;
         lin(H, INNER).backward_input(be, dpre.view(), p.get(0), dx.view_mut(), Accumulate::Add)?;
@@ -182,6 +182,7 @@ fn model() -> Model {
             init: Init::Normal { std: 0.3 },
         }],
         units,
+        frozen: Default::default(),
     }
 }
 

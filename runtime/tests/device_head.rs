@@ -49,7 +49,7 @@ fn run(
             ids,
             g,
             dx.view_mut(),
-            dw.view_mut(),
+            Some(dw.view_mut()),
         )
         .unwrap()
     } else {
@@ -65,7 +65,7 @@ fn run(
             saved,
             g,
             dx.view_mut(),
-            dw.view_mut(),
+            Some(dw.view_mut()),
         )
         .unwrap();
         out.loss
@@ -163,7 +163,7 @@ fn head_fused(d: &Dev) {
             bad.ids(),
             1.0,
             dx.view_mut(),
-            dw.view_mut(),
+            Some(dw.view_mut()),
         )
         .unwrap_err()
         .to_string();
@@ -182,7 +182,7 @@ fn head_fused(d: &Dev) {
             ok.ids(),
             1.0,
             dx.view_mut(),
-            short.view_mut(),
+            Some(short.view_mut()),
         )
         .unwrap_err()
         .to_string();

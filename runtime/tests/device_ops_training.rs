@@ -59,7 +59,7 @@ fn head_loss(d: &Dev) {
         out.saved.unwrap(),
         0.5,
         ddx.view_mut(),
-        ddw.view_mut(),
+        Some(ddw.view_mut()),
     )
     .unwrap();
     let (mut wdx, mut wdw) = (vec![0.0; s.rows * s.dim], vec![0.0; s.vocab * s.dim]);
@@ -71,7 +71,7 @@ fn head_loss(d: &Dev) {
         want.saved.unwrap(),
         0.5,
         ViewMut::from(&mut wdx[..]),
-        ViewMut::from(&mut wdw[..]),
+        Some(ViewMut::from(&mut wdw[..])),
     )
     .unwrap();
     assert_close("head dx", &get(&ddx), &wdx, tol_k(d, s.vocab));

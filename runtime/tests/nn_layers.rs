@@ -231,7 +231,7 @@ fn cross_entropy_sums_valid_rows_and_is_stable() {
         out.saved.unwrap(),
         2.0,
         ViewMut::from(&mut dx[..]),
-        ViewMut::from(&mut dw[..]),
+        Some(ViewMut::from(&mut dw[..])),
     )
     .unwrap();
     // dx = dlogits · I = 2 (p - onehot).

@@ -554,7 +554,8 @@ pub trait TokenOps {
         keep: bool,
     ) -> Result<HeadLoss>;
     /// Backward of [`TokenOps::head_loss_forward`] for `d(objective)/d(loss sum) = g`:
-    /// `dx` overwritten, `dw` accumulated. Consumes the saved state.
+    /// `dx` overwritten, `dw` accumulated (`None`: the table is frozen, its gradient's
+    /// product is skipped). Consumes the saved state.
     #[allow(clippy::too_many_arguments)]
     fn head_loss_backward(
         &self,
@@ -565,7 +566,7 @@ pub trait TokenOps {
         saved: Storage,
         g: f32,
         dx: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        dw: Option<ViewMut<'_>>,
     ) -> Result<()>;
     /// [`TokenOps::head_loss_forward`] and [`TokenOps::head_loss_backward`] in one call, for
     /// training where `g = d(objective)/d(loss sum)` is known before the loss: returns the loss
@@ -582,7 +583,7 @@ pub trait TokenOps {
         targets: Ids<'_>,
         g: f32,
         dx: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        dw: Option<ViewMut<'_>>,
     ) -> Result<Storage>;
     /// Arg-max over the last dimension of `[rows, width]` (ties take the first index),
     /// returned in host memory.

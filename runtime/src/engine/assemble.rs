@@ -20,6 +20,7 @@ use super::optimizer_overlap::{OptimizerLane, OptimizerOverlap};
 use super::overlap::CommOverlap;
 use super::param_flow::ParamFlow;
 use super::param_swap::ParamSwap;
+use super::places::Places;
 use super::rules;
 use super::schedule::Schedule;
 use super::stage::{self, Stage};
@@ -70,15 +71,14 @@ pub(super) fn assemble(
         nvme: nvme.as_ref(),
         be: &*be,
     };
-    let mut specs: Vec<Vec<crate::nn::ParamSpec>> =
-        model.units.iter().map(|u| u.module.param_specs()).collect();
-    if !model.shared.is_empty() {
-        specs.push(model.shared.clone());
-    }
+    let (specs, places) = Places::plan(&model);
     let groups = specs
         .iter()
         .enumerate()
-        .map(|(i, s)| plan.build(i, s, param_swap.store_mut(), &mut ledger))
+        .map(|(i, s)| {
+            let spec = (&s.specs[..], s.frozen);
+            plan.build(i, spec, param_swap.store_mut(), &mut ledger)
+        })
         .collect::<Result<Vec<Group>>>()?;
     // The resident state alone may already exceed the cap: refuse at initialize.
     ledger.check_limit()?;
@@ -119,6 +119,7 @@ pub(super) fn assemble(
             uploads: Default::default(),
             hpz,
             swap: param_swap,
+            places,
         },
         grads: GradFlow {
             overlap,

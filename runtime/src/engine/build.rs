@@ -170,11 +170,12 @@ impl GroupPlan<'_> {
         Ok((params, pin))
     }
 
-    /// Lays out, initialises and places one group (`index` names its swap files).
+    /// Lays out, initialises and places one group (`index` names its swap files); a
+    /// `frozen` group holds its parameters only.
     pub fn build(
         &self,
         index: usize,
-        specs: &[ParamSpec],
+        (specs, frozen): (&[ParamSpec], bool),
         swap: Option<&mut ParamSwap>,
         ledger: &mut Ledger,
     ) -> crate::Result<Group> {
@@ -189,6 +190,9 @@ impl GroupPlan<'_> {
             );
         }
         let (params, pin) = self.place_params(index, &layout, &full, swap, ledger)?;
+        if frozen {
+            return Ok(frozen_group(layout, params, pin, dtype));
+        }
 
         let owned = self.stage.optimizer().range(&layout, self.rank);
         let opt_loc = optimizer_location(self.cfg);
@@ -252,6 +256,36 @@ impl GroupPlan<'_> {
             v,
             owned,
             nvme_adam,
+            frozen: false,
         })
+    }
+}
+
+/// A group of frozen parameters: placed like any other, with no gradient, master copy or
+/// optimizer state (empty stand-ins of their dtypes, an empty owned range).
+fn frozen_group(
+    layout: GroupLayout,
+    params: ParamStore,
+    pin: Option<HostPin>,
+    dtype: DType,
+) -> Group {
+    let empty = super::group::empty_storage;
+    Group {
+        landing: Default::default(),
+        pin,
+        layout,
+        frozen: true,
+        params,
+        work: None,
+        grad: empty(dtype),
+        grad_read: None,
+        grad_len: 0,
+        grad_offset: 0,
+        micro: None,
+        master: None,
+        m: empty(DType::F32),
+        v: empty(DType::F32),
+        owned: 0..0,
+        nvme_adam: None,
     }
 }

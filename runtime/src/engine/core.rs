@@ -232,27 +232,28 @@ impl Engine {
     pub(super) fn gather_unit(&mut self, unit: usize, fused: bool) -> Result<()> {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
-        let shared = self
-            .shared_index()
-            .filter(|_| !self.model.units[unit].uses_shared.is_empty());
+        // The unit's own groups, then the shared ones it reads.
+        let used = self.params.places.groups(unit).to_vec();
         // Groups this call gathers (not kept from forward): hpZ follows forward's gathers.
-        let fresh: Vec<usize> = std::iter::once(unit)
-            .chain(shared)
+        let fresh: Vec<usize> = (used.iter().copied())
             .filter(|&g| self.groups[g].full_params().is_none())
             .collect();
         // The parameters' first use since the optimizer uploaded them.
-        self.await_landing(unit)?;
-        if let Some(s) = shared {
-            self.await_landing(s)?;
+        for &g in &used {
+            self.await_landing(g)?;
         }
-        self.take_prefetched(unit)?;
-        self.gather_group(unit, bucket)?;
-        if let Some(s) = shared {
-            self.gather_group(s, bucket)?;
+        let own: Vec<usize> = (used.iter().copied())
+            .filter(|&g| self.params.places.owns(unit, g))
+            .collect();
+        for g in own {
+            self.take_prefetched(g)?;
+        }
+        for &g in &used {
+            self.gather_group(g, bucket)?;
         }
         if !self.params.hpz.in_backward() {
             for g in fresh {
-                let cut = rules::hpz_cuts_secondary(unit, g, fused);
+                let cut = rules::hpz_cuts_secondary(self.params.places.owns(unit, g), fused);
                 let world = self.comm.world.world_size();
                 self.params.hpz.after_forward_gather(
                     (g, &self.groups[g]),
@@ -294,12 +295,27 @@ impl Engine {
         r
     }
 
+    /// Prefetches `unit`'s groups: its own ([`Engine::prefetch_group`]), with the shared
+    /// ones it reads, then its frozen part.
+    pub(super) fn prefetch(&mut self, unit: usize) {
+        let places = &self.params.places;
+        let shared: Vec<usize> = (places.groups(unit).iter().copied())
+            .filter(|&g| !places.owns(unit, g))
+            .collect();
+        let frozen = places.frozen_part(unit);
+        self.prefetch_group(unit, &shared);
+        if let Some(f) = frozen {
+            self.prefetch_group(f, &[]);
+        }
+    }
+
     /// Starts gathering group `g` on the worker (stage 3, overlap on), if it is partitioned
     /// in memory, not gathered or in flight yet, and fits `stage3_prefetch_bucket_size` and
     /// `stage3_max_live_parameters` next to what is live now. At one rank the shard is
-    /// uploaded instead (`param_upload.rs`), with or without overlap; a shard on NVMe is read
-    /// ahead, with or without overlap.
-    pub(super) fn prefetch(&mut self, g: usize) {
+    /// uploaded instead (`param_upload.rs`), with or without overlap, and `shared` (the
+    /// tied groups the unit reads) with it; a shard on NVMe is read ahead, with or without
+    /// overlap.
+    fn prefetch_group(&mut self, g: usize, shared: &[usize]) {
         // hpZ: backward gathers from the secondary partition inside the group, on this thread.
         if self.params.hpz.in_backward() {
             return;
@@ -323,19 +339,19 @@ impl Engine {
         }
         // One rank: the shard goes up on the copy stream, with or without the worker, and the
         // tied parameters with it when the unit uses them and they are not gathered.
-        let shared = self
-            .shared_index()
-            .filter(|_| !self.model.units[g].uses_shared.is_empty());
         let upload = |e: &mut Self, g: usize| {
             let at = (&e.cfg, e.opt.steps);
             e.params
                 .uploads
                 .prefetch((g, &e.groups[g]), at, &*e.be, &mut e.ledger)
         };
-        let started = upload(self, g).and_then(|up| match shared {
-            Some(s) if up => self.await_landing(s).and_then(|()| upload(self, s)),
-            _ => Ok(up),
-        });
+        let mut started = upload(self, g);
+        for &s in shared {
+            started = started.and_then(|up| match up {
+                true => self.await_landing(s).and_then(|()| upload(self, s)),
+                false => Ok(false),
+            });
+        }
         match started {
             Ok(false) => {}
             Ok(true) => return,
@@ -355,9 +371,10 @@ impl Engine {
 
     /// [`rules::reused_soon`] for `unit`.
     pub(super) fn reused_soon(&self, unit: usize) -> bool {
-        let later: usize = self.groups[unit + 1..self.model.units.len()]
-            .iter()
-            .map(|g| g.layout.padded())
+        let places = &self.params.places;
+        let later: usize = (unit + 1..self.model.units.len())
+            .flat_map(|u| places.groups(u).iter().filter(move |&&g| places.owns(u, g)))
+            .map(|&g| self.groups[g].layout.padded())
             .sum();
         let partitioned = matches!(
             self.groups[unit].params,
@@ -368,16 +385,10 @@ impl Engine {
 
     pub(super) fn release_unit(&mut self, unit: usize) {
         let be = &*self.be;
-        self.params
-            .stage
-            .release(&mut self.groups[unit], be, &mut self.ledger);
-        if let Some(s) = self
-            .shared_index()
-            .filter(|_| !self.model.units[unit].uses_shared.is_empty())
-        {
+        for &g in self.params.places.groups(unit) {
             self.params
                 .stage
-                .release(&mut self.groups[s], be, &mut self.ledger);
+                .release(&mut self.groups[g], be, &mut self.ledger);
         }
     }
 }

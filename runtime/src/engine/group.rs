@@ -92,6 +92,9 @@ pub struct Group {
     pub pin: Option<HostPin>,
     /// Layout and shard arithmetic.
     pub layout: GroupLayout,
+    /// Frozen parameters: no gradient, master copy or optimizer state (`grad`, `m` and `v`
+    /// empty, `owned` empty); the parameters are still sharded, gathered and offloaded.
+    pub frozen: bool,
     /// Parameters in the storage dtype.
     pub params: ParamStore,
     /// The full parameters in the dtype layers read (`param_dtype`), when that is not the
@@ -166,7 +169,7 @@ impl Group {
 
     /// Starts this micro-step's local gradient if it is not alive yet.
     pub fn ensure_micro(&mut self, be: &dyn Backend, ledger: &mut Ledger) -> Result<()> {
-        if self.micro.is_none() {
+        if self.micro.is_none() && !self.frozen {
             let m = be.buffer(DType::F32, self.layout.padded())?;
             ledger.alloc(Location::Device, Category::CommBuffers, m.bytes());
             self.micro = Some(m);
@@ -191,6 +194,7 @@ impl Group {
             landing: Landing::default(),
             pin: None,
             layout: self.layout.clone(),
+            frozen: self.frozen,
             params,
             work: None,
             grad: empty(self.grad.dtype()),

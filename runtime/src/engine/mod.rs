@@ -37,6 +37,7 @@ mod param_upload;
 pub mod params;
 pub mod partition;
 mod passes;
+mod places;
 pub use crate::report;
 pub mod rules;
 pub mod schedule;

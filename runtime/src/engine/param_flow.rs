@@ -3,6 +3,7 @@
 
 use super::hpz::Hpz;
 use super::param_upload::ParamUploads;
+use super::places::Places;
 use super::stage::Stage;
 use super::swap::Swap;
 
@@ -17,4 +18,6 @@ pub(super) struct ParamFlow {
     pub(super) hpz: Hpz,
     /// Stage-3 parameter shards on NVMe, or off.
     pub(super) swap: Swap,
+    /// Which groups each unit reads, and where each of its parameters sits.
+    pub(super) places: Places,
 }

@@ -183,10 +183,11 @@ pub struct GradShard {
 }
 
 /// Shard `rank` of every group's accumulated gradient, groups in unit order then the shared
-/// group (`Engine::gradient_shards`).
+/// group (`Engine::gradient_shards`); frozen groups have none.
 pub(super) fn gradient_shards(groups: &[Group], rank: usize) -> Result<Vec<GradShard>> {
     groups
         .iter()
+        .filter(|g| !g.frozen)
         .map(|g| {
             let r = g.layout.shard_range(rank);
             let mut data = vec![0.0; r.len()];

@@ -37,16 +37,16 @@ impl Engine {
         training: bool,
     ) -> Result<Tensor> {
         let (seed, row) = (self.unit_seed(unit), self.rng_row(batch));
-        let shared = self.shared_index();
         let Self {
             model,
             groups,
             acts,
             be,
+            params: flow,
             ..
         } = self;
         let u = &model.units[unit];
-        let params = unit_params(groups, unit, &u.uses_shared, shared)?;
+        let params = unit_params(groups, &flow.places, unit)?;
         let mut ctx = Ctx {
             be: &**be,
             batch,
@@ -249,21 +249,20 @@ impl Engine {
         f: impl FnOnce(&dyn Module, &mut Ctx<'_>, &Params<'_>, &mut Grads<'_>) -> Result<R>,
     ) -> Result<R> {
         let (seed, row) = (self.unit_seed(unit), self.rng_row(batch));
-        let shared = self.shared_index();
-        let uses_shared = !self.model.units[unit].uses_shared.is_empty();
-        self.groups[unit].ensure_micro(&*self.be, &mut self.ledger)?;
-        if let Some(s) = shared.filter(|_| uses_shared) {
-            self.groups[s].ensure_micro(&*self.be, &mut self.ledger)?;
+        // Frozen groups have no micro-step gradient (`ensure_micro` leaves them).
+        for &g in self.params.places.groups(unit) {
+            self.groups[g].ensure_micro(&*self.be, &mut self.ledger)?;
         }
         let Self {
             model,
             groups,
             acts,
             be,
+            params: flow,
             ..
         } = self;
         let u = &model.units[unit];
-        let (params, mut grads) = unit_params_and_grads(groups, unit, &u.uses_shared, shared)?;
+        let (params, mut grads) = unit_params_and_grads(groups, &flow.places, unit)?;
         let mut ctx = Ctx {
             be: &**be,
             batch,
@@ -345,12 +344,15 @@ impl Engine {
         if !last {
             return Ok((out, None));
         }
-        let shared = self.shared_index();
         let Self {
-            model, groups, be, ..
+            model,
+            groups,
+            be,
+            params: flow,
+            ..
         } = self;
         let u = &model.units[unit];
-        let params = unit_params(groups, unit, &u.uses_shared, shared)?;
+        let params = unit_params(groups, &flow.places, unit)?;
         let mut saved = None;
         let mut ctx = Ctx {
             be: &**be,

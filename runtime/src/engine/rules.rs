@@ -93,12 +93,12 @@ pub fn hpz_size(cfg: &ResolvedConfig, world: usize, params: Extent) -> usize {
     }
 }
 
-/// Whether forward's gather of `group` for `unit` cuts hpZ's secondary copy of it: not when
-/// `unit` runs its backward inside forward (`fused`: `train_batch`'s loss head,
-/// `engine/passes.rs`) and `group` is its own, which backward never gathers again; a group
-/// shared with other units is cut for their backward.
-pub fn hpz_cuts_secondary(unit: usize, group: usize, fused: bool) -> bool {
-    !(fused && group == unit)
+/// Whether forward's gather of a group for a unit cuts hpZ's secondary copy of it: not when
+/// the unit runs its backward inside forward (`fused`: `train_batch`'s loss head,
+/// `engine/passes.rs`) and the group is its own (`own`), which backward never gathers again;
+/// a group shared with other units is cut for their backward.
+pub fn hpz_cuts_secondary(own: bool, fused: bool) -> bool {
+    !(fused && own)
 }
 
 /// Where the gradient accumulators live: in host memory beside optimizer state that is off

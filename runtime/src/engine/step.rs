@@ -173,7 +173,7 @@ impl Engine {
                 .groups
                 .iter_mut()
                 .enumerate()
-                .filter(|(i, _)| !done[*i])
+                .filter(|(i, g)| !done[*i] && !g.frozen)
             {
                 let owned = g.owned.clone();
                 tensors.extend(Optimizer::step_tensors(g, tile, owned)?.1);
@@ -185,7 +185,9 @@ impl Engine {
         }
         let mut writing = std::collections::VecDeque::new();
         let trace = self.obs.trace.clone();
-        let todo: Vec<usize> = (0..self.groups.len()).filter(|&g| !done[g]).collect();
+        let todo: Vec<usize> = (0..self.groups.len())
+            .filter(|&g| !done[g] && !self.groups[g].frozen)
+            .collect();
         // Group g+1's gradient goes down on the copy stream while the host steps group g.
         let mut next = match todo.first() {
             Some(&g) => self.opt.optimizer.fetch(&self.groups[g], &*self.be)?,
@@ -220,7 +222,7 @@ impl Engine {
         let t = Instant::now();
         let bucket = self.cfg.zero.allgather_bucket_size;
         let shards = self.comm.shards();
-        for g in &mut self.groups {
+        for g in self.groups.iter_mut().filter(|g| !g.frozen) {
             // The all-gather reads the updated parameters on the device.
             if g.layout.world_size > 1 {
                 g.landing.await_on(&*self.be)?;
@@ -268,8 +270,10 @@ impl Engine {
         let known = |i: usize| known.and_then(|k| k.get(i).copied().flatten());
         let losses = std::mem::take(&mut self.acts.losses);
         let mut views = Vec::new();
+        // Frozen groups have no gradient: they add no term.
+        let trains = |i: usize| !self.groups[i].frozen;
         for (i, g) in self.groups.iter().enumerate() {
-            if known(i).is_some() {
+            if known(i).is_some() || g.frozen {
                 continue;
             }
             let r = g.layout.shard_range(rank);
@@ -278,10 +282,12 @@ impl Engine {
         let loss_views: Vec<_> = losses.iter().map(|l| l.view()).collect();
         let st = self.be.step_status(&loss_views, &views)?;
         let mut read = st.sum_squares.into_iter();
-        let sums = (0..self.groups.len()).map(|i| match known(i) {
-            Some(s) => s,
-            None => read.next().unwrap_or_default(),
-        });
+        let sums = (0..self.groups.len())
+            .filter(|&i| trains(i))
+            .map(|i| match known(i) {
+                Some(s) => s,
+                None => read.next().unwrap_or_default(),
+            });
         Ok((loss_sum(&st.losses), ClipRule::total(sums)))
     }
 

@@ -2,6 +2,7 @@
 //! parameters it uses) and its gradients' slots, borrowed from the engine's groups.
 
 use super::group::{compute_view, Group};
+use super::places::Places;
 use crate::nn::{Grads, Params};
 use crate::tensor::{View, ViewMut};
 use crate::{Error, Result};
@@ -14,80 +15,84 @@ fn compute_view_of<'a>(g: &'a Group, what: &str) -> Result<View<'a>> {
     })
 }
 
-/// Parameter views for a unit: its own slots, then the shared slots it uses.
+/// Parameter views for a unit: its own slots, then the shared slots it uses, wherever
+/// [`Places`] put them.
 pub(super) fn unit_params<'a>(
     groups: &'a [Group],
+    places: &Places,
     unit: usize,
-    uses: &[usize],
-    shared: Option<usize>,
 ) -> Result<Params<'a>> {
-    let own = compute_view_of(&groups[unit], "a unit")?;
-    let mut v = groups[unit]
-        .layout
-        .slots
-        .iter()
-        .map(|s| own.range(s.range()))
-        .collect::<Result<Vec<View<'_>>>>()?;
-    if let Some(s) = shared.filter(|_| !uses.is_empty()) {
-        let sh = compute_view_of(&groups[s], "the shared group")?;
-        for &i in uses {
-            v.push(sh.range(groups[s].layout.slots[i].range())?);
-        }
+    let mut v = Vec::with_capacity(places.reads(unit).len());
+    for &(g, slot) in places.reads(unit) {
+        let what = if places.owns(unit, g) {
+            "a unit"
+        } else {
+            "the shared group"
+        };
+        let full = compute_view_of(&groups[g], what)?;
+        v.push(full.range(groups[g].layout.slots[slot].range())?);
     }
     Ok(Params::new(v))
 }
 
-/// Parameter and gradient views for a unit's backward.
+/// One group's views for a unit's backward: every slot's parameters, and its gradients'
+/// (none for a frozen group).
+type GroupViews<'a> = (Vec<View<'a>>, Vec<Option<ViewMut<'a>>>);
+
+/// Parameter and gradient views for a unit's backward; a frozen parameter lends no gradient.
 pub(super) fn unit_params_and_grads<'a>(
     groups: &'a mut [Group],
+    places: &Places,
     unit: usize,
-    uses: &[usize],
-    shared: Option<usize>,
 ) -> Result<(Params<'a>, Grads<'a>)> {
-    let (head, tail) = groups.split_at_mut(shared.unwrap_or(groups.len()).max(unit + 1));
-    let Group {
-        layout,
-        params,
-        work,
-        micro,
-        ..
-    } = &mut head[unit];
-    let own_params = compute_view(params, work)
-        .ok_or_else(|| Error::Invalid("unit parameters not gathered".into()))?;
-    let own_micro = micro
-        .as_mut()
-        .ok_or_else(|| Error::Invalid("no gradient buffer".into()))?;
-    let mut p = layout
-        .slots
-        .iter()
-        .map(|s| own_params.range(s.range()))
-        .collect::<Result<Vec<View<'_>>>>()?;
-    let mut g = split_slots(own_micro.view_mut(), layout.slots.iter().map(|s| s.range()))?;
-    if let (Some(_), false) = (shared, uses.is_empty()) {
+    let used = places.groups(unit);
+    let mut lent: Vec<(usize, bool, GroupViews<'a>)> = Vec::with_capacity(used.len());
+    for (gi, grp) in groups.iter_mut().enumerate() {
+        if !used.contains(&gi) {
+            continue;
+        }
         let Group {
             layout,
             params,
             work,
             micro,
+            frozen,
             ..
-        } = &mut tail[0];
-        let sp = compute_view(params, work)
-            .ok_or_else(|| Error::Invalid("shared parameters not gathered".into()))?;
-        for &i in uses {
-            p.push(sp.range(layout.slots[i].range())?);
-        }
-        let sm = micro
-            .as_mut()
-            .ok_or_else(|| Error::Invalid("no shared gradient buffer".into()))?;
-        let all = split_slots(sm.view_mut(), layout.slots.iter().map(|s| s.range()))?;
-        let mut picked: Vec<Option<ViewMut<'_>>> = all.into_iter().map(Some).collect();
-        for &i in uses {
-            g.push(picked[i].take().ok_or_else(|| {
-                Error::Invalid(format!("shared parameter {i} used twice by one unit"))
-            })?);
-        }
+        } = grp;
+        let full = compute_view(params, work)
+            .ok_or_else(|| Error::Invalid(format!("parameters of group {gi} not gathered")))?;
+        let p = (layout.slots.iter())
+            .map(|s| full.range(s.range()))
+            .collect::<Result<Vec<View<'_>>>>()?;
+        let g = match (*frozen, micro.as_mut()) {
+            (true, _) => layout.slots.iter().map(|_| None).collect(),
+            (false, Some(m)) => split_slots(m.view_mut(), layout.slots.iter().map(|s| s.range()))?
+                .into_iter()
+                .map(Some)
+                .collect(),
+            (false, None) => {
+                return Err(Error::Invalid(format!(
+                    "group {gi}: no gradient buffer for a unit's backward"
+                )))
+            }
+        };
+        lent.push((gi, *frozen, (p, g)));
     }
-    Ok((Params::new(p), Grads::new(g)))
+    let (mut p, mut g) = (Vec::new(), Vec::new());
+    for &(gi, slot) in places.reads(unit) {
+        let (_, frozen, (pv, gv)) = (lent.iter_mut())
+            .find(|(i, _, _)| *i == gi)
+            .ok_or_else(|| Error::Invalid(format!("group {gi} is not among the unit's")))?;
+        p.push(pv[slot]);
+        let taken = gv[slot].take();
+        if taken.is_none() && !*frozen {
+            return Err(Error::Invalid(format!(
+                "parameter {slot} of group {gi} used twice by one unit"
+            )));
+        }
+        g.push(taken);
+    }
+    Ok((Params::new(p), Grads::with_frozen(g)))
 }
 
 /// Splits a flat buffer into disjoint mutable views for consecutive, ordered ranges.

@@ -46,6 +46,17 @@ impl Freeze {
         Ok(Self { rules })
     }
 
+    /// These rules followed by `later`'s (which therefore win where both match).
+    pub fn then(mut self, later: Freeze) -> Self {
+        self.rules.extend(later.rules);
+        self
+    }
+
+    /// The rules as written, in order.
+    pub fn rules(&self) -> impl Iterator<Item = &str> {
+        self.rules.iter().map(|(t, _, _)| t.as_str())
+    }
+
     /// Whether no rule is set.
     pub fn is_empty(&self) -> bool {
         self.rules.is_empty()

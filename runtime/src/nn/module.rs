@@ -85,33 +85,70 @@ impl<'a> Params<'a> {
 
 /// Gradient accumulators, in the same order as [`Params`]. Backward adds into them.
 pub struct Grads<'a> {
-    views: Vec<ViewMut<'a>>,
+    views: Vec<Option<ViewMut<'a>>>,
 }
 
 impl<'a> Grads<'a> {
-    /// Views in declaration order.
+    /// Views in declaration order, every parameter trainable.
     pub fn new(views: Vec<ViewMut<'a>>) -> Self {
+        Self {
+            views: views.into_iter().map(Some).collect(),
+        }
+    }
+    /// Views in declaration order, `None` where the parameter is frozen.
+    pub fn with_frozen(views: Vec<Option<ViewMut<'a>>>) -> Self {
         Self { views }
     }
-    /// The i-th gradient accumulator.
-    pub fn get_mut(&mut self, i: usize) -> ViewMut<'_> {
-        self.views[i].reborrow()
+    /// The i-th gradient accumulator; `None` when the parameter is frozen: its gradient is
+    /// not wanted (a layer skips the product that would compute it; the input gradient
+    /// still flows).
+    pub fn get_mut(&mut self, i: usize) -> Option<ViewMut<'_>> {
+        self.views[i].as_mut().map(ViewMut::reborrow)
+    }
+    /// The i-th gradient accumulator, for a module that does not support frozen parameters:
+    /// an error naming the index when it is frozen.
+    pub fn require(&mut self, i: usize) -> crate::Result<ViewMut<'_>> {
+        self.get_mut(i).ok_or_else(|| frozen_error(i))
     }
     /// Two distinct accumulators at once (e.g. a norm's weight and bias); `i != j`.
-    pub fn pair_mut(&mut self, i: usize, j: usize) -> (ViewMut<'_>, ViewMut<'_>) {
+    pub fn pair_mut(&mut self, i: usize, j: usize) -> (Option<ViewMut<'_>>, Option<ViewMut<'_>>) {
         assert_ne!(i, j, "Grads::pair_mut needs two distinct indices");
         let (lo, hi) = (i.min(j), i.max(j));
         let (head, tail) = self.views.split_at_mut(hi);
-        let (a, b) = (head[lo].reborrow(), tail[0].reborrow());
+        let (a, b) = (
+            head[lo].as_mut().map(ViewMut::reborrow),
+            tail[0].as_mut().map(ViewMut::reborrow),
+        );
         if i < j {
             (a, b)
         } else {
             (b, a)
         }
     }
-    /// The length of the i-th accumulator.
+    /// [`Grads::pair_mut`] for a module that does not support frozen parameters: an error
+    /// naming the index when either is frozen.
+    pub fn require_pair(
+        &mut self,
+        i: usize,
+        j: usize,
+    ) -> crate::Result<(ViewMut<'_>, ViewMut<'_>)> {
+        if let Some(k) = [i, j].into_iter().find(|&k| !self.trains(k)) {
+            return Err(frozen_error(k));
+        }
+        match self.pair_mut(i, j) {
+            (Some(a), Some(b)) => Ok((a, b)),
+            _ => Err(crate::Error::Invalid(format!(
+                "parameters {i} and {j} lent no gradient"
+            ))),
+        }
+    }
+    /// Whether the i-th parameter trains (has a gradient accumulator).
+    pub fn trains(&self, i: usize) -> bool {
+        self.views[i].is_some()
+    }
+    /// The length of the i-th accumulator (0 for a frozen parameter).
     pub fn len_of(&self, i: usize) -> usize {
-        self.views[i].len()
+        self.views[i].as_ref().map_or(0, |v| v.len())
     }
     /// Number of gradients.
     pub fn len(&self) -> usize {
@@ -121,6 +158,14 @@ impl<'a> Grads<'a> {
     pub fn is_empty(&self) -> bool {
         self.views.is_empty()
     }
+}
+
+/// The error for a module that computes a frozen parameter's gradient unconditionally.
+fn frozen_error(i: usize) -> crate::Error {
+    crate::Error::Invalid(format!(
+        "parameter {i} of this module is frozen, and the module computes its gradient \
+         unconditionally: it does not support freezing that parameter"
+    ))
 }
 
 /// What a module keeps between forward and backward; the size feeds the memory ledger.
@@ -354,9 +399,56 @@ pub struct Model {
     pub shared: Vec<ParamSpec>,
     /// Units in execution order.
     pub units: Vec<Unit>,
+    /// Which parameters are frozen: they get no gradient, master copy or optimizer state,
+    /// are stored in the run's compute dtype, and are sharded, gathered and offloaded like
+    /// any other ([`Model::freeze`]).
+    pub frozen: crate::nn::freeze::Freeze,
 }
 
 impl Model {
+    /// A model of `units` and tied parameters `shared`, nothing frozen.
+    pub fn new(shared: Vec<ParamSpec>, units: Vec<Unit>) -> Self {
+        Self {
+            shared,
+            units,
+            frozen: Default::default(),
+        }
+    }
+
+    /// Freezes the parameters `frozen`'s rules name (after the rules already set), checked
+    /// against this model's names: a rule that matches nothing, or freezing everything, is
+    /// an error naming the rule.
+    pub fn freeze(mut self, frozen: crate::nn::freeze::Freeze) -> crate::Result<Self> {
+        let names = self.param_names();
+        frozen.check(&names)?;
+        let merged = self.frozen.then(frozen);
+        merged.check(&names)?;
+        self.frozen = merged;
+        Ok(self)
+    }
+
+    /// Whether the parameter `name` is frozen.
+    pub fn is_frozen(&self, name: &str) -> bool {
+        self.frozen.is_frozen(name)
+    }
+
+    /// Every parameter's name: the units' in order, then the shared ones.
+    pub fn param_names(&self) -> Vec<String> {
+        let own = self.units.iter().flat_map(|u| u.module.param_specs());
+        own.chain(self.shared.iter().cloned())
+            .map(|p| p.name)
+            .collect()
+    }
+
+    /// Parameters that train (shared parameters counted once).
+    pub fn num_trainable_params(&self) -> usize {
+        let own = self.units.iter().flat_map(|u| u.module.param_specs());
+        own.chain(self.shared.iter().cloned())
+            .filter(|p| !self.is_frozen(&p.name))
+            .map(|p| p.numel())
+            .sum()
+    }
+
     /// Total parameter count (shared parameters counted once).
     pub fn num_params(&self) -> usize {
         let own: usize = self

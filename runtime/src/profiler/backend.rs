@@ -157,10 +157,10 @@ profiled! {
         fn head_loss_forward(shape: HeadShape, x: View<'_>, w: View<'_>, targets: Ids<'_>,
             keep: bool) -> Result<HeadLoss> => Loss(flops::head_forward(&shape));
         fn head_loss_backward(shape: HeadShape, x: View<'_>, w: View<'_>, targets: Ids<'_>,
-            saved: Storage, g: f32, dx: ViewMut<'_>, dw: ViewMut<'_>)
+            saved: Storage, g: f32, dx: ViewMut<'_>, dw: Option<ViewMut<'_>>)
             -> Result<()> => Loss(flops::head_backward(&shape));
         fn head_loss_fused(shape: HeadShape, x: View<'_>, w: View<'_>, targets: Ids<'_>, g: f32,
-            dx: ViewMut<'_>, dw: ViewMut<'_>) -> Result<Storage> => Loss(flops::head_fused(&shape));
+            dx: ViewMut<'_>, dw: Option<ViewMut<'_>>) -> Result<Storage> => Loss(flops::head_fused(&shape));
         fn argmax_rows(x: View<'_>, width: usize) -> Result<Vec<u32>> => Loss(0);
     }
     impl OptimizerOps {

@@ -124,6 +124,7 @@ impl Profiler {
         let model = Model {
             shared: model.shared,
             units,
+            frozen: model.frozen,
         };
         (be, model)
     }

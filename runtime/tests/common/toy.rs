@@ -78,8 +78,8 @@ impl Module for Embed {
         for (i, &tok) in ctx.batch.tokens.iter().enumerate() {
             let t = i % ctx.batch.seq;
             for j in 0..d {
-                g.get_mut(0).host()?[t * d + j] += dy[i * d + j];
-                g.get_mut(1).host()?[tok as usize * d + j] += dy[i * d + j];
+                g.require(0)?.host()?[t * d + j] += dy[i * d + j];
+                g.require(1)?.host()?[tok as usize * d + j] += dy[i * d + j];
             }
         }
         Ok(Tensor::default())
@@ -148,9 +148,9 @@ impl Module for Residual {
         for r in 0..n {
             for j in 0..d {
                 let dz = dy[r * d + j] * (1.0 - h[r * d + j] * h[r * d + j]);
-                g.get_mut(1).host()?[j] += dz;
+                g.require(1)?.host()?[j] += dz;
                 for k in 0..d {
-                    g.get_mut(0).host()?[k * d + j] += x[r * d + k] * dz;
+                    g.require(0)?.host()?[k * d + j] += x[r * d + k] * dz;
                     dx[r * d + k] += dz * w[k * d + j];
                 }
             }
@@ -222,7 +222,7 @@ impl Module for Head {
                 let dlogit = (probs[r * v + c] - if c as i32 == t { 1.0 } else { 0.0 }) * dl;
                 for k in 0..d {
                     dy[r * d + k] += dlogit * wte[c * d + k];
-                    g.get_mut(0).host()?[c * d + k] += dlogit * y[r * d + k];
+                    g.require(0)?.host()?[c * d + k] += dlogit * y[r * d + k];
                 }
             }
         }
@@ -265,6 +265,7 @@ pub fn model(vocab: usize, dim: usize, seq: usize, layers: usize) -> Model {
             init: Init::Normal { std: 0.5 },
         }],
         units,
+        frozen: Default::default(),
     }
 }
 
@@ -328,7 +329,7 @@ impl Module for NanAt {
     ) -> Result<Tensor> {
         let dx = self.inner.backward(ctx, p, g, dy)?;
         if self.calls.fetch_add(1, Ordering::Relaxed) == self.at {
-            g.get_mut(1).host()?[0] = f32::NAN;
+            g.require(1)?.host()?[0] = f32::NAN;
         }
         Ok(dx)
     }

@@ -212,7 +212,7 @@ pub fn cross_entropy_backward(logits: &[f32], vocab: usize, targets: &[i32], g: 
             out.saved.unwrap(),
             g,
             m(&mut dx),
-            m(&mut dw),
+            Some(m(&mut dw)),
         )
         .unwrap();
     dx

@@ -186,12 +186,13 @@ impl TokenOps for CpuBackend {
         saved: Storage,
         g: f32,
         dx: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        dw: Option<ViewMut<'_>>,
     ) -> Result<()> {
         const OP: &str = "head loss backward";
         let targets = host_ids(OP, targets)?;
         let (x, w) = (f32_in(OP, "x", x)?, f32_in(OP, "weight", w)?);
-        let (dx, dw) = (f32_out(OP, "dx", dx)?, f32_out(OP, "dweight", dw)?);
+        let dx = f32_out(OP, "dx", dx)?;
+        let dw = dw.map(|d| f32_out(OP, "dweight", d)).transpose()?;
         let Storage::Host(FlatBuf::F32(mut dlogits)) = saved else {
             return Err(Error::Invalid(format!(
                 "{OP}: the saved state is not the CPU's host probabilities"
@@ -205,7 +206,9 @@ impl TokenOps for CpuBackend {
         )?;
         expect_len(OP, "targets", targets.len(), shape.rows)?;
         expect_len(OP, "dx", dx.len(), shape.rows * shape.dim)?;
-        expect_len(OP, "dweight", dw.len(), shape.vocab * shape.dim)?;
+        if let Some(dw) = &dw {
+            expect_len(OP, "dweight", dw.len(), shape.vocab * shape.dim)?;
+        }
         self.cross_entropy_backward(&mut dlogits, shape.vocab, targets, g);
         // dW += dlogitsᵀ · x ([vocab, dim]), then dx = dlogits · W.
         let dw_shape = MatmulShape {
@@ -215,7 +218,9 @@ impl TokenOps for CpuBackend {
             ta: Transpose::Yes,
             tb: Transpose::No,
         };
-        self.matmul_host(dw_shape, &dlogits, x, dw, Accumulate::Add)?;
+        if let Some(dw) = dw {
+            self.matmul_host(dw_shape, &dlogits, x, dw, Accumulate::Add)?;
+        }
         let dx_shape = MatmulShape {
             m: shape.rows,
             n: shape.dim,
@@ -236,7 +241,7 @@ impl TokenOps for CpuBackend {
         targets: Ids<'_>,
         g: f32,
         dx: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        dw: Option<ViewMut<'_>>,
     ) -> Result<Storage> {
         // Exactly forward then backward: the CPU's bits do not depend on the engine fusing.
         let out = self.head_loss_forward(shape, x, w, targets, true)?;

@@ -135,7 +135,7 @@ impl CudaBackend {
         rows: Range<usize>,
         dlogits: CudaView<'_>,
         dx: &mut CudaViewMut<'_>,
-        dw: &mut CudaViewMut<'_>,
+        dw: &mut Option<CudaViewMut<'_>>,
     ) -> Result<()> {
         let (s, n) = (p.s, rows.len());
         let span = rows.start * s.dim..rows.end * s.dim;
@@ -167,8 +167,11 @@ impl CudaBackend {
                 ta: Transpose::Yes,
                 tb: Transpose::No,
             };
-            let dwc = dw.reborrow().range(weights)?;
-            self.matmul_strided(dws, (part, xc, dwc), ld, true)?;
+            // A frozen table's gradient is not wanted: its product is skipped.
+            if let Some(dw) = dw {
+                let dwc = dw.reborrow().range(weights)?;
+                self.matmul_strided(dws, (part, xc, dwc), ld, true)?;
+            }
         }
         Ok(())
     }
@@ -227,7 +230,7 @@ impl CudaBackend {
         h: HeadIn<'_>,
         lse: &CudaBuf,
         g: f32,
-        (mut dx, mut dw): (CudaViewMut<'_>, CudaViewMut<'_>),
+        (mut dx, mut dw): (CudaViewMut<'_>, Option<CudaViewMut<'_>>),
     ) -> Result<()> {
         expect_len("head loss backward", "saved log-sum-exp", lse.len(), s.rows)?;
         let p = self.head_plan(s)?;
@@ -260,7 +263,7 @@ impl CudaBackend {
         s: HeadShape,
         h: HeadIn<'_>,
         g: f32,
-        (mut dx, mut dw): (CudaViewMut<'_>, CudaViewMut<'_>),
+        (mut dx, mut dw): (CudaViewMut<'_>, Option<CudaViewMut<'_>>),
     ) -> Result<CudaBuf> {
         let p = self.head_plan(s)?;
         check_targets(h.t.host(), s.vocab)?;

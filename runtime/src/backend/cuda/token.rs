@@ -252,7 +252,7 @@ impl TokenOps for CudaBackend {
         saved: Storage,
         g: f32,
         dx: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        dw: Option<ViewMut<'_>>,
     ) -> Result<()> {
         const OP: &str = "head loss backward";
         let h = self.head_in(OP, s, targets, x, w)?;
@@ -273,7 +273,7 @@ impl TokenOps for CudaBackend {
         targets: Ids<'_>,
         g: f32,
         dx: ViewMut<'_>,
-        dw: ViewMut<'_>,
+        dw: Option<ViewMut<'_>>,
     ) -> Result<Storage> {
         const OP: &str = "head loss fused";
         let h = self.head_in(OP, s, targets, x, w)?;
@@ -329,14 +329,14 @@ impl CudaBackend {
         op: &'static str,
         s: HeadShape,
         dx: ViewMut<'a>,
-        dw: ViewMut<'a>,
-    ) -> Result<(CudaViewMut<'a>, CudaViewMut<'a>)> {
-        let (dx, dw) = (
-            self.dev_out(op, "dx", dx)?,
-            self.dev_out(op, "dweight", dw)?,
-        );
+        dw: Option<ViewMut<'a>>,
+    ) -> Result<(CudaViewMut<'a>, Option<CudaViewMut<'a>>)> {
+        let dx = self.dev_out(op, "dx", dx)?;
+        let dw = dw.map(|d| self.dev_out(op, "dweight", d)).transpose()?;
         expect_len(op, "dx", dx.len(), s.rows * s.dim)?;
-        expect_len(op, "dweight", dw.len(), s.vocab * s.dim)?;
+        if let Some(dw) = &dw {
+            expect_len(op, "dweight", dw.len(), s.vocab * s.dim)?;
+        }
         Ok((dx, dw))
     }
 }

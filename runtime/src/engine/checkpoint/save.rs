@@ -104,6 +104,10 @@ fn group_tensors<'a>(
         }
     };
     out.push((TensorKind::Params.tensor_name(gi), params));
+    // Frozen parameters are saved (a resume must not lose them); they have no state.
+    if g.frozen {
+        return Ok(());
+    }
     if sr.start < g.owned.start || sr.end > g.owned.end {
         return Err(Error::Invalid(format!(
             "group {gi}: optimizer range {:?} does not cover shard {sr:?}",

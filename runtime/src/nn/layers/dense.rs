@@ -108,17 +108,28 @@ impl Dense {
     ) -> Result<()> {
         let bias_grad = gr.get_mut(needs_bias(before.bias)?);
         let w = p.get(self.weight);
-        let Some(l) = &self.lora else {
-            let epilogue = Epilogue::GeluBackwardBiasGrad { pre, bias_grad };
-            return self.lin.input_product(be, dy, w, dx, epilogue);
-        };
-        let mut dg = act(be, dx.len())?;
-        self.lin
-            .backward_input(be, dy, w, dg.view_mut(), Accumulate::Overwrite)?;
-        l.backward_input(be, p, dy, dg.view_mut(), drop)?;
-        be.gelu_backward(pre, dg.view(), dx.reborrow())?;
-        be.recycle(dg);
-        be.sum_rows(dx.as_view(), before.lin.d_out, bias_grad)
+        match (&self.lora, bias_grad) {
+            (None, Some(bias_grad)) => {
+                let epilogue = Epilogue::GeluBackwardBiasGrad { pre, bias_grad };
+                self.lin.input_product(be, dy, w, dx, epilogue)
+            }
+            // An adapter's gradient joins the product's before the GELU, and a frozen bias
+            // wants no gradient: the GELU runs apart.
+            (lora, bias_grad) => {
+                let mut dg = act(be, dx.len())?;
+                self.lin
+                    .backward_input(be, dy, w, dg.view_mut(), Accumulate::Overwrite)?;
+                if let Some(l) = lora {
+                    l.backward_input(be, p, dy, dg.view_mut(), drop)?;
+                }
+                be.gelu_backward(pre, dg.view(), dx.reborrow())?;
+                be.recycle(dg);
+                match bias_grad {
+                    Some(db) => be.sum_rows(dx.as_view(), before.lin.d_out, db),
+                    None => Ok(()),
+                }
+            }
+        }
     }
 
     /// `dW += xᵀ · dy`, with a bias `db += Σ dy`, and the adapter's `dA` and `dB`.
@@ -143,14 +154,15 @@ impl Dense {
         x: View<'_>,
         dy: View<'_>,
     ) -> Result<()> {
-        match self.bias {
-            Some(b) => {
-                let (dw, db) = gr.pair_mut(self.weight, b);
-                self.lin.backward_params(be, x, dy, dw, Some(db))
-            }
-            None => self
-                .lin
-                .backward_params(be, x, dy, gr.get_mut(self.weight), None),
+        let (dw, db) = match self.bias {
+            Some(b) => gr.pair_mut(self.weight, b),
+            None => (gr.get_mut(self.weight), None),
+        };
+        // A frozen weight's gradient never materialises: its product is skipped.
+        match (dw, db) {
+            (Some(dw), db) => self.lin.backward_params(be, x, dy, dw, db),
+            (None, Some(db)) => be.sum_rows(dy, self.lin.d_out, db),
+            (None, None) => Ok(()),
         }
     }
 }

@@ -135,9 +135,12 @@ impl Module for TokenEmbed {
             None => None,
         };
         let g = copy.as_ref().map_or(grad_output.view(), |c| c.view());
-        be.embedding_backward(ctx.tokens(), g, d, gr.get_mut(self.table))?;
-        if self.positions {
-            be.position_backward(g, b, t, gr.get_mut(0))?;
+        // Token ids have no gradient: a frozen table's backward is nothing at all.
+        if let Some(dtable) = gr.get_mut(self.table) {
+            be.embedding_backward(ctx.tokens(), g, d, dtable)?;
+        }
+        if let Some(dpos) = gr.get_mut(0).filter(|_| self.positions) {
+            be.position_backward(g, b, t, dpos)?;
         }
         Ok(Tensor::default())
     }

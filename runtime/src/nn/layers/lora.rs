@@ -189,12 +189,16 @@ impl Lora {
         let u = self.up_grad(be, p, dy)?;
         let scaled = Epilogue::ScaledAccumulate(self.scale);
         let sa = shape(r, din, rows, Transpose::Yes, Transpose::No);
-        be.matmul(sa, u.view(), x, gr.get_mut(self.a), scaled)?;
+        if let Some(da) = gr.get_mut(self.a) {
+            be.matmul(sa, u.view(), x, da, scaled)?;
+        }
         be.recycle(u);
         let t = self.down(be, p, x)?;
         let sb = shape(dout, r, rows, Transpose::Yes, Transpose::No);
         let scaled = Epilogue::ScaledAccumulate(self.scale);
-        be.matmul(sb, dy, t.view(), gr.get_mut(self.b), scaled)?;
+        if let Some(db) = gr.get_mut(self.b) {
+            be.matmul(sb, dy, t.view(), db, scaled)?;
+        }
         be.recycle(t);
         dropped.into_iter().for_each(|d| be.recycle(d));
         Ok(())

@@ -151,9 +151,15 @@ impl ParamList {
         if got != lens {
             return Err(bad("parameters", got));
         }
-        match gr.map(|g| (0..g.len()).map(|i| g.len_of(i)).collect::<Vec<_>>()) {
-            Some(got) if got != lens => Err(bad("gradients", got)),
-            _ => Ok(()),
+        // A frozen parameter lends no gradient (length 0 here).
+        let Some(g) = gr else { return Ok(()) };
+        let want: Vec<usize> = (lens.iter().enumerate())
+            .map(|(i, &n)| if i < g.len() && g.trains(i) { n } else { 0 })
+            .collect();
+        let got: Vec<usize> = (0..g.len()).map(|i| g.len_of(i)).collect();
+        match got == want {
+            true => Ok(()),
+            false => Err(bad("gradients", got)),
         }
     }
 
@@ -264,7 +270,7 @@ pub fn decoder(
     }
     units.push(unit("head".into(), Box::new(head), ends));
     let shared = tied.into_iter().collect();
-    Model { shared, units }
+    Model::new(shared, units)
 }
 
 /// A buffer of `len` elements for a new use, taken over from the dead `buf` when the sizes

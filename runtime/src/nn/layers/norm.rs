@@ -85,9 +85,14 @@ impl Norm {
         dx: ViewMut<'_>,
     ) -> Result<()> {
         let (w, rstd) = (p.get(self.weight), st.rstd.view());
-        match (self.bias, st.mean.as_ref(), dresidual) {
+        // A frozen weight's gradient lands in a scratch the kernels fill beside the input
+        // gradient (a norm's parameters are one row: the scratch is small).
+        let (mut sw, mut sb) = (None, None);
+        let r = match (self.bias, st.mean.as_ref(), dresidual) {
             (Some(b), Some(mean), dres) => {
                 let (dw, db) = gr.pair_mut(self.weight, b);
+                let dw = or_scratch(be, dw, w.len(), &mut sw)?;
+                let db = or_scratch(be, db, w.len(), &mut sb)?;
                 match dres {
                     Some(r) => {
                         let stats = (mean.view(), rstd);
@@ -97,9 +102,31 @@ impl Norm {
                 }
             }
             (_, _, Some(r)) => {
-                be.rmsnorm_backward_residual(x, w, rstd, dy, r, dx, gr.get_mut(self.weight))
+                let dw = or_scratch(be, gr.get_mut(self.weight), w.len(), &mut sw)?;
+                be.rmsnorm_backward_residual(x, w, rstd, dy, r, dx, dw)
             }
-            _ => be.rmsnorm_backward(x, w, rstd, dy, dx, gr.get_mut(self.weight)),
-        }
+            _ => {
+                let dw = or_scratch(be, gr.get_mut(self.weight), w.len(), &mut sw)?;
+                be.rmsnorm_backward(x, w, rstd, dy, dx, dw)
+            }
+        };
+        sw.into_iter().chain(sb).for_each(|s| be.recycle(s));
+        r
+    }
+}
+
+/// The gradient view `g`, or (for a frozen parameter) a zeroed f32 scratch of `len` kept in
+/// `slot` until the caller recycles it.
+fn or_scratch<'a>(
+    be: &dyn Backend,
+    g: Option<ViewMut<'a>>,
+    len: usize,
+    slot: &'a mut Option<crate::tensor::Storage>,
+) -> Result<ViewMut<'a>> {
+    match g {
+        Some(v) => Ok(v),
+        None => Ok(slot
+            .insert(be.buffer(crate::tensor::DType::F32, len)?)
+            .view_mut()),
     }
 }

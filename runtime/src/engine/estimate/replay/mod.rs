@@ -372,7 +372,7 @@ impl<'a> Replay<'a> {
         let n = self.model.units.len();
         for unit in 0..n {
             self.gather_unit(unit);
-            if rules::hpz_cuts_secondary(unit, unit, unit + 1 == n) {
+            if rules::hpz_cuts_secondary(true, unit + 1 == n) {
                 self.keep_secondary(unit);
             }
             if let Some(s) = self.uses_shared(unit) {

@@ -1,0 +1,277 @@
+//! Frozen parameters: no gradient, master copy or optimizer state, yet sharded, gathered and
+//! offloaded like any other. Training with part of a model frozen gives the same bits at
+//! every stage, with and without offload, overlap and checkpointing; frozen parameters stay
+//! bit for bit what they were; the trainable ones take the steps they take when nothing is
+//! frozen; the ledger holds no gradient or optimizer bytes for the frozen ones; a stage-3
+//! checkpoint resumes at another world size with the frozen parameters intact.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::scratch::Scratch;
+use common::{checkpointing, config, tiny, toy};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::checkpoint::Tag;
+use ferrozero_runtime::engine::ledger::{Category, Location};
+use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::nn::freeze::Freeze;
+use ferrozero_runtime::nn::{gpt2, Model};
+
+const T: usize = 8;
+const STEPS: usize = 3;
+
+/// GPT-2 with every attention block's weights, the tied table and the positions frozen:
+/// units mixed (attention frozen, the MLP and norms train) and a frozen shared group.
+fn gpt2_part_frozen() -> Model {
+    let f = Freeze::new(&["*.attn.*", "transformer.w?e.weight"]).unwrap();
+    tiny::gpt2_model(2).freeze(f).unwrap()
+}
+
+/// Llama (untied) training only its last block's MLP and the final norm.
+fn llama_last_mlp() -> Model {
+    let f = Freeze::new(&["*", "!model.layers.1.mlp.*", "!model.norm.weight"]).unwrap();
+    tiny::llama_model(2).freeze(f).unwrap()
+}
+
+/// What a run leaves on rank 0: each step's loss bits, and the parameters before and after.
+struct Run {
+    losses: Vec<u64>,
+    before: Vec<NamedTensor>,
+    after: Vec<NamedTensor>,
+}
+
+fn run(build: fn() -> Model, cfg: &ResolvedConfig) -> Run {
+    run_steps(build, cfg, STEPS)
+}
+
+fn run_steps(build: fn() -> Model, cfg: &ResolvedConfig, steps: usize) -> Run {
+    let world = cfg.world_size;
+    let (micro, gas) = (2, 2);
+    let out = run_ranks(world, Duration::from_secs(120), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(build(), cfg.clone(), comm)?;
+        let before = e.parameters()?;
+        let mut losses = Vec::new();
+        for s in 0..steps {
+            let batches: Vec<_> = (0..gas)
+                .map(|m| {
+                    toy::batch(
+                        tiny::VOCAB,
+                        T,
+                        ((s * gas + m) * world + rank) * micro,
+                        micro,
+                    )
+                })
+                .collect();
+            losses.push(e.train_batch(&batches)?.loss.to_bits());
+        }
+        let after = e.parameters()?;
+        Ok(Run {
+            losses,
+            before,
+            after,
+        })
+    })
+    .expect("training failed");
+    out.into_iter().next().unwrap()
+}
+
+fn base(stage: ZeroStage, world: usize) -> ResolvedConfig {
+    config(stage, world, 2, 2, Precision::F32)
+}
+
+fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
+    p.iter()
+        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+/// Every configuration the bitwise promise covers, named.
+fn variants(world: usize) -> Vec<(String, ResolvedConfig)> {
+    let mut out = Vec::new();
+    for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
+        out.push((format!("{stage:?}"), base(stage, world)));
+    }
+    let mut c = base(ZeroStage::Stage3, world);
+    c.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    out.push(("stage 3, optimizer offload".into(), c.clone()));
+    c.zero.offload_param.target = OffloadTarget::Cpu;
+    out.push(("stage 3, optimizer and parameter offload".into(), c.clone()));
+    c.zero.overlap_comm = true;
+    out.push(("stage 3, offload and overlap".into(), c.clone()));
+    c.activation_checkpointing = Some(checkpointing(false));
+    out.push(("stage 3, offload, overlap, checkpointing".into(), c));
+    let mut c = base(ZeroStage::Stage2, world);
+    c.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    c.zero.overlap_comm = true;
+    out.push(("stage 2, optimizer offload and overlap".into(), c));
+    out
+}
+
+#[test]
+fn part_frozen_models_train_to_the_same_bits_at_every_stage_and_offload() {
+    for (name, build) in [
+        ("gpt2", gpt2_part_frozen as fn() -> Model),
+        ("llama", llama_last_mlp),
+    ] {
+        for world in [1, 2] {
+            let reference = run(build, &base(ZeroStage::Stage0, world));
+            for (what, cfg) in variants(world) {
+                let got = run(build, &cfg);
+                assert_eq!(
+                    got.losses, reference.losses,
+                    "{name}, world {world}: {what}"
+                );
+                assert!(
+                    bits(&got.after) == bits(&reference.after),
+                    "{name}, world {world}: {what} changed the parameters"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn frozen_parameters_stay_bitwise_unchanged_and_the_rest_train() {
+    let model = gpt2_part_frozen();
+    let r = run(gpt2_part_frozen, &base(ZeroStage::Stage3, 2));
+    let (mut frozen, mut trained) = (0, 0);
+    for (b, a) in r.before.iter().zip(&r.after) {
+        assert_eq!(b.name, a.name);
+        let same = bits(std::slice::from_ref(b)) == bits(std::slice::from_ref(a));
+        match model.is_frozen(&b.name) {
+            true => {
+                assert!(same, "frozen {} changed", b.name);
+                frozen += 1;
+            }
+            false => {
+                assert!(!same, "trainable {} did not change", b.name);
+                trained += 1;
+            }
+        }
+    }
+    assert!(
+        frozen >= 6 && trained >= 6,
+        "{frozen} frozen, {trained} trained"
+    );
+}
+
+/// Without clipping, a trainable parameter's first Adam step depends on its own gradient
+/// alone, and that does not depend on which other parameters train (later steps do: the
+/// parameters below have moved in one run and not in the other).
+#[test]
+fn trainable_parameters_step_as_when_nothing_is_frozen() {
+    let mut cfg = base(ZeroStage::Stage2, 2);
+    cfg.gradient_clipping = 0.0;
+    let frozen = run_steps(llama_last_mlp, &cfg, 1);
+    let full = run_steps(|| tiny::llama_model(2), &cfg, 1);
+    let full: HashMap<&str, &NamedTensor> =
+        full.after.iter().map(|t| (t.name.as_str(), t)).collect();
+    let model = llama_last_mlp();
+    let mut compared = 0;
+    for t in frozen.after.iter().filter(|t| !model.is_frozen(&t.name)) {
+        let want = full[t.name.as_str()];
+        for (i, (a, b)) in t.data.iter().zip(&want.data).enumerate() {
+            assert!((a - b).abs() <= 1e-5, "{}[{i}]: {a} vs {b}", t.name);
+        }
+        compared += 1;
+    }
+    assert_eq!(
+        compared, 4,
+        "the last block's MLP (3 weights) and the final norm"
+    );
+}
+
+/// A GPT-2 big enough that the frozen part dominates: all but the last of 4 blocks frozen,
+/// with the embeddings.
+fn gpt2_mostly_frozen() -> Model {
+    let cfg = gpt2::Gpt2Config::from_json(
+        r#"{"n_layer": 4, "n_head": 4, "n_embd": 128, "vocab_size": 1000, "n_positions": 64,
+            "model_type": "gpt2", "activation_function": "gelu_new", "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0}"#,
+    )
+    .unwrap();
+    let f = Freeze::new(&["*", "!transformer.h.3.*", "!transformer.ln_f.*"]).unwrap();
+    gpt2::build(&cfg).unwrap().freeze(f).unwrap()
+}
+
+#[test]
+fn the_ledger_holds_no_gradient_or_optimizer_bytes_for_frozen_parameters() {
+    for stage in [ZeroStage::Stage0, ZeroStage::Stage3] {
+        let cfg = config(stage, 1, 1, 2, Precision::Bf16);
+        let out = run_ranks(1, Duration::from_secs(60), |comm| {
+            let model = gpt2_mostly_frozen();
+            let (all, trainable) = (model.num_params(), model.num_trainable_params());
+            let e = Engine::new(model, cfg.clone(), comm)?;
+            let l = e.ledger();
+            let at = |c| l.current(Location::Device, c);
+            Ok((
+                all,
+                trainable,
+                at(Category::Parameters),
+                at(Category::Gradients),
+                at(Category::OptimizerState),
+            ))
+        })
+        .unwrap();
+        let (all, trainable, params, grads, optim) = out[0];
+        assert!(trainable * 4 < all, "{trainable} of {all} train");
+        // bf16 parameters for all; bf16 gradients, f32 master and two f32 moments for the
+        // trainable ones (up to each group's padding to 16 elements).
+        let pad = 16 * 8;
+        assert!(
+            (params as usize).abs_diff(2 * all) <= 2 * pad,
+            "{stage:?}: parameters {params}"
+        );
+        assert!(
+            (grads as usize).abs_diff(2 * trainable) <= 2 * pad,
+            "{stage:?}: gradients {grads}"
+        );
+        assert!(
+            (optim as usize).abs_diff(12 * trainable) <= 12 * pad,
+            "{stage:?}: optimizer {optim}"
+        );
+    }
+}
+
+#[test]
+fn a_stage3_checkpoint_resumes_at_another_world_size_with_frozen_parameters() {
+    let scratch = Scratch::new();
+    let dir = scratch.dir();
+    let cfg2 = base(ZeroStage::Stage3, 2);
+    let saved = run_ranks(2, Duration::from_secs(120), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(gpt2_part_frozen(), cfg2.clone(), comm)?;
+        for s in 0..2 {
+            let b: Vec<_> = (0..2)
+                .map(|m| toy::batch(tiny::VOCAB, T, ((s * 2 + m) * 2 + rank) * 2, 2))
+                .collect();
+            e.train_batch(&b)?;
+        }
+        e.save_checkpoint(&dir, "frozen", 0)?;
+        e.parameters()
+    })
+    .unwrap();
+    let mut cfg1 = base(ZeroStage::Stage1, 1);
+    cfg1.train_batch_size = 4;
+    let loaded = run_ranks(1, Duration::from_secs(60), |comm| {
+        let mut e = Engine::new(gpt2_part_frozen(), cfg1.clone(), comm)?;
+        e.load_checkpoint(&dir, &Tag::Latest)?;
+        let p = e.parameters()?;
+        let b: Vec<_> = (0..2)
+            .map(|m| toy::batch(tiny::VOCAB, T, 100 + 4 * m, 4))
+            .collect();
+        let loss = e.train_batch(&b)?.loss;
+        Ok((p, loss))
+    })
+    .unwrap();
+    let (params, loss) = &loaded[0];
+    assert!(
+        bits(params) == bits(&saved[0]),
+        "the resumed parameters differ from the saved"
+    );
+    assert!(loss.is_finite());
+}
