@@ -180,6 +180,28 @@ pub fn block_with(cfg: &Gpt2Config, index: usize, adapters: &Arc<Adapters>) -> B
     }
 }
 
+/// The linear layers LoRA can target, by Hugging Face module name (`Conv1D`s, and the tied
+/// `lm_head` as the output head).
+pub fn linear_sites(cfg: &Gpt2Config) -> Vec<crate::nn::peft::LinearSite> {
+    let c = cfg.n_embd;
+    let site = |name: String, (i, o): (usize, usize), output_head| crate::nn::peft::LinearSite {
+        name,
+        in_features: i,
+        out_features: o,
+        output_head,
+    };
+    let mut out = Vec::new();
+    for b in 0..cfg.n_layer {
+        let at = |m: &str| format!("transformer.h.{b}.{m}");
+        out.push(site(at("attn.c_attn"), (c, 3 * c), false));
+        out.push(site(at("attn.c_proj"), (c, c), false));
+        out.push(site(at("mlp.c_fc"), (c, 4 * c), false));
+        out.push(site(at("mlp.c_proj"), (4 * c, c), false));
+    }
+    out.push(site("lm_head".into(), (c, cfg.vocab_size), true));
+    out
+}
+
 /// `head`: `transformer.ln_f`, then the LM head tied to `wte`.
 pub fn head(cfg: &Gpt2Config) -> LmHead {
     let mut p = ParamList::new("transformer.");

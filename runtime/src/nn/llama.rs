@@ -199,6 +199,36 @@ pub fn block(cfg: &LlamaConfig, index: usize) -> Block {
     block_with(cfg, index, &Arc::default())
 }
 
+/// The linear layers LoRA can target, by Hugging Face module name (`lm_head` as the output
+/// head).
+pub fn linear_sites(cfg: &LlamaConfig) -> Vec<crate::nn::peft::LinearSite> {
+    let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+    let (qw, kvw) = (cfg.num_attention_heads * d, cfg.kv_heads() * d);
+    let site = |name: String, (i, o): (usize, usize), output_head| crate::nn::peft::LinearSite {
+        name,
+        in_features: i,
+        out_features: o,
+        output_head,
+    };
+    let mut out = Vec::new();
+    for b in 0..cfg.num_hidden_layers {
+        let layers = [
+            ("self_attn.q_proj", (h, qw)),
+            ("self_attn.k_proj", (h, kvw)),
+            ("self_attn.v_proj", (h, kvw)),
+            ("self_attn.o_proj", (qw, h)),
+            ("mlp.gate_proj", (h, i)),
+            ("mlp.up_proj", (h, i)),
+            ("mlp.down_proj", (i, h)),
+        ];
+        for (m, io) in layers {
+            out.push(site(format!("model.layers.{b}.{m}"), io, false));
+        }
+    }
+    out.push(site("lm_head".into(), (h, cfg.vocab_size), true));
+    out
+}
+
 /// [`block`] with LoRA `adapters` on the linear layers they name.
 pub fn block_with(cfg: &LlamaConfig, index: usize, adapters: &Arc<Adapters>) -> Block {
     let (h, i, eps) = (cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps);

@@ -127,6 +127,28 @@ impl HfModel {
         }
     }
 
+    /// The linear layers LoRA can target, by Hugging Face module name.
+    pub fn linear_sites(&self) -> Vec<crate::nn::peft::LinearSite> {
+        match &self.config {
+            ModelConfig::Gpt2(c) => crate::nn::gpt2::linear_sites(c),
+            ModelConfig::Llama(c) => crate::nn::llama::linear_sites(c),
+        }
+    }
+
+    /// Builds the model with the LoRA adapters `lora` puts on it, every parameter frozen but
+    /// the adapters and `modules_to_save` (PEFT's `get_peft_model`).
+    pub fn build_lora(&self, lora: &crate::nn::peft::LoraConfig) -> Result<Model> {
+        let arch = self.architecture.class_name();
+        let (adapters, frozen) = crate::nn::peft::plan(lora, &self.linear_sites(), arch)?;
+        let model = match &self.config {
+            ModelConfig::Gpt2(c) => crate::nn::gpt2::build_with(c, &adapters),
+            ModelConfig::Llama(c) => crate::nn::llama::build_with(c, &adapters),
+        }?;
+        model
+            .freeze(frozen)
+            .map_err(|e| Error::Config(format!("{}: {e}", lora.origin)))
+    }
+
     /// Model width.
     pub fn hidden(&self) -> usize {
         match &self.config {

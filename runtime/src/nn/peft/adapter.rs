@@ -46,6 +46,33 @@ pub struct PeftSource {
     pub weights: Option<PathBuf>,
 }
 
+impl AdapterWeights {
+    /// The weights under the names a model built with `adapters` gives its parameters:
+    /// `{module}.lora_A.weight` `[r, in]` and `{module}.lora_B.weight` `[out, r]` for each
+    /// adapter, then the `modules_to_save` tensors (what `Engine::set_parameters` takes).
+    pub fn named(&self, adapters: &[Adapter]) -> Vec<NamedTensor> {
+        let mut out = Vec::new();
+        for ad in adapters {
+            let Some(f) = self.lora.get(&ad.site.name) else {
+                continue;
+            };
+            let (r, site) = (ad.r, &ad.site);
+            for (which, shape, data) in [
+                ("A", vec![r, site.in_features], &f.a),
+                ("B", vec![site.out_features, r], &f.b),
+            ] {
+                out.push(NamedTensor {
+                    name: format!("{}.lora_{which}.weight", site.name),
+                    shape,
+                    data: data.clone(),
+                });
+            }
+        }
+        out.extend(self.saved.values().cloned());
+        out
+    }
+}
+
 impl PeftSource {
     /// Opens `path`: an `adapter_config.json`, or a directory with one and its
     /// `adapter_model.safetensors` (a directory without the weights is an error: starting

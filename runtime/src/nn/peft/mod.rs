@@ -5,6 +5,7 @@
 
 mod adapter;
 mod config;
+mod plan;
 mod reader;
 mod target;
 mod write;
@@ -13,5 +14,6 @@ pub use adapter::{
     AdapterWeights, LoraFactors, PeftSource, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
 };
 pub use config::{LoraConfig, LoraInit, TargetModules};
+pub use plan::{freeze_rules, plan};
 pub use target::{Adapter, LinearSite};
 pub use write::merge_into;
