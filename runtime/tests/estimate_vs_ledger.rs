@@ -14,6 +14,7 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::estimate::estimate;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
+use ferrozero_runtime::nn::peft::LoraConfig;
 use ferrozero_runtime::nn::{gpt2, llama, Model};
 
 const SEQ: usize = 8;
@@ -24,6 +25,8 @@ enum Which {
     Toy,
     Gpt2,
     Llama,
+    /// Llama with LoRA on every linear layer, the base frozen (PEFT's rules).
+    LlamaLora,
 }
 
 fn build(which: Which) -> Model {
@@ -31,13 +34,28 @@ fn build(which: Which) -> Model {
         Which::Toy => toy::model(97, 64, SEQ, 3),
         Which::Gpt2 => gpt2::build(&gpt2::Gpt2Config::preset("tiny").unwrap()).unwrap(),
         Which::Llama => llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap(),
+        Which::LlamaLora => {
+            let cfg = llama::LlamaConfig::preset("tiny").unwrap();
+            let lora = LoraConfig::from_json(
+                r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": "all-linear"}"#,
+                "test",
+            )
+            .unwrap();
+            let sites = llama::linear_sites(&cfg);
+            let (adapters, frozen) =
+                ferrozero_runtime::nn::peft::plan(&lora, &sites, "llama").unwrap();
+            llama::build_with(&cfg, &adapters)
+                .unwrap()
+                .freeze(frozen)
+                .unwrap()
+        }
     }
 }
 
 fn vocab(which: Which) -> usize {
     match which {
         Which::Toy => 97,
-        Which::Gpt2 | Which::Llama => 64,
+        Which::Gpt2 | Which::Llama | Which::LlamaLora => 64,
     }
 }
 
@@ -214,6 +232,13 @@ fn gpt2_matches_the_ledger_in_every_mode() {
 #[test]
 fn llama_matches_the_ledger_in_every_mode() {
     sweep(Which::Llama, &[Precision::Bf16]);
+}
+
+/// Frozen parameters hold no gradient, master weights or moments, in the estimate as in the
+/// ledger, whatever the stage and offload.
+#[test]
+fn llama_with_lora_and_a_frozen_base_matches_the_ledger_in_every_mode() {
+    sweep(Which::LlamaLora, &[Precision::Bf16]);
 }
 
 /// One micro-step per step: the reduced gradient moves into place (f32 at one rank, the wire

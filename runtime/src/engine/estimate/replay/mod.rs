@@ -32,6 +32,10 @@ use crate::tensor::DType;
 /// What one group's buffers look like on one rank, sizes only.
 struct GroupShape {
     layout: GroupLayout,
+    /// The layout of the group's trainable parameters: what gradients, master weights and
+    /// moments cover. The engine keeps a unit's frozen parameters in a group of their own
+    /// (`engine/places.rs`); the replay prices the two as one unit's, up to padding.
+    grads: GroupLayout,
     /// The parameter extent after the persistence threshold (stage 3 keeps small groups whole).
     params: Extent,
 }
@@ -64,6 +68,8 @@ pub(super) struct Replay<'a> {
     swap_limit: Option<usize>,
     /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
     swapped_in: Vec<bool>,
+    /// The host bytes each held shard's buffer was counted with.
+    swap_held: Vec<u64>,
     /// hpZ's group size when it applies (stage 3, several groups), else 0.
     hpz: usize,
     /// Groups whose hpZ secondary partition exists (from their first forward gather).
@@ -110,7 +116,16 @@ impl<'a> Replay<'a> {
             .map(|s| {
                 let layout = GroupLayout::new(s, world);
                 let params = rules::param_extent(cfg, stage.params(), layout.numel);
-                GroupShape { layout, params }
+                let trainable: Vec<_> = (s.iter())
+                    .filter(|p| !model.is_frozen(&p.name))
+                    .cloned()
+                    .collect();
+                let grads = GroupLayout::new(&trainable, world);
+                GroupShape {
+                    layout,
+                    grads,
+                    params,
+                }
             })
             .collect::<Vec<_>>();
         let n = groups.len();
@@ -132,6 +147,7 @@ impl<'a> Replay<'a> {
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
             swapped_in: vec![false; n],
+            swap_held: vec![0; n],
             hpz,
             secondary: vec![false; n],
             opt_bytes: vec![0; n],
@@ -148,7 +164,7 @@ impl<'a> Replay<'a> {
         }
         r.snapshot_group_bytes = (0..n)
             .map(|g| {
-                let owned = r.stage.optimizer().range(&r.groups[g].layout, 0).len();
+                let owned = r.stage.optimizer().range(&r.groups[g].grads, 0).len();
                 snapshot_bytes(owned, r.opt_bytes[g], r.dtype)
             })
             .collect();
@@ -187,8 +203,9 @@ impl<'a> Replay<'a> {
             Extent::Shard => param_location(self.cfg),
             Extent::Full => Location::Device,
         };
-        let grad_elems = self.stage.grads().range(layout, 0).len();
-        let owned = self.stage.optimizer().range(layout, 0).len();
+        let grads = &self.groups[g].grads;
+        let grad_elems = self.stage.grads().range(grads, 0).len();
+        let owned = self.stage.optimizer().range(grads, 0).len();
         let own_master = self.dtype == DType::F32 || self.cfg.bf16_state.master_weights_and_grads;
         let master = if own_master { 0 } else { owned };
         let state = state_dtype(self.cfg).size();
@@ -506,7 +523,7 @@ impl<'a> Replay<'a> {
             if self.groups[g].params != Extent::Full {
                 continue;
             }
-            let shard = self.lp(self.groups[g].layout.shard_len);
+            let shard = self.lp(self.groups[g].grads.shard_len);
             self.ledger
                 .alloc(Location::Device, Category::CommBuffers, shard);
             self.ledger

@@ -78,7 +78,7 @@ impl Replay<'_> {
             .groups
             .iter()
             .map(|g| {
-                let owned = self.stage.optimizer().range(&g.layout, 0).len();
+                let owned = self.stage.optimizer().range(&g.grads, 0).len();
                 let on_device = g.params == Extent::Full || param_loc == Location::Device;
                 ((owned * self.dtype.size()) as u64, on_device)
             })

@@ -11,14 +11,17 @@ impl Replay<'_> {
     /// gradient in the wire dtype (`Engine::reduce_group`).
     pub(in crate::engine::estimate) fn reduced_bytes_per_micro(&self) -> u64 {
         let wire = crate::engine::build::reduce_dtype(self.cfg).size();
-        let elems: usize = self.groups.iter().map(|g| g.layout.padded()).sum();
+        let elems: usize = self.groups.iter().map(|g| g.grads.padded()).sum();
         (elems * wire) as u64
     }
 
     pub(super) fn ensure_micro(&mut self, g: usize) {
-        if !self.micro_alive[g] {
+        // A group of frozen parameters only has no micro-step gradient.
+        let frozen =
+            self.groups[g].grads.slots.is_empty() && !self.groups[g].layout.slots.is_empty();
+        if !self.micro_alive[g] && !frozen {
             self.micro_alive[g] = true;
-            let b = (self.groups[g].layout.padded() * 4) as u64;
+            let b = (self.groups[g].grads.padded() * 4) as u64;
             self.ledger
                 .alloc(Location::Device, Category::CommBuffers, b);
         }
@@ -29,7 +32,7 @@ impl Replay<'_> {
         if !std::mem::take(&mut self.micro_alive[g]) {
             return;
         }
-        let padded = self.groups[g].layout.padded();
+        let padded = self.groups[g].grads.padded();
         if self.cfg.world_size == 1 && self.moves() {
             // `Engine::reduce_group` at one rank: the f32 micro-step gradient is the step's.
             let micro = (padded * 4) as u64;

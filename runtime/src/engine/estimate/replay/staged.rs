@@ -53,7 +53,7 @@ impl Replay<'_> {
             .filter(|&(_, &planned)| planned)
             .map(|(g, _)| g)
             .filter(|g| g.params == Extent::Full || param_loc == Location::Device)
-            .map(|g| (self.stage.optimizer().range(&g.layout, 0).len() * self.dtype.size()) as u64)
+            .map(|g| (self.stage.optimizer().range(&g.grads, 0).len() * self.dtype.size()) as u64)
             .filter(|&b| rules::staging_page_locked(b))
             .sum()
     }

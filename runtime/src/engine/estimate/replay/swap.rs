@@ -15,14 +15,26 @@ impl Replay<'_> {
 
     /// `Swap::with_slot`'s ledger entry: a shard starts or stops occupying a host buffer.
     pub(super) fn swap_buffer(&mut self, g: usize, held: bool) {
+        self.swap_elems(g, held, self.groups[g].layout.shard_len);
+    }
+
+    /// [`Replay::swap_buffer`] for `elems` of the shard: the optimizer swaps in only the
+    /// trainable part (a unit's frozen group is never stepped).
+    fn swap_elems(&mut self, g: usize, held: bool, elems: usize) {
         if self.swapped_in[g] == held {
             return;
         }
         self.swapped_in[g] = held;
-        let b = self.lp(self.groups[g].layout.shard_len);
         match held {
-            true => self.ledger.alloc(Location::Host, Category::Prefetch, b),
-            false => self.ledger.free(Location::Host, Category::Prefetch, b),
+            true => {
+                let b = self.lp(elems);
+                self.swap_held[g] = b;
+                self.ledger.alloc(Location::Host, Category::Prefetch, b);
+            }
+            false => {
+                let b = std::mem::take(&mut self.swap_held[g]);
+                self.ledger.free(Location::Host, Category::Prefetch, b);
+            }
         }
     }
 
@@ -46,10 +58,11 @@ impl Replay<'_> {
         let Some(limit) = self.swap_limit else { return };
         let mut writing = VecDeque::new();
         for g in 0..self.groups.len() {
-            if !self.on_nvme(g) {
+            let trainable = self.groups[g].grads.shard_len;
+            if !self.on_nvme(g) || trainable == 0 {
                 continue;
             }
-            self.swap_buffer(g, true);
+            self.swap_elems(g, true, trainable);
             writing.push_back(g);
             while writing.len() >= limit {
                 if let Some(done) = writing.pop_front() {

@@ -117,7 +117,7 @@ impl Replay<'_> {
     /// `stage::reduce_output`: a sharded reduction's output shard in the wire dtype, alive
     /// with its input until the reduction is accumulated.
     pub(super) fn reduce_output_bytes(&self, g: usize) -> u64 {
-        let layout = &self.groups[g].layout;
+        let layout = &self.groups[g].grads;
         let sharded = self.stage.grads() == Extent::Shard && layout.world_size > 1;
         if !(self.mem.counts_transients && sharded) {
             return 0;
