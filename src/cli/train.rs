@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ferrozero::config::{Config, Device, Format, RenderStyle};
 use ferrozero::data::{self, DataOptions, Rows, Shuffled};
 use ferrozero::engine::EngineBuilder;
-use ferrozero::train::{self, ModelDir, TrainOptions};
+use ferrozero::train::{self, ModelDir, TrainOptions, Tuning};
 use ferrozero_runtime::comm::Communicator;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::Result;
@@ -29,9 +29,22 @@ pub struct Args {
     /// ZeRO config, TOML or DeepSpeed JSON [default: the built-in configs/default.toml].
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Write the trained model here as a model directory (weights, config, tokenizer files).
+    /// Write the trained model here as a model directory (weights, config, tokenizer files);
+    /// with --peft, a PEFT adapter directory (adapter_config.json, adapter_model.safetensors).
     #[arg(long)]
     output: Option<PathBuf>,
+    /// LoRA: a PEFT adapter_config.json (new adapters) or a PEFT adapter directory (start
+    /// from its weights); the base model is frozen.
+    #[arg(long)]
+    peft: Option<PathBuf>,
+    /// With --peft and --output: write the model with the adapters merged in (PEFT's
+    /// merge_and_unload) instead of the adapter directory.
+    #[arg(long, requires = "peft")]
+    merge: bool,
+    /// Freeze the parameters whose Hugging Face names match these globs, in order (the last
+    /// matching pattern decides; a leading `!` thaws), e.g. --freeze '*' '!model.layers.31.*'.
+    #[arg(long, num_args = 1..)]
+    freeze: Vec<String>,
     /// Compute device: auto, cpu, cuda or cuda:N (overrides the config's `device`).
     #[arg(long)]
     device: Option<Device>,
@@ -129,6 +142,7 @@ fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>>
     }
     // Read and checked before the corpus: a typo in the config costs no tokenization.
     let config = zero_config(args)?;
+    let tuning = Tuning::from_args(args.peft.as_deref(), &args.freeze, &model.spec)?;
     let tokenizer = model.tokenizer();
     let corpus = data::open(
         &args.data,
@@ -162,7 +176,7 @@ fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>>
     let job = |comm: Box<dyn Communicator>| {
         rank(
             args,
-            &model,
+            (&model, &tuning),
             &config,
             &*rows,
             eval.as_ref().map(|e| e as &dyn Rows),
@@ -175,7 +189,7 @@ fn train_job(args: &Args) -> std::result::Result<(), Box<dyn std::error::Error>>
 
 fn rank(
     args: &Args,
-    model: &ModelDir,
+    (model, tuning): (&ModelDir, &Tuning),
     config: &Config,
     rows: &dyn Rows,
     eval: Option<&dyn Rows>,
@@ -184,13 +198,13 @@ fn rank(
     let quiet = comm.rank() != 0;
     let _guard = quiet
         .then(|| tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default()));
-    let mut engine = EngineBuilder::new(model.spec.build()?)
+    let mut engine = EngineBuilder::new(tuning.build(&model.spec)?)
         .config(config.clone())
         .comm(comm)
         .hidden_size(model.spec.hidden())
         .sequence_length(rows.seq_len())
         .build()?;
-    engine.load_parameters(&model.weights)?;
+    tuning.load(&mut engine, &model.weights)?;
     engine.set_model_files(model.files.clone());
     let first = match &args.resume {
         Some(dir) => engine.load_checkpoint(dir, &Tag::Latest)?.data_position,
@@ -212,9 +226,8 @@ fn rank(
     };
     let summary = train::train(&mut engine, &opts, rows, eval, first)?;
     if let Some(out) = &args.output {
-        let params = engine.parameters()?;
+        tuning.write_output(&engine, out, &model.files, args.merge)?;
         if engine.rank() == 0 {
-            train::write_output(out, &model.files, &params)?;
             println!("wrote {}", out.display());
         }
     }

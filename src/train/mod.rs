@@ -5,6 +5,7 @@ mod hf;
 mod metrics;
 pub mod model;
 mod ranks;
+mod tuning;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -18,6 +19,7 @@ use ferrozero_runtime::Result;
 pub use hf::{load_model, write_output, ModelDir};
 pub use metrics::vmhwm_mib;
 pub use ranks::run_job;
+pub use tuning::Tuning;
 
 /// What a training run does besides stepping.
 #[derive(Debug, Clone, Default)]

@@ -17,7 +17,15 @@ impl Engine {
     pub fn parameters(&self) -> Result<Vec<NamedTensor>> {
         self.await_landings()?;
         let stores = (self.opt.nvme.get(), self.params.swap.store());
-        super::params::gather_parameters(&self.groups, self.comm.shards(), stores)
+        super::params::gather_parameters(&self.groups, self.comm.shards(), stores, false)
+    }
+
+    /// The fp32 value of every parameter that trains (collective): what a parameter-efficient
+    /// run exports (LoRA adapters and `modules_to_save`), without gathering the frozen base.
+    pub fn trainable_parameters(&self) -> Result<Vec<NamedTensor>> {
+        self.await_landings()?;
+        let stores = (self.opt.nvme.get(), self.params.swap.store());
+        super::params::gather_parameters(&self.groups, self.comm.shards(), stores, true)
     }
 
     /// Sets parameters by name from full fp32 values (every rank passes the same values).
@@ -52,12 +60,23 @@ impl Engine {
     /// [`ParamSource::check`] runs first, so a bad source changes nothing). Collective only in
     /// that every rank reads the same source; no communication happens.
     pub fn load_parameters(&mut self, src: &dyn ParamSource) -> Result<()> {
+        self.load_parameters_where(src, &|_| true)
+    }
+
+    /// [`Engine::load_parameters`] for the parameters `pick` names only (the source must hold
+    /// exactly those); the others keep their values: a base model's weights under LoRA
+    /// adapters, which keep their initialisation or come from an adapter directory.
+    pub fn load_parameters_where(
+        &mut self,
+        src: &dyn ParamSource,
+        pick: &dyn Fn(&str) -> bool,
+    ) -> Result<()> {
         self.before_writes()?;
-        super::load_params::check_source(&self.groups, src)?;
+        super::load_params::check_source(&self.groups, src, pick)?;
         let rank = self.shard_rank();
         (self.params.swap).settle(&mut self.groups, &mut self.ledger)?;
         let swap = self.params.swap.store_mut();
-        super::load_params::load_groups(&mut self.groups, swap, rank, src)
+        super::load_params::load_groups(&mut self.groups, swap, rank, (src, pick))
     }
 
     /// Saves a checkpoint as `dir/tag` and points `dir/latest` at it (collective: every rank

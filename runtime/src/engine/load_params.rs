@@ -13,10 +13,15 @@ use crate::{Error, Result};
 
 /// Checks that `src` holds exactly `groups`' parameters ([`ParamSource::check`]) and that no
 /// optimizer state lives on NVMe (which loading cannot rewrite), before anything changes.
-pub(super) fn check_source(groups: &[Group], src: &dyn ParamSource) -> Result<()> {
+pub(super) fn check_source(
+    groups: &[Group],
+    src: &dyn ParamSource,
+    pick: &dyn Fn(&str) -> bool,
+) -> Result<()> {
     let expected: Vec<(String, Vec<usize>)> = groups
         .iter()
         .flat_map(|g| &g.layout.slots)
+        .filter(|s| pick(&s.name))
         .map(|s| (s.name.clone(), s.shape.clone()))
         .collect();
     let borrowed: Vec<(&str, &[usize])> = expected
@@ -34,12 +39,16 @@ pub(super) fn check_source(groups: &[Group], src: &dyn ParamSource) -> Result<()
     Ok(())
 }
 
-/// Loads every group's elements that shard `rank` keeps from `src`.
+/// A source and which parameters to read from it.
+type Picked<'a> = (&'a dyn ParamSource, &'a dyn Fn(&str) -> bool);
+
+/// Loads every group's elements that shard `rank` keeps from `src`, for the parameters
+/// `pick` names.
 pub(super) fn load_groups(
     groups: &mut [Group],
     mut swap: Option<&mut ParamSwap>,
     rank: usize,
-    src: &dyn ParamSource,
+    src: Picked<'_>,
 ) -> Result<()> {
     groups
         .iter_mut()
@@ -71,8 +80,11 @@ fn load_group(
     g: &mut Group,
     swap: Option<&mut ParamSwap>,
     rank: usize,
-    src: &dyn ParamSource,
+    (src, pick): Picked<'_>,
 ) -> Result<()> {
+    if !g.layout.slots.iter().any(|s| pick(&s.name)) {
+        return Ok(());
+    }
     let Group {
         params,
         master,
@@ -83,7 +95,7 @@ fn load_group(
     let replicated = matches!(params, ParamStore::Replicated(_));
     let shard = layout.shard_range(rank);
     let mut write = |b: &mut FlatBuf| -> Result<()> {
-        for s in &layout.slots {
+        for s in layout.slots.iter().filter(|s| pick(&s.name)) {
             let keep = match replicated {
                 true => s.range(),
                 false => clip(&shard, s.range()),

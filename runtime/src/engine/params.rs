@@ -51,10 +51,11 @@ pub(super) fn gather_parameters(
     groups: &[Group],
     shards: &dyn Communicator,
     (nvme, swap): (Option<&NvmeOffload>, Option<&ParamSwap>),
+    trainable_only: bool,
 ) -> Result<Vec<NamedTensor>> {
     let (rank, world) = (shards.rank(), shards.world_size());
     let mut out = Vec::new();
-    for g in groups {
+    for g in groups.iter().filter(|g| !(trainable_only && g.frozen)) {
         let shard = shard_values(g, rank, nvme, swap)?;
         let mut full = vec![0.0f32; g.layout.shard_len * world];
         shards.all_gather(BufRef::F32(&shard), BufMut::F32(&mut full))?;

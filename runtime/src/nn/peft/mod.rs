@@ -7,6 +7,7 @@ mod adapter;
 mod config;
 mod plan;
 mod reader;
+mod run;
 mod target;
 mod write;
 
@@ -15,5 +16,6 @@ pub use adapter::{
 };
 pub use config::{LoraConfig, LoraInit, TargetModules};
 pub use plan::{freeze_rules, plan};
+pub use run::{is_adapter_param, PeftRun};
 pub use target::{Adapter, LinearSite};
 pub use write::merge_into;
