@@ -243,3 +243,67 @@ fn report_runs_and_explains_what_is_missing() {
         assert!(l.len() > 40, "a missing capability without a reason: {l}");
     }
 }
+
+/// A LoRA run of the 7B (r 16 on every linear layer, bf16 base, activation checkpointing)
+/// fits a 40 GB card at stage 0 without offload: the frozen base has no gradient or
+/// optimizer bytes; the same run training everything does not fit.
+#[test]
+fn estimate_prices_a_lora_run_with_the_base_frozen() {
+    let dir = std::env::temp_dir().join(format!("fz-est-lora-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (lora, ds) = (dir.join("adapter_config.json"), dir.join("ds.json"));
+    std::fs::write(
+        &lora,
+        r#"{"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": "all-linear"}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        &ds,
+        r#"{"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
+            "zero_optimization": {"stage": 0}, "activation_checkpointing": {},
+            "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}}}"#,
+    )
+    .unwrap();
+    let run = |more: &[&str]| {
+        let base = [
+            "estimate",
+            "--model",
+            "llama-7b",
+            "--config",
+            ds.to_str().unwrap(),
+        ];
+        let rest = [
+            "--device",
+            "cuda",
+            "--seq-len",
+            "2048",
+            "--host-memory",
+            "64GB",
+            "--json",
+        ];
+        let (code, out, err) = ferrozero(&[&base[..], more, &rest[..]].concat());
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|_| panic!("{err}"));
+        (code, v)
+    };
+    let (code, v) = run(&["--peft", lora.to_str().unwrap()]);
+    assert_eq!(code, 0, "{v}");
+    let dev = &v["per_rank"]["categories"]["device"];
+    let (grads, optim) = (
+        dev["gradients"].as_u64().unwrap(),
+        dev["optimizer_state"].as_u64().unwrap(),
+    );
+    // About 40M adapter parameters: f32 gradients, f32 master weights and two moments.
+    assert!(grads < 200 << 20 && optim < 600 << 20, "{grads} {optim}");
+    assert!(
+        v["per_rank"]["device_bytes"].as_u64().unwrap() < 16 << 30,
+        "{v}"
+    );
+    assert_eq!(v["fits"], true);
+    let (code, full) = run(&[]);
+    assert_eq!(
+        (code, &full["fits"]),
+        (1, &serde_json::Value::Bool(false)),
+        "{full}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

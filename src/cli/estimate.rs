@@ -72,6 +72,14 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Price a LoRA run: a PEFT adapter_config.json (or an adapter directory holding one); the
+    /// base is frozen.
+    #[arg(long)]
+    peft: Option<PathBuf>,
+    /// Price a run with these parameters frozen (glob rules on Hugging Face names, in order;
+    /// a leading `!` thaws).
+    #[arg(long, num_args = 1.., conflicts_with = "peft")]
+    freeze: Vec<String>,
 }
 
 /// Runs the subcommand.
@@ -163,7 +171,21 @@ fn model(args: &Args) -> Result<ModelShape, String> {
         ),
         _ => return Err("name a model: --model, --model-config or --params".into()),
     };
-    r.map_err(|e| e.to_string())
+    let shape = r.map_err(|e| e.to_string())?;
+    let tuned = match (&args.peft, args.freeze.is_empty()) {
+        (Some(path), _) => {
+            let file = match path.is_dir() {
+                true => path.join(ferrozero_runtime::nn::peft::ADAPTER_CONFIG_FILE),
+                false => path.clone(),
+            };
+            let lora = ferrozero_runtime::nn::peft::LoraConfig::from_file(&file);
+            lora.and_then(|l| shape.with_peft(&l))
+        }
+        (None, false) => ferrozero_runtime::nn::freeze::Freeze::new(&args.freeze)
+            .and_then(|f| shape.with_frozen(f)),
+        (None, true) => Ok(shape),
+    };
+    tuned.map_err(|e| e.to_string())
 }
 
 /// A 40 GB card (A100 40GB), the budget this tool was written for.

@@ -17,6 +17,40 @@ pub struct ModelShape {
     pub max_seq: usize,
     /// A short description for reports.
     pub description: String,
+    /// The architecture's config the model was built from.
+    pub config: crate::nn::hf::ModelConfig,
+}
+
+impl ModelShape {
+    /// The model with the LoRA adapters `lora` puts on it and its base frozen (PEFT's
+    /// `get_peft_model`).
+    pub fn with_peft(mut self, lora: &crate::nn::peft::LoraConfig) -> Result<Self> {
+        use crate::nn::hf::ModelConfig;
+        let (sites, arch) = match &self.config {
+            ModelConfig::Gpt2(c) => (gpt2::linear_sites(c), "GPT2LMHeadModel"),
+            ModelConfig::Llama(c) => (llama::linear_sites(c), "LlamaForCausalLM"),
+        };
+        let (adapters, frozen) = crate::nn::peft::plan(lora, &sites, arch)?;
+        let model = match &self.config {
+            ModelConfig::Gpt2(c) => gpt2::build_with(c, &adapters)?,
+            ModelConfig::Llama(c) => llama::build_with(c, &adapters)?,
+        };
+        self.model = model.freeze(frozen)?;
+        self.description += &format!(
+            ", LoRA r {} on {} layers",
+            lora.r,
+            adapters.modules().count()
+        );
+        Ok(self)
+    }
+
+    /// The model with the parameters `frozen`'s rules name frozen.
+    pub fn with_frozen(mut self, frozen: crate::nn::freeze::Freeze) -> Result<Self> {
+        let rules: Vec<&str> = frozen.rules().collect();
+        self.description += &format!(", frozen [{}]", rules.join(", "));
+        self.model = self.model.freeze(frozen)?;
+        Ok(self)
+    }
 }
 
 /// Known preset names.
@@ -35,6 +69,7 @@ fn from_gpt2(cfg: gpt2::Gpt2Config, what: String) -> Result<ModelShape> {
         max_seq: cfg.n_positions,
         model: gpt2::build(&cfg)?,
         description: what,
+        config: crate::nn::hf::ModelConfig::Gpt2(cfg),
     })
 }
 
@@ -44,6 +79,7 @@ fn from_llama(cfg: llama::LlamaConfig, what: String) -> Result<ModelShape> {
         max_seq: cfg.max_position_embeddings,
         model: llama::build(&cfg)?,
         description: what,
+        config: crate::nn::hf::ModelConfig::Llama(cfg),
     })
 }
 
