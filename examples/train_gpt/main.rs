@@ -38,6 +38,14 @@ pub struct Args {
     /// safetensors file; f32, bf16 or f16. Memory-mapped; each rank keeps only its part.
     #[arg(long)]
     pub init: Option<PathBuf>,
+    /// LoRA: a PEFT adapter_config.json (new adapters) or adapter directory (start from its
+    /// weights); the base model is frozen.
+    #[arg(long)]
+    pub peft: Option<PathBuf>,
+    /// Freeze the parameters whose Hugging Face names match these globs, in order (the last
+    /// matching pattern decides; a leading `!` thaws).
+    #[arg(long, num_args = 1..)]
+    pub freeze: Vec<String>,
     /// Training data: a .bin token file (`ferrozero::data`'s header, or raw little-endian u16
     /// ids), a .txt file (bytes, or tokens with --tokenizer) or a .jsonl file (with
     /// --tokenizer). Default: the built-in addition task.

@@ -110,6 +110,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         .into());
     }
     let config = zero_config(args)?;
+    let tuning = train::Tuning::from_args(args.peft.as_deref(), &args.freeze, &spec)?;
     // Mapped, not read: each rank copies out only what its stage keeps.
     let init = match &args.init {
         Some(p) => Some(open_init(p, &spec)?),
@@ -121,16 +122,19 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
             tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default())
         });
         let _span = tracing::info_span!("rank", r = comm.rank()).entered();
-        let model = spec.build()?;
+        let model = tuning.build(&spec)?;
         let mut engine = EngineBuilder::new(model)
             .config(config.clone())
             .comm(comm)
             .hidden_size(spec.hidden())
             .sequence_length(data.train.seq_len())
             .build()?;
-        if let Some((init, files)) = &init {
-            engine.load_parameters(init)?;
-            engine.set_model_files(files.clone());
+        match &init {
+            Some((init, files)) => {
+                tuning.load(&mut engine, init)?;
+                engine.set_model_files(files.clone());
+            }
+            None => tuning.start(&mut engine)?,
         }
         let first = match &args.resume {
             Some(dir) => {

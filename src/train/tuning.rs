@@ -58,15 +58,22 @@ impl Tuning {
     /// weights over them; new adapters keep PEFT's initialisation.
     pub fn load(&self, engine: &mut Engine, src: &dyn ParamSource) -> Result<()> {
         match self {
-            Self::Lora(run) => {
-                engine.load_parameters_where(src, &|n| !is_adapter_param(n))?;
-                let start = run.start_values();
-                match start.is_empty() {
-                    true => Ok(()),
-                    false => engine.set_parameters(&start),
-                }
-            }
-            _ => engine.load_parameters(src),
+            Self::Lora(_) => engine.load_parameters_where(src, &|n| !is_adapter_param(n))?,
+            _ => engine.load_parameters(src)?,
+        }
+        self.start(engine)
+    }
+
+    /// Sets an adapter directory's weights (a run without base weights to load calls this
+    /// alone); nothing for new adapters or the other kinds.
+    pub fn start(&self, engine: &mut Engine) -> Result<()> {
+        let start = match self {
+            Self::Lora(run) => run.start_values(),
+            _ => Vec::new(),
+        };
+        match start.is_empty() {
+            true => Ok(()),
+            false => engine.set_parameters(&start),
         }
     }
 
