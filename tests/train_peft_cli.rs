@@ -62,6 +62,7 @@ fn lora_trains_writes_a_peft_directory_resumes_from_it_and_merges() {
         tmp.0.join("merged"),
         tmp.0.join("m.jsonl"),
     );
+    let ck = tmp.0.join("ck");
     // ZeRO-3 over two ranks, no warmup: adapters starting at B = 0 learn within 20 steps.
     let ds = tmp.0.join("ds.json");
     std::fs::write(
@@ -83,7 +84,11 @@ fn lora_trains_writes_a_peft_directory_resumes_from_it_and_merges() {
     run(
         &tmp,
         &common,
-        &[&more[..], &["--output", s(&out), "--metrics", s(&m)]].concat(),
+        &[
+            &more[..],
+            &["--output", s(&out), "--metrics", s(&m), "--save", s(&ck)],
+        ]
+        .concat(),
     );
     let losses = metrics(&m, "loss");
     assert!(
@@ -137,6 +142,58 @@ fn lora_trains_writes_a_peft_directory_resumes_from_it_and_merges() {
     assert!((got[&key].data[i * n_out + o] - want).abs() < 1e-6);
     assert_eq!(got[&key].shape, vec![n_in, n_out]);
     assert_eq!(got.len(), base.len());
+    // The stage-3 checkpoint consolidates to the same adapter directory, and merged to the
+    // same model.
+    let (from_ck, merged_ck) = (tmp.0.join("from-ck"), tmp.0.join("merged-ck"));
+    consolidate(&[s(&ck), "-o", s(&from_ck)]);
+    consolidate(&[s(&ck), "-o", s(&merged_ck), "--merge"]);
+    assert!(from_ck.join("adapter_config.json").is_file());
+    assert!(!merged_ck.join("adapter_config.json").exists());
+    let ck_adapter = tensors(&from_ck.join("adapter_model.safetensors"));
+    assert_eq!(
+        ck_adapter.keys().collect::<Vec<_>>(),
+        adapter.keys().collect::<Vec<_>>()
+    );
+    for (name, t) in &adapter {
+        assert_eq!(ck_adapter[name].data, t.data, "{name}");
+    }
+    let ck_merged = tensors(&merged_ck.join("model.safetensors"));
+    for (name, t) in &got {
+        assert_eq!(ck_merged[name].data, t.data, "{name}");
+    }
+    // The two-rank stage-3 checkpoint resumes on one rank and trains on.
+    let m2 = tmp.0.join("m2.jsonl");
+    let resume = [
+        "--peft",
+        s(&cfg),
+        "--config",
+        s(&ds),
+        "--steps",
+        "23",
+        "--resume",
+        s(&ck),
+    ];
+    run(
+        &tmp,
+        &common,
+        &[&resume[..], &["--metrics", s(&m2)]].concat(),
+    );
+    let more_losses = metrics(&m2, "loss");
+    assert_eq!(more_losses.len(), 3, "steps 21-23 after the resume");
+    assert!(
+        more_losses.iter().all(|l| (l - losses[19]).abs() < 0.1),
+        "{more_losses:?}"
+    );
+}
+
+fn consolidate(args: &[&str]) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ferrozero"))
+        .args(["checkpoint", "consolidate"])
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {text}");
 }
 
 #[test]

@@ -132,7 +132,7 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         match &init {
             Some((init, files)) => {
                 tuning.load(&mut engine, init)?;
-                engine.set_model_files(files.clone());
+                engine.set_model_files(tuning.model_files(files));
             }
             None => tuning.start(&mut engine)?,
         }

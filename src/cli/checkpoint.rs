@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use ferrozero_runtime::engine::checkpoint::{
-    consolidate, consolidate_dir, CheckpointReader, ConsolidateReport, OutputDType, Tag,
+    checkpoint_adapter, consolidate, consolidate_dir, export_adapter, export_merged,
+    CheckpointReader, ConsolidateReport, OutputDType, Tag,
 };
 use ferrozero_runtime::nn::weights::ExportReport;
 
@@ -51,6 +52,10 @@ enum Command {
         /// Tag to consolidate instead of the one `latest` names.
         #[arg(long)]
         tag: Option<String>,
+        /// A LoRA run's checkpoint: write the model with its adapters merged in instead of
+        /// the PEFT adapter directory.
+        #[arg(long)]
+        merge: bool,
     },
 }
 
@@ -74,12 +79,24 @@ pub fn run(args: Args) -> ExitCode {
             max_shard_size,
             dtype,
             tag: t,
+            merge,
         } => {
             let d = match dtype {
                 DTypeArg::F32 => OutputDType::F32,
                 DTypeArg::Bf16 => OutputDType::Bf16,
             };
-            if output.extension().is_some_and(|e| e == "safetensors") {
+            let lora = CheckpointReader::open(&dir, &tag(t.clone()))
+                .and_then(|r| checkpoint_adapter(&r))
+                .map(|a| a.is_some());
+            let single = output.extension().is_some_and(|e| e == "safetensors");
+            if let (Ok(true), false) = (&lora, single) {
+                return lora_export(&dir, &tag(t), &output, d, (merge, max_shard_size));
+            }
+            if merge {
+                eprintln!("error: --merge needs a LoRA run's checkpoint and a directory output");
+                return ExitCode::from(2);
+            }
+            if single {
                 consolidate(&dir, &tag(t), &output, d)
                     .map(|r| report_consolidate(&output, &r))
                     .map_err(|e| e.to_string())
@@ -91,6 +108,30 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     result.unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })
+}
+
+/// A LoRA run's checkpoint out: the PEFT adapter directory, or with `merge` the merged model.
+fn lora_export(
+    dir: &std::path::Path,
+    t: &Tag,
+    out: &std::path::Path,
+    d: OutputDType,
+    (merge, max_shard): (bool, u64),
+) -> ExitCode {
+    let r = match merge {
+        true => export_merged(dir, t, out, d, max_shard).map(|r| report_dir(out, &r)),
+        false => export_adapter(dir, t, out, d).map(|n| {
+            println!(
+                "wrote a PEFT adapter directory {} ({n} tensors)",
+                out.display()
+            );
+            ExitCode::SUCCESS
+        }),
+    };
+    r.unwrap_or_else(|e| {
         eprintln!("error: {e}");
         ExitCode::from(2)
     })

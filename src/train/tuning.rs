@@ -77,6 +77,17 @@ impl Tuning {
         }
     }
 
+    /// The files checkpoints carry: the model directory's, and a LoRA run's adapter config
+    /// (so `ferrozero checkpoint consolidate` writes the adapter PEFT loads).
+    pub fn model_files(&self, files: &ModelFiles) -> ModelFiles {
+        let mut out = files.clone();
+        if let Self::Lora(run) = self {
+            let name = ferrozero_runtime::nn::peft::ADAPTER_CONFIG_FILE.to_string();
+            out.files.push((name, run.config_json().into_bytes()));
+        }
+        out
+    }
+
     /// Writes `--output` (collective: every rank calls it; rank 0 writes): a model directory
     /// with `files`, or for LoRA a PEFT adapter directory, or with `merge` the merged model.
     pub fn write_output(

@@ -14,6 +14,7 @@ mod consolidate;
 mod fsio;
 mod load;
 mod meta;
+mod peft_export;
 mod reader;
 mod save;
 mod shard_file;
@@ -23,6 +24,7 @@ pub(in crate::engine) use agree::agree;
 pub use consolidate::{consolidate, consolidate_dir, ConsolidateReport, OutputDType};
 pub(in crate::engine) use load::{open_checked, restore_groups, same_kind};
 pub use meta::{CheckpointMeta, FileMeta, GroupMeta, SlotMeta, TensorKind};
+pub use peft_export::{checkpoint_adapter, export_adapter, export_merged};
 pub use reader::CheckpointReader;
 pub(in crate::engine) use save::{check_tag, Saving};
 

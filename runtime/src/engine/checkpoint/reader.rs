@@ -91,13 +91,25 @@ impl CheckpointReader {
         &self.meta
     }
 
-    /// The model directory's files saved with the checkpoint (none for older checkpoints).
+    /// The model directory's files saved with the checkpoint (none for older checkpoints),
+    /// and a LoRA run's `adapter_config.json`.
     pub fn model_files(&self) -> Result<crate::nn::weights::ModelFiles> {
         let dir = self.dir.join(super::meta::MODEL_DIR);
         if !dir.is_dir() {
             return Ok(Default::default());
         }
-        crate::nn::weights::ModelFiles::from_dir(&dir)
+        let mut files = crate::nn::weights::ModelFiles::from_dir(&dir)?;
+        let adapter = dir.join(crate::nn::peft::ADAPTER_CONFIG_FILE);
+        if adapter.is_file() {
+            let bytes = std::fs::read(&adapter).map_err(|e| Error::File {
+                path: adapter.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            files
+                .files
+                .push((crate::nn::peft::ADAPTER_CONFIG_FILE.into(), bytes));
+        }
+        Ok(files)
     }
 
     /// The tag directory.

@@ -38,25 +38,35 @@ impl PeftRun {
     /// adapter and saved module checked against the base model's layers and shapes.
     pub fn open(path: &Path, base: &HfModel) -> Result<Self> {
         let src = PeftSource::open(path)?;
+        let mut run = Self::new(src.config, base)?;
+        if let Some(file) = &src.weights {
+            let saved = saved_shapes(&run.config, &base.build()?);
+            let refs: Vec<(&str, &[usize])> = (saved.iter())
+                .map(|(n, s)| (n.as_str(), s.as_slice()))
+                .collect();
+            run.start = Some(AdapterWeights::read(file, &run.adapters, &refs)?);
+        }
+        Ok(run)
+    }
+
+    /// New adapters of `config` on `base` (no weights to start from).
+    pub fn new(config: LoraConfig, base: &HfModel) -> Result<Self> {
         let arch = base.architecture.class_name();
-        let adapters = src.config.adapters(&base.linear_sites(), arch)?;
-        let start = match &src.weights {
-            Some(file) => {
-                let saved = saved_shapes(&src.config, &base.build()?);
-                let refs: Vec<(&str, &[usize])> = (saved.iter())
-                    .map(|(n, s)| (n.as_str(), s.as_slice()))
-                    .collect();
-                Some(AdapterWeights::read(file, &adapters, &refs)?)
-            }
-            None => None,
-        };
+        let adapters = config.adapters(&base.linear_sites(), arch)?;
         Ok(Self {
             conv1d: matches!(base.config, ModelConfig::Gpt2(_)),
-            config: src.config,
+            config,
             adapters,
-            start,
+            start: None,
             base: base.clone(),
         })
+    }
+
+    /// The adapter's config as PEFT writes it (what a checkpoint carries beside the base
+    /// model's `config.json`, so it can be exported again).
+    pub fn config_json(&self) -> String {
+        let v = self.config.to_json(self.conv1d);
+        serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string()) + "\n"
     }
 
     /// The model with its adapters, every parameter frozen but theirs and `modules_to_save`.
