@@ -18,6 +18,7 @@ use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::freeze::Freeze;
+use ferrozero_runtime::nn::peft::{self, LoraConfig};
 use ferrozero_runtime::nn::{gpt2, Model};
 
 const T: usize = 8;
@@ -34,6 +35,29 @@ fn gpt2_part_frozen() -> Model {
 fn llama_last_mlp() -> Model {
     let f = Freeze::new(&["*", "!model.layers.1.mlp.*", "!model.norm.weight"]).unwrap();
     tiny::llama_model(2).freeze(f).unwrap()
+}
+
+/// GPT-2 with PEFT's LoRA (r 4, dropout 0.1) on the attention and MLP input layers, the
+/// final norm trained in full (`modules_to_save`), every other base weight frozen.
+fn gpt2_lora() -> Model {
+    let cfg = gpt2::Gpt2Config::from_json(&format!(
+        r#"{{"n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": {}, "n_positions": 16,
+            "model_type": "gpt2", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}}"#,
+        tiny::VOCAB
+    ))
+    .unwrap();
+    let lora = LoraConfig::from_json(
+        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
+            "target_modules": ["c_attn", "c_fc"], "modules_to_save": ["ln_f"]}"#,
+        "test",
+    )
+    .unwrap();
+    let sites = gpt2::linear_sites(&cfg);
+    let (adapters, frozen) = peft::plan(&lora, &sites, "GPT2LMHeadModel").unwrap();
+    gpt2::build_with(&cfg, &adapters)
+        .unwrap()
+        .freeze(frozen)
+        .unwrap()
 }
 
 /// What a run leaves on rank 0: each step's loss bits, and the parameters before and after.
@@ -116,6 +140,7 @@ fn part_frozen_models_train_to_the_same_bits_at_every_stage_and_offload() {
     for (name, build) in [
         ("gpt2", gpt2_part_frozen as fn() -> Model),
         ("llama", llama_last_mlp),
+        ("gpt2 lora", gpt2_lora),
     ] {
         for world in [1, 2] {
             let reference = run(build, &base(ZeroStage::Stage0, world));
@@ -136,8 +161,14 @@ fn part_frozen_models_train_to_the_same_bits_at_every_stage_and_offload() {
 
 #[test]
 fn frozen_parameters_stay_bitwise_unchanged_and_the_rest_train() {
-    let model = gpt2_part_frozen();
-    let r = run(gpt2_part_frozen, &base(ZeroStage::Stage3, 2));
+    for build in [gpt2_part_frozen as fn() -> Model, gpt2_lora] {
+        frozen_stay_and_the_rest_train(build);
+    }
+}
+
+fn frozen_stay_and_the_rest_train(build: fn() -> Model) {
+    let model = build();
+    let r = run(build, &base(ZeroStage::Stage3, 2));
     let (mut frozen, mut trained) = (0, 0);
     for (b, a) in r.before.iter().zip(&r.after) {
         assert_eq!(b.name, a.name);
