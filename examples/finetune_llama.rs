@@ -28,7 +28,9 @@ use ferrozero::engine::{Engine, EngineBuilder, NamedTensor};
 use ferrozero::runtime::backend::rng;
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::engine::checkpoint::{consolidate, OutputDType, Tag};
+use ferrozero::runtime::nn::hf::{Architecture, HfModel, ModelConfig};
 use ferrozero::runtime::nn::llama::{self, LlamaConfig};
+use ferrozero::runtime::nn::peft::{is_adapter_param, PeftRun};
 use ferrozero::runtime::nn::weights::{self, ModelWeights, Naming, ParamSource};
 use ferrozero::runtime::nn::{init, Model, ParamSpec};
 use ferrozero::runtime::tensor::DType;
@@ -76,6 +78,11 @@ struct Args {
     /// Output directory (checkpoints, model.safetensors); default: a fresh temporary one.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// LoRA: a PEFT adapter_config.json (new adapters) or adapter directory (start from its
+    /// weights); the base model is frozen, and `adapter/` in --out gets the trained adapter
+    /// as PEFT writes it.
+    #[arg(long)]
+    peft: Option<PathBuf>,
 }
 
 /// ZeRO-3: parameters, gradients and optimizer state sharded across ranks; both the
@@ -283,6 +290,7 @@ fn fine_tune(
     zero: &Config,
     init: &ModelWeights,
     ckpt_dir: &Path,
+    lora: Option<&PeftRun>,
 ) -> Result<Trained, BoxError> {
     let rows = rows(args, cfg)?;
     let out = run_ranks(args.ranks, Duration::from_secs(300), |comm| {
@@ -290,13 +298,22 @@ fn fine_tune(
         let _quiet = (comm.rank() != 0).then(|| {
             tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default())
         });
-        let mut engine = EngineBuilder::new(llama::build(cfg)?)
+        let model = match lora {
+            Some(run) => run.build()?,
+            None => llama::build(cfg)?,
+        };
+        let mut engine = EngineBuilder::new(model)
             .config(zero.clone())
             .comm(comm)
             .hidden_size(cfg.hidden_size)
             .sequence_length(args.seq_len)
             .build()?;
-        engine.load_parameters(init)?;
+        // Under LoRA the base weights load around the adapters, which start as PEFT starts
+        // them or from the adapter directory.
+        engine.load_parameters_where(init, &|n| lora.is_none() || !is_adapter_param(n))?;
+        if let Some(start) = lora.map(PeftRun::start_values).filter(|s| !s.is_empty()) {
+            engine.set_parameters(&start)?;
+        }
         let (first_loss, last_loss) = train(&mut engine, args, &*rows)?;
         let tag = format!("step-{}", args.steps);
         let path = engine.save_checkpoint(ckpt_dir, &tag, args.steps)?;
@@ -429,12 +446,30 @@ fn run(args: &Args) -> Result<(), BoxError> {
     }
     let cfg = model_config(args)?;
     let zero = zero_config(args)?;
+    let base = HfModel {
+        architecture: Architecture::Llama,
+        config: ModelConfig::Llama(cfg.clone()),
+    };
+    // Read and checked against the model before anything is written.
+    let lora = args
+        .peft
+        .as_ref()
+        .map(|p| PeftRun::open(p, &base))
+        .transpose()?;
     let (init, out) = initial_weights(args, &cfg)?;
     let ckpt_dir = out.join("checkpoints");
-    let trained = fine_tune(args, &cfg, &zero, &init, &ckpt_dir)?;
+    let trained = fine_tune(args, &cfg, &zero, &init, &ckpt_dir, lora.as_ref())?;
     let fell = loss_fell(&trained);
     // The checkpoint is worth consolidating either way; the verdict comes last.
     consolidate_and_check(&ckpt_dir, &out, &trained.live)?;
+    if let Some(run) = &lora {
+        let dir = out.join("adapter");
+        run.write(&dir, &trained.live, DType::F32)?;
+        println!(
+            "wrote the trained adapter as PEFT writes it: {}",
+            dir.display()
+        );
+    }
     if !fell {
         return Err("the loss did not fall during fine-tuning".into());
     }

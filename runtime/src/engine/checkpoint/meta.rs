@@ -69,6 +69,9 @@ pub struct GroupMeta {
     pub numel: usize,
     /// Elements per rank's shard (padding included).
     pub shard_len: usize,
+    /// Frozen parameters: saved as parameters only (no master weights or moments).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub frozen: bool,
 }
 
 /// Where one parameter sits in its group's buffer.
@@ -176,6 +179,7 @@ impl GroupMeta {
                 .collect(),
             numel: l.numel,
             shard_len: l.shard_len,
+            frozen: false,
         }
     }
 }

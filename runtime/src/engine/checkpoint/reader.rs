@@ -213,9 +213,10 @@ impl CheckpointReader {
     }
 
     /// The fp32 parameter values over `range`: the master weights when saved, else the
-    /// (f32) parameters themselves.
+    /// parameters themselves (f32, or a frozen group's in the run's dtype, widened).
     pub fn read_values(&self, g: usize, range: Range<usize>) -> Result<Vec<f32>> {
-        let kind = if self.meta.has_master {
+        let frozen = self.meta.groups.get(g).is_some_and(|m| m.frozen);
+        let kind = if self.meta.has_master && !frozen {
             TensorKind::Master
         } else {
             TensorKind::Params

@@ -281,7 +281,10 @@ impl Saving<'_> {
             groups: self
                 .groups
                 .iter()
-                .map(|g| GroupMeta::from_layout(&g.layout))
+                .map(|g| GroupMeta {
+                    frozen: g.frozen,
+                    ..GroupMeta::from_layout(&g.layout)
+                })
                 .collect(),
             files,
         };
