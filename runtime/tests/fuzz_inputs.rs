@@ -51,6 +51,7 @@ fn meta_seed() -> CheckpointMeta {
             slots: vec![slot("a", 0, vec![2, 3]), slot("b", 6, vec![4])],
             numel: 10,
             shard_len: 16,
+            frozen: false,
         }],
         files: (0..2)
             .map(|r| FileMeta {
