@@ -31,12 +31,27 @@ const VOCAB: usize = 64;
 enum Which {
     Gpt2,
     Llama,
+    /// Llama with LoRA (dropout 0.1) on every linear layer, the base frozen.
+    LlamaLora,
 }
 
 fn build(which: Which) -> Model {
     match which {
         Which::Gpt2 => gpt2::build(&gpt2::Gpt2Config::preset("tiny").unwrap()).unwrap(),
         Which::Llama => llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap(),
+        Which::LlamaLora => {
+            let cfg = llama::LlamaConfig::preset("tiny").unwrap();
+            let lora = ferrozero_runtime::nn::peft::LoraConfig::from_json(
+                r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
+                    "target_modules": "all-linear"}"#,
+                "test",
+            )
+            .unwrap();
+            let sites = llama::linear_sites(&cfg);
+            let plan = ferrozero_runtime::nn::peft::plan(&lora, &sites, "llama").unwrap();
+            let model = llama::build_with(&cfg, &plan.0).unwrap();
+            model.freeze(plan.1).unwrap()
+        }
     }
 }
 
@@ -166,6 +181,12 @@ fn gpt2_device_peak_is_the_allocators_within_5_percent() {
 #[test]
 fn llama_device_peak_is_the_allocators_within_5_percent() {
     sweep(Which::Llama);
+}
+
+/// Frozen parameters and the adapters' transient buffers priced as the allocator sees them.
+#[test]
+fn llama_lora_device_peak_is_the_allocators_within_5_percent() {
+    sweep(Which::LlamaLora);
 }
 
 /// One run of two steps on a fresh emulated device with activations in `act`: the allocator's
