@@ -1,6 +1,7 @@
 //! Frozen parameters on every device: a GPT-2 with its attention weights and embeddings
-//! frozen trains to the same bits at every stage, with and without offload, on one device;
-//! the frozen parameters stay what they were; and the device's run is close to the CPU's.
+//! frozen, and one with LoRA on every linear layer, train to the same bits at every stage,
+//! with and without offload, on one device; the frozen parameters stay what they were; and
+//! the device's run is close to the CPU's.
 
 mod common;
 mod device_common;
@@ -15,38 +16,19 @@ use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::freeze::Freeze;
-use ferrozero_runtime::nn::peft::{self, LoraConfig};
-use ferrozero_runtime::nn::{gpt2, Model};
+use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::DType;
 
 const T: usize = 8;
 const STEPS: usize = 2;
 
-fn model() -> Model {
+fn part_frozen() -> Model {
     let f = Freeze::new(&["*.attn.*", "transformer.w?e.weight"]).unwrap();
     tiny::gpt2_model(2).freeze(f).unwrap()
 }
 
-/// Tiny GPT-2 with PEFT's LoRA on every linear layer (dropout 0.1), the base frozen.
-fn lora_model() -> Model {
-    let cfg = gpt2::Gpt2Config::from_json(&format!(
-        r#"{{"n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": {}, "n_positions": 16,
-            "model_type": "gpt2", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}}"#,
-        tiny::VOCAB
-    ))
-    .unwrap();
-    let lora = LoraConfig::from_json(
-        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
-            "target_modules": "all-linear"}"#,
-        "test",
-    )
-    .unwrap();
-    let sites = gpt2::linear_sites(&cfg);
-    let (adapters, frozen) = peft::plan(&lora, &sites, "GPT2LMHeadModel").unwrap();
-    gpt2::build_with(&cfg, &adapters)
-        .unwrap()
-        .freeze(frozen)
-        .unwrap()
+fn lora() -> Model {
+    tiny::gpt2_lora(r#""all-linear""#, "[]")
 }
 
 fn cfg_for(d: &Dev, stage: ZeroStage) -> ResolvedConfig {
@@ -57,19 +39,18 @@ fn cfg_for(d: &Dev, stage: ZeroStage) -> ResolvedConfig {
     config(stage, 1, 2, 2, precision)
 }
 
-/// Rank 0's losses and parameters before and after `STEPS` steps on `be`.
-fn train(
-    be: &Arc<dyn Backend>,
-    cfg: &ResolvedConfig,
-) -> (Vec<f64>, Vec<NamedTensor>, Vec<NamedTensor>) {
-    train_model(be, cfg, model)
+/// Stage 3 with the optimizer state and the parameter shards in host memory.
+fn offloaded(d: &Dev) -> ResolvedConfig {
+    let mut c = cfg_for(d, ZeroStage::Stage3);
+    c.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    c.zero.offload_param.target = OffloadTarget::Cpu;
+    c
 }
 
-fn train_model(
-    be: &Arc<dyn Backend>,
-    cfg: &ResolvedConfig,
-    build: fn() -> Model,
-) -> (Vec<f64>, Vec<NamedTensor>, Vec<NamedTensor>) {
+/// What a run leaves: each step's loss, and the parameters before and after.
+type Run = (Vec<f64>, Vec<NamedTensor>, Vec<NamedTensor>);
+
+fn train(be: &Arc<dyn Backend>, cfg: &ResolvedConfig, build: fn() -> Model) -> Run {
     let out = run_ranks(1, Duration::from_secs(300), |comm| {
         let mut e = Engine::with_backend(build(), cfg.clone(), comm, be.clone())?;
         let before = e.parameters()?;
@@ -92,22 +73,17 @@ fn bits(p: &[NamedTensor]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn frozen_training(d: &Dev) {
-    let (losses, before, after) = train(&d.be, &cfg_for(d, ZeroStage::Stage0));
-    let frozen = model();
+/// Stage 0's run of `build` on `d` against `others` on the same device (the same bits) and
+/// against the CPU (close); the frozen parameters, and only they, unmoved.
+fn check(d: &Dev, build: fn() -> Model, others: Vec<(&str, ResolvedConfig)>) {
+    let (losses, before, after) = train(&d.be, &cfg_for(d, ZeroStage::Stage0), build);
+    let model = build();
     for (b, a) in before.iter().zip(&after) {
         let same = bits(std::slice::from_ref(b)) == bits(std::slice::from_ref(a));
-        assert_eq!(same, frozen.is_frozen(&b.name), "{}: {}", d.name, b.name);
+        assert_eq!(same, model.is_frozen(&b.name), "{}: {}", d.name, b.name);
     }
-    let mut offload = cfg_for(d, ZeroStage::Stage3);
-    offload.zero.offload_optimizer.target = OffloadTarget::Cpu;
-    offload.zero.offload_param.target = OffloadTarget::Cpu;
-    for (what, cfg) in [
-        ("stage 1", cfg_for(d, ZeroStage::Stage1)),
-        ("stage 3", cfg_for(d, ZeroStage::Stage3)),
-        ("stage 3 with offload", offload),
-    ] {
-        let (l, _, p) = train(&d.be, &cfg);
+    for (what, cfg) in others {
+        let (l, _, p) = train(&d.be, &cfg, build);
         let same = l
             .iter()
             .map(|x| x.to_bits())
@@ -124,42 +100,25 @@ fn frozen_training(d: &Dev) {
         );
     }
     let cpu = device_common::cpu();
-    let (want, _, _) = train(&cpu.be, &cfg_for(d, ZeroStage::Stage0));
+    let (want, _, _) = train(&cpu.be, &cfg_for(d, ZeroStage::Stage0), build);
     let rel = d.tol().rel.max(1e-4);
     for (a, b) in losses.iter().zip(&want) {
-        assert!(
-            (a - b).abs() <= rel * b.abs(),
-            "{}: {losses:?} vs CPU {want:?}",
-            d.name
-        );
+        let close = (a - b).abs() <= rel * b.abs();
+        assert!(close, "{}: {losses:?} vs CPU {want:?}", d.name);
     }
+}
+
+fn frozen_training(d: &Dev) {
+    let others = vec![
+        ("stage 1", cfg_for(d, ZeroStage::Stage1)),
+        ("stage 3", cfg_for(d, ZeroStage::Stage3)),
+        ("stage 3 with offload", offloaded(d)),
+    ];
+    check(d, part_frozen, others);
 }
 test_device!(frozen_training);
 
-/// LoRA on every linear layer: stage 0 and stage 3 with offload give the same bits on one
-/// device, the base does not move, and the device is close to the CPU.
 fn lora_training(d: &Dev) {
-    let (losses, before, after) = train_model(&d.be, &cfg_for(d, ZeroStage::Stage0), lora_model);
-    let frozen = lora_model();
-    for (b, a) in before.iter().zip(&after) {
-        let same = bits(std::slice::from_ref(b)) == bits(std::slice::from_ref(a));
-        assert_eq!(same, frozen.is_frozen(&b.name), "{}: {}", d.name, b.name);
-    }
-    let mut offload = cfg_for(d, ZeroStage::Stage3);
-    offload.zero.offload_optimizer.target = OffloadTarget::Cpu;
-    offload.zero.offload_param.target = OffloadTarget::Cpu;
-    let (l, _, p) = train_model(&d.be, &offload, lora_model);
-    assert_eq!(l, losses, "{}: stage 3 with offload", d.name);
-    assert!(bits(&p) == bits(&after), "{}: stage 3 with offload", d.name);
-    let cpu = device_common::cpu();
-    let (want, _, _) = train_model(&cpu.be, &cfg_for(d, ZeroStage::Stage0), lora_model);
-    let rel = d.tol().rel.max(1e-4);
-    for (a, b) in losses.iter().zip(&want) {
-        assert!(
-            (a - b).abs() <= rel * b.abs(),
-            "{}: {losses:?} vs CPU {want:?}",
-            d.name
-        );
-    }
+    check(d, lora, vec![("stage 3 with offload", offloaded(d))]);
 }
 test_device!(lora_training);

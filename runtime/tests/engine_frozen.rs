@@ -18,7 +18,6 @@ use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::freeze::Freeze;
-use ferrozero_runtime::nn::peft::{self, LoraConfig};
 use ferrozero_runtime::nn::{gpt2, Model};
 
 const T: usize = 8;
@@ -40,24 +39,7 @@ fn llama_last_mlp() -> Model {
 /// GPT-2 with PEFT's LoRA (r 4, dropout 0.1) on the attention and MLP input layers, the
 /// final norm trained in full (`modules_to_save`), every other base weight frozen.
 fn gpt2_lora() -> Model {
-    let cfg = gpt2::Gpt2Config::from_json(&format!(
-        r#"{{"n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": {}, "n_positions": 16,
-            "model_type": "gpt2", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}}"#,
-        tiny::VOCAB
-    ))
-    .unwrap();
-    let lora = LoraConfig::from_json(
-        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
-            "target_modules": ["c_attn", "c_fc"], "modules_to_save": ["ln_f"]}"#,
-        "test",
-    )
-    .unwrap();
-    let sites = gpt2::linear_sites(&cfg);
-    let (adapters, frozen) = peft::plan(&lora, &sites, "GPT2LMHeadModel").unwrap();
-    gpt2::build_with(&cfg, &adapters)
-        .unwrap()
-        .freeze(frozen)
-        .unwrap()
+    tiny::gpt2_lora(r#"["c_attn", "c_fc"]"#, r#"["ln_f"]"#)
 }
 
 /// What a run leaves on rank 0: each step's loss bits, and the parameters before and after.

@@ -8,8 +8,8 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::config;
-use ferrozero_config::resolved::{OptimizerConfig, Precision, ZeroStage};
+use common::parity_config;
+use ferrozero_config::resolved::ZeroStage;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::hf::{Architecture, HfModel};
@@ -29,26 +29,6 @@ fn take<'a>(f: &'a [NamedTensor], name: &str) -> &'a NamedTensor {
     f.iter()
         .find(|t| t.name == name)
         .unwrap_or_else(|| panic!("fixture lacks {name}"))
-}
-
-/// The optimizer of `gen_hf_parity.py`: AdamW (lr 3e-3, betas 0.9/0.95, eps 1e-6, weight
-/// decay 0.1), clipping at 1.0, f32.
-fn resolved(
-    stage: ZeroStage,
-    world: usize,
-    micro: usize,
-) -> ferrozero_config::resolved::ResolvedConfig {
-    let mut cfg = config(stage, world, micro, 1, Precision::F32);
-    cfg.optimizer = OptimizerConfig::Adam {
-        lr: 3e-3,
-        betas: (0.9, 0.95),
-        eps: 1e-6,
-        weight_decay: 0.1,
-        adam_w_mode: true,
-        bias_correction: true,
-    };
-    cfg.gradient_clipping = 1.0;
-    cfg
 }
 
 /// Trains the fixture's model for its 20 steps; returns each step's loss.
@@ -89,7 +69,7 @@ fn train(arch: &str, stage: ZeroStage, world: usize) -> (Vec<f64>, Vec<f64>) {
     let rows = batch / world;
     let got = run_ranks(world, Duration::from_secs(120), |comm| {
         let r = comm.rank();
-        let mut e = Engine::new(hf.build()?, resolved(stage, world, rows), comm)?;
+        let mut e = Engine::new(hf.build()?, parity_config(stage, world, rows), comm)?;
         e.set_parameters(&init)?;
         let mut losses = vec![];
         for s in 0..STEPS {

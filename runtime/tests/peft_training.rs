@@ -11,8 +11,8 @@ mod peft_common;
 
 use std::time::Duration;
 
-use common::config;
-use ferrozero_config::resolved::{OptimizerConfig, Precision, ZeroStage};
+use common::parity_config;
+use ferrozero_config::resolved::ZeroStage;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::hf::HfModel;
@@ -111,15 +111,7 @@ fn train(
     world: usize,
 ) -> (Vec<f64>, Vec<NamedTensor>, Vec<NamedTensor>) {
     let rows = f.batches[0].batch / world;
-    let mut cfg = config(stage, world, rows, 1, Precision::F32);
-    cfg.optimizer = OptimizerConfig::Adam {
-        lr: 3e-3,
-        betas: (0.9, 0.95),
-        eps: 1e-6,
-        weight_decay: 0.1,
-        adam_w_mode: true,
-        bias_correction: true,
-    };
+    let cfg = parity_config(stage, world, rows);
     let lora = PeftSource::open(&fixtures().join(format!("peft/{arch}/start")))
         .unwrap()
         .config;

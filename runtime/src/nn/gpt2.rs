@@ -184,12 +184,7 @@ pub fn block_with(cfg: &Gpt2Config, index: usize, adapters: &Arc<Adapters>) -> B
 /// `lm_head` as the output head).
 pub fn linear_sites(cfg: &Gpt2Config) -> Vec<crate::nn::peft::LinearSite> {
     let c = cfg.n_embd;
-    let site = |name: String, (i, o): (usize, usize), output_head| crate::nn::peft::LinearSite {
-        name,
-        in_features: i,
-        out_features: o,
-        output_head,
-    };
+    let site = crate::nn::peft::LinearSite::new;
     let mut out = Vec::new();
     for b in 0..cfg.n_layer {
         let at = |m: &str| format!("transformer.h.{b}.{m}");

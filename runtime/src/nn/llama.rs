@@ -204,12 +204,7 @@ pub fn block(cfg: &LlamaConfig, index: usize) -> Block {
 pub fn linear_sites(cfg: &LlamaConfig) -> Vec<crate::nn::peft::LinearSite> {
     let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
     let (qw, kvw) = (cfg.num_attention_heads * d, cfg.kv_heads() * d);
-    let site = |name: String, (i, o): (usize, usize), output_head| crate::nn::peft::LinearSite {
-        name,
-        in_features: i,
-        out_features: o,
-        output_head,
-    };
+    let site = crate::nn::peft::LinearSite::new;
     let mut out = Vec::new();
     for b in 0..cfg.num_hidden_layers {
         let layers = [

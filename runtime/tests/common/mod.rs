@@ -85,6 +85,22 @@ pub fn config(
     }
 }
 
+/// The optimizer of the parity fixtures (`gen_hf_parity.py`, `gen_peft_parity.py`): AdamW
+/// (lr 3e-3, betas 0.9/0.95, eps 1e-6, weight decay 0.1), clipping at 1.0, f32, one micro-step.
+pub fn parity_config(stage: ZeroStage, world: usize, micro: usize) -> ResolvedConfig {
+    let mut cfg = config(stage, world, micro, 1, Precision::F32);
+    cfg.optimizer = OptimizerConfig::Adam {
+        lr: 3e-3,
+        betas: (0.9, 0.95),
+        eps: 1e-6,
+        weight_decay: 0.1,
+        adam_w_mode: true,
+        bias_correction: true,
+    };
+    cfg.gradient_clipping = 1.0;
+    cfg
+}
+
 /// Activation checkpointing on every unit.
 pub fn checkpointing(cpu: bool) -> ActivationCheckpointing {
     ActivationCheckpointing {

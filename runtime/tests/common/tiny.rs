@@ -42,3 +42,27 @@ fn llama_with_head(layers: usize, tied: bool) -> Model {
     .expect("valid Llama config");
     llama::build(&cfg).expect("Llama builds")
 }
+
+/// The 2-block GPT-2 of [`gpt2_model`] with PEFT's LoRA (r 4, alpha 8, dropout 0.1) on the
+/// layers `targets` names (a JSON value: a list of names or `"all-linear"`) and, beside them,
+/// `modules_to_save`; every other parameter frozen, as PEFT freezes them.
+pub fn gpt2_lora(targets: &str, modules_to_save: &str) -> Model {
+    let cfg = gpt2::Gpt2Config::from_json(&format!(
+        r#"{{"n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": {VOCAB}, "n_positions": 16,
+            "model_type": "gpt2", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}}"#
+    ))
+    .expect("valid GPT-2 config");
+    let lora = ferrozero_runtime::nn::peft::LoraConfig::from_json(
+        &format!(
+            r#"{{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
+                "target_modules": {targets}, "modules_to_save": {modules_to_save}}}"#
+        ),
+        "test",
+    )
+    .expect("valid LoRA config");
+    let sites = gpt2::linear_sites(&cfg);
+    let (adapters, frozen) =
+        ferrozero_runtime::nn::peft::plan(&lora, &sites, "GPT2LMHeadModel").expect("adapters");
+    let model = gpt2::build_with(&cfg, &adapters).expect("GPT-2 builds");
+    model.freeze(frozen).expect("PEFT's rules match")
+}

@@ -111,9 +111,7 @@ pub fn consolidate_dir(
     let reader = CheckpointReader::open(dir, tag)?;
     reader.verify_all()?;
     let files = reader.model_files()?;
-    let slots: Vec<(usize, &SlotMeta)> = (reader.meta().groups.iter().enumerate())
-        .flat_map(|(gi, g)| g.slots.iter().map(move |s| (gi, s)))
-        .collect();
+    let slots: Vec<(usize, &SlotMeta)> = reader.meta().slots().collect();
     let tensors: Vec<(String, Vec<usize>)> = (slots.iter())
         .map(|(_, s)| (s.name.clone(), s.shape.clone()))
         .collect();

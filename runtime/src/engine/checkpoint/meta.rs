@@ -257,4 +257,9 @@ impl CheckpointMeta {
     pub fn parameter_count(&self) -> usize {
         self.groups.iter().map(|g| g.numel).sum()
     }
+
+    /// Every saved parameter with its group's index, groups in order.
+    pub fn slots(&self) -> impl Iterator<Item = (usize, &SlotMeta)> {
+        (self.groups.iter().enumerate()).flat_map(|(gi, g)| g.slots.iter().map(move |s| (gi, s)))
+    }
 }

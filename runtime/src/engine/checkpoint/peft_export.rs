@@ -42,17 +42,16 @@ fn adapter_of(reader: &CheckpointReader) -> Result<PeftRun> {
 
 /// Every saved tensor `pick` names, read whole.
 fn read_named(reader: &CheckpointReader, pick: &dyn Fn(&str) -> bool) -> Result<Vec<NamedTensor>> {
-    let mut out = Vec::new();
-    for (gi, g) in reader.meta().groups.iter().enumerate() {
-        for s in g.slots.iter().filter(|s| pick(&s.name)) {
-            out.push(NamedTensor {
+    (reader.meta().slots())
+        .filter(|(_, s)| pick(&s.name))
+        .map(|(gi, s)| {
+            Ok(NamedTensor {
                 name: s.name.clone(),
                 shape: s.shape.clone(),
                 data: reader.read_values(gi, s.offset..s.offset + s.numel)?,
-            });
-        }
-    }
-    Ok(out)
+            })
+        })
+        .collect()
 }
 
 /// Writes the checkpoint's adapter as a PEFT adapter directory `out`
@@ -83,8 +82,7 @@ pub fn export_merged(
     let weights = run.weights_of(&factors)?;
     let mut files = reader.model_files()?;
     files.files.retain(|(n, _)| n != ADAPTER_CONFIG_FILE);
-    let slots: Vec<(usize, &super::SlotMeta)> = (reader.meta().groups.iter().enumerate())
-        .flat_map(|(gi, g)| g.slots.iter().map(move |s| (gi, s)))
+    let slots: Vec<(usize, &super::SlotMeta)> = (reader.meta().slots())
         .filter(|(_, s)| !is_adapter_param(&s.name))
         .collect();
     let tensors: Vec<(String, Vec<usize>)> = (slots.iter())

@@ -19,6 +19,22 @@ pub struct LinearSite {
     pub output_head: bool,
 }
 
+impl LinearSite {
+    /// The layer `name` from `in_features` to `out_features`; `output_head` for the LM head.
+    pub fn new(
+        name: String,
+        (in_features, out_features): (usize, usize),
+        output_head: bool,
+    ) -> Self {
+        Self {
+            name,
+            in_features,
+            out_features,
+            output_head,
+        }
+    }
+}
+
 /// One adapter to create: `y += scaling * B (A x)` with `A: [r, in]`, `B: [out, r]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Adapter {
