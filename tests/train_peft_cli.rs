@@ -161,6 +161,43 @@ fn lora_trains_writes_a_peft_directory_resumes_from_it_and_merges() {
     for (name, t) in &got {
         assert_eq!(ck_merged[name].data, t.data, "{name}");
     }
+    // The checkpoint names the base model instead of copying it: its shard files hold the
+    // adapters and their optimizer state only.
+    let tag = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let saved: u64 = (std::fs::read_dir(ck.join(tag.trim())).unwrap())
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("rank-"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    let base_bytes = std::fs::metadata(model.join("model.safetensors"))
+        .unwrap()
+        .len();
+    assert!(
+        saved * 4 < base_bytes,
+        "checkpoint {saved} bytes, base {base_bytes}"
+    );
+    // Resumed over another base, it refuses, naming the base it was trained over.
+    let wrong = [&common[..]].concat();
+    let wrong: Vec<String> = (wrong.iter())
+        .map(|a| a.replace(s(&model), s(&merged)))
+        .collect();
+    let flags = [
+        "--peft",
+        s(&cfg),
+        "--config",
+        s(&ds),
+        "--steps",
+        "23",
+        "--resume",
+        s(&ck),
+    ];
+    let args: Vec<&str> = wrong.iter().map(String::as_str).chain(flags).collect();
+    let (ok, text) = train(&tmp.0, &args);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("frozen parameters are not the ones"),
+        "{text}"
+    );
     // The two-rank stage-3 checkpoint resumes on one rank and trains on.
     let m2 = tmp.0.join("m2.jsonl");
     let resume = [

@@ -132,7 +132,8 @@ pub fn run(args: &Args) -> Result<(), BoxError> {
         match &init {
             Some((init, files)) => {
                 tuning.load(&mut engine, init)?;
-                engine.set_model_files(tuning.model_files(files));
+                let dir = args.init.as_deref().unwrap_or(std::path::Path::new("."));
+                engine.set_model_files(tuning.model_files(files, dir));
             }
             None => tuning.start(&mut engine)?,
         }

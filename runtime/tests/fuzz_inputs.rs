@@ -53,6 +53,7 @@ fn meta_seed() -> CheckpointMeta {
             shard_len: 16,
             frozen: false,
         }],
+        frozen_base: None,
         files: (0..2)
             .map(|r| FileMeta {
                 name: format!("rank-{r:05}.safetensors"),

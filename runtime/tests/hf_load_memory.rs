@@ -57,6 +57,7 @@ fn write_checkpoint(dir: &Path, c: &LlamaConfig) {
     });
     let files = ModelFiles {
         files: vec![("config.json".into(), serde_json::to_vec(&config).unwrap())],
+        ..Default::default()
     };
     let m = llama::build(c).unwrap();
     let specs = m.units.iter().flat_map(|u| u.module.param_specs());

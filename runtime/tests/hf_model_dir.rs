@@ -57,6 +57,7 @@ fn config_json(c: &LlamaConfig) -> Vec<u8> {
 fn write_dir(dir: &Path, c: &LlamaConfig, t: &[NamedTensor], dtype: DType, max_shard: u64) {
     let files = ModelFiles {
         files: vec![("config.json".into(), config_json(c))],
+        ..Default::default()
     };
     let list: Vec<(String, Vec<usize>)> = t
         .iter()

@@ -205,7 +205,7 @@ fn rank(
         .sequence_length(rows.seq_len())
         .build()?;
     tuning.load(&mut engine, &model.weights)?;
-    engine.set_model_files(tuning.model_files(&model.files));
+    engine.set_model_files(tuning.model_files(&model.files, &model.dir));
     let first = match &args.resume {
         Some(dir) => engine.load_checkpoint(dir, &Tag::Latest)?.data_position,
         None => 0,

@@ -78,12 +78,17 @@ impl Tuning {
     }
 
     /// The files checkpoints carry: the model directory's, and a LoRA run's adapter config
-    /// (so `ferrozero checkpoint consolidate` writes the adapter PEFT loads).
-    pub fn model_files(&self, files: &ModelFiles) -> ModelFiles {
+    /// (so `ferrozero checkpoint consolidate` writes the adapter PEFT loads). With frozen
+    /// parameters, `dir` (the model directory they were loaded from) is named as their base:
+    /// checkpoints keep their fingerprint instead of copying them.
+    pub fn model_files(&self, files: &ModelFiles, dir: &Path) -> ModelFiles {
         let mut out = files.clone();
         if let Self::Lora(run) = self {
             let name = ferrozero_runtime::nn::peft::ADAPTER_CONFIG_FILE.to_string();
             out.files.push((name, run.config_json().into_bytes()));
+        }
+        if !matches!(self, Self::Full) {
+            out.base = Some(std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf()));
         }
         out
     }

@@ -129,12 +129,39 @@ impl Engine {
         let restored = self.restore(&reader);
         checkpoint::agree(self.comm.world.as_ref(), restored)?;
         let m = reader.meta();
+        if let Some(base) = &m.frozen_base {
+            self.check_frozen_base(base, &reader)?;
+        }
         Ok(LoadedCheckpoint {
             tag: m.tag.clone(),
             step: m.step,
             data_position: m.data_position,
             saved_world_size: m.world_size,
         })
+    }
+
+    /// A checkpoint that names its frozen values' base model instead of holding them resumes
+    /// only over those values: the engine's must match the fingerprint saved (collective).
+    fn check_frozen_base(
+        &self,
+        base: &checkpoint::FrozenBase,
+        reader: &checkpoint::CheckpointReader,
+    ) -> Result<()> {
+        let stores = (self.opt.nvme.get(), self.params.swap.store());
+        let shards = self.comm.shards();
+        let got = super::params::frozen_fingerprint(&self.groups, shards, stores)?;
+        match base.matches(got) {
+            true => Ok(()),
+            false => Err(Error::File {
+                path: reader.tag_dir().display().to_string(),
+                reason: format!(
+                    "the frozen parameters are not the ones this checkpoint was trained over \
+                     (sum {:e} and sum of squares {:e}; the engine holds {:e} and {:e}): load the \
+                     base model's weights from {} before load_checkpoint",
+                    base.sum, base.sum_squares, got.0, got.1, base.path
+                ),
+            }),
+        }
     }
 
     /// Restores this rank's groups and the counters, seed and loss scale from `reader`.

@@ -45,6 +45,49 @@ fn shard_values(
     Ok(out)
 }
 
+/// This rank's part of the frozen groups' fingerprint: the f64 sum of its shard's values and
+/// of their squares (padding adds zeros).
+pub(super) fn frozen_partials(
+    groups: &[Group],
+    rank: usize,
+    (nvme, swap): (Option<&NvmeOffload>, Option<&ParamSwap>),
+) -> Result<(f64, f64)> {
+    let (mut sum, mut squares) = (0.0f64, 0.0f64);
+    for g in groups.iter().filter(|g| g.frozen) {
+        for x in shard_values(g, rank, nvme, swap)? {
+            sum += f64::from(x);
+            squares += f64::from(x) * f64::from(x);
+        }
+    }
+    Ok((sum, squares))
+}
+
+/// The frozen groups' fingerprint over `shards` (collective): every rank's
+/// [`frozen_partials`], agreed first so that a rank's failure fails all, then added in rank
+/// order.
+pub(in crate::engine) fn frozen_fingerprint(
+    groups: &[Group],
+    shards: &dyn Communicator,
+    stores: (Option<&NvmeOffload>, Option<&ParamSwap>),
+) -> Result<(f64, f64)> {
+    let local = frozen_partials(groups, shards.rank(), stores);
+    let (sum, squares) = super::checkpoint::agree(shards, local)?;
+    let texts = super::checkpoint::all_gather_text(shards, &format!("{sum:e} {squares:e}"))?;
+    let mut total = (0.0f64, 0.0f64);
+    for t in &texts {
+        let mut parts = t.split(' ').map(str::parse::<f64>);
+        match (parts.next(), parts.next()) {
+            (Some(Ok(a)), Some(Ok(b))) => total = (total.0 + a, total.1 + b),
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "a rank's frozen fingerprint reads {t:?}"
+                )))
+            }
+        }
+    }
+    Ok(total)
+}
+
 /// Every parameter's fp32 value from `groups` sharded over `shards` (collective), the NVMe
 /// stores read where state lives there.
 pub(super) fn gather_parameters(

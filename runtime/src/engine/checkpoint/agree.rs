@@ -29,7 +29,10 @@ pub(in crate::engine) fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> 
 
 /// Every rank's `mine`, in rank order (collective). Bytes travel one per f32, which the
 /// collectives carry exactly; when every text is empty only the lengths move.
-pub(super) fn all_gather_text(comm: &dyn Communicator, mine: &str) -> Result<Vec<String>> {
+pub(in crate::engine) fn all_gather_text(
+    comm: &dyn Communicator,
+    mine: &str,
+) -> Result<Vec<String>> {
     let mut bytes = mine.as_bytes();
     if bytes.len() > MAX_TEXT {
         bytes = &bytes[..MAX_TEXT];

@@ -41,7 +41,13 @@ pub(in crate::engine) fn restore_groups(
     (mut swap, nvme): (Option<&mut ParamSwap>, Option<&NvmeOffload>),
     rank: usize,
 ) -> Result<()> {
+    let by_reference = reader.meta().frozen_base.is_some();
     for (gi, g) in groups.iter_mut().enumerate() {
+        // Frozen values the checkpoint names rather than holds stay as loaded (the caller
+        // checks their fingerprint).
+        if by_reference && reader.meta().groups.get(gi).is_some_and(|m| m.frozen) {
+            continue;
+        }
         restore_group(reader, gi, g, swap.as_deref_mut(), rank)?;
         restore_nvme_state(reader, gi, g, nvme)?;
         if g.work.is_some() {

@@ -56,8 +56,32 @@ pub struct CheckpointMeta {
     pub config: serde_json::Value,
     /// Per group, the flat-buffer layout.
     pub groups: Vec<GroupMeta>,
+    /// Where the frozen groups' values come from when the checkpoint does not hold them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen_base: Option<FrozenBase>,
     /// Per rank, its shard file.
     pub files: Vec<FileMeta>,
+}
+
+/// The model directory a run's frozen parameters were loaded from, named instead of copied,
+/// and a fingerprint of their values that a resume checks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrozenBase {
+    /// The directory, as the run named it.
+    pub path: String,
+    /// The sum of every frozen value, in f64.
+    pub sum: f64,
+    /// The sum of their squares, in f64.
+    pub sum_squares: f64,
+}
+
+impl FrozenBase {
+    /// Whether `(sum, sum_squares)` is this fingerprint up to summation order (world sizes
+    /// add the shards' partial sums differently).
+    pub fn matches(&self, (sum, sum_squares): (f64, f64)) -> bool {
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+        close(self.sum, sum) && close(self.sum_squares, sum_squares)
+    }
 }
 
 /// One group's flat-buffer layout.

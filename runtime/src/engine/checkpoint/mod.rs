@@ -20,10 +20,10 @@ mod save;
 mod shard_file;
 mod stream;
 
-pub(in crate::engine) use agree::agree;
+pub(in crate::engine) use agree::{agree, all_gather_text};
 pub use consolidate::{consolidate, consolidate_dir, ConsolidateReport, OutputDType};
 pub(in crate::engine) use load::{open_checked, restore_groups, same_kind};
-pub use meta::{CheckpointMeta, FileMeta, GroupMeta, SlotMeta, TensorKind};
+pub use meta::{CheckpointMeta, FileMeta, FrozenBase, GroupMeta, SlotMeta, TensorKind};
 pub use peft_export::{checkpoint_adapter, export_adapter, export_merged};
 pub use reader::CheckpointReader;
 pub(in crate::engine) use save::{check_tag, Saving};

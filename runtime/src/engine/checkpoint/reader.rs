@@ -12,6 +12,8 @@ use super::fsio;
 use super::meta::{CheckpointMeta, TensorKind, LATEST_FILE};
 use super::shard_file::ShardFile;
 use super::Tag;
+use crate::nn::hf::HfModel;
+use crate::nn::weights::{ModelWeights, Naming, ParamSource, CONFIG_FILE};
 use crate::tensor::DType;
 use crate::{Error, Result};
 
@@ -20,6 +22,8 @@ pub struct CheckpointReader {
     dir: PathBuf,
     meta: CheckpointMeta,
     files: Vec<OnceLock<ShardFile>>,
+    /// The base model frozen values are read from when the checkpoint names it.
+    base: OnceLock<std::result::Result<ModelWeights, String>>,
 }
 
 /// Resolves `tag` in `dir` to a tag name (reading `latest` for [`Tag::Latest`]).
@@ -83,6 +87,7 @@ impl CheckpointReader {
             dir: tag_dir,
             meta,
             files,
+            base: OnceLock::new(),
         })
     }
 
@@ -198,6 +203,47 @@ impl CheckpointReader {
         Ok(out)
     }
 
+    /// The base model a checkpoint's frozen values come from, opened once (an error naming
+    /// it when it is gone).
+    fn base_weights(&self) -> Result<&ModelWeights> {
+        let Some(fb) = &self.meta.frozen_base else {
+            return Err(Error::Invalid("the checkpoint names no base model".into()));
+        };
+        let opened = self.base.get_or_init(|| {
+            let files = self.model_files().map_err(|e| e.to_string())?;
+            let config = files.files.iter().find(|(n, _)| n == CONFIG_FILE);
+            let naming = match config {
+                Some((_, b)) => HfModel::from_json(&String::from_utf8_lossy(b), CONFIG_FILE)
+                    .map_err(|e| e.to_string())?
+                    .naming(),
+                None => Naming::Exact,
+            };
+            ModelWeights::open(Path::new(&fb.path), naming).map_err(|e| e.to_string())
+        });
+        opened.as_ref().map_err(|e| Error::File {
+            path: fb.path.clone(),
+            reason: format!(
+                "the base model this checkpoint's frozen parameters are read from: {e}"
+            ),
+        })
+    }
+
+    /// Elements `range` of a frozen group the checkpoint names instead of holding, from the
+    /// base model, slot by slot (padding reads zero).
+    fn read_from_base(&self, g: usize, range: Range<usize>) -> Result<Vec<f32>> {
+        let base = self.base_weights()?;
+        let mut out = vec![0.0; range.len()];
+        for s in &self.meta.groups[g].slots {
+            let r = s.offset.max(range.start)..(s.offset + s.numel).min(range.end);
+            if r.is_empty() {
+                continue;
+            }
+            let v = base.read(&s.name, r.start - s.offset..r.end - s.offset)?;
+            out[r.start - range.start..r.end - range.start].copy_from_slice(&v);
+        }
+        Ok(out)
+    }
+
     /// The dtype tensors of `kind` were saved in.
     pub fn kind_dtype(&self, kind: TensorKind) -> DType {
         match kind {
@@ -216,6 +262,9 @@ impl CheckpointReader {
     /// parameters themselves (f32, or a frozen group's in the run's dtype, widened).
     pub fn read_values(&self, g: usize, range: Range<usize>) -> Result<Vec<f32>> {
         let frozen = self.meta.groups.get(g).is_some_and(|m| m.frozen);
+        if frozen && self.meta.frozen_base.is_some() {
+            return self.read_from_base(g, range);
+        }
         let kind = if self.meta.has_master && !frozen {
             TensorKind::Master
         } else {

@@ -12,8 +12,8 @@ use ferrozero_config::resolved::ResolvedConfig;
 use super::agree::{agree, all_gather_text};
 use super::fsio;
 use super::meta::{
-    dtype_name, rank_file_name, CheckpointMeta, FileMeta, GroupMeta, TensorKind, FORMAT,
-    LATEST_FILE, META_FILE, MODEL_DIR, VERSION,
+    dtype_name, rank_file_name, CheckpointMeta, FileMeta, FrozenBase, GroupMeta, TensorKind,
+    FORMAT, LATEST_FILE, META_FILE, MODEL_DIR, VERSION,
 };
 use super::reader::st_dtype;
 use super::shard_file::{self, Bytes, RawTensor};
@@ -170,14 +170,17 @@ impl Saving<'_> {
                 Ok(())
             },
         )?;
+        let base = self.frozen_base()?;
         // Under hybrid sharding every shard group holds the same state: the first group's
         // ranks write it, and the checkpoint is the one a plain run over one group writes.
         let writes = rank == self.comm.shards().rank();
-        let mine = writes.then(|| self.write_rank_file(&tmp)).transpose();
+        let mine = writes
+            .then(|| self.write_rank_file(&tmp, base.is_some()))
+            .transpose();
         let mine = agree(world, mine)?;
         let files = self.gather_file_meta(mine)?;
         let publish = if rank == 0 {
-            self.write_meta(&tmp, tag, data_position, files)
+            self.write_meta(&tmp, (tag, data_position), files, base)
                 .and_then(|()| fsio::publish_dir(&tmp, &dst))
                 .and_then(|()| fsio::replace_file(&dir.join(LATEST_FILE), tag.as_bytes()))
         } else {
@@ -187,7 +190,28 @@ impl Saving<'_> {
         Ok(dst)
     }
 
-    fn write_rank_file(&self, tmp: &Path) -> Result<FileMeta> {
+    /// The base model the frozen parameters are named by instead of copied, with their
+    /// fingerprint (collective), when the run named one and has frozen parameters.
+    fn frozen_base(&self) -> Result<Option<FrozenBase>> {
+        let Some(path) = &self.model_files.base else {
+            return Ok(None);
+        };
+        if !self.groups.iter().any(|g| g.frozen) {
+            return Ok(None);
+        }
+        let stores = (self.opt.nvme.get(), self.swap);
+        let fp = crate::engine::params::frozen_fingerprint(self.groups, self.comm.shards(), stores);
+        let (sum, sum_squares) = fp?;
+        Ok(Some(FrozenBase {
+            path: path.display().to_string(),
+            sum,
+            sum_squares,
+        }))
+    }
+
+    /// Writes this rank's shard file; `by_reference`: frozen groups are left out (the base
+    /// model holds them).
+    fn write_rank_file(&self, tmp: &Path, by_reference: bool) -> Result<FileMeta> {
         let rank = self.comm.shards().rank();
         // NVMe-resident state streams into the file one group at a time.
         let streamer = Streamer::default();
@@ -198,7 +222,9 @@ impl Saving<'_> {
         };
         let mut tensors = Vec::new();
         for (gi, g) in self.groups.iter().enumerate() {
-            group_tensors(gi, g, src, rank, &mut tensors)?;
+            if !(g.frozen && by_reference) {
+                group_tensors(gi, g, src, rank, &mut tensors)?;
+            }
         }
         let info = HashMap::from([
             ("format".to_string(), FORMAT.to_string()),
@@ -253,7 +279,13 @@ impl Saving<'_> {
             .collect())
     }
 
-    fn write_meta(&self, tmp: &Path, tag: &str, pos: u64, files: Vec<FileMeta>) -> Result<()> {
+    fn write_meta(
+        &self,
+        tmp: &Path,
+        (tag, pos): (&str, u64),
+        files: Vec<FileMeta>,
+        frozen_base: Option<FrozenBase>,
+    ) -> Result<()> {
         let dtype = match &self.groups.first().map(|g| &g.params) {
             Some(ParamStore::Replicated(b)) => b.dtype(),
             Some(ParamStore::Partitioned { shard, .. }) => shard.dtype(),
@@ -287,6 +319,7 @@ impl Saving<'_> {
                 })
                 .collect(),
             files,
+            frozen_base,
         };
         let json = serde_json::to_vec_pretty(&meta)
             .map_err(|e| Error::Invalid(format!("metadata does not serialise: {e}")))?;

@@ -37,6 +37,10 @@ pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 pub struct ModelFiles {
     /// `(file name, contents)`, `config.json` first when present.
     pub files: Vec<(String, Vec<u8>)>,
+    /// The model directory the frozen parameters' values were loaded from, when a run says
+    /// so: its checkpoints then name it and keep a fingerprint of those values instead of
+    /// copying them (a LoRA run's base model).
+    pub base: Option<std::path::PathBuf>,
 }
 
 impl ModelFiles {
@@ -56,7 +60,7 @@ impl ModelFiles {
                 ));
             }
         }
-        Ok(Self { files })
+        Ok(Self { files, base: None })
     }
 }
 
