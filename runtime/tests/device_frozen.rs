@@ -119,6 +119,14 @@ fn frozen_training(d: &Dev) {
 test_device!(frozen_training);
 
 fn lora_training(d: &Dev) {
-    check(d, lora, vec![("stage 3 with offload", offloaded(d))]);
+    let mut busy = offloaded(d);
+    busy.zero.overlap_comm = true;
+    busy.activation_checkpointing = Some(common::checkpointing(true));
+    let others = vec![
+        ("stage 2", cfg_for(d, ZeroStage::Stage2)),
+        ("stage 3 with offload", offloaded(d)),
+        ("stage 3, offload, overlap, host checkpoints", busy),
+    ];
+    check(d, lora, others);
 }
 test_device!(lora_training);

@@ -16,7 +16,7 @@ use ferrozero_config::resolved::ZeroStage;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::hf::HfModel;
-use ferrozero_runtime::nn::peft::{AdapterWeights, PeftSource};
+use ferrozero_runtime::nn::peft::{AdapterWeights, PeftRun, PeftSource};
 use ferrozero_runtime::nn::weights::{self, Naming};
 use ferrozero_runtime::nn::Batch;
 use peft_common::{fixtures, saved_params, sites, tensors};
@@ -164,8 +164,52 @@ fn check(arch: &str) {
                 !same
             );
         }
+        check_exports(arch, &after);
     }
     assert_ne!(f.want[0], f.want[STEPS - 1]);
+}
+
+/// The trained adapter against PEFT's trained adapter (`peft/<arch>/trained`), and the merged
+/// model against PEFT's `merge_and_unload()` (`peft/<arch>/parity.safetensors`): within 1e-4.
+fn check_exports(arch: &str, after: &[NamedTensor]) {
+    let hf = HfModel::from_file(&fixtures().join(format!("hf/{arch}/config.json"))).unwrap();
+    let run = PeftRun::open(&fixtures().join(format!("peft/{arch}/trained")), &hf).unwrap();
+    let want = run.start.as_ref().unwrap();
+    let got = run.weights_of(after).unwrap();
+    let mut worst = 0.0f32;
+    for (m, f) in &want.lora {
+        let g = &got.lora[m];
+        for (x, y) in f.a.iter().zip(&g.a).chain(f.b.iter().zip(&g.b)) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    for (n, t) in &want.saved {
+        for (x, y) in t.data.iter().zip(&got.saved[n].data) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    assert!(
+        worst <= 1e-4,
+        "{arch}: the trained adapter is {worst:e} from PEFT's"
+    );
+    let merged = run.merged(after.to_vec()).unwrap();
+    let peft = tensors(&fixtures().join(format!("peft/{arch}/parity.safetensors")));
+    let mut worst_merged = 0.0f32;
+    for (name, v) in peft.iter().filter(|(n, _)| *n != "losses") {
+        let ours = &merged
+            .iter()
+            .find(|t| t.name == hf.naming().canonical(name))
+            .unwrap()
+            .data;
+        for (x, y) in ours.iter().zip(v) {
+            worst_merged = worst_merged.max((x - y).abs());
+        }
+    }
+    assert!(
+        worst_merged <= 1e-4,
+        "{arch}: merged {worst_merged:e} from PEFT's merge"
+    );
+    eprintln!("{arch}: adapter within {worst:.1e} of PEFT's, merged within {worst_merged:.1e}");
 }
 
 #[test]
