@@ -51,6 +51,7 @@ pub(super) fn assemble(
     }
     let (mut obs, comm) = Observers::open(&cfg, comm)?;
     let (be, model) = obs.instrument(be, model);
+    super::lamb::check(&cfg, &*be)?;
     let comm = Comms::open(&cfg, comm)?;
     let shards = comm.shards();
     let stage = stage::for_stage(cfg.zero.stage);

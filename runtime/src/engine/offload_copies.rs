@@ -36,7 +36,7 @@ use crate::tensor::{View, ViewMut};
 use crate::{Error, Result};
 
 /// The host executor of offloaded optimizer state.
-static HOST: CpuBackend = CpuBackend;
+pub(super) static HOST: CpuBackend = CpuBackend;
 
 /// What a group's host step reads from device memory, on its way down. The default is
 /// "not fetched": the step then fetches it itself and waits at once.
