@@ -22,8 +22,10 @@ pub enum OptimizerType {
     /// Lion: sign of an interpolated momentum (one state buffer instead of Adam's two).
     Lion,
     /// LAMB as DeepSpeed's `FusedLamb`: Adam's moments, the update scaled per parameter
-    /// tensor by the trust ratio `|w| / |u|` clamped to `[min_coeff, max_coeff]`. Runs on the
-    /// CPU device (a GPU is refused when the engine starts).
+    /// tensor by the trust ratio `|w| / |u|` clamped to `[min_coeff, max_coeff]`. Runs where
+    /// the optimizer state is in host memory: the CPU device, or a GPU with
+    /// `zero_optimization.offload_optimizer.device = "cpu"` (without it a GPU is refused when
+    /// the engine starts).
     Lamb,
 }
 

@@ -19,6 +19,13 @@
 //! - Pass 2 recomputes each element's direction from the moments and applies the update with
 //!   its tensor's ratio, writing the low-precision copy in the same pass.
 //!
+//! Both passes run where the optimizer state lives ([`Placement`]): in place on the compute
+//! device (the CPU; a device without LAMB kernels is refused by [`check`]), or on the host
+//! for offloaded state, reading what `offload_copies::fetch` brings down (the parameters when
+//! they are their own master weights) and, in pass 2, uploading the updated device values on
+//! the copy stream as the element-wise host step does (`device_lamb.rs`: stages 0-3 bitwise
+//! on the emulated GPU too).
+//!
 //! The padding after the last slot belongs to no tensor: its moments stay zero (its
 //! gradients are zero) and pass 2 leaves it untouched. `sub_group_size` does not tile these
 //! passes (a run is one kernel call; the kernels split it across threads themselves).
@@ -29,15 +36,19 @@ use ferrozero_config::resolved::{OffloadTarget, OptimizerConfig, ResolvedConfig}
 use ferrozero_offload::optim::{lamb_coeff, LambHyper};
 
 use super::group::{empty_storage, owned_params, read_as, Group};
+use super::offload_copies::{
+    host_read, host_step_with, HostState, Inbound, Landing, UploadWindow, HOST,
+};
 use super::partition::GroupLayout;
 use crate::backend::{Backend, GradView};
 use crate::comm::{BufMut, BufRef, Communicator};
-use crate::tensor::DType;
+use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::{Error, Result};
 
 /// Refuses, when the optimizer is LAMB, what its step does not support, each naming the key
 /// to change: `be` (the compute device) must run LAMB's passes when the optimizer state
-/// stays on it, and parameters or state on NVMe and bf16 optimizer values are refused.
+/// stays on it (a GPU does not: its state must be offloaded to the host), and parameters or
+/// state on NVMe and bf16 optimizer values are refused.
 pub fn check(cfg: &ResolvedConfig, be: &dyn Backend) -> Result<()> {
     if !matches!(cfg.optimizer, OptimizerConfig::Lamb { .. }) {
         return Ok(());
@@ -61,18 +72,21 @@ pub fn check(cfg: &ResolvedConfig, be: &dyn Backend) -> Result<()> {
              and bf16.bf16_optimizer_states",
         );
     }
-    // A device runs LAMB's passes only if its optimizer kernels have them: probed on empty
-    // views (a device without them refuses before it looks at the views).
-    if let Err(e) = probe(be) {
-        return match cfg.zero.offload_optimizer.target {
-            OffloadTarget::None => refuse(&format!(
+    // With the state on the compute device, the device runs LAMB's passes only if its
+    // optimizer kernels have them: probed on empty views (a device without them refuses
+    // before it looks at the views). Offloaded state is the host's, which has them.
+    let in_place = cfg.zero.offload_optimizer.target == OffloadTarget::None;
+    let probed = match in_place {
+        true => probe(be),
+        false => probe(&HOST),
+    };
+    if let Err(e) = probed.map_err(|e| (in_place, e)) {
+        return match e {
+            (true, e) => refuse(&format!(
                 "runs where the optimizer state is in host memory, not on this device ({e}): \
                  set zero_optimization.offload_optimizer.device = \"cpu\""
             )),
-            _ => refuse(&format!(
-                "runs on the CPU device only for now: the offloaded host step on a GPU \
-                 does not carry LAMB's two passes yet ({e})"
-            )),
+            (false, e) => refuse(&format!("cannot run its host step: {e}")),
         };
     }
     Ok(())
@@ -160,77 +174,118 @@ impl Partials {
     }
 }
 
-/// Pass 1 over one group on `exec` (the compute device, or the host for offloaded state):
-/// the moments of the owned range updated, the owned runs' partial sums recorded.
+/// Where a group's state lives for LAMB's passes: on the compute device, which runs them in
+/// place, or offloaded to host memory, where the host runs them on what
+/// `offload_copies` brings down and the updated device values go up on the copy stream.
+pub enum Placement<'a> {
+    /// The state is on the compute device: its backend runs the passes on the group's views.
+    InPlace(&'a dyn Backend),
+    /// The state is in host memory: the host runs the passes; device values move on the
+    /// compute device's copy streams, uploads held in the window.
+    Offloaded(&'a dyn Backend, &'a UploadWindow),
+}
+
+/// Pass 1 over one group: the moments of the owned range updated, the owned runs' partial
+/// sums recorded.
 pub fn moments(
     g: &mut Group,
     (hp, grad_scale): (&LambHyper, f32),
-    exec: &dyn Backend,
+    at: &Placement<'_>,
 ) -> Result<Partials> {
     let mut partials = Partials::new(&g.layout);
     let runs = runs(&g.layout, &g.owned);
-    let Group {
-        params,
-        master,
-        grad,
-        grad_read,
-        grad_offset,
-        m,
-        v,
-        owned,
-        ..
-    } = g;
-    let (p, _) = owned_params(params, master, owned)?;
-    let p = p.as_view();
-    for r in runs {
-        let local = r.range.start - owned.start..r.range.end - owned.start;
-        let gr = r.range.start - *grad_offset..r.range.end - *grad_offset;
-        let grads = read_as(grad.range(gr)?, *grad_read);
-        let s = exec.lamb_moments(
-            hp,
-            grad_scale,
-            (p.range(local.clone())?, grads),
-            m.range_mut(local.clone())?,
-            v.range_mut(local)?,
-        )?;
-        partials.sums[r.slot * partials.shards + r.shard] = s;
+    let start = g.owned.start;
+    let mut pass = |p: View<'_>, grads: GradView<'_>, m: &mut Storage, v: &mut Storage, exec| {
+        for r in &runs {
+            let local = r.range.start - start..r.range.end - start;
+            let s = (exec as &dyn Backend).lamb_moments(
+                hp,
+                grad_scale,
+                (p.range(local.clone())?, grads.range(local.clone())?),
+                m.range_mut(local.clone())?,
+                v.range_mut(local)?,
+            )?;
+            partials.sums[r.slot * partials.shards + r.shard] = s;
+        }
+        Ok(())
+    };
+    match at {
+        Placement::InPlace(be) => {
+            let Group {
+                params,
+                master,
+                grad,
+                grad_read,
+                grad_offset,
+                m,
+                v,
+                owned,
+                ..
+            } = g;
+            let (p, _) = owned_params(params, master, owned)?;
+            let gv = grad.range(owned.start - *grad_offset..owned.end - *grad_offset)?;
+            pass(p.as_view(), read_as(gv, *grad_read), m, v, *be)?;
+        }
+        Placement::Offloaded(be, _) => {
+            host_read(g, *be, |p, gv, m, v| pass(p, gv, m, v, &HOST))?;
+        }
     }
     Ok(partials)
 }
 
 /// Pass 2 over one group: every owned run updated with its tensor's trust ratio, the
-/// stored low-precision copy written in the same pass.
+/// stored low-precision copy written in the same pass (in staging memory and uploaded when
+/// it lives on the device; the upload waits in the group's `landing`).
 pub fn apply(
     g: &mut Group,
     (hp, step): (&LambHyper, u64),
     partials: &Partials,
-    exec: &dyn Backend,
+    at: &Placement<'_>,
 ) -> Result<()> {
     let coeffs = partials.coeffs(hp);
     let runs = runs(&g.layout, &g.owned);
-    let Group {
-        params,
-        master,
-        m,
-        v,
-        owned,
-        ..
-    } = g;
-    let (mut p, mut lp) = owned_params(params, master, owned)?;
-    for r in runs {
-        let local = r.range.start - owned.start..r.range.end - owned.start;
-        let lp_r = match &mut lp {
-            Some((b, off)) => Some(b.range_mut(*off + local.start..*off + local.end)?),
-            None => None,
-        };
-        exec.lamb_apply(
-            (hp, step, coeffs[r.slot]),
-            p.reborrow().range(local.clone())?,
-            (m.range(local.clone())?, v.range(local)?),
-            lp_r,
-        )?;
+    let start = g.owned.start;
+    let pass = |mut p: ViewMut<'_>, m: &Storage, v: &Storage, mut lp: Option<ViewMut<'_>>, exec| {
+        for r in &runs {
+            let local = r.range.start - start..r.range.end - start;
+            let lp_r = match &mut lp {
+                Some(b) => Some(b.reborrow().range(local.clone())?),
+                None => None,
+            };
+            (exec as &dyn Backend).lamb_apply(
+                (hp, step, coeffs[r.slot]),
+                p.reborrow().range(local.clone())?,
+                (m.range(local.clone())?, v.range(local)?),
+                lp_r,
+            )?;
+        }
+        Ok(())
+    };
+    match at {
+        Placement::InPlace(be) => {
+            let Group {
+                params,
+                master,
+                m,
+                v,
+                owned,
+                ..
+            } = g;
+            let (p, lp) = owned_params(params, master, owned)?;
+            let lp = match lp {
+                Some((b, off)) => Some(b.range_mut(off..off + owned.len())?),
+                None => None,
+            };
+            pass(p, m, v, lp, *be)
+        }
+        Placement::Offloaded(be, window) => {
+            g.landing = Landing::default();
+            let update =
+                |p: ViewMut<'_>, _: GradView<'_>, h: HostState<'_>| pass(p, h.m, h.v, h.lp, &HOST);
+            g.landing = host_step_with(g, (Inbound::default(), window), *be, update)?;
+            Ok(())
+        }
     }
-    Ok(())
 }
 
 /// Completes every group's table across the shard group `comm` when each rank owns one

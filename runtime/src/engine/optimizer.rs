@@ -243,6 +243,11 @@ impl Optimizer {
         })
     }
 
+    /// The window of parameter uploads in flight that offloaded host steps share.
+    pub fn uploads(&self) -> &UploadWindow {
+        &self.uploads
+    }
+
     /// Whether the step needs whole tensors' norms (LAMB), so it is not one element-wise
     /// call per run.
     pub fn per_tensor(&self) -> bool {

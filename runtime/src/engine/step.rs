@@ -10,7 +10,7 @@ use super::offload_copies::Inbound;
 use super::optimizer::{Optimizer, StepValues};
 use super::optimizer_overlap::Overlapped;
 use super::report::{StepReport, Timings};
-use crate::backend::{Backend, ClipRule};
+use crate::backend::ClipRule;
 use crate::comm::{BufMut, ReduceOp};
 use crate::nn::Batch;
 use crate::{Error, Result};
@@ -230,13 +230,13 @@ impl Engine {
                 "LAMB's step does not overlap backward, yet a group came back stepped".into(),
             ));
         }
-        let exec: &dyn Backend = match self.state_on_device() {
-            true => &*self.be,
-            false => &super::offload_copies::HOST,
+        let at = match self.state_on_device() {
+            true => lamb::Placement::InPlace(&*self.be),
+            false => lamb::Placement::Offloaded(&*self.be, self.opt.optimizer.uploads()),
         };
         let mut tables = Vec::with_capacity(self.groups.len());
         for g in &mut self.groups {
-            tables.push(lamb::moments(g, (hp, sv.grad_scale), exec)?);
+            tables.push(lamb::moments(g, (hp, sv.grad_scale), &at)?);
         }
         let sharded = self
             .groups
@@ -244,7 +244,7 @@ impl Engine {
             .any(|g| g.owned != (0..g.layout.padded()));
         lamb::combine(&mut tables, sharded, self.comm.one_copy())?;
         for (g, table) in self.groups.iter_mut().zip(&tables) {
-            lamb::apply(g, (hp, sv.step), table, exec)?;
+            lamb::apply(g, (hp, sv.step), table, &at)?;
         }
         self.obs.timings.optimizer += t.elapsed().as_secs_f64();
         Ok(())
