@@ -14,6 +14,7 @@ use ferrozero_config::resolved::{
 };
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
+use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 
 const V: usize = 11;
@@ -160,6 +161,18 @@ fn unsupported_placements_are_refused_by_name() {
     };
     let e = build_error(&bf16);
     assert!(e.contains("bf16_master_weights_and_grads"), "{e}");
+
+    // The optimizer lane, forced on, is refused rather than run without the global norms.
+    let mut lane = lamb_config(ZeroStage::Stage2, 1, Precision::F32);
+    lane.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    let r = run_ranks(1, Duration::from_secs(30), |comm| {
+        let be = ferrozero_runtime::backend::cpu();
+        let model = toy::model(V, D, T, LAYERS);
+        Engine::with_backend_and_overlap(model, lane.clone(), comm, be, OptimizerOverlap::On)
+            .map(|_| ())
+    });
+    let e = r.expect_err("the lane was armed").to_string();
+    assert!(e.contains("does not overlap"), "{e}");
 }
 
 /// LAMB's state is Adam's two moments in the same layout: a checkpoint saved at stage 1

@@ -227,7 +227,7 @@ fn read_params(
     if let Some(kind) = kind {
         check_applicable(cx, path, kind, &p);
         if kind == OptimizerType::Lamb {
-            refuse_adam_switches(cx, path, node);
+            refuse_adam_switches(cx, path, &mut t);
             check_coeffs(cx, path, &p);
         }
     }
@@ -280,16 +280,13 @@ fn check_applicable(cx: &mut Cx<'_>, path: &str, kind: OptimizerType, p: &Optimi
 }
 
 /// `torch_adam` and `fused` choose DeepSpeed's Adam implementation; `FusedLamb` takes neither
-/// (DeepSpeed fails on them), so under Lamb they are refused by name.
-fn refuse_adam_switches(cx: &mut Cx<'_>, path: &str, node: &Node) {
-    let Kind::Table(entries) = &node.kind else {
-        return;
-    };
-    for e in entries
-        .iter()
-        .filter(|e| e.key == "torch_adam" || e.key == "fused")
-    {
-        let key = &e.key;
+/// (DeepSpeed fails on them), so under Lamb they are refused by name (taken here, so they
+/// are not also reported as ignored Adam switches).
+fn refuse_adam_switches(cx: &mut Cx<'_>, path: &str, t: &mut TableReader<'_>) {
+    for key in ["torch_adam", "fused"] {
+        let Some(e) = t.take(cx, key, &[]) else {
+            continue;
+        };
         let key_path = format!("{path}.{key}");
         let span = e.value.span.clone();
         cx.error(Report {
