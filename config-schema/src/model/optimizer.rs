@@ -218,8 +218,13 @@ fn read_params(
                 kind: DiagnosticKind::Unsupported,
                 path: &format!("{path}.amsgrad"),
                 span: &span,
-                message: "AMSGrad is not supported by ferrozero (nor by DeepSpeed's FusedLamb)"
-                    .into(),
+                message: match kind {
+                    Some(OptimizerType::Lamb) => {
+                        "AMSGrad is not supported by Lamb (DeepSpeed's FusedLamb refuses it too)"
+                    }
+                    _ => "AMSGrad is not supported by ferrozero",
+                }
+                .into(),
                 help: Some("remove `amsgrad` or set it to false".into()),
             });
         }
