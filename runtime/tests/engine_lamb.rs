@@ -209,3 +209,31 @@ fn lamb_checkpoint_resumes_exactly_across_stages() {
     .expect("resume failed");
     assert!(bits(&whole) == bits(&resumed[0]), "the resumed run differs");
 }
+
+/// The shard group is where LAMB's partials are gathered: under MiCS (`mics_shard_size` 2
+/// at world 4: two groups of two) each tensor's norm comes from its group's two shards, and
+/// the run trains like plain stage 3 at world 4 (within 1e-5: only the gradients' sum order
+/// differs); under hpZ (state sharded over all four) it is plain stage 3's bits.
+#[test]
+fn lamb_under_mics_and_hpz_gathers_within_the_shard_group() {
+    let plain = lamb_config(ZeroStage::Stage3, 4, Precision::F32);
+    let (p_plain, l_plain) = train(&plain, 6);
+    let mut mics = plain.clone();
+    mics.zero.mics_shard_size = 2;
+    let (p_mics, l_mics) = train(&mics, 6);
+    for (a, b) in l_plain.iter().zip(&l_mics) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "losses {a} vs {b}");
+    }
+    for (x, y) in p_plain.iter().zip(&p_mics) {
+        for (a, b) in x.data.iter().zip(&y.data) {
+            let tol = 1e-5 * a.abs().max(b.abs()).max(1e-2);
+            assert!((a - b).abs() <= tol, "{}: {a} vs {b}", x.name);
+        }
+    }
+    let mut hpz = plain.clone();
+    hpz.zero.hpz_partition_size = 2;
+    assert!(
+        bits(&p_plain) == bits(&train(&hpz, 6).0),
+        "hpZ changed LAMB's bits"
+    );
+}
