@@ -23,9 +23,8 @@ pub enum OptimizerType {
     Lion,
     /// LAMB as DeepSpeed's `FusedLamb`: Adam's moments, the update scaled per parameter
     /// tensor by the trust ratio `|w| / |u|` clamped to `[min_coeff, max_coeff]`. Runs where
-    /// the optimizer state is in host memory: the CPU device, or a GPU with
-    /// `zero_optimization.offload_optimizer.device = "cpu"` (without it a GPU is refused when
-    /// the engine starts).
+    /// the optimizer state lives: on the CPU, on a GPU (its kernels), or on the host with
+    /// `zero_optimization.offload_optimizer.device = "cpu"`, with the same bits.
     Lamb,
 }
 

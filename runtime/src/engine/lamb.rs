@@ -20,7 +20,8 @@
 //!   its tensor's ratio, writing the low-precision copy in the same pass.
 //!
 //! Both passes run where the optimizer state lives ([`Placement`]): in place on the compute
-//! device (the CPU; a device without LAMB kernels is refused by [`check`]), or on the host
+//! device (the CPU, or a GPU's kernels with the CPU's bits; a device without LAMB kernels is
+//! refused by [`check`]), or on the host
 //! for offloaded state, reading what `offload_copies::fetch` brings down (the parameters when
 //! they are their own master weights) and, in pass 2, uploading the updated device values on
 //! the copy stream as the element-wise host step does (`device_lamb.rs`: stages 0-3 bitwise
@@ -47,8 +48,8 @@ use crate::{Error, Result};
 
 /// Refuses, when the optimizer is LAMB, what its step does not support, each naming the key
 /// to change: `be` (the compute device) must run LAMB's passes when the optimizer state
-/// stays on it (a GPU does not: its state must be offloaded to the host), and parameters or
-/// state on NVMe and bf16 optimizer values are refused.
+/// stays on it (a device without them must offload the state to the host), and parameters
+/// or state on NVMe and bf16 optimizer values are refused.
 pub fn check(cfg: &ResolvedConfig, be: &dyn Backend) -> Result<()> {
     if !matches!(cfg.optimizer, OptimizerConfig::Lamb { .. }) {
         return Ok(());
