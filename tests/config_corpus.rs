@@ -122,6 +122,12 @@ const EXPECTED: &[(&str, &str, &str)] = &[
         "zero_optimization.stage3_gather_fp16_weights_on_model_save",
     ),
     ("invalid/onebit_adam.json", "error", "optimizer.type"),
+    // DeepSpeed's FusedLamb raises on AMSGrad too.
+    (
+        "invalid/lamb_amsgrad.json",
+        "error",
+        "optimizer.params.amsgrad",
+    ),
     (
         "invalid/ratio_below_stage3.json",
         "error",

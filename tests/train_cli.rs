@@ -193,6 +193,52 @@ fn a_deepspeed_config_with_monitors_runs_through_ferrozero_train() {
     assert!(text.contains("reduce_scatter_tensor"), "{text}");
 }
 
+/// A DeepSpeed config with a Lamb section (every FusedLamb key) trains through
+/// `ferrozero train` at two ranks, stage 2 (each rank owns a shard: the trust ratios come from
+/// partial norms combined across ranks), with the optimizer state on the CPU device.
+#[test]
+fn a_deepspeed_lamb_config_trains_through_ferrozero_train() {
+    let tmp = TempDir::new("lamb");
+    let model = tmp.0.join("model");
+    model_dir(&model);
+    let config = serde_json::json!({
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "Lamb", "params": {
+            "lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "eps_inside_sqrt": false,
+            "weight_decay": 0.01, "bias_correction": true, "max_coeff": 10.0,
+            "min_coeff": 0.01, "amsgrad": false}}
+    });
+    let ds = tmp.0.join("ds_config.json");
+    std::fs::write(&ds, config.to_string()).unwrap();
+    let m = tmp.0.join("m.jsonl");
+    let corpus = repo("data/shakespeare/input.txt");
+    let args = [
+        "--model",
+        s(&model),
+        "--data",
+        s(&corpus),
+        "--config",
+        s(&ds),
+        "--ranks",
+        "2",
+        "--steps",
+        "20",
+        "--seq-len",
+        "32",
+        "--metrics",
+        s(&m),
+        "--no-cache",
+        "--no-progress",
+    ];
+    let (ok, text) = train(&tmp.0, &args);
+    assert!(ok, "{text}");
+    let losses = metrics(&m, "loss");
+    assert_eq!(losses.len(), 20, "{text}");
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert!(losses[19] < losses[0], "loss did not fall: {losses:?}");
+}
+
 /// As a new user runs it, from the data's directory with a relative `--data`, output to a
 /// file: the second run reads the token cache the first wrote (it was deleted as stale
 /// before), the log shows the held-out losses, `--output` carries `generation_config.json`,

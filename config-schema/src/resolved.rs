@@ -167,6 +167,27 @@ pub enum OptimizerConfig {
         /// Decoupled weight decay.
         weight_decay: f64,
     },
+    /// LAMB with DeepSpeed's `FusedLamb` semantics (the formula is documented on
+    /// `ferrozero_offload::optim::lamb_moments`'s module): Adam's moments, a per-tensor trust
+    /// ratio.
+    Lamb {
+        /// Learning rate.
+        lr: f64,
+        /// (beta1, beta2).
+        betas: (f64, f64),
+        /// Epsilon.
+        eps: f64,
+        /// `sqrt(v + eps)` rather than `sqrt(v) + eps`.
+        eps_inside_sqrt: bool,
+        /// Weight decay, added to the update direction.
+        weight_decay: f64,
+        /// Fold the bias corrections into the step size.
+        bias_correction: bool,
+        /// Upper clamp of the trust ratio.
+        max_coeff: f64,
+        /// Lower clamp of the trust ratio.
+        min_coeff: f64,
+    },
 }
 
 impl OptimizerConfig {
@@ -175,7 +196,8 @@ impl OptimizerConfig {
         match self {
             OptimizerConfig::Adam { lr, .. }
             | OptimizerConfig::Sgd { lr, .. }
-            | OptimizerConfig::Lion { lr, .. } => *lr,
+            | OptimizerConfig::Lion { lr, .. }
+            | OptimizerConfig::Lamb { lr, .. } => *lr,
         }
     }
 }

@@ -268,3 +268,60 @@ fn auto_is_accepted_only_where_deepspeed_accepts_it() {
         "expected an integer",
     );
 }
+
+#[test]
+fn lamb_parameters_deepspeed_refuses_are_refused_by_name() {
+    let src = r#"{"train_micro_batch_size_per_gpu": 2,
+  "optimizer": {"type": "Lamb", "params": {"lr": 0.01, "amsgrad": true, "max_coef": 0.3,
+    "adam_w_mode": true, "torch_adam": true, "min_coeff": 5.0, "max_coeff": 1.0}}}"#;
+    let ds = json_diags(src);
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::Unsupported,
+        "optimizer.params.amsgrad",
+        (2, 67),
+        "AMSGrad",
+    );
+    let typo = ds
+        .iter()
+        .find(|d| d.path == "optimizer.params.max_coef")
+        .unwrap_or_else(|| panic!("no diagnostic on the typo in {ds:#?}"));
+    assert_eq!(typo.severity, Severity::Error, "{typo}");
+    assert!(typo.to_string().contains("max_coeff"), "{typo}");
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "optimizer.params.adam_w_mode",
+        (3, 20),
+        "not a parameter of Lamb",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "optimizer.params.torch_adam",
+        (3, 40),
+        "not a parameter of Lamb",
+    );
+    expect(
+        &ds,
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "optimizer.params.min_coeff",
+        (3, 59),
+        "min_coeff <= max_coeff",
+    );
+    // Lamb's own keys belong to no other optimizer.
+    let src = r#"{"train_micro_batch_size_per_gpu": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "max_coeff": 0.3}}}"#;
+    expect(
+        &json_diags(src),
+        Severity::Error,
+        DiagnosticKind::InvalidValue,
+        "optimizer.params.max_coeff",
+        (2, 70),
+        "not a parameter of Adam",
+    );
+}

@@ -312,3 +312,42 @@ fn mismatched_lengths_and_step_zero_are_errors() {
         optim::adam_step(&HP, 0, 1.0, &mut p, &g, &mut m, &mut v, LowPrecision::None).unwrap_err();
     assert!(e.to_string().contains("step 0"), "{e}");
 }
+
+/// LAMB's first pass: the moments and the run's two sums of squares are the same bits on one
+/// thread and on four (the sums' order is fixed by the run's length, not by threads), and
+/// equal a plain loop that adds in that documented order.
+#[test]
+fn lamb_moments_do_not_depend_on_threads() {
+    let hp = optim::LambHyper {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        eps_inside_sqrt: false,
+        weight_decay: 0.01,
+        max_coeff: 10.0,
+        min_coeff: 0.01,
+        bias_correction: true,
+    };
+    let n = 3 * optim::SUM_BLOCK + 12_345;
+    let (p, g) = (fill(n, 7), fill(n, 8));
+    let run = |threads: usize| {
+        let mut m = fill(n, 9);
+        let mut v: Vec<f32> = fill(n, 10).iter().map(|x| x.abs()).collect();
+        let s = pool(threads).install(|| optim::lamb_moments(&hp, 0.5, &p, &g, &mut m, &mut v));
+        (s.unwrap(), m, v)
+    };
+    let (one, four) = (run(1), run(4));
+    assert_eq!(one.0 .0.to_bits(), four.0 .0.to_bits());
+    assert_eq!(one.0 .1.to_bits(), four.0 .1.to_bits());
+    assert!(same_f32(&one.1, &four.1) && same_f32(&one.2, &four.2));
+    // The weights' sum by hand, in the documented order: blocks, eight lanes, a fixed tree.
+    let by_hand = p.chunks(optim::SUM_BLOCK).fold(0.0f64, |acc, b| {
+        let mut l = [0.0f64; 8];
+        for (i, x) in b.iter().enumerate() {
+            l[i % 8] += f64::from(*x) * f64::from(*x);
+        }
+        acc + (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])))
+    });
+    assert_eq!(one.0 .0.to_bits(), by_hand.to_bits());
+}

@@ -1,4 +1,5 @@
-//! `optimizer` {type, params}: Adam, AdamW, SGD and Lion with DeepSpeed's parameter names.
+//! `optimizer` {type, params}: Adam, AdamW, SGD, Lion and LAMB with DeepSpeed's parameter
+//! names.
 
 use schemars::JsonSchema;
 use serde::Serialize;
@@ -20,6 +21,11 @@ pub enum OptimizerType {
     Sgd,
     /// Lion: sign of an interpolated momentum (one state buffer instead of Adam's two).
     Lion,
+    /// LAMB as DeepSpeed's `FusedLamb`: Adam's moments, the update scaled per parameter
+    /// tensor by the trust ratio `|w| / |u|` clamped to `[min_coeff, max_coeff]`. Runs where
+    /// the optimizer state lives: on the CPU, on a GPU (its kernels), or on the host with
+    /// `zero_optimization.offload_optimizer.device = "cpu"`, with the same bits.
+    Lamb,
 }
 
 /// `optimizer`: the update rule and its hyper-parameters.
@@ -41,19 +47,21 @@ pub struct OptimizerParams {
     /// Learning rate (all types; default 1e-3, Lion 1e-4).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<AutoOr<f64>>,
-    /// `[beta1, beta2]` (Adam, AdamW, Lion; default `[0.9, 0.999]`, Lion `[0.9, 0.99]`).
+    /// `[beta1, beta2]` (Adam, AdamW, Lion, Lamb; default `[0.9, 0.999]`, Lion `[0.9, 0.99]`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub betas: Option<AutoOr<[f64; 2]>>,
-    /// Added to the denominator for stability (Adam, AdamW; default 1e-8).
+    /// Added to the denominator for stability (Adam, AdamW, Lamb; default 1e-8).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eps: Option<AutoOr<f64>>,
-    /// Weight decay (all types; default 0).
+    /// Weight decay (all types; default 0). Lamb adds it to the update direction
+    /// (`u = m / d + weight_decay * w`), inside the trust ratio.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight_decay: Option<AutoOr<f64>>,
     /// Decoupled weight decay for `Adam` (default true).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adam_w_mode: Option<bool>,
-    /// Bias correction (Adam, AdamW; default true).
+    /// Bias correction (Adam, AdamW, Lamb; default true). Lamb folds it into the step size,
+    /// `lr * sqrt(1 - beta2^t) / (1 - beta1^t)`, as DeepSpeed's `FusedLamb` does.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bias_correction: Option<bool>,
     /// Momentum (SGD; default 0).
@@ -65,6 +73,16 @@ pub struct OptimizerParams {
     /// Nesterov momentum (SGD; default false).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nesterov: Option<bool>,
+    /// `eps` under the square root, `sqrt(v + eps)`, instead of `sqrt(v) + eps` (Lamb;
+    /// default false).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eps_inside_sqrt: Option<bool>,
+    /// Upper bound of the trust ratio (Lamb; default 10.0).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_coeff: Option<f64>,
+    /// Lower bound of the trust ratio (Lamb; default 0.01).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_coeff: Option<f64>,
 }
 
 const TYPES: &[(&str, OptimizerType)] = &[
@@ -72,6 +90,7 @@ const TYPES: &[(&str, OptimizerType)] = &[
     ("AdamW", OptimizerType::AdamW),
     ("SGD", OptimizerType::Sgd),
     ("Lion", OptimizerType::Lion),
+    ("Lamb", OptimizerType::Lamb),
 ];
 
 /// DeepSpeed optimizer types ferrozero refuses rather than silently replacing, each with why
@@ -80,7 +99,6 @@ const REFUSED_TYPES: &[(&str, &str)] = &[
     ("OneBitAdam", "1-bit Adam freezes the variance after a warm-up and sends sign-compressed, error-compensated momentum: a different update from Adam's, with communication ferrozero's collectives do not carry"),
     ("ZeroOneAdam", "0/1 Adam skips variance updates and compresses communication: a different update from Adam's"),
     ("OneBitLamb", "1-bit LAMB compresses momentum after a warm-up: a different update from LAMB's"),
-    ("Lamb", "LAMB's per-tensor trust ratio is not implemented"),
     ("Adagrad", "Adagrad is not implemented"),
     ("Muon", "Muon's orthogonalised updates are not implemented"),
     ("MuAdam", "muP's per-layer learning-rate scaling is not implemented"),
@@ -114,7 +132,7 @@ pub(crate) fn read_optimizer(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option
             path,
             span: &t.span,
             message: "`type` is required".into(),
-            help: Some("valid types: \"Adam\", \"AdamW\", \"SGD\", \"Lion\"".into()),
+            help: Some("valid types: \"Adam\", \"AdamW\", \"SGD\", \"Lion\", \"Lamb\"".into()),
         });
     }
     t.finish(
@@ -148,7 +166,7 @@ fn read_type(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<OptimizerType> 
                 path,
                 span: &node.span,
                 message: format!("optimizer \"{name}\" is not supported by ferrozero: {why}"),
-                help: Some("use \"Adam\", \"AdamW\", \"SGD\" or \"Lion\"".into()),
+                help: Some("use \"Adam\", \"AdamW\", \"SGD\", \"Lion\" or \"Lamb\"".into()),
             });
             return None;
         }
@@ -161,8 +179,9 @@ fn applies(key: &str, kind: OptimizerType) -> bool {
     match key {
         "lr" | "weight_decay" => true,
         "betas" => kind != Sgd,
-        "eps" | "bias_correction" | "amsgrad" => matches!(kind, Adam | AdamW),
+        "eps" | "bias_correction" | "amsgrad" => matches!(kind, Adam | AdamW | Lamb),
         "adam_w_mode" => matches!(kind, Adam | AdamW),
+        "eps_inside_sqrt" | "max_coeff" | "min_coeff" => kind == Lamb,
         _ => kind == Sgd,
     }
 }
@@ -185,6 +204,9 @@ fn read_params(
         momentum: t.get(cx, "momentum", &[], to_f64),
         dampening: t.get(cx, "dampening", &[], to_f64),
         nesterov: t.get(cx, "nesterov", &[], to_bool),
+        eps_inside_sqrt: t.get(cx, "eps_inside_sqrt", &[], to_bool),
+        max_coeff: t.get(cx, "max_coeff", &[], to_f64),
+        min_coeff: t.get(cx, "min_coeff", &[], to_f64),
     };
     if let Some(amsgrad) = t.get(cx, "amsgrad", &[], to_bool) {
         if amsgrad {
@@ -195,13 +217,23 @@ fn read_params(
                 kind: DiagnosticKind::Unsupported,
                 path: &format!("{path}.amsgrad"),
                 span: &span,
-                message: "AMSGrad is not supported by ferrozero".into(),
+                message: match kind {
+                    Some(OptimizerType::Lamb) => {
+                        "AMSGrad is not supported by Lamb (DeepSpeed's FusedLamb refuses it too)"
+                    }
+                    _ => "AMSGrad is not supported by ferrozero",
+                }
+                .into(),
                 help: Some("remove `amsgrad` or set it to false".into()),
             });
         }
     }
     if let Some(kind) = kind {
         check_applicable(cx, path, kind, &p);
+        if kind == OptimizerType::Lamb {
+            refuse_adam_switches(cx, path, &mut t);
+            check_coeffs(cx, path, &p);
+        }
     }
     t.finish(cx, PARAM_SUPPORT);
     Some(p)
@@ -216,6 +248,9 @@ fn check_applicable(cx: &mut Cx<'_>, path: &str, kind: OptimizerType, p: &Optimi
         ("momentum", p.momentum.is_some()),
         ("dampening", p.dampening.is_some()),
         ("nesterov", p.nesterov.is_some()),
+        ("eps_inside_sqrt", p.eps_inside_sqrt.is_some()),
+        ("max_coeff", p.max_coeff.is_some()),
+        ("min_coeff", p.min_coeff.is_some()),
     ];
     for (key, present) in set {
         let key_path = format!("{path}.{key}");
@@ -246,6 +281,51 @@ fn check_applicable(cx: &mut Cx<'_>, path: &str, kind: OptimizerType, p: &Optimi
             ),
         });
     }
+}
+
+/// `torch_adam` and `fused` choose DeepSpeed's Adam implementation; `FusedLamb` takes neither
+/// (DeepSpeed fails on them), so under Lamb they are refused by name (taken here, so they
+/// are not also reported as ignored Adam switches).
+fn refuse_adam_switches(cx: &mut Cx<'_>, path: &str, t: &mut TableReader<'_>) {
+    for key in ["torch_adam", "fused"] {
+        let Some(e) = t.take(cx, key, &[]) else {
+            continue;
+        };
+        let key_path = format!("{path}.{key}");
+        let span = e.value.span.clone();
+        cx.error(Report {
+            kind: DiagnosticKind::InvalidValue,
+            path: &key_path,
+            span: &span,
+            message: format!("`{key}` is not a parameter of Lamb"),
+            help: Some("remove it, or change `optimizer.type`".into()),
+        });
+    }
+}
+
+/// The trust ratio's clamp must be a non-empty range of positive numbers.
+fn check_coeffs(cx: &mut Cx<'_>, path: &str, p: &OptimizerParams) {
+    let (lo, hi) = (p.min_coeff.unwrap_or(0.01), p.max_coeff.unwrap_or(10.0));
+    if lo > 0.0 && lo <= hi && hi.is_finite() {
+        return;
+    }
+    let key = if p.min_coeff.is_some() {
+        "min_coeff"
+    } else {
+        "max_coeff"
+    };
+    let key_path = format!("{path}.{key}");
+    let span = cx.span_of(&key_path).unwrap_or_default();
+    cx.error(Report {
+        kind: DiagnosticKind::InvalidValue,
+        path: &key_path,
+        span: &span,
+        message: format!(
+            "Lamb's trust ratio is clamped to [min_coeff, max_coeff] = [{lo}, {hi}]: that must be \
+             a range of positive finite numbers with min_coeff <= max_coeff"
+        ),
+        help: Some("DeepSpeed's defaults are min_coeff = 0.01, max_coeff = 10.0".into()),
+    });
 }
 
 fn read_betas(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<[f64; 2]> {

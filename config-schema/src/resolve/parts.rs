@@ -207,6 +207,19 @@ pub(super) fn optimizer(r: &mut Resolver<'_>) -> Option<OptimizerConfig> {
                 weight_decay: param(r, "weight_decay", p.weight_decay, 0.0, Some(0.0)),
             }
         }
+        OptimizerType::Lamb => {
+            let [b1, b2] = betas(r, [0.9, 0.999]);
+            OptimizerConfig::Lamb {
+                lr: param(r, "lr", p.lr, 1e-3, None),
+                betas: (b1, b2),
+                eps: param(r, "eps", p.eps, 1e-8, Some(1e-8)),
+                eps_inside_sqrt: p.eps_inside_sqrt.unwrap_or(false),
+                weight_decay: param(r, "weight_decay", p.weight_decay, 0.0, Some(0.0)),
+                bias_correction: p.bias_correction.unwrap_or(true),
+                max_coeff: p.max_coeff.unwrap_or(10.0),
+                min_coeff: p.min_coeff.unwrap_or(0.01),
+            }
+        }
     })
 }
 

@@ -1,4 +1,5 @@
-//! CPU optimizer kernels: Adam/AdamW, SGD with momentum, Lion.
+//! CPU optimizer kernels: Adam/AdamW, SGD with momentum, Lion, and LAMB's two passes
+//! (`lamb.rs`: per-element like the others, with a run's sums of squares in a fixed order).
 //!
 //! Invariant: every kernel is element-wise and computes each element with the same sequence
 //! of operations whatever the slice's offset, length, tiling or thread count (SIMD lanes and
@@ -15,6 +16,7 @@
 //! `sqrt`, division), so every version equals [`reference`] bit for bit.
 
 mod kernels;
+mod lamb;
 mod tiles;
 
 pub mod reference;
@@ -22,6 +24,7 @@ pub mod reference;
 use half::{bf16, f16};
 
 use crate::{Error, Result};
+pub use lamb::{lamb_apply, lamb_coeff, lamb_moments, lamb_step_size, LambHyper, SUM_BLOCK};
 use tiles::{AdamTile, StateTile};
 
 /// Optional low-precision copy of the updated parameters, written in the same pass.

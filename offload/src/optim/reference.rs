@@ -9,7 +9,7 @@ use half::{bf16, f16};
 use super::{adam_terms, check, AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
 use crate::Result;
 
-fn write_lp(lp: &mut LowPrecision<'_>, i: usize, p: f32) {
+pub(super) fn write_lp(lp: &mut LowPrecision<'_>, i: usize, p: f32) {
     match lp {
         LowPrecision::None => {}
         LowPrecision::Bf16(b) => b[i] = bf16::from_f32(p),

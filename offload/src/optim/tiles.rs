@@ -111,3 +111,37 @@ impl Tile for StateTile<'_> {
         (a, b)
     }
 }
+
+/// LAMB's second pass: the weights and the two moments it reads.
+pub(super) struct LambTile<'a> {
+    pub p: &'a mut [f32],
+    pub m: &'a [f32],
+    pub v: &'a [f32],
+    pub lp: LowPrecision<'a>,
+}
+
+impl Tile for LambTile<'_> {
+    fn len(&self) -> usize {
+        self.p.len()
+    }
+
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (p0, p1) = self.p.split_at_mut(mid);
+        let (m0, m1) = self.m.split_at(mid);
+        let (v0, v1) = self.v.split_at(mid);
+        let (l0, l1) = self.lp.split_at(mid);
+        let a = LambTile {
+            p: p0,
+            m: m0,
+            v: v0,
+            lp: l0,
+        };
+        let b = LambTile {
+            p: p1,
+            m: m1,
+            v: v1,
+            lp: l1,
+        };
+        (a, b)
+    }
+}

@@ -319,6 +319,48 @@ pub trait OptimizerOps {
     ) -> Result<StepStatus> {
         status::whole_step_by_parts(self, (rule, step, clip), losses, grads, tensors)
     }
+
+    /// LAMB's first pass over a run of one parameter tensor's elements
+    /// (`ferrozero_offload::optim::lamb_moments`): the f32 moments `m` and `v` updated from
+    /// `grads` (read as [`GradView`] says, times `grad_scale`), the f32 weights `params` read
+    /// only; returns the run's sums of squares of the weights and of the update direction, in
+    /// f64 in the order the run's length fixes. A device without it refuses.
+    fn lamb_moments(
+        &self,
+        hp: &ferrozero_offload::optim::LambHyper,
+        grad_scale: f32,
+        (params, grads): (View<'_>, GradView<'_>),
+        m: ViewMut<'_>,
+        v: ViewMut<'_>,
+    ) -> Result<(f64, f64)> {
+        let _ = (hp, grad_scale, params, grads, m, v);
+        Err(lamb_unavailable())
+    }
+
+    /// LAMB's second pass over a run of one tensor's elements
+    /// (`ferrozero_offload::optim::lamb_apply`): `params -= step_size * coeff * u`, `u`
+    /// recomputed from `m`, `v` and the weights; `lp` written as in
+    /// [`OptimizerOps::optimizer_update`]. A device without it refuses.
+    fn lamb_apply(
+        &self,
+        (hp, step, coeff): (&ferrozero_offload::optim::LambHyper, u64, f32),
+        params: ViewMut<'_>,
+        (m, v): (View<'_>, View<'_>),
+        lp: Option<ViewMut<'_>>,
+    ) -> Result<()> {
+        let _ = (hp, step, coeff, params, m, v, lp);
+        Err(lamb_unavailable())
+    }
+}
+
+/// The error of a device whose optimizer kernels have no LAMB.
+pub fn lamb_unavailable() -> crate::Error {
+    crate::Error::Unavailable {
+        what: "optimizer.type = \"Lamb\" with the optimizer state in device memory",
+        why: "LAMB runs where the optimizer state is in host memory: set \
+              zero_optimization.offload_optimizer.device = \"cpu\""
+            .into(),
+    }
 }
 
 /// Dense matrix products with f32 accumulation.

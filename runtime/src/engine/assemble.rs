@@ -52,6 +52,7 @@ pub(super) fn assemble(
     }
     let (mut obs, comm) = Observers::open(&cfg, comm)?;
     let (be, model) = obs.instrument(be, model);
+    super::lamb::check(&cfg, &*be)?;
     let comm = Comms::open(&cfg, comm)?;
     let shards = comm.shards();
     let stage = stage::for_stage(cfg.zero.stage);
@@ -97,6 +98,13 @@ pub(super) fn assemble(
     let overlap = CommOverlap::open(&cfg, comm.world.as_ref(), shards)?;
     tracing::debug!(opt_location = ?optimizer_location(&cfg), "engine built");
     let opt_overlap = decided.unwrap_or_else(|| OptimizerOverlap::decide(&cfg));
+    if optimizer.per_tensor() && !matches!(opt_overlap, OptimizerOverlap::Off(_)) {
+        return Err(Error::Config(
+            "optimizer.type = \"Lamb\" does not overlap its step with backward: each \
+             tensor's trust ratio needs every rank's partial norms first"
+                .into(),
+        ));
+    }
     opt_overlap.log(&cfg);
     let shared = super::optimizer_overlap::shared_group(&model);
     let optimizer_lane = OptimizerLane::for_overlap(

@@ -18,6 +18,7 @@ pub mod host_limits;
 mod hpz;
 mod init;
 mod io;
+pub mod lamb;
 pub mod lane;
 // The ledger and the step report sit below the engine (the monitors read them too); their
 // engine paths stay.

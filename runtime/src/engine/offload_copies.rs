@@ -30,13 +30,13 @@ use super::group::{owned_params, Group, ParamStore};
 use super::optimizer::StepValues;
 use super::partition::chunks;
 use super::rules;
-use crate::backend::{Backend, CpuBackend, OptimizerOps, Stream, UpdateRule};
+use crate::backend::{Backend, CpuBackend, GradView, OptimizerOps, Stream, UpdateRule};
 use crate::tensor::in_flight::HostCopy;
-use crate::tensor::{View, ViewMut};
+use crate::tensor::{Storage, View, ViewMut};
 use crate::{Error, Result};
 
 /// The host executor of offloaded optimizer state.
-static HOST: CpuBackend = CpuBackend;
+pub(super) static HOST: CpuBackend = CpuBackend;
 
 /// What a group's host step reads from device memory, on its way down. The default is
 /// "not fetched": the step then fetches it itself and waits at once.
@@ -136,6 +136,40 @@ pub(super) fn fetch(g: &Group, be: &dyn Backend) -> Result<Inbound> {
     })
 }
 
+/// A read of an offloaded group on the host, by `read`, over the owned range: the values the
+/// step updates (the f32 master weights, or the parameters [`fetch`] downloads), the gradient
+/// as the step reads it, and the moments. Nothing goes up: what came down goes back to the
+/// staging pool when `read` returns (LAMB's first pass, before its norms are complete).
+pub(super) fn host_read<R>(
+    g: &mut Group,
+    be: &dyn Backend,
+    read: impl FnOnce(View<'_>, GradView<'_>, &mut Storage, &mut Storage) -> Result<R>,
+) -> Result<R> {
+    let Inbound { grads, params, .. } = fetch(g, be)?;
+    let (mut grads, mut p_in) = (grads, params);
+    let Group {
+        params,
+        master,
+        grad,
+        grad_read,
+        grad_offset,
+        m,
+        v,
+        owned,
+        ..
+    } = g;
+    let (p, _) = owned_params(params, master, owned)?;
+    let pv = match p_in.as_mut() {
+        Some(c) => View::from(c.ready_ref()?),
+        None => p.as_view(),
+    };
+    let gv = match grads.as_mut() {
+        Some(c) => View::from(c.ready_ref()?),
+        None => grad.range(owned.start - *grad_offset..owned.end - *grad_offset)?,
+    };
+    read(pv, super::group::read_as(gv, *grad_read), m, v)
+}
+
 /// Device views the step uploads into, with the staging copies that go up.
 type Outbound<'a> = Vec<(HostCopy, ViewMut<'a>)>;
 
@@ -149,6 +183,48 @@ pub(super) fn host_step(
     g: &mut Group,
     (inbound, window): (Inbound, &UploadWindow),
     be: &dyn Backend,
+) -> Result<Landing> {
+    let update = |mut pv: ViewMut<'_>, gv: GradView<'_>, h: HostState<'_>| {
+        let HostState { m, v, mut lp } = h;
+        for t in chunks(pv.len(), tile) {
+            // SGD and Lion keep no second moment: an empty view stands in.
+            let vn = v.len();
+            HOST.optimizer_update(
+                rule,
+                sv.step,
+                sv.grad_scale,
+                pv.reborrow().range(t.clone())?,
+                gv.range(t.clone())?,
+                m.range_mut(t.clone())?,
+                v.range_mut(t.start.min(vn)..t.end.min(vn))?,
+                lp.as_mut().map(|x| x.reborrow().range(t)).transpose()?,
+            )?;
+        }
+        Ok(())
+    };
+    host_step_with(g, (inbound, window), be, update)
+}
+
+/// What a host step writes besides the parameters: the group's moments, and the stored
+/// low-precision copy (in staging memory when it lives on the device), over the owned range.
+pub(super) struct HostState<'a> {
+    /// First moment (or momentum).
+    pub m: &'a mut Storage,
+    /// Second moment (empty for one-state optimizers).
+    pub v: &'a mut Storage,
+    /// The stored copy to write, when the step writes one.
+    pub lp: Option<ViewMut<'a>>,
+}
+
+/// A host step of an offloaded group whose arithmetic is `update`, handed host views of the
+/// owned range: the updated values (the f32 master weights, or the parameters downloaded by
+/// [`fetch`]), the gradient as the step reads it, and [`HostState`]. The device values it
+/// writes go up on the host-to-device stream and come back as a [`Landing`].
+pub(super) fn host_step_with(
+    g: &mut Group,
+    (inbound, window): (Inbound, &UploadWindow),
+    be: &dyn Backend,
+    update: impl FnOnce(ViewMut<'_>, GradView<'_>, HostState<'_>) -> Result<()>,
 ) -> Result<Landing> {
     let inbound = match inbound.fetched {
         true => inbound,
@@ -202,31 +278,18 @@ pub(super) fn host_step(
         let gv = super::group::read_as(gv, *grad_read);
         // The staged copies, in the order pushed: the parameters first when they went down.
         let mut staged = up.iter_mut().map(|(c, _)| c);
-        let mut pv = match p {
+        let pv = match p {
             Some(p) => p,
             None => ViewMut::from(staged.next().expect("pushed above").ready()?),
         };
-        let mut lpv = match lp {
+        let lpv = match lp {
             Some(v) => Some(v),
             None => staged
                 .next()
                 .map(|c| c.ready().map(ViewMut::from))
                 .transpose()?,
         };
-        for t in chunks(n, tile) {
-            // SGD and Lion keep no second moment: an empty view stands in.
-            let vn = v.len();
-            HOST.optimizer_update(
-                rule,
-                sv.step,
-                sv.grad_scale,
-                pv.reborrow().range(t.clone())?,
-                gv.range(t.clone())?,
-                m.range_mut(t.clone())?,
-                v.range_mut(t.start.min(vn)..t.end.min(vn))?,
-                lpv.as_mut().map(|x| x.reborrow().range(t)).transpose()?,
-            )?;
-        }
+        update(pv, gv, HostState { m, v, lp: lpv })?;
     }
     let landing = Landing::default();
     {

@@ -6,7 +6,9 @@
 //! through the offload crate's pipelined tile driver.
 
 use ferrozero_config::resolved::OptimizerConfig;
-use ferrozero_offload::optim::{AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
+use ferrozero_offload::optim::{
+    AdamHyper, LambHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay,
+};
 
 use super::group::{owned_lp, owned_params, read_as, Group};
 use super::nvme::NvmeOffload;
@@ -47,10 +49,10 @@ impl Optimizer {
         }
     }
 
-    /// f32 state buffers per parameter element (Adam: m and v; SGD and Lion: one).
+    /// f32 state buffers per parameter element (Adam, Lamb: m and v; SGD and Lion: one).
     pub fn moments(&self) -> usize {
         match self.cfg {
-            OptimizerConfig::Adam { .. } => 2,
+            OptimizerConfig::Adam { .. } | OptimizerConfig::Lamb { .. } => 2,
             OptimizerConfig::Sgd { .. } | OptimizerConfig::Lion { .. } => 1,
         }
     }
@@ -241,6 +243,47 @@ impl Optimizer {
         })
     }
 
+    /// The window of parameter uploads in flight that offloaded host steps share.
+    pub fn uploads(&self) -> &UploadWindow {
+        &self.uploads
+    }
+
+    /// Whether the step needs whole tensors' norms (LAMB), so it is not one element-wise
+    /// call per run.
+    pub fn per_tensor(&self) -> bool {
+        matches!(self.cfg, OptimizerConfig::Lamb { .. })
+    }
+
+    /// LAMB's hyper-parameters for this step's values; `None` for the element-wise optimizers
+    /// (whose step is [`Self::rule`]). LAMB steps every group in two passes with the
+    /// per-tensor norms combined between them (`lamb.rs`).
+    pub fn lamb_hyper(&self, sv: &StepValues) -> Option<LambHyper> {
+        let OptimizerConfig::Lamb {
+            betas,
+            eps,
+            eps_inside_sqrt,
+            weight_decay,
+            bias_correction,
+            max_coeff,
+            min_coeff,
+            ..
+        } = self.cfg
+        else {
+            return None;
+        };
+        Some(LambHyper {
+            lr: sv.lr as f32,
+            beta1: sv.beta1.unwrap_or(betas.0) as f32,
+            beta2: betas.1 as f32,
+            eps: eps as f32,
+            eps_inside_sqrt,
+            weight_decay: weight_decay as f32,
+            max_coeff: max_coeff as f32,
+            min_coeff: min_coeff as f32,
+            bias_correction,
+        })
+    }
+
     /// The update rule for this step's values.
     pub fn rule(&self, sv: &StepValues) -> Result<UpdateRule> {
         Ok(match self.cfg {
@@ -268,6 +311,13 @@ impl Optimizer {
                 beta2: betas.1 as f32,
                 weight_decay: weight_decay as f32,
             }),
+            OptimizerConfig::Lamb { .. } => {
+                return Err(Error::Invalid(
+                    "LAMB has no element-wise update rule: its step is two passes with the \
+                     per-tensor norms between them (engine/lamb.rs)"
+                        .into(),
+                ))
+            }
         })
     }
 }

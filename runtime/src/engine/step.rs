@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use super::core::Engine;
+use super::lamb;
 use super::ledger::Location;
 use super::offload_copies::Inbound;
 use super::optimizer::{Optimizer, StepValues};
@@ -13,6 +14,7 @@ use crate::backend::ClipRule;
 use crate::comm::{BufMut, ReduceOp};
 use crate::nn::Batch;
 use crate::{Error, Result};
+use ferrozero_offload::optim::LambHyper;
 
 impl Engine {
     /// One optimizer step over every micro-batch of this rank's share of the global batch
@@ -163,6 +165,9 @@ impl Engine {
 
     /// The update of every group not `done`, in order, on this thread.
     fn update_groups(&mut self, sv: &StepValues, done: &[bool]) -> Result<()> {
+        if let Some(hp) = self.opt.optimizer.lamb_hyper(sv) {
+            return self.update_lamb(&hp, sv, done);
+        }
         let t = Instant::now();
         let tile = self.cfg.zero.sub_group_size.max(1);
         if self.state_on_device() {
@@ -212,6 +217,36 @@ impl Engine {
         }
         while !writing.is_empty() {
             (self.params.swap).finish_write(&mut self.groups, &mut writing, &mut self.ledger)?;
+        }
+        self.obs.timings.optimizer += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// LAMB's step of every group (`lamb.rs`): the moments and each run's partial norms,
+    /// the partials completed across the shard group, then the update with each tensor's
+    /// trust ratio; on the compute device, or on the host when the state is offloaded.
+    fn update_lamb(&mut self, hp: &LambHyper, sv: &StepValues, done: &[bool]) -> Result<()> {
+        let t = Instant::now();
+        if done.iter().any(|&d| d) {
+            return Err(Error::Invalid(
+                "LAMB's step does not overlap backward, yet a group came back stepped".into(),
+            ));
+        }
+        let at = match self.state_on_device() {
+            true => lamb::Placement::InPlace(&*self.be),
+            false => lamb::Placement::Offloaded(&*self.be, self.opt.optimizer.uploads()),
+        };
+        let mut tables = Vec::with_capacity(self.groups.len());
+        for g in &mut self.groups {
+            tables.push(lamb::moments(g, (hp, sv.grad_scale), &at)?);
+        }
+        let sharded = self
+            .groups
+            .iter()
+            .any(|g| g.owned != (0..g.layout.padded()));
+        lamb::combine(&mut tables, sharded, self.comm.one_copy())?;
+        for (g, table) in self.groups.iter_mut().zip(&tables) {
+            lamb::apply(g, (hp, sv.step), table, &at)?;
         }
         self.obs.timings.optimizer += t.elapsed().as_secs_f64();
         Ok(())
@@ -328,9 +363,11 @@ impl Engine {
     /// Whether the step runs whole on the compute device (`OptimizerOps::whole_step`): one
     /// rank (no norm or overflow to agree on with others) and the optimizer state and the
     /// parameters placed on the compute device (neither offloaded to host memory nor to
-    /// NVMe). The optimizer lane, when armed, is checked by the caller.
+    /// NVMe), and an element-wise optimizer (not LAMB's per-tensor passes). The optimizer
+    /// lane, when armed, is checked by the caller.
     fn whole_step_applies(&self) -> bool {
-        self.comm.world.world_size() == 1 && self.state_on_device()
+        let per_tensor = self.opt.optimizer.per_tensor();
+        self.comm.world.world_size() == 1 && self.state_on_device() && !per_tensor
     }
 
     /// Whether the optimizer state and the parameters are placed on the compute device, so

@@ -19,6 +19,7 @@ use crate::backend::{
 use crate::tensor::in_flight::HostPin;
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
+use ferrozero_offload::optim::LambHyper;
 
 /// Forwards every operation to `inner`; while recording, each one starts and ends with a
 /// wait on a compute-stream event so that the time taken is the operation's own on every
@@ -174,6 +175,10 @@ profiled! {
         fn whole_step(step: (&UpdateRule, u64, ClipRule), losses: &[View<'_>],
             grads: &[GradView<'_>], tensors: Vec<StepTensor<'_>>)
             -> Result<StepStatus> => Optimizer(0);
+        fn lamb_moments(hp: &LambHyper, grad_scale: f32, pg: (View<'_>, GradView<'_>),
+            m: ViewMut<'_>, v: ViewMut<'_>) -> Result<(f64, f64)> => Optimizer(0);
+        fn lamb_apply(hsc: (&LambHyper, u64, f32), params: ViewMut<'_>,
+            mv: (View<'_>, View<'_>), lp: Option<ViewMut<'_>>) -> Result<()> => Optimizer(0);
     }
     impl StreamOps {
         fn record(s: Stream) -> Result<StreamEvent>;

@@ -4,9 +4,9 @@
 
 use std::borrow::Cow;
 
-use ferrozero_offload::optim::{self, LowPrecision};
+use ferrozero_offload::optim::{self, LambHyper, LowPrecision};
 
-use super::{f32_in, f32_out, foreign, CpuBackend};
+use super::{expect_len, f32_in, f32_out, foreign, CpuBackend};
 use crate::backend::status::{host_loss, host_sum_squares};
 use crate::backend::{GradView, OptimizerOps, StepStatus, UpdateRule};
 use crate::tensor::{round_as_accumulated, spare, BufMut, BufRef, DType, FlatBuf, View, ViewMut};
@@ -109,6 +109,56 @@ impl OptimizerOps for CpuBackend {
                     got: format!("{}", b.len()),
                 });
             }
+            b.copy_from_slice(p);
+        }
+        Ok(())
+    }
+
+    fn lamb_moments(
+        &self,
+        hp: &LambHyper,
+        grad_scale: f32,
+        (params, grads): (View<'_>, GradView<'_>),
+        m: ViewMut<'_>,
+        v: ViewMut<'_>,
+    ) -> Result<(f64, f64)> {
+        const OP: &str = "LAMB moments";
+        let p = f32_in(OP, "f32 parameters (LAMB keeps f32 weights)", params)?;
+        let (m, v) = (
+            f32_out(OP, "f32 first moment", m)?,
+            f32_out(OP, "f32 second moment", v)?,
+        );
+        let g = f32_grads(grads)?;
+        let r = optim::lamb_moments(hp, grad_scale, p, &g, m, v);
+        if let Cow::Owned(w) = g {
+            spare::give_f32(w);
+        }
+        Ok(r?)
+    }
+
+    fn lamb_apply(
+        &self,
+        (hp, step, coeff): (&LambHyper, u64, f32),
+        params: ViewMut<'_>,
+        (m, v): (View<'_>, View<'_>),
+        lp: Option<ViewMut<'_>>,
+    ) -> Result<()> {
+        const OP: &str = "LAMB update";
+        let p = f32_out(OP, "f32 parameters (LAMB keeps f32 weights)", params)?;
+        let (m, v) = (
+            f32_in(OP, "f32 first moment", m)?,
+            f32_in(OP, "f32 second moment", v)?,
+        );
+        let (lp_out, lp_f32) = match lp {
+            None => (LowPrecision::None, None),
+            Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
+            Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
+            Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
+            Some(ViewMut::Cuda(_)) => return Err(foreign(OP, "the low-precision copy")),
+        };
+        optim::lamb_apply(hp, step, coeff, p, m, v, lp_out)?;
+        if let Some(b) = lp_f32 {
+            expect_len(OP, "an f32 copy", b.len(), p.len())?;
             b.copy_from_slice(p);
         }
         Ok(())

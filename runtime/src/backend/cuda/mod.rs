@@ -28,6 +28,8 @@ mod host_order;
 #[cfg(feature = "cuda")]
 mod in_flight;
 #[cfg(feature = "cuda")]
+mod lamb;
+#[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
 mod matmul;

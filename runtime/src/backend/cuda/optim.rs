@@ -12,7 +12,7 @@ use super::storage::{CudaView, CudaViewMut};
 use crate::backend::{ClipRule, GradView, OptimizerOps, StepStatus, StepTensor, UpdateRule};
 use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
-use ferrozero_offload::optim::WeightDecay;
+use ferrozero_offload::optim::{LambHyper, WeightDecay};
 
 const OP: &str = "optimizer step";
 
@@ -235,6 +235,27 @@ impl OptimizerOps for CudaBackend {
             .collect::<Result<Vec<_>>>()?;
         let scale = self.dev.upload_async(&grad_scale.to_le_bytes())?;
         self.launch_update(rule, step, scale.ptr(), tensors)
+    }
+
+    fn lamb_moments(
+        &self,
+        hp: &LambHyper,
+        grad_scale: f32,
+        pg: (View<'_>, GradView<'_>),
+        m: ViewMut<'_>,
+        v: ViewMut<'_>,
+    ) -> Result<(f64, f64)> {
+        self.lamb_moments_run(hp, grad_scale, pg, m, v)
+    }
+
+    fn lamb_apply(
+        &self,
+        hsc: (&LambHyper, u64, f32),
+        params: ViewMut<'_>,
+        mv: (View<'_>, View<'_>),
+        lp: Option<ViewMut<'_>>,
+    ) -> Result<()> {
+        self.lamb_apply_run(hsc, params, mv, lp)
     }
 
     fn whole_step(

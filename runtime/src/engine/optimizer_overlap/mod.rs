@@ -21,7 +21,9 @@ mod speculate;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ferrozero_config::resolved::{LossScaling, OffloadTarget, Precision, ResolvedConfig};
+use ferrozero_config::resolved::{
+    LossScaling, OffloadTarget, OptimizerConfig, Precision, ResolvedConfig,
+};
 
 use super::group::{Group, ParamStore};
 use super::lane::{Lane, Ticket};
@@ -65,6 +67,12 @@ impl OptimizerOverlap {
         }
         if !cfg.zero.overlap_comm {
             return off("overlap_comm is off");
+        }
+        if let OptimizerConfig::Lamb { .. } = cfg.optimizer {
+            return off(
+                "optimizer.type = Lamb: each tensor's trust ratio needs every rank's partial \
+                 norms of it, so its step follows backward",
+            );
         }
         if let OffloadTarget::Nvme(_) = cfg.zero.offload_param.target {
             return off(

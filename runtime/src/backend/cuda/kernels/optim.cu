@@ -232,6 +232,116 @@ __device__ __forceinline__ void lion_multi(const OptTensor* t, int ntensors,
   for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
 }
 
+// ---- LAMB (offload/src/optim/lamb.rs) ----------------------------------------------------------
+//
+//   lamb_moments(const OptTensor* t, int ntensors, long long total_chunks, int chunk,
+//                float beta1, float beta2, float eps, int eps_inside, float weight_decay,
+//                const float* grad_scale, double* sums)
+//       Pass 1: m and v updated from g * grad_scale; chunk c's sums of squares of the weights
+//       and of the update direction u = m / d + wd * w written to sums[2c], sums[2c + 1] (f64).
+//       `chunk` must be the CPU's SUM_BLOCK (65536) and each tensor a run: then chunk c is the
+//       CPU's block, and its sums follow the CPU's order: element i adds to lane i % 8 in
+//       element order (eight threads, one lane each), the lanes added as
+//       ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); the host adds the blocks in order.
+//   lamb_apply_<lp>(const OptTensor* t, int ntensors, long long total_chunks, int chunk,
+//                   float eps, int eps_inside, float weight_decay, float scale)
+//       Pass 2: u recomputed from m, v and w; w -= scale * u (scale = step_size * the tensor's
+//       trust ratio, computed by the host as the CPU does); grads must point at the params.
+
+struct LambDir {
+  float eps, weight_decay;
+  int eps_inside;
+  __device__ __forceinline__ float operator()(float w, float m, float v) const {
+    const float d = eps_inside ? __fsqrt_rn(__fadd_rn(v, eps)) : __fadd_rn(__fsqrt_rn(v), eps);
+    return __fadd_rn(__fdiv_rn(m, d), __fmul_rn(weight_decay, w));
+  }
+};
+
+struct LambMoments {
+  float gs, beta1, omb1, beta2, omb2;
+  __device__ __forceinline__ void operator()(float&, float graw, float& m, float& v) const {
+    const float g = __fmul_rn(graw, gs);
+    m = __fadd_rn(__fmul_rn(beta1, m), __fmul_rn(omb1, g));
+    v = __fadd_rn(__fmul_rn(beta2, v), __fmul_rn(__fmul_rn(omb2, g), g));
+  }
+};
+
+struct LambApply {
+  LambDir dir;
+  float scale;
+  __device__ __forceinline__ void operator()(float& p, float, float& m, float& v) const {
+    p = __fsub_rn(p, __fmul_rn(scale, dir(p, m, v)));
+  }
+};
+
+// One chunk's grads read in their dtype, `up` applied to every element.
+template <class Update>
+__device__ __forceinline__ void lamb_chunk(const Update& up, const OptTensor& t, int chunk,
+                                           long long lo, long long len) {
+  float* p = t.params + lo;
+  float* m = t.m + lo;
+  float* v = t.v + lo;
+  float* lp = nullptr;
+  switch (t.grad_dtype) {
+    case 1: update_chunk(up, chunk, p, grads_at<bf16_t>(t, lo), m, v, lp, len); break;
+    case 2: update_chunk(up, chunk, p, grads_at<f16_t>(t, lo), m, v, lp, len); break;
+    case 3: update_chunk(up, chunk, p, grads_at<fz_as<float, float>>(t, lo), m, v, lp, len); break;
+    case 4: update_chunk(up, chunk, p, grads_at<fz_as<float, bf16_t>>(t, lo), m, v, lp, len); break;
+    case 5: update_chunk(up, chunk, p, grads_at<fz_as<float, f16_t>>(t, lo), m, v, lp, len); break;
+    case 6: update_chunk(up, chunk, p, grads_at<fz_as<bf16_t, bf16_t>>(t, lo), m, v, lp, len); break;
+    case 7: update_chunk(up, chunk, p, grads_at<fz_as<f16_t, f16_t>>(t, lo), m, v, lp, len); break;
+    default: update_chunk(up, chunk, p, grads_at<float>(t, lo), m, v, lp, len);
+  }
+}
+
+extern "C" __global__ void lamb_moments(const OptTensor* t, int ntensors, long long total_chunks,
+                                        int chunk, float beta1, float beta2, float eps,
+                                        int eps_inside, float weight_decay,
+                                        const float* grad_scale, double* sums) {
+  __shared__ double lanes[16];
+  const LambMoments up{*grad_scale, beta1, __fsub_rn(1.0f, beta1), beta2, __fsub_rn(1.0f, beta2)};
+  const LambDir dir{eps, weight_decay, eps_inside};
+  for (long long c = blockIdx.x; c < total_chunks; c += gridDim.x) {
+    const OptTensor tc = t[find_tensor(t, ntensors, c)];
+    const long long lo = (c - tc.first_chunk) * chunk;
+    if (lo >= tc.n) continue;
+    const long long len = min(static_cast<long long>(chunk), tc.n - lo);
+    lamb_chunk(up, tc, chunk, lo, len);
+    __syncthreads();  // the chunk's moments, written by every thread, read by eight
+    if (threadIdx.x < 8) {
+      const float* p = tc.params + lo;
+      const float* m = tc.m + lo;
+      const float* v = tc.v + lo;
+      double lw = 0.0, lu = 0.0;
+      for (long long i = threadIdx.x; i < len; i += 8) {
+        const double w = static_cast<double>(p[i]);
+        const double u = static_cast<double>(dir(p[i], m[i], v[i]));
+        lw = __dadd_rn(lw, __dmul_rn(w, w));
+        lu = __dadd_rn(lu, __dmul_rn(u, u));
+      }
+      lanes[threadIdx.x] = lw;
+      lanes[8 + threadIdx.x] = lu;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int k = 0; k < 2; ++k) {
+        const double* l = lanes + 8 * k;
+        sums[2 * c + k] = __dadd_rn(__dadd_rn(__dadd_rn(l[0], l[1]), __dadd_rn(l[2], l[3])),
+                                    __dadd_rn(__dadd_rn(l[4], l[5]), __dadd_rn(l[6], l[7])));
+      }
+    }
+    __syncthreads();  // the lanes are free for the next chunk
+  }
+}
+
+template <class LP>
+__device__ __forceinline__ void lamb_apply(const OptTensor* t, int ntensors,
+                                           long long total_chunks, int chunk, float eps,
+                                           int eps_inside, float weight_decay, float scale) {
+  const LambApply up{{eps, weight_decay, eps_inside}, scale};
+  for_each_chunk<LP>(t, ntensors, total_chunks, chunk, true, up);
+}
+
 // ---- instantiations ----------------------------------------------------------------------------
 
 #define FZ_ADAM_PARAMS                                                                       \
@@ -265,6 +375,14 @@ extern "C" __global__ void sgd_multi_f16(FZ_SGD_PARAMS) { sgd_multi<f16_t>(FZ_SG
 extern "C" __global__ void lion_multi_f32(FZ_LION_PARAMS) { lion_multi<float>(FZ_LION_ARGS); }
 extern "C" __global__ void lion_multi_bf16(FZ_LION_PARAMS) { lion_multi<bf16_t>(FZ_LION_ARGS); }
 extern "C" __global__ void lion_multi_f16(FZ_LION_PARAMS) { lion_multi<f16_t>(FZ_LION_ARGS); }
+
+#define FZ_LAMB_APPLY_PARAMS                                                                   \
+  const OptTensor *t, int ntensors, long long total_chunks, int chunk, float eps, int eps_inside, \
+      float weight_decay, float scale
+#define FZ_LAMB_APPLY_ARGS t, ntensors, total_chunks, chunk, eps, eps_inside, weight_decay, scale
+extern "C" __global__ void lamb_apply_f32(FZ_LAMB_APPLY_PARAMS) { lamb_apply<float>(FZ_LAMB_APPLY_ARGS); }
+extern "C" __global__ void lamb_apply_bf16(FZ_LAMB_APPLY_PARAMS) { lamb_apply<bf16_t>(FZ_LAMB_APPLY_ARGS); }
+extern "C" __global__ void lamb_apply_f16(FZ_LAMB_APPLY_PARAMS) { lamb_apply<f16_t>(FZ_LAMB_APPLY_ARGS); }
 
 extern "C" __global__ void clip_grad_scale(const double* sums, int n, const double* rule,
                                            float* grad_scale) {

@@ -156,6 +156,15 @@ pub const TABLE: &[Family] = &[
         p("lr", Float), p("beta1", Float), p("beta2", Float), p("weight_decay", Float),
         p("grad_scale", In(F32)),
     ]),
+    single("lamb_moments", &[
+        p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
+        p("beta1", Float), p("beta2", Float), p("eps", Float), p("eps_inside", Int),
+        p("weight_decay", Float), p("grad_scale", In(F32)), p("sums", Out(F64)),
+    ]),
+    per_dtype("lamb_apply", &[
+        p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
+        p("eps", Float), p("eps_inside", Int), p("weight_decay", Float), p("scale", Float),
+    ]),
     single("clip_grad_scale", &[
         p("sums", In(F64)), p("n", Int), p("rule", In(F64)), p("grad_scale", Out(F32)),
     ]),

@@ -1,0 +1,247 @@
+//! LAMB on every device: its two passes on the device equal the CPU's bit for bit (a run of
+//! several sum blocks, bf16 gradients and copies); with the state offloaded to the host
+//! (`offload_optimizer.device = "cpu"`) or in the device's memory a device trains with it,
+//! stages 0-3 bitwise identical (two ranks on one device), offloading changing no bit, close
+//! to the CPU's run.
+
+mod common;
+mod device_common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{config, toy};
+use device_common::Dev;
+use device_common::{get, rand};
+use ferrozero_config::resolved::ZeroStage;
+use ferrozero_config::resolved::{OffloadTarget, OptimizerConfig, Precision, ResolvedConfig};
+use ferrozero_offload::optim::{lamb_coeff, LambHyper, SUM_BLOCK};
+use ferrozero_runtime::backend::GradView;
+use ferrozero_runtime::backend::{Backend, Rope};
+use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::nn::llama::{self, LlamaConfig};
+use ferrozero_runtime::nn::Model;
+use ferrozero_runtime::tensor::{DType, FlatBuf};
+
+const V: usize = 23;
+const T: usize = 6;
+
+fn model() -> Model {
+    llama::build(&LlamaConfig {
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        num_key_value_heads: None,
+        head_dim: None,
+        rms_norm_eps: 1e-6,
+        rope: Rope::plain(10000.0),
+        vocab_size: V,
+        max_position_embeddings: T,
+        tie_word_embeddings: true,
+        initializer_range: 0.3,
+        qkv_bias: false,
+        sliding_window: None,
+        attention_dropout: 0.0,
+    })
+    .expect("a valid Llama")
+}
+
+/// LAMB with the state offloaded to the host; bf16 parameters on a bf16 device.
+fn cfg_for(d: &Dev, stage: ZeroStage, world: usize) -> ResolvedConfig {
+    let precision = match d.act() {
+        DType::Bf16 => Precision::Bf16,
+        _ => Precision::F32,
+    };
+    let mut c = config(stage, world, 2, 2, precision);
+    c.optimizer = OptimizerConfig::Lamb {
+        lr: 1e-2,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        eps_inside_sqrt: false,
+        weight_decay: 0.01,
+        bias_correction: true,
+        max_coeff: 10.0,
+        min_coeff: 0.01,
+    };
+    c.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    c
+}
+
+fn train(
+    be: &Arc<dyn Backend>,
+    cfg: &ResolvedConfig,
+    steps: usize,
+) -> ferrozero_runtime::Result<(Vec<NamedTensor>, Vec<f64>)> {
+    let world = cfg.world_size;
+    let (micro, gas) = (
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    );
+    let out = run_ranks(world, Duration::from_secs(120), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
+        let mut losses = Vec::new();
+        for s in 0..steps {
+            let batches: Vec<_> = (0..gas)
+                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
+                .collect();
+            losses.push(e.train_batch(&batches)?.loss);
+        }
+        Ok((e.parameters()?, losses))
+    })?;
+    Ok(out.into_iter().next().unwrap())
+}
+
+fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
+    p.iter()
+        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+/// Offloaded LAMB: stages 0-3 (and stage 3 with the parameter shards on the host too) give
+/// the same bits at two ranks on one device; one rank's run is close to the CPU's.
+fn lamb_offloaded_trains_bitwise_across_stages(d: &Dev) {
+    let mut reference = None;
+    for (stage, params_off) in [
+        (ZeroStage::Stage0, false),
+        (ZeroStage::Stage1, false),
+        (ZeroStage::Stage2, false),
+        (ZeroStage::Stage3, false),
+        (ZeroStage::Stage3, true),
+    ] {
+        let mut cfg = cfg_for(d, stage, 2);
+        if params_off {
+            cfg.zero.offload_param.target = OffloadTarget::Cpu;
+        }
+        let (p, losses) = train(&d.be, &cfg, 3).expect("offloaded LAMB trains");
+        assert!(
+            losses.iter().all(|l| l.is_finite()),
+            "{}: {losses:?}",
+            d.name
+        );
+        let b = (bits(&p), losses);
+        match &reference {
+            None => reference = Some(b),
+            Some(r) => assert!(
+                r == &b,
+                "{}: stage {stage:?} (offload_param {params_off}) differs",
+                d.name
+            ),
+        }
+    }
+    let cfg = cfg_for(d, ZeroStage::Stage2, 1);
+    let (_, l_dev) = train(&d.be, &cfg, 3).unwrap();
+    let (_, l_cpu) = train(&ferrozero_runtime::backend::cpu(), &cfg, 3).unwrap();
+    let rel = d.tol().rel.max(1e-4);
+    for (a, b) in l_dev.iter().zip(&l_cpu) {
+        assert!(
+            (a - b).abs() <= rel * b.abs(),
+            "{}: losses {l_dev:?} vs CPU {l_cpu:?}",
+            d.name
+        );
+    }
+}
+test_device!(lamb_offloaded_trains_bitwise_across_stages);
+
+/// The state in the device's memory: the device runs LAMB's kernels, stages 0-3 bitwise at
+/// two ranks, and the same bits as the offloaded run (whose passes are the CPU's).
+fn lamb_in_device_memory_equals_offloaded(d: &Dev) {
+    let mut reference = None;
+    for stage in [
+        ZeroStage::Stage0,
+        ZeroStage::Stage1,
+        ZeroStage::Stage2,
+        ZeroStage::Stage3,
+    ] {
+        let off = cfg_for(d, stage, 2);
+        let mut in_place = off.clone();
+        in_place.zero.offload_optimizer.target = OffloadTarget::None;
+        let (p, l) = train(&d.be, &in_place, 3).expect("LAMB in device memory trains");
+        if stage == ZeroStage::Stage2 {
+            let (q, _) = train(&d.be, &off, 3).unwrap();
+            assert!(
+                bits(&p) == bits(&q),
+                "{}: offload changed LAMB's bits",
+                d.name
+            );
+        }
+        let b = (bits(&p), l);
+        match &reference {
+            None => reference = Some(b),
+            Some(r) => assert!(r == &b, "{}: stage {stage:?} differs", d.name),
+        }
+    }
+}
+test_device!(lamb_in_device_memory_equals_offloaded);
+
+/// Both passes over a run of three sum blocks and a tail, from bf16 gradients read as
+/// stored and f32 ones read as a bf16 accumulator, writing a bf16 copy: the device's moments,
+/// sums and parameters are the CPU's bits.
+fn lamb_passes_equal_the_cpu(d: &Dev) {
+    let n = 3 * SUM_BLOCK + 1234;
+    let hp = LambHyper {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        eps_inside_sqrt: false,
+        weight_decay: 0.01,
+        max_coeff: 10.0,
+        min_coeff: 0.01,
+        bias_correction: true,
+    };
+    let (w, g) = (rand(n, 1), rand(n, 2));
+    let m0 = rand(n, 3);
+    let v0: Vec<f32> = rand(n, 4).iter().map(|x| x.abs() * 1e-2).collect();
+    let cpu = device_common::cpu();
+    let gbf16 = {
+        let mut b = FlatBuf::zeros(DType::Bf16, n);
+        b.store_f32(0, &g);
+        b
+    };
+    let run = |dev: &Dev, grads_bf16: bool, eps_inside: bool| {
+        let hp = LambHyper {
+            eps_inside_sqrt: eps_inside,
+            ..hp
+        };
+        let mut p = dev.put_f32(&w);
+        let gs = match grads_bf16 {
+            true => dev.be.upload(gbf16.as_ref()).unwrap(),
+            false => dev.put_f32(&g),
+        };
+        let (mut m, mut v) = (dev.put_f32(&m0), dev.put_f32(&v0));
+        let gv = match grads_bf16 {
+            true => GradView::exact(gs.view()),
+            false => GradView::rounded(gs.view(), DType::Bf16),
+        };
+        let sums = dev
+            .be
+            .lamb_moments(&hp, 0.5, (p.view(), gv), m.view_mut(), v.view_mut())
+            .unwrap();
+        let mut lp = dev.be.zeros(DType::Bf16, n).unwrap();
+        let c = lamb_coeff(&hp, sums.0, sums.1);
+        dev.be
+            .lamb_apply(
+                (&hp, 3, c),
+                p.view_mut(),
+                (m.view(), v.view()),
+                Some(lp.view_mut()),
+            )
+            .unwrap();
+        let out: Vec<Vec<u32>> = [&p, &m, &v, &lp]
+            .iter()
+            .map(|s| get(s).iter().map(|x| x.to_bits()).collect())
+            .collect();
+        ((sums.0.to_bits(), sums.1.to_bits()), out)
+    };
+    for (grads_bf16, eps_inside) in [(true, false), (false, true)] {
+        assert!(
+            run(d, grads_bf16, eps_inside) == run(&cpu, grads_bf16, eps_inside),
+            "{}: LAMB's passes differ from the CPU's (bf16 grads {grads_bf16})",
+            d.name
+        );
+    }
+}
+test_device!(lamb_passes_equal_the_cpu);
