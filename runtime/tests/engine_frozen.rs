@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use common::scratch::Scratch;
 use common::{checkpointing, config, tiny, toy};
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{
+    OffloadTarget, OptimizerConfig, Precision, ResolvedConfig, ZeroStage,
+};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::ledger::{Category, Location};
@@ -137,6 +139,46 @@ fn part_frozen_models_train_to_the_same_bits_at_every_stage_and_offload() {
                     "{name}, world {world}: {what} changed the parameters"
                 );
             }
+        }
+    }
+}
+
+/// LAMB's trust ratios are per tensor over the trainable ones only: a part-frozen and a LoRA
+/// model train to the same bits at every stage, with and without offload.
+#[test]
+fn lamb_over_frozen_models_is_the_same_at_every_stage() {
+    let with_lamb = |mut c: ResolvedConfig| {
+        c.optimizer = OptimizerConfig::Lamb {
+            lr: 2e-2,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            eps_inside_sqrt: false,
+            weight_decay: 0.01,
+            bias_correction: true,
+            max_coeff: 10.0,
+            min_coeff: 0.01,
+        };
+        c
+    };
+    for build in [gpt2_part_frozen as fn() -> Model, gpt2_lora] {
+        for world in [1, 2] {
+            let reference = run(build, &with_lamb(base(ZeroStage::Stage0, world)));
+            for stage in [ZeroStage::Stage1, ZeroStage::Stage3] {
+                let mut c = with_lamb(base(stage, world));
+                let got = run(build, &c);
+                assert_eq!(got.losses, reference.losses, "world {world} {stage:?}");
+                c.zero.offload_optimizer.target = OffloadTarget::Cpu;
+                let got = run(build, &c);
+                assert_eq!(
+                    got.losses, reference.losses,
+                    "world {world} {stage:?} offload"
+                );
+                assert!(bits(&got.after) == bits(&reference.after));
+            }
+            let moved = (reference.before.iter().zip(&reference.after))
+                .filter(|(b, a)| b.data != a.data)
+                .count();
+            assert!(moved > 0, "LAMB trained nothing");
         }
     }
 }

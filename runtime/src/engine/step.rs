@@ -236,16 +236,17 @@ impl Engine {
             true => lamb::Placement::InPlace(&*self.be),
             false => lamb::Placement::Offloaded(&*self.be, self.opt.optimizer.uploads()),
         };
+        // Frozen groups have no state and take no step.
         let mut tables = Vec::with_capacity(self.groups.len());
-        for g in &mut self.groups {
+        for g in self.groups.iter_mut().filter(|g| !g.frozen) {
             tables.push(lamb::moments(g, (hp, sv.grad_scale), &at)?);
         }
-        let sharded = self
-            .groups
-            .iter()
+        let sharded = (self.groups.iter())
+            .filter(|g| !g.frozen)
             .any(|g| g.owned != (0..g.layout.padded()));
         lamb::combine(&mut tables, sharded, self.comm.one_copy())?;
-        for (g, table) in self.groups.iter_mut().zip(&tables) {
+        let trained = self.groups.iter_mut().filter(|g| !g.frozen);
+        for (g, table) in trained.zip(&tables) {
             lamb::apply(g, (hp, sv.step), table, &at)?;
         }
         self.obs.timings.optimizer += t.elapsed().as_secs_f64();
