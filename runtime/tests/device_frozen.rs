@@ -32,11 +32,15 @@ fn lora() -> Model {
 }
 
 fn cfg_for(d: &Dev, stage: ZeroStage) -> ResolvedConfig {
+    cfg_world(d, stage, 1)
+}
+
+fn cfg_world(d: &Dev, stage: ZeroStage, world: usize) -> ResolvedConfig {
     let precision = match d.act() {
         DType::Bf16 => Precision::Bf16,
         _ => Precision::F32,
     };
-    config(stage, 1, 2, 2, precision)
+    config(stage, world, 2, 2, precision)
 }
 
 /// Stage 3 with the optimizer state and the parameter shards in host memory.
@@ -50,14 +54,17 @@ fn offloaded(d: &Dev) -> ResolvedConfig {
 /// What a run leaves: each step's loss, and the parameters before and after.
 type Run = (Vec<f64>, Vec<NamedTensor>, Vec<NamedTensor>);
 
+/// Rank 0's run; every rank computes on `be` (ranks as threads on one device).
 fn train(be: &Arc<dyn Backend>, cfg: &ResolvedConfig, build: fn() -> Model) -> Run {
-    let out = run_ranks(1, Duration::from_secs(300), |comm| {
+    let world = cfg.world_size;
+    let out = run_ranks(world, Duration::from_secs(300), |comm| {
+        let rank = comm.rank();
         let mut e = Engine::with_backend(build(), cfg.clone(), comm, be.clone())?;
         let before = e.parameters()?;
         let mut losses = Vec::new();
         for s in 0..STEPS {
             let batches: Vec<_> = (0..2)
-                .map(|m| toy::batch(tiny::VOCAB, T, (s * 2 + m) * 2, 2))
+                .map(|m| toy::batch(tiny::VOCAB, T, ((s * 2 + m) * world + rank) * 2, 2))
                 .collect();
             losses.push(e.train_batch(&batches)?.loss);
         }
@@ -130,3 +137,17 @@ fn lora_training(d: &Dev) {
     check(d, lora, others);
 }
 test_device!(lora_training);
+
+/// Two ranks on one device: stages 1 and 3 (offloaded, overlapped) to stage 0's bits.
+fn lora_two_ranks(d: &Dev) {
+    let (want, _, after) = train(&d.be, &cfg_world(d, ZeroStage::Stage0, 2), lora);
+    let mut busy = cfg_world(d, ZeroStage::Stage3, 2);
+    busy.zero.offload_optimizer.target = OffloadTarget::Cpu;
+    busy.zero.overlap_comm = true;
+    for cfg in [cfg_world(d, ZeroStage::Stage1, 2), busy] {
+        let (l, _, p) = train(&d.be, &cfg, lora);
+        assert_eq!(l, want, "{}: {:?}", d.name, cfg.zero.stage);
+        assert!(bits(&p) == bits(&after), "{}: {:?}", d.name, cfg.zero.stage);
+    }
+}
+test_device!(lora_two_ranks);

@@ -164,6 +164,7 @@ pub const SOURCES: &[KernelSource] = &[
         file: "optim.cu",
         code: include_str!("optim.cu"),
         kernels: &[
+            "lamb_moments",
             "adam_multi_f32",
             "adam_multi_bf16",
             "adam_multi_f16",
@@ -173,7 +174,6 @@ pub const SOURCES: &[KernelSource] = &[
             "lion_multi_f32",
             "lion_multi_bf16",
             "lion_multi_f16",
-            "lamb_moments",
             "lamb_apply_f32",
             "lamb_apply_bf16",
             "lamb_apply_f16",
