@@ -14,6 +14,8 @@
 #   profile  GPT-2's step kernel by kernel: ferrozero under Nsight Compute and its own
 #            flops_profiler, PyTorch compiled under its profiler, one table per side by kernel
 #            family (kernel_table.py); the stage 3 offload step's phases; the 7B preset's estimate
+#   lora     GPT-2 124M with LoRA r 16 on every linear layer, the base frozen (bf16, stage 0):
+#            ferrozero against PEFT + PyTorch eager and torch.compile (lora_peft.py)
 #   ab       GPT-2 stage 0 with and without each backend switch (AB_ENV, default
 #            FERROZERO_FUSE_DGELU=0), alternated AB_ROUNDS times (default 2)
 # `smoke` is a short first look (tests, a few GPT-2 and Llama offload steps, DeepSpeed's import).
@@ -30,12 +32,12 @@ DRY=0 PHASES=()
 for a in "$@"; do
   case $a in
     --dry-run) DRY=1 ;;
-    all) PHASES+=(tests gpt2 stages offload hf profile) ;;
-    tests | gpt2 | stages | offload | hf | profile | ab | smoke) PHASES+=("$a") ;;
-    *) echo "session.sh: unknown argument $a (phases: tests gpt2 stages offload hf profile ab smoke all; --dry-run)" >&2; exit 2 ;;
+    all) PHASES+=(tests gpt2 stages offload hf profile lora) ;;
+    tests | gpt2 | stages | offload | hf | profile | lora | ab | smoke) PHASES+=("$a") ;;
+    *) echo "session.sh: unknown argument $a (phases: tests gpt2 stages offload hf profile lora ab smoke all; --dry-run)" >&2; exit 2 ;;
   esac
 done
-[ ${#PHASES[@]} -gt 0 ] || PHASES=(tests gpt2 stages offload hf profile)
+[ ${#PHASES[@]} -gt 0 ] || PHASES=(tests gpt2 stages offload hf profile lora)
 want() { [[ " ${PHASES[*]} " == *" $1 "* ]]; }
 
 OUT=${OUT:-/tmp/fz-out}; mkdir -p "$OUT"
@@ -375,6 +377,29 @@ phase_smoke() { # the first minutes on a new machine: does everything start at a
   python3 -c 'import deepspeed, torch; print("deepspeed", deepspeed.__version__, "torch", torch.__version__)' \
     > "$OUT/ds_import.log" 2>&1; note "deepspeed import: exit $? $(tail -1 "$OUT/ds_import.log")"
 }
+phase_lora() { # LoRA on GPT-2's shape: ferrozero's frozen base and adapters against PEFT's
+  gpt2_data
+  echo '{"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 16, "lora_alpha": 32, "target_modules": "all-linear",
+    "lora_dropout": 0.0, "fan_in_fan_out": true}' > /tmp/fz-lora-adapter.json
+  echo "{\"train_micro_batch_size_per_gpu\": $MICRO, \"gradient_accumulation_steps\": 1, \"gradient_clipping\": 1.0,
+    \"bf16\": {\"enabled\": true}, \"zero_optimization\": {\"stage\": 0},
+    \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 2e-4, \"betas\": [0.9, 0.95], \"weight_decay\": 0.1}}}" > /tmp/fz-lora.json
+  fits 30 "ferrozero lora" || return
+  timeout "$(lim 200)" "$TRAIN" --device $DEV --ranks 1 --model-config $GPT2 --config /tmp/fz-lora.json \
+    --data $GPT2_DATA --seq-len $SEQ --steps "$STEPS" --peft /tmp/fz-lora-adapter.json --no-progress --bench-json \
+    --metrics "$OUT/lora_fz.jsonl" > "$OUT/lora_fz.log" 2>&1
+  note "ferrozero lora: exit $? $(last_json "$OUT/lora_fz.log")"
+  if [ -f "$G/lora_peft.py" ] && python3 -c 'import torch, peft, transformers' 2>/dev/null; then
+    fits 60 "peft lora" || return
+    local shape=(); [ $DRY = 1 ] && shape=(--device cpu --layers 2 --d-model 64 --heads 2 --vocab 512 --seq $SEQ --batch $MICRO)
+    timeout "$(lim 240)" python3 "$G/lora_peft.py" --modes eager,compile --steps "$STEPS" "${shape[@]}" \
+      > "$OUT/lora_peft.log" 2>&1
+    note "peft lora: exit $?"; grep '^{' "$OUT/lora_peft.log" | tee -a "$S"
+  else
+    note "peft lora: skipped (no PyTorch, PEFT or transformers)"
+  fi
+}
+
 phase_gpt2_fz_only() { gpt2_data; gpt2_run gpt2_smoke "$STEPS" '{"stage": 0}'; }
 
 # In the order asked (`all`: tests gpt2 stages offload hf).
