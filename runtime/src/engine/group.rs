@@ -318,6 +318,70 @@ pub fn owned_params<'a>(
     })
 }
 
+/// A group's state over its owned range, borrowed field by field for an optimizer pass.
+pub struct OwnedState<'a> {
+    /// The values the update writes, and the stored copy beside them ([`owned_params`]).
+    pub params: OwnedParams<'a>,
+    /// The gradient as the step reads it.
+    pub grad: GradRef<'a>,
+    /// First moment (or momentum).
+    pub m: &'a mut Storage,
+    /// Second moment (empty for one-moment optimizers).
+    pub v: &'a mut Storage,
+    /// The padded range this rank updates.
+    pub owned: &'a Range<usize>,
+}
+
+/// A group's gradient buffer, the accumulator dtype its values stand for, and the padded
+/// position of its first element.
+#[derive(Clone, Copy)]
+pub struct GradRef<'a> {
+    buf: &'a Storage,
+    read: Option<DType>,
+    offset: usize,
+}
+
+impl<'a> GradRef<'a> {
+    /// Elements `r` (padded coordinates) as the step reads them.
+    pub fn range(&self, r: Range<usize>) -> Result<GradView<'a>> {
+        let v = self.buf.range(r.start - self.offset..r.end - self.offset)?;
+        Ok(read_as(v, self.read))
+    }
+
+    /// `v` (a copy of some of these elements) read as this gradient is.
+    pub fn read_like<'b>(&self, v: View<'b>) -> GradView<'b> {
+        read_as(v, self.read)
+    }
+}
+
+impl Group {
+    /// The state an optimizer pass reads and writes over the owned range.
+    pub fn owned_state(&mut self) -> Result<OwnedState<'_>> {
+        let Group {
+            params,
+            master,
+            grad,
+            grad_read,
+            grad_offset,
+            m,
+            v,
+            owned,
+            ..
+        } = self;
+        Ok(OwnedState {
+            params: owned_params(params, master, owned)?,
+            grad: GradRef {
+                buf: grad,
+                read: *grad_read,
+                offset: *grad_offset,
+            },
+            m,
+            v,
+            owned,
+        })
+    }
+}
+
 /// What [`owned_params`] hands the optimizer: the f32 values it updates, and the stored
 /// parameters with the owned range's offset in them, when one must be written too.
 pub type OwnedParams<'a> = (ViewMut<'a>, Option<(&'a mut Storage, usize)>);

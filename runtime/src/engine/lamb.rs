@@ -36,7 +36,7 @@ use std::ops::Range;
 use ferrozero_config::resolved::{OffloadTarget, OptimizerConfig, ResolvedConfig};
 use ferrozero_offload::optim::{lamb_coeff, LambHyper};
 
-use super::group::{empty_storage, owned_params, read_as, Group};
+use super::group::{empty_storage, Group};
 use super::offload_copies::{
     host_read, host_step_with, HostState, Inbound, Landing, UploadWindow, HOST,
 };
@@ -212,20 +212,9 @@ pub fn moments(
     };
     match at {
         Placement::InPlace(be) => {
-            let Group {
-                params,
-                master,
-                grad,
-                grad_read,
-                grad_offset,
-                m,
-                v,
-                owned,
-                ..
-            } = g;
-            let (p, _) = owned_params(params, master, owned)?;
-            let gv = grad.range(owned.start - *grad_offset..owned.end - *grad_offset)?;
-            pass(p.as_view(), read_as(gv, *grad_read), m, v, *be)?;
+            let s = g.owned_state()?;
+            let gv = s.grad.range(s.owned.clone())?;
+            pass(s.params.0.as_view(), gv, s.m, s.v, *be)?;
         }
         Placement::Offloaded(be, _) => {
             host_read(g, *be, |p, gv, m, v| pass(p, gv, m, v, &HOST))?;
@@ -264,20 +253,13 @@ pub fn apply(
     };
     match at {
         Placement::InPlace(be) => {
-            let Group {
-                params,
-                master,
-                m,
-                v,
-                owned,
-                ..
-            } = g;
-            let (p, lp) = owned_params(params, master, owned)?;
+            let s = g.owned_state()?;
+            let (p, lp) = s.params;
             let lp = match lp {
-                Some((b, off)) => Some(b.range_mut(off..off + owned.len())?),
+                Some((b, off)) => Some(b.range_mut(off..off + s.owned.len())?),
                 None => None,
             };
-            pass(p, m, v, lp, *be)
+            pass(p, s.m, s.v, lp, *be)
         }
         Placement::Offloaded(be, window) => {
             g.landing = Landing::default();

@@ -147,27 +147,16 @@ pub(super) fn host_read<R>(
 ) -> Result<R> {
     let Inbound { grads, params, .. } = fetch(g, be)?;
     let (mut grads, mut p_in) = (grads, params);
-    let Group {
-        params,
-        master,
-        grad,
-        grad_read,
-        grad_offset,
-        m,
-        v,
-        owned,
-        ..
-    } = g;
-    let (p, _) = owned_params(params, master, owned)?;
+    let s = g.owned_state()?;
     let pv = match p_in.as_mut() {
         Some(c) => View::from(c.ready_ref()?),
-        None => p.as_view(),
+        None => s.params.0.as_view(),
     };
     let gv = match grads.as_mut() {
-        Some(c) => View::from(c.ready_ref()?),
-        None => grad.range(owned.start - *grad_offset..owned.end - *grad_offset)?,
+        Some(c) => s.grad.read_like(View::from(c.ready_ref()?)),
+        None => s.grad.range(s.owned.clone())?,
     };
-    read(pv, super::group::read_as(gv, *grad_read), m, v)
+    read(pv, gv, s.m, s.v)
 }
 
 /// Device views the step uploads into, with the staging copies that go up.

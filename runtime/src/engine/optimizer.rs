@@ -10,7 +10,7 @@ use ferrozero_offload::optim::{
     AdamHyper, LambHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay,
 };
 
-use super::group::{owned_lp, owned_params, read_as, Group};
+use super::group::{owned_lp, Group, OwnedState};
 use super::nvme::NvmeOffload;
 use super::offload_copies::{self, Inbound, Landing, UploadWindow};
 use super::partition::chunks;
@@ -92,21 +92,15 @@ impl Optimizer {
             g.landing = offload_copies::host_step(&rule, sv, tile, g, inbound, be)?;
             return Ok(());
         }
-        let Group {
-            params,
-            master,
+        let OwnedState {
+            params: (mut p, mut lp),
             grad,
-            grad_read,
-            grad_offset,
             m,
             v,
             owned,
-            ..
-        } = g;
-        let (mut p, mut lp) = owned_params(params, master, owned)?;
-        let g_base = owned.start - *grad_offset;
+        } = g.owned_state()?;
         for t in chunks(owned.len(), tile) {
-            let grads = read_as(grad.range(g_base + t.start..g_base + t.end)?, *grad_read);
+            let grads = grad.range(owned.start + t.start..owned.start + t.end)?;
             let lp_t = match &mut lp {
                 Some((b, off)) => Some(b.range_mut(*off + t.start..*off + t.end)?),
                 None => None,
@@ -130,18 +124,13 @@ impl Optimizer {
         tile: usize,
         norm: Range<usize>,
     ) -> Result<(GradView<'_>, Vec<StepTensor<'_>>)> {
-        let Group {
-            params,
-            master,
+        let OwnedState {
+            params: (p, lp),
             grad,
-            grad_read,
-            grad_offset,
             m,
             v,
             owned,
-            ..
-        } = g;
-        let (p, lp) = owned_params(params, master, owned)?;
+        } = g.owned_state()?;
         let n = owned.len();
         let tiles: Vec<_> = chunks(n, tile).collect();
         let mut ps = split_runs(p, &tiles)?.into_iter();
@@ -155,7 +144,6 @@ impl Optimizer {
             None => tiles.iter().map(|_| None).collect(),
         };
         let mut lps = lps.into_iter();
-        let g_base = owned.start - *grad_offset;
         let mut out = Vec::new();
         for t in &tiles {
             let (Some(params), Some(m), Some(v), Some(lp)) =
@@ -167,14 +155,13 @@ impl Optimizer {
             };
             out.push(StepTensor {
                 params,
-                grads: read_as(grad.range(g_base + t.start..g_base + t.end)?, *grad_read),
+                grads: grad.range(owned.start + t.start..owned.start + t.end)?,
                 m,
                 v,
                 lp,
             });
         }
-        let norm = grad.range(norm.start - *grad_offset..norm.end - *grad_offset)?;
-        Ok((read_as(norm, *grad_read), out))
+        Ok((grad.range(norm)?, out))
     }
 
     /// The step for a group whose master weights and moments live on NVMe: the gradient of
