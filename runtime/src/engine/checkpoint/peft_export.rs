@@ -94,7 +94,7 @@ pub fn export_merged(
         let module = s.name.strip_suffix(".weight").unwrap_or("");
         if let Some(ad) = run.adapters.iter().find(|a| a.site.name == module) {
             let f = &weights.lora[module];
-            crate::nn::peft::merge_into(&mut v, run.conv1d, ad, f);
+            crate::nn::peft::merge_into(&mut v, run.conv1d(), ad, f);
         }
         Ok(v)
     };

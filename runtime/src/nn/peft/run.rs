@@ -27,8 +27,6 @@ pub struct PeftRun {
     pub adapters: Vec<Adapter>,
     /// The weights to start from, when a PEFT directory was named.
     pub start: Option<AdapterWeights>,
-    /// Whether the adapted layers store their weights `[in, out]` (GPT-2's `Conv1D`).
-    pub conv1d: bool,
     /// The base model's architecture and sizes.
     pub base: HfModel,
 }
@@ -54,7 +52,6 @@ impl PeftRun {
         let arch = base.architecture.class_name();
         let adapters = config.adapters(&base.linear_sites(), arch)?;
         Ok(Self {
-            conv1d: matches!(base.config, ModelConfig::Gpt2(_)),
             config,
             adapters,
             start: None,
@@ -65,8 +62,13 @@ impl PeftRun {
     /// The adapter's config as PEFT writes it (what a checkpoint carries beside the base
     /// model's `config.json`, so it can be exported again).
     pub fn config_json(&self) -> String {
-        let v = self.config.to_json(self.conv1d);
+        let v = self.config.to_json(self.conv1d());
         serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string()) + "\n"
+    }
+
+    /// Whether the adapted layers store their weights `[in, out]` (GPT-2's `Conv1D`).
+    pub fn conv1d(&self) -> bool {
+        matches!(self.base.config, ModelConfig::Gpt2(_))
     }
 
     /// The model with its adapters, every parameter frozen but theirs and `modules_to_save`.
@@ -111,7 +113,7 @@ impl PeftRun {
     pub fn write(&self, dir: &Path, params: &[NamedTensor], dtype: DType) -> Result<()> {
         let weights = self.weights_of(params)?;
         std::fs::create_dir_all(dir).map_err(|e| crate::nn::weights::file_err(dir, e))?;
-        self.config.write(dir, self.conv1d)?;
+        self.config.write(dir, self.conv1d())?;
         weights.write(dir, &self.adapters, dtype)
     }
 
@@ -138,7 +140,7 @@ impl PeftRun {
                     ad.site.out_features
                 )));
             }
-            super::write::merge_into(&mut w.data, self.conv1d, ad, f);
+            super::write::merge_into(&mut w.data, self.conv1d(), ad, f);
         }
         params.retain(|t| !is_adapter_param(&t.name));
         Ok(params)

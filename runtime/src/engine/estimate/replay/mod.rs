@@ -66,10 +66,9 @@ pub(super) struct Replay<'a> {
     moved: u64,
     /// `offload_param.buffer_count` when stage-3 shards live on NVMe.
     swap_limit: Option<usize>,
-    /// Groups whose NVMe shard occupies a host buffer (read ahead, in, or being written).
-    swapped_in: Vec<bool>,
-    /// The host bytes each held shard's buffer was counted with.
-    swap_held: Vec<u64>,
+    /// Per group, the host bytes its NVMe shard's buffer was counted with while it occupies
+    /// one (read ahead, in, or being written).
+    swapped_in: Vec<Option<u64>>,
     /// hpZ's group size when it applies (stage 3, several groups), else 0.
     hpz: usize,
     /// Groups whose hpZ secondary partition exists (from their first forward gather).
@@ -146,8 +145,7 @@ impl<'a> Replay<'a> {
             moved: 0,
             swap_limit: matches!(cfg.zero.offload_param.target, OffloadTarget::Nvme(_))
                 .then_some(cfg.zero.offload_param.buffer_count.max(2)),
-            swapped_in: vec![false; n],
-            swap_held: vec![0; n],
+            swapped_in: vec![None; n],
             hpz,
             secondary: vec![false; n],
             opt_bytes: vec![0; n],

@@ -21,27 +21,24 @@ impl Replay<'_> {
     /// [`Replay::swap_buffer`] for `elems` of the shard: the optimizer swaps in only the
     /// trainable part (a unit's frozen group is never stepped).
     fn swap_elems(&mut self, g: usize, held: bool, elems: usize) {
-        if self.swapped_in[g] == held {
-            return;
-        }
-        self.swapped_in[g] = held;
-        match held {
-            true => {
+        match (held, self.swapped_in[g]) {
+            (true, None) => {
                 let b = self.lp(elems);
-                self.swap_held[g] = b;
+                self.swapped_in[g] = Some(b);
                 self.ledger.alloc(Location::Host, Category::Prefetch, b);
             }
-            false => {
-                let b = std::mem::take(&mut self.swap_held[g]);
+            (false, Some(b)) => {
+                self.swapped_in[g] = None;
                 self.ledger.free(Location::Host, Category::Prefetch, b);
             }
+            _ => {}
         }
     }
 
     /// `Swap::prefetch`: read a needed NVMe shard ahead when a buffer is free and the
     /// held elements stay within `max_in_cpu`.
     pub(super) fn prefetch_swap(&mut self, g: usize) {
-        let held = (0..self.groups.len()).filter(|&i| self.swapped_in[i]);
+        let held = (0..self.groups.len()).filter(|&i| self.swapped_in[i].is_some());
         let (count, elems) = held.fold((0, 0), |(n, e), i| {
             (n + 1, e + self.groups[i].layout.shard_len)
         });
