@@ -223,6 +223,12 @@ impl Config {
         };
         let zero = parts::zero(&mut r);
         let precision = parts::precision(&mut r);
+        let bf16_state = Bf16State {
+            master_weights_and_grads: precision == Precision::Bf16
+                && self.bf16.bf16_master_weights_and_grads,
+            optimizer_states: precision == Precision::Bf16 && self.bf16.bf16_optimizer_states,
+        };
+        let grad_accum_f32 = parts::grad_accum_f32(&r, &precision, bf16_state);
         let optimizer = parts::optimizer(&mut r);
         let scheduler = optimizer
             .as_ref()
@@ -245,11 +251,8 @@ impl Config {
             device: self.device,
             device_memory_limit: self.device_memory_limit.map(ByteSize::bytes),
             zero,
-            bf16_state: Bf16State {
-                master_weights_and_grads: precision == Precision::Bf16
-                    && self.bf16.bf16_master_weights_and_grads,
-                optimizer_states: precision == Precision::Bf16 && self.bf16.bf16_optimizer_states,
-            },
+            bf16_state,
+            grad_accum_f32,
             precision,
             optimizer: optimizer.expect("a missing optimizer is reported as an error"),
             scheduler,

@@ -381,6 +381,9 @@ pub struct ResolvedConfig {
     pub precision: Precision,
     /// Optimizer values kept in bf16 (bf16 precision only).
     pub bf16_state: Bf16State,
+    /// Micro-step gradients accumulate in f32 although the run is half precision
+    /// (`data_types.grad_accum_dtype = "fp32"`); otherwise in the training precision.
+    pub grad_accum_f32: bool,
     /// Optimizer.
     pub optimizer: OptimizerConfig,
     /// LR schedule, if any.

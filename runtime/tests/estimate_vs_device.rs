@@ -323,3 +323,27 @@ fn gpt2_staging_for_checkpoints_and_snapshots_is_priced_within_5_percent() {
 fn llama_staging_for_checkpoints_and_snapshots_is_priced_within_5_percent() {
     staged_sweep(Which::Llama);
 }
+
+/// f32 accumulators in a bf16 run (`data_types.grad_accum_dtype = "fp32"`) priced as the
+/// emulated device's allocator sees them, its staging included.
+#[test]
+fn f32_gradient_accumulators_are_the_allocators_within_5_percent() {
+    let mut failures = Vec::new();
+    for (stage, offload) in [
+        (ZeroStage::Stage0, Offload::None),
+        (ZeroStage::Stage2, Offload::None),
+        (ZeroStage::Stage2, Offload::Optimizer),
+        (ZeroStage::Stage3, Offload::OptimizerAndParams),
+    ] {
+        for world in [1, 2] {
+            let mut cfg = make_config(stage, world, offload, false);
+            cfg.grad_accum_f32 = true;
+            check(Which::Gpt2, &cfg, &mut failures);
+        }
+    }
+    let mut cfg = offloaded(ZeroStage::Stage2, Precision::Bf16);
+    cfg.grad_accum_f32 = true;
+    let run = measure_staged(Which::Gpt2, &cfg, DType::Bf16);
+    check_staged(Which::Gpt2, "f32 accumulators", &cfg, &run);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -412,3 +412,32 @@ fn bounded_snapshots_match_the_ledger() {
         );
     }
 }
+
+/// f32 accumulators in a bf16 run (`data_types.grad_accum_dtype = "fp32"`): twice the gradient
+/// bytes on the device or, with the optimizer offloaded, on the host, and the reduced sums cast
+/// to f32 before their way down; priced as the ledger counts them.
+#[test]
+fn f32_gradient_accumulators_match_the_ledger() {
+    let scratch = Scratch::new();
+    let mut failures = Vec::new();
+    for stage in [ZeroStage::Stage0, ZeroStage::Stage2, ZeroStage::Stage3] {
+        for world in [1, 2] {
+            for offload in [
+                Offload::None,
+                Offload::Optimizer,
+                Offload::OptimizerAndParams,
+            ] {
+                if matches!(offload, Offload::OptimizerAndParams) && stage != ZeroStage::Stage3 {
+                    continue;
+                }
+                let mut cfg =
+                    make_config(&scratch, stage, world, Precision::Bf16, offload, Ckpt::Off);
+                cfg.grad_accum_f32 = true;
+                check(Which::Llama, &cfg, &mut failures);
+                cfg.zero.overlap_comm = true;
+                check(Which::Llama, &cfg, &mut failures);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -2,6 +2,7 @@
 //! walk that reads it from the spanned tree.
 
 mod auto;
+mod data_types;
 mod device;
 mod monitor;
 mod offload;
@@ -22,6 +23,7 @@ use schemars::JsonSchema;
 use serde::Serialize;
 
 pub use auto::AutoOr;
+pub use data_types::DataTypes;
 pub use device::Device;
 pub use monitor::{CommsLoggerSection, MonitorSection, COMM_OPS};
 pub use offload::{OffloadDevice, OffloadSection};
@@ -96,6 +98,9 @@ pub struct Config {
     /// bf16 mixed precision.
     #[schemars(extend("x-aliases" = ["bfloat16"]))]
     pub bf16: Bf16,
+    /// The dtypes of gradient accumulation, parameters and buffers (DeepSpeed's
+    /// `data_types`).
+    pub data_types: DataTypes,
     /// The optimizer and its hyper-parameters; required to train.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub optimizer: Option<Optimizer>,
@@ -164,6 +169,7 @@ impl Default for Config {
             zero_optimization: ZeroOptimization::default(),
             fp16: Fp16::default(),
             bf16: Bf16::default(),
+            data_types: DataTypes::default(),
             optimizer: None,
             scheduler: None,
             activation_checkpointing: None,
@@ -242,8 +248,7 @@ const TOP_SUPPORT: &[(&str, Support)] = &[
     ("amp", Support::RefusedIfEnabled("NVIDIA Apex AMP is not supported; use fp16 or bf16")),
     ("torch_autocast", Support::RefusedIfEnabled("torch autocast changes which operations run in low precision; use fp16 or bf16")),
     ("managed_gradient_accumulation", Support::RefusedUnless(off::is_true, "ferrozero steps the optimizer only at accumulation boundaries; `false` (an update at every step() call) is not implemented")),
-    ("gradient_accumulation_dtype", Support::RefusedUnless(off::is_fp32, "gradients are accumulated in f32")),
-    ("data_types", Support::RefusedUnless(data_types_default, "ferrozero accumulates gradients in f32 and keeps parameters in the training precision; other dtypes would change the math")),
+    ("gradient_accumulation_dtype", Support::Ignored("DeepSpeed does not read a top-level `gradient_accumulation_dtype` either (the proposal became `data_types.grad_accum_dtype`); set `data_types.grad_accum_dtype = \"fp32\"` for f32 accumulation")),
     ("fp8", Support::Refused("fp8 matmuls (scaled e4m3/e5m2 tensors) are not implemented; training in bf16 instead would change the math, so the config is refused")),
     ("moe", Support::Refused("mixture-of-experts parallelism is not implemented")),
 ];
@@ -266,18 +271,6 @@ fn tensor_parallel_off(n: &Node) -> bool {
             _ => true,
         },
         _ => true,
-    })
-}
-
-/// `data_types` keeps DeepSpeed's defaults: `grad_accum_dtype` f32 or unset, `param_dtype`
-/// and `buffer_dtype` unset.
-fn data_types_default(n: &Node) -> bool {
-    let crate::parse::Kind::Table(entries) = &n.kind else {
-        return off::is_empty(n);
-    };
-    entries.iter().all(|e| match e.key.as_str() {
-        "grad_accum_dtype" => off::is_fp32(&e.value),
-        _ => matches!(e.value.kind, crate::parse::Kind::Null),
     })
 }
 
@@ -320,6 +313,9 @@ pub(crate) fn read_config(cx: &mut Cx<'_>, root: &Node) -> Option<Config> {
             .unwrap_or_default(),
         bf16: t
             .get(cx, "bf16", &["bfloat16"], precision::read_bf16)
+            .unwrap_or_default(),
+        data_types: t
+            .get(cx, "data_types", &[], data_types::read_data_types)
             .unwrap_or_default(),
         optimizer: t.get(cx, "optimizer", &[], optimizer::read_optimizer),
         scheduler: t.get(cx, "scheduler", &[], scheduler::read_scheduler),

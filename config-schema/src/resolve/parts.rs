@@ -323,3 +323,12 @@ pub(super) fn scheduler(r: &mut Resolver<'_>, lr: f64) -> Option<SchedulerConfig
         }
     })
 }
+
+/// `data_types.grad_accum_dtype`, against the resolved precision: whether micro-step gradients
+/// accumulate in f32 although the run is half precision (the rules reported every other
+/// dtype, and the clash with `bf16_master_weights_and_grads`, when the file was read).
+pub(super) fn grad_accum_f32(r: &Resolver<'_>, precision: &Precision, bf16: Bf16State) -> bool {
+    *precision != Precision::F32
+        && r.config.data_types.grad_accum_dtype == Some(CommDataType::Fp32)
+        && !bf16.master_weights_and_grads
+}

@@ -1,6 +1,7 @@
 //! Cross-field rules, checked once the typed config is built. Each failure names every value
 //! involved, so the user sees the whole conflict at once.
 mod bf16_state;
+mod data_types;
 mod optim;
 mod precision;
 mod zero;
@@ -61,6 +62,7 @@ pub(crate) fn check(cx: &mut Cx<'_>, c: &Config) {
     check_batch(cx, c);
     precision::check_precision(cx, c);
     bf16_state::check_bf16_state(cx, c);
+    data_types::check_data_types(cx, c);
     zero::check_zero(cx, c);
     optim::check_optimizer(cx, c);
     optim::check_scheduler(cx, c);

@@ -24,6 +24,15 @@ pub fn storage_dtype(p: &Precision) -> DType {
     }
 }
 
+/// The dtype micro-step gradients accumulate in between steps: f32 with
+/// `data_types.grad_accum_dtype = "fp32"`, else the training precision's.
+pub fn accum_dtype(cfg: &ResolvedConfig) -> DType {
+    match cfg.grad_accum_f32 {
+        true => DType::F32,
+        false => storage_dtype(&cfg.precision),
+    }
+}
+
 /// The dtype gradient reductions carry: `communication_data_type`, else the gradients' own
 /// (the training precision).
 pub fn reduce_dtype(cfg: &ResolvedConfig) -> DType {
@@ -221,9 +230,10 @@ impl GroupPlan<'_> {
         let grad_loc = super::rules::grad_location(self.cfg);
         // When gradients move into place no accumulator lives between steps: an empty
         // stand-in keeps its dtype.
+        let acc = accum_dtype(self.cfg);
         let grad = match super::rules::gradient_by_move(self.cfg) {
-            true => super::group::empty_storage(dtype),
-            false => place(self.be, grad_loc, dtype, grad_range.len())?,
+            true => super::group::empty_storage(acc),
+            false => place(self.be, grad_loc, acc, grad_range.len())?,
         };
         ledger.alloc(grad_loc, Category::Gradients, grad.bytes());
         // With the state on NVMe the moments live there too; empty buffers stand in.

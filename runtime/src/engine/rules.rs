@@ -165,10 +165,10 @@ pub fn mlocked_bytes(cfg: &ResolvedConfig, largest_owned: usize) -> u64 {
 /// dtype (`communication_data_type`) must be f32 or the storage dtype, so that one rounding
 /// stands for the cast (else the accumulator is kept as before).
 pub fn gradient_by_move(cfg: &ResolvedConfig) -> bool {
-    use super::build::{reduce_dtype, storage_dtype};
+    use super::build::{accum_dtype, reduce_dtype};
     cfg.gradient_accumulation_steps == 1
         && grad_location(cfg) == Location::Device
-        && moves_into(reduce_dtype(cfg), storage_dtype(&cfg.precision))
+        && moves_into(reduce_dtype(cfg), accum_dtype(cfg))
 }
 
 /// Whether a reduced micro-step gradient in `sum` may move into an accumulator of `acc`: its

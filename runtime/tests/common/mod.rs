@@ -58,6 +58,7 @@ pub fn config(
         },
         precision,
         bf16_state: Default::default(),
+        grad_accum_f32: false,
         optimizer: OptimizerConfig::Adam {
             lr: 3e-2,
             betas: (0.9, 0.95),

@@ -20,7 +20,9 @@ use ferrozero_config::resolved::{ActivationCheckpointing, OffloadTarget, Resolve
 
 use super::book::Book;
 use crate::backend::MemoryModel;
-use crate::engine::build::{optimizer_location, param_location, state_dtype, storage_dtype};
+use crate::engine::build::{
+    accum_dtype, optimizer_location, param_location, state_dtype, storage_dtype,
+};
 use crate::engine::ledger::{Category, Ledger, Location};
 use crate::engine::optimizer_overlap::{snapshot_bytes, snapshot_plan, OptimizerOverlap};
 use crate::engine::partition::{shard_world, GroupLayout};
@@ -213,7 +215,8 @@ impl<'a> Replay<'a> {
             true => 0,
             false => grad_elems,
         };
-        let (pb, gb) = (self.lp(param_elems), self.lp(grad_elems));
+        let pb = self.lp(param_elems);
+        let gb = (grad_elems * accum_dtype(self.cfg).size()) as u64;
         self.ledger.alloc(param_loc, Category::Parameters, pb);
         self.ledger
             .alloc(rules::grad_location(self.cfg), Category::Gradients, gb);

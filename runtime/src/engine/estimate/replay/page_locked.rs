@@ -74,22 +74,24 @@ impl Replay<'_> {
             return 0;
         }
         let param_loc = crate::engine::build::param_location(self.cfg);
-        let sizes: Vec<(u64, bool)> = self
+        let acc = crate::engine::build::accum_dtype(self.cfg).size();
+        let sizes: Vec<(u64, u64, bool)> = self
             .groups
             .iter()
             .map(|g| {
                 let owned = self.stage.optimizer().range(&g.grads, 0).len();
                 let on_device = g.params == Extent::Full || param_loc == Location::Device;
-                ((owned * self.dtype.size()) as u64, on_device)
+                let (gb, pb) = (owned * acc, owned * self.dtype.size());
+                (gb as u64, pb as u64, on_device)
             })
             .collect();
         let mut pool = Pool::default();
         let mut window = std::collections::VecDeque::new();
         for _ in 0..2 {
-            let mut next = sizes.first().map(|&(b, _)| pool.take(b));
-            for (g, &(b, on_device)) in sizes.iter().enumerate() {
+            let mut next = sizes.first().map(|&(gb, _, _)| pool.take(gb));
+            for (g, &(_, b, on_device)) in sizes.iter().enumerate() {
                 let grad = next.take();
-                next = sizes.get(g + 1).map(|&(b, _)| pool.take(b));
+                next = sizes.get(g + 1).map(|&(gb, _, _)| pool.take(gb));
                 // Every offloaded step enters the window, an upload-free one empty.
                 window.push_back(on_device.then(|| pool.take(b)));
                 while window.len() > rules::UPLOADS_IN_FLIGHT {

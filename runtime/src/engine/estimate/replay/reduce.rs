@@ -85,13 +85,14 @@ impl Replay<'_> {
             return;
         }
         if rules::grad_location(self.cfg) == Location::Host {
-            // The reduced sum in the storage dtype: the rank's shard, or the whole buffer.
+            // The reduced sum cast to the accumulator's dtype: the rank's shard, or the whole
+            // buffer.
             let world = self.groups.first().map_or(1, |g| g.layout.world_size);
             let elems = match self.stage.grads() {
                 Extent::Shard => padded / world.max(1),
                 Extent::Full => padded,
             };
-            let b = self.lp(elems);
+            let b = (elems * crate::engine::build::accum_dtype(self.cfg).size()) as u64;
             self.ledger
                 .alloc(Location::Device, Category::CommBuffers, b);
             self.downloads.push_back(b);
