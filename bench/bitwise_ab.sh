@@ -39,7 +39,10 @@ nvme_cfg "$W/nvme_new" > nvme_new.json
 # A GPT-2 with every dropout on, so the masks are compared too.
 echo '{"model_type":"gpt2","n_layer":2,"n_head":4,"n_embd":64,"vocab_size":256,"n_positions":64,"resid_pdrop":0.1,"embd_pdrop":0.1,"attn_pdrop":0.1}' > dropout.json
 
-# name | model | ranks | config
+# LoRA adapters (PEFT's config) on the attention and MLP input layers, with adapter dropout.
+echo '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": ["c_attn", "c_fc"]}' > lora.json
+
+# name | model | ranks | config [| extra train_gpt arguments]
 JOBS=(
   "default|addition|2|$ROOT/configs/default.toml"
   "zero1|addition|2|$ROOT/configs/zero1.toml"
@@ -54,6 +57,8 @@ JOBS=(
   "sgd_s2|tiny|2|$W/sgd.json"
   "lion_s1|tiny|2|$W/lion.json"
   "nvme_s3|llama-tiny|2|$W/nvme_SIDE.json"
+  "frozen_s3|tiny|2|$W/bf16_s3_ckpt.json|--freeze transformer.w?e.weight transformer.h.0.*"
+  "lora_s2|tiny|2|$ROOT/configs/zero2.toml|--peft $W/lora.json"
 )
 
 fields='import json,sys
@@ -72,10 +77,11 @@ for k in sorted(h):
     print(k, h[k]["dtype"], h[k]["shape"], hashlib.sha256(d[8 + n + a:8 + n + b]).hexdigest())'
 
 fail=0
-run_side() {  # side dir name model ranks config
-  local out=$W/$1/$3 cfg=${6/SIDE/$1}; mkdir -p "$out"
+run_side() {  # side dir name model ranks config extra
+  local out=$W/$1/$3 cfg=${6/SIDE/$1} extra; mkdir -p "$out"
+  read -ra extra <<<"$7"  # words, never globbed
   "$2/train_gpt" --config "$cfg" --model-config "$4" --ranks "$5" --steps 25 --no-progress \
-    --metrics "$out/m.jsonl" --save "$out/ck" --eval-rows 64 > "$out/log" 2>&1
+    --metrics "$out/m.jsonl" --save "$out/ck" --eval-rows 64 "${extra[@]}" > "$out/log" 2>&1
   python3 -c "$fields" "$out/m.jsonl" > "$out/steps"
   "$OLD/ferrozero" checkpoint consolidate "$out/ck" -o "$out/model.st" > /dev/null
   # consolidate writes a model directory now (config, shards); older binaries wrote one file.
@@ -87,9 +93,9 @@ run_side() {  # side dir name model ranks config
   grep -o 'heldout_loss=.*' "$out/log" > "$out/heldout" || true
 }
 for job in "${JOBS[@]}"; do
-  IFS='|' read -r name model ranks cfg <<<"$job"
-  run_side old "$OLD" "$name" "$model" "$ranks" "$cfg"
-  run_side new "$NEW" "$name" "$model" "$ranks" "$cfg"
+  IFS='|' read -r name model ranks cfg extra <<<"$job"
+  run_side old "$OLD" "$name" "$model" "$ranks" "$cfg" "$extra"
+  run_side new "$NEW" "$name" "$model" "$ranks" "$cfg" "$extra"
   verdict=same
   for f in steps heldout params; do
     cmp -s "old/$name/$f" "new/$name/$f" || { verdict="DIFFERENT ($f)"; fail=1; }

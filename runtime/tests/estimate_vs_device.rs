@@ -33,12 +33,19 @@ enum Which {
     Llama,
     /// Llama with LoRA (dropout 0.1) on every linear layer, the base frozen.
     LlamaLora,
+    /// GPT-2 with its embeddings and first block frozen: backward stops above them.
+    Gpt2BottomFrozen,
 }
 
 fn build(which: Which) -> Model {
     match which {
         Which::Gpt2 => gpt2::build(&gpt2::Gpt2Config::preset("tiny").unwrap()).unwrap(),
         Which::Llama => llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap(),
+        Which::Gpt2BottomFrozen => {
+            let f = ["transformer.w?e.weight", "transformer.h.0.*"];
+            let f = ferrozero_runtime::nn::freeze::Freeze::new(&f).unwrap();
+            build(Which::Gpt2).freeze(f).unwrap()
+        }
         Which::LlamaLora => {
             let cfg = llama::LlamaConfig::preset("tiny").unwrap();
             let lora = ferrozero_runtime::nn::peft::LoraConfig::from_json(
@@ -181,6 +188,12 @@ fn gpt2_device_peak_is_the_allocators_within_5_percent() {
 #[test]
 fn llama_device_peak_is_the_allocators_within_5_percent() {
     sweep(Which::Llama);
+}
+
+/// Units below the backward floor: their saved state lives only through their own forward.
+#[test]
+fn gpt2_frozen_below_the_backward_floor_is_the_allocators_within_5_percent() {
+    sweep(Which::Gpt2BottomFrozen);
 }
 
 /// Frozen parameters and the adapters' transient buffers priced as the allocator sees them.

@@ -14,6 +14,7 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::estimate::estimate;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
+use ferrozero_runtime::nn::freeze::Freeze;
 use ferrozero_runtime::nn::peft::LoraConfig;
 use ferrozero_runtime::nn::{gpt2, llama, Model};
 
@@ -27,6 +28,8 @@ enum Which {
     Llama,
     /// Llama with LoRA on every linear layer, the base frozen (PEFT's rules).
     LlamaLora,
+    /// GPT-2 with its embeddings and first block frozen: backward stops above them.
+    Gpt2BottomFrozen,
 }
 
 fn build(which: Which) -> Model {
@@ -34,6 +37,10 @@ fn build(which: Which) -> Model {
         Which::Toy => toy::model(97, 64, SEQ, 3),
         Which::Gpt2 => gpt2::build(&gpt2::Gpt2Config::preset("tiny").unwrap()).unwrap(),
         Which::Llama => llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap(),
+        Which::Gpt2BottomFrozen => {
+            let f = Freeze::new(&["transformer.w?e.weight", "transformer.h.0.*"]).unwrap();
+            build(Which::Gpt2).freeze(f).unwrap()
+        }
         Which::LlamaLora => {
             let cfg = llama::LlamaConfig::preset("tiny").unwrap();
             let lora = LoraConfig::from_json(
@@ -55,7 +62,7 @@ fn build(which: Which) -> Model {
 fn vocab(which: Which) -> usize {
     match which {
         Which::Toy => 97,
-        Which::Gpt2 | Which::Llama | Which::LlamaLora => 64,
+        Which::Gpt2 | Which::Llama | Which::LlamaLora | Which::Gpt2BottomFrozen => 64,
     }
 }
 
@@ -239,6 +246,14 @@ fn llama_matches_the_ledger_in_every_mode() {
 #[test]
 fn llama_with_lora_and_a_frozen_base_matches_the_ledger_in_every_mode() {
     sweep(Which::LlamaLora, &[Precision::Bf16]);
+}
+
+/// Units below the backward floor keep nothing for backward and run none, in the estimate
+/// as in the ledger.
+#[test]
+fn gpt2_frozen_below_the_backward_floor_matches_the_ledger_in_every_mode() {
+    assert_eq!(build(Which::Gpt2BottomFrozen).backward_floor(), 2);
+    sweep(Which::Gpt2BottomFrozen, &[Precision::Bf16]);
 }
 
 /// One micro-step per step: the reduced gradient moves into place (f32 at one rank, the wire

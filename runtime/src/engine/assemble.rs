@@ -89,7 +89,7 @@ pub(super) fn assemble(
         .sum();
     ledger.lock_host(pinned as i64);
     let hpz = super::hpz::open(&cfg, comm.world.as_ref(), stage.params(), groups.len())?;
-    let n = model.units.len();
+    let (n, floor) = (model.units.len(), model.backward_floor());
     let scaler = LossScaler::from_config(match &cfg.precision {
         ferrozero_config::resolved::Precision::Fp16(s) => Some(s),
         _ => None,
@@ -146,7 +146,7 @@ pub(super) fn assemble(
             steps: 0,
         },
         ledger,
-        acts: MicroState::new(n),
+        acts: MicroState::new(n, floor),
         obs,
         model_files: Default::default(),
     })

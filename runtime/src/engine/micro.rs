@@ -24,11 +24,15 @@ pub(super) struct MicroState {
     pub(super) micro: usize,
     /// Target tokens (those with a loss) of the micro-steps since the last step.
     pub(super) tokens: u64,
+    /// The lowest unit backward runs ([`crate::nn::Model::backward_floor`]): forward keeps
+    /// nothing for the units below it.
+    pub(super) floor: usize,
 }
 
 impl MicroState {
-    /// The state before the first forward of a model of `units` units.
-    pub(super) fn new(units: usize) -> Self {
+    /// The state before the first forward of a model of `units` units whose backward stops
+    /// at unit `floor`.
+    pub(super) fn new(units: usize, floor: usize) -> Self {
         Self {
             saved: (0..units).map(|_| None).collect(),
             saved_bytes: vec![0; units],
@@ -38,6 +42,7 @@ impl MicroState {
             last_batch: None,
             micro: 0,
             tokens: 0,
+            floor,
         }
     }
 }

@@ -112,11 +112,16 @@ impl Engine {
                 Some(g) => self.run_unit_fused(unit, batch, &x, g),
                 None => self.run_unit_forward(unit, batch, &x, training),
             };
-            if !(training && fuse.is_none() && out.is_ok() && self.reused_soon(unit)) {
+            // Below the backward floor nothing is kept for a backward that will not come.
+            let keep = training && fuse.is_none();
+            let below = unit < self.acts.floor;
+            if !(keep && !below && out.is_ok() && self.reused_soon(unit)) {
                 self.release_unit(unit);
             }
             let out = out?;
-            if training && fuse.is_none() {
+            if keep && below {
+                self.acts.saved[unit] = None;
+            } else if keep {
                 if self.checkpointing() {
                     self.acts.saved[unit] = None;
                     let input = std::mem::take(&mut x);
@@ -183,12 +188,13 @@ impl Engine {
             }
             None => (Tensor::scalar(loss_grad), n),
         };
-        for unit in (0..top).rev() {
+        let floor = self.acts.floor;
+        for unit in (floor..top).rev() {
             self.gather_unit(unit, false)?;
-            if unit > 0 {
-                self.prefetch(unit - 1);
+            if let Some(next) = rules::backward_next(unit, floor) {
+                self.prefetch(next);
             }
-            if let Some(below) = rules::checkpoint_up_with(unit) {
+            if let Some(below) = rules::checkpoint_up_with(unit, floor) {
                 self.checkpoint_ahead(below)?;
             }
             let trace = self.obs.trace.clone();
@@ -403,12 +409,13 @@ impl Engine {
         unit: usize,
         first_shared_user: Option<usize>,
     ) -> Result<()> {
-        if unit > 0 {
-            self.prefetch(unit - 1);
+        let floor = self.acts.floor;
+        if let Some(next) = rules::backward_next(unit, floor) {
+            self.prefetch(next);
         }
         // The unit below's checkpoint comes up while this unit's gradient is reduced, as it
         // would during this unit's backward without the fusion.
-        if let Some(below) = super::rules::checkpoint_up_with(unit) {
+        if let Some(below) = rules::checkpoint_up_with(unit, floor) {
             self.checkpoint_ahead(below)?;
         }
         self.reduce_unit(unit, first_shared_user)

@@ -39,9 +39,16 @@ pub const CHECKPOINTS_AHEAD: usize = 1;
 
 /// The unit whose host checkpoint starts coming up to the device when unit `unit`'s backward
 /// starts (`Checkpoints::ahead`, and the replay's): [`CHECKPOINTS_AHEAD`] units below;
-/// `None` near the bottom.
-pub fn checkpoint_up_with(unit: usize) -> Option<usize> {
-    unit.checked_sub(CHECKPOINTS_AHEAD)
+/// `None` near the bottom or below `floor` ([`crate::nn::Model::backward_floor`]: no
+/// backward there, so no checkpoint was left).
+pub fn checkpoint_up_with(unit: usize, floor: usize) -> Option<usize> {
+    unit.checked_sub(CHECKPOINTS_AHEAD).filter(|&u| u >= floor)
+}
+
+/// The unit backward gathers after unit `unit`, prefetched while `unit` computes: the one
+/// below, unless `unit` is the last backward runs (`floor`, or the first unit).
+pub fn backward_next(unit: usize, floor: usize) -> Option<usize> {
+    (unit > floor).then(|| unit - 1)
 }
 
 /// Whether stage 3 uploads a unit's host shard ahead of its use on the host-to-device stream
@@ -221,9 +228,22 @@ mod tests {
 
     #[test]
     fn a_checkpoint_comes_up_one_unit_ahead() {
-        assert_eq!(checkpoint_up_with(3), Some(2));
-        assert_eq!(checkpoint_up_with(1), Some(0));
-        assert_eq!(checkpoint_up_with(0), None, "nothing below the first unit");
+        assert_eq!(checkpoint_up_with(3, 0), Some(2));
+        assert_eq!(checkpoint_up_with(1, 0), Some(0));
+        assert_eq!(
+            checkpoint_up_with(0, 0),
+            None,
+            "nothing below the first unit"
+        );
+        assert_eq!(checkpoint_up_with(3, 2), Some(2));
+        assert_eq!(
+            checkpoint_up_with(2, 2),
+            None,
+            "no checkpoint below the floor"
+        );
+        assert_eq!(backward_next(3, 0), Some(2));
+        assert_eq!(backward_next(2, 2), None);
+        assert_eq!(backward_next(0, 0), None);
     }
 
     #[test]

@@ -449,6 +449,21 @@ impl Model {
             .sum()
     }
 
+    /// The lowest unit whose backward matters: the first that reads a parameter that trains
+    /// (its own, or a shared one it uses). Below it every parameter is frozen, so no gradient
+    /// is needed there and backward stops above it, as autograd stops where nothing below
+    /// requires a gradient. The unit count when nothing trains.
+    pub fn backward_floor(&self) -> usize {
+        let trains = |p: &ParamSpec| !self.is_frozen(&p.name);
+        self.units
+            .iter()
+            .position(|u| {
+                u.module.param_specs().iter().any(trains)
+                    || u.uses_shared.iter().any(|&i| trains(&self.shared[i]))
+            })
+            .unwrap_or(self.units.len())
+    }
+
     /// Total parameter count (shared parameters counted once).
     pub fn num_params(&self) -> usize {
         let own: usize = self

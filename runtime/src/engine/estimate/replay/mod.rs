@@ -49,6 +49,8 @@ pub(super) struct Replay<'a> {
     stage: Box<dyn Stage>,
     dtype: DType,
     groups: Vec<GroupShape>,
+    /// The lowest unit backward runs (`Model::backward_floor`).
+    floor: usize,
     ledger: Book,
     /// The device's memory behaviour: what layers save, working copies, block rounding.
     mem: MemoryModel,
@@ -137,6 +139,7 @@ impl<'a> Replay<'a> {
             stage,
             dtype: storage_dtype(&cfg.precision),
             groups,
+            floor: model.backward_floor(),
             ledger: Book::new(mem),
             mem,
             micro_alive: vec![false; n],
@@ -403,22 +406,32 @@ impl<'a> Replay<'a> {
                 break;
             }
             self.unit_forward_transients(unit, mb, seq);
-            if !self.reused_soon(unit) {
+            // `Engine::forward_units`: nothing kept below the backward floor.
+            let below = unit < self.floor;
+            if below || !self.reused_soon(unit) {
                 self.release_unit(unit);
             }
-            if self.checkpointing().is_some() {
-                let b = self.input_bytes(unit, mb, seq);
-                self.ledger
-                    .alloc(self.ckpt_location(), Category::Activations, b);
-                if self.ckpt_location() == Location::Host {
-                    self.ckpt_down.push(b);
-                }
-            } else {
-                let b = self.saved_bytes(unit, mb, seq);
-                self.ledger
-                    .alloc(Location::Device, Category::Activations, b);
+            if !below {
+                self.keep_for_backward(unit, mb, seq);
             }
             self.pass_boundary(unit, mb, seq);
+        }
+    }
+
+    /// What forward keeps of a unit for its backward: its input checkpoint (on the device or
+    /// on its way to the host), or its saved activations.
+    fn keep_for_backward(&mut self, unit: usize, mb: usize, seq: usize) {
+        if self.checkpointing().is_some() {
+            let b = self.input_bytes(unit, mb, seq);
+            self.ledger
+                .alloc(self.ckpt_location(), Category::Activations, b);
+            if self.ckpt_location() == Location::Host {
+                self.ckpt_down.push(b);
+            }
+        } else {
+            let b = self.saved_bytes(unit, mb, seq);
+            self.ledger
+                .alloc(Location::Device, Category::Activations, b);
         }
     }
 
@@ -455,19 +468,20 @@ impl<'a> Replay<'a> {
         let Some(last) = self.model.units.len().checked_sub(1) else {
             return;
         };
-        if last > 0 {
-            self.prefetch(last - 1);
+        let floor = self.floor;
+        if let Some(next) = rules::backward_next(last, floor) {
+            self.prefetch(next);
         }
-        if let Some(below) = rules::checkpoint_up_with(last) {
+        if let Some(below) = rules::checkpoint_up_with(last, floor) {
             self.checkpoint_ahead(below, mb, seq);
         }
         self.reduce_unit(last, first_shared_user);
-        for unit in (0..last).rev() {
+        for unit in (floor..last).rev() {
             self.gather_unit(unit);
-            if unit > 0 {
-                self.prefetch(unit - 1);
+            if let Some(next) = rules::backward_next(unit, floor) {
+                self.prefetch(next);
             }
-            if let Some(below) = rules::checkpoint_up_with(unit) {
+            if let Some(below) = rules::checkpoint_up_with(unit, floor) {
                 self.checkpoint_ahead(below, mb, seq);
             }
             let saved = self.saved_bytes(unit, mb, seq);
