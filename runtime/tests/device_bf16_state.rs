@@ -223,7 +223,11 @@ fn model() -> Model {
 
 /// bf16 training at two ranks with bf16 master weights and moments in the device's memory.
 fn cfg_for(stage: ZeroStage) -> ResolvedConfig {
-    let mut c = config(stage, 2, 2, 2, Precision::Bf16);
+    cfg_world(stage, 2)
+}
+
+fn cfg_world(stage: ZeroStage, world: usize) -> ResolvedConfig {
+    let mut c = config(stage, world, 2, 2, Precision::Bf16);
     c.bf16_state.master_weights_and_grads = true;
     c.bf16_state.optimizer_states = true;
     c
@@ -300,3 +304,18 @@ fn bf16_state_trains_bitwise_across_stages(d: &Dev) {
     }
 }
 test_device!(bf16_state_trains_bitwise_across_stages);
+
+/// At one rank the step is whole (status, clipping scale and update in one call on a
+/// device): stages 1 and 3 give the same bits there too, and the loss falls.
+fn bf16_state_whole_step_at_one_rank(d: &Dev) {
+    if d.act() != DType::Bf16 && d.name != "cpu" {
+        eprintln!("skipped on {}: f32 activations", d.name);
+        return;
+    }
+    let (losses, want, _) = train(&d.be, &cfg_world(ZeroStage::Stage1, 1));
+    assert!(losses[3] < losses[0], "{}: {losses:?}", d.name);
+    let (l, p, _) = train(&d.be, &cfg_world(ZeroStage::Stage3, 1));
+    assert_eq!(l, losses, "{}: stage 3 losses", d.name);
+    assert!(p == want, "{}: stage 3 parameters differ", d.name);
+}
+test_device!(bf16_state_whole_step_at_one_rank);
