@@ -189,14 +189,26 @@ fn bf16_optimizer_values_follow_deepspeeds_conditions() {
         MASTER,
         "optimizer state on NVMe",
     );
+    // bf16 moments do not lift the NVMe refusal: that optimizer keeps f32 state.
     err(
         format!(
-            "device = \"cuda\"\n{BASE}[zero_optimization]\nstage = 2\n{master}\
+            "device = \"cuda\"\n{BASE}[zero_optimization]\nstage = 3\n\
+             [zero_optimization.offload_optimizer]\ndevice = \"nvme\"\nnvme_path = \"/x\"\n\
+             {master}bf16_optimizer_states = true\n"
+        ),
+        (10, 33),
+        MASTER,
+        "NVMe optimizer keeps f32 master weights and moments",
+    );
+    // Nor do they lift DeepSpeed's stage rule on a GPU.
+    err(
+        format!(
+            "device = \"cuda\"\n{BASE}[zero_optimization]\nstage = 0\n{master}\
              bf16_optimizer_states = true\n"
         ),
-        (8, 25),
-        STATES,
-        "on a GPU are not implemented",
+        (7, 33),
+        MASTER,
+        "stage 1, 2 or 3",
     );
 }
 
@@ -234,6 +246,24 @@ fn bf16_optimizer_values_resolve_where_deepspeed_allows_them() {
          bf16_master_weights_and_grads = true\nbf16_optimizer_states = true\n"
     );
     assert!(resolve(&on_cpu).optimizer_states);
+    // On a GPU without offload, as DeepSpeed allows: the device step keeps bf16 moments.
+    for stage in 1..=3 {
+        let on_gpu = format!(
+            "device = \"cuda\"\n{BASE}[optimizer]\ntype = \"AdamW\"\nparams.lr = 1e-4\n\
+             [zero_optimization]\nstage = {stage}\n[bf16]\nenabled = true\n\
+             bf16_master_weights_and_grads = true\nbf16_optimizer_states = true\n"
+        );
+        assert!(
+            diags(&on_gpu).is_empty(),
+            "stage {stage}: {:?}",
+            diags(&on_gpu)
+        );
+        let r = resolve(&on_gpu);
+        assert!(
+            r.master_weights_and_grads && r.optimizer_states,
+            "stage {stage}"
+        );
+    }
 }
 
 /// A ZenFlow section runs: each key is checked as DeepSpeed checks it, and one warning on the

@@ -161,6 +161,17 @@ fn unsupported_placements_are_refused_by_name() {
     };
     let e = build_error(&bf16);
     assert!(e.contains("bf16_master_weights_and_grads"), "{e}");
+    // bf16 states where the optimizer runs, as the device's Adam keeps them: not LAMB's.
+    let mut states = lamb_config(ZeroStage::Stage2, 1, Precision::Bf16);
+    states.bf16_state = Bf16State {
+        master_weights_and_grads: true,
+        optimizer_states: true,
+    };
+    let e = build_error(&states);
+    assert!(
+        e.contains("optimizer.type") && e.contains("bf16_optimizer_states"),
+        "{e}"
+    );
 
     // The optimizer lane, forced on, is refused rather than run without the global norms.
     let mut lane = lamb_config(ZeroStage::Stage2, 1, Precision::F32);

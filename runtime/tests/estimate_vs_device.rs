@@ -19,6 +19,7 @@ use ferrozero_config::Device;
 use ferrozero_runtime::backend::{self, Backend};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::estimate::estimate;
+use ferrozero_runtime::engine::ledger::Category;
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::{gpt2, llama, Model};
 use ferrozero_runtime::tensor::DType;
@@ -200,6 +201,46 @@ fn gpt2_frozen_below_the_backward_floor_is_the_allocators_within_5_percent() {
 #[test]
 fn llama_lora_device_peak_is_the_allocators_within_5_percent() {
     sweep(Which::LlamaLora);
+}
+
+/// bf16 master weights and moments in the device's memory (`bf16_optimizer_states`): the
+/// allocator's peak priced within 5%, and the bytes the allocator saved against f32 state
+/// (the f32 master weights, half of the moments) are the bytes the estimate saved.
+#[test]
+fn bf16_optimizer_states_on_the_device_are_priced_within_5_percent() {
+    let mut failures = Vec::new();
+    for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
+        for world in [1, 2] {
+            let mut f32_state = make_config(stage, world, Offload::None, false);
+            f32_state.zero.overlap_comm = world > 1;
+            let mut cfg = f32_state.clone();
+            cfg.bf16_state.master_weights_and_grads = true;
+            cfg.bf16_state.optimizer_states = true;
+            check(Which::Gpt2, &cfg, &mut failures);
+            let est = |c: &ResolvedConfig| estimate(&build(Which::Gpt2), c, MICRO, SEQ);
+            let (e16, e32) = (est(&cfg), est(&f32_state));
+            let opt = |e: &ferrozero_runtime::engine::estimate::Estimate| {
+                e.device.category(Category::OptimizerState)
+            };
+            // A third, each entry rounded up to the allocator's blocks.
+            let (o16, o32) = (opt(&e16), opt(&e32));
+            assert!(
+                o16 * 3 >= o32 && o16 * 3 - o32 <= o32 / 20,
+                "stage {stage:?} world {world}: optimizer bytes {o16} vs f32 state {o32}"
+            );
+            let saved_est = e32.device.peak_bytes as f64 - e16.device.peak_bytes as f64;
+            let saved = measure(Which::Gpt2, &f32_state) as f64 - measure(Which::Gpt2, &cfg) as f64;
+            eprintln!("stage {stage:?} world {world}: saved {saved} bytes, estimated {saved_est}");
+            assert!(saved > 0.0, "stage {stage:?} world {world}: nothing saved");
+            // A difference of two peaks, each rounded to blocks: held to 5% of the f32
+            // state's optimizer bytes.
+            assert!(
+                (saved - saved_est).abs() <= 0.05 * o32 as f64,
+                "stage {stage:?} world {world}: saved {saved}, estimated {saved_est}"
+            );
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// One run of two steps on a fresh emulated device with activations in `act`: the allocator's

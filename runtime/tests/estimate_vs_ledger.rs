@@ -456,3 +456,61 @@ fn f32_gradient_accumulators_match_the_ledger() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// bf16 master weights and moments (`bf16_optimizer_states`) where the optimizer runs (on
+/// the device: here the CPU's memory) or offloaded: the totals within 5%, and the optimizer
+/// bytes exactly the ledger's, a third of what f32 state takes.
+#[test]
+fn bf16_optimizer_states_match_the_ledger() {
+    let scratch = Scratch::new();
+    let mut failures = Vec::new();
+    for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
+        for world in [1, 2] {
+            for offload in [Offload::None, Offload::Optimizer] {
+                let mut cfg =
+                    make_config(&scratch, stage, world, Precision::Bf16, offload, Ckpt::Off);
+                cfg.zero.overlap_comm = world > 1;
+                cfg.bf16_state.master_weights_and_grads = true;
+                cfg.bf16_state.optimizer_states = true;
+                check(Which::Gpt2, &cfg, &mut failures);
+                let at = match offload {
+                    Offload::None => Location::Device,
+                    _ => Location::Host,
+                };
+                let opt = |c: &ResolvedConfig| {
+                    let e = estimate(&build(Which::Gpt2), c, MICRO, SEQ);
+                    match at {
+                        Location::Device => e.device.category(Category::OptimizerState),
+                        _ => e.host.category(Category::OptimizerState),
+                    }
+                };
+                let got = optimizer_bytes(&cfg, at);
+                assert_eq!(opt(&cfg), got, "{}: ledger", describe(Which::Gpt2, &cfg));
+                // The state alone (no optimizer overlap's snapshots of it): a third.
+                let mut plain = cfg.clone();
+                plain.zero.overlap_comm = false;
+                let mut f32_state = plain.clone();
+                f32_state.bf16_state = Default::default();
+                let (bf16, full) = (opt(&plain), opt(&f32_state));
+                assert_eq!(bf16 * 3, full, "{}", describe(Which::Gpt2, &plain));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Rank 0's peak optimizer bytes at `at` after one step of GPT-2.
+fn optimizer_bytes(cfg: &ResolvedConfig, at: Location) -> u64 {
+    let world = cfg.world_size;
+    let out = run_ranks(world, Duration::from_secs(60), |comm| {
+        let rank = comm.rank();
+        let mut e = Engine::new(build(Which::Gpt2), cfg.clone(), comm)?;
+        let batches: Vec<_> = (0..cfg.gradient_accumulation_steps)
+            .map(|m| toy::batch(vocab(Which::Gpt2), SEQ, m * world + rank, MICRO))
+            .collect();
+        e.train_batch(&batches)?;
+        Ok(e.ledger().peak(at, Category::OptimizerState))
+    })
+    .unwrap();
+    out[0]
+}

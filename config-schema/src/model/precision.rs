@@ -60,7 +60,10 @@ pub struct Bf16 {
     /// must be offloaded (`offload_optimizer.device = "cpu"`), as in DeepSpeed.
     pub bf16_master_weights_and_grads: bool,
     /// Keep the optimizer's moments (Adam's two, SGD's momentum, Lion's one) in bf16, widened
-    /// to f32 for the update and rounded back; needs `bf16_master_weights_and_grads`.
+    /// to f32 for the update and rounded back to nearest even; needs
+    /// `bf16_master_weights_and_grads`. The state stays where the optimizer runs: on the GPU
+    /// (its kernels give the host step's bits) or offloaded to the CPU; not on NVMe, whose
+    /// optimizer keeps f32 state, and not with LAMB.
     pub bf16_optimizer_states: bool,
 }
 

@@ -1,11 +1,12 @@
 //! `bf16.bf16_master_weights_and_grads` and `bf16.bf16_optimizer_states`: DeepSpeed's
 //! conditions (bf16 on, ZeRO stages 1-3, optimizer states only with bf16 master weights, bf16
-//! master weights with f32 optimizer states only with the optimizer offloaded to the CPU), plus
-//! ferrozero's own: the NVMe optimizer and the GPU's optimizer kernel keep their state in f32.
+//! master weights with f32 optimizer states only with the optimizer offloaded to the CPU; bf16
+//! states stay on the GPU or go to the CPU), plus ferrozero's own: the NVMe optimizer keeps its
+//! state in f32.
 
 use super::{report, Violation};
 use crate::diagnostic::DiagnosticKind;
-use crate::model::{AutoOr, Config, Device, OffloadDevice};
+use crate::model::{AutoOr, Config, OffloadDevice};
 use crate::reader::Cx;
 
 const MASTER: &str = "bf16.bf16_master_weights_and_grads";
@@ -70,22 +71,11 @@ pub(super) fn check_bf16_state(cx: &mut Cx<'_>, c: &Config) {
         conflict(
             cx,
             path,
-            "bf16 master weights cannot be combined with optimizer state on NVMe",
-            "use `offload_optimizer.device = \"cpu\"`: ferrozero's NVMe optimizer keeps f32 state",
+            "bf16 master weights cannot be combined with optimizer state on NVMe: ferrozero's \
+             NVMe optimizer keeps f32 master weights and moments",
+            "use `offload_optimizer.device = \"cpu\"` or `\"none\"`: the host and device \
+             steps keep bf16 ones",
             "zero_optimization.offload_optimizer.device = \"nvme\"".into(),
-        );
-    } else if states && device == OffloadDevice::None && c.device != Device::Cpu {
-        conflict(
-            cx,
-            STATES,
-            "bf16 optimizer states on a GPU are not implemented: the device optimizer keeps f32 \
-             state",
-            "set `zero_optimization.offload_optimizer.device = \"cpu\"` (the host step \
-             keeps bf16 moments), or `device = \"cpu\"`",
-            format!(
-                "device = \"{}\", offload_optimizer.device = \"none\"",
-                c.device
-            ),
         );
     } else if !states && device != OffloadDevice::Cpu {
         conflict(

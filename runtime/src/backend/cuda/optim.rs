@@ -1,9 +1,10 @@
 //! The optimizer step on device state (`optim.cu`): one multi-tensor launch per call over
 //! every tensor given, gradients read in their own dtype, the gradient scale read from device
-//! memory, bit-identical to the CPU step. A whole step (`whole_step`) decides that scale on
+//! memory, bit-identical to the CPU step; f32 state, or bf16 parameters and moments
+//! (`bf16.bf16_optimizer_states`) widened and rounded back as the CPU's host step does. A whole step (`whole_step`) decides that scale on
 //! the device too, so the host reads the step's status once, after the update.
 
-use super::backend::{expect_dtype, expect_len, CudaBackend};
+use super::backend::{expect_len, CudaBackend};
 use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::kernels::params::OptTensor;
@@ -28,12 +29,53 @@ struct DevTensor<'a> {
     m: CudaViewMut<'a>,
     v: CudaViewMut<'a>,
     lp: Option<CudaViewMut<'a>>,
+    /// Which kernel of the rule steps it.
+    variant: Variant,
 }
 
-impl DevTensor<'_> {
-    /// The kernel variant for the low-precision copy: none and f32 copies use `_f32`.
-    fn lp_dtype(&self) -> DType {
-        self.lp.as_ref().map_or(DType::F32, |l| l.dtype())
+/// A rule's kernel for one tensor, by the dtype its values are stored in and the copy written
+/// beside them; the index of its name in `launch_multi`'s lists.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// f32 state, no copy or an f32 one (the parameters copied after the update): `_f32`.
+    F32 = 0,
+    /// f32 state and a bf16 copy: `_bf16`.
+    CopyBf16 = 1,
+    /// f32 state and an f16 copy: `_f16`.
+    CopyF16 = 2,
+    /// bf16 parameters and moments, no copy: `_bf16_state`.
+    Bf16State = 3,
+}
+
+const VARIANTS: [Variant; 4] = [
+    Variant::F32,
+    Variant::CopyBf16,
+    Variant::CopyF16,
+    Variant::Bf16State,
+];
+
+/// The kernel for values stored as `state` (the parameters' dtype; the moments' must match)
+/// with a copy of dtype `lp`; an error naming the dtypes for a pair no kernel steps.
+fn variant_of(state: DType, moments: &[(&str, DType)], lp: Option<DType>) -> Result<Variant> {
+    if let Some((what, d)) = moments.iter().find(|(_, d)| *d != state) {
+        return Err(crate::Error::Invalid(format!(
+            "{OP}: the parameters are {state:?} but the {what} is {d:?}: the device step takes \
+             f32 parameters and moments, or bf16 ones (bf16_optimizer_states)"
+        )));
+    }
+    match (state, lp) {
+        (DType::F32, None | Some(DType::F32)) => Ok(Variant::F32),
+        (DType::F32, Some(DType::Bf16)) => Ok(Variant::CopyBf16),
+        (DType::F32, Some(DType::F16)) => Ok(Variant::CopyF16),
+        (DType::Bf16, None) => Ok(Variant::Bf16State),
+        (DType::Bf16, Some(_)) => Err(crate::Error::Invalid(format!(
+            "{OP}: bf16 optimizer values with a separate rounded parameter copy; with bf16 \
+             master weights the parameters are updated in place"
+        ))),
+        (DType::F16, _) => Err(crate::Error::Invalid(format!(
+            "{OP}: f16 parameters without f32 master weights; the device step keeps f32 or \
+             bf16 optimizer values"
+        ))),
     }
 }
 
@@ -67,11 +109,11 @@ impl CudaBackend {
         if let Some(l) = &lp {
             expect_len(OP, "low-precision copy", l.len(), n)?;
         }
-        expect_dtype(
-            OP,
-            DType::F32,
-            &[("parameters", p.dtype()), ("first moment", m.dtype())],
-        )?;
+        let mut moments = vec![("first moment", m.dtype())];
+        if !v.is_empty() {
+            moments.push(("second moment", v.dtype()));
+        }
+        let variant = variant_of(p.dtype(), &moments, lp.as_ref().map(|l| l.dtype()))?;
         Ok(DevTensor {
             p,
             g,
@@ -79,11 +121,12 @@ impl CudaBackend {
             m,
             v,
             lp,
+            variant,
         })
     }
 
     /// Updates every tensor with the scale at `scale` (device memory): one launch per
-    /// low-precision dtype among them (one in a training step), then the f32 copies.
+    /// kernel variant among them (one in a training step), then the f32 copies.
     fn launch_update(
         &self,
         rule: &UpdateRule,
@@ -91,12 +134,12 @@ impl CudaBackend {
         scale: DevPtr,
         tensors: Vec<DevTensor<'_>>,
     ) -> Result<()> {
-        for lp in [DType::F32, DType::Bf16, DType::F16] {
+        for variant in VARIANTS {
             let mut descs = Vec::new();
             let mut chunks = 0usize;
             for t in tensors
                 .iter()
-                .filter(|t| t.lp_dtype() == lp && !t.p.is_empty())
+                .filter(|t| t.variant == variant && !t.p.is_empty())
             {
                 let n = t.p.len();
                 descs.push(OptTensor {
@@ -112,13 +155,12 @@ impl CudaBackend {
                 chunks += n.div_ceil(CHUNK);
             }
             if !descs.is_empty() {
-                self.launch_multi(rule, step, scale, &descs, chunks, lp)?;
+                self.launch_multi(rule, step, scale, &descs, chunks, variant)?;
             }
         }
         // An f32 "low-precision" copy is the parameters themselves, copied after the update.
         for t in tensors {
-            let dtype = t.lp_dtype();
-            if let (Some(l), DType::F32) = (t.lp, dtype) {
+            if let Some(l) = t.lp.filter(|l| l.dtype() == DType::F32) {
                 t.p.as_view().copy_to(l)?;
             }
         }
@@ -133,7 +175,7 @@ impl CudaBackend {
         scale: DevPtr,
         descs: &[OptTensor],
         chunks: usize,
-        lp: DType,
+        variant: Variant,
     ) -> Result<()> {
         let table = self.dev.upload_async(bytemuck::cast_slice(descs))?;
         let head = Args::new()
@@ -156,7 +198,12 @@ impl CudaBackend {
                     .f32(step_size)
                     .f32(bc2_sqrt);
                 (
-                    ["adam_multi_f32", "adam_multi_bf16", "adam_multi_f16"],
+                    [
+                        "adam_multi_f32",
+                        "adam_multi_bf16",
+                        "adam_multi_f16",
+                        "adam_bf16_state",
+                    ],
                     args,
                 )
             }
@@ -168,7 +215,15 @@ impl CudaBackend {
                     .f32(hp.weight_decay)
                     .i32(i32::from(hp.nesterov))
                     .i32(i32::from(step <= 1));
-                (["sgd_multi_f32", "sgd_multi_bf16", "sgd_multi_f16"], args)
+                (
+                    [
+                        "sgd_multi_f32",
+                        "sgd_multi_bf16",
+                        "sgd_multi_f16",
+                        "sgd_bf16_state",
+                    ],
+                    args,
+                )
             }
             UpdateRule::Lion(hp) => {
                 let args = head
@@ -177,17 +232,18 @@ impl CudaBackend {
                     .f32(hp.beta2)
                     .f32(hp.weight_decay);
                 (
-                    ["lion_multi_f32", "lion_multi_bf16", "lion_multi_f16"],
+                    [
+                        "lion_multi_f32",
+                        "lion_multi_bf16",
+                        "lion_multi_f16",
+                        "lion_bf16_state",
+                    ],
                     args,
                 )
             }
         };
-        let name = match lp {
-            DType::F32 => names[0],
-            DType::Bf16 => names[1],
-            DType::F16 => names[2],
-        };
-        self.dev.launch(name, cfg, &mut args.ptr(scale))
+        self.dev
+            .launch(names[variant as usize], cfg, &mut args.ptr(scale))
     }
 }
 

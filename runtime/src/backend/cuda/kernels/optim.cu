@@ -4,7 +4,8 @@
 // One launch updates many tensors. The host passes a device array of descriptors:
 //
 //   struct OptTensor {            // 64 bytes, 8-byte aligned (Rust: #[repr(C)])
-//     float* params;              //  0: f32 master parameters, updated in place
+//     float* params;              //  0: f32 master parameters, updated in place (bf16_t* for
+//                                 //     the _bf16_state kernels, as m and v are)
 //     const void* grads;          //  8: gradients (still scaled: see grad_scale), in the
 //                                 //     dtype grad_dtype names
 //     float* m;                   // 16: first moment (Adam, Lion) or momentum (SGD; may be null
@@ -51,7 +52,14 @@
 //       when clipping > 0 and norm > clipping (else 1), *grad_scale = (float)(coef / loss_scale).
 //       Launch: one thread.
 //
-//   <lp> is f32 (no copy), bf16 or f16. Every element is computed with the reference's
+//   <lp> is f32 (no copy), bf16 or f16.
+//
+//   adam_bf16_state, sgd_bf16_state, lion_bf16_state: the same parameters, over bf16 parameters
+//       and moments (`bf16_master_weights_and_grads` with `bf16_optimizer_states`; no copy: the
+//       parameters are the master weights). Each value is widened, stepped in f32 as above, and
+//       stored rounded to nearest even, as the CPU's host step (backend/cpu/optim_wide.rs) does.
+//
+//   Every element is computed with the reference's
 //   operations in the reference's order, each rounded separately (__fmul_rn & co. are never
 //   fused into FMAs), so results equal the CPU's bit for bit, whatever the chunking.
 
@@ -79,11 +87,11 @@ __device__ __forceinline__ int find_tensor(const OptTensor* t, int ntensors, lon
   return lo;
 }
 
-// W elements at i: load, update each with `up` (f32 in place), store, and write the
-// low-precision copy of the new parameters.
-template <int W, class G, class LP, class Update>
-__device__ __forceinline__ void update_pack(const Update& up, float* p, const G* g, float* m,
-                                            float* v, LP* lp, long long i) {
+// W elements at i: load (S widened to f32), update each with `up` (f32 in place), store (rounded
+// to S), and write the low-precision copy of the new parameters.
+template <int W, class S, class G, class LP, class Update>
+__device__ __forceinline__ void update_pack(const Update& up, S* p, const G* g, S* m, S* v, LP* lp,
+                                            long long i) {
   float pv[W], gv[W], mv[W] = {}, vv[W] = {};
   fz_load<W>(p + i, pv);
   fz_load<W>(g + i, gv);
@@ -101,9 +109,9 @@ __device__ __forceinline__ void update_pack(const Update& up, float* p, const G*
 
 // One chunk of `len` elements: 8 at a time with 16-byte vectors when its slices are aligned,
 // then one by one.
-template <class G, class LP, class Update>
-__device__ __forceinline__ void update_chunk(const Update& up, int chunk, float* p, const G* g,
-                                             float* m, float* v, LP* lp, long long len) {
+template <class S, class G, class LP, class Update>
+__device__ __forceinline__ void update_chunk(const Update& up, int chunk, S* p, const G* g, S* m,
+                                             S* v, LP* lp, long long len) {
   constexpr int V = 8;
   const bool vec = chunk % V == 0 && fz_aligned16(p) && fz_aligned16(g) &&
                    (!m || fz_aligned16(m)) && (!v || fz_aligned16(v)) && (!lp || fz_aligned16(lp));
@@ -124,8 +132,9 @@ __device__ __forceinline__ const G* grads_at(const OptTensor& t, long long lo) {
   return static_cast<const G*>(t.grads) + lo;
 }
 
-// Runs `up` over every chunk of the launch, reading each tensor's gradients in their dtype.
-template <class LP, class Update>
+// Runs `up` over every chunk of the launch, reading each tensor's gradients in their dtype and
+// its parameters and moments as S.
+template <class LP, class S, class Update>
 __device__ __forceinline__ void for_each_chunk(const OptTensor* tensors, int ntensors,
                                                long long total_chunks, int chunk, bool needs_v,
                                                const Update& up) {
@@ -134,9 +143,9 @@ __device__ __forceinline__ void for_each_chunk(const OptTensor* tensors, int nte
     const long long lo = (c - t.first_chunk) * chunk;
     if (lo >= t.n) continue;  // only with an inconsistent first_chunk; never read past n
     const long long len = min(static_cast<long long>(chunk), t.n - lo);
-    float* p = t.params + lo;
-    float* m = t.m ? t.m + lo : nullptr;
-    float* v = needs_v ? t.v + lo : nullptr;
+    S* p = reinterpret_cast<S*>(t.params) + lo;
+    S* m = t.m ? reinterpret_cast<S*>(t.m) + lo : nullptr;
+    S* v = needs_v ? reinterpret_cast<S*>(t.v) + lo : nullptr;
     LP* lp = sizeof(LP) == 2 ? static_cast<LP*>(t.lp) : nullptr;  // _f32: no copy
     if (lp) lp += lo;
     switch (t.grad_dtype) {
@@ -196,7 +205,7 @@ struct LionUpdate {
   }
 };
 
-template <class LP>
+template <class LP, class S = float>
 __device__ __forceinline__ void adam_multi(const OptTensor* t, int ntensors,
                                            long long total_chunks, int chunk, float lr,
                                            float beta1, float beta2, float eps,
@@ -207,10 +216,10 @@ __device__ __forceinline__ void adam_multi(const OptTensor* t, int ntensors,
   const AdamUpdate up{*grad_scale,  beta1, __fsub_rn(1.0f, beta1),      beta2,
                       __fsub_rn(1.0f, beta2), eps, weight_decay, __fmul_rn(lr, weight_decay),
                       step_size,    bc2_sqrt, decoupled};
-  for_each_chunk<LP>(t, ntensors, total_chunks, chunk, true, up);
+  for_each_chunk<LP, S>(t, ntensors, total_chunks, chunk, true, up);
 }
 
-template <class LP>
+template <class LP, class S = float>
 __device__ __forceinline__ void sgd_multi(const OptTensor* t, int ntensors,
                                           long long total_chunks, int chunk, float lr,
                                           float momentum, float dampening, float weight_decay,
@@ -218,10 +227,10 @@ __device__ __forceinline__ void sgd_multi(const OptTensor* t, int ntensors,
   if (*grad_scale != *grad_scale) return;
   const SgdUpdate up{*grad_scale, lr, momentum, __fsub_rn(1.0f, dampening), weight_decay,
                      nesterov, first_step};
-  for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
+  for_each_chunk<LP, S>(t, ntensors, total_chunks, chunk, false, up);
 }
 
-template <class LP>
+template <class LP, class S = float>
 __device__ __forceinline__ void lion_multi(const OptTensor* t, int ntensors,
                                            long long total_chunks, int chunk, float lr,
                                            float beta1, float beta2, float weight_decay,
@@ -229,7 +238,7 @@ __device__ __forceinline__ void lion_multi(const OptTensor* t, int ntensors,
   if (*grad_scale != *grad_scale) return;
   const LionUpdate up{*grad_scale, lr, __fmul_rn(lr, weight_decay), beta1,
                       __fsub_rn(1.0f, beta1), beta2, __fsub_rn(1.0f, beta2)};
-  for_each_chunk<LP>(t, ntensors, total_chunks, chunk, false, up);
+  for_each_chunk<LP, S>(t, ntensors, total_chunks, chunk, false, up);
 }
 
 // ---- LAMB (offload/src/optim/lamb.rs) ----------------------------------------------------------
@@ -339,7 +348,7 @@ __device__ __forceinline__ void lamb_apply(const OptTensor* t, int ntensors,
                                            long long total_chunks, int chunk, float eps,
                                            int eps_inside, float weight_decay, float scale) {
   const LambApply up{{eps, weight_decay, eps_inside}, scale};
-  for_each_chunk<LP>(t, ntensors, total_chunks, chunk, true, up);
+  for_each_chunk<LP, float>(t, ntensors, total_chunks, chunk, true, up);
 }
 
 // ---- instantiations ----------------------------------------------------------------------------
@@ -375,6 +384,11 @@ extern "C" __global__ void sgd_multi_f16(FZ_SGD_PARAMS) { sgd_multi<f16_t>(FZ_SG
 extern "C" __global__ void lion_multi_f32(FZ_LION_PARAMS) { lion_multi<float>(FZ_LION_ARGS); }
 extern "C" __global__ void lion_multi_bf16(FZ_LION_PARAMS) { lion_multi<bf16_t>(FZ_LION_ARGS); }
 extern "C" __global__ void lion_multi_f16(FZ_LION_PARAMS) { lion_multi<f16_t>(FZ_LION_ARGS); }
+
+// bf16 parameters and moments: no low-precision copy (`float` as LP writes none).
+extern "C" __global__ void adam_bf16_state(FZ_ADAM_PARAMS) { adam_multi<float, bf16_t>(FZ_ADAM_ARGS); }
+extern "C" __global__ void sgd_bf16_state(FZ_SGD_PARAMS) { sgd_multi<float, bf16_t>(FZ_SGD_ARGS); }
+extern "C" __global__ void lion_bf16_state(FZ_LION_PARAMS) { lion_multi<float, bf16_t>(FZ_LION_ARGS); }
 
 #define FZ_LAMB_APPLY_PARAMS                                                                   \
   const OptTensor *t, int ntensors, long long total_chunks, int chunk, float eps, int eps_inside, \

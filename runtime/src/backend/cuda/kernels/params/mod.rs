@@ -91,7 +91,8 @@ pub enum ArgKind {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct OptTensor {
-    /// fp32 master parameters.
+    /// fp32 master parameters (bf16 parameters for the `*_bf16_state` kernels, whose
+    /// moments are bf16 too).
     pub params: u64,
     /// Gradients, in the dtype `grad_dtype` names.
     pub grads: u64,

@@ -3,7 +3,32 @@
 
 use super::CType::{Float, In, Int, LongLong, Out, ULongLong};
 use super::Elem::{Bf16, OptTensor, F16, F32, F64, I32, T};
-use super::{p, per_dtype, single, Family};
+use super::{p, per_dtype, single, Family, Param};
+
+/// Adam's multi-tensor step (`adam_multi_*`, `adam_bf16_state`).
+#[rustfmt::skip]
+const ADAM: &[Param] = &[
+    p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
+    p("lr", Float), p("beta1", Float), p("beta2", Float), p("eps", Float),
+    p("weight_decay", Float), p("decoupled", Int), p("step_size", Float), p("bc2_sqrt", Float),
+    p("grad_scale", In(F32)),
+];
+
+/// SGD's multi-tensor step (`sgd_multi_*`, `sgd_bf16_state`).
+#[rustfmt::skip]
+const SGD: &[Param] = &[
+    p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
+    p("lr", Float), p("momentum", Float), p("dampening", Float), p("weight_decay", Float),
+    p("nesterov", Int), p("first_step", Int), p("grad_scale", In(F32)),
+];
+
+/// Lion's multi-tensor step (`lion_multi_*`, `lion_bf16_state`).
+#[rustfmt::skip]
+const LION: &[Param] = &[
+    p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
+    p("lr", Float), p("beta1", Float), p("beta2", Float), p("weight_decay", Float),
+    p("grad_scale", In(F32)),
+];
 
 /// Every kernel's parameters (one entry per family of dtype variants).
 #[rustfmt::skip]
@@ -140,22 +165,12 @@ pub const TABLE: &[Family] = &[
         p("partial", In(F32)), p("acc", Out(F32)), p("nchunks", LongLong), p("cols", Int),
     ]),
     // optim.cu
-    per_dtype("adam_multi", &[
-        p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
-        p("lr", Float), p("beta1", Float), p("beta2", Float), p("eps", Float),
-        p("weight_decay", Float), p("decoupled", Int), p("step_size", Float), p("bc2_sqrt", Float),
-        p("grad_scale", In(F32)),
-    ]),
-    per_dtype("sgd_multi", &[
-        p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
-        p("lr", Float), p("momentum", Float), p("dampening", Float), p("weight_decay", Float),
-        p("nesterov", Int), p("first_step", Int), p("grad_scale", In(F32)),
-    ]),
-    per_dtype("lion_multi", &[
-        p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
-        p("lr", Float), p("beta1", Float), p("beta2", Float), p("weight_decay", Float),
-        p("grad_scale", In(F32)),
-    ]),
+    per_dtype("adam_multi", ADAM),
+    per_dtype("sgd_multi", SGD),
+    per_dtype("lion_multi", LION),
+    single("adam_bf16_state", ADAM),
+    single("sgd_bf16_state", SGD),
+    single("lion_bf16_state", LION),
     single("lamb_moments", &[
         p("t", In(OptTensor)), p("ntensors", Int), p("total_chunks", LongLong), p("chunk", Int),
         p("beta1", Float), p("beta2", Float), p("eps", Float), p("eps_inside", Int),
