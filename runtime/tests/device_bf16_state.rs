@@ -17,11 +17,10 @@ use common::{config, toy};
 use device_common::{rand, Dev};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_offload::optim::{AdamHyper, LionHyper, SgdHyper, WeightDecay};
-use ferrozero_runtime::backend::{Backend, GradView, Rope, StepTensor, UpdateRule};
+use ferrozero_runtime::backend::{Backend, GradView, StepTensor, UpdateRule};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::{DType, FlatBuf, Storage};
 
@@ -201,24 +200,7 @@ const V: usize = 23;
 const T: usize = 6;
 
 fn model() -> Model {
-    llama::build(&LlamaConfig {
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 2,
-        num_key_value_heads: None,
-        head_dim: None,
-        rms_norm_eps: 1e-6,
-        rope: Rope::plain(10000.0),
-        vocab_size: V,
-        max_position_embeddings: T,
-        tie_word_embeddings: true,
-        initializer_range: 0.3,
-        qkv_bias: false,
-        sliding_window: None,
-        attention_dropout: 0.0,
-    })
-    .expect("a valid Llama")
+    common::tiny::small_llama(V, T)
 }
 
 /// bf16 training at two ranks with bf16 master weights and moments in the device's memory.

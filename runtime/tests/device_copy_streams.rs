@@ -18,11 +18,10 @@ use ferrozero_config::resolved::{
 };
 use ferrozero_runtime::backend::cuda::driver::{Event, StreamKind, TraceOp, Traced};
 use ferrozero_runtime::backend::cuda::{self, CudaBackend};
-use ferrozero_runtime::backend::{Backend, Rope};
+use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::{Engine, NamedTensor};
-use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::DType;
 
@@ -30,24 +29,7 @@ const V: usize = 23;
 const T: usize = 6;
 
 fn model() -> Model {
-    llama::build(&LlamaConfig {
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 2,
-        num_key_value_heads: None,
-        head_dim: None,
-        rms_norm_eps: 1e-6,
-        rope: Rope::plain(10000.0),
-        vocab_size: V,
-        max_position_embeddings: T,
-        tie_word_embeddings: true,
-        initializer_range: 0.3,
-        qkv_bias: false,
-        sliding_window: None,
-        attention_dropout: 0.0,
-    })
-    .expect("a valid Llama")
+    common::tiny::small_llama(V, T)
 }
 
 fn device() -> Arc<CudaBackend> {
@@ -416,11 +398,7 @@ fn train(cfg: &ResolvedConfig, steps: usize) -> Vec<NamedTensor> {
     out.into_iter().next().unwrap()
 }
 
-fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
-    p.iter()
-        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
-        .collect()
-}
+use common::runs::named_bits as bits;
 
 /// Stages 1-3 with the optimizer offloaded (and at stage 3 the parameters too), overlapped or
 /// not: the bits of the device's own optimizer.

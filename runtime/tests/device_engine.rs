@@ -237,11 +237,7 @@ fn train_on(
     out.into_iter().next().unwrap()
 }
 
-fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
-    p.iter()
-        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
-        .collect()
-}
+use common::runs::named_bits as bits;
 
 /// The same run on the device and on the CPU: losses close, parameters close.
 fn engine_matches_cpu(d: &Dev) {

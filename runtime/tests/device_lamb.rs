@@ -16,11 +16,10 @@ use device_common::{get, rand};
 use ferrozero_config::resolved::ZeroStage;
 use ferrozero_config::resolved::{OffloadTarget, OptimizerConfig, Precision, ResolvedConfig};
 use ferrozero_offload::optim::{lamb_coeff, LambHyper, SUM_BLOCK};
+use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::backend::GradView;
-use ferrozero_runtime::backend::{Backend, Rope};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
-use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::{DType, FlatBuf};
 
@@ -28,24 +27,7 @@ const V: usize = 23;
 const T: usize = 6;
 
 fn model() -> Model {
-    llama::build(&LlamaConfig {
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 2,
-        num_key_value_heads: None,
-        head_dim: None,
-        rms_norm_eps: 1e-6,
-        rope: Rope::plain(10000.0),
-        vocab_size: V,
-        max_position_embeddings: T,
-        tie_word_embeddings: true,
-        initializer_range: 0.3,
-        qkv_bias: false,
-        sliding_window: None,
-        attention_dropout: 0.0,
-    })
-    .expect("a valid Llama")
+    common::tiny::small_llama(V, T)
 }
 
 /// LAMB with the state offloaded to the host; bf16 parameters on a bf16 device.
@@ -94,11 +76,7 @@ fn train(
     Ok(out.into_iter().next().unwrap())
 }
 
-fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
-    p.iter()
-        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
-        .collect()
-}
+use common::runs::named_bits as bits;
 
 /// Offloaded LAMB: stages 0-3 (and stage 3 with the parameter shards on the host too) give
 /// the same bits at two ranks on one device; one rank's run is close to the CPU's.

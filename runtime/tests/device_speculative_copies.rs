@@ -15,11 +15,10 @@ use common::{config, toy};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::cuda::driver::{Event, StreamKind, TraceOp, Traced};
 use ferrozero_runtime::backend::cuda::{self, CudaBackend};
-use ferrozero_runtime::backend::{Backend, Rope};
+use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::{Batch, Model};
 use ferrozero_runtime::tensor::DType;
 
@@ -105,24 +104,7 @@ fn train_with(cfg: &ResolvedConfig, overlap: Option<OptimizerOverlap>) -> Run {
 }
 
 fn toy_model() -> Model {
-    llama::build(&LlamaConfig {
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 2,
-        num_key_value_heads: None,
-        head_dim: None,
-        rms_norm_eps: 1e-6,
-        rope: Rope::plain(10000.0),
-        vocab_size: V,
-        max_position_embeddings: T,
-        tie_word_embeddings: true,
-        initializer_range: 0.3,
-        qkv_bias: false,
-        sliding_window: None,
-        attention_dropout: 0.0,
-    })
-    .expect("a valid Llama")
+    common::tiny::small_llama(V, T)
 }
 
 fn on(t: &[Traced], s: StreamKind) -> impl Iterator<Item = (usize, &TraceOp)> {

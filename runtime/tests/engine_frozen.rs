@@ -91,11 +91,7 @@ fn base(stage: ZeroStage, world: usize) -> ResolvedConfig {
     config(stage, world, 2, 2, Precision::F32)
 }
 
-fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
-    p.iter()
-        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
-        .collect()
-}
+use common::runs::named_bits as bits;
 
 /// Every configuration the bitwise promise covers, named.
 fn variants(world: usize) -> Vec<(String, ResolvedConfig)> {

@@ -47,34 +47,13 @@ fn lamb_config(stage: ZeroStage, world: usize, precision: Precision) -> Resolved
     cfg
 }
 
-/// Trains `steps` steps; rank r takes rows in the order steps, micro-steps, ranks, micro-batch.
+/// Rank 0's parameters and losses after `steps` steps of the toy model (`common::runs`).
 fn train(cfg: &ResolvedConfig, steps: usize) -> (Vec<NamedTensor>, Vec<f64>) {
-    let world = cfg.world_size;
-    let (micro, gas) = (
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-    );
-    let out = run_ranks(world, Duration::from_secs(60), |comm| {
-        let rank = comm.rank();
-        let mut e = Engine::new(toy::model(V, D, T, LAYERS), cfg.clone(), comm)?;
-        let mut losses = Vec::new();
-        for s in 0..steps {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        Ok((e.parameters()?, losses))
-    })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    let r = common::runs::train_steps(cfg, steps);
+    (r.params, r.losses)
 }
 
-fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
-    p.iter()
-        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
-        .collect()
-}
+use common::runs::named_bits as bits;
 
 /// Every stage, with and without overlapped communication and optimizer offload, against the
 /// first run.

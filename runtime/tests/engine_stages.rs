@@ -3,17 +3,10 @@
 
 mod common;
 
-use std::time::Duration;
-
-use common::{config, toy};
+use common::config;
 use ferrozero_config::resolved::{Precision, ResolvedConfig, ZeroStage};
-use ferrozero_runtime::comm::local::run_ranks;
-use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::engine::NamedTensor;
 
-const V: usize = 11;
-const D: usize = 6;
-const T: usize = 5;
-const LAYERS: usize = 2;
 const STAGES: [ZeroStage; 4] = [
     ZeroStage::Stage0,
     ZeroStage::Stage1,
@@ -21,34 +14,13 @@ const STAGES: [ZeroStage; 4] = [
     ZeroStage::Stage3,
 ];
 
-/// Trains `steps` steps; rank r takes rows in the order steps, micro-steps, ranks, micro-batch.
+/// Rank 0's parameters and losses after `steps` steps of the toy model (`common::runs`).
 fn train(cfg: &ResolvedConfig, steps: usize) -> (Vec<NamedTensor>, Vec<f64>) {
-    let world = cfg.world_size;
-    let (micro, gas) = (
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-    );
-    let out = run_ranks(world, Duration::from_secs(30), |comm| {
-        let rank = comm.rank();
-        let mut e = Engine::new(toy::model(V, D, T, LAYERS), cfg.clone(), comm)?;
-        let mut losses = Vec::new();
-        for s in 0..steps {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        Ok((e.parameters()?, losses))
-    })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    let r = common::runs::train_steps(cfg, steps);
+    (r.params, r.losses)
 }
 
-fn bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
-    p.iter()
-        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
-        .collect()
-}
+use common::runs::named_bits as bits;
 
 fn check_stages_identical(world: usize, precision: Precision, ckpt: bool) {
     let mut reference = None;

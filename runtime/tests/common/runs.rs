@@ -72,3 +72,10 @@ pub fn train_steps(cfg: &ResolvedConfig, steps: usize) -> Run {
     first.cross = cross;
     first
 }
+
+/// Each parameter's name and value bits, for comparing runs to the last bit.
+pub fn named_bits(p: &[NamedTensor]) -> Vec<(String, Vec<u32>)> {
+    p.iter()
+        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}

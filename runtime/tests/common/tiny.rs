@@ -66,3 +66,27 @@ pub fn gpt2_lora(targets: &str, modules_to_save: &str) -> Model {
     let model = gpt2::build_with(&cfg, &adapters).expect("GPT-2 builds");
     model.freeze(frozen).expect("PEFT's rules match")
 }
+
+/// A 2-block Llama 16 wide (2 heads, inner width 24, head tied to the table), initialised at
+/// 0.3 so a few steps move every parameter: the device tests' model of vocabulary `vocab`
+/// and context `seq`.
+pub fn small_llama(vocab: usize, seq: usize) -> Model {
+    llama::build(&llama::LlamaConfig {
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        num_key_value_heads: None,
+        head_dim: None,
+        rms_norm_eps: 1e-6,
+        rope: ferrozero_runtime::backend::Rope::plain(10000.0),
+        vocab_size: vocab,
+        max_position_embeddings: seq,
+        tie_word_embeddings: true,
+        initializer_range: 0.3,
+        qkv_bias: false,
+        sliding_window: None,
+        attention_dropout: 0.0,
+    })
+    .expect("a valid Llama")
+}
