@@ -143,6 +143,13 @@ fn stage_mismatch_warnings(cx: &mut Cx<'_>, c: &Config) {
             true,
             z.zero_hpz_partition_size > 1,
         ),
+        ("zero_quantized_weights", true, z.zero_quantized_weights),
+        (
+            "zero_quantized_nontrainable_weights",
+            true,
+            z.zero_quantized_nontrainable_weights,
+        ),
+        ("zero_quantized_gradients", true, z.zero_quantized_gradients),
     ];
     // A default value spelled out (as `config convert` writes) changes nothing either way.
     for (key, stage3_only, changed) in keys {

@@ -112,6 +112,7 @@ pub trait Communicator: Send {
 pub mod hybrid;
 pub mod local;
 pub mod logger;
+pub mod quantized;
 pub mod reference;
 
 pub mod bench;

@@ -37,6 +37,16 @@ impl Extent {
     }
 }
 
+/// How a stage-3 parameter gather travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamWire {
+    /// The shards as stored.
+    Exact,
+    /// ZeRO++ qwZ: int8 codes and block scales ([`crate::comm::quantized`]), dequantized by
+    /// every rank.
+    Quantized,
+}
+
 /// The behaviour of a ZeRO stage.
 pub trait Stage: Send + Sync {
     /// Which stage this is.
@@ -54,7 +64,7 @@ pub trait Stage: Send + Sync {
         g: &mut Group,
         comm: &dyn Communicator,
         be: &dyn Backend,
-        bucket: usize,
+        (bucket, wire): (usize, ParamWire),
         ledger: &mut Ledger,
     ) -> Result<()> {
         if let ParamStore::Partitioned {
@@ -64,8 +74,12 @@ pub trait Stage: Send + Sync {
         {
             let shard = shard.resident().ok_or_else(|| not_resident("gather"))?;
             let (world, s) = (g.layout.world_size, g.layout.shard_len);
-            let full = gather_buffer(shard, world, s)?;
-            let full = gather_shards(shard, full, world, s, comm, bucket, be)?;
+            let staging = wire_staging_bytes(wire, world, s);
+            ledger.alloc(Location::Device, Category::CommBuffers, staging);
+            let full = gather_buffer(shard, world, s)
+                .and_then(|full| gather_shards(shard, full, s, comm, (bucket, wire), be));
+            ledger.free(Location::Device, Category::CommBuffers, staging);
+            let full = full?;
             ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
             *gathered = Some(full);
         }
@@ -281,17 +295,34 @@ pub fn reduce_gradient(
 /// `full` comes from [`gather_buffer`] on the thread that will release it, so that the
 /// thread's buffer cache serves the next step's gather of the same unit (a prefetch runs on
 /// the comm worker, whose cache would never see the buffer again).
+///
+/// Under [`ParamWire::Quantized`] every rank's shard travels quantized and `full` holds the
+/// dequantized values (the rank's own shard included).
 pub fn gather_shards(
     shard: &Storage,
     mut full: Storage,
-    world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
-    bucket: usize,
+    (bucket, wire): (usize, ParamWire),
     be: &dyn Backend,
 ) -> Result<Storage> {
-    all_gather_chunked(comm, shard, &mut full, world, shard_len, bucket)?;
+    let world = comm.world_size();
+    match wire {
+        ParamWire::Exact => all_gather_chunked(comm, shard, &mut full, world, shard_len, bucket)?,
+        ParamWire::Quantized => {
+            crate::comm::quantized::all_gather_quantized(comm, shard, &mut full, shard_len, bucket)?
+        }
+    }
     be.adopt_storage(full)
+}
+
+/// The packed bytes a gather of `world` shards of `shard_len` holds besides its output (the
+/// ledger's and the estimator's `CommBuffers` while it runs).
+pub fn wire_staging_bytes(wire: ParamWire, world: usize, shard_len: usize) -> u64 {
+    match wire {
+        ParamWire::Exact => 0,
+        ParamWire::Quantized => crate::comm::quantized::all_gather_staging_bytes(world, shard_len),
+    }
 }
 
 /// The output of [`gather_shards`]: `world` shards of `shard_len` elements beside `shard`, with

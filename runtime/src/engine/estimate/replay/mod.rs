@@ -241,6 +241,7 @@ impl<'a> Replay<'a> {
         }
         if self.groups[g].params == Extent::Shard && !self.gathered[g] {
             self.gathered[g] = true;
+            self.wire_staging(g);
             let full = self.lp(padded);
             self.ledger
                 .alloc(Location::Device, Category::Prefetch, full);
@@ -316,7 +317,22 @@ impl<'a> Replay<'a> {
         let full = self.lp(self.groups[g].layout.padded());
         self.ledger
             .alloc(Location::Device, Category::Prefetch, full);
+        self.wire_staging(g);
         true
+    }
+
+    /// `stage::wire_staging_bytes`: qwZ's packed buffers, held while a gather runs. A unit
+    /// is priced as one group, quantized as its frozen part would be only when all of it
+    /// is frozen.
+    fn wire_staging(&mut self, g: usize) {
+        let shape = &self.groups[g];
+        let wire = rules::param_wire(self.cfg, shape.grads.numel == 0);
+        let (world, s) = (shape.layout.world_size, shape.layout.shard_len);
+        let staging = stage::wire_staging_bytes(wire, world, s);
+        self.ledger
+            .alloc(Location::Device, Category::CommBuffers, staging);
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, staging);
     }
 
     /// `Engine::reused_soon`: [`rules::reused_soon`] over the replay's layouts.
