@@ -171,14 +171,14 @@ fn kernel_equals_cpu(d: &Dev) {
             let w = Packed { fmt, len: 2999 }.words();
             let mut qd = d.be.zeros(WIRE_DTYPE, w + 2).unwrap();
             let mut qh = Storage::Host(FlatBuf::zeros(WIRE_DTYPE, w + 2));
-            dev.quantize_into(2..3001, fmt, &mut qd).unwrap();
-            host.quantize_into(2..3001, fmt, &mut qh).unwrap();
+            dev.quantize_into(2..3001, fmt, &mut qd, 2).unwrap();
+            host.quantize_into(2..3001, fmt, &mut qh, 2).unwrap();
             let what = format!("{}: {dtype:?} {fmt:?}", d.name);
             assert_eq!(words(&qd), words(&qh), "{what}: packed words");
             let mut yd = d.be.zeros(dtype, 3000).unwrap();
             let mut yh = Storage::Host(FlatBuf::zeros(dtype, 3000));
-            qd.dequantize_into(0, fmt, &mut yd, 1, 2999).unwrap();
-            qh.dequantize_into(0, fmt, &mut yh, 1, 2999).unwrap();
+            qd.dequantize_into(2, fmt, &mut yd, 1, 2999).unwrap();
+            qh.dequantize_into(2, fmt, &mut yh, 1, 2999).unwrap();
             assert_eq!(raw(&yd), raw(&yh), "{what}: dequantized");
         }
     }

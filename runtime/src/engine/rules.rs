@@ -112,6 +112,15 @@ pub fn param_wire(cfg: &ResolvedConfig, frozen: bool) -> super::stage::ParamWire
     }
 }
 
+/// How stage-3 gradient reductions travel: quantized under qgZ (false below stage 3).
+pub fn grad_wire(cfg: &ResolvedConfig) -> super::stage::GradWire {
+    if cfg.zero.quantized_gradients {
+        super::stage::GradWire::Quantized
+    } else {
+        super::stage::GradWire::Exact
+    }
+}
+
 /// Where the gradient accumulators live: in host memory beside optimizer state that is off
 /// the device (`offload_optimizer`, CPU or NVMe), so gradients leave the device bucket by
 /// bucket during backward (`grad_download.rs`); else on the device.

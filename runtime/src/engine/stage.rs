@@ -47,6 +47,16 @@ pub enum ParamWire {
     Quantized,
 }
 
+/// How a gradient reduce-scatter travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradWire {
+    /// The gradient in the wire dtype, summed by the communicator's reduce-scatter.
+    Exact,
+    /// ZeRO++ qgZ: 4-bit codes and block scales exchanged by an all-to-all, dequantized and
+    /// summed in rank order by each owner ([`crate::comm::quantized`]).
+    Quantized,
+}
+
 /// The behaviour of a ZeRO stage.
 pub trait Stage: Send + Sync {
     /// Which stage this is.
@@ -251,7 +261,7 @@ pub fn reduce_gradient(
     world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
-    bucket: usize,
+    (bucket, wire): (usize, GradWire),
 ) -> Result<Reduced> {
     let in_place = |sum| Reduced { sum, spent: None };
     if world == 1 {
@@ -270,7 +280,9 @@ pub fn reduce_gradient(
         None => buf.uninit_like(buf.dtype(), s)?,
     };
     let k = per_rank_chunk(bucket, world);
-    if k >= s {
+    if wire == GradWire::Quantized {
+        crate::comm::quantized::reduce_scatter_quantized(comm, &buf, &mut out, s, bucket)?;
+    } else if k >= s {
         comm.reduce_scatter_view(buf.view(), out.view_mut(), ReduceOp::Sum)?;
     } else {
         let mut input = buf.zeros_like(buf.dtype(), k * world)?;
@@ -314,6 +326,17 @@ pub fn gather_shards(
         }
     }
     be.adopt_storage(full)
+}
+
+/// The buffers a shard reduction of `world` shards of `shard_len` in `dtype` holds besides
+/// its input and output (the ledger's and the estimator's `CommBuffers` while it runs).
+pub fn grad_staging_bytes(wire: GradWire, world: usize, shard_len: usize, dtype: DType) -> u64 {
+    match wire {
+        GradWire::Exact => 0,
+        GradWire::Quantized => {
+            crate::comm::quantized::reduce_staging_bytes(world, shard_len, dtype)
+        }
+    }
 }
 
 /// The packed bytes a gather of `world` shards of `shard_len` holds besides its output (the

@@ -26,6 +26,12 @@ pub const WIRE_DTYPE: DType = DType::Bf16;
 /// DeepSpeed's `CUDAQuantizer.target_group_size`: qwZ's blocks are near this length.
 pub const TARGET_BLOCK: usize = 8000;
 
+/// qgZ's block: DeepSpeed quantizes a gradient tensor in `max(rows, cols, world)` groups,
+/// one row of its smaller dimension each (768 elements for GPT-2 small's weights); a unit's
+/// flat buffer has no rows at its reduction, so blocks of a fixed 512 elements (even, as
+/// 4-bit packing needs) bound each scale's range as a row would.
+pub const GRAD_BLOCK: usize = 512;
+
 /// How a flat buffer is cut and coded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuantFormat {
@@ -57,6 +63,15 @@ impl QuantFormat {
             None => len.div_ceil(len.div_ceil(TARGET_BLOCK).max(1)).max(1),
         };
         QuantFormat { bits: 8, block }
+    }
+
+    /// qgZ's format for the part of a gradient one rank owns: 4 bits, DeepSpeed's default
+    /// width for its intra-node all-to-all, in blocks of [`GRAD_BLOCK`].
+    pub fn gradients(len: usize) -> QuantFormat {
+        QuantFormat {
+            bits: 4,
+            block: GRAD_BLOCK.min(len.next_multiple_of(2)).max(2),
+        }
     }
 
     /// Whether `bits` and `block` are a format the kernels implement.
@@ -185,19 +200,15 @@ pub fn set_wire_bytes(words: &mut [bf16], bytes: &[u8]) {
 }
 
 /// Quantizes host `x` into the packed words `out` (CPU arm of `Storage::quantize_into`).
-pub(super) fn quantize_host(
-    x: BufRef<'_>,
-    fmt: QuantFormat,
-    out: &mut FlatBuf,
-) -> crate::Result<()> {
+pub(super) fn quantize_host(x: BufRef<'_>, fmt: QuantFormat, out: BufMut<'_>) -> crate::Result<()> {
     let p = Packed { fmt, len: x.len() };
     let mut v = vec![0.0f32; x.len()];
     FlatBuf::widen_into(x, &mut v);
     let mut bytes = vec![0u8; p.bytes()];
     quantize_f32(&v, fmt, &mut bytes);
-    match out.as_mut_range(0..p.words()) {
+    match out {
         BufMut::Bf16(w) => set_wire_bytes(w, &bytes),
-        _ => return Err(wire_dtype_error(out.dtype())),
+        other => return Err(wire_dtype_error(other.dtype())),
     }
     Ok(())
 }

@@ -322,31 +322,31 @@ impl Storage {
         }
     }
 
-    /// Quantizes `self[range]` in `fmt` ([`super::quant`]) into the first
-    /// [`Packed::words`](super::quant::Packed::words) words of `out` (a buffer of
-    /// [`WIRE_DTYPE`](super::quant::WIRE_DTYPE) on the same device); the rest of `out` is left.
+    /// Quantizes `self[range]` in `fmt` ([`super::quant`]) into the
+    /// [`Packed::words`](super::quant::Packed::words) words of `out` from `word_offset` (a
+    /// buffer of [`WIRE_DTYPE`](super::quant::WIRE_DTYPE) on the same device); the rest of
+    /// `out` is left.
     pub fn quantize_into(
         &self,
         range: Range<usize>,
         fmt: super::quant::QuantFormat,
         out: &mut Storage,
+        word_offset: usize,
     ) -> Result<()> {
         fmt.check()?;
         check_span("quantize", range.start, range.len(), self.len())?;
-        let words = super::quant::Packed {
-            fmt,
-            len: range.len(),
-        }
-        .words();
-        check_span("quantize output", 0, words, out.len())?;
+        let len = range.len();
+        let words = super::quant::Packed { fmt, len }.words();
+        check_span("quantize output", word_offset, words, out.len())?;
         if out.dtype() != super::quant::WIRE_DTYPE {
             return Err(super::quant::wire_dtype_error(out.dtype()));
         }
+        let at = word_offset..word_offset + words;
         match (self, out) {
             (Storage::Host(s), Storage::Host(o)) => {
-                super::quant::quantize_host(s.as_ref_range(range), fmt, o)
+                super::quant::quantize_host(s.as_ref_range(range), fmt, o.as_mut_range(at))
             }
-            (Storage::Cuda(s), Storage::Cuda(o)) => s.quantize_into(range, fmt, o),
+            (Storage::Cuda(s), Storage::Cuda(o)) => s.quantize_into(range, fmt, o, at.start),
             _ => Err(mixed("quantize")),
         }
     }

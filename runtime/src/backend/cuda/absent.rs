@@ -85,8 +85,8 @@ no_value! {
         pub fn has_non_finite(&self, _range: Range<usize>) -> Result<bool>;
         /// Sum of squares of `range` in f64.
         pub fn sum_squares(&self, _range: Range<usize>) -> Result<f64>;
-        /// `self[range]` quantized into `out`'s first words.
-        pub fn quantize_into(&self, _range: Range<usize>, _fmt: QuantFormat, _out: &mut CudaBuf) -> Result<()>;
+        /// `self[range]` quantized into `out`'s words from `word_offset`.
+        pub fn quantize_into(&self, _range: Range<usize>, _fmt: QuantFormat, _out: &mut CudaBuf, _word_offset: usize) -> Result<()>;
         /// Packed words dequantized into `dst`.
         pub fn dequantize_into(&self, _word_offset: usize, _fmt: QuantFormat, _dst: &mut CudaBuf, _offset: usize, _len: usize) -> Result<()>;
     }

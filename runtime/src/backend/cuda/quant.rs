@@ -14,12 +14,14 @@ use crate::Result;
 const QUANT_THREADS: u32 = 256;
 
 impl CudaBuf {
-    /// `self[range]` quantized in `fmt` into the first words of `out` (both on one device).
+    /// `self[range]` quantized in `fmt` into the words of `out` from `word_offset` (both on
+    /// one device).
     pub fn quantize_into(
         &self,
         range: Range<usize>,
         fmt: QuantFormat,
         out: &mut CudaBuf,
+        word_offset: usize,
     ) -> Result<()> {
         let n = range.len();
         if n == 0 {
@@ -27,13 +29,15 @@ impl CudaBuf {
         }
         let blocks = Packed { fmt, len: n }.blocks();
         let x = self.view().range(range)?.ptr();
+        let end = out.len();
+        let y = out.view_mut().range(word_offset..end)?.ptr();
         let dev = self.device().clone();
         let mut args = Args::new()
             .ptr(x)
             .len(n)
             .i32(block_arg(fmt)?)
             .i32(fmt.bits as i32)
-            .ptr(out.view_mut().ptr());
+            .ptr(y);
         let cfg = LaunchConfig::linear(blocks as u32, QUANT_THREADS);
         dev.launch(by_dtype!("quantize", self.dtype()), cfg, &mut args)
     }
