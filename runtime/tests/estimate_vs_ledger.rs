@@ -412,3 +412,41 @@ fn bounded_snapshots_match_the_ledger() {
         );
     }
 }
+
+#[test]
+fn quantized_communication_staging_matches_the_ledger() {
+    // ZeRO++ qwZ and qgZ hold packed words (and qgZ f32 sums) while a gather or reduction
+    // runs: the replay prices them where the engine's ledger counts them.
+    let scratch = Scratch::new();
+    let mut failures = Vec::new();
+    for which in [Which::Toy, Which::Gpt2] {
+        for (w, g) in [(true, false), (false, true), (true, true)] {
+            for (offload, overlap) in [(Offload::None, false), (Offload::OptimizerAndParams, true)]
+            {
+                let mut cfg = make_config(
+                    &scratch,
+                    ZeroStage::Stage3,
+                    2,
+                    Precision::Bf16,
+                    offload,
+                    Ckpt::Off,
+                );
+                (cfg.zero.quantized_weights, cfg.zero.quantized_gradients) = (w, g);
+                cfg.zero.overlap_comm = overlap;
+                check(which, &cfg, &mut failures);
+                // The staging is priced at all: the communication buffers' peak grows.
+                let mut plain = cfg.clone();
+                (plain.zero.quantized_weights, plain.zero.quantized_gradients) = (false, false);
+                let comm = |c: &ResolvedConfig| {
+                    estimate(&build(which), c, MICRO, SEQ)
+                        .device
+                        .category(Category::CommBuffers)
+                };
+                if comm(&cfg) <= comm(&plain) {
+                    failures.push(format!("{which:?} qwZ {w} qgZ {g}: staging not priced"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
