@@ -76,8 +76,9 @@ impl QuantFormat {
 
     /// Whether `bits` and `block` are a format the kernels implement.
     pub fn check(&self) -> crate::Result<()> {
-        let ok =
-            matches!(self.bits, 4 | 8) && self.block > 0 && (self.bits == 8 || self.block % 2 == 0);
+        let ok = matches!(self.bits, 4 | 8)
+            && self.block > 0
+            && (self.bits == 8 || self.block.is_multiple_of(2));
         if ok {
             return Ok(());
         }
@@ -95,17 +96,17 @@ impl QuantFormat {
 
 /// DeepSpeed's adaptive group count for `n` elements, or `None` where its assertions fail.
 fn deepspeed_groups(n: usize) -> Option<usize> {
-    if n == 0 || n % 8 != 0 {
+    if n == 0 || !n.is_multiple_of(8) {
         return None;
     }
     let mut g = n.div_ceil(TARGET_BLOCK);
-    while g < n && n % (8 * g) != 0 {
+    while g < n && !n.is_multiple_of(8 * g) {
         g += 1;
     }
-    while n % (16 * g) == 0 && n / g > TARGET_BLOCK {
+    while n.is_multiple_of(16 * g) && n / g > TARGET_BLOCK {
         g *= 2;
     }
-    (n % (8 * g) == 0 && n / g < 16000 && n > g).then_some(g)
+    (n.is_multiple_of(8 * g) && n / g < 16000 && n > g).then_some(g)
 }
 
 impl Packed {
@@ -170,7 +171,7 @@ fn put_code(codes: &mut [u8], i: usize, q: i32, bits: u32) {
         codes[i] = q as i8 as u8;
     } else {
         let nib = (q as u8) & 0xf;
-        codes[i / 2] |= if i % 2 == 0 { nib } else { nib << 4 };
+        codes[i / 2] |= if i.is_multiple_of(2) { nib } else { nib << 4 };
     }
 }
 
@@ -179,7 +180,11 @@ fn get_code(codes: &[u8], i: usize, bits: u32) -> i32 {
         return codes[i] as i8 as i32;
     }
     let byte = codes[i / 2];
-    let nib = if i % 2 == 0 { byte & 0xf } else { byte >> 4 };
+    let nib = if i.is_multiple_of(2) {
+        byte & 0xf
+    } else {
+        byte >> 4
+    };
     // Sign-extend the nibble.
     ((nib << 4) as i8 >> 4) as i32
 }

@@ -139,7 +139,7 @@ fn check_own(d: &Desc, n: usize) -> Option<String> {
     let expected_out = match d.op {
         OpKind::ReduceScatter => d.len_in.checked_div(n).filter(|m| m * n == d.len_in),
         OpKind::AllGather => d.len_in.checked_mul(n),
-        OpKind::AllToAll => (n > 0 && d.len_in % n == 0).then_some(d.len_in),
+        OpKind::AllToAll => (n > 0 && d.len_in.is_multiple_of(n)).then_some(d.len_in),
         _ => Some(d.len_out),
     };
     if (d.src_dev == 0) != (d.dst_dev == 0) {
