@@ -286,6 +286,9 @@ fn tail(r: &Run) -> f64 {
     r.losses[n - 20..].iter().sum::<f64>() / 20.0
 }
 
+/// A one-block GPT-2 (16 wide), 200 steps at two ranks: the mean loss of the last 20 steps
+/// within 5% of unquantized training. Measured (loss 4.09 at the start, 2.132 unquantized):
+/// qwZ -0.07%, qgZ +1.86%, both +1.66% (qgZ's 4-bit codes cost the most, as in DeepSpeed).
 #[test]
 fn tiny_gpt_trains_close_to_unquantized() {
     const STEPS: usize = 200;
@@ -312,7 +315,7 @@ fn tiny_gpt_trains_close_to_unquantized() {
             tail(&q),
             tail(&plain)
         );
-        assert!(tail(&q) < 0.5 * start, "{mode:?} did not train");
+        assert!(tail(&q) < 0.6 * start, "{mode:?} did not train");
         assert!(gap.abs() < 0.05, "{mode:?}: relative gap {gap}");
         assert!(
             bits(&q.params) != bits(&plain.params),
