@@ -74,7 +74,13 @@ fn zeropp_bitwise(d: &Dev) {
         offload.zero.offload_param.target = OffloadTarget::Cpu;
         let mut overlap = base.clone();
         (overlap.zero.overlap_comm, overlap.zero.max_reuse_distance) = (true, 0);
-        for (what, cfg) in [("offload", offload), ("overlap", overlap)] {
+        let mut busy = offload.clone();
+        (busy.zero.overlap_comm, busy.zero.max_reuse_distance) = (true, 0);
+        for (what, cfg) in [
+            ("offload", offload),
+            ("overlap", overlap),
+            ("offload, overlap, prefetch", busy),
+        ] {
             let got = train(&d.be, &cfg);
             assert!(bits(&got) == bits(&want), "{}: {w} {g}, {what}", d.name);
         }
