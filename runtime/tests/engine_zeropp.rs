@@ -142,6 +142,25 @@ fn quantized_stage3_is_bitwise_across_offload_overlap_and_prefetch() {
 }
 
 #[test]
+fn qgz_over_a_bf16_wire_sums_in_f32_and_rounds_once() {
+    // `communication_data_type` rounds each rank's gradient to bf16 before qgZ quantizes it
+    // (DeepSpeed casts before its all-to-all too); the owner's f32 sum is rounded once into
+    // the bf16 shard: bitwise across overlap and offload, and not the f32 wire's result.
+    let with = |c: &mut ResolvedConfig| {
+        c.comms.data_type = Some(ferrozero_config::resolved::CommDataType::Bf16)
+    };
+    let mut base = stage3(2, Some(Mode::Gradients));
+    let f32_wire = toy_run(&base);
+    with(&mut base);
+    let want = toy_run(&base);
+    assert!(bits(&want.params) != bits(&f32_wire.params));
+    for (what, mut cfg) in variants(Mode::Gradients) {
+        with(&mut cfg);
+        assert!(same(&toy_run(&cfg), &want), "bf16 wire, {what}");
+    }
+}
+
+#[test]
 fn qwz_with_hpz_trains_like_qwz_alone() {
     // hpZ's secondary copy holds the values forward's quantized gather produced, so
     // backward computes with forward's bits.

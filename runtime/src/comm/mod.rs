@@ -63,7 +63,8 @@ pub trait Communicator: Send {
     /// `rank` of every rank's input, in rank order. A copy, never arithmetic, so any bits
     /// travel (ZeRO++'s packed quantized words). By default one [`Communicator::all_gather`]
     /// of whole inputs, of which each rank keeps its slots (the transport moves `world_size`
-    /// times the bytes); `local` exchanges the slots alone.
+    /// times the bytes); `local` exchanges the slots alone (device memory staged through
+    /// host memory by [`Communicator::all_to_all_view`]'s default).
     fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
         all_to_all_by_gather(self, input, output)
     }
