@@ -87,6 +87,13 @@ pub struct ZeroConfig {
     pub max_reuse_distance: usize,
     /// ZeRO++ hpZ's secondary parameter partition size (stage 3); 0 or 1 = off.
     pub hpz_partition_size: usize,
+    /// ZeRO++ qwZ: stage-3 parameter gathers carry int8 codes and block scales (false below
+    /// stage 3, where nothing is gathered).
+    pub quantized_weights: bool,
+    /// Frozen parameters' stage-3 gathers are quantized (`zero_quantized_nontrainable_weights`).
+    pub quantized_nontrainable_weights: bool,
+    /// ZeRO++ qgZ: stage-3 gradient reductions are quantized all-to-alls (false below stage 3).
+    pub quantized_gradients: bool,
     /// MiCS shard group size: all state sharded inside groups of this many ranks and
     /// replicated across groups; 0 = off, 1 = each rank its own group (state replicated).
     pub mics_shard_size: usize,

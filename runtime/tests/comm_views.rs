@@ -423,3 +423,42 @@ fn mismatches_are_errors_on_every_rank(m: &Maker, world: usize) {
     }
 }
 test_comm!(mismatches_are_errors_on_every_rank);
+
+/// Arbitrary 16-bit words (signalling NaN patterns included) in rank `rank`'s memory, as
+/// ZeRO++'s packed quantized words travel.
+fn words(m: &Maker, rank: usize, seed: u16, len: usize) -> Storage {
+    let w: Vec<bf16> = (0..len)
+        .map(|i| bf16::from_bits((i as u16).wrapping_mul(40_503) ^ seed ^ 0x7f81))
+        .collect();
+    let be = &m.backends[rank % m.backends.len()];
+    be.upload(FlatBuf::Bf16(w).as_ref()).expect("upload")
+}
+
+fn word_bits(s: &Storage) -> Vec<u16> {
+    match s.to_host().expect("download") {
+        FlatBuf::Bf16(w) => w.iter().map(|x| x.to_bits()).collect(),
+        _ => unreachable!("words are bf16 carriers"),
+    }
+}
+
+/// `all_to_all`: rank `r`'s slot `k` is rank `k`'s slot `r`, every bit as sent.
+fn all_to_all_copies_slots_exactly(m: &Maker, world: usize) {
+    for per in [0, 1, 67] {
+        let got = m.on_ranks(world, |c| {
+            let input = words(m, c.rank(), c.rank() as u16 * 7919, per * world);
+            let mut out = words(m, c.rank(), 1, per * world);
+            c.all_to_all_view(input.view(), out.view_mut())?;
+            Ok(word_bits(&out))
+        });
+        for (r, g) in got.iter().enumerate() {
+            let want: Vec<u16> = (0..world)
+                .flat_map(|k| {
+                    let sent = word_bits(&words(m, k, k as u16 * 7919, per * world));
+                    sent[r * per..(r + 1) * per].to_vec()
+                })
+                .collect();
+            assert_eq!(g, &want, "{}: all_to_all rank {r}/{world} {per}", m.name);
+        }
+    }
+}
+test_comm!(all_to_all_copies_slots_exactly);

@@ -66,9 +66,10 @@ fn vocab(which: Which) -> usize {
     }
 }
 
-/// Measured (device, host, device activations) peaks of rank 0 after one optimizer step of
-/// two micro-batches (every buffer the engine makes has lived once by then).
-fn measure(which: Which, cfg: &ResolvedConfig) -> (u64, u64, u64) {
+/// Measured (device, host, device activations, device communication buffers) peaks of rank 0
+/// after one optimizer step of two micro-batches (every buffer the engine makes has lived
+/// once by then).
+fn measure(which: Which, cfg: &ResolvedConfig) -> (u64, u64, u64, u64) {
     let world = cfg.world_size;
     let out = run_ranks(world, Duration::from_secs(60), |comm| {
         let rank = comm.rank();
@@ -82,6 +83,7 @@ fn measure(which: Which, cfg: &ResolvedConfig) -> (u64, u64, u64) {
             l.peak_total(Location::Device),
             l.peak_total(Location::Host),
             l.peak(Location::Device, Category::Activations),
+            l.peak(Location::Device, Category::CommBuffers),
         ))
     })
     .unwrap();
@@ -163,7 +165,7 @@ fn describe(which: Which, cfg: &ResolvedConfig) -> String {
 
 fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
     let e = estimate(&build(which), cfg, MICRO, SEQ);
-    let (dev, host, act) = measure(which, cfg);
+    let (dev, host, act, _) = measure(which, cfg);
     let what = describe(which, cfg);
     let (est_dev, est_host) = (e.device.peak_bytes, e.host.peak_bytes);
     // One row per configuration, for the record (`--nocapture` shows the table).
@@ -457,6 +459,40 @@ fn f32_gradient_accumulators_match_the_ledger() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+#[test]
+fn quantized_communication_staging_matches_the_ledger() {
+    // ZeRO++ qwZ and qgZ hold packed words (and qgZ f32 sums) while a gather or reduction
+    // runs: the replay prices them where the engine's ledger counts them.
+    let scratch = Scratch::new();
+    let mut failures = Vec::new();
+    for which in [Which::Toy, Which::Gpt2, Which::LlamaLora] {
+        for (w, g, frozen) in [
+            (true, false, false),
+            (false, true, false),
+            (true, true, false),
+            (false, false, true),
+        ] {
+            for (offload, overlap) in [(Offload::None, false), (Offload::OptimizerAndParams, true)]
+            {
+                let mut cfg = make_config(
+                    &scratch,
+                    ZeroStage::Stage3,
+                    2,
+                    Precision::Bf16,
+                    offload,
+                    Ckpt::Off,
+                );
+                (cfg.zero.quantized_weights, cfg.zero.quantized_gradients) = (w, g);
+                cfg.zero.quantized_nontrainable_weights = frozen;
+                cfg.zero.overlap_comm = overlap;
+                check(which, &cfg, &mut failures);
+                staging_priced(which, &cfg, &mut failures);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// bf16 master weights and moments (`bf16_optimizer_states`) where the optimizer runs (on
 /// the device: here the CPU's memory) or offloaded: the totals within 5%, and the optimizer
 /// bytes exactly the ledger's, a third of what f32 state takes.
@@ -513,4 +549,31 @@ fn optimizer_bytes(cfg: &ResolvedConfig, at: Location) -> u64 {
     })
     .unwrap();
     out[0]
+}
+
+/// The communication buffers' peak agrees with the ledger's alone, and the staging is priced
+/// at all: qgZ's raises the reductions' peak; qwZ's (and the frozen parameters' alone under
+/// `zero_quantized_nontrainable_weights`), in forward, raises it where a LoRA base's frozen
+/// parameters are gathered (the toy's and GPT-2's forward gathers stay below backward's
+/// reduction peak).
+fn staging_priced(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
+    let comm = |c: &ResolvedConfig| {
+        estimate(&build(which), c, MICRO, SEQ)
+            .device
+            .category(Category::CommBuffers)
+    };
+    let (est, got) = (comm(cfg), measure(which, cfg).3);
+    let (w, g) = (cfg.zero.quantized_weights, cfg.zero.quantized_gradients);
+    if !close(est, got) {
+        failures.push(format!(
+            "{which:?} qwZ {w} qgZ {g}: comm est {est} vs {got}"
+        ));
+    }
+    let mut plain = cfg.clone();
+    (plain.zero.quantized_weights, plain.zero.quantized_gradients) = (false, false);
+    plain.zero.quantized_nontrainable_weights = false;
+    let must_grow = g || matches!(which, Which::LlamaLora);
+    if must_grow && comm(cfg) <= comm(&plain) {
+        failures.push(format!("{which:?} qwZ {w} qgZ {g}: staging not priced"));
+    }
 }

@@ -74,6 +74,25 @@ pub struct ZeroOptimization {
     /// group. Costs `1 / G` of the parameters per rank; must divide the world size; 0 or 1 =
     /// off.
     pub zero_hpz_partition_size: u64,
+    /// ZeRO++ qwZ (stage 3; DeepSpeed's meaning): every parameter all-gather sends each
+    /// rank's shard as int8 codes with an f32 scale per block of about 8000 elements
+    /// (DeepSpeed's `CUDAQuantizer` symmetric formula and group sizes), and every rank
+    /// computes with the dequantized values; the stored shards, master weights and optimizer
+    /// stay full precision. Forward's gathers, prefetches and backward's re-gathers are all
+    /// quantized, so a step sees one set of values; with hpZ, forward's gather is quantized
+    /// and the secondary copy holds the dequantized values it produced. Below stage 3 (or at
+    /// one rank) nothing is gathered and it has no effect.
+    pub zero_quantized_weights: bool,
+    /// ZeRO++ quantized non-trainable weights (stage 3): the gathers of frozen parameters
+    /// are quantized as `zero_quantized_weights` quantizes every gather. DeepSpeed also
+    /// stores those shards quantized; ferrozero keeps them in the storage dtype (the values
+    /// computed with are the same, since frozen shards never change).
+    pub zero_quantized_nontrainable_weights: bool,
+    /// ZeRO++ qgZ (stage 3; DeepSpeed's meaning): the gradient reduce-scatter becomes a
+    /// quantized all-to-all: each rank quantizes the part of its gradient every other rank
+    /// owns (4-bit codes, an f32 scale per block), the parts are exchanged, and each rank
+    /// dequantizes what it received and sums it in rank order in f32 into its shard.
+    pub zero_quantized_gradients: bool,
     /// MiCS shard group size (DeepSpeed's meaning; FSDP's `HYBRID_SHARD`): parameters,
     /// gradients and optimizer state are sharded inside groups of this many consecutive ranks
     /// (one node) and replicated across the groups, so parameter gathers stay inside a group
@@ -113,6 +132,9 @@ impl Default for ZeroOptimization {
             stage3_gather_16bit_weights_on_model_save: AutoOr::Value(false),
             round_robin_gradients: false,
             zero_hpz_partition_size: 1,
+            zero_quantized_weights: false,
+            zero_quantized_nontrainable_weights: false,
+            zero_quantized_gradients: false,
             mics_shard_size: -1,
             mics_hierarchical_params_gather: false,
             offload_param: None,
@@ -146,10 +168,7 @@ const SUPPORT: &[(&str, Support)] = &[
     ("leaf_module", Support::IgnoredUnless(off::is_empty, "PyTorch module classes treated as ZeRO-3 leaves; ferrozero's units are its layers")),
     ("save_muon_momentum_buffer_in_memory", Support::IgnoredUnless(off::is_false, "the Muon optimizer is not implemented")),
     ("use_multi_rank_bucket_allreduce", Support::IgnoredUnless(off::is_true, "a communication schedule only")),
-    ("zeropp_loco_param", Support::IgnoredUnless(off::is_empty, "LoCo only applies to quantized gradients, which are not implemented")),
-    ("zero_quantized_weights", Support::RefusedUnless(off::is_false, "ZeRO++ quantized weights change numerics")),
-    ("zero_quantized_gradients", Support::RefusedUnless(off::is_false, "ZeRO++ quantized gradients change numerics")),
-    ("zero_quantized_nontrainable_weights", Support::RefusedUnless(off::is_false, "quantized weights change numerics")),
+    ("zeropp_loco_param", Support::RefusedUnless(off::is_empty, "LoCo-ZeRO++'s error feedback for quantized gradients is not implemented")),
 ];
 
 /// Reads `zero_optimization`; the deprecated boolean form maps to stage 1 or 0.
@@ -231,6 +250,17 @@ fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
         stage3_gather_16bit_weights_on_model_save: read_gather_16bit(cx, t),
         round_robin_gradients: t.bool(cx, "round_robin_gradients", d.round_robin_gradients),
         zero_hpz_partition_size: t.uint(cx, "zero_hpz_partition_size", d.zero_hpz_partition_size),
+        zero_quantized_weights: t.bool(cx, "zero_quantized_weights", d.zero_quantized_weights),
+        zero_quantized_nontrainable_weights: t.bool(
+            cx,
+            "zero_quantized_nontrainable_weights",
+            d.zero_quantized_nontrainable_weights,
+        ),
+        zero_quantized_gradients: t.bool(
+            cx,
+            "zero_quantized_gradients",
+            d.zero_quantized_gradients,
+        ),
         mics_shard_size: t
             .get(cx, "mics_shard_size", &[], read_mics_size)
             .unwrap_or(d.mics_shard_size),

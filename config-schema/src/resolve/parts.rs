@@ -79,6 +79,10 @@ pub(super) fn zero(r: &mut Resolver<'_>) -> ZeroConfig {
         max_live_parameters: to_usize(z.stage3_max_live_parameters),
         max_reuse_distance: to_usize(z.stage3_max_reuse_distance),
         hpz_partition_size: to_usize(z.zero_hpz_partition_size),
+        quantized_weights: z.zero_quantized_weights && stage == ZeroStage::Stage3,
+        quantized_nontrainable_weights: z.zero_quantized_nontrainable_weights
+            && stage == ZeroStage::Stage3,
+        quantized_gradients: z.zero_quantized_gradients && stage == ZeroStage::Stage3,
         mics_shard_size: usize::try_from(z.mics_shard_size).unwrap_or(0),
         offload_param: offload(z.offload_param.as_ref(), 5),
         offload_optimizer: offload(z.offload_optimizer.as_ref(), 4),

@@ -50,6 +50,15 @@ pub(super) fn check_zero(cx: &mut Cx<'_>, c: &Config) {
             notes: vec![format!("zero_hpz_partition_size = {}, mics_shard_size = {}", z.zero_hpz_partition_size, z.mics_shard_size)],
         });
     }
+    if z.zero_quantized_gradients && z.mics_shard_size > 0 && stage == 3 {
+        report(cx, Violation {
+            kind: DiagnosticKind::Conflict,
+            path: "zero_optimization.zero_quantized_gradients",
+            message: "quantized gradients (qgZ) are not implemented with MiCS shard groups".into(),
+            help: Some("qgZ's all-to-all replaces the reduce-scatter over all ranks; MiCS reduces inside its shard groups and across them: remove one of the two".into()),
+            notes: vec![format!("zero_quantized_gradients = true, mics_shard_size = {}", z.mics_shard_size)],
+        });
+    }
     stage_mismatch_warnings(cx, c);
 }
 
@@ -143,6 +152,13 @@ fn stage_mismatch_warnings(cx: &mut Cx<'_>, c: &Config) {
             true,
             z.zero_hpz_partition_size > 1,
         ),
+        ("zero_quantized_weights", true, z.zero_quantized_weights),
+        (
+            "zero_quantized_nontrainable_weights",
+            true,
+            z.zero_quantized_nontrainable_weights,
+        ),
+        ("zero_quantized_gradients", true, z.zero_quantized_gradients),
     ];
     // A default value spelled out (as `config convert` writes) changes nothing either way.
     for (key, stage3_only, changed) in keys {

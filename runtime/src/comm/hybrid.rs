@@ -170,6 +170,15 @@ impl Communicator for HybridComm {
         self.shard.all_gather_view(input, output)
     }
 
+    /// Inside the shard group, as the all-gather (a copy: nothing crosses groups).
+    fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        self.shard.all_to_all(input, output)
+    }
+
+    fn all_to_all_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
+        self.shard.all_to_all_view(input, output)
+    }
+
     fn broadcast_view(&self, mut buf: ViewMut<'_>, root: usize) -> Result<()> {
         self.shard.broadcast_view(buf.reborrow(), root)?;
         self.count(buf.len(), buf.dtype().size());

@@ -188,6 +188,7 @@ pub fn bandwidth(op: &str, n: usize, size: u64, ms: f64) -> (f64, f64) {
             (size / ms, size / ms * ((n - 1.0) / n))
         }
         "all_reduce" => (size * 2.0 / ms, size / ms * (2.0 * (n - 1.0) / n)),
+        "all_to_all_single" => (size / ms, size / ms * ((n - 1.0) / n)),
         _ => (size / ms, size / ms),
     };
     // bytes per millisecond to gigabits per second
@@ -265,6 +266,8 @@ const ALL_REDUCE: &str = "all_reduce";
 const REDUCE_SCATTER: &str = "reduce_scatter_tensor";
 const ALL_GATHER: &str = "all_gather_into_tensor";
 const BROADCAST: &str = "broadcast";
+/// DeepSpeed's name and size for an all-to-all: the whole input's bytes.
+const ALL_TO_ALL: &str = "all_to_all_single";
 const BARRIER: &str = "barrier";
 
 fn host_bytes(len: usize, dtype: crate::tensor::DType) -> usize {
@@ -298,6 +301,10 @@ impl Communicator for CommsLogger {
         let b = host_bytes(input.len(), input.dtype());
         self.timed(ALL_GATHER, b, || self.inner.all_gather(input, output))
     }
+    fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        let b = host_bytes(input.len(), input.dtype());
+        self.timed(ALL_TO_ALL, b, || self.inner.all_to_all(input, output))
+    }
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         let b = host_bytes(buf.len(), buf.dtype());
         self.timed(BROADCAST, b, || self.inner.broadcast(buf, root))
@@ -323,6 +330,10 @@ impl Communicator for CommsLogger {
     fn all_gather_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
         let b = host_bytes(input.len(), input.dtype());
         self.timed(ALL_GATHER, b, || self.inner.all_gather_view(input, output))
+    }
+    fn all_to_all_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
+        let b = host_bytes(input.len(), input.dtype());
+        self.timed(ALL_TO_ALL, b, || self.inner.all_to_all_view(input, output))
     }
     fn broadcast_view(&self, buf: ViewMut<'_>, root: usize) -> Result<()> {
         let b = host_bytes(buf.len(), buf.dtype());

@@ -59,6 +59,15 @@ pub trait Communicator: Send {
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()>;
     /// Copies `root`'s buffer to every rank.
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+    /// Every rank's `input` is `world_size` equal slots; `output` (as long) receives slot
+    /// `rank` of every rank's input, in rank order. A copy, never arithmetic, so any bits
+    /// travel (ZeRO++'s packed quantized words). By default one [`Communicator::all_gather`]
+    /// of whole inputs, of which each rank keeps its slots (the transport moves `world_size`
+    /// times the bytes); `local` exchanges the slots alone (device memory staged through
+    /// host memory by [`Communicator::all_to_all_view`]'s default).
+    fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        all_to_all_by_gather(self, input, output)
+    }
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
 
@@ -86,6 +95,11 @@ pub trait Communicator: Send {
     fn all_gather_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
         read_host(input, |i| write_host(output, |o| self.all_gather(i, o)))
     }
+    /// [`Communicator::all_to_all`] on elements wherever they live (see
+    /// [`Communicator::all_reduce_view`]); both buffers on one device.
+    fn all_to_all_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
+        read_host(input, |i| write_host(output, |o| self.all_to_all(i, o)))
+    }
     /// [`Communicator::broadcast`] on elements wherever they live (see
     /// [`Communicator::all_reduce_view`]).
     fn broadcast_view(&self, buf: ViewMut<'_>, root: usize) -> Result<()> {
@@ -109,9 +123,44 @@ pub trait Communicator: Send {
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>>;
 }
 
+/// [`Communicator::all_to_all`] through one all-gather of whole inputs.
+pub fn all_to_all_by_gather<C: Communicator + ?Sized>(
+    comm: &C,
+    input: BufRef<'_>,
+    output: BufMut<'_>,
+) -> Result<()> {
+    let (world, rank, n) = (comm.world_size(), comm.rank(), input.len());
+    if n % world != 0 || output.len() != n || output.dtype() != input.dtype() {
+        return Err(crate::Error::Shape {
+            op: "all_to_all",
+            expected: format!(
+                "an input of {world} equal slots and an output as long, of one dtype"
+            ),
+            got: format!(
+                "{n} {:?} elements into {} {:?}",
+                input.dtype(),
+                output.len(),
+                output.dtype()
+            ),
+        });
+    }
+    let m = n / world;
+    let mut all = crate::tensor::FlatBuf::zeros(input.dtype(), n * world);
+    comm.all_gather(input, all.as_mut())?;
+    let mut out = output;
+    let size = input.dtype().size();
+    for k in 0..world {
+        let src = all.as_ref_range(k * n + rank * m..k * n + (rank + 1) * m);
+        let dst = out.reborrow().range(k * m..(k + 1) * m);
+        dst.bytes_mut().copy_from_slice(&src.bytes()[..m * size]);
+    }
+    Ok(())
+}
+
 pub mod hybrid;
 pub mod local;
 pub mod logger;
+pub mod quantized;
 pub mod reference;
 
 pub mod bench;

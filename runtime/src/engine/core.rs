@@ -271,6 +271,7 @@ impl Engine {
     fn gather_group(&mut self, g: usize, bucket: usize) -> Result<()> {
         (self.params.swap).in_for_gather(&mut self.groups[g], &mut self.ledger)?;
         let step = self.opt.steps;
+        let wire = rules::param_wire(&self.cfg, self.groups[g].frozen);
         let direct = (g, &mut self.groups[g]);
         let r = match (self.params.uploads)
             .gather(direct, step, &*self.be, &mut self.ledger)
@@ -286,7 +287,7 @@ impl Engine {
                 &mut self.groups[g],
                 self.comm.shards(),
                 &*self.be,
-                bucket,
+                (bucket, wire),
                 &mut self.ledger,
             ),
             done => done.map(|_| ()),
@@ -361,7 +362,8 @@ impl Engine {
             }
         }
         let grp = (g, &self.groups[g]);
-        (self.grads.overlap).start_gather(grp, bucket, &self.be, &mut self.ledger);
+        let wire = (bucket, rules::param_wire(&self.cfg, grp.1.frozen));
+        (self.grads.overlap).start_gather(grp, wire, &self.be, &mut self.ledger);
     }
 
     /// Installs a prefetched gather of group `g`, if one is in flight.

@@ -11,7 +11,7 @@ use ferrozero_config::resolved::ResolvedConfig;
 
 use super::group::{Group, ParamStore};
 use super::ledger::{Category, Ledger, Location};
-use super::stage::{gather_shards, Extent};
+use super::stage::{gather_shards, Extent, ParamWire};
 use crate::backend::Backend;
 use crate::comm::Communicator;
 use crate::tensor::Storage;
@@ -127,7 +127,10 @@ impl Hpz {
         {
             let size = h.group.world_size();
             let full = sec.uninit_like(sec.dtype(), sec.len() * size)?;
-            let full = gather_shards(sec, full, size, sec.len(), &*h.group, bucket, be)?;
+            // The copy holds the values forward computed with (dequantized under qwZ): moved
+            // as they are, backward sees forward's bits.
+            let wire = (bucket, ParamWire::Exact);
+            let full = gather_shards(sec, full, sec.len(), &*h.group, wire, be)?;
             ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
             *gathered = Some(full);
         }

@@ -12,7 +12,7 @@ use ferrozero_config::resolved::ResolvedConfig;
 
 use super::group::{Group, ParamStore, Shard};
 use super::ledger::{Category, Ledger, Location};
-use super::stage::{gather_buffer, gather_shards, Reduced};
+use super::stage::{gather_buffer, gather_shards, wire_staging_bytes, ParamWire, Reduced};
 use crate::backend::Backend;
 use crate::comm::worker::{CommWorker, Pending};
 use crate::comm::Communicator;
@@ -95,7 +95,7 @@ impl CommOverlap {
     pub(super) fn start_gather(
         &mut self,
         (g, grp): (usize, &Group),
-        bucket: usize,
+        (bucket, wire): (usize, ParamWire),
         be: &Arc<dyn Backend>,
         ledger: &mut Ledger,
     ) {
@@ -126,9 +126,13 @@ impl CommOverlap {
             Category::Prefetch,
             (n * shard.dtype().size()) as u64,
         );
+        // The worker holds the packed buffers while its gather runs: counted at its start.
+        let staging = wire_staging_bytes(wire, world, s);
+        ledger.alloc(Location::Device, Category::CommBuffers, staging);
+        ledger.free(Location::Device, Category::CommBuffers, staging);
         let be = be.clone();
         let p = o.worker.submit("prefetch_gather", move |c| {
-            gather_shards(&shard, full, world, s, c, bucket, &*be)
+            gather_shards(&shard, full, s, c, (bucket, wire), &*be)
         });
         o.prefetched.insert(g, p);
     }

@@ -21,7 +21,9 @@ use super::ledger::{Category, Location};
 use super::optimizer_overlap::LendCtx;
 use super::overlap::CommOverlap;
 use super::rules;
-use super::stage::{reduce_gradient, reduce_output, to_storage, Extent, Reduced};
+use super::stage::{
+    grad_staging_bytes, reduce_gradient, reduce_output, to_storage, Extent, Reduced,
+};
 use super::unit_views::{unit_params, unit_params_and_grads};
 use crate::nn::{Batch, BatchIds, Ctx, Grads, Module, Params};
 use crate::tensor::{Storage, Tensor};
@@ -461,8 +463,19 @@ impl Engine {
             // gradient, summed in place across the replicas like a full one.
             (extent, world) = (Extent::Full, self.world_size());
         }
-        let bucket = self.cfg.zero.reduce_bucket_size;
+        let bucket = (
+            self.cfg.zero.reduce_bucket_size,
+            rules::grad_wire(&self.cfg),
+        );
         let out = reduce_output(extent, &buf, world, s)?;
+        if out.is_some() {
+            // Held while the reduction runs (on the worker too): counted at its start.
+            let staging = grad_staging_bytes(bucket.1, world, s, buf.dtype());
+            self.ledger
+                .alloc(Location::Device, Category::CommBuffers, staging);
+            self.ledger
+                .free(Location::Device, Category::CommBuffers, staging);
+        }
         match &mut self.grads.overlap {
             CommOverlap::On(o) => {
                 o.reduce((g, bytes), move |c| {

@@ -108,6 +108,26 @@ pub fn hpz_cuts_secondary(own: bool, fused: bool) -> bool {
     !(fused && own)
 }
 
+/// How a group's stage-3 parameter gathers travel: quantized under qwZ, and for frozen groups
+/// under `zero_quantized_nontrainable_weights` (both false below stage 3).
+pub fn param_wire(cfg: &ResolvedConfig, frozen: bool) -> super::stage::ParamWire {
+    let z = &cfg.zero;
+    if z.quantized_weights || (frozen && z.quantized_nontrainable_weights) {
+        super::stage::ParamWire::Quantized
+    } else {
+        super::stage::ParamWire::Exact
+    }
+}
+
+/// How stage-3 gradient reductions travel: quantized under qgZ (false below stage 3).
+pub fn grad_wire(cfg: &ResolvedConfig) -> super::stage::GradWire {
+    if cfg.zero.quantized_gradients {
+        super::stage::GradWire::Quantized
+    } else {
+        super::stage::GradWire::Exact
+    }
+}
+
 /// Where the gradient accumulators live: in host memory beside optimizer state that is off
 /// the device (`offload_optimizer`, CPU or NVMe), so gradients leave the device bucket by
 /// bucket during backward (`grad_download.rs`); else on the device.

@@ -37,6 +37,26 @@ impl Extent {
     }
 }
 
+/// How a stage-3 parameter gather travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamWire {
+    /// The shards as stored.
+    Exact,
+    /// ZeRO++ qwZ: int8 codes and block scales ([`crate::comm::quantized`]), dequantized by
+    /// every rank.
+    Quantized,
+}
+
+/// How a gradient reduce-scatter travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradWire {
+    /// The gradient in the wire dtype, summed by the communicator's reduce-scatter.
+    Exact,
+    /// ZeRO++ qgZ: 4-bit codes and block scales exchanged by an all-to-all, dequantized and
+    /// summed in rank order by each owner ([`crate::comm::quantized`]).
+    Quantized,
+}
+
 /// The behaviour of a ZeRO stage.
 pub trait Stage: Send + Sync {
     /// Which stage this is.
@@ -54,7 +74,7 @@ pub trait Stage: Send + Sync {
         g: &mut Group,
         comm: &dyn Communicator,
         be: &dyn Backend,
-        bucket: usize,
+        (bucket, wire): (usize, ParamWire),
         ledger: &mut Ledger,
     ) -> Result<()> {
         if let ParamStore::Partitioned {
@@ -64,8 +84,12 @@ pub trait Stage: Send + Sync {
         {
             let shard = shard.resident().ok_or_else(|| not_resident("gather"))?;
             let (world, s) = (g.layout.world_size, g.layout.shard_len);
-            let full = gather_buffer(shard, world, s)?;
-            let full = gather_shards(shard, full, world, s, comm, bucket, be)?;
+            let staging = wire_staging_bytes(wire, world, s);
+            ledger.alloc(Location::Device, Category::CommBuffers, staging);
+            let full = gather_buffer(shard, world, s)
+                .and_then(|full| gather_shards(shard, full, s, comm, (bucket, wire), be));
+            ledger.free(Location::Device, Category::CommBuffers, staging);
+            let full = full?;
             ledger.alloc(Location::Device, Category::Prefetch, full.bytes());
             *gathered = Some(full);
         }
@@ -237,7 +261,7 @@ pub fn reduce_gradient(
     world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
-    bucket: usize,
+    (bucket, wire): (usize, GradWire),
 ) -> Result<Reduced> {
     let in_place = |sum| Reduced { sum, spent: None };
     if world == 1 {
@@ -256,7 +280,9 @@ pub fn reduce_gradient(
         None => buf.uninit_like(buf.dtype(), s)?,
     };
     let k = per_rank_chunk(bucket, world);
-    if k >= s {
+    if wire == GradWire::Quantized {
+        crate::comm::quantized::reduce_scatter_quantized(comm, &buf, &mut out, s, bucket)?;
+    } else if k >= s {
         comm.reduce_scatter_view(buf.view(), out.view_mut(), ReduceOp::Sum)?;
     } else {
         let mut input = buf.zeros_like(buf.dtype(), k * world)?;
@@ -281,17 +307,45 @@ pub fn reduce_gradient(
 /// `full` comes from [`gather_buffer`] on the thread that will release it, so that the
 /// thread's buffer cache serves the next step's gather of the same unit (a prefetch runs on
 /// the comm worker, whose cache would never see the buffer again).
+///
+/// Under [`ParamWire::Quantized`] every rank's shard travels quantized and `full` holds the
+/// dequantized values (the rank's own shard included).
 pub fn gather_shards(
     shard: &Storage,
     mut full: Storage,
-    world: usize,
     shard_len: usize,
     comm: &dyn Communicator,
-    bucket: usize,
+    (bucket, wire): (usize, ParamWire),
     be: &dyn Backend,
 ) -> Result<Storage> {
-    all_gather_chunked(comm, shard, &mut full, world, shard_len, bucket)?;
+    let world = comm.world_size();
+    match wire {
+        ParamWire::Exact => all_gather_chunked(comm, shard, &mut full, world, shard_len, bucket)?,
+        ParamWire::Quantized => {
+            crate::comm::quantized::all_gather_quantized(comm, shard, &mut full, shard_len, bucket)?
+        }
+    }
     be.adopt_storage(full)
+}
+
+/// The buffers a shard reduction of `world` shards of `shard_len` in `dtype` holds besides
+/// its input and output (the ledger's and the estimator's `CommBuffers` while it runs).
+pub fn grad_staging_bytes(wire: GradWire, world: usize, shard_len: usize, dtype: DType) -> u64 {
+    match wire {
+        GradWire::Exact => 0,
+        GradWire::Quantized => {
+            crate::comm::quantized::reduce_staging_bytes(world, shard_len, dtype)
+        }
+    }
+}
+
+/// The packed bytes a gather of `world` shards of `shard_len` holds besides its output (the
+/// ledger's and the estimator's `CommBuffers` while it runs).
+pub fn wire_staging_bytes(wire: ParamWire, world: usize, shard_len: usize) -> u64 {
+    match wire {
+        ParamWire::Exact => 0,
+        ParamWire::Quantized => crate::comm::quantized::all_gather_staging_bytes(world, shard_len),
+    }
 }
 
 /// The output of [`gather_shards`]: `world` shards of `shard_len` elements beside `shard`, with

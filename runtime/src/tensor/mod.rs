@@ -9,6 +9,7 @@
 mod flat;
 mod host;
 pub mod in_flight;
+pub mod quant;
 pub mod spare;
 pub mod staging;
 mod storage;

@@ -322,6 +322,65 @@ impl Storage {
         }
     }
 
+    /// Quantizes `self[range]` in `fmt` ([`super::quant`]) into the
+    /// [`Packed::words`](super::quant::Packed::words) words of `out` from `word_offset` (a
+    /// buffer of [`WIRE_DTYPE`](super::quant::WIRE_DTYPE) on the same device); the rest of
+    /// `out` is left.
+    pub fn quantize_into(
+        &self,
+        range: Range<usize>,
+        fmt: super::quant::QuantFormat,
+        out: &mut Storage,
+        word_offset: usize,
+    ) -> Result<()> {
+        fmt.check()?;
+        check_span("quantize", range.start, range.len(), self.len())?;
+        let len = range.len();
+        let words = super::quant::Packed { fmt, len }.words();
+        check_span("quantize output", word_offset, words, out.len())?;
+        if out.dtype() != super::quant::WIRE_DTYPE {
+            return Err(super::quant::wire_dtype_error(out.dtype()));
+        }
+        let at = word_offset..word_offset + words;
+        match (self, out) {
+            (Storage::Host(s), Storage::Host(o)) => {
+                super::quant::quantize_host(s.as_ref_range(range), fmt, o.as_mut_range(at))
+            }
+            (Storage::Cuda(s), Storage::Cuda(o)) => s.quantize_into(range, fmt, o, at.start),
+            _ => Err(mixed("quantize")),
+        }
+    }
+
+    /// Dequantizes `len` elements in `fmt` from the packed words of `self` starting at word
+    /// `word_offset` into `dst[offset..offset + len]` (same device), rounded once to `dst`'s
+    /// dtype.
+    pub fn dequantize_into(
+        &self,
+        word_offset: usize,
+        fmt: super::quant::QuantFormat,
+        dst: &mut Storage,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        fmt.check()?;
+        let words = super::quant::Packed { fmt, len }.words();
+        check_span("dequantize input", word_offset, words, self.len())?;
+        check_span("dequantize", offset, len, dst.len())?;
+        if self.dtype() != super::quant::WIRE_DTYPE {
+            return Err(super::quant::wire_dtype_error(self.dtype()));
+        }
+        match (self, dst) {
+            (Storage::Host(s), Storage::Host(d)) => {
+                let src = s.as_ref_range(word_offset..word_offset + words);
+                super::quant::dequantize_host(src, fmt, d, offset, len)
+            }
+            (Storage::Cuda(s), Storage::Cuda(d)) => {
+                s.dequantize_into(word_offset, fmt, d, offset, len)
+            }
+            _ => Err(mixed("dequantize")),
+        }
+    }
+
     /// Page-locks host storage with `be`'s driver (see [`crate::backend::MemoryOps::pin_host`]);
     /// `None` for device storage or when the driver refuses. Drop the guard before `self`.
     pub fn pin_host(

@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use crate::backend::{Stream, StreamEvent};
 use crate::tensor::in_flight::HostCopy;
+use crate::tensor::quant::QuantFormat;
 use crate::tensor::{BufMut, BufRef, DType, FlatBuf};
 use crate::Result;
 
@@ -84,6 +85,10 @@ no_value! {
         pub fn has_non_finite(&self, _range: Range<usize>) -> Result<bool>;
         /// Sum of squares of `range` in f64.
         pub fn sum_squares(&self, _range: Range<usize>) -> Result<f64>;
+        /// `self[range]` quantized into `out`'s words from `word_offset`.
+        pub fn quantize_into(&self, _range: Range<usize>, _fmt: QuantFormat, _out: &mut CudaBuf, _word_offset: usize) -> Result<()>;
+        /// Packed words dequantized into `dst`.
+        pub fn dequantize_into(&self, _word_offset: usize, _fmt: QuantFormat, _dst: &mut CudaBuf, _offset: usize, _len: usize) -> Result<()>;
     }
     impl CudaView<'a> {
         /// Any value: a view that cannot exist proves everything (for code whose CUDA arm only

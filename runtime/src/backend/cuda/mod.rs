@@ -42,6 +42,8 @@ pub(crate) mod peer;
 #[cfg(feature = "cuda")]
 mod pinned;
 #[cfg(feature = "cuda")]
+mod quant;
+#[cfg(feature = "cuda")]
 mod rope;
 #[cfg(feature = "cuda")]
 mod status;

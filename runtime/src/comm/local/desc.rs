@@ -15,6 +15,8 @@ pub(crate) enum OpKind {
     AllGather,
     /// `broadcast`.
     Broadcast,
+    /// `all_to_all`.
+    AllToAll,
     /// `barrier`.
     Barrier,
     /// `duplicate`.
@@ -31,6 +33,7 @@ impl OpKind {
             OpKind::ReduceScatter => "reduce_scatter",
             OpKind::AllGather => "all_gather",
             OpKind::Broadcast => "broadcast",
+            OpKind::AllToAll => "all_to_all",
             OpKind::Barrier => "barrier",
             OpKind::Duplicate => "duplicate",
             OpKind::Split => "split",
@@ -112,7 +115,7 @@ impl Desc {
         let mut s = format!("{} #{} ({:?}", self.op.name(), self.seq, self.dtype);
         match self.op {
             OpKind::AllReduce => s += &format!(", {} elements, {:?}", self.len_in, self.reduce),
-            OpKind::ReduceScatter | OpKind::AllGather => {
+            OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
                 s += &format!(", {} -> {} elements", self.len_in, self.len_out)
             }
             OpKind::Broadcast => s += &format!(", {} elements, root {}", self.len_in, self.root),
@@ -136,6 +139,7 @@ fn check_own(d: &Desc, n: usize) -> Option<String> {
     let expected_out = match d.op {
         OpKind::ReduceScatter => d.len_in.checked_div(n).filter(|m| m * n == d.len_in),
         OpKind::AllGather => d.len_in.checked_mul(n),
+        OpKind::AllToAll => (n > 0 && d.len_in.is_multiple_of(n)).then_some(d.len_in),
         _ => Some(d.len_out),
     };
     if (d.src_dev == 0) != (d.dst_dev == 0) {
@@ -157,7 +161,11 @@ fn check_own(d: &Desc, n: usize) -> Option<String> {
         return Some(format!(
             "{} needs output length = input length {} for world size {n}, got input {} and output {}",
             d.op.name(),
-            if d.op == OpKind::AllGather { "* world size" } else { "/ world size" },
+            match d.op {
+                OpKind::AllGather => "* world size",
+                OpKind::AllToAll => "(a multiple of the world size)",
+                _ => "/ world size",
+            },
             d.len_in,
             d.len_out
         ));

@@ -111,6 +111,19 @@ fn all_gather_data<T: Elem>(peers: &[Desc], me: usize) {
     }
 }
 
+/// Rank `me`'s share of an all-to-all: slot `me` of every input into its own output.
+fn all_to_all_data<T: Elem>(peers: &[Desc], me: usize) {
+    let m = peers[me].len_in / peers.len();
+    let out = peers[me].dst as *mut T;
+    for (k, d) in peers.iter().enumerate() {
+        // SAFETY: inputs hold `n * m` elements and are only read; this rank's output holds
+        // `n * m` elements and is written by this rank only.
+        unsafe {
+            std::ptr::copy_nonoverlapping((d.src as *const T).add(me * m), out.add(k * m), m)
+        };
+    }
+}
+
 /// Rank `me`'s share of a broadcast: copy the root's buffer unless this is the root.
 fn broadcast_data<T: Elem>(peers: &[Desc], me: usize) {
     let root = peers[me].root;
@@ -161,6 +174,14 @@ impl Communicator for LocalComm {
 
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         self.broadcast_view(ViewMut::Host(buf), root)
+    }
+
+    fn all_to_all(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<()> {
+        let mut d = self.next_desc(OpKind::AllToAll);
+        (d.src, d.dtype, d.len_in) = parts_ref(&input);
+        (d.dst, d.dtype_out, d.len_out) = parts_mut(&mut output);
+        let me = self.rank;
+        self.collective(d, |p| with_elem!(d.dtype, all_to_all_data(p, me)))
     }
 
     fn barrier(&self) -> Result<()> {

@@ -228,6 +228,18 @@ pub const SOURCES: &[KernelSource] = &[
             "attention_bwd_dq_d128_f16",
         ],
     },
+    KernelSource {
+        file: "quant.cu",
+        code: include_str!("quant.cu"),
+        kernels: &[
+            "quantize_f32",
+            "quantize_bf16",
+            "quantize_f16",
+            "dequantize_f32",
+            "dequantize_bf16",
+            "dequantize_f16",
+        ],
+    },
 ];
 
 /// The text handed to NVRTC or to the emulator's compiler: the prelude, a `#line 1 "<file>"`, the code.

@@ -38,6 +38,8 @@ struct GroupShape {
     /// moments cover. The engine keeps a unit's frozen parameters in a group of their own
     /// (`engine/places.rs`); the replay prices the two as one unit's, up to padding.
     grads: GroupLayout,
+    /// The layout of the group's frozen parameters (the engine's frozen group of the unit).
+    frozen: GroupLayout,
     /// The parameter extent after the persistence threshold (stage 3 keeps small groups whole).
     params: Extent,
 }
@@ -124,9 +126,14 @@ impl<'a> Replay<'a> {
                     .cloned()
                     .collect();
                 let grads = GroupLayout::new(&trainable, world);
+                let frozen: Vec<_> = (s.iter())
+                    .filter(|p| model.is_frozen(&p.name))
+                    .cloned()
+                    .collect();
                 GroupShape {
                     layout,
                     grads,
+                    frozen: GroupLayout::new(&frozen, world),
                     params,
                 }
             })
@@ -247,6 +254,7 @@ impl<'a> Replay<'a> {
         }
         if self.groups[g].params == Extent::Shard && !self.gathered[g] {
             self.gathered[g] = true;
+            self.wire_staging(g);
             let full = self.lp(padded);
             self.ledger
                 .alloc(Location::Device, Category::Prefetch, full);
@@ -322,7 +330,28 @@ impl<'a> Replay<'a> {
         let full = self.lp(self.groups[g].layout.padded());
         self.ledger
             .alloc(Location::Device, Category::Prefetch, full);
+        self.wire_staging(g);
         true
+    }
+
+    /// `stage::wire_staging_bytes`: qwZ's packed buffers, held while a gather runs: the
+    /// engine gathers a unit's trainable and frozen parameters as two groups, one after the
+    /// other, each quantized by its own rule.
+    fn wire_staging(&mut self, g: usize) {
+        let shape = &self.groups[g];
+        let world = shape.layout.world_size;
+        let parts = [
+            (shape.grads.shard_len, false),
+            (shape.frozen.shard_len, true),
+        ];
+        for (s, frozen) in parts.into_iter().filter(|p| p.0 > 0) {
+            let wire = rules::param_wire(self.cfg, frozen);
+            let staging = stage::wire_staging_bytes(wire, world, s);
+            self.ledger
+                .alloc(Location::Device, Category::CommBuffers, staging);
+            self.ledger
+                .free(Location::Device, Category::CommBuffers, staging);
+        }
     }
 
     /// `Engine::reused_soon`: [`rules::reused_soon`] over the replay's layouts.

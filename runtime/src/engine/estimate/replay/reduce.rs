@@ -4,7 +4,7 @@
 use super::Replay;
 use crate::engine::ledger::{Category, Location};
 use crate::engine::rules;
-use crate::engine::stage::Extent;
+use crate::engine::stage::{self, Extent};
 
 impl Replay<'_> {
     /// Bytes one micro-step's gradient reductions take as input: every group's padded
@@ -48,6 +48,7 @@ impl Replay<'_> {
         self.free_micro_for_wire(padded, buf);
         self.ledger
             .alloc(Location::Device, Category::CommBuffers, out);
+        self.reduce_staging(g);
         if self.cfg.zero.overlap_comm && self.cfg.world_size > 1 {
             self.queued.push_back((buf, out, padded));
             // `Engine::bound_reductions`: the double buffer, always keeping the newest.
@@ -63,6 +64,22 @@ impl Replay<'_> {
         } else {
             self.free_reduction((buf, out, padded));
         }
+    }
+
+    /// `stage::grad_staging_bytes` of a shard reduction (qgZ's packed slots and f32 sums),
+    /// held while it runs.
+    fn reduce_staging(&mut self, g: usize) {
+        let world = self.groups[g].grads.world_size;
+        if self.stage.grads() != Extent::Shard || world <= 1 {
+            return;
+        }
+        let dtype = crate::engine::build::reduce_dtype(self.cfg);
+        let s = self.groups[g].grads.shard_len;
+        let staging = stage::grad_staging_bytes(rules::grad_wire(self.cfg), world, s, dtype);
+        self.ledger
+            .alloc(Location::Device, Category::CommBuffers, staging);
+        self.ledger
+            .free(Location::Device, Category::CommBuffers, staging);
     }
 
     /// The reduction's buffers go; the reduced gradient is added into its accumulator

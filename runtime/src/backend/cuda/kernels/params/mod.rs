@@ -30,6 +30,8 @@ pub enum Elem {
     F16,
     /// `OptTensor`, the optimizer kernels' descriptor ([`OptTensor`]).
     OptTensor,
+    /// `unsigned char`: raw bytes (the quantizer's packed codes and scales).
+    U8,
 }
 
 /// The C type of one kernel parameter.
@@ -191,6 +193,7 @@ impl CType {
             Elem::Bf16 => "bf16_t",
             Elem::F16 => "f16_t",
             Elem::OptTensor => "OptTensor",
+            Elem::U8 => "unsigned char",
         };
         match self {
             CType::In(e) => format!("const {}*", elem(e)),

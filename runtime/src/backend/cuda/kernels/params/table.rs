@@ -2,7 +2,7 @@
 //! hand, a few parameters a line, to read like the signatures they mirror.
 
 use super::CType::{Float, In, Int, LongLong, Out, ULongLong};
-use super::Elem::{Bf16, OptTensor, F16, F32, F64, I32, T};
+use super::Elem::{Bf16, OptTensor, F16, F32, F64, I32, T, U8};
 use super::{p, per_dtype, single, Family, Param};
 
 /// Adam's multi-tensor step (`adam_multi_*`, `adam_bf16_state`).
@@ -279,5 +279,12 @@ pub const TABLE: &[Family] = &[
         p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
         p("head_dim", Int), p("scale", Float),
         p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
+    ]),
+    // quant.cu
+    per_dtype("quantize", &[
+        p("x", In(T)), p("n", LongLong), p("block", Int), p("bits", Int), p("out", Out(U8)),
+    ]),
+    per_dtype("dequantize", &[
+        p("src", In(U8)), p("n", LongLong), p("block", Int), p("bits", Int), p("y", Out(T)),
     ]),
 ];
