@@ -122,4 +122,20 @@ fn loco_error_feedback_is_refused_by_key() {
             && d.help.as_deref().is_some_and(|h| h.contains("LoCo"))),
         "{ds:#?}"
     );
+    // Without qgZ DeepSpeed never reads LoCo's settings: a warning, not an error.
+    let src = r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
+        "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}}"#;
+    let ds = json_diags(src);
+    let d = ds
+        .iter()
+        .find(|d| d.path == "zero_optimization.zeropp_loco_param")
+        .unwrap_or_else(|| panic!("{ds:#?}"));
+    assert_eq!(d.severity, Severity::Warning, "{d}");
+    assert!(
+        d.help
+            .as_deref()
+            .unwrap()
+            .contains("zero_quantized_gradients"),
+        "{d}"
+    );
 }

@@ -196,8 +196,35 @@ pub(crate) fn read_zero(cx: &mut Cx<'_>, path: &str, node: &Node) -> ZeroOptimiz
         return ZeroOptimization::default();
     };
     let z = read_fields(cx, &mut t);
+    if !z.zero_quantized_gradients {
+        ignore_loco(cx, &mut t);
+    }
     t.finish(cx, SUPPORT);
     z
+}
+
+/// `zeropp_loco_param` without qgZ: DeepSpeed reads LoCo's settings only for the quantized
+/// gradient reduction, so there they change nothing and are ignored with a warning (with qgZ
+/// on, the table's rule refuses them: LoCo's error feedback is not implemented).
+fn ignore_loco(cx: &mut Cx<'_>, t: &mut TableReader<'_>) {
+    let Some(e) = t.take(cx, "zeropp_loco_param", &[]) else {
+        return;
+    };
+    if crate::reader::off::is_empty(&e.value) {
+        return;
+    }
+    let path = t.key_path("zeropp_loco_param");
+    cx.warn(Report {
+        kind: DiagnosticKind::Unsupported,
+        path: &path,
+        span: &e.key_span,
+        message: "not supported by ferrozero; ignored".into(),
+        help: Some(
+            "LoCo's settings apply only to the quantized gradient reduction \
+             (`zero_quantized_gradients`), which is off"
+                .into(),
+        ),
+    });
 }
 
 fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
