@@ -62,7 +62,7 @@ fn agrees<T: RefElem + bytemuck::Pod>(
     close && everywhere && same(got, again)
 }
 
-/// All four collectives of one dtype and size against the reference; returns checks done.
+/// Every collective of one dtype and size against the reference; returns checks done.
 fn check<T: RefElem + bytemuck::Pod + 'static>(c: &dyn Communicator, len: usize, seed: u64) -> usize
 where
     for<'a> &'a mut [T]: Into<BufMut<'a>>,
@@ -119,6 +119,16 @@ where
         same(&all, &reference::all_gather(&inputs(seed ^ 2, len))),
         "all_gather len {len}"
     );
+    // Rank r's slot k is rank k's slot r, every bit as sent (MPI_Alltoall, slots alone).
+    let m = len / n;
+    let mine = values::<T>(seed ^ 4, r, m * n);
+    let mut out = vec![T::narrow(0.0); m * n];
+    c.all_to_all((&mine[..]).into(), (&mut out[..]).into())
+        .expect("all_to_all");
+    let want: Vec<T> = (0..n)
+        .flat_map(|k| values::<T>(seed ^ 4, k, m * n)[r * m..(r + 1) * m].to_vec())
+        .collect();
+    assert!(same(&out, &want), "all_to_all len {}", m * n);
     let root = len % n;
     let mut b = values::<T>(seed ^ 3, r, len);
     c.broadcast((&mut b[..]).into(), root).expect("broadcast");
@@ -126,7 +136,7 @@ where
         same(&b, &values::<T>(seed ^ 3, root, len)),
         "broadcast len {len}"
     );
-    8
+    9
 }
 
 thread_local! {

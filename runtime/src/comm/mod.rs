@@ -64,7 +64,8 @@ pub trait Communicator: Send {
     /// travel (ZeRO++'s packed quantized words). By default one [`Communicator::all_gather`]
     /// of whole inputs, of which each rank keeps its slots (the transport moves `world_size`
     /// times the bytes); `local` exchanges the slots alone (device memory staged through
-    /// host memory by [`Communicator::all_to_all_view`]'s default).
+    /// host memory by [`Communicator::all_to_all_view`]'s default), and `mpi` with one
+    /// `MPI_Alltoall`.
     fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
         all_to_all_by_gather(self, input, output)
     }

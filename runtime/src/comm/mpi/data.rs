@@ -304,6 +304,35 @@ impl MpiComm {
         })
     }
 
+    pub(super) fn all_to_all_data<T: Wire>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let kind = OpKind::AllToAll;
+        let m = input.len() / self.size.max(1);
+        if m == 0 {
+            return Ok(());
+        }
+        if self.size == 1 {
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        let mc = self.count(kind, m)?;
+        let comm = self.comm.as_raw();
+        self.guarded(kind, "MPI_Alltoall", || {
+            // SAFETY: `input` and `output` hold size × m elements each (checked in), ours for
+            // the call.
+            unsafe {
+                ffi::MPI_Alltoall(
+                    input.as_ptr().cast(),
+                    mc,
+                    T::datatype(),
+                    output.as_mut_ptr().cast(),
+                    mc,
+                    T::datatype(),
+                    comm,
+                )
+            }
+        })
+    }
+
     pub(super) fn all_gather_data<T: Wire>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         let kind = OpKind::AllGather;
         let m = input.len();

@@ -44,7 +44,7 @@ fn code_dtype(c: u64) -> DType {
     }
 }
 
-const OPS: [OpKind; 7] = [
+const OPS: [OpKind; 8] = [
     OpKind::AllReduce,
     OpKind::ReduceScatter,
     OpKind::AllGather,
@@ -52,6 +52,7 @@ const OPS: [OpKind; 7] = [
     OpKind::Barrier,
     OpKind::Duplicate,
     OpKind::Split,
+    OpKind::AllToAll,
 ];
 const REDUCES: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
 
@@ -264,6 +265,20 @@ impl Communicator for MpiComm {
             (BufRef::Bf16(i), BufMut::Bf16(o)) => self.all_gather_data(i, o),
             (BufRef::F16(i), BufMut::F16(o)) => self.all_gather_data(i, o),
             // `check_in` rejects differing dtypes on every rank.
+            _ => Ok(()),
+        }
+    }
+
+    /// One `MPI_Alltoall` of the slots alone: each rank moves its input once, where the
+    /// trait's default gathers every whole input.
+    fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        let start = Instant::now();
+        self.check_in(desc_io(OpKind::AllToAll, &input, &output), start)?;
+        match (input, output) {
+            (BufRef::F32(i), BufMut::F32(o)) => self.all_to_all_data(i, o),
+            (BufRef::Bf16(i), BufMut::Bf16(o)) => self.all_to_all_data(i, o),
+            (BufRef::F16(i), BufMut::F16(o)) => self.all_to_all_data(i, o),
+            // `check_in` rejects differing dtypes and lengths on every rank.
             _ => Ok(()),
         }
     }

@@ -173,6 +173,7 @@ impl NcclComm {
         let ok = match op {
             "reduce_scatter" => input == output * self.world,
             "all_gather" => output == input * self.world,
+            "all_to_all" => input == output && input.is_multiple_of(self.world),
             _ => input == output,
         };
         if ok {
@@ -219,6 +220,10 @@ impl Communicator for NcclComm {
         self.all_gather_view(View::Host(input), ViewMut::Host(output))
     }
 
+    fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
+        self.all_to_all_view(View::Host(input), ViewMut::Host(output))
+    }
+
     fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
         self.broadcast_view(ViewMut::Host(buf), root)
     }
@@ -250,6 +255,13 @@ impl Communicator for NcclComm {
     fn all_gather_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
         self.check_lengths("all_gather", input.len(), output.len())?;
         self.run(NcclOp::AllGather { input, output })
+    }
+
+    /// NCCL's grouped sends and receives of the slots alone, device buffers as they are (a
+    /// copy: deterministic whatever the transport).
+    fn all_to_all_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
+        self.check_lengths("all_to_all", input.len(), output.len())?;
+        self.run(NcclOp::AllToAll { input, output })
     }
 
     fn broadcast_view(&self, buf: ViewMut<'_>, root: usize) -> Result<()> {
