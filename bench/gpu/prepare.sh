@@ -19,6 +19,8 @@ cargo test --release --features cuda -p ferrozero-runtime --no-run --message-for
   --test device_ops --test device_ops_layers --test device_ops_training --test device_engine \
   --test device_modules --test device_streams --test device_matmul_backward --test device_head \
   --test device_fused --test device_whole_step --test device_grad_move --test device_grad_read \
+  --test device_lamb --test device_bf16_state --test device_quant --test device_zeropp \
+  --test device_grad_accum --test device_frozen \
   --test cuda_driver_memory --test cuda_driver_gemm --test cuda_driver_gemm_epilogues \
   --test cuda_driver_gemm_refusals --test cuda_driver_launches \
   --test cuda_driver_allocator 2>/dev/null |
