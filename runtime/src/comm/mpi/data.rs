@@ -305,37 +305,25 @@ impl MpiComm {
     }
 
     pub(super) fn all_to_all_data<T: Wire>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        let kind = OpKind::AllToAll;
         let m = input.len() / self.size.max(1);
-        if m == 0 {
-            return Ok(());
-        }
-        if self.size == 1 {
-            output.copy_from_slice(input);
-            return Ok(());
-        }
-        let mc = self.count(kind, m)?;
-        let comm = self.comm.as_raw();
-        self.guarded(kind, "MPI_Alltoall", || {
-            // SAFETY: `input` and `output` hold size × m elements each (checked in), ours for
-            // the call.
-            unsafe {
-                ffi::MPI_Alltoall(
-                    input.as_ptr().cast(),
-                    mc,
-                    T::datatype(),
-                    output.as_mut_ptr().cast(),
-                    mc,
-                    T::datatype(),
-                    comm,
-                )
-            }
-        })
+        let call = (OpKind::AllToAll, "MPI_Alltoall", BlocksFn::AllToAll);
+        self.equal_blocks(call, input, m, output)
     }
 
     pub(super) fn all_gather_data<T: Wire>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        let kind = OpKind::AllGather;
-        let m = input.len();
+        let call = (OpKind::AllGather, "MPI_Allgather", BlocksFn::AllGather);
+        self.equal_blocks(call, input, input.len(), output)
+    }
+
+    /// `MPI_Allgather` or `MPI_Alltoall` (one signature: blocks of `m` elements to and from
+    /// every rank); one rank copies, empty blocks move nothing.
+    fn equal_blocks<T: Wire>(
+        &self,
+        (kind, name, f): (OpKind, &'static str, BlocksFn),
+        input: &[T],
+        m: usize,
+        output: &mut [T],
+    ) -> Result<()> {
         if m == 0 {
             return Ok(());
         }
@@ -345,10 +333,15 @@ impl MpiComm {
         }
         let mc = self.count(kind, m)?;
         let comm = self.comm.as_raw();
-        self.guarded(kind, "MPI_Allgather", || {
-            // SAFETY: `input` holds m elements, `output` size × m; both ours for the call.
+        let f = match f {
+            BlocksFn::AllGather => ffi::MPI_Allgather,
+            BlocksFn::AllToAll => ffi::MPI_Alltoall,
+        };
+        self.guarded(kind, name, || {
+            // SAFETY: `output` holds size × m elements and `input` m (all-gather) or size × m
+            // (all-to-all), as checked in on every rank; both ours for the call.
             unsafe {
-                ffi::MPI_Allgather(
+                f(
                     input.as_ptr().cast(),
                     mc,
                     T::datatype(),
@@ -402,4 +395,13 @@ fn fold_blocks<T: Wire>(blocks: &[T], m: usize, n: usize, out: &mut [T], op: Red
     // SAFETY: `n` source blocks of `m` readable elements; `out` holds `m` elements and is
     // exclusively borrowed, distinct from `blocks`.
     unsafe { reduce_range(&srcs, &[out.as_mut_ptr()], 0, m, op) };
+}
+
+/// The MPI collectives of equal blocks [`MpiComm::equal_blocks`] calls.
+#[derive(Clone, Copy)]
+enum BlocksFn {
+    /// `MPI_Allgather`.
+    AllGather,
+    /// `MPI_Alltoall`.
+    AllToAll,
 }
