@@ -8,44 +8,18 @@
 mod train_common;
 
 use serde_json::{json, Value};
-use train_common::{metrics, model_dir, repo, s, train, TempDir};
+use train_common::{train_ds_config, TempDir};
 
 /// Trains six steps under `config` (merged over a micro-batch of 2 and AdamW); returns
 /// whether it ran, the log and the losses.
 fn run(tag: &str, config: Value) -> (bool, String, Vec<f64>) {
     let tmp = TempDir::new(tag);
-    let model = tmp.0.join("model");
-    model_dir(&model);
     let mut c = json!({"train_micro_batch_size_per_gpu": 2,
                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}});
     for (k, v) in config.as_object().unwrap() {
         c[k] = v.clone();
     }
-    let ds = tmp.0.join("ds_config.json");
-    std::fs::write(&ds, c.to_string()).unwrap();
-    let m = tmp.0.join("m.jsonl");
-    let corpus = repo("data/shakespeare/input.txt");
-    let args = [
-        "--model",
-        s(&model),
-        "--data",
-        s(&corpus),
-        "--config",
-        s(&ds),
-        "--ranks",
-        "2",
-        "--steps",
-        "6",
-        "--seq-len",
-        "32",
-        "--metrics",
-        s(&m),
-        "--no-cache",
-        "--no-progress",
-    ];
-    let (ok, text) = train(&tmp.0, &args);
-    let losses = if ok { metrics(&m, "loss") } else { Vec::new() };
-    (ok, text, losses)
+    train_ds_config(&tmp.0, &c, 6)
 }
 
 fn trains(tag: &str, config: Value) -> String {

@@ -7,7 +7,7 @@ mod train_common;
 use std::path::Path;
 
 use ferrozero::runtime::nn::weights::{self, Naming};
-use train_common::{metrics, model_dir, repo, s, train, TempDir};
+use train_common::{metrics, model_dir, repo, s, train, train_ds_config, TempDir};
 
 #[test]
 fn fine_tunes_on_shakespeare_and_the_output_loads_back() {
@@ -142,8 +142,6 @@ fn bad_inputs_are_clear_errors_naming_the_file() {
 #[test]
 fn a_deepspeed_config_with_monitors_runs_through_ferrozero_train() {
     let tmp = TempDir::new("monitors");
-    let model = tmp.0.join("model");
-    model_dir(&model);
     let d = tmp.0.display().to_string();
     let config = serde_json::json!({
         "train_micro_batch_size_per_gpu": 2,
@@ -154,26 +152,7 @@ fn a_deepspeed_config_with_monitors_runs_through_ferrozero_train() {
         "csv_monitor": {"enabled": true, "output_path": format!("{d}/csv"), "job_name": "ft"},
         "comms_logger": {"enabled": true}
     });
-    let ds = tmp.0.join("ds_config.json");
-    std::fs::write(&ds, config.to_string()).unwrap();
-    let corpus = repo("data/shakespeare/input.txt");
-    let args = [
-        "--model",
-        s(&model),
-        "--data",
-        s(&corpus),
-        "--config",
-        s(&ds),
-        "--ranks",
-        "2",
-        "--steps",
-        "4",
-        "--seq-len",
-        "32",
-        "--no-cache",
-        "--no-progress",
-    ];
-    let (ok, text) = train(&tmp.0, &args);
+    let (ok, text, _) = train_ds_config(&tmp.0, &config, 4);
     assert!(ok, "{text}");
     let events: Vec<_> = std::fs::read_dir(tmp.0.join("tb/ft"))
         .unwrap()
@@ -199,8 +178,6 @@ fn a_deepspeed_config_with_monitors_runs_through_ferrozero_train() {
 #[test]
 fn a_deepspeed_lamb_config_trains_through_ferrozero_train() {
     let tmp = TempDir::new("lamb");
-    let model = tmp.0.join("model");
-    model_dir(&model);
     let config = serde_json::json!({
         "train_micro_batch_size_per_gpu": 2,
         "zero_optimization": {"stage": 2},
@@ -209,31 +186,8 @@ fn a_deepspeed_lamb_config_trains_through_ferrozero_train() {
             "weight_decay": 0.01, "bias_correction": true, "max_coeff": 10.0,
             "min_coeff": 0.01, "amsgrad": false}}
     });
-    let ds = tmp.0.join("ds_config.json");
-    std::fs::write(&ds, config.to_string()).unwrap();
-    let m = tmp.0.join("m.jsonl");
-    let corpus = repo("data/shakespeare/input.txt");
-    let args = [
-        "--model",
-        s(&model),
-        "--data",
-        s(&corpus),
-        "--config",
-        s(&ds),
-        "--ranks",
-        "2",
-        "--steps",
-        "20",
-        "--seq-len",
-        "32",
-        "--metrics",
-        s(&m),
-        "--no-cache",
-        "--no-progress",
-    ];
-    let (ok, text) = train(&tmp.0, &args);
+    let (ok, text, losses) = train_ds_config(&tmp.0, &config, 20);
     assert!(ok, "{text}");
-    let losses = metrics(&m, "loss");
     assert_eq!(losses.len(), 20, "{text}");
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
     assert!(losses[19] < losses[0], "loss did not fall: {losses:?}");

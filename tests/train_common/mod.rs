@@ -92,3 +92,41 @@ pub fn metrics(path: &Path, key: &str) -> Vec<f64> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_f64())
         .collect()
 }
+
+/// Runs `ferrozero train` in `tmp` on a fresh tiny model directory and the Shakespeare corpus
+/// at two ranks, sequences of 32, under the DeepSpeed `config` (written to a file); `steps`
+/// steps with their metrics. Returns whether it ran, the log and the losses.
+pub fn train_ds_config(
+    tmp: &Path,
+    config: &serde_json::Value,
+    steps: usize,
+) -> (bool, String, Vec<f64>) {
+    let model = tmp.join("model");
+    model_dir(&model);
+    let ds = tmp.join("ds_config.json");
+    std::fs::write(&ds, config.to_string()).unwrap();
+    let m = tmp.join("m.jsonl");
+    let corpus = repo("data/shakespeare/input.txt");
+    let steps = steps.to_string();
+    let args = [
+        "--model",
+        s(&model),
+        "--data",
+        s(&corpus),
+        "--config",
+        s(&ds),
+        "--ranks",
+        "2",
+        "--steps",
+        &steps,
+        "--seq-len",
+        "32",
+        "--metrics",
+        s(&m),
+        "--no-cache",
+        "--no-progress",
+    ];
+    let (ok, text) = train(tmp, &args);
+    let losses = if ok { metrics(&m, "loss") } else { Vec::new() };
+    (ok, text, losses)
+}
