@@ -117,27 +117,51 @@ fn place(be: &dyn Backend, loc: Location, dtype: DType, len: usize) -> crate::Re
     }
 }
 
+/// A group's initial values, generated per range: each parameter's deterministic
+/// initialisation where the range covers it, zeros in the padding. A rank asks only for what
+/// it places (its shard, its owned range), so no rank builds a whole group's values.
+struct Initial<'a> {
+    specs: &'a [ParamSpec],
+    layout: &'a GroupLayout,
+    seed: u64,
+}
+
+impl Initial<'_> {
+    fn values(&self, r: std::ops::Range<usize>) -> Vec<f32> {
+        let mut out = vec![0.0f32; r.len()];
+        for (slot, spec) in self.layout.slots.iter().zip(self.specs) {
+            let s = slot.range();
+            let (a, b) = (s.start.max(r.start), s.end.min(r.end));
+            if a < b {
+                let seed = init::param_seed(self.seed, &spec.name);
+                let dst = &mut out[a - r.start..b - r.start];
+                init::fill_from(&spec.init, seed, a - s.start, dst);
+            }
+        }
+        out
+    }
+}
+
 impl GroupPlan<'_> {
     /// Parameter extent of a group: stage 3 keeps groups under the persistence threshold whole.
     fn param_extent(&self, numel: usize) -> Extent {
         super::rules::param_extent(self.cfg, self.stage.params(), numel)
     }
 
-    /// Places a group's initial values `full`: replicated on the device, or this rank's shard
-    /// where `offload_param` says (NVMe through `swap`); counted in the ledger. A host shard is
+    /// Places a group's initial values: replicated on the device, or this rank's shard where
+    /// `offload_param` says (NVMe through `swap`); counted in the ledger. A host shard is
     /// page-locked once, so its uploads run at the bus's speed from it.
     fn place_params(
         &self,
         index: usize,
-        layout: &GroupLayout,
-        full: &[f32],
+        (layout, initial): (&GroupLayout, &Initial<'_>),
         swap: Option<&mut ParamSwap>,
         ledger: &mut Ledger,
     ) -> crate::Result<(ParamStore, Option<HostPin>)> {
         let dtype = storage_dtype(&self.cfg.precision);
         let store = |loc: Location, r: std::ops::Range<usize>| -> crate::Result<Storage> {
             let mut b = place(self.be, loc, dtype, r.len())?;
-            b.write_f32(0, &full[r])?;
+            b.write_f32(0, &initial.values(r))?;
             Ok(b)
         };
         let mut params = match self.param_extent(layout.numel) {
@@ -148,7 +172,7 @@ impl GroupPlan<'_> {
                     Some(swap) => {
                         swap.check_fits(index, r.len())?;
                         let mut b = FlatBuf::zeros(dtype, r.len());
-                        b.store_f32(0, &full[r]);
+                        b.store_f32(0, &initial.values(r));
                         Shard::Nvme(SwapSlot::create(swap, format!("p{index}"), b)?)
                     }
                     None => Shard::Memory(store(param_location(self.cfg), r)?),
@@ -190,15 +214,12 @@ impl GroupPlan<'_> {
     ) -> crate::Result<Group> {
         let dtype = storage_dtype(&self.cfg.precision);
         let layout = GroupLayout::new(specs, self.world);
-        let mut full = vec![0.0f32; layout.padded()];
-        for (slot, spec) in layout.slots.iter().zip(specs) {
-            init::fill(
-                &spec.init,
-                init::param_seed(self.cfg.seed, &spec.name),
-                &mut full[slot.range()],
-            );
-        }
-        let (params, pin) = self.place_params(index, &layout, &full, swap, ledger)?;
+        let initial = Initial {
+            specs,
+            layout: &layout,
+            seed: self.cfg.seed,
+        };
+        let (params, pin) = self.place_params(index, (&layout, &initial), swap, ledger)?;
         if frozen {
             return Ok(frozen_group(layout, params, pin, dtype));
         }
@@ -211,7 +232,7 @@ impl GroupPlan<'_> {
                     &n.store,
                     &n.pool,
                     &format!("g{index}"),
-                    &full[owned.clone()],
+                    &initial.values(owned.clone()),
                     n.tile,
                 )?;
                 (None, Some(a))
@@ -219,7 +240,7 @@ impl GroupPlan<'_> {
             // `bf16_master_weights_and_grads`: the bf16 parameters are the master weights.
             None if dtype != DType::F32 && !self.cfg.bf16_state.master_weights_and_grads => {
                 let mut m = place(self.be, opt_loc, DType::F32, owned.len())?;
-                m.write_f32(0, &full[owned.clone()])?;
+                m.write_f32(0, &initial.values(owned.clone()))?;
                 (Some(m), None)
             }
             None => (None, None),

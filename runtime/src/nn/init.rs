@@ -11,10 +11,17 @@ const CHUNK: usize = 64 * 1024;
 
 /// Fills `out` according to `init`, deterministically from `seed`.
 pub fn fill(init: &Init, seed: u64, out: &mut [f32]) {
+    fill_from(init, seed, 0, out);
+}
+
+/// Fills `out` with elements `start..start + out.len()` of what [`fill`] writes for a whole
+/// parameter: the generator is counter-based, so a shard of a parameter costs its own
+/// elements only.
+pub fn fill_from(init: &Init, seed: u64, start: usize, out: &mut [f32]) {
     out.par_chunks_mut(CHUNK)
         .enumerate()
         .for_each(|(c, chunk)| {
-            let base = (c * CHUNK) as u64;
+            let base = (start + c * CHUNK) as u64;
             for (i, v) in chunk.iter_mut().enumerate() {
                 let idx = base + i as u64;
                 *v = match *init {
@@ -31,4 +38,26 @@ pub fn fill(init: &Init, seed: u64, out: &mut [f32]) {
 /// a parameter's values do not depend on where it sits in a unit or a shard.
 pub fn param_seed(global_seed: u64, name: &str) -> u64 {
     rng::derive(global_seed, rng::hash_str(name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_range_is_that_slice_of_the_whole_parameters_values() {
+        let init = Init::Normal { std: 0.02 };
+        let mut whole = vec![0.0; 3 * CHUNK + 17];
+        fill(&init, 7, &mut whole);
+        let ranges = [
+            (0, 5),
+            (CHUNK - 3, CHUNK + 9),
+            (2 * CHUNK + 1, 3 * CHUNK + 17),
+        ];
+        for (a, b) in ranges {
+            let mut part = vec![0.0; b - a];
+            fill_from(&init, 7, a, &mut part);
+            assert!(part == whole[a..b], "{a}..{b}");
+        }
+    }
 }
