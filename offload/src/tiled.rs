@@ -34,6 +34,25 @@ impl NvmeAdam {
         params: &[f32],
         sub_group_size: usize,
     ) -> Result<NvmeAdam> {
+        let fill = |r: Range<usize>, out: &mut [f32]| {
+            out.copy_from_slice(&params[r]);
+            Ok(())
+        };
+        Self::create_with(store, pool, prefix, params.len(), sub_group_size, fill)
+    }
+
+    /// As [`NvmeAdam::create`] for `len` master parameters that `fill` writes a tile at a
+    /// time (its range of the parameters, and the tile's master values to write). A meta
+    /// store ([`NvmeStore::meta`]) records the tiles' lengths and never calls `fill`: a
+    /// size-only run generates no values.
+    pub fn create_with(
+        store: &NvmeStore,
+        pool: &BufferPool,
+        prefix: &str,
+        len: usize,
+        sub_group_size: usize,
+        mut fill: impl FnMut(Range<usize>, &mut [f32]) -> Result<()>,
+    ) -> Result<NvmeAdam> {
         let need = sub_group_size.saturating_mul(STREAMS * 4);
         if sub_group_size == 0 || need > pool.buffer_size() {
             return Err(Error::Invalid {
@@ -48,14 +67,17 @@ impl NvmeAdam {
         let state = NvmeAdam {
             prefix: prefix.to_string(),
             tile: sub_group_size,
-            len: params.len(),
+            len,
         };
         let mut writes = WriteBehind::new(store, pool.buffer_count().div_ceil(2));
         for (i, r) in state.tiles().enumerate() {
             let mut buf = pool.acquire();
-            let f: &mut [f32] = bytemuck::cast_slice_mut(&mut buf[..r.len() * STREAMS * 4]);
-            f[..r.len()].copy_from_slice(&params[r.clone()]);
-            f[r.len()..].fill(0.0);
+            if !store.is_meta() {
+                let f: &mut [f32] = bytemuck::cast_slice_mut(&mut buf[..r.len() * STREAMS * 4]);
+                let (p, moments) = f.split_at_mut(r.len());
+                fill(r.clone(), p)?;
+                moments.fill(0.0);
+            }
             writes.push(&state.key(i), buf, r.len() * STREAMS * 4)?;
         }
         writes.flush()?;
@@ -110,6 +132,11 @@ impl NvmeAdam {
             LowPrecision::F16(h) => h.len(),
         };
         self.check_len("NvmeAdam::adam_step (low-precision copy)", lp_len)?;
+        // A meta store holds no values to step: a size-only run prices the step's memory,
+        // which is the pool's, without computing it.
+        if store.is_meta() {
+            return Ok(());
+        }
         let ahead = pool.buffer_count().div_ceil(2);
         let mut writes = WriteBehind::new(store, ahead);
         let reads = Prefetch::new(store, pool, self.keys(), ahead)?;

@@ -165,3 +165,57 @@ fn a_corrupted_tile_stops_the_step_with_a_checksum_error() {
         "tile > buffer"
     );
 }
+
+/// VmRSS of this process in bytes.
+fn rss() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib << 10
+}
+
+#[test]
+fn a_meta_store_keeps_lengths_moves_nothing_and_never_fills() {
+    let store = NvmeStore::meta(&settings(EngineChoice::Auto)).unwrap();
+    assert!(store.is_meta());
+    assert_eq!(store.engine().name(), "meta");
+    store.write("a", &[7u8; 100]).unwrap();
+    assert_eq!(store.len_of("a"), Some(100));
+    let mut back = vec![1u8; 100];
+    store.read("a", &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 1),
+        "a meta read leaves its buffer as it was"
+    );
+    assert!(matches!(
+        store.read("a", &mut [0u8; 99]),
+        Err(Error::Length { .. })
+    ));
+    assert!(
+        store.read("b", &mut [0u8; 1]).is_err(),
+        "an unknown key is refused"
+    );
+    assert_eq!(store.bytes_moved().written, 100);
+
+    // Half a billion parameters of master weights and moments: 6 GB of tiles, none of them
+    // filled, written or stepped, so neither the time nor the resident memory grows.
+    let (n, tile) = (500_000_000usize, 50_000_000usize);
+    let pool = BufferPool::new(4, tile * 12, Pinning::Pageable).unwrap();
+    let before = rss();
+    let t = std::time::Instant::now();
+    let state = NvmeAdam::create_with(&store, &pool, "opt", n, tile, |_, _| {
+        panic!("a meta store never asks for values")
+    })
+    .unwrap();
+    assert_eq!(store.len_of("opt.9"), Some(tile * 12));
+    assert_eq!(state.len(), n);
+    let mut lp = vec![bf16::ZERO; 0];
+    let short = state.adam_step(&store, &pool, &HP, 1, 1.0, &[], LowPrecision::Bf16(&mut lp));
+    assert!(
+        matches!(short, Err(Error::Length { .. })),
+        "lengths are still checked"
+    );
+    let grown = rss().saturating_sub(before);
+    assert!(grown < 64 << 20, "resident memory grew by {grown} bytes");
+    assert!(t.elapsed().as_secs_f64() < 2.0, "took {:?}", t.elapsed());
+}

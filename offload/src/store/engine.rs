@@ -20,6 +20,8 @@ pub enum Engine {
     IoUring,
     /// Blocking pread/pwrite, `queue_depth` threads per lane set.
     Threads,
+    /// None: a meta store moves no bytes.
+    Meta,
 }
 
 impl Engine {
@@ -28,6 +30,7 @@ impl Engine {
         match self {
             Engine::IoUring => "io_uring",
             Engine::Threads => "threads",
+            Engine::Meta => "meta",
         }
     }
 }
@@ -64,7 +67,8 @@ impl Lanes {
         };
         let (per_op, depth) = match engine {
             Engine::IoUring => (s.intra_op_parallelism, s.queue_depth),
-            Engine::Threads => (s.intra_op_parallelism * s.queue_depth, 1),
+            // Lanes are never started for a meta store; it has none.
+            Engine::Threads | Engine::Meta => (s.intra_op_parallelism * s.queue_depth, 1),
         };
         let mut free = Vec::with_capacity(per_op * users);
         for _ in 0..per_op * users {
@@ -72,7 +76,7 @@ impl Lanes {
                 Engine::IoUring => Some(new_ring(depth).map_err(|e| {
                     Error::Resource(format!("cannot create an io_uring of depth {depth}: {e}"))
                 })?),
-                Engine::Threads => None,
+                Engine::Threads | Engine::Meta => None,
             };
             let bounce = (0..depth)
                 .map(|_| HostBuffer::new(s.block_size, Pinning::Pageable))

@@ -75,17 +75,29 @@ struct Entry {
     crcs: Arc<Vec<u32>>,
 }
 
+/// Where a store's bytes go: files in its directory, or nowhere (a meta store, which keeps
+/// only each tensor's length, so a size-only run of the engine prices its NVMe traffic and
+/// footprint without a directory, a file or a byte moved).
+enum Medium {
+    /// Swap files in the store's directory.
+    Files {
+        direct: bool,
+        lanes: Lanes,
+        // Dropped last (declared last): files are removed while the lock is still held.
+        _lock: dir::DirLock,
+    },
+    /// No files: writes record lengths, reads leave their buffers untouched.
+    Meta,
+}
+
 /// Shared state, used by the caller's thread and the async workers.
 struct Inner {
     dir: PathBuf,
     settings: AioSettings,
-    direct: bool,
-    lanes: Lanes,
     index: RwLock<HashMap<String, Entry>>,
     /// Bytes read and written successfully since open (tensor bytes, not padding).
     moved: [AtomicU64; 2],
-    // Dropped last (declared last): files are removed while the lock is still held.
-    _lock: dir::DirLock,
+    medium: Medium,
 }
 
 /// A directory of swap files owned by this process for its lifetime.
@@ -114,32 +126,62 @@ impl NvmeStore {
         }
         let lanes = Lanes::start(settings, asynch::WORKERS + 1)?;
         tracing::info!(engine = lanes.engine().name(), dir = %dir.display(), "NVMe store open");
-        let inner = Arc::new(Inner {
-            dir: dir.to_path_buf(),
-            settings: *settings,
+        let medium = Medium::Files {
             direct,
             lanes,
-            index: RwLock::new(HashMap::new()),
-            moved: [AtomicU64::new(0), AtomicU64::new(0)],
             _lock: lock,
-        });
-        let workers = asynch::Workers::start(&inner);
-        Ok(NvmeStore { inner, workers })
+        };
+        Ok(Self::start(dir.to_path_buf(), *settings, medium))
     }
 
-    /// The engine in use (io_uring, or the thread fallback).
+    /// A store with no directory and no files that keeps each tensor's length: writes and
+    /// reads check keys and lengths as a real store does and move nothing (a read leaves its
+    /// buffer as it was). What a size-only run of the engine swaps through.
+    pub fn meta(settings: &AioSettings) -> Result<NvmeStore> {
+        settings.validate()?;
+        Ok(Self::start(
+            PathBuf::from("(meta)"),
+            *settings,
+            Medium::Meta,
+        ))
+    }
+
+    fn start(dir: PathBuf, settings: AioSettings, medium: Medium) -> NvmeStore {
+        let inner = Arc::new(Inner {
+            dir,
+            settings,
+            index: RwLock::new(HashMap::new()),
+            moved: [AtomicU64::new(0), AtomicU64::new(0)],
+            medium,
+        });
+        let workers = asynch::Workers::start(&inner);
+        NvmeStore { inner, workers }
+    }
+
+    /// Whether this store moves no bytes ([`NvmeStore::meta`]).
+    pub fn is_meta(&self) -> bool {
+        matches!(self.inner.medium, Medium::Meta)
+    }
+
+    /// The engine in use (io_uring, the thread fallback, or none for a meta store).
     pub fn engine(&self) -> Engine {
-        self.inner.lanes.engine()
+        match &self.inner.medium {
+            Medium::Files { lanes, .. } => lanes.engine(),
+            Medium::Meta => Engine::Meta,
+        }
     }
 
     /// Why the fallback was chosen, when it was.
     pub fn engine_note(&self) -> Option<&str> {
-        self.inner.lanes.note()
+        match &self.inner.medium {
+            Medium::Files { lanes, .. } => lanes.note(),
+            Medium::Meta => None,
+        }
     }
 
     /// Whether I/O bypasses the page cache (O_DIRECT).
     pub fn is_direct(&self) -> bool {
-        self.inner.direct
+        matches!(self.inner.medium, Medium::Files { direct: true, .. })
     }
 
     /// The swap directory.
@@ -209,11 +251,11 @@ impl Inner {
         self.index.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn open_file(&self, key: &str, write: bool) -> Result<(std::fs::File, PathBuf)> {
+    fn open_file(&self, key: &str, write: bool, direct: bool) -> Result<(std::fs::File, PathBuf)> {
         let path = self.dir.join(dir::file_name(key)?);
         let mut o = OpenOptions::new();
         o.read(true).write(write).create(write).truncate(false);
-        if self.direct {
+        if direct {
             o.custom_flags(libc::O_DIRECT);
         }
         let file = o.open(&path).map_err(|source| Error::Io {
@@ -229,7 +271,25 @@ impl Inner {
     fn write(&self, key: &str, data: &[u8]) -> Result<()> {
         // Forget the old contents first: a failed write must not leave stale bytes readable.
         self.index_mut().remove(key);
-        let (file, path) = self.open_file(key, true)?;
+        let crcs = match &self.medium {
+            Medium::Files { direct, lanes, .. } => self.write_file(key, data, *direct, lanes)?,
+            Medium::Meta => {
+                dir::file_name(key)?;
+                Vec::new()
+            }
+        };
+        let entry = Entry {
+            len: data.len(),
+            crcs: Arc::new(crcs),
+        };
+        self.index_mut().insert(key.to_string(), entry);
+        self.moved[1].fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes `data` to `key`'s file; returns its blocks' checksums.
+    fn write_file(&self, key: &str, data: &[u8], direct: bool, lanes: &Lanes) -> Result<Vec<u32>> {
+        let (file, path) = self.open_file(key, true, direct)?;
         let bs = self.settings.block_size;
         let padded = (data.len().div_ceil(bs) * bs) as u64;
         reserve(&file, padded).map_err(|source| Error::Io {
@@ -241,20 +301,14 @@ impl Inner {
         })?;
         let mut crcs = vec![0u32; data.len().div_ceil(bs)];
         let t = self.target(&file, &path, key);
-        self.lanes.run(
+        lanes.run(
             &t,
             Data::Write {
                 src: data,
                 crcs: &mut crcs,
             },
         )?;
-        let entry = Entry {
-            len: data.len(),
-            crcs: Arc::new(crcs),
-        };
-        self.index_mut().insert(key.to_string(), entry);
-        self.moved[1].fetch_add(data.len() as u64, Ordering::Relaxed);
-        Ok(())
+        Ok(crcs)
     }
 
     fn read(&self, key: &str, dst: &mut [u8]) -> Result<()> {
@@ -276,22 +330,27 @@ impl Inner {
                 ),
             });
         }
-        let (file, path) = self.open_file(key, false)?;
-        let t = self.target(&file, &path, key);
         let n = dst.len() as u64;
-        self.lanes.run(
-            &t,
-            Data::Read {
-                dst,
-                crcs: &entry.crcs,
-            },
-        )?;
+        if let Medium::Files { direct, lanes, .. } = &self.medium {
+            let (file, path) = self.open_file(key, false, *direct)?;
+            let t = self.target(&file, &path, key);
+            lanes.run(
+                &t,
+                Data::Read {
+                    dst,
+                    crcs: &entry.crcs,
+                },
+            )?;
+        }
         self.moved[0].fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
 
     fn remove(&self, key: &str) -> Result<()> {
         self.index_mut().remove(key);
+        if let Medium::Meta = self.medium {
+            return Ok(());
+        }
         let path = self.dir.join(dir::file_name(key)?);
         match std::fs::remove_file(&path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
@@ -343,6 +402,8 @@ impl Drop for Inner {
         for key in keys {
             let _ = self.remove(&key);
         }
-        dir::remove_stale(&self.dir);
+        if let Medium::Files { .. } = self.medium {
+            dir::remove_stale(&self.dir);
+        }
     }
 }
