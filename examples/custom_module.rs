@@ -18,6 +18,7 @@
 
 use std::any::Any;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
@@ -363,16 +364,16 @@ fn block(args: &Args, i: usize) -> ResidualMlp {
 /// embed → blocks.0 … blocks.{n-1} → head. Each unit is one flat buffer for ZeRO.
 fn build_model(args: &Args) -> Model {
     let ends = ends_config(args);
-    let unit = |name: String, module: Box<dyn Module>| Unit {
+    let unit = |name: String, module: Arc<dyn Module>| Unit {
         name,
         module,
         uses_shared: vec![],
     };
-    let mut units = vec![unit("embed".into(), Box::new(llama::embed(&ends)))];
+    let mut units = vec![unit("embed".into(), Arc::new(llama::embed(&ends)))];
     for i in 0..args.blocks {
-        units.push(unit(format!("blocks.{i}"), Box::new(block(args, i))));
+        units.push(unit(format!("blocks.{i}"), Arc::new(block(args, i))));
     }
-    units.push(unit("head".into(), Box::new(llama::head(&ends))));
+    units.push(unit("head".into(), Arc::new(llama::head(&ends))));
     Model::new(vec![], units)
 }
 

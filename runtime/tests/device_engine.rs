@@ -158,13 +158,13 @@ fn model() -> Model {
     };
     let mut units = vec![Unit {
         name: "embed".into(),
-        module: Box::new(llama::embed(&ends)),
+        module: std::sync::Arc::new(llama::embed(&ends)),
         uses_shared: vec![0],
     }];
     for i in 0..2 {
         units.push(Unit {
             name: format!("mlp.{i}"),
-            module: Box::new(Mlp {
+            module: std::sync::Arc::new(Mlp {
                 name: format!("mlp.{i}"),
             }),
             uses_shared: vec![],
@@ -172,7 +172,7 @@ fn model() -> Model {
     }
     units.push(Unit {
         name: "head".into(),
-        module: Box::new(llama::head(&ends)),
+        module: std::sync::Arc::new(llama::head(&ends)),
         uses_shared: vec![0],
     });
     Model {

@@ -12,6 +12,7 @@
 //! its inputs, `ctx.rng_seed` and `ctx.rng_row`.
 
 use std::any::Any;
+use std::sync::Arc;
 
 use crate::backend::{Backend, MemoryModel};
 use crate::tensor::{IdBuf, Ids, Storage, Tensor, View, ViewMut};
@@ -382,11 +383,15 @@ pub trait Module: Send + Sync {
 }
 
 /// A unit: the granularity at which ZeRO-3 gathers and releases parameters (FSDP's wrap unit).
+/// Cloning shares the module: modules hold no parameters and no state between calls, so a
+/// model is cheap to hand to an engine more than once (the estimator runs the real step on a
+/// size-only device with the model the run will train).
+#[derive(Clone)]
 pub struct Unit {
     /// Display name, e.g. `h.3`.
     pub name: String,
     /// The computation.
-    pub module: Box<dyn Module>,
+    pub module: Arc<dyn Module>,
     /// Indices into [`Model::shared`] of the tied parameters this unit also reads, appended
     /// after its own parameters in [`Params`] and [`Grads`].
     pub uses_shared: Vec<usize>,
@@ -394,6 +399,7 @@ pub struct Unit {
 
 /// A model: an ordered list of units plus parameters shared between units (GPT-2's token
 /// embedding is read by the first unit and by the LM head in the last).
+#[derive(Clone)]
 pub struct Model {
     /// Tied parameters, owned by the engine in their own flat buffer.
     pub shared: Vec<ParamSpec>,

@@ -112,7 +112,7 @@ impl Profiler {
             .units
             .into_iter()
             .map(|u| Unit {
-                module: Box::new(scoped::Scoped {
+                module: Arc::new(scoped::Scoped {
                     name: Arc::from(u.name.as_str()),
                     inner: u.module,
                     rec: self.rec.clone(),

@@ -12,7 +12,7 @@ use crate::tensor::Tensor;
 use crate::Result;
 
 pub(super) struct Scoped {
-    pub(super) inner: Box<dyn Module>,
+    pub(super) inner: Arc<dyn Module>,
     pub(super) name: Arc<str>,
     pub(super) rec: Arc<Recorder>,
 }

@@ -240,13 +240,13 @@ impl Module for Head {
 pub fn model(vocab: usize, dim: usize, seq: usize, layers: usize) -> Model {
     let mut units = vec![Unit {
         name: "embed".into(),
-        module: Box::new(Embed { vocab, dim, seq }),
+        module: std::sync::Arc::new(Embed { vocab, dim, seq }),
         uses_shared: vec![0],
     }];
     for i in 0..layers {
         units.push(Unit {
             name: format!("h.{i}"),
-            module: Box::new(Residual {
+            module: std::sync::Arc::new(Residual {
                 name: format!("h.{i}"),
                 dim,
             }),
@@ -255,7 +255,7 @@ pub fn model(vocab: usize, dim: usize, seq: usize, layers: usize) -> Model {
     }
     units.push(Unit {
         name: "head".into(),
-        module: Box::new(Head { vocab, dim }),
+        module: std::sync::Arc::new(Head { vocab, dim }),
         uses_shared: vec![0],
     });
     Model {

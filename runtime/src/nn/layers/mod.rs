@@ -259,16 +259,16 @@ pub fn decoder(
     head: LmHead,
 ) -> Model {
     let ends = if tied.is_some() { vec![0] } else { vec![] };
-    let unit = |name: String, module: Box<dyn Module>, uses_shared| Unit {
+    let unit = |name: String, module: Arc<dyn Module>, uses_shared| Unit {
         name,
         module,
         uses_shared,
     };
-    let mut units = vec![unit("embed".into(), Box::new(embed), ends.clone())];
+    let mut units = vec![unit("embed".into(), Arc::new(embed), ends.clone())];
     for (i, b) in blocks.into_iter().enumerate() {
-        units.push(unit(format!("{block_name}.{i}"), Box::new(b), vec![]));
+        units.push(unit(format!("{block_name}.{i}"), Arc::new(b), vec![]));
     }
-    units.push(unit("head".into(), Box::new(head), ends));
+    units.push(unit("head".into(), Arc::new(head), ends));
     let shared = tied.into_iter().collect();
     Model::new(shared, units)
 }
