@@ -86,10 +86,9 @@ impl Checks {
 
     /// What the device is called in an out-of-memory message.
     fn kind(&self) -> &'static str {
-        match (self.info.emulated, self.info.sizes_only) {
-            (_, true) => "size-only",
-            (true, false) => "emulated",
-            (false, false) => "checked",
+        match self.info.sizes_only {
+            true => "size-only",
+            false => "emulated",
         }
     }
 

@@ -63,7 +63,8 @@ pub use registry::{build_builtin_emulator, builtin_programs};
 
 use crate::{Error, Result};
 
-/// A device address; in the emulator, a host address.
+/// A device address; in the emulator, a host address; on the size-only device, an address
+/// with nothing behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DevPtr(pub u64);
 
