@@ -153,6 +153,8 @@ impl Backend for CudaBackend {
         let info = self.dev.info();
         if info.emulated {
             "cuda:emulated".into()
+        } else if info.sizes_only {
+            format!("cuda:size-only ({})", info.name)
         } else {
             format!("cuda:{} ({})", info.ordinal, info.name)
         }

@@ -120,6 +120,19 @@ pub fn emulated(act: DType) -> Result<Arc<CudaBackend>> {
     Ok(Arc::new(CudaBackend::new(dev, act)))
 }
 
+/// The CUDA backend on a size-only device described by `info` (`driver::MetaDriver`): every
+/// buffer, copy, launch and GEMM is allocated and checked as on that GPU and nothing is
+/// computed, so `memory_stats` reads what a run there would hold, without the GPU or memory for
+/// the contents. Each call is a device of its own, as each rank of a run has (unified
+/// addressing: no two share an address). [`driver::DeviceInfo::h100_sizes_only`] is the GPU an
+/// estimate prices by default.
+#[cfg(feature = "cuda")]
+pub fn meta(act: DType, info: driver::DeviceInfo) -> Result<Arc<CudaBackend>> {
+    let drv = driver::MetaDriver::new(info)?;
+    let dev = CudaDevice::new(Arc::new(drv), None);
+    Ok(Arc::new(CudaBackend::new(dev, act)))
+}
+
 #[cfg(not(feature = "cuda"))]
 fn not_built() -> Error {
     Error::Unavailable {

@@ -17,18 +17,16 @@
 //! memory touched across streams without an event or host wait between them.
 
 use std::alloc::Layout;
-use std::collections::{HashMap, HashSet};
-use std::ffi::{c_char, c_void, CString};
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use super::checks::Checks;
 use super::gemm::Gemm;
-use super::order;
-use super::table::AllocTable;
 use super::{
-    build_builtin_emulator, builtin_programs, kernel_table, unknown_kernel, DevPtr, DeviceInfo,
-    Driver, Event, Kernel, LaunchConfig, Program, StreamKind,
+    build_builtin_emulator, builtin_programs, DevPtr, DeviceInfo, Driver, Event, Kernel,
+    LaunchConfig, Program, StreamKind,
 };
 use crate::{Error, Result};
 
@@ -139,82 +137,49 @@ pub(crate) fn emu_dir() -> PathBuf {
 /// The emulated driver (see the module documentation).
 #[derive(Debug)]
 pub struct EmuDriver {
-    info: DeviceInfo,
-    /// The memory table; held during every operation that touches device memory, so a free
-    /// cannot race with a copy, a GEMM or a kernel.
-    memory: Mutex<AllocTable>,
-    programs: Vec<Program>,
-    /// Per kernel: its program index, name and the name as a C string for the library.
-    kernels: Vec<(usize, String, CString)>,
+    /// What every call is checked against, shared with the size-only driver.
+    checks: Checks,
     lib: Option<Arc<EmuLib>>,
-    events: Mutex<HashSet<u64>>,
-    next_event: AtomicU64,
-    /// Registered host ranges: start address -> (first page, page after the last, bytes).
-    registered: Mutex<HashMap<usize, (usize, usize, usize)>>,
-    /// This driver's identity in the process's stream-order book (`order.rs`).
-    id: u64,
-    /// Epilogues (cuBLASLt's names) whose products are refused as a real cuBLASLt refuses a
-    /// product its heuristic has no algorithm for: to test the backend's separate kernels.
-    refused: Vec<&'static str>,
 }
 
-/// The page size CUDA pins host memory in.
-const HOST_PAGE: usize = 4096;
+/// H100's shape as the emulator describes itself: what launch grids and shared memory are
+/// checked against.
+fn emu_info(total_memory: u64) -> DeviceInfo {
+    DeviceInfo {
+        name: "ferrozero CUDA emulator (CPU)".into(),
+        ordinal: 0,
+        compute_capability: (9, 0),
+        total_memory,
+        multiprocessors: 132,
+        max_dyn_smem_per_block: EMU_MAX_DYN_SMEM,
+        driver_version: None,
+        nvrtc_version: None,
+        cublaslt_version: None,
+        emulated: true,
+        sizes_only: false,
+    }
+}
 
 impl EmuDriver {
     /// An emulated device as `options` describe it (loads the library, if any, once per
     /// process).
     pub fn new(options: EmuOptions) -> Result<Self> {
-        let table = kernel_table(&options.programs)?;
-        let kernels = table
-            .into_iter()
-            .map(|(p, name)| {
-                let c = CString::new(name.as_str())
-                    .map_err(|_| Error::Invalid(format!("kernel name {name:?} contains NUL")))?;
-                Ok((p, name, c))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let checks = Checks::new(emu_info(options.total_memory), options.programs)?;
         let lib = options.library.as_deref().map(load_library).transpose()?;
-        Ok(EmuDriver {
-            info: DeviceInfo {
-                name: "ferrozero CUDA emulator (CPU)".into(),
-                ordinal: 0,
-                compute_capability: (9, 0),
-                total_memory: options.total_memory,
-                multiprocessors: 132,
-                max_dyn_smem_per_block: EMU_MAX_DYN_SMEM,
-                driver_version: None,
-                nvrtc_version: None,
-                cublaslt_version: None,
-                emulated: true,
-            },
-            memory: Mutex::new(AllocTable::default()),
-            programs: options.programs,
-            kernels,
-            lib,
-            events: Mutex::new(HashSet::new()),
-            next_event: AtomicU64::new(1),
-            registered: Mutex::new(HashMap::new()),
-            id: {
-                static NEXT: AtomicU64 = AtomicU64::new(1);
-                NEXT.fetch_add(1, Ordering::Relaxed)
-            },
-            refused: Vec::new(),
-        })
+        Ok(EmuDriver { checks, lib })
     }
 
     /// This driver, refusing every product with one of `epilogues` (cuBLASLt's names, e.g.
     /// `CUBLASLT_EPILOGUE_BGRADA`) with [`Error::GemmRefused`], as a real cuBLASLt does when its
     /// heuristic returns no algorithm.
     pub fn refusing(mut self, epilogues: &[&'static str]) -> Self {
-        self.refused = epilogues.to_vec();
+        self.checks.refused = epilogues.to_vec();
         self
     }
 
     /// Host bytes currently registered with [`Driver::host_register`].
     pub fn registered_host_bytes(&self) -> usize {
-        let r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
-        r.values().map(|&(_, _, len)| len).sum()
+        self.checks.registered_host_bytes()
     }
 
     /// The emulator with ferrozero's kernel registry; its library is built (once per process,
@@ -240,61 +205,12 @@ impl EmuDriver {
             ..EmuOptions::default()
         })
     }
-
-    fn memory(&self) -> MutexGuard<'_, AllocTable> {
-        // A panic while holding the table cannot leave it inconsistent in a way that matters
-        // more than the panic itself; keep serving.
-        self.memory.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn check_event(&self, op: &str, e: Event) -> Result<()> {
-        if self
-            .events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(&e.0)
-        {
-            Ok(())
-        } else {
-            Err(Error::Device {
-                op: op.into(),
-                detail: format!("CUDA_ERROR_INVALID_HANDLE: event {} is not live", e.0),
-            })
-        }
-    }
-}
-
-/// The bytes `p..p + bytes`, for the order check.
-fn span(p: DevPtr, bytes: usize) -> order::Span {
-    (p.0, p.0 + bytes as u64)
-}
-
-impl EmuDriver {
-    /// What kernel `name`'s declared pointer arguments reach (none for a kernel the registry's
-    /// parameter table does not declare: a test's own).
-    ///
-    /// # Safety
-    /// `params` holds one pointer per parameter of `name`, each to a value of its type.
-    unsafe fn reach(&self, name: &str, params: &[*mut c_void]) -> Vec<order::Span> {
-        use crate::backend::cuda::kernels::params::{params_of, ArgKind};
-        let Some((declared, _)) = params_of(name) else {
-            return Vec::new();
-        };
-        let ptrs = declared
-            .iter()
-            .zip(params)
-            .filter(|(d, _)| d.ty.kind() == ArgKind::Ptr)
-            // SAFETY: a pointer parameter's value is a device address (8 bytes).
-            .map(|(_, &v)| unsafe { *(v as *const u64) });
-        order::reach(self.id, ptrs)
-    }
 }
 
 impl Drop for EmuDriver {
     fn drop(&mut self) {
-        order::closed(self.id);
         // Like destroying a context: everything still allocated goes back.
-        let mem = self.memory.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mem = self.checks.memory_mut();
         for (start, len) in mem.live() {
             // SAFETY: allocated in `malloc` with exactly this layout and not yet freed.
             unsafe {
@@ -309,30 +225,11 @@ impl Drop for EmuDriver {
 
 impl Driver for EmuDriver {
     fn info(&self) -> &DeviceInfo {
-        &self.info
+        &self.checks.info
     }
 
     fn malloc(&self, bytes: usize) -> Result<DevPtr> {
-        if bytes == 0 {
-            return Err(Error::Device {
-                op: "cuMemAlloc".into(),
-                detail: "CUDA_ERROR_INVALID_VALUE: zero bytes requested".into(),
-            });
-        }
-        let mut mem = self.memory();
-        let total = self.info.total_memory;
-        if mem.allocated().saturating_add(bytes as u64) > total {
-            return Err(Error::DeviceMemory {
-                requested: bytes as u64,
-                live: mem.allocated(),
-                peak: mem.peak(),
-                limit: total,
-                detail: format!(
-                    "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY: out of memory (emulated device of \
-                     {total} bytes)"
-                ),
-            });
-        }
+        let mut mem = self.checks.admit(bytes)?;
         let layout = Layout::from_size_align(bytes, ALIGN).map_err(|e| Error::Device {
             op: "cuMemAlloc".into(),
             detail: format!("CUDA_ERROR_INVALID_VALUE: {bytes} bytes: {e}"),
@@ -340,13 +237,8 @@ impl Driver for EmuDriver {
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc(layout) };
         if p.is_null() {
-            return Err(Error::DeviceMemory {
-                requested: bytes as u64,
-                live: mem.allocated(),
-                peak: mem.peak(),
-                limit: total,
-                detail: "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY: the host allocator refused".into(),
-            });
+            let why = "the host allocator refused".to_string();
+            return Err(self.checks.out_of_memory(&mem, bytes, why));
         }
         // SAFETY: `p` is a fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(p, 0xFF, bytes) };
@@ -355,13 +247,9 @@ impl Driver for EmuDriver {
     }
 
     unsafe fn free(&self, p: DevPtr) -> Result<()> {
-        let len = self.memory().remove(p)?;
-        // cuMemFree waits for the device.
-        StreamKind::ALL
-            .into_iter()
-            .for_each(|s| order::synchronized(self.id, s));
+        let len = self.checks.free(p)?;
         // SAFETY: allocated in `malloc` with this layout, removed from the table above, so it
-        // is freed exactly once; the table lock keeps every other operation off it.
+        // is freed exactly once; no other operation reaches a pointer no longer in the table.
         unsafe {
             std::alloc::dealloc(
                 p.0 as *mut u8,
@@ -372,9 +260,7 @@ impl Driver for EmuDriver {
     }
 
     fn memset_zero(&self, p: DevPtr, bytes: usize, s: StreamKind) -> Result<()> {
-        order::issue(self.id, s, &[span(p, bytes)])?;
-        let mem = self.memory();
-        mem.check("cuMemsetD8Async", "destination", p, bytes as u64)?;
+        let _mem = self.checks.memset(p, bytes, s)?;
         // SAFETY: checked to lie inside a live allocation; the lock excludes frees.
         unsafe { std::ptr::write_bytes(p.0 as *mut u8, 0, bytes) };
         Ok(())
@@ -383,19 +269,19 @@ impl Driver for EmuDriver {
     fn copy_htod(&self, src: &[u8], dst: DevPtr, s: StreamKind) -> Result<()> {
         // SAFETY: `src` is a valid slice for the duration of the (synchronous) copy.
         unsafe { self.copy_htod_async(src.as_ptr(), src.len(), dst, s) }?;
-        order::synchronized(self.id, s);
+        self.checks.synchronized(s);
         Ok(())
     }
 
     fn copy_dtoh(&self, src: DevPtr, dst: &mut [u8], s: StreamKind) -> Result<()> {
         // SAFETY: `dst` is a valid, exclusive slice for the duration of the (synchronous) copy.
         unsafe { self.copy_dtoh_async(src, dst.as_mut_ptr(), dst.len(), s) }?;
-        order::synchronized(self.id, s);
+        self.checks.synchronized(s);
         Ok(())
     }
 
     fn check_live(&self, op: &str, what: &str, p: DevPtr, bytes: u64) -> Result<()> {
-        self.memory().check(op, what, p, bytes)
+        self.checks.memory().check(op, what, p, bytes)
     }
 
     unsafe fn copy_unified(
@@ -406,7 +292,7 @@ impl Driver for EmuDriver {
         s: StreamKind,
         owners: [u64; 2],
     ) -> Result<()> {
-        order::access(self.id, s, (src.0, dst.0, bytes as u64), owners)?;
+        self.checks.copy_unified((src, dst), bytes, s, owners)?;
         // No table lock here: the ranges may belong to other drivers, whose owners keep them
         // alive for the copy (the caller's contract); emulated device memory is host memory.
         // SAFETY: the caller checked both ranges live and disjoint.
@@ -415,9 +301,7 @@ impl Driver for EmuDriver {
     }
 
     fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, s: StreamKind) -> Result<()> {
-        order::issue(self.id, s, &[span(src, bytes), span(dst, bytes)])?;
-        let mem = self.memory();
-        mem.check_copy(src, dst, bytes as u64)?;
+        let _mem = self.checks.copy_dtod((src, dst), bytes, s)?;
         // SAFETY: both ranges checked inside live allocations and disjoint.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.0 as *mut u8, bytes) };
         Ok(())
@@ -430,9 +314,7 @@ impl Driver for EmuDriver {
         dst: DevPtr,
         s: StreamKind,
     ) -> Result<()> {
-        order::host_copy(self.id, s, span(dst, len))?;
-        let mem = self.memory();
-        mem.check("cuMemcpyHtoDAsync", "destination", dst, len as u64)?;
+        let _mem = self.checks.copy_htod(dst, len, s)?;
         // SAFETY: the caller guarantees `src..src + len` is readable; the destination is checked.
         unsafe { std::ptr::copy(src, dst.0 as *mut u8, len) };
         Ok(())
@@ -445,24 +327,20 @@ impl Driver for EmuDriver {
         len: usize,
         s: StreamKind,
     ) -> Result<()> {
-        order::host_copy(self.id, s, span(src, len))?;
-        let mem = self.memory();
-        mem.check("cuMemcpyDtoHAsync", "source", src, len as u64)?;
+        let _mem = self.checks.copy_dtoh(src, len, s)?;
         // SAFETY: the caller guarantees `dst..dst + len` is writable; the source is checked.
         unsafe { std::ptr::copy(src.0 as *const u8, dst, len) };
         Ok(())
     }
 
     fn kernel(&self, name: &str) -> Result<Kernel> {
-        let Some(i) = self.kernels.iter().position(|(_, n, _)| n == name) else {
-            return Err(unknown_kernel(name, &self.programs));
-        };
+        let i = self.checks.lookup(name)?;
         if self.lib.is_none() {
             return Err(Error::Device {
                 op: "cuModuleLoadData".into(),
                 detail: format!(
                     "kernel {name} ({}) cannot run: this emulated device has no emulator library",
-                    self.programs[self.kernels[i].0].file
+                    self.checks.programs[self.checks.kernels[i].0].file
                 ),
             });
         }
@@ -476,20 +354,8 @@ impl Driver for EmuDriver {
         params: &mut [*mut c_void],
         s: StreamKind,
     ) -> Result<()> {
-        let Some((_, name, cname)) = self.kernels.get(k.index()) else {
-            return Err(Error::Device {
-                op: "cuLaunchKernel".into(),
-                detail: format!(
-                    "CUDA_ERROR_INVALID_HANDLE: kernel handle {} is not from this device ({} \
-                     kernels)",
-                    k.0,
-                    self.kernels.len()
-                ),
-            });
-        };
-        cfg.validate(name, self.info.max_dyn_smem_per_block)?;
         // SAFETY: the caller's contract: `params` matches the kernel's parameters.
-        order::issue(self.id, s, &unsafe { self.reach(name, params) })?;
+        let (name, cname) = unsafe { self.checks.launch(k, cfg, params, s) }?;
         let Some(lib) = &self.lib else {
             return Err(Error::Device {
                 op: "cuLaunchKernel".into(),
@@ -497,7 +363,7 @@ impl Driver for EmuDriver {
             });
         };
         // Kernels read and write device memory directly: keep frees out while one runs.
-        let _mem = self.memory();
+        let _mem = self.checks.memory();
         let mut err = vec![0u8; 1024];
         // SAFETY: the caller guarantees `params` matches the kernel's parameters and points to
         // live memory; the grid, block and error buffers outlive the call.
@@ -530,26 +396,7 @@ impl Driver for EmuDriver {
     }
 
     fn gemm(&self, g: &Gemm, s: StreamKind) -> Result<()> {
-        g.validate()?;
-        if self.refused.contains(&g.epilogue.cublas_name()) {
-            return Err(Error::GemmRefused {
-                epilogue: g.epilogue.cublas_name(),
-                detail: format!(
-                    "CUBLAS_STATUS_NOT_SUPPORTED (the emulator refuses it) for {}",
-                    g.describe()
-                ),
-            });
-        }
-        let spans: Vec<_> = g
-            .ranges()?
-            .iter()
-            .map(|r| (r.start, r.start + r.bytes))
-            .collect();
-        order::issue(self.id, s, &spans)?;
-        let mem = self.memory();
-        for r in g.ranges()? {
-            mem.check("cublasLtMatmul", r.what, DevPtr(r.start), r.bytes)?;
-        }
+        let _mem = self.checks.gemm(g, s)?;
         // SAFETY: validated, and every operand range lies inside a live allocation; the lock
         // keeps frees out until it is done.
         unsafe { g.reference() };
@@ -557,115 +404,62 @@ impl Driver for EmuDriver {
     }
 
     fn synchronize(&self, s: StreamKind) -> Result<()> {
-        order::synchronized(self.id, s);
+        self.checks.synchronized(s);
         Ok(())
     }
 
     fn event_create(&self) -> Result<Event> {
-        let id = self.next_event.fetch_add(1, Ordering::Relaxed);
-        self.events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id);
-        Ok(Event(id))
+        Ok(self.checks.event_create())
     }
 
     fn event_record(&self, e: Event, s: StreamKind) -> Result<()> {
-        self.check_event("cuEventRecord", e)?;
-        order::record(self.id, s, e.0);
-        Ok(())
+        self.checks.event_record(e, s)
     }
 
     fn stream_wait_event(&self, s: StreamKind, e: Event) -> Result<()> {
-        self.check_event("cuStreamWaitEvent", e)?;
-        order::wait(self.id, s, self.id, e.0);
-        Ok(())
+        self.checks.stream_wait_event(s, e)
     }
 
     fn check_event_live(&self, op: &str, e: Event) -> Result<()> {
-        self.check_event(op, e)
+        self.checks.check_event_live(op, e)
     }
 
     unsafe fn stream_wait_unified(&self, s: StreamKind, owner: u64, e: Event) -> Result<()> {
-        order::wait(self.id, s, owner, e.0);
+        self.checks.stream_wait_unified(s, owner, e);
         Ok(())
     }
 
     fn peer_id(&self) -> u64 {
-        self.id
+        self.checks.id
     }
 
     fn note_buffer(&self, p: DevPtr, bytes: u64) {
-        order::buffer(self.id, p.0, bytes);
+        self.checks.note_buffer(p, bytes);
     }
 
     fn event_query(&self, e: Event) -> Result<bool> {
-        self.check_event("cuEventQuery", e)?;
         // The host learns that the event's work finished (it always has, here).
-        order::event_synchronized(self.id, e.0);
+        self.checks.event_synchronize("cuEventQuery", e)?;
         Ok(true)
     }
 
     fn event_synchronize(&self, e: Event) -> Result<()> {
-        self.check_event("cuEventSynchronize", e)?;
-        order::event_synchronized(self.id, e.0);
-        Ok(())
+        self.checks.event_synchronize("cuEventSynchronize", e)
     }
 
     fn event_destroy(&self, e: Event) -> Result<()> {
-        if self
-            .events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&e.0)
-        {
-            order::destroyed(self.id, e.0);
-            Ok(())
-        } else {
-            Err(Error::Device {
-                op: "cuEventDestroy".into(),
-                detail: format!("CUDA_ERROR_INVALID_HANDLE: event {} is not live", e.0),
-            })
-        }
+        self.checks.event_destroy(e)
     }
 
     fn allocated(&self) -> u64 {
-        self.memory().allocated()
+        self.checks.memory().allocated()
     }
 
     unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
-        let refuse = |why: &str| Error::Device {
-            op: "cuMemHostRegister".into(),
-            detail: why.into(),
-        };
-        if ptr.is_null() || len == 0 {
-            return Err(refuse(
-                "CUDA_ERROR_INVALID_VALUE: null pointer or zero bytes",
-            ));
-        }
-        let (first, end) = (
-            ptr as usize / HOST_PAGE,
-            (ptr as usize + len).div_ceil(HOST_PAGE),
-        );
-        let mut r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
-        if r.values().any(|&(f, e, _)| first < e && f < end) {
-            return Err(refuse(
-                "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: part of the range is registered",
-            ));
-        }
-        r.insert(ptr as usize, (first, end, len));
-        Ok(())
+        self.checks.host_register(ptr, len)
     }
 
     unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
-        let mut r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
-        match r.remove(&(ptr as usize)) {
-            Some(_) => Ok(()),
-            None => Err(Error::Device {
-                op: "cuMemHostUnregister".into(),
-                detail: "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: no registered range starts there"
-                    .into(),
-            }),
-        }
+        self.checks.host_unregister(ptr)
     }
 }

@@ -1,4 +1,4 @@
-//! The layer between the CUDA backend and the hardware: a [`Driver`] trait with two
+//! The layer between the CUDA backend and the hardware: a [`Driver`] trait with three
 //! implementations, and what sits directly on it.
 //!
 //! - [`CudaDriver`] (`real.rs`): a GPU through cudarc 0.19 (driver API, NVRTC, cuBLASLt), all
@@ -8,11 +8,16 @@
 //!   run in the CPU emulator library (`backend::cuda::emu`), GEMMs in a reference loop that reads
 //!   operands exactly as cuBLASLt does (column-major, leading dimensions, transposes,
 //!   epilogues), so the backend's tests in CI catch what would fail on a GPU.
+//! - [`MetaDriver`] (`meta.rs`): the size-only device: addresses with no memory behind them,
+//!   every call checked as the emulator checks it and then nothing done, so the caching
+//!   allocator over it holds exactly what it would hold on the GPU described, and a run
+//!   prices that GPU without one (or any memory for its contents).
 //!
-//! Both drivers check every copy, memset, free and GEMM operand range against their table of
-//! live allocations (`table.rs`) before anything runs, and reject bad launch configurations and
-//! GEMM descriptions with the same validation code, so an error reads the same on both. Only
-//! what a kernel does with its pointers is beyond checking.
+//! Every driver checks every copy, memset, free and GEMM operand range against its table of
+//! live allocations (`table.rs`) before anything runs, and rejects bad launch configurations
+//! and GEMM descriptions with the same validation code, so an error reads the same on all;
+//! the emulator and the size-only driver share all of it (`checks.rs`). Only what a kernel
+//! does with its pointers is beyond checking.
 //! - [`Allocator`] (`alloc.rs`): the stream-ordered caching allocator every device buffer comes
 //!   from, with live/peak counters and the device-memory limit.
 //! - [`nvrtc`]: compilation of kernel sources to CUBIN (or PTX) with a disk cache.
@@ -29,9 +34,11 @@
 //! backend's business (through [`DeviceBuffer`]).
 
 mod alloc;
+mod checks;
 mod cublaslt;
 mod emu;
 mod gemm;
+mod meta;
 pub mod nvrtc;
 mod observed;
 mod order;
@@ -49,13 +56,15 @@ pub use alloc::{
 };
 pub use emu::{EmuDriver, EmuOptions, EMU_DEFAULT_TOTAL_MEMORY};
 pub use gemm::{Batch, Epilogue, Gemm, Op};
+pub use meta::{MetaDriver, H100_MEMORY};
 pub use observed::{Observed, TraceOp, Traced};
 pub use real::{device_count, CudaDriver};
 pub use registry::{build_builtin_emulator, builtin_programs};
 
 use crate::{Error, Result};
 
-/// A device address; in the emulator, a host address.
+/// A device address; in the emulator, a host address; on the size-only device, an address
+/// with nothing behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DevPtr(pub u64);
 
@@ -225,6 +234,9 @@ pub struct DeviceInfo {
     pub cublaslt_version: Option<(u32, u32, u32)>,
     /// Whether this is the CPU emulator rather than a GPU.
     pub emulated: bool,
+    /// Whether this is the size-only device (`meta.rs`): a GPU described, its memory counted
+    /// and every call checked, nothing computed.
+    pub sizes_only: bool,
 }
 
 impl fmt::Display for DeviceInfo {
@@ -233,28 +245,33 @@ impl fmt::Display for DeviceInfo {
             Some((a, b)) => format!("{a}.{b}"),
             None => "not found".into(),
         };
+        // Neither the emulator nor the size-only device loads a library: say what stands in.
+        let stand_in = match (self.sizes_only, self.emulated) {
+            (true, _) => Some(("size-only", "none (size-only)")),
+            (false, true) => Some(("emulated", "reference loop (emulated)")),
+            (false, false) => None,
+        };
         write!(
             f,
             "{} (device {}{}): compute capability {}.{}, {:.1} GiB, {} SMs, {} KiB shared memory \
              per block; driver CUDA {}, NVRTC {}, cuBLASLt {}",
             self.name,
             self.ordinal,
-            if self.emulated { ", emulated" } else { "" },
+            stand_in.map_or(String::new(), |(kind, _)| format!(", {kind}")),
             self.compute_capability.0,
             self.compute_capability.1,
             self.total_memory as f64 / (1u64 << 30) as f64,
             self.multiprocessors,
             self.max_dyn_smem_per_block / 1024,
-            if self.emulated {
-                "none (emulated)".into()
-            } else {
-                v2(self.driver_version)
+            match stand_in {
+                Some((kind, _)) => format!("none ({kind})"),
+                None => v2(self.driver_version),
             },
             v2(self.nvrtc_version),
-            match self.cublaslt_version {
-                Some((a, b, c)) => format!("{a}.{b}.{c}"),
-                None if self.emulated => "reference loop (emulated)".into(),
-                None => "not found".into(),
+            match (self.cublaslt_version, stand_in) {
+                (Some((a, b, c)), _) => format!("{a}.{b}.{c}"),
+                (None, Some((_, lib))) => lib.into(),
+                (None, None) => "not found".into(),
             },
         )
     }

@@ -212,6 +212,7 @@ impl CudaDriver {
             nvrtc_version: nvrtc::version().ok(),
             cublaslt_version: blas.as_ref().ok().map(|b| b.version),
             emulated: false,
+            sizes_only: false,
         };
         let target = nvrtc::target_for(cc).map_err(|e| e.to_string());
         Ok(CudaDriver {
