@@ -37,9 +37,7 @@ use ferrozero_config::resolved::{OffloadTarget, OptimizerConfig, ResolvedConfig}
 use ferrozero_offload::optim::{lamb_coeff, LambHyper};
 
 use super::group::{empty_storage, Group};
-use super::offload_copies::{
-    host_read, host_step_with, HostState, Inbound, Landing, UploadWindow,
-};
+use super::offload_copies::{host_read, host_step_with, HostState, Inbound, Landing, UploadWindow};
 use super::partition::GroupLayout;
 use crate::backend::{Backend, GradView};
 use crate::comm::{BufMut, BufRef, Communicator};

@@ -35,7 +35,6 @@ use crate::tensor::in_flight::HostCopy;
 use crate::tensor::{Storage, View, ViewMut};
 use crate::{Error, Result};
 
-
 /// What a group's host step reads from device memory, on its way down. The default is
 /// "not fetched": the step then fetches it itself and waits at once.
 #[derive(Debug, Default)]

@@ -132,7 +132,9 @@ impl HostCopy {
                 self.busy = unsafe { c.upload_async(self.host.as_ref(), s) }?;
                 Ok(())
             }
-            meta @ ViewMut::Meta(_) => super::storage::copy_view(View::Host(self.host.as_ref()), meta),
+            meta @ ViewMut::Meta(_) => {
+                super::storage::copy_view(View::Host(self.host.as_ref()), meta)
+            }
         }
     }
 }

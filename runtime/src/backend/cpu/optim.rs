@@ -156,7 +156,9 @@ impl OptimizerOps for CpuBackend {
             Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
             Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
             Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
-            Some(ViewMut::Cuda(_) | ViewMut::Meta(_)) => return Err(foreign(OP, "the low-precision copy")),
+            Some(ViewMut::Cuda(_) | ViewMut::Meta(_)) => {
+                return Err(foreign(OP, "the low-precision copy"))
+            }
         };
         optim::lamb_apply(hp, step, coeff, p, m, v, lp_out)?;
         if let Some(b) = lp_f32 {
