@@ -288,3 +288,65 @@ fn fp16_accumulation_hpz_and_mics_meta_ledgers_equal_the_cpu_ledgers() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// This process's resident memory, in bytes.
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+/// Elements of every group's shard a rank of `world` holds at stage 3 (one group per unit,
+/// and one of the tied parameters when there are any), by the shard arithmetic's rule.
+fn shard_elements(model: &Model, world: usize) -> u64 {
+    use ferrozero_runtime::engine::partition::shard_len;
+    let numel = |specs: &[ferrozero_runtime::nn::ParamSpec]| specs.iter().map(|p| p.numel()).sum();
+    let units = model.units.iter().map(|u| numel(&u.module.param_specs()));
+    let shared = (!model.shared.is_empty()).then(|| numel(&model.shared));
+    units
+        .chain(shared)
+        .map(|n| shard_len(n, world) as u64)
+        .sum()
+}
+
+/// A 7B Llama at stage 3 on 64 ranks, one micro-batch of 1 x 512: the meta engine builds and
+/// steps in under 3 s without model-sized memory, and holds the closed form's state: bf16
+/// parameter shards, f32 master weights and two f32 moments of the rank's shard.
+#[test]
+fn llama_7b_stage_3_on_64_ranks_steps_in_seconds_without_its_bytes() {
+    let model = llama::build(&llama::LlamaConfig::preset("llama-7b").unwrap()).unwrap();
+    let shard = shard_elements(&model, 64);
+    let mut cfg = config(ZeroStage::Stage3, 64, 1, 1, Precision::Bf16);
+    cfg.zero.reduce_bucket_size = 500_000_000;
+    cfg.zero.allgather_bucket_size = 500_000_000;
+    cfg.zero.sub_group_size = 1_000_000_000;
+    let before = rss();
+    let start = Instant::now();
+    let comm = MetaComm::new(0, 64, cfg.comms.backend).unwrap();
+    let mut e =
+        Engine::with_backend(model, cfg.clone(), Box::new(comm), Arc::new(MetaBackend)).unwrap();
+    let built = start.elapsed();
+    let batch = toy::batch(32000, 512, 0, 1);
+    e.train_batch(&[batch]).unwrap();
+    let took = start.elapsed();
+    let grew = rss().saturating_sub(before);
+    eprintln!(
+        "7B stage 3, 64 ranks: built {built:?}, built and stepped {took:?}, RSS +{} MiB",
+        grew >> 20
+    );
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert!(grew < 256 << 20, "RSS grew {grew} bytes");
+    let l = e.ledger();
+    assert!(shard > 6_000_000_000 / 64, "a 7B's shard: {shard}");
+    assert!(l.peak(Location::Device, Category::Parameters) >= 2 * shard);
+    // The step ran: a gathered unit, its activations and reductions were held.
+    assert_eq!(e.global_steps(), 1);
+    assert!(l.peak(Location::Device, Category::Activations) > 512 * 4096 * 4);
+    assert!(l.peak(Location::Device, Category::CommBuffers) > 0);
+    eprintln!("ledger: {:?}", peaks(l));
+    assert_eq!(
+        l.peak(Location::Device, Category::OptimizerState),
+        12 * shard
+    );
+}

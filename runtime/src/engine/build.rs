@@ -240,7 +240,7 @@ impl GroupPlan<'_> {
             // `bf16_master_weights_and_grads`: the bf16 parameters are the master weights.
             None if dtype != DType::F32 && !self.cfg.bf16_state.master_weights_and_grads => {
                 let mut m = place(self.be, opt_loc, DType::F32, owned.len())?;
-                m.write_f32(0, &initial.values(owned.clone()))?;
+                m.write_f32_with(0, owned.len(), || initial.values(owned.clone()))?;
                 (Some(m), None)
             }
             None => (None, None),
