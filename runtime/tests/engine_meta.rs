@@ -350,3 +350,50 @@ fn llama_7b_stage_3_on_64_ranks_steps_in_seconds_without_its_bytes() {
         12 * shard
     );
 }
+
+/// LAMB's two passes, on the device's state and offloaded (where the host backend runs them:
+/// the meta device's host is itself).
+#[test]
+fn lamb_meta_ledgers_equal_the_cpu_ledgers() {
+    let mut failures = Vec::new();
+    for stage in STAGES {
+        for world in [1, 2] {
+            for offload in [Offload::None, Offload::Optimizer] {
+                let mut cfg = make(stage, world, Precision::Bf16, offload, Ckpt::Off);
+                cfg.optimizer = ferrozero_config::resolved::OptimizerConfig::Lamb {
+                    lr: 2e-2,
+                    betas: (0.9, 0.999),
+                    eps: 1e-8,
+                    eps_inside_sqrt: false,
+                    weight_decay: 0.01,
+                    bias_correction: true,
+                    max_coeff: 10.0,
+                    min_coeff: 0.01,
+                };
+                check(Which::Llama, &cfg, &mut failures);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// NVMe is not priced by a size-only run yet: refused by name, before any file is made.
+#[test]
+fn a_meta_run_with_nvme_offload_is_refused_clearly() {
+    let scratch = common::scratch::Scratch::new();
+    for param in [false, true] {
+        let mut cfg = make(
+            ZeroStage::Stage3,
+            2,
+            Precision::Bf16,
+            Offload::Optimizer,
+            Ckpt::Off,
+        );
+        match param {
+            true => cfg.zero.offload_param.target = OffloadTarget::Nvme(scratch.dir()),
+            false => cfg.zero.offload_optimizer.target = OffloadTarget::Nvme(scratch.dir()),
+        }
+        let e = meta(Which::Gpt2, &cfg).err().expect("refused");
+        assert!(e.to_string().contains("does not price NVMe"), "{e}");
+    }
+}

@@ -91,6 +91,10 @@ meta_ops! {
         fn adopt(host: FlatBuf) -> Result<Storage> => meta(host.dtype(), host.len());
         fn host_zeros(dtype: DType, len: usize) -> Result<Storage> => meta(dtype, len);
         fn host() -> &dyn Backend => &MetaBackend;
+        fn nvme_offload() -> Result<()> => Err(Error::Unavailable {
+            what: "offload to NVMe in a size-only run",
+            why: "the meta run does not price NVMe yet: its swap files would need real bytes".into(),
+        });
         fn memory_model() -> MemoryModel => MemoryModel::for_device(super::Device::Cpu, DType::F32);
     }
     impl MatmulOps {
@@ -196,5 +200,71 @@ meta_ops! {
             StreamEvent::Complete => Ok(()),
             StreamEvent::Device(_) => Err(super::stream::foreign_event("meta", e)),
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuBackend;
+
+    #[test]
+    fn memory_operations_make_meta_buffers_of_the_size_asked_without_reading() {
+        let be = MetaBackend;
+        let want = |s: Storage, d: DType, n: usize| {
+            assert!(
+                matches!(s, Storage::Meta(m) if m == MetaBuf::new(d, n)),
+                "{s:?}"
+            );
+        };
+        want(be.zeros(DType::Bf16, 5).unwrap(), DType::Bf16, 5);
+        want(be.buffer(DType::F32, 7).unwrap(), DType::F32, 7);
+        want(be.buffer_uninit(DType::F16, 9).unwrap(), DType::F16, 9);
+        want(be.host_zeros(DType::F32, 11).unwrap(), DType::F32, 11);
+        want(be.upload(BufRef::F32(&[1.0; 3])).unwrap(), DType::F32, 3);
+        want(
+            be.adopt(FlatBuf::zeros(DType::Bf16, 4)).unwrap(),
+            DType::Bf16,
+            4,
+        );
+        let src = be.zeros(DType::F16, 6).unwrap();
+        want(be.copy(src.view()).unwrap(), DType::F16, 6);
+        assert_eq!(be.memory_model(), CpuBackend.memory_model());
+        assert_eq!(be.host().name(), "meta");
+        assert!(CpuBackend.nvme_offload().is_ok());
+        let e = be.nvme_offload().unwrap_err();
+        assert!(e.to_string().contains("does not price NVMe"), "{e}");
+    }
+
+    #[test]
+    fn compute_checks_lengths_and_the_status_is_the_costlier_branch() {
+        let be = MetaBackend;
+        let (a, b, mut c) = (
+            be.zeros(DType::F32, 6).unwrap(),
+            be.zeros(DType::F32, 12).unwrap(),
+            be.zeros(DType::F32, 8).unwrap(),
+        );
+        let shape = MatmulShape {
+            m: 2,
+            n: 4,
+            k: 3,
+            ta: super::super::Transpose::No,
+            tb: super::super::Transpose::No,
+        };
+        be.matmul(shape, a.view(), b.view(), c.view_mut(), Epilogue::Store)
+            .unwrap();
+        let bad = MatmulShape { k: 4, ..shape };
+        assert!(be
+            .matmul(bad, a.view(), b.view(), c.view_mut(), Epilogue::Store)
+            .is_err());
+        assert!(be.add_assign(c.view_mut(), a.view()).is_err());
+        let st = be
+            .step_status(&[a.view(), c.view()], &[GradView::exact(b.view())])
+            .unwrap();
+        assert_eq!(st.losses, vec![0.0, 0.0]);
+        assert!(st.sum_squares.iter().all(|s| s.is_finite()));
+        let e = be.record(Stream::Compute).unwrap();
+        assert!(e.is_complete().unwrap());
+        be.wait_event(Stream::HostToDevice, &e).unwrap();
     }
 }

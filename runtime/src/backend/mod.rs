@@ -221,6 +221,11 @@ pub trait MemoryOps {
     fn host(&self) -> &dyn Backend {
         &CpuBackend
     }
+    /// Whether a run on this device can keep state on NVMe (`offload_optimizer` or
+    /// `offload_param` with `device = "nvme"`); an error says why not.
+    fn nvme_offload(&self) -> Result<()> {
+        Ok(())
+    }
     /// Page-locks host memory `b` for fast copies to and from this device, when the device
     /// has a bus to cross and its driver agrees (best effort: `None` otherwise, and copies
     /// stay correct); the memory stays registered while the guard lives.

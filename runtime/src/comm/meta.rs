@@ -157,3 +157,76 @@ impl MetaComm {
         )))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::local::run_ranks;
+    use crate::tensor::{DType, FlatBuf};
+    use std::time::Duration;
+
+    fn v(len: usize) -> crate::tensor::Storage {
+        crate::tensor::Storage::Meta(crate::tensor::meta::MetaBuf::new(DType::F32, len))
+    }
+
+    #[test]
+    fn collectives_check_lengths_as_the_real_ones_and_move_nothing() {
+        let c = MetaComm::new(1, 4, CommBackend::Local).unwrap();
+        let (a, mut b) = (v(16), v(4));
+        c.reduce_scatter_view(a.view(), b.view_mut(), ReduceOp::Sum)
+            .unwrap();
+        assert!(c
+            .reduce_scatter_view(b.view(), v(1).view_mut(), ReduceOp::Sum)
+            .is_ok());
+        assert!(c
+            .reduce_scatter_view(a.view(), v(5).view_mut(), ReduceOp::Sum)
+            .is_err());
+        assert!(c
+            .reduce_scatter_view(v(15).view(), v(3).view_mut(), ReduceOp::Sum)
+            .is_err());
+        c.all_gather_view(v(4).view(), v(16).view_mut()).unwrap();
+        assert!(c.all_gather_view(v(4).view(), v(12).view_mut()).is_err());
+        c.all_to_all_view(v(8).view(), v(8).view_mut()).unwrap();
+        assert!(c.all_to_all_view(v(6).view(), v(6).view_mut()).is_err());
+        assert!(c.all_to_all_view(v(8).view(), v(4).view_mut()).is_err());
+        assert!(c.broadcast_view(v(3).view_mut(), 4).is_err());
+        // Host buffers: checked alike, and left as they were.
+        let mut out = FlatBuf::F32(vec![5.0; 2]);
+        c.all_gather(FlatBuf::zeros(DType::F32, 1).as_ref(), out.as_mut())
+            .unwrap_err();
+        c.reduce_scatter(
+            FlatBuf::F32(vec![1.0; 8]).as_ref(),
+            out.as_mut(),
+            ReduceOp::Sum,
+        )
+        .unwrap();
+        assert_eq!(out, FlatBuf::F32(vec![5.0; 2]));
+        assert!(MetaComm::new(4, 4, CommBackend::Local).is_err());
+    }
+
+    /// The groups the local communicator's `split` forms, rank by rank, are the meta
+    /// communicator's `split_blocks` and `split_strided`.
+    #[test]
+    fn block_and_strided_splits_are_the_real_splits() {
+        for (world, g) in [(4, 2), (6, 3), (6, 2), (8, 4), (4, 1), (4, 4)] {
+            let real = run_ranks(world, Duration::from_secs(30), |comm| {
+                let b = comm.split_blocks(g)?;
+                let s = comm.split_strided(g)?;
+                Ok([(b.rank(), b.world_size()), (s.rank(), s.world_size())])
+            })
+            .unwrap();
+            for (r, want) in real.iter().enumerate() {
+                let m = MetaComm::new(r, world, CommBackend::Local).unwrap();
+                let b = m.split_blocks(g).unwrap();
+                let s = m.split_strided(g).unwrap();
+                let got = [(b.rank(), b.world_size()), (s.rank(), s.world_size())];
+                assert_eq!(&got, want, "world {world}, groups of {g}, rank {r}");
+                assert_eq!(b.backend(), CommBackend::Local);
+            }
+        }
+        let m = MetaComm::new(0, 6, CommBackend::Local).unwrap();
+        assert!(m.split_blocks(4).is_err());
+        let e = m.split(0, 0).err().unwrap();
+        assert!(e.to_string().contains("split_blocks"), "{e}");
+    }
+}

@@ -96,6 +96,7 @@ profiled! {
         fn pin_host(b: &mut FlatBuf) -> Option<HostPin>;
         fn host_zeros(dtype: DType, len: usize) -> Result<Storage>;
         fn host() -> &dyn Backend;
+        fn nvme_offload() -> Result<()>;
         fn memory_model() -> MemoryModel;
         fn activity() -> Option<DeviceActivity>;
     }

@@ -67,3 +67,102 @@ pub fn mixed_meta(op: &str) -> Error {
         "{op}: meta (size-only) elements mixed with real ones (a size-only run holds no values)"
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::{Storage, View};
+
+    fn meta(dtype: DType, len: usize) -> Storage {
+        Storage::Meta(MetaBuf::new(dtype, len))
+    }
+
+    #[test]
+    fn ranges_and_made_buffers_keep_the_dtype_and_take_the_length() {
+        let mut s = meta(DType::Bf16, 1000);
+        assert_eq!((s.len(), s.dtype(), s.bytes()), (1000, DType::Bf16, 2000));
+        let r = s.range(10..110).unwrap();
+        assert!(matches!(r, View::Meta(m) if m == MetaBuf::new(DType::Bf16, 100)));
+        assert!(matches!(r.host_zeros_like().unwrap(), Storage::Meta(m) if m.len == 100));
+        let (a, b) = s.range_mut(0..30).unwrap().split_at(12).unwrap();
+        assert_eq!((a.len(), b.len(), b.dtype()), (12, 18, DType::Bf16));
+        assert!(s.range(990..1001).is_err());
+        let z = s.zeros_like(DType::F32, 7).unwrap();
+        assert!(matches!(z, Storage::Meta(m) if m == MetaBuf::new(DType::F32, 7)));
+        let u = s.uninit_like(DType::F16, 3).unwrap();
+        assert!(matches!(u, Storage::Meta(m) if m == MetaBuf::new(DType::F16, 3)));
+        assert!(matches!(s.try_clone().unwrap(), Storage::Meta(m) if m.len == 1000));
+        // Computing does nothing and succeeds; a span outside the buffer still fails.
+        s.fill_zero().unwrap();
+        assert_eq!(s.sum_squares(0..1000).unwrap(), 0.0);
+        assert!(!s.has_non_finite(0..1000).unwrap());
+        s.write_f32(990, &[1.0; 10]).unwrap();
+        assert!(s.write_f32(995, &[1.0; 10]).is_err());
+        let mut called = false;
+        s.write_f32_with(0, 1000, || {
+            called = true;
+            vec![0.0; 1000]
+        })
+        .unwrap();
+        assert!(!called, "a meta buffer's values are never generated");
+        assert!(s.is_host_side() && s.host().is_none());
+    }
+
+    #[test]
+    fn meta_and_host_operands_are_refused_together() {
+        let mut m = meta(DType::F32, 8);
+        let mut h = Storage::from_f32(vec![1.0; 8]);
+        let mut scratch = Vec::new();
+        let errs = [
+            m.cast_into(&mut h).unwrap_err(),
+            h.cast_into(&mut m).unwrap_err(),
+            m.accumulate(0, &h, 8, &mut scratch).unwrap_err(),
+            h.accumulate(0, &m, 8, &mut scratch).unwrap_err(),
+            m.accumulate_view(0, h.view(), &mut scratch).unwrap_err(),
+            h.copy_to(0, &mut m, 0, 8).unwrap_err(),
+            m.copy_to(0, &mut h, 0, 8).unwrap_err(),
+        ];
+        for e in errs {
+            assert!(e.to_string().contains("meta"), "{e}");
+        }
+        let mut other = meta(DType::F32, 8);
+        m.cast_into(&mut other).unwrap();
+        other.accumulate(0, &m, 8, &mut scratch).unwrap();
+        m.copy_to(0, &mut other, 0, 8).unwrap();
+        // A copy between meta buffers still checks dtypes.
+        assert!(m.copy_to(0, &mut meta(DType::Bf16, 8), 0, 8).is_err());
+    }
+
+    #[test]
+    fn small_reads_give_zeros_and_big_reads_are_refused_by_name() {
+        let small = meta(DType::F32, 4);
+        assert_eq!(small.to_vec_f32().unwrap(), vec![0.0; 4]);
+        let mut one = [7.0f32];
+        small.read_f32(2, &mut one).unwrap();
+        assert_eq!(one, [0.0]);
+        let limit = MAX_META_READ / 4;
+        let edge = meta(DType::F32, limit);
+        assert_eq!(edge.to_host().unwrap().len(), limit);
+        let big = meta(DType::F32, limit + 1);
+        for (op, e) in [
+            ("to_vec_f32", big.to_vec_f32().unwrap_err()),
+            ("to_host", big.to_host().unwrap_err()),
+            ("to_host", big.view().to_host().unwrap_err()),
+            (
+                "into_host",
+                big.try_clone().unwrap().into_host().unwrap_err(),
+            ),
+        ] {
+            assert!(
+                e.to_string().starts_with(&format!("invalid")) || e.to_string().contains(op),
+                "{e}"
+            );
+            assert!(e.to_string().contains(op), "{op}: {e}");
+        }
+        let mut dst = vec![0.0f32; limit + 1];
+        let e = big.read_f32(0, &mut dst).unwrap_err();
+        assert!(e.to_string().contains("read_f32"), "{e}");
+        let e = crate::tensor::staging::read_host(big.view(), |_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("stage"), "{e}");
+    }
+}
