@@ -90,7 +90,7 @@ meta_ops! {
         fn recycle(buf: Storage) -> () => drop(buf);
         fn adopt(host: FlatBuf) -> Result<Storage> => meta(host.dtype(), host.len());
         fn host_zeros(dtype: DType, len: usize) -> Result<Storage> => meta(dtype, len);
-        fn host() -> &dyn Backend => &MetaBackend;
+        fn host_backend() -> &dyn Backend => &MetaBackend;
         fn nvme_offload() -> Result<()> => Err(Error::Unavailable {
             what: "offload to NVMe in a size-only run",
             why: "the meta run does not price NVMe yet: its swap files would need real bytes".into(),
@@ -230,7 +230,7 @@ mod tests {
         let src = be.zeros(DType::F16, 6).unwrap();
         want(be.copy(src.view()).unwrap(), DType::F16, 6);
         assert_eq!(be.memory_model(), CpuBackend.memory_model());
-        assert_eq!(be.host().name(), "meta");
+        assert_eq!(be.host_backend().name(), "meta");
         assert!(CpuBackend.nvme_offload().is_ok());
         let e = be.nvme_offload().unwrap_err();
         assert!(e.to_string().contains("does not price NVMe"), "{e}");

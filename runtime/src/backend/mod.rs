@@ -218,7 +218,7 @@ pub trait MemoryOps {
     }
     /// The backend that computes on [`MemoryOps::host_zeros`]'s memory (the optimizer step of
     /// offloaded state): the CPU backend beside a real device; a size-only device is its own.
-    fn host(&self) -> &dyn Backend {
+    fn host_backend(&self) -> &dyn Backend {
         &CpuBackend
     }
     /// Whether a run on this device can keep state on NVMe (`offload_optimizer` or

@@ -172,7 +172,7 @@ pub(super) fn host_step(
 ) -> Result<Landing> {
     // The host beside the device runs the step (the CPU backend; a size-only device's host
     // is size-only).
-    let host = be.host();
+    let host = be.host_backend();
     let update = |mut pv: ViewMut<'_>, gv: GradView<'_>, h: HostState<'_>| {
         let HostState { m, v, mut lp } = h;
         for t in chunks(pv.len(), tile) {

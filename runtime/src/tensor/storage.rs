@@ -228,7 +228,7 @@ impl Storage {
         self.write_f32(offset, &v)
     }
 
-    /// Whether the host's backend ([`crate::backend::MemoryOps::host`]) computes on these
+    /// Whether the host's backend ([`crate::backend::MemoryOps::host_backend`]) computes on these
     /// elements: host memory, and size-only elements (a size-only device is its own host).
     pub fn is_host_side(&self) -> bool {
         matches!(self, Storage::Host(_) | Storage::Meta(_))

@@ -17,9 +17,8 @@ use crate::backend::{Backend, Stream};
 use crate::engine::group::{owned_params, Group, ParamStore};
 use crate::engine::ledger::{Category, Ledger, Location};
 use crate::tensor::in_flight::HostCopy;
-use crate::tensor::staging::StagedMut;
 use crate::tensor::Storage;
-use crate::tensor::{DType, FlatBuf, View, ViewMut};
+use crate::tensor::{DType, View, ViewMut};
 use crate::{Error, Result};
 
 /// One saved value.
@@ -241,15 +240,8 @@ fn restore_view(what: &str, dst: ViewMut<'_>, src: &mut Slot) -> Result<()> {
             "optimizer snapshot of the {what}: restored before it was saved"
         ))),
         Slot::Device(c) => c.upload_async(dst, Stream::HostToDevice),
-        Slot::Host(b) => match b.host() {
-            Some(h) => {
-                // Every element is overwritten: nothing is read first.
-                let mut staged = StagedMut::overwrite(dst);
-                FlatBuf::copy_bytes(staged.host_mut().bytes_mut(), h.as_ref().bytes());
-                staged.finish()
-            }
-            // Size-only values have no bytes to stage: the copy checks their shapes.
-            None => crate::tensor::copy_view(b.view(), dst),
-        },
+        // A host slot saved a value where it lives (host memory, or size-only), and is
+        // restored into the same buffer: a copy on one device.
+        Slot::Host(b) => crate::tensor::copy_view(b.view(), dst),
     }
 }
