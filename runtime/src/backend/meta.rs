@@ -48,14 +48,19 @@ fn f32_state(bytes: usize) -> Result<Storage> {
     meta(DType::F32, bytes / DType::F32.size())
 }
 
-/// The status the value-dependent branches of a step decide on. Every gradient is finite
-/// with a sum of squares of zero: finite, because an overflow would skip the update (the
-/// cheaper branch: no optimizer work, no write-back); zero, because clipping changes only the
-/// scale the update multiplies by, never what is held. Losses read as zero.
+/// Each gradient's sum of squares in [`status`]: finite, and large enough that any
+/// `gradient_clipping` binds whatever the loss scale (the global norm is about 1e15 times the
+/// square root of the tensors' count).
+const COSTLIEST_SUM_SQUARES: f64 = 1e30;
+
+/// The status the value-dependent branches of a step decide on, each taken its costlier way:
+/// every gradient finite, because an overflow skips the update (no optimizer work, no
+/// write-back); a norm over any clipping bound, because a speculative optimizer overlap then
+/// restores the groups it stepped and steps them again. Losses read as zero.
 fn status(losses: &[View<'_>], grads: &[GradView<'_>]) -> StepStatus {
     StepStatus {
         losses: vec![0.0; losses.len()],
-        sum_squares: vec![0.0; grads.len()],
+        sum_squares: vec![COSTLIEST_SUM_SQUARES; grads.len()],
         grad_scale: None,
     }
 }
@@ -262,7 +267,7 @@ mod tests {
             .step_status(&[a.view(), c.view()], &[GradView::exact(b.view())])
             .unwrap();
         assert_eq!(st.losses, vec![0.0, 0.0]);
-        assert!(st.sum_squares.iter().all(|s| s.is_finite()));
+        assert!(st.sum_squares.iter().all(|s| s.is_finite() && *s >= 1e30));
         let e = be.record(Stream::Compute).unwrap();
         assert!(e.is_complete().unwrap());
         be.wait_event(Stream::HostToDevice, &e).unwrap();
