@@ -397,3 +397,44 @@ fn a_meta_run_with_nvme_offload_is_refused_clearly() {
         assert!(e.to_string().contains("does not price NVMe"), "{e}");
     }
 }
+
+/// ZeRO++'s quantized gathers and reductions (packed words through the all-to-all), and the
+/// communication logger's decorator over the meta communicator, its splits included (MiCS).
+#[test]
+fn zeropp_and_logged_meta_ledgers_equal_the_cpu_ledgers() {
+    let mut failures = Vec::new();
+    for which in [Which::Gpt2, Which::LlamaLora] {
+        for (w, g, frozen) in [
+            (true, false, false),
+            (true, true, false),
+            (false, false, true),
+        ] {
+            let mut cfg = make(
+                ZeroStage::Stage3,
+                2,
+                Precision::Bf16,
+                Offload::None,
+                Ckpt::Off,
+            );
+            (cfg.zero.quantized_weights, cfg.zero.quantized_gradients) = (w, g);
+            cfg.zero.quantized_nontrainable_weights = frozen;
+            check(which, &cfg, &mut failures);
+        }
+        let mut logged = make(
+            ZeroStage::Stage3,
+            4,
+            Precision::Bf16,
+            Offload::None,
+            Ckpt::Off,
+        );
+        logged.zero.mics_shard_size = 2;
+        logged.monitor.comms_logger = Some(ferrozero_config::resolved::CommsLoggerConfig {
+            verbose: false,
+            prof_all: true,
+            prof_ops: Vec::new(),
+            debug: false,
+        });
+        check(which, &logged, &mut failures);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
