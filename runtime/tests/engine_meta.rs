@@ -393,7 +393,7 @@ fn a_meta_run_with_nvme_offload_is_refused_clearly() {
             true => cfg.zero.offload_param.target = OffloadTarget::Nvme(scratch.dir()),
             false => cfg.zero.offload_optimizer.target = OffloadTarget::Nvme(scratch.dir()),
         }
-        let e = meta(Which::Gpt2, &cfg).err().expect("refused");
+        let e = meta(Which::Gpt2, &cfg).expect_err("refused");
         assert!(e.to_string().contains("does not price NVMe"), "{e}");
     }
 }

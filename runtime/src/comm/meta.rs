@@ -35,7 +35,6 @@ impl MetaComm {
     }
 
     fn check(&self, op: &'static str, (input, output): (usize, usize), want: usize) -> Result<()> {
-        let _ = input;
         if output == want {
             return Ok(());
         }
@@ -47,7 +46,7 @@ impl MetaComm {
     }
 
     fn reduce_scatter_lens(&self, input: usize, output: usize) -> Result<()> {
-        if input % self.world != 0 {
+        if !input.is_multiple_of(self.world) {
             return self.check("reduce_scatter", (input, output), usize::MAX);
         }
         self.check("reduce_scatter", (input, output), input / self.world)
@@ -58,7 +57,7 @@ impl MetaComm {
     }
 
     fn all_to_all_lens(&self, input: usize, output: usize) -> Result<()> {
-        if input % self.world != 0 {
+        if !input.is_multiple_of(self.world) {
             return self.check("all_to_all", (input, output), usize::MAX);
         }
         self.check("all_to_all", (input, output), input)
@@ -73,7 +72,7 @@ impl MetaComm {
     }
 
     fn check_groups(&self, g: usize) -> Result<()> {
-        if g == 0 || self.world % g != 0 {
+        if g == 0 || !self.world.is_multiple_of(g) {
             return Err(Error::Invalid(format!(
                 "meta communicator: groups of {g} ranks do not split a world of {}",
                 self.world

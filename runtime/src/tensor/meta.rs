@@ -153,10 +153,6 @@ mod tests {
                 big.try_clone().unwrap().into_host().unwrap_err(),
             ),
         ] {
-            assert!(
-                e.to_string().starts_with(&format!("invalid")) || e.to_string().contains(op),
-                "{e}"
-            );
             assert!(e.to_string().contains(op), "{op}: {e}");
         }
         let mut dst = vec![0.0f32; limit + 1];
