@@ -58,13 +58,8 @@ pub(super) fn assemble(
     let stage = stage::for_stage(cfg.zero.stage);
     let optimizer = Optimizer::new(cfg.optimizer.clone());
     let mut ledger = Ledger::with_device_limit(cfg.device_memory_limit);
-    let nvme = open_nvme(
-        &cfg,
-        (&model, &*be),
-        stage.as_ref(),
-        shards,
-        comm.world.rank(),
-    )?;
+    let at = (&model, &*be);
+    let nvme = open_nvme(&cfg, at, stage.as_ref(), shards, comm.world.rank())?;
     if let Some(n) = &nvme {
         ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
     }
