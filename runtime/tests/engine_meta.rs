@@ -129,8 +129,13 @@ fn describe(which: Which, cfg: &ResolvedConfig) -> String {
     )
 }
 
+/// Held shared by every comparison and alone by the 7B test, whose RSS reading must not see
+/// other tests' runs on their threads.
+static ALONE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
 /// Compares the two ledgers; a difference or a failed meta run is a failure line.
 fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
+    let _shared = ALONE.read().unwrap_or_else(|e| e.into_inner());
     let what = describe(which, cfg);
     let want = real(which, cfg);
     match meta(which, cfg) {
@@ -315,6 +320,7 @@ fn shard_elements(model: &Model, world: usize) -> u64 {
 /// parameter shards, f32 master weights and two f32 moments of the rank's shard.
 #[test]
 fn llama_7b_stage_3_on_64_ranks_steps_in_seconds_without_its_bytes() {
+    let _alone = ALONE.write().unwrap_or_else(|e| e.into_inner());
     let model = llama::build(&llama::LlamaConfig::preset("llama-7b").unwrap()).unwrap();
     let shard = shard_elements(&model, 64);
     let mut cfg = config(ZeroStage::Stage3, 64, 1, 1, Precision::Bf16);
