@@ -22,6 +22,7 @@ mod attention_ops;
 mod cpu;
 pub mod cuda;
 pub mod memory;
+pub mod meta;
 pub mod rng;
 mod rope;
 mod status;
@@ -39,6 +40,7 @@ pub use cuda::{
     CudaViewMut as DeviceViewMut,
 };
 pub use memory::MemoryModel;
+pub use meta::MetaBackend;
 pub use rope::{Rope, RopeScaling};
 pub use status::{ClipRule, GradView, StepStatus, StepTensor};
 pub use stream::{Stream, StreamEvent, StreamOps};
@@ -208,6 +210,21 @@ pub trait MemoryOps {
             Storage::Host(host) => self.adopt(host),
             device => Ok(device),
         }
+    }
+    /// A zero-filled buffer of `len` elements in host memory (offloaded state, host copies of
+    /// parameters): the host beside this device. A size-only device's host is size-only too.
+    fn host_zeros(&self, dtype: DType, len: usize) -> Result<Storage> {
+        Ok(Storage::Host(FlatBuf::zeros(dtype, len)))
+    }
+    /// The backend that computes on [`MemoryOps::host_zeros`]'s memory (the optimizer step of
+    /// offloaded state): the CPU backend beside a real device; a size-only device is its own.
+    fn host_backend(&self) -> &dyn Backend {
+        &CpuBackend
+    }
+    /// Whether a run on this device can keep state on NVMe (`offload_optimizer` or
+    /// `offload_param` with `device = "nvme"`); an error says why not.
+    fn nvme_offload(&self) -> Result<()> {
+        Ok(())
     }
     /// Page-locks host memory `b` for fast copies to and from this device, when the device
     /// has a bus to cross and its driver agrees (best effort: `None` otherwise, and copies

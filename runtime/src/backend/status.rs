@@ -203,6 +203,6 @@ pub(crate) fn host_sum_squares(op: &str, g: GradView<'_>) -> Result<Option<f64>>
             Some(d) => b.sum_squares_as(d),
             None => b.sum_squares(),
         }),
-        View::Cuda(_) => None,
+        View::Cuda(_) | View::Meta(_) => None,
     })
 }

@@ -67,9 +67,8 @@ impl HybridComm {
     /// group `r / G` at position `r % G`) and replica groups across them (collective).
     pub fn new(world: &dyn Communicator, group_size: usize) -> Result<Self> {
         check_group_size("mics_shard_size", group_size, world.world_size())?;
-        let r = world.rank();
-        let shard = world.split(r / group_size, r)?;
-        let replica = world.split(r % group_size, r)?;
+        let shard = world.split_blocks(group_size)?;
+        let replica = world.split_strided(group_size)?;
         Ok(Self {
             shard,
             replica,

@@ -348,4 +348,10 @@ impl Communicator for CommsLogger {
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
         Ok(self.wrap(self.inner.split(color, key)?))
     }
+    fn split_blocks(&self, g: usize) -> Result<Box<dyn Communicator>> {
+        Ok(self.wrap(self.inner.split_blocks(g)?))
+    }
+    fn split_strided(&self, g: usize) -> Result<Box<dyn Communicator>> {
+        Ok(self.wrap(self.inner.split_strided(g)?))
+    }
 }

@@ -122,6 +122,21 @@ pub trait Communicator: Send {
     /// Splits into sub-groups (collective call): ranks with the same `color` form a group,
     /// ordered by `key` then by rank. Used for hierarchical partitioning.
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>>;
+    /// Splits into groups of `g` consecutive ranks (rank `r` is position `r % g` of group
+    /// `r / g`; collective): MiCS's shard groups, hpZ's partitions. By default a
+    /// [`Communicator::split`]; a communicator that cannot see its peers' colours
+    /// (`meta::MetaComm`) computes it.
+    fn split_blocks(&self, g: usize) -> Result<Box<dyn Communicator>> {
+        let r = self.rank();
+        self.split(r / g.max(1), r)
+    }
+    /// Splits into `g` strided groups (rank `r` is position `r / g` of group `r % g`;
+    /// collective): MiCS's replica groups across the shard groups. See
+    /// [`Communicator::split_blocks`].
+    fn split_strided(&self, g: usize) -> Result<Box<dyn Communicator>> {
+        let r = self.rank();
+        self.split(r % g.max(1), r)
+    }
 }
 
 /// [`Communicator::all_to_all`] through one all-gather of whole inputs.
@@ -161,6 +176,7 @@ pub fn all_to_all_by_gather<C: Communicator + ?Sized>(
 pub mod hybrid;
 pub mod local;
 pub mod logger;
+pub mod meta;
 pub mod quantized;
 pub mod reference;
 

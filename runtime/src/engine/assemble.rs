@@ -58,11 +58,12 @@ pub(super) fn assemble(
     let stage = stage::for_stage(cfg.zero.stage);
     let optimizer = Optimizer::new(cfg.optimizer.clone());
     let mut ledger = Ledger::with_device_limit(cfg.device_memory_limit);
-    let nvme = open_nvme(&cfg, &model, stage.as_ref(), shards, comm.world.rank())?;
+    let at = (&model, &*be);
+    let nvme = open_nvme(&cfg, at, stage.as_ref(), shards, comm.world.rank())?;
     if let Some(n) = &nvme {
         ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
     }
-    let mut param_swap = open_param_swap(&cfg, comm.world.as_ref())?;
+    let mut param_swap = open_param_swap(&cfg, comm.world.as_ref(), &*be)?;
     let plan = GroupPlan {
         stage: stage.as_ref(),
         cfg: &cfg,
@@ -153,9 +154,14 @@ pub(super) fn assemble(
 }
 
 /// Opens the rank's parameter swap store when `offload_param.device = "nvme"`.
-fn open_param_swap(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Swap> {
+fn open_param_swap(
+    cfg: &ResolvedConfig,
+    comm: &dyn Communicator,
+    be: &dyn Backend,
+) -> Result<Swap> {
     match &cfg.zero.offload_param.target {
         ferrozero_config::resolved::OffloadTarget::Nvme(dir) => {
+            be.nvme_offload()?;
             ParamSwap::open(cfg, dir, comm.rank()).map(Swap::Nvme)
         }
         _ => Ok(Swap::Off),
@@ -166,7 +172,7 @@ fn open_param_swap(cfg: &ResolvedConfig, comm: &dyn Communicator) -> Result<Swap
 /// `shards` lays out the sharded state; `rank` (the world's) names the rank's files.
 fn open_nvme(
     cfg: &ResolvedConfig,
-    model: &Model,
+    (model, be): (&Model, &dyn Backend),
     stage: &dyn Stage,
     shards: &dyn Communicator,
     rank: usize,
@@ -175,6 +181,7 @@ fn open_nvme(
     else {
         return Ok(None);
     };
+    be.nvme_offload()?;
     let largest = rules::largest_owned(model, stage, shards.world_size(), shards.rank());
     NvmeOffload::open(cfg, dir, rank, largest).map(Some)
 }

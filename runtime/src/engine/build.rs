@@ -113,7 +113,7 @@ pub struct GroupPlan<'a> {
 fn place(be: &dyn Backend, loc: Location, dtype: DType, len: usize) -> crate::Result<Storage> {
     match loc {
         Location::Device => be.buffer(dtype, len),
-        Location::Host | Location::Nvme => Ok(Storage::Host(FlatBuf::zeros(dtype, len))),
+        Location::Host | Location::Nvme => be.host_zeros(dtype, len),
     }
 }
 
@@ -161,7 +161,7 @@ impl GroupPlan<'_> {
         let dtype = storage_dtype(&self.cfg.precision);
         let store = |loc: Location, r: std::ops::Range<usize>| -> crate::Result<Storage> {
             let mut b = place(self.be, loc, dtype, r.len())?;
-            b.write_f32(0, &initial.values(r))?;
+            b.write_f32_with(0, r.len(), || initial.values(r))?;
             Ok(b)
         };
         let mut params = match self.param_extent(layout.numel) {
@@ -240,7 +240,7 @@ impl GroupPlan<'_> {
             // `bf16_master_weights_and_grads`: the bf16 parameters are the master weights.
             None if dtype != DType::F32 && !self.cfg.bf16_state.master_weights_and_grads => {
                 let mut m = place(self.be, opt_loc, DType::F32, owned.len())?;
-                m.write_f32(0, &initial.values(owned.clone()))?;
+                m.write_f32_with(0, owned.len(), || initial.values(owned.clone()))?;
                 (Some(m), None)
             }
             None => (None, None),

@@ -56,9 +56,8 @@ pub(super) fn open(
     if super::rules::hpz_size(cfg, world, params) == 0 {
         return Ok(Hpz::Off);
     }
-    let r = comm.rank();
     Ok(Hpz::On(Secondary {
-        group: comm.split(r / g, r)?,
+        group: comm.split_blocks(g)?,
         copies: (0..groups).map(|_| None).collect(),
         fresh: vec![false; groups],
         backward: false,

@@ -37,9 +37,7 @@ use ferrozero_config::resolved::{OffloadTarget, OptimizerConfig, ResolvedConfig}
 use ferrozero_offload::optim::{lamb_coeff, LambHyper};
 
 use super::group::{empty_storage, Group};
-use super::offload_copies::{
-    host_read, host_step_with, HostState, Inbound, Landing, UploadWindow, HOST,
-};
+use super::offload_copies::{host_read, host_step_with, HostState, Inbound, Landing, UploadWindow};
 use super::partition::GroupLayout;
 use crate::backend::{Backend, GradView};
 use crate::comm::{BufMut, BufRef, Communicator};
@@ -79,7 +77,7 @@ pub fn check(cfg: &ResolvedConfig, be: &dyn Backend) -> Result<()> {
     let in_place = cfg.zero.offload_optimizer.target == OffloadTarget::None;
     let probed = match in_place {
         true => probe(be),
-        false => probe(&HOST),
+        false => probe(be.host_backend()),
     };
     if let Err(e) = probed.map_err(|e| (in_place, e)) {
         return match e {
@@ -217,7 +215,7 @@ pub fn moments(
             pass(s.params.0.as_view(), gv, s.m, s.v, *be)?;
         }
         Placement::Offloaded(be, _) => {
-            host_read(g, *be, |p, gv, m, v| pass(p, gv, m, v, &HOST))?;
+            host_read(g, *be, |p, gv, m, v| pass(p, gv, m, v, be.host_backend()))?;
         }
     }
     Ok(partials)
@@ -263,8 +261,9 @@ pub fn apply(
         }
         Placement::Offloaded(be, window) => {
             g.landing = Landing::default();
+            let host = be.host_backend();
             let update =
-                |p: ViewMut<'_>, _: GradView<'_>, h: HostState<'_>| pass(p, h.m, h.v, h.lp, &HOST);
+                |p: ViewMut<'_>, _: GradView<'_>, h: HostState<'_>| pass(p, h.m, h.v, h.lp, host);
             g.landing = host_step_with(g, (Inbound::default(), window), *be, update)?;
             Ok(())
         }

@@ -30,13 +30,10 @@ use super::group::{owned_params, Group, ParamStore};
 use super::optimizer::StepValues;
 use super::partition::chunks;
 use super::rules;
-use crate::backend::{Backend, CpuBackend, GradView, OptimizerOps, Stream, UpdateRule};
+use crate::backend::{Backend, GradView, Stream, UpdateRule};
 use crate::tensor::in_flight::HostCopy;
 use crate::tensor::{Storage, View, ViewMut};
 use crate::{Error, Result};
-
-/// The host executor of offloaded optimizer state.
-pub(super) static HOST: CpuBackend = CpuBackend;
 
 /// What a group's host step reads from device memory, on its way down. The default is
 /// "not fetched": the step then fetches it itself and waits at once.
@@ -173,12 +170,15 @@ pub(super) fn host_step(
     (inbound, window): (Inbound, &UploadWindow),
     be: &dyn Backend,
 ) -> Result<Landing> {
+    // The host beside the device runs the step (the CPU backend; a size-only device's host
+    // is size-only).
+    let host = be.host_backend();
     let update = |mut pv: ViewMut<'_>, gv: GradView<'_>, h: HostState<'_>| {
         let HostState { m, v, mut lp } = h;
         for t in chunks(pv.len(), tile) {
             // SGD and Lion keep no second moment: an empty view stands in.
             let vn = v.len();
-            HOST.optimizer_update(
+            host.optimizer_update(
                 rule,
                 sv.step,
                 sv.grad_scale,

@@ -61,7 +61,7 @@ impl Optimizer {
     /// memory (see `offload_copies`); nothing otherwise.
     pub fn fetch(&self, g: &Group, be: &dyn Backend) -> Result<Inbound> {
         let Group { m, nvme_adam, .. } = g;
-        let offloaded = m.host().is_some();
+        let offloaded = m.is_host_side();
         match offloaded && nvme_adam.is_none() {
             true => offload_copies::fetch(g, be),
             false => Ok(Inbound::default()),
@@ -85,7 +85,7 @@ impl Optimizer {
         }
         let rule = self.rule(sv)?;
         let Group { m, .. } = &*g;
-        let offloaded = m.host().is_some();
+        let offloaded = m.is_host_side();
         if offloaded {
             g.landing = Landing::default();
             let inbound = (inbound, &*self.uploads);

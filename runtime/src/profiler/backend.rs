@@ -94,6 +94,9 @@ profiled! {
         fn memory_stats() -> Option<DeviceMemory>;
         fn page_locked_bytes() -> u64;
         fn pin_host(b: &mut FlatBuf) -> Option<HostPin>;
+        fn host_zeros(dtype: DType, len: usize) -> Result<Storage>;
+        fn host_backend() -> &dyn Backend;
+        fn nvme_offload() -> Result<()>;
         fn memory_model() -> MemoryModel;
         fn activity() -> Option<DeviceActivity>;
     }

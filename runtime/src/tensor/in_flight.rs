@@ -132,6 +132,9 @@ impl HostCopy {
                 self.busy = unsafe { c.upload_async(self.host.as_ref(), s) }?;
                 Ok(())
             }
+            meta @ ViewMut::Meta(_) => {
+                super::storage::copy_view(View::Host(self.host.as_ref()), meta)
+            }
         }
     }
 }
@@ -190,7 +193,7 @@ impl View<'_> {
     /// once; `None` for a host view, which is read in place.
     pub fn download_async(&self, s: Stream) -> Result<Option<HostCopy>> {
         match self {
-            View::Host(_) => Ok(None),
+            View::Host(_) | View::Meta(_) => Ok(None),
             View::Cuda(c) => c.download_async(s).map(Some),
         }
     }
@@ -240,7 +243,7 @@ impl ViewMut<'_> {
     /// which is written in place.
     pub fn staging_copy(&self) -> Option<HostCopy> {
         match self {
-            ViewMut::Host(_) => None,
+            ViewMut::Host(_) | ViewMut::Meta(_) => None,
             ViewMut::Cuda(c) => Some(c.as_view().staging_copy()),
         }
     }

@@ -9,6 +9,7 @@
 mod flat;
 mod host;
 pub mod in_flight;
+pub mod meta;
 pub mod quant;
 pub mod spare;
 pub mod staging;
@@ -18,6 +19,7 @@ mod view;
 pub(crate) use flat::round_as_accumulated;
 pub use flat::FlatBuf;
 pub use host::{BufMut, BufRef};
+pub(crate) use storage::copy_view;
 pub use storage::{IdBuf, Ids, Storage};
 pub use view::{View, ViewMut};
 
@@ -149,6 +151,7 @@ fn not_host_f32(s: &Storage) -> Error {
     let place = match s {
         Storage::Host(_) => "host",
         Storage::Cuda(_) => "CUDA",
+        Storage::Meta(_) => "meta",
     };
     Error::Invalid(format!(
         "expected a host f32 tensor, got {place} {:?} storage (copy it with to_vec_f32)",

@@ -24,6 +24,8 @@ pub enum Staged<'a> {
         /// The device view it came from.
         src: DeviceView<'a>,
     },
+    /// Zeros standing for size-only elements (a small read: [`super::meta::MAX_META_READ`]).
+    Meta(FlatBuf),
 }
 
 impl<'a> Staged<'a> {
@@ -35,6 +37,7 @@ impl<'a> Staged<'a> {
                 host: c.stage()?,
                 src: c,
             },
+            View::Meta(m) => Staged::Meta(m.host_zeros("stage to host")?),
         })
     }
 
@@ -42,7 +45,7 @@ impl<'a> Staged<'a> {
     pub fn host(&self) -> BufRef<'_> {
         match self {
             Staged::Direct(b) => *b,
-            Staged::Copied { host, .. } => host.as_ref(),
+            Staged::Copied { host, .. } | Staged::Meta(host) => host.as_ref(),
         }
     }
 
@@ -72,6 +75,8 @@ pub enum StagedMut<'a> {
         /// The device view it came from.
         dst: DeviceViewMut<'a>,
     },
+    /// Zeros standing for size-only elements; what is written there is dropped.
+    Meta(FlatBuf),
 }
 
 impl<'a> StagedMut<'a> {
@@ -83,6 +88,7 @@ impl<'a> StagedMut<'a> {
                 host: c.as_view().stage()?,
                 dst: c,
             },
+            ViewMut::Meta(m) => StagedMut::Meta(m.host_zeros("stage to host")?),
         })
     }
 
@@ -95,6 +101,9 @@ impl<'a> StagedMut<'a> {
                 host: c.as_view().staging(),
                 dst: c,
             },
+            // Infallible by signature, so not bounded by the meta read limit: the engine
+            // copies size-only elements where they are and never stages them.
+            ViewMut::Meta(m) => StagedMut::Meta(FlatBuf::zeros(m.dtype, m.len)),
         }
     }
 
@@ -102,7 +111,7 @@ impl<'a> StagedMut<'a> {
     pub fn host_mut(&mut self) -> BufMut<'_> {
         match self {
             StagedMut::Direct(b) => b.reborrow(),
-            StagedMut::Copied { host, .. } => host.as_mut(),
+            StagedMut::Copied { host, .. } | StagedMut::Meta(host) => host.as_mut(),
         }
     }
 
@@ -114,7 +123,7 @@ impl<'a> StagedMut<'a> {
     /// Writes a copy back to the device memory it came from.
     pub fn finish(mut self) -> Result<()> {
         match &mut self {
-            StagedMut::Direct(_) => Ok(()),
+            StagedMut::Direct(_) | StagedMut::Meta(_) => Ok(()),
             StagedMut::Copied { host, dst } => dst.reborrow().upload(host.as_ref()),
         }
     }

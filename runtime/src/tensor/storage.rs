@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use super::meta::{mixed_meta, MetaBuf};
 use super::{DType, FlatBuf, View, ViewMut};
 use crate::backend::{DeviceBuf, DeviceIds};
 use crate::{Error, Result};
@@ -15,6 +16,8 @@ pub enum Storage {
     Host(FlatBuf),
     /// Memory of a CUDA device.
     Cuda(DeviceBuf),
+    /// Size-only elements: a dtype and a length, no bytes ([`super::meta`]).
+    Meta(MetaBuf),
 }
 
 impl Storage {
@@ -28,6 +31,7 @@ impl Storage {
         match self {
             Storage::Host(b) => b.len(),
             Storage::Cuda(c) => c.len(),
+            Storage::Meta(m) => m.len,
         }
     }
 
@@ -41,6 +45,7 @@ impl Storage {
         match self {
             Storage::Host(b) => b.dtype(),
             Storage::Cuda(c) => c.dtype(),
+            Storage::Meta(m) => m.dtype,
         }
     }
 
@@ -54,6 +59,7 @@ impl Storage {
         match self {
             Storage::Host(b) => View::Host(b.as_ref()),
             Storage::Cuda(c) => View::Cuda(c.view()),
+            Storage::Meta(m) => View::Meta(*m),
         }
     }
 
@@ -63,7 +69,7 @@ impl Storage {
     /// they return, or own their buffers ([`super::in_flight::HostCopy`]).
     pub fn record_stream(&mut self, s: crate::backend::Stream) {
         match self {
-            Storage::Host(_) => {}
+            Storage::Host(_) | Storage::Meta(_) => {}
             Storage::Cuda(c) => c.record_stream(s),
         }
     }
@@ -73,6 +79,7 @@ impl Storage {
         match self {
             Storage::Host(b) => ViewMut::Host(b.as_mut()),
             Storage::Cuda(c) => ViewMut::Cuda(c.view_mut()),
+            Storage::Meta(m) => ViewMut::Meta(*m),
         }
     }
 
@@ -82,6 +89,7 @@ impl Storage {
         match self {
             Storage::Host(b) => Ok(b.clone()),
             Storage::Cuda(c) => c.to_host(),
+            Storage::Meta(m) => m.host_zeros("to_host"),
         }
     }
 
@@ -92,6 +100,7 @@ impl Storage {
             Storage::Host(FlatBuf::F32(v)) => return Ok(v.clone()),
             Storage::Host(b) => std::borrow::Cow::Borrowed(b),
             Storage::Cuda(c) => std::borrow::Cow::Owned(c.to_host()?),
+            Storage::Meta(m) => std::borrow::Cow::Owned(m.host_zeros("to_vec_f32")?),
         };
         let mut out = vec![0.0; host.len()];
         host.load_f32(0, &mut out);
@@ -103,6 +112,7 @@ impl Storage {
         match self {
             Storage::Host(b) => Ok(b),
             Storage::Cuda(c) => c.to_host(),
+            Storage::Meta(m) => m.host_zeros("into_host"),
         }
     }
 
@@ -112,6 +122,7 @@ impl Storage {
         Ok(match self {
             Storage::Host(_) => Storage::Host(FlatBuf::zeros(dtype, len)),
             Storage::Cuda(c) => Storage::Cuda(c.zeros_like(dtype, len)?),
+            Storage::Meta(_) => Storage::Meta(MetaBuf::new(dtype, len)),
         })
     }
 
@@ -124,6 +135,7 @@ impl Storage {
         Ok(match self {
             Storage::Host(_) => Storage::Host(crate::tensor::spare::take(dtype, len)),
             Storage::Cuda(c) => Storage::Cuda(c.zeros_like(dtype, len)?),
+            Storage::Meta(_) => Storage::Meta(MetaBuf::new(dtype, len)),
         })
     }
 
@@ -132,6 +144,7 @@ impl Storage {
         Ok(match self {
             Storage::Host(b) => Storage::Host(b.clone()),
             Storage::Cuda(c) => Storage::Cuda(c.try_clone()?),
+            Storage::Meta(m) => Storage::Meta(*m),
         })
     }
 }
@@ -145,7 +158,7 @@ impl Storage {
     pub fn host(&self) -> Option<&FlatBuf> {
         match self {
             Storage::Host(b) => Some(b),
-            Storage::Cuda(_) => None,
+            Storage::Cuda(_) | Storage::Meta(_) => None,
         }
     }
 
@@ -153,7 +166,7 @@ impl Storage {
     pub fn host_mut(&mut self) -> Option<&mut FlatBuf> {
         match self {
             Storage::Host(b) => Some(b),
-            Storage::Cuda(_) => None,
+            Storage::Cuda(_) | Storage::Meta(_) => None,
         }
     }
 
@@ -178,6 +191,8 @@ impl Storage {
                 c.write_host(0, host.as_ref())?;
                 Ok(r)
             }
+            // What `f` writes has nowhere to go: the elements have no values.
+            Storage::Meta(m) => f(&mut m.host_zeros("with_host_mut")?),
         }
     }
 
@@ -191,7 +206,32 @@ impl Storage {
                 Ok(())
             }
             Storage::Cuda(c) => c.write_f32(offset, src),
+            Storage::Meta(_) => Ok(()),
         }
+    }
+
+    /// Writes the host f32 values `values()` makes, `len` of them, into `self[offset..]` as
+    /// [`Storage::write_f32`] does; size-only storage never calls `values` (generating a
+    /// model's initial values is what a size-only run must not spend its time on).
+    pub fn write_f32_with(
+        &mut self,
+        offset: usize,
+        len: usize,
+        values: impl FnOnce() -> Vec<f32>,
+    ) -> Result<()> {
+        check_span("write_f32", offset, len, self.len())?;
+        if let Storage::Meta(_) = self {
+            return Ok(());
+        }
+        let v = values();
+        check_span("write_f32 values", 0, v.len(), len)?;
+        self.write_f32(offset, &v)
+    }
+
+    /// Whether the host's backend ([`crate::backend::MemoryOps::host_backend`]) computes on these
+    /// elements: host memory, and size-only elements (a size-only device is its own host).
+    pub fn is_host_side(&self) -> bool {
+        matches!(self, Storage::Host(_) | Storage::Meta(_))
     }
 
     /// Reads `self[offset..offset + dst.len()]` into host f32 (an explicit download for
@@ -204,6 +244,11 @@ impl Storage {
                 Ok(())
             }
             Storage::Cuda(c) => c.read_f32(offset, dst),
+            Storage::Meta(m) => {
+                m.with_len(dst.len()).check_read("read_f32")?;
+                dst.fill(0.0);
+                Ok(())
+            }
         }
     }
 
@@ -226,6 +271,8 @@ impl Storage {
                 d.store_f32(0, &tmp);
             }
             (Storage::Cuda(s), Storage::Cuda(d)) => s.cast_into(d)?,
+            (Storage::Meta(_), Storage::Meta(_)) => {}
+            (Storage::Meta(_), _) | (_, Storage::Meta(_)) => return Err(mixed_meta("cast")),
             _ => return Err(mixed("cast")),
         }
         Ok(())
@@ -261,6 +308,8 @@ impl Storage {
                 Ok(())
             }
             (Storage::Cuda(d), Storage::Cuda(s)) => d.accumulate(offset, s, n),
+            (Storage::Meta(_), Storage::Meta(_)) => Ok(()),
+            (Storage::Meta(_), _) | (_, Storage::Meta(_)) => Err(mixed_meta("accumulate")),
             _ => Err(mixed("accumulate")),
         }
     }
@@ -288,6 +337,8 @@ impl Storage {
                 d.accumulate_ref(offset, s, scratch);
                 Ok(())
             }
+            (Storage::Meta(_), View::Meta(_)) => Ok(()),
+            (Storage::Meta(_), _) | (_, View::Meta(_)) => Err(mixed_meta("accumulate")),
             _ => Err(mixed("accumulate")),
         }
     }
@@ -300,6 +351,7 @@ impl Storage {
                 Ok(())
             }
             Storage::Cuda(c) => c.fill_zero(),
+            Storage::Meta(_) => Ok(()),
         }
     }
 
@@ -310,6 +362,7 @@ impl Storage {
         match self {
             Storage::Host(b) => Ok(b.has_non_finite(range)),
             Storage::Cuda(c) => c.has_non_finite(range),
+            Storage::Meta(_) => Ok(false),
         }
     }
 
@@ -319,6 +372,7 @@ impl Storage {
         match self {
             Storage::Host(b) => Ok(b.sum_squares(range)),
             Storage::Cuda(c) => c.sum_squares(range),
+            Storage::Meta(_) => Ok(0.0),
         }
     }
 
@@ -347,6 +401,8 @@ impl Storage {
                 super::quant::quantize_host(s.as_ref_range(range), fmt, o.as_mut_range(at))
             }
             (Storage::Cuda(s), Storage::Cuda(o)) => s.quantize_into(range, fmt, o, at.start),
+            (Storage::Meta(_), Storage::Meta(_)) => Ok(()),
+            (Storage::Meta(_), _) | (_, Storage::Meta(_)) => Err(mixed_meta("quantize")),
             _ => Err(mixed("quantize")),
         }
     }
@@ -377,6 +433,8 @@ impl Storage {
             (Storage::Cuda(s), Storage::Cuda(d)) => {
                 s.dequantize_into(word_offset, fmt, d, offset, len)
             }
+            (Storage::Meta(_), Storage::Meta(_)) => Ok(()),
+            (Storage::Meta(_), _) | (_, Storage::Meta(_)) => Err(mixed_meta("dequantize")),
             _ => Err(mixed("dequantize")),
         }
     }
@@ -389,7 +447,7 @@ impl Storage {
     ) -> Option<super::in_flight::HostPin> {
         match self {
             Storage::Host(b) => be.pin_host(b),
-            Storage::Cuda(_) => None,
+            Storage::Cuda(_) | Storage::Meta(_) => None,
         }
     }
 
@@ -417,6 +475,8 @@ pub(crate) fn copy_view(src: View<'_>, dst: ViewMut<'_>) -> Result<()> {
         (View::Host(BufRef::Bf16(a)), ViewMut::Host(BufMut::Bf16(b))) => b.copy_from_slice(a),
         (View::Host(BufRef::F16(a)), ViewMut::Host(BufMut::F16(b))) => b.copy_from_slice(a),
         (View::Cuda(a), ViewMut::Cuda(b)) => return a.copy_to(b),
+        (View::Meta(a), ViewMut::Meta(b)) if a == b => {}
+        (View::Meta(_), _) | (_, ViewMut::Meta(_)) => return Err(mixed_meta("copy")),
         (s, d) => {
             return Err(Error::Invalid(format!(
                 "copy between a {:?} and a {:?} view on different devices or of different dtypes",

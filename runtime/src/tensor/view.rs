@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use super::meta::MetaBuf;
 use super::{BufMut, BufRef, DType};
 use crate::backend::{DeviceView, DeviceViewMut};
 use crate::{Error, Result};
@@ -15,6 +16,8 @@ pub enum View<'a> {
     Host(BufRef<'a>),
     /// Memory of a CUDA device.
     Cuda(DeviceView<'a>),
+    /// Size-only elements ([`super::meta`]).
+    Meta(MetaBuf),
 }
 
 /// A mutable run of elements in host or device memory.
@@ -24,6 +27,8 @@ pub enum ViewMut<'a> {
     Host(BufMut<'a>),
     /// Memory of a CUDA device.
     Cuda(DeviceViewMut<'a>),
+    /// Size-only elements ([`super::meta`]).
+    Meta(MetaBuf),
 }
 
 fn out_of_range(op: &'static str, range: &Range<usize>, len: usize) -> Error {
@@ -55,6 +60,7 @@ impl<'a> View<'a> {
         match self {
             View::Host(b) => b.len(),
             View::Cuda(c) => c.len(),
+            View::Meta(m) => m.len,
         }
     }
 
@@ -68,6 +74,7 @@ impl<'a> View<'a> {
         match self {
             View::Host(b) => b.dtype(),
             View::Cuda(c) => c.dtype(),
+            View::Meta(m) => m.dtype,
         }
     }
 
@@ -77,6 +84,7 @@ impl<'a> View<'a> {
         Ok(match self {
             View::Host(b) => View::Host(b.range(range)),
             View::Cuda(c) => View::Cuda(c.range(range)?),
+            View::Meta(m) => View::Meta(m.with_len(range.len())),
         })
     }
 
@@ -99,7 +107,17 @@ impl<'a> View<'a> {
         match self {
             View::Host(_) => "host",
             View::Cuda(_) => "CUDA",
+            View::Meta(_) => "meta",
         }
+    }
+
+    /// Zeros shaped as this view in host memory, to copy it into: a host buffer for real
+    /// elements, size-only storage for size-only ones.
+    pub fn host_zeros_like(&self) -> Result<super::Storage> {
+        Ok(match self {
+            View::Meta(m) => super::Storage::Meta(*m),
+            v => super::Storage::Host(super::FlatBuf::zeros(v.dtype(), v.len())),
+        })
     }
 
     /// A copy of the values in host memory (device memory is downloaded: an explicit
@@ -108,6 +126,7 @@ impl<'a> View<'a> {
         match self {
             View::Host(b) => Ok(super::FlatBuf::from_ref(*b)),
             View::Cuda(c) => c.to_host(),
+            View::Meta(m) => m.host_zeros("to_host"),
         }
     }
 }
@@ -118,6 +137,7 @@ impl<'a> ViewMut<'a> {
         match self {
             ViewMut::Host(b) => b.len(),
             ViewMut::Cuda(c) => c.len(),
+            ViewMut::Meta(m) => m.len,
         }
     }
 
@@ -131,6 +151,7 @@ impl<'a> ViewMut<'a> {
         match self {
             ViewMut::Host(b) => b.dtype(),
             ViewMut::Cuda(c) => c.dtype(),
+            ViewMut::Meta(m) => m.dtype,
         }
     }
 
@@ -139,6 +160,7 @@ impl<'a> ViewMut<'a> {
         match self {
             ViewMut::Host(b) => ViewMut::Host(b.reborrow()),
             ViewMut::Cuda(c) => ViewMut::Cuda(c.reborrow()),
+            ViewMut::Meta(m) => ViewMut::Meta(*m),
         }
     }
 
@@ -147,6 +169,7 @@ impl<'a> ViewMut<'a> {
         match self {
             ViewMut::Host(b) => View::Host(b.as_ref()),
             ViewMut::Cuda(c) => View::Cuda(c.as_view()),
+            ViewMut::Meta(m) => View::Meta(*m),
         }
     }
 
@@ -156,6 +179,7 @@ impl<'a> ViewMut<'a> {
         Ok(match self {
             ViewMut::Host(b) => ViewMut::Host(b.range(range)),
             ViewMut::Cuda(c) => ViewMut::Cuda(c.range(range)?),
+            ViewMut::Meta(m) => ViewMut::Meta(m.with_len(range.len())),
         })
     }
 
@@ -171,6 +195,10 @@ impl<'a> ViewMut<'a> {
                 let (x, y) = c.split_at(mid);
                 (ViewMut::Cuda(x), ViewMut::Cuda(y))
             }
+            ViewMut::Meta(m) => (
+                ViewMut::Meta(m.with_len(mid)),
+                ViewMut::Meta(m.with_len(m.len - mid)),
+            ),
         })
     }
 

@@ -152,7 +152,7 @@ fn operand<'a>(what: &str, v: View<'a>) -> Result<Cow<'a, [f32]>> {
         View::Host(BufRef::F32(s)) => Ok(Cow::Borrowed(s)),
         View::Host(BufRef::Bf16(s)) => Ok(Cow::Owned(s.to_f32_vec())),
         View::Host(BufRef::F16(s)) => Ok(Cow::Owned(s.to_f32_vec())),
-        View::Cuda(_) => Err(super::foreign("matmul", what)),
+        View::Cuda(_) | View::Meta(_) => Err(super::foreign("matmul", what)),
     }
 }
 

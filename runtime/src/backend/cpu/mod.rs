@@ -53,7 +53,7 @@ impl MemoryOps for CpuBackend {
     fn copy(&self, src: View<'_>) -> Result<Storage> {
         match src {
             View::Host(b) => Ok(Storage::Host(crate::tensor::spare::copy_of(b))),
-            View::Cuda(_) => Err(foreign("copy", "source")),
+            View::Cuda(_) | View::Meta(_) => Err(foreign("copy", "source")),
         }
     }
 

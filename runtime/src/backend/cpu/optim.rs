@@ -30,7 +30,9 @@ fn f32_grads(grads: GradView<'_>) -> Result<Cow<'_, [f32]>> {
             }
             Ok(Cow::Owned(w))
         }
-        (View::Cuda(_), _) => f32_in(OP, "gradients", grads.values).map(Cow::Borrowed),
+        (View::Cuda(_) | View::Meta(_), _) => {
+            f32_in(OP, "gradients", grads.values).map(Cow::Borrowed)
+        }
     }
 }
 
@@ -86,7 +88,7 @@ impl OptimizerOps for CpuBackend {
             Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
             Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
             Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
-            Some(ViewMut::Cuda(_)) => {
+            Some(ViewMut::Cuda(_) | ViewMut::Meta(_)) => {
                 return Err(Error::Invalid(format!(
                 "{OP}: the low-precision copy is in device memory; the CPU step writes host memory"
             )))
@@ -154,7 +156,9 @@ impl OptimizerOps for CpuBackend {
             Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
             Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
             Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
-            Some(ViewMut::Cuda(_)) => return Err(foreign(OP, "the low-precision copy")),
+            Some(ViewMut::Cuda(_) | ViewMut::Meta(_)) => {
+                return Err(foreign(OP, "the low-precision copy"))
+            }
         };
         optim::lamb_apply(hp, step, coeff, p, m, v, lp_out)?;
         if let Some(b) = lp_f32 {

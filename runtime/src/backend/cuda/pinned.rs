@@ -211,7 +211,7 @@ mod tests {
     fn host_ptr(s: &Staged<'_>) -> *const u8 {
         match s.view() {
             View::Host(b) => b.bytes().as_ptr(),
-            View::Cuda(_) => panic!("staged in host memory"),
+            View::Cuda(_) | View::Meta(_) => panic!("staged in host memory"),
         }
     }
 

@@ -106,7 +106,7 @@ impl CudaBackend {
                         None => super::host_order::sum_squares(h),
                     }
                 }
-                View::Cuda(_) => {
+                View::Cuda(_) | View::Meta(_) => {
                     let v = self.dev_in(OP, "a gradient", g.values)?;
                     sum_squares_as_into(&self.dev, v, round, at(8 * i))?;
                     (on_device, device_grads[i]) = (true, true);

@@ -201,7 +201,7 @@ impl Communicator for LocalComm {
     /// rank's share computed by its own device); every rank passes the same kind.
     fn all_reduce_view(&self, mut buf: ViewMut<'_>, op: ReduceOp) -> Result<()> {
         let mut d = self.next_desc(OpKind::AllReduce);
-        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view_mut(&mut buf);
+        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view_mut(&mut buf)?;
         (d.dst, d.dtype_out, d.len_out) = (d.src, d.dtype, d.len_in);
         (d.dst_dev, d.reduce) = (d.src_dev, Some(op));
         if on_device(&d) {
@@ -218,8 +218,8 @@ impl Communicator for LocalComm {
         op: ReduceOp,
     ) -> Result<()> {
         let mut d = self.next_desc(OpKind::ReduceScatter);
-        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view(&input);
-        (d.dst, d.dtype_out, d.len_out, d.dst_dev) = parts_view_mut(&mut output);
+        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view(&input)?;
+        (d.dst, d.dtype_out, d.len_out, d.dst_dev) = parts_view_mut(&mut output)?;
         d.reduce = Some(op);
         if on_device(&d) {
             return device::reduce_scatter(self, d, op);
@@ -230,8 +230,8 @@ impl Communicator for LocalComm {
 
     fn all_gather_view(&self, input: View<'_>, mut output: ViewMut<'_>) -> Result<()> {
         let mut d = self.next_desc(OpKind::AllGather);
-        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view(&input);
-        (d.dst, d.dtype_out, d.len_out, d.dst_dev) = parts_view_mut(&mut output);
+        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view(&input)?;
+        (d.dst, d.dtype_out, d.len_out, d.dst_dev) = parts_view_mut(&mut output)?;
         if on_device(&d) {
             return device::all_gather(self, d);
         }
@@ -241,7 +241,7 @@ impl Communicator for LocalComm {
 
     fn broadcast_view(&self, mut buf: ViewMut<'_>, root: usize) -> Result<()> {
         let mut d = self.next_desc(OpKind::Broadcast);
-        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view_mut(&mut buf);
+        (d.src, d.dtype, d.len_in, d.src_dev) = parts_view_mut(&mut buf)?;
         (d.dst, d.dtype_out, d.len_out) = (d.src, d.dtype, d.len_in);
         (d.dst_dev, d.root) = (d.src_dev, root);
         if on_device(&d) {
@@ -260,23 +260,33 @@ fn on_device(d: &Desc) -> bool {
 }
 
 /// Address, dtype, length and device handle (0 for host memory) of a read-only view.
-fn parts_view(v: &View<'_>) -> (usize, DType, usize, usize) {
-    match v {
+fn parts_view(v: &View<'_>) -> Result<(usize, DType, usize, usize)> {
+    Ok(match v {
         View::Host(b) => {
             let (addr, dtype, len) = parts_ref(b);
             (addr, dtype, len, 0)
         }
         View::Cuda(c) => device::parts(c),
-    }
+        View::Meta(_) => return Err(meta_refused()),
+    })
 }
 
 /// Address, dtype, length and device handle (0 for host memory) of a mutable view.
-fn parts_view_mut(v: &mut ViewMut<'_>) -> (usize, DType, usize, usize) {
-    match v {
+fn parts_view_mut(v: &mut ViewMut<'_>) -> Result<(usize, DType, usize, usize)> {
+    Ok(match v {
         ViewMut::Host(b) => {
             let (addr, dtype, len) = parts_mut(b);
             (addr, dtype, len, 0)
         }
         ViewMut::Cuda(c) => device::parts(&c.as_view()),
-    }
+        ViewMut::Meta(_) => return Err(meta_refused()),
+    })
+}
+
+/// Size-only elements have nothing to exchange: their collectives are `comm::meta`'s.
+fn meta_refused() -> crate::Error {
+    crate::Error::Invalid(
+        "local communicator: meta (size-only) buffers have no values to exchange; a size-only          run uses comm::meta::MetaComm"
+            .into(),
+    )
 }

@@ -345,6 +345,8 @@ impl Place<'_> {
         match v {
             View::Cuda(c) => Place::Device(c),
             View::Host(b) => Place::Host(b, b.len() * b.dtype().size()),
+            // `NcclComm::run` refuses size-only buffers before any launch.
+            View::Meta(_) => Place::Host(BufRef::F32(&[]), 0),
         }
     }
 

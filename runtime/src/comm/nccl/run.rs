@@ -26,6 +26,13 @@ impl NcclComm {
     /// Runs one collective: settles the one before it, starts this one, waits until it is
     /// queued; polls it to completion unless it runs on a device's stream.
     pub(super) fn run(&self, mut op: NcclOp<'_>) -> Result<()> {
+        if let (crate::tensor::View::Meta(_), _) | (_, crate::tensor::View::Meta(_)) = op.views() {
+            return Err(crate::Error::Invalid(format!(
+                "nccl {}: meta (size-only) buffers have no values to exchange; a size-only run \
+                 uses comm::meta::MetaComm",
+                op.name()
+            )));
+        }
         self.settle()?;
         let name = op.name();
         let start = Instant::now();

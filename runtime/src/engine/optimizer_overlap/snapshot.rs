@@ -17,8 +17,8 @@ use crate::backend::{Backend, Stream};
 use crate::engine::group::{owned_params, Group, ParamStore};
 use crate::engine::ledger::{Category, Ledger, Location};
 use crate::tensor::in_flight::HostCopy;
-use crate::tensor::staging::{read_host, StagedMut};
-use crate::tensor::{DType, FlatBuf, View, ViewMut};
+use crate::tensor::Storage;
+use crate::tensor::{DType, View, ViewMut};
 use crate::{Error, Result};
 
 /// One saved value.
@@ -26,8 +26,8 @@ use crate::{Error, Result};
 enum Slot {
     /// Not saved yet: its dtype and length.
     Empty(DType, usize),
-    /// A host value's copy.
-    Host(FlatBuf),
+    /// A host value's copy (size-only for a size-only value).
+    Host(Storage),
     /// A device value's copy in page-locked staging memory, possibly still on its way down
     /// (or back up after a restore).
     Device(HostCopy),
@@ -220,15 +220,12 @@ fn save_view(what: &str, src: View<'_>, dst: &mut Slot) -> Result<()> {
         return Ok(());
     }
     if !matches!(dst, Slot::Host(_)) {
-        *dst = Slot::Host(FlatBuf::zeros(want.0, want.1));
+        *dst = Slot::Host(src.host_zeros_like()?);
     }
     let Slot::Host(buf) = dst else {
         unreachable!("a host slot was made above")
     };
-    read_host(src, |h| {
-        FlatBuf::copy_bytes(buf.as_mut().bytes_mut(), h.bytes());
-        Ok(())
-    })
+    crate::tensor::copy_view(src, buf.view_mut())
 }
 
 /// Writes `src` back into `dst`: a device value queued on the host-to-device stream (ordered
@@ -243,11 +240,8 @@ fn restore_view(what: &str, dst: ViewMut<'_>, src: &mut Slot) -> Result<()> {
             "optimizer snapshot of the {what}: restored before it was saved"
         ))),
         Slot::Device(c) => c.upload_async(dst, Stream::HostToDevice),
-        Slot::Host(b) => {
-            // Every element is overwritten: nothing is read first.
-            let mut staged = StagedMut::overwrite(dst);
-            FlatBuf::copy_bytes(staged.host_mut().bytes_mut(), b.as_ref().bytes());
-            staged.finish()
-        }
+        // A host slot saved a value where it lives (host memory, or size-only), and is
+        // restored into the same buffer: a copy on one device.
+        Slot::Host(b) => crate::tensor::copy_view(b.view(), dst),
     }
 }

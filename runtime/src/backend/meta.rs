@@ -1,0 +1,275 @@
+//! `MetaBackend`: the size-only device. It stands for the CPU backend in a run that measures
+//! what the engine holds without computing (see [`crate::tensor::meta`]): its memory
+//! operations return meta storage of the requested dtype and length, never reading a source;
+//! its compute operations check their operands' lengths and do nothing; its events are
+//! complete when recorded. Layers size what they save from [`MemoryOps::memory_model`], which
+//! is the CPU's, so a meta run holds what a CPU run holds, buffer for buffer.
+
+use ferrozero_offload::optim::LambHyper;
+
+use super::{
+    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ElementwiseOps, Epilogue,
+    GradView, HeadLoss, HeadShape, MatmulOps, MatmulShape, MemoryModel, MemoryOps, NormOps,
+    OptimizerOps, Rope, Rotation, RowView, StepStatus, Stream, StreamEvent, StreamOps, TokenOps,
+    UpdateRule,
+};
+use crate::tensor::meta::MetaBuf;
+use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
+use crate::{Error, Result};
+
+/// The size-only backend (see the module's documentation).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MetaBackend;
+
+fn meta(dtype: DType, len: usize) -> Result<Storage> {
+    Ok(Storage::Meta(MetaBuf::new(dtype, len)))
+}
+
+/// Fails unless every operand of `op` has `want` elements.
+fn lens(op: &'static str, want: usize, got: &[usize]) -> Result<()> {
+    match got.iter().find(|&&g| g != want) {
+        None => Ok(()),
+        Some(g) => Err(Error::Shape {
+            op,
+            expected: format!("{want} elements"),
+            got: format!("{g}"),
+        }),
+    }
+}
+
+fn matmul_lens(s: &MatmulShape, a: usize, b: usize, c: usize) -> Result<()> {
+    lens("matmul A", s.m * s.k, &[a])?;
+    lens("matmul B", s.k * s.n, &[b])?;
+    lens("matmul C", s.m * s.n, &[c])
+}
+
+/// f32 elements for `bytes` bytes of saved state, as the CPU's memory model sizes it.
+fn f32_state(bytes: usize) -> Result<Storage> {
+    meta(DType::F32, bytes / DType::F32.size())
+}
+
+/// Each gradient's sum of squares in [`status`]: finite, and large enough that any
+/// `gradient_clipping` binds whatever the loss scale (the global norm is about 1e15 times the
+/// square root of the tensors' count).
+const COSTLIEST_SUM_SQUARES: f64 = 1e30;
+
+/// The status the value-dependent branches of a step decide on, each taken its costlier way:
+/// every gradient finite, because an overflow skips the update (no optimizer work, no
+/// write-back); a norm over any clipping bound, because a speculative optimizer overlap then
+/// restores the groups it stepped and steps them again. Losses read as zero.
+fn status(losses: &[View<'_>], grads: &[GradView<'_>]) -> StepStatus {
+    StepStatus {
+        losses: vec![0.0; losses.len()],
+        sum_squares: vec![COSTLIEST_SUM_SQUARES; grads.len()],
+        grad_scale: None,
+    }
+}
+
+/// One impl per trait, one line per operation: its signature and what it does (an
+/// expression over the arguments). The body cannot name `self`, so every operation is a
+/// function of its operands alone, as a size-only device's should be.
+macro_rules! meta_ops {
+    ($(impl $tr:ident {
+        $(fn $op:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty => $body:expr;)*
+    })*) => {
+        $(impl $tr for MetaBackend {
+            $(#[allow(unused_variables, clippy::unused_unit)]
+            fn $op(&self, $($arg: $ty),*) -> $ret { $body })*
+        })*
+    };
+}
+
+meta_ops! {
+    impl Backend {
+        fn name() -> String => "meta".into();
+    }
+    impl MemoryOps {
+        fn act_dtype() -> DType => DType::F32;
+        fn zeros(dtype: DType, len: usize) -> Result<Storage> => meta(dtype, len);
+        fn upload(src: BufRef<'_>) -> Result<Storage> => meta(src.dtype(), src.len());
+        fn upload_ids(ids: &[i32]) -> Result<IdBuf> => Ok(IdBuf::Host(ids.to_vec()));
+        fn copy(src: View<'_>) -> Result<Storage> => meta(src.dtype(), src.len());
+        fn param_dtype(storage: DType) -> DType => MemoryModel::cpu().param_dtype(storage);
+        fn buffer(dtype: DType, len: usize) -> Result<Storage> => meta(dtype, len);
+        fn buffer_uninit(dtype: DType, len: usize) -> Result<Storage> => meta(dtype, len);
+        fn recycle(buf: Storage) -> () => drop(buf);
+        fn adopt(host: FlatBuf) -> Result<Storage> => meta(host.dtype(), host.len());
+        fn host_zeros(dtype: DType, len: usize) -> Result<Storage> => meta(dtype, len);
+        fn host_backend() -> &dyn Backend => &MetaBackend;
+        fn nvme_offload() -> Result<()> => Err(Error::Unavailable {
+            what: "offload to NVMe in a size-only run",
+            why: "the meta run does not price NVMe yet: its swap files would need real bytes".into(),
+        });
+        fn memory_model() -> MemoryModel => MemoryModel::for_device(super::Device::Cpu, DType::F32);
+    }
+    impl MatmulOps {
+        fn matmul(shape: MatmulShape, a: View<'_>, b: View<'_>, c: ViewMut<'_>,
+            epilogue: Epilogue<'_>) -> Result<()> => matmul_lens(&shape, a.len(), b.len(), c.len());
+    }
+    impl ElementwiseOps {
+        fn gelu_forward(x: View<'_>, y: ViewMut<'_>) -> Result<()> =>
+            lens("gelu_forward", x.len(), &[y.len()]);
+        fn gelu_backward(x: View<'_>, dy: View<'_>, dx: ViewMut<'_>) -> Result<()> =>
+            lens("gelu_backward", x.len(), &[dy.len(), dx.len()]);
+        fn swiglu_forward(gate: View<'_>, up: View<'_>, y: ViewMut<'_>) -> Result<()> =>
+            lens("swiglu_forward", gate.len(), &[up.len(), y.len()]);
+        fn swiglu_backward(gate: View<'_>, up: View<'_>, dy: View<'_>, dgate: ViewMut<'_>,
+            dup: ViewMut<'_>) -> Result<()> =>
+            lens("swiglu_backward", gate.len(), &[up.len(), dy.len(), dgate.len(), dup.len()]);
+        fn add_assign(dst: ViewMut<'_>, src: View<'_>) -> Result<()> =>
+            lens("add_assign", dst.len(), &[src.len()]);
+        fn dropout(seed: u64, offset: u64, p: f32, x: ViewMut<'_>) -> Result<()> => Ok(());
+        fn sum_rows(m: View<'_>, cols: usize, acc: ViewMut<'_>) -> Result<()> =>
+            lens("sum_rows", cols, &[acc.len()]);
+    }
+    impl NormOps {
+        fn layernorm_forward(x: View<'_>, gamma: View<'_>, beta: View<'_>, eps: f32, y: ViewMut<'_>,
+            mean: ViewMut<'_>, rstd: ViewMut<'_>) -> Result<()> =>
+            lens("layernorm_forward", x.len(), &[y.len()]);
+        fn layernorm_backward(x: View<'_>, gamma: View<'_>, mean: View<'_>, rstd: View<'_>,
+            dy: View<'_>, dx: ViewMut<'_>, dgamma: ViewMut<'_>, dbeta: ViewMut<'_>)
+            -> Result<()> => lens("layernorm_backward", x.len(), &[dy.len(), dx.len()]);
+        fn rmsnorm_forward(x: View<'_>, gamma: View<'_>, eps: f32, y: ViewMut<'_>,
+            rstd: ViewMut<'_>) -> Result<()> => lens("rmsnorm_forward", x.len(), &[y.len()]);
+        fn rmsnorm_backward(x: View<'_>, gamma: View<'_>, rstd: View<'_>, dy: View<'_>,
+            dx: ViewMut<'_>, dgamma: ViewMut<'_>) -> Result<()> =>
+            lens("rmsnorm_backward", x.len(), &[dy.len(), dx.len()]);
+        fn residual_layernorm_forward(x: View<'_>, residual: Option<View<'_>>, gamma: View<'_>,
+            beta: View<'_>, eps: f32, sum: ViewMut<'_>, y: ViewMut<'_>,
+            stats: (ViewMut<'_>, ViewMut<'_>)) -> Result<()> =>
+            lens("residual_layernorm_forward", x.len(), &[sum.len(), y.len()]);
+        fn residual_rmsnorm_forward(x: View<'_>, residual: Option<View<'_>>, gamma: View<'_>,
+            eps: f32, sum: ViewMut<'_>, y: ViewMut<'_>, rstd: ViewMut<'_>) -> Result<()> =>
+            lens("residual_rmsnorm_forward", x.len(), &[sum.len(), y.len()]);
+        fn layernorm_backward_residual(x: View<'_>, gamma: View<'_>, stats: (View<'_>, View<'_>),
+            dy: View<'_>, dresidual: View<'_>, dx: ViewMut<'_>, dgamma: ViewMut<'_>,
+            dbeta: ViewMut<'_>) -> Result<()> =>
+            lens("layernorm_backward_residual", x.len(), &[dy.len(), dresidual.len(), dx.len()]);
+        fn rmsnorm_backward_residual(x: View<'_>, gamma: View<'_>, rstd: View<'_>, dy: View<'_>,
+            dresidual: View<'_>, dx: ViewMut<'_>, dgamma: ViewMut<'_>) -> Result<()> =>
+            lens("rmsnorm_backward_residual", x.len(), &[dy.len(), dresidual.len(), dx.len()]);
+    }
+    impl AttentionOps {
+        fn attention_forward(shape: AttentionShape, q: (View<'_>, RowView), k: (View<'_>, RowView),
+            v: (View<'_>, RowView), out: ViewMut<'_>) -> Result<Storage> =>
+            f32_state(MemoryModel::cpu().attention_saved(shape));
+        fn attention_backward(shape: AttentionShape, q: (View<'_>, RowView), k: (View<'_>, RowView),
+            v: (View<'_>, RowView), out: View<'_>, saved: &Storage, dout: View<'_>,
+            dqkv: AttentionGrads<'_>) -> Result<()> => lens("attention_backward", out.len(), &[dout.len()]);
+        fn rope(x: ViewMut<'_>, batch: usize, seq: usize, heads: usize, head_dim: usize,
+            rope: &Rope, direction: Rotation) -> Result<()> =>
+            lens("rope", batch * seq * heads * head_dim, &[x.len()]);
+        fn rope_qk(q: ViewMut<'_>, k: ViewMut<'_>, shape: AttentionShape, rope: &Rope,
+            direction: Rotation) -> Result<()> => Ok(());
+    }
+    impl TokenOps {
+        fn embedding_forward(tokens: Ids<'_>, table: View<'_>, dim: usize, out: ViewMut<'_>,
+            acc: Accumulate) -> Result<()> => lens("embedding_forward", tokens.len() * dim, &[out.len()]);
+        fn embedding_backward(tokens: Ids<'_>, dout: View<'_>, dim: usize, dtable: ViewMut<'_>)
+            -> Result<()> => lens("embedding_backward", tokens.len() * dim, &[dout.len()]);
+        fn position_forward(table: View<'_>, batch: usize, seq: usize, out: ViewMut<'_>)
+            -> Result<()> => Ok(());
+        fn position_backward(dout: View<'_>, batch: usize, seq: usize, dtable: ViewMut<'_>)
+            -> Result<()> => Ok(());
+        fn head_loss_forward(shape: HeadShape, x: View<'_>, w: View<'_>, targets: Ids<'_>,
+            keep: bool) -> Result<HeadLoss> => Ok(HeadLoss {
+                loss: meta(DType::F32, 1)?,
+                saved: if keep { Some(f32_state(MemoryModel::cpu().head_saved(shape))?) } else { None },
+            });
+        fn head_loss_backward(shape: HeadShape, x: View<'_>, w: View<'_>, targets: Ids<'_>,
+            saved: Storage, g: f32, dx: ViewMut<'_>, dw: Option<ViewMut<'_>>) -> Result<()> =>
+            lens("head_loss_backward", shape.rows * shape.dim, &[x.len(), dx.len()]);
+        fn head_loss_fused(shape: HeadShape, x: View<'_>, w: View<'_>, targets: Ids<'_>, g: f32,
+            dx: ViewMut<'_>, dw: Option<ViewMut<'_>>) -> Result<Storage> =>
+            lens("head_loss_fused", shape.rows * shape.dim, &[x.len(), dx.len()])
+                .and_then(|()| meta(DType::F32, 1));
+        fn argmax_rows(x: View<'_>, width: usize) -> Result<Vec<u32>> =>
+            Ok(vec![0; x.len() / width.max(1)]);
+    }
+    impl OptimizerOps {
+        fn optimizer_update(rule: &UpdateRule, step: u64, grad_scale: f32, params: ViewMut<'_>,
+            grads: GradView<'_>, m: ViewMut<'_>, v: ViewMut<'_>, lp: Option<ViewMut<'_>>)
+            -> Result<()> => lens("optimizer_update", params.len(), &[grads.len(), m.len()]);
+        fn step_status(losses: &[View<'_>], grads: &[GradView<'_>]) -> Result<StepStatus> =>
+            Ok(status(losses, grads));
+        fn lamb_moments(hp: &LambHyper, grad_scale: f32, pg: (View<'_>, GradView<'_>),
+            m: ViewMut<'_>, v: ViewMut<'_>) -> Result<(f64, f64)> =>
+            lens("lamb_moments", pg.0.len(), &[pg.1.len(), m.len(), v.len()]).map(|()| (0.0, 0.0));
+        fn lamb_apply(hsc: (&LambHyper, u64, f32), params: ViewMut<'_>,
+            mv: (View<'_>, View<'_>), lp: Option<ViewMut<'_>>) -> Result<()> =>
+            lens("lamb_apply", params.len(), &[mv.0.len(), mv.1.len()]);
+    }
+    impl StreamOps {
+        fn record(s: Stream) -> Result<StreamEvent> => Ok(StreamEvent::Complete);
+        fn wait_event(s: Stream, e: &StreamEvent) -> Result<()> => match e {
+            StreamEvent::Complete => Ok(()),
+            StreamEvent::Device(_) => Err(super::stream::foreign_event("meta", e)),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::CpuBackend;
+
+    #[test]
+    fn memory_operations_make_meta_buffers_of_the_size_asked_without_reading() {
+        let be = MetaBackend;
+        let want = |s: Storage, d: DType, n: usize| {
+            assert!(
+                matches!(s, Storage::Meta(m) if m == MetaBuf::new(d, n)),
+                "{s:?}"
+            );
+        };
+        want(be.zeros(DType::Bf16, 5).unwrap(), DType::Bf16, 5);
+        want(be.buffer(DType::F32, 7).unwrap(), DType::F32, 7);
+        want(be.buffer_uninit(DType::F16, 9).unwrap(), DType::F16, 9);
+        want(be.host_zeros(DType::F32, 11).unwrap(), DType::F32, 11);
+        want(be.upload(BufRef::F32(&[1.0; 3])).unwrap(), DType::F32, 3);
+        want(
+            be.adopt(FlatBuf::zeros(DType::Bf16, 4)).unwrap(),
+            DType::Bf16,
+            4,
+        );
+        let src = be.zeros(DType::F16, 6).unwrap();
+        want(be.copy(src.view()).unwrap(), DType::F16, 6);
+        assert_eq!(be.memory_model(), CpuBackend.memory_model());
+        assert_eq!(be.host_backend().name(), "meta");
+        assert!(CpuBackend.nvme_offload().is_ok());
+        let e = be.nvme_offload().unwrap_err();
+        assert!(e.to_string().contains("does not price NVMe"), "{e}");
+    }
+
+    #[test]
+    fn compute_checks_lengths_and_the_status_is_the_costlier_branch() {
+        let be = MetaBackend;
+        let (a, b, mut c) = (
+            be.zeros(DType::F32, 6).unwrap(),
+            be.zeros(DType::F32, 12).unwrap(),
+            be.zeros(DType::F32, 8).unwrap(),
+        );
+        let shape = MatmulShape {
+            m: 2,
+            n: 4,
+            k: 3,
+            ta: super::super::Transpose::No,
+            tb: super::super::Transpose::No,
+        };
+        be.matmul(shape, a.view(), b.view(), c.view_mut(), Epilogue::Store)
+            .unwrap();
+        let bad = MatmulShape { k: 4, ..shape };
+        assert!(be
+            .matmul(bad, a.view(), b.view(), c.view_mut(), Epilogue::Store)
+            .is_err());
+        assert!(be.add_assign(c.view_mut(), a.view()).is_err());
+        let st = be
+            .step_status(&[a.view(), c.view()], &[GradView::exact(b.view())])
+            .unwrap();
+        assert_eq!(st.losses, vec![0.0, 0.0]);
+        assert!(st.sum_squares.iter().all(|s| s.is_finite() && *s >= 1e30));
+        let e = be.record(Stream::Compute).unwrap();
+        assert!(e.is_complete().unwrap());
+        be.wait_event(Stream::HostToDevice, &e).unwrap();
+    }
+}
