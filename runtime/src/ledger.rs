@@ -174,6 +174,11 @@ impl Ledger {
         p.peak = p.peak.max(p.engine + p.device);
     }
 
+    /// Page-locked host bytes the engine registered itself (not the device's own), now.
+    pub fn engine_locked(&self) -> u64 {
+        self.page_locked.engine
+    }
+
     /// Page-locked host bytes now and at the peak.
     pub fn page_locked(&self) -> (u64, u64) {
         let p = &self.page_locked;

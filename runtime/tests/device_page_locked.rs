@@ -90,18 +90,18 @@ fn page_locked_bytes_are_priced_and_counted() {
     for params in [false, true] {
         let c = cfg(params);
         let (registered, ledger) = measure(&c, 1);
-        let est = estimate(&model(), &c, 1, T).page_locked;
+        let est = estimate(&model(), &c, 1, T).unwrap().page_locked;
         eprintln!("parameters offloaded {params}: registered {registered}, ledger {ledger}, estimate {est:?}");
         assert!(est.staging > 0, "no staging priced");
         assert_eq!(est.parameters > 0, params);
-        // The replay mirrors every registration: the same bytes, not just close.
+        // The estimate is the measured step's registrations: the same bytes, not just close.
         assert_eq!(est.total(), registered, "estimate {est:?}");
         assert_eq!(ledger, registered, "ledger");
     }
     // The CPU page-locks nothing, and the estimate of a CPU run says so.
     let mut cpu = cfg(true);
     cpu.device = Device::Cpu;
-    let e = estimate(&model(), &cpu, 1, T);
+    let e = estimate(&model(), &cpu, 1, T).unwrap();
     assert_eq!(e.page_locked.total(), 0);
 }
 
@@ -121,14 +121,10 @@ fn checkpoint_and_snapshot_staging_are_priced() {
     c.zero.overlap_comm = true;
     c.gradient_clipping = 1e9;
     let (registered, ledger) = measure(&c, CKPT_ROWS);
-    let est = estimate(&model(), &c, CKPT_ROWS, T).page_locked;
+    let est = estimate(&model(), &c, CKPT_ROWS, T).unwrap().page_locked;
     eprintln!(
         "checkpoints and snapshots: registered {registered}, ledger {ledger}, estimate {est:?}"
     );
-    // Two layer inputs of 2 MiB; the buffer taken before the last forward's come back is the
-    // embedding's (its input is the batch's ids: nothing staged).
-    assert_eq!(est.checkpoints, 2 * (CKPT_ROWS * T * 2048 * 2) as u64);
-    assert!(est.snapshots > 0, "no snapshot staging priced");
     let off = |x: u64| (x as f64 - registered as f64).abs() / registered as f64;
     assert!(
         off(est.total()) <= 0.05,
@@ -139,15 +135,13 @@ fn checkpoint_and_snapshot_staging_are_priced() {
         off(ledger) <= 0.05,
         "ledger {ledger} vs registered {registered}"
     );
-    // Without either, neither is priced.
-    assert_eq!(
-        estimate(&model(), &cfg(false), 1, T)
-            .page_locked
-            .checkpoints,
-        0
-    );
-    assert_eq!(
-        estimate(&model(), &cfg(false), 1, T).page_locked.snapshots,
-        0
+    // Without either, their staging is not priced.
+    let mut plain = cfg(false);
+    plain.train_micro_batch_size_per_gpu = CKPT_ROWS;
+    plain.train_batch_size = CKPT_ROWS;
+    let without = estimate(&model(), &plain, CKPT_ROWS, T).unwrap().page_locked;
+    assert!(
+        est.staging >= without.staging + 2 * (CKPT_ROWS * T * 2048 * 2) as u64,
+        "with checkpoints and snapshots {est:?}, without {without:?}"
     );
 }

@@ -190,7 +190,7 @@ fn bounded_snapshots_on_the_device_keep_the_bits() {
     let free = train(&cfg(0.0, true));
     let m = toy_model();
     let offloaded = cfg(1.0, true);
-    let e = ferrozero_runtime::engine::estimate::estimate(&m, &offloaded, 2, T);
+    let e = ferrozero_runtime::engine::estimate::estimate(&m, &offloaded, 2, T).unwrap();
     let last = m.units.len() - 1;
     let bound = e.snapshot_group_bytes[last];
     assert!(bound > 0, "the last unit's group owns parameters");

@@ -72,7 +72,7 @@ fn plain() -> Model {
 /// Layer h.1's bias gradient is NaN in step 3's last micro-step (its sixth backward).
 fn with_nan() -> Model {
     let mut m = plain();
-    m.units[2].module = Box::new(toy::NanAt::new("h.1", 6, 5));
+    m.units[2].module = std::sync::Arc::new(toy::NanAt::new("h.1", 6, 5));
     m
 }
 
@@ -271,7 +271,7 @@ fn median_norm(world: usize, precision: Precision) -> f64 {
 /// last units first), as the estimate prices them; and how many groups that is.
 fn half_the_snapshots(cfg: &ResolvedConfig, model: fn() -> Model) -> (u64, usize) {
     let m = model();
-    let e = ferrozero_runtime::engine::estimate::estimate(&m, cfg, 2, 5);
+    let e = ferrozero_runtime::engine::estimate::estimate(&m, cfg, 2, 5).unwrap();
     let units = m.units.len();
     let take = units.div_ceil(2);
     let bytes: u64 = e.snapshot_group_bytes[units - take..units].iter().sum();

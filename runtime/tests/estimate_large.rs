@@ -36,7 +36,7 @@ fn llama_13b_model_states_follow_the_zero_formulas_without_allocating() {
             // one, one rank holds the f32 gradient to the step instead).
             let mut cfg = config(stage, world, 1, 2, Precision::Bf16);
             big_buckets(&mut cfg);
-            let e = estimate(&shape.model, &cfg, 1, 2048);
+            let e = estimate(&shape.model, &cfg, 1, 2048).unwrap();
             let states: u64 = [
                 Category::Parameters,
                 Category::Gradients,
@@ -63,10 +63,10 @@ fn offload_moves_state_to_host_and_nvme() {
     let shape = preset("llama-7b").unwrap();
     let mut cfg = config(ZeroStage::Stage3, 8, 1, 1, Precision::Bf16);
     big_buckets(&mut cfg);
-    let base = estimate(&shape.model, &cfg, 1, 1024);
+    let base = estimate(&shape.model, &cfg, 1, 1024).unwrap();
     cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
     cfg.zero.offload_optimizer.pin_memory = true;
-    let cpu = estimate(&shape.model, &cfg, 1, 1024);
+    let cpu = estimate(&shape.model, &cfg, 1, 1024).unwrap();
     let opt = base.device.category(Category::OptimizerState);
     assert_eq!(cpu.device.category(Category::OptimizerState), 0);
     assert_eq!(cpu.host.category(Category::OptimizerState), opt);
@@ -78,7 +78,7 @@ fn offload_moves_state_to_host_and_nvme() {
     assert_eq!(cpu.host.category(Category::Gradients), grads);
     cfg.zero.offload_optimizer.target = OffloadTarget::Nvme("/nvme".into());
     cfg.zero.offload_param.target = OffloadTarget::Nvme("/nvme".into());
-    let nvme = estimate(&shape.model, &cfg, 1, 1024);
+    let nvme = estimate(&shape.model, &cfg, 1, 1024).unwrap();
     assert_eq!(nvme.nvme.category(Category::OptimizerState), opt);
     assert!(nvme.nvme.category(Category::Parameters) > 0);
     assert_eq!(nvme.device.category(Category::Parameters), 0);
@@ -93,7 +93,7 @@ fn cpu_checkpointing_moves_unit_inputs_to_the_host() {
     let mut cfg = config(ZeroStage::Stage3, 8, 1, 1, Precision::Bf16);
     big_buckets(&mut cfg);
     cfg.activation_checkpointing = Some(checkpointing(true));
-    let e = estimate(&shape.model, &cfg, 1, 1024);
+    let e = estimate(&shape.model, &cfg, 1, 1024).unwrap();
     // 32 block inputs, 1024 x 4096 f32 each; the head runs its forward and backward at once
     // in `train_batch`, so it keeps no input.
     let inputs = 32 * 1024 * 4096 * 4;
@@ -106,7 +106,7 @@ fn suggestion_is_the_first_single_change_that_fits() {
     let shape = preset("llama-7b").unwrap();
     let mut cfg = config(ZeroStage::Stage0, 8, 1, 1, Precision::Bf16);
     big_buckets(&mut cfg);
-    let e = estimate(&shape.model, &cfg, 1, 256);
+    let e = estimate(&shape.model, &cfg, 1, 256).unwrap();
     let budget = Budget {
         device_bytes: 40 * GIB,
         host_bytes: 64 * GIB,
@@ -125,7 +125,7 @@ fn suggestion_is_the_first_single_change_that_fits() {
         },
         1,
         256
-    )));
+    ).unwrap()));
     assert_eq!(s.changes.len(), 1, "{:?}", s.changes);
     let Change::Stage(st) = s.changes[0] else {
         panic!("expected a stage change, got {:?}", s.changes);
@@ -133,7 +133,7 @@ fn suggestion_is_the_first_single_change_that_fits() {
     for lower in 1..st {
         let mut c = cfg.clone();
         c.zero.stage = [ZeroStage::Stage1, ZeroStage::Stage2][lower as usize - 1];
-        assert!(!budget.fits(&estimate(&shape.model, &c, 1, 256)));
+        assert!(!budget.fits(&estimate(&shape.model, &c, 1, 256).unwrap()));
     }
 }
 

@@ -104,7 +104,7 @@ fn make_config(stage: ZeroStage, world: usize, offload: Offload, ckpt: bool) -> 
 }
 
 fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
-    let est = estimate(&build(which), cfg, MICRO, SEQ).device.peak_bytes;
+    let est = estimate(&build(which), cfg, MICRO, SEQ).unwrap().device.peak_bytes;
     let got = measure(which, cfg);
     let off = (est as f64 - got as f64).abs() / (got as f64).max(1.0);
     let what = format!(
@@ -169,10 +169,10 @@ fn cpu_figures_would_misprice_the_device() {
     cpu.device = Device::Cpu;
     let got = measure(Which::Gpt2, &gpu);
     let (est_gpu, est_cpu) = (
-        estimate(&build(Which::Gpt2), &gpu, MICRO, SEQ)
+        estimate(&build(Which::Gpt2), &gpu, MICRO, SEQ).unwrap()
             .device
             .peak_bytes,
-        estimate(&build(Which::Gpt2), &cpu, MICRO, SEQ)
+        estimate(&build(Which::Gpt2), &cpu, MICRO, SEQ).unwrap()
             .device
             .peak_bytes,
     );
@@ -217,7 +217,7 @@ fn bf16_optimizer_states_on_the_device_are_priced_within_5_percent() {
             cfg.bf16_state.master_weights_and_grads = true;
             cfg.bf16_state.optimizer_states = true;
             check(Which::Gpt2, &cfg, &mut failures);
-            let est = |c: &ResolvedConfig| estimate(&build(Which::Gpt2), c, MICRO, SEQ);
+            let est = |c: &ResolvedConfig| estimate(&build(Which::Gpt2), c, MICRO, SEQ).unwrap();
             let (e16, e32) = (est(&cfg), est(&f32_state));
             let opt = |e: &ferrozero_runtime::engine::estimate::Estimate| {
                 e.device.category(Category::OptimizerState)
@@ -284,7 +284,7 @@ fn measure_staged(which: Which, cfg: &ResolvedConfig, act: DType) -> Staged {
 
 /// The estimate's device peak and page-locked bytes against the run's, within 5%.
 fn check_staged(which: Which, what: &str, cfg: &ResolvedConfig, run: &Staged) {
-    let est = estimate(&build(which), cfg, MICRO, SEQ);
+    let est = estimate(&build(which), cfg, MICRO, SEQ).unwrap();
     let off = |e: u64, got: u64| (e as f64 - got as f64).abs() / (got as f64).max(1.0);
     let (peak, locked) = (est.device.peak_bytes, est.page_locked.total());
     eprintln!(

@@ -1,7 +1,9 @@
-//! The estimator against the engine: for the toy model and small GPT-2 and Llama models, at
-//! stages 0-3, with and without optimizer/parameter offload and activation checkpointing
-//! (on the device and on the CPU), in f32 and bf16, on 1 and 2 ranks, the estimated per-rank
-//! peak device and host bytes are within 5% of the peaks the engine's ledger measures.
+//! The estimator against the engine: for small GPT-2 and Llama models, at stages 0-3, with
+//! and without optimizer/parameter offload and activation checkpointing (on the device and on
+//! the CPU), in f32 and bf16, on 1 and 2 ranks, the estimated per-rank peak device and host
+//! bytes are the peaks the engine's ledger measures, byte for byte: the estimate runs the same
+//! step on the size-only device. (Modules that compute with host loops, like the tests' toy,
+//! run on the CPU backend only, so the estimate cannot price them.)
 
 mod common;
 
@@ -23,7 +25,6 @@ const MICRO: usize = 2;
 
 #[derive(Clone, Copy, Debug)]
 enum Which {
-    Toy,
     Gpt2,
     Llama,
     /// Llama with LoRA on every linear layer, the base frozen (PEFT's rules).
@@ -34,7 +35,6 @@ enum Which {
 
 fn build(which: Which) -> Model {
     match which {
-        Which::Toy => toy::model(97, 64, SEQ, 3),
         Which::Gpt2 => gpt2::build(&gpt2::Gpt2Config::preset("tiny").unwrap()).unwrap(),
         Which::Llama => llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap(),
         Which::Gpt2BottomFrozen => {
@@ -61,7 +61,6 @@ fn build(which: Which) -> Model {
 
 fn vocab(which: Which) -> usize {
     match which {
-        Which::Toy => 97,
         Which::Gpt2 | Which::Llama | Which::LlamaLora | Which::Gpt2BottomFrozen => 64,
     }
 }
@@ -90,13 +89,12 @@ fn measure(which: Which, cfg: &ResolvedConfig) -> (u64, u64, u64, u64) {
     out[0]
 }
 
+/// The estimate is the same step run on the size-only device: the same bytes, not close ones.
 fn close(est: u64, got: u64) -> bool {
-    let (a, b) = (est as f64, got as f64);
-    let dev = (a - b).abs() / b.max(1.0);
-    if dev > 0.0 {
-        eprintln!("estimate {est} vs ledger {got}: {:.3}% off", dev * 100.0);
+    if est != got {
+        eprintln!("estimate {est} vs ledger {got}");
     }
-    dev <= 0.05
+    est == got
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -164,7 +162,7 @@ fn describe(which: Which, cfg: &ResolvedConfig) -> String {
 }
 
 fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
-    let e = estimate(&build(which), cfg, MICRO, SEQ);
+    let e = estimate(&build(which), cfg, MICRO, SEQ).unwrap();
     let (dev, host, act, _) = measure(which, cfg);
     let what = describe(which, cfg);
     let (est_dev, est_host) = (e.device.peak_bytes, e.host.peak_bytes);
@@ -229,11 +227,6 @@ fn sweep(which: Which, precisions: &[Precision]) {
 }
 
 #[test]
-fn toy_model_matches_the_ledger_in_every_mode() {
-    sweep(Which::Toy, &[Precision::F32, Precision::Bf16]);
-}
-
-#[test]
 fn gpt2_matches_the_ledger_in_every_mode() {
     sweep(Which::Gpt2, &[Precision::Bf16]);
 }
@@ -285,7 +278,7 @@ fn one_micro_step_per_step_matches_the_ledger() {
                         cfg.zero.overlap_comm = true;
                         check(which, &cfg, &mut failures);
                         if matches!((offload, &p), (Offload::None, Precision::Bf16)) && world == 1 {
-                            let e = estimate(&build(which), &cfg, MICRO, SEQ);
+                            let e = estimate(&build(which), &cfg, MICRO, SEQ).unwrap();
                             moved_peak.get_or_insert(e.device.category(Category::Gradients));
                         }
                     }
@@ -323,7 +316,7 @@ fn one_micro_step_per_step_matches_the_ledger() {
         ),
         MICRO,
         SEQ,
-    )
+    ).unwrap()
     .device
     .category(Category::Gradients) as usize
         / 2;
@@ -341,7 +334,7 @@ fn large_buckets_and_persistence_threshold_match_too() {
     let scratch = Scratch::new();
     let mut failures = Vec::new();
     for threshold in [0, 2_000, 100_000] {
-        for which in [Which::Toy, Which::Gpt2] {
+        for which in [Which::Llama, Which::Gpt2] {
             let mut cfg = make_config(
                 &scratch,
                 ZeroStage::Stage3,
@@ -380,8 +373,8 @@ fn checkpointing_lowers_device_activations_and_the_figures_say_so() {
         Ckpt::Device,
     );
     let (a, b) = (
-        estimate(&model, &off, MICRO, SEQ),
-        estimate(&model, &on, MICRO, SEQ),
+        estimate(&model, &off, MICRO, SEQ).unwrap(),
+        estimate(&model, &on, MICRO, SEQ).unwrap(),
     );
     assert!(b.device.category(Category::Activations) < a.device.category(Category::Activations));
     // Both estimates carry both figures, whichever mode the config chose.
@@ -400,12 +393,12 @@ fn bounded_snapshots_match_the_ledger() {
         let mut cfg = config(ZeroStage::Stage3, 1, MICRO, 2, Precision::Bf16);
         cfg.zero.offload_optimizer.target = OffloadTarget::Cpu;
         cfg.zero.overlap_comm = true;
-        let full = estimate(&build(which), &cfg, MICRO, SEQ);
+        let full = estimate(&build(which), &cfg, MICRO, SEQ).unwrap();
         let groups = &full.snapshot_group_bytes;
         let units = build(which).units.len();
         let bound: u64 = groups[units / 2..units].iter().sum();
         let overlap = OptimizerOverlap::Speculative("test".into(), Some(bound));
-        let e = estimate_with_overlap(&build(which), &cfg, MICRO, SEQ, &overlap);
+        let e = estimate_with_overlap(&build(which), &cfg, MICRO, SEQ, &overlap).unwrap();
         assert_eq!(e.snapshot_host_bytes, bound, "{which:?}");
         assert!(bound > 0 && bound < full.snapshot_host_bytes, "{which:?}");
         let host = run_ranks(1, Duration::from_secs(60), |comm| {
@@ -465,7 +458,7 @@ fn quantized_communication_staging_matches_the_ledger() {
     // runs: the replay prices them where the engine's ledger counts them.
     let scratch = Scratch::new();
     let mut failures = Vec::new();
-    for which in [Which::Toy, Which::Gpt2, Which::LlamaLora] {
+    for which in [Which::Llama, Which::Gpt2, Which::LlamaLora] {
         for (w, g, frozen) in [
             (true, false, false),
             (false, true, false),
@@ -514,7 +507,7 @@ fn bf16_optimizer_states_match_the_ledger() {
                     _ => Location::Host,
                 };
                 let opt = |c: &ResolvedConfig| {
-                    let e = estimate(&build(Which::Gpt2), c, MICRO, SEQ);
+                    let e = estimate(&build(Which::Gpt2), c, MICRO, SEQ).unwrap();
                     match at {
                         Location::Device => e.device.category(Category::OptimizerState),
                         _ => e.host.category(Category::OptimizerState),
@@ -558,7 +551,7 @@ fn optimizer_bytes(cfg: &ResolvedConfig, at: Location) -> u64 {
 /// reduction peak).
 fn staging_priced(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
     let comm = |c: &ResolvedConfig| {
-        estimate(&build(which), c, MICRO, SEQ)
+        estimate(&build(which), c, MICRO, SEQ).unwrap()
             .device
             .category(Category::CommBuffers)
     };

@@ -53,7 +53,7 @@ fn gpu_offload() -> ResolvedConfig {
 }
 
 fn est(c: &ResolvedConfig) -> Estimate {
-    estimate(&model(), c, 1, 8)
+    estimate(&model(), c, 1, 8).unwrap()
 }
 
 /// The device's registrations are not charged against RLIMIT_MEMLOCK: with pin_memory on

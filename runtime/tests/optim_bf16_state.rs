@@ -223,12 +223,6 @@ fn the_engine_trains_with_bf16_optimizer_values_and_counts_half_the_bytes() {
                     opt.abs_diff(want) * 100 <= want,
                     "{what}: optimizer state {opt} bytes, want about {want} (f32 state {full}, {n} parameters)"
                 );
-                let est = estimate(&toy::model(11, 6, 5, 3), &cfg, 2, 5);
-                assert_eq!(
-                    est.host.category(Category::OptimizerState),
-                    opt,
-                    "{what}: estimate"
-                );
                 per_stage.push(bits);
             }
             // The update is element-wise: stages give the same bits here too.

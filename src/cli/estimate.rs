@@ -144,7 +144,8 @@ fn plan(args: &Args) -> Result<Plan, String> {
     };
     let in_ram = ferrozero_runtime::backend::memory_is_host_ram(cfg.device);
     let ranks = (args.gpus_per_node as u64, in_ram);
-    let (overlap, est) = overlap_on_host(&shape.model, &cfg, (micro, seq), ranks, host_ram);
+    let (overlap, est) = overlap_on_host(&shape.model, &cfg, (micro, seq), ranks, host_ram)
+        .map_err(|e| e.to_string())?;
     Ok(Plan {
         shape,
         cfg,
@@ -434,15 +435,12 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
     if e.page_locked.total() > 0 {
         let p = &e.page_locked;
         println!(
-            "page-locked by the device: {} (parameter store {}, copy staging {}, upload ring {}, \
-             checkpoints {}, snapshots {}); host RAM, not RLIMIT_MEMLOCK (the driver's \
-             registrations are not charged to it)",
+            "page-locked by the device: {} (parameter store {}, staging {}, upload ring {}); \
+             host RAM, not RLIMIT_MEMLOCK (the driver's registrations are not charged to it)",
             human(p.total()),
             human(p.parameters),
             human(p.staging),
-            human(p.ring),
-            human(p.checkpoints),
-            human(p.snapshots)
+            human(p.ring)
         );
     }
     println!(

@@ -120,13 +120,13 @@ impl EngineBuilder {
         // allows it, pinning turned off); a device run's page-locked and pageable host
         // memory must fit in the host's RAM.
         let seq = self.seq_len.unwrap_or(1);
-        let overlap = overlap_for_host(&self.model, &resolution.config, seq);
+        let overlap = overlap_for_host(&self.model, &resolution.config, seq)?;
         let cfg = &mut resolution.config;
         let pinned = cfg.zero.offload_optimizer.pin_memory || cfg.zero.offload_param.pin_memory;
         let on_device = !memory_is_host_ram(cfg.device);
         if pinned || on_device {
             let mb = cfg.train_micro_batch_size_per_gpu;
-            let e = super::estimate::estimate_with_overlap(&self.model, cfg, mb, seq, &overlap);
+            let e = super::estimate::estimate_with_overlap(&self.model, cfg, mb, seq, &overlap)?;
             check_locked_memory(cfg, &e)?;
             if on_device {
                 let ram = self.host_ram.map(Ok).unwrap_or_else(HostRam::probe);
@@ -159,7 +159,7 @@ fn preflight(
     overlap: &OptimizerOverlap,
 ) -> Result<()> {
     let mb = cfg.train_micro_batch_size_per_gpu;
-    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, overlap);
+    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, overlap)?;
     super::estimate::check_device_cap(model, cfg, seq, &e)?;
     // Local ranks share this process's machine; other backends run one rank per process.
     let here = ranks_here(cfg);
@@ -186,18 +186,18 @@ fn overlap_for_host(
     model: &Model,
     cfg: &ferrozero_config::ResolvedConfig,
     seq: usize,
-) -> OptimizerOverlap {
+) -> Result<OptimizerOverlap> {
     let decided = OptimizerOverlap::decide(cfg);
     if !matches!(decided, OptimizerOverlap::Speculative(..)) {
-        return decided;
+        return Ok(decided);
     }
     let mb = cfg.train_micro_batch_size_per_gpu;
     let ranks = (ranks_here(cfg), memory_is_host_ram(cfg.device));
     match ferrozero_offload::sys::mem_available() {
-        Ok(available) => overlap_on_host(model, cfg, (mb, seq), ranks, available).0,
+        Ok(available) => Ok(overlap_on_host(model, cfg, (mb, seq), ranks, available)?.0),
         Err(err) => {
             tracing::warn!("speculative optimizer overlap: host memory unknown ({err})");
-            decided
+            Ok(decided)
         }
     }
 }
@@ -296,7 +296,7 @@ mod tests {
         let shape = preset("llama-7b").unwrap();
         let (cpu, gpu) = (resolved("cpu"), resolved("cuda"));
         assert_eq!(cpu.device, Device::Cpu);
-        let e = estimate(&shape.model, &gpu, 1, 1024);
+        let e = estimate(&shape.model, &gpu, 1, 1024).unwrap();
         let host = e.host_total_bytes();
         assert!(host > 0 && e.device.peak_bytes > 0);
         assert!(crate::backend::memory_is_host_ram(cpu.device));

@@ -88,7 +88,7 @@ mod tests {
         let m = preset("llama-7b").unwrap().model;
         let seq = 4096;
         let gpu = offload_7b(Device::Cuda(None));
-        let e = estimate(&m, &gpu, 1, seq);
+        let e = estimate(&m, &gpu, 1, seq).unwrap();
         assert!(
             e.device.peak_bytes < 20_000_000_000,
             "{}",
@@ -96,7 +96,7 @@ mod tests {
         );
         check_device_cap(&m, &gpu, seq, &e).unwrap();
         let cpu = offload_7b(Device::Cpu);
-        let e = estimate(&m, &cpu, 1, seq);
+        let e = estimate(&m, &cpu, 1, seq).unwrap();
         match check_device_cap(&m, &cpu, seq, &e) {
             Err(Error::DeviceMemory { detail, .. }) => {
                 assert!(detail.contains("device_memory_limit"), "{detail}")

@@ -1,28 +1,18 @@
 //! The memory estimator: per-rank peak bytes by location and ledger category for a model, a
-//! resolved config, a micro-batch and a sequence length, computed without allocating a
-//! single parameter (so it answers for 7B and 13B models on a laptop).
+//! resolved config, a micro-batch and a sequence length, without a single parameter's bytes
+//! (so it answers for 7B and 70B models on a laptop).
 //!
-//! It replays the engine's buffer lifetimes (see [`replay`]) rather than applying closed
-//! formulas, so activations, communication staging and working copies are counted exactly as
-//! the engine's ledger counts them, and the engine's pre-flight check and `ferrozero
-//! estimate` give the same answer. The decisions that shape those lifetimes are the engine's
-//! own functions ([`super::rules`]), not copies.
-//!
-//! The device is priced from its description ([`MemoryModel`], from the config's `device`
-//! without opening it: [`memory_model`]), the same description the backend reports and the
-//! layers size their saved state with. On the CPU that reproduces the engine's ledger (f32
-//! activations, attention probabilities, f32 working copies). On a GPU it is the caching
-//! allocator's view: the activation dtype, per-row log-sum-exp instead of probabilities and
-//! logits, no working copies, 512-byte blocks, and the buffers that live only during a call
-//! (which the allocator counts and the ledger does not). A struct rather than a trait object
-//! because a laptop must describe a GPU it does not have; the layers' formulas take it, so the
-//! description a real run reports and the one the estimator reads cannot differ.
+//! It runs the training step ([`run`]): the real engine, from the real config, on the
+//! size-only device the config's `device` names, one optimizer step, and reads what the
+//! engine's ledger (and a GPU's caching allocator) measured. There is no second model of the
+//! step to keep in line with the engine: a buffer the step allocates is priced because it is
+//! allocated, a user's module included. Value-dependent branches take their costlier way (see
+//! `backend::meta`): no overflow skips an update, and clipping binds.
 
-mod book;
-mod cap;
-mod replay;
+mod figures;
+mod run;
 
-pub use replay::PageLockedFigures;
+pub use figures::PageLockedFigures;
 pub mod shape;
 pub mod suggest;
 
@@ -30,13 +20,15 @@ use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
 use serde::Serialize;
 
 use super::ledger::{Category, Ledger, Location};
-use super::optimizer::Optimizer;
 use super::optimizer_overlap::OptimizerOverlap;
 use crate::backend::MemoryModel;
 use crate::nn::Model;
+use crate::Result;
 
 pub use cap::check_device_cap;
 pub use suggest::{preflight, suggest, Budget, Change, Suggestion};
+
+mod cap;
 
 /// Peak bytes at one location: the peak of the total, and each category's own peak.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -134,32 +126,6 @@ impl Estimate {
     }
 }
 
-/// What one replayed step leaves: its ledger, the snapshots' host bytes, each group's snapshot
-/// bytes and the page-locked bytes.
-type Replayed = (Ledger, u64, Vec<u64>, PageLockedFigures);
-
-/// Replays one step.
-fn replay_ledger(
-    model: &Model,
-    cfg: &ResolvedConfig,
-    micro_batch: usize,
-    seq: usize,
-    overlap: &OptimizerOverlap,
-) -> Replayed {
-    let moments = Optimizer::new(cfg.optimizer.clone()).moments();
-    let mut r = replay::Replay::build(model, cfg, moments, overlap, memory_model(cfg));
-    r.forward(micro_batch, seq);
-    r.backward(micro_batch, seq);
-    r.step();
-    let groups = std::mem::take(&mut r.snapshot_group_bytes);
-    (
-        r.ledger().clone(),
-        r.snapshot_bytes,
-        groups,
-        r.page_locked(),
-    )
-}
-
 fn activation_peak(l: &Ledger) -> u64 {
     l.peak(Location::Device, Category::Activations) + l.peak(Location::Host, Category::Activations)
 }
@@ -167,7 +133,12 @@ fn activation_peak(l: &Ledger) -> u64 {
 /// Estimates per-rank peak memory for training `model` under `cfg` with micro-batches of
 /// `micro_batch` rows of `seq` tokens, with the optimizer overlap the config alone decides
 /// ([`OptimizerOverlap::decide`]). Allocates nothing model-sized.
-pub fn estimate(model: &Model, cfg: &ResolvedConfig, micro_batch: usize, seq: usize) -> Estimate {
+pub fn estimate(
+    model: &Model,
+    cfg: &ResolvedConfig,
+    micro_batch: usize,
+    seq: usize,
+) -> Result<Estimate> {
     estimate_with_overlap(model, cfg, micro_batch, seq, &OptimizerOverlap::decide(cfg))
 }
 
@@ -179,20 +150,16 @@ pub fn estimate_with_overlap(
     micro_batch: usize,
     seq: usize,
     overlap: &OptimizerOverlap,
-) -> Estimate {
-    // As the engine does: `sub_group_size = 0` sizes tiles by the largest parameter.
-    let mut own = cfg.clone();
-    own.zero.sub_group_size = super::build::effective_sub_group_size(cfg, model);
-    let cfg = &own;
-    let (ledger, snapshot_host_bytes, snapshot_group_bytes, page_locked) =
-        replay_ledger(model, cfg, micro_batch, seq, overlap);
+) -> Result<Estimate> {
+    let shape = (micro_batch, seq);
+    let m = run::measure(model, cfg, shape, overlap)?;
     let mut flipped = cfg.clone();
     flipped.activation_checkpointing = match &cfg.activation_checkpointing {
         Some(_) => None,
         None => Some(default_checkpointing()),
     };
-    let other = activation_peak(&replay_ledger(model, &flipped, micro_batch, seq, overlap).0);
-    let this = activation_peak(&ledger);
+    let other = activation_peak(&run::measure(model, &flipped, shape, overlap)?.ledger);
+    let this = activation_peak(&m.ledger);
     let activations = match cfg.activation_checkpointing {
         Some(_) => ActivationFigures {
             without_checkpointing: other,
@@ -203,30 +170,34 @@ pub fn estimate_with_overlap(
             with_checkpointing: other,
         },
     };
-    let host = Placement::from_ledger(&ledger, Location::Host);
+    let ledger = &m.ledger;
+    let mut device = Placement::from_ledger(ledger, Location::Device);
+    if let Some(peak) = m.device_peak {
+        device.peak_bytes = peak;
+    }
+    let host = Placement::from_ledger(ledger, Location::Host);
     let swap_buffer_bytes = swap_buffers(cfg);
-    let pinned_state = pinned_state(cfg, &host, snapshot_host_bytes);
-    let pinned = pinned_state + swap_buffer_bytes;
+    let pinned_state = pinned_state(cfg, &host, m.snapshot_bytes);
     let other_host = host.peak_bytes.saturating_sub(pinned_state);
-    Estimate {
+    Ok(Estimate {
         num_params: model.num_params() as u64,
         world_size: cfg.world_size,
         stage: cfg.zero.stage.number(),
         micro_batch,
         seq_len: seq,
-        device: Placement::from_ledger(&ledger, Location::Device),
+        device,
         host,
-        nvme: Placement::from_ledger(&ledger, Location::Nvme),
-        pinned_host_bytes: pinned,
+        nvme: Placement::from_ledger(ledger, Location::Nvme),
+        pinned_host_bytes: pinned_state + swap_buffer_bytes,
         mlocked_host_bytes: mlocked_bytes(model, cfg),
         other_host_bytes: other_host,
-        snapshot_host_bytes,
-        snapshot_group_bytes,
-        page_locked,
+        snapshot_host_bytes: m.snapshot_bytes,
+        page_locked: PageLockedFigures::of(&m),
+        snapshot_group_bytes: m.snapshot_groups,
         swap_buffer_bytes,
         activations,
-        reduced_bytes_per_step: reduced_per_step(model, cfg),
-    }
+        reduced_bytes_per_step: m.reduced_per_micro * cfg.gradient_accumulation_steps as u64,
+    })
 }
 
 /// `Estimate::mlocked_host_bytes`, by the engine's rule (`rules::mlocked_bytes`).
@@ -235,19 +206,6 @@ fn mlocked_bytes(model: &Model, cfg: &ResolvedConfig) -> u64 {
     let stage = super::stage::for_stage(cfg.zero.stage);
     let largest = super::rules::largest_owned(model, &*stage, world, 0);
     super::rules::mlocked_bytes(cfg, largest)
-}
-
-/// `Estimate::reduced_bytes_per_step`: each group's padded gradient in the wire dtype, once
-/// per micro-step, when there is anyone to reduce with.
-fn reduced_per_step(model: &Model, cfg: &ResolvedConfig) -> u64 {
-    if cfg.world_size <= 1 {
-        return 0;
-    }
-    let moments = Optimizer::new(cfg.optimizer.clone()).moments();
-    let overlap = OptimizerOverlap::decide(cfg);
-    let per_micro = replay::Replay::build(model, cfg, moments, &overlap, memory_model(cfg))
-        .reduced_bytes_per_micro();
-    per_micro * cfg.gradient_accumulation_steps as u64
 }
 
 /// The device `cfg` runs on, described without opening it: its `device` key, activations in

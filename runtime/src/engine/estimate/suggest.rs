@@ -170,8 +170,11 @@ pub fn suggest(
         }
         estimate(model, &c, m, seq)
     };
+    // A change the engine refuses (NVMe with an optimizer it cannot keep there) fits nothing.
     for ch in &cands {
-        let e = run(std::slice::from_ref(ch));
+        let Ok(e) = run(std::slice::from_ref(ch)) else {
+            continue;
+        };
         if budget.fits(&e) {
             return Some(Suggestion {
                 changes: vec![ch.clone()],
@@ -180,7 +183,7 @@ pub fn suggest(
         }
     }
     (2..=cands.len()).find_map(|n| {
-        let e = run(&cands[..n]);
+        let e = run(&cands[..n]).ok()?;
         budget.fits(&e).then(|| Suggestion {
             changes: simplify(&cands[..n]),
             estimate: e,
@@ -218,7 +221,7 @@ pub fn preflight(
     seq: usize,
     budget: Budget,
 ) -> crate::Result<Estimate> {
-    let e = estimate(model, cfg, micro_batch, seq);
+    let e = estimate(model, cfg, micro_batch, seq)?;
     if budget.fits(&e) {
         return Ok(e);
     }

@@ -116,17 +116,17 @@ pub fn overlap_on_host(
     (micro, seq): (usize, usize),
     (ranks, device_in_ram): (u64, bool),
     available: u64,
-) -> (OptimizerOverlap, Estimate) {
+) -> crate::Result<(OptimizerOverlap, Estimate)> {
     let configured = OptimizerOverlap::decide(cfg);
-    let e = estimate_with_overlap(model, cfg, micro, seq, &configured);
+    let e = estimate_with_overlap(model, cfg, micro, seq, &configured)?;
     let need = HostNeed::of(&e, ranks, device_in_ram);
     let groups = (&e.snapshot_group_bytes[..], super::shared_group(model));
     let decided = OptimizerOverlap::decide_for_host(cfg, need, groups, available);
     if decided == configured {
-        return (decided, e);
+        return Ok((decided, e));
     }
-    let e = estimate_with_overlap(model, cfg, micro, seq, &decided);
-    (decided, e)
+    let e = estimate_with_overlap(model, cfg, micro, seq, &decided)?;
+    Ok((decided, e))
 }
 
 #[cfg(test)]
@@ -154,7 +154,7 @@ mod tests {
         available: u64,
     ) -> (OptimizerOverlap, HostNeed, Estimate) {
         let cfg = offload_config();
-        let e = estimate(model, &cfg, 1, seq);
+        let e = estimate(model, &cfg, 1, seq).unwrap();
         let need = HostNeed::of(&e, 1, false);
         let groups = (
             &e.snapshot_group_bytes[..],
@@ -224,7 +224,7 @@ mod tests {
             1,
             2048,
             &OptimizerOverlap::Speculative(why, Some(kept)),
-        );
+        ).unwrap();
         assert_eq!(bounded.snapshot_host_bytes, kept);
         assert!(bounded.host_total_bytes() <= room);
     }
@@ -283,8 +283,8 @@ mod tests {
         let model = preset("tiny-gpt2").unwrap().model;
         let off = OptimizerOverlap::Off("test".into());
         let cfg = offload_config();
-        let e = crate::engine::estimate::estimate_with_overlap(&model, &cfg, 1, 64, &off);
-        let spec = estimate(&model, &cfg, 1, 64);
+        let e = crate::engine::estimate::estimate_with_overlap(&model, &cfg, 1, 64, &off).unwrap();
+        let spec = estimate(&model, &cfg, 1, 64).unwrap();
         assert_eq!(e.snapshot_host_bytes, 0);
         assert_eq!(
             spec.host.peak_bytes - e.host.peak_bytes,

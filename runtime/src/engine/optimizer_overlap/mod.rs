@@ -37,7 +37,7 @@ use crate::{Error, Result};
 
 pub use host::{overlap_on_host, HostNeed};
 use snapshot::Snapshot;
-pub(super) use snapshot::{snapshot_bytes, snapshot_plan};
+pub(super) use snapshot::snapshot_plan;
 pub(super) use speculate::Overlapped;
 use speculate::{Outcome, Watch};
 
@@ -140,6 +140,23 @@ impl OptimizerOverlap {
 /// every unit's: backward makes it final last.
 pub fn shared_group(model: &Model) -> Option<usize> {
     (!model.shared.is_empty()).then_some(model.units.len())
+}
+
+/// Each group's snapshot bytes were it snapshotted, in `groups`' order, and the bytes of the
+/// snapshots `overlap` takes (0 unless it is speculative), by the plan the lane makes: what
+/// an estimate reports and a bounded speculation is planned from.
+pub(in crate::engine) fn snapshot_figures(
+    overlap: &OptimizerOverlap,
+    groups: &[Group],
+    shared: Option<usize>,
+) -> (Vec<u64>, u64) {
+    let bytes: Vec<u64> = groups.iter().map(Snapshot::bytes_of).collect();
+    let OptimizerOverlap::Speculative(_, budget) = overlap else {
+        return (bytes, 0);
+    };
+    let plan = snapshot_plan(&bytes, shared, *budget);
+    let taken = bytes.iter().zip(plan).filter(|(_, p)| *p).map(|(b, _)| b).sum();
+    (bytes, taken)
 }
 
 /// A group on the optimizer lane: it comes back with its snapshot and what the lane did.

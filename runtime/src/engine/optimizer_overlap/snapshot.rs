@@ -157,13 +157,6 @@ impl Snapshot {
     }
 }
 
-/// The host bytes of one group's [`Snapshot`] from sizes alone: the group's optimizer state
-/// (`opt_bytes`: master weights, if any, and moments) and the `owned` parameters in their
-/// storage `dtype` (the rounded copy beside master weights, or the values updated themselves).
-pub(in crate::engine) fn snapshot_bytes(owned: usize, opt_bytes: u64, dtype: DType) -> u64 {
-    opt_bytes + (owned * dtype.size()) as u64
-}
-
 /// The dtypes of the values a step updates (the f32 master weights, or the parameters
 /// themselves) and of the stored parameters.
 fn dtypes(g: &Group) -> (DType, DType) {

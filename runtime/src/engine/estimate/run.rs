@@ -1,0 +1,128 @@
+//! The estimate is a run: the real engine, built from the real config on the size-only device
+//! the config's `device` names, takes one real optimizer step, and its ledger (and, on a GPU,
+//! the caching allocator) say what it held. Nothing here knows what a layer saves or what the
+//! engine allocates: a new buffer anywhere in the step is priced by being allocated.
+//!
+//! The size-only devices hold no bytes: the CPU stands in as [`MetaBackend`]; a GPU as the real
+//! CUDA backend over the size-only driver ([`crate::backend::cuda::meta`]), so its caching
+//! allocator rounds and caches as on the card. One rank of the world is simulated
+//! ([`MetaComm`]); every rank holds the same shapes (layouts are padded to equal shards).
+
+use std::sync::Arc;
+
+use ferrozero_config::resolved::ResolvedConfig;
+
+use crate::backend::{Backend, MetaBackend};
+use crate::comm::meta::MetaComm;
+use crate::engine::ledger::Ledger;
+use crate::engine::optimizer_overlap::{shared_group, snapshot_figures, OptimizerOverlap};
+use crate::engine::Engine;
+use crate::nn::{Batch, Model};
+use crate::Result;
+
+/// Micro-steps a measured step runs: the second one sees every buffer the first leaves for
+/// the step (accumulators, reduced gradients), so more add nothing but time.
+const MEASURED_MICRO_STEPS: usize = 2;
+
+/// What one measured step held.
+pub(super) struct Measured {
+    /// The engine's ledger after the step (its peaks by location and category).
+    pub ledger: Ledger,
+    /// The device allocator's peak of live bytes, where the device counts every buffer (a
+    /// GPU's caching allocator); `None` where the ledger is the device's count (the CPU).
+    pub device_peak: Option<u64>,
+    /// Bytes of gradients the rank handed to reductions, per micro-step.
+    pub reduced_per_micro: u64,
+    /// Each group's snapshot bytes were it snapshotted, in the engine's group order.
+    pub snapshot_groups: Vec<u64>,
+    /// Host bytes of the snapshots the overlap takes (0 unless it is speculative).
+    pub snapshot_bytes: u64,
+    /// Page-locked host bytes at the peak, and of them the engine's own registrations.
+    pub page_locked: (u64, u64),
+    /// The device's page-locked small-upload ring (0 where nothing is page-locked).
+    pub upload_ring: u64,
+}
+
+/// Runs one optimizer step of `model` under `cfg` (micro-batches of `micro` rows of `seq`
+/// tokens, the optimizer overlap `overlap`) on the size-only device `cfg` names, as rank 0.
+pub(super) fn measure(
+    model: &Model,
+    cfg: &ResolvedConfig,
+    (micro, seq): (usize, usize),
+    overlap: &OptimizerOverlap,
+) -> Result<Measured> {
+    let cfg = for_measuring(cfg, micro);
+    let be = size_only_device(&cfg)?;
+    let comm = MetaComm::new(0, cfg.world_size, cfg.comms.backend)?;
+    let steps = cfg.gradient_accumulation_steps;
+    let mut engine = Engine::with_backend_and_overlap(
+        model.clone(),
+        cfg,
+        Box::new(comm),
+        be.clone(),
+        overlap.clone(),
+    )?;
+    let batch = Batch {
+        batch: micro,
+        seq,
+        tokens: vec![0; micro * seq],
+        targets: vec![0; micro * seq],
+    };
+    let report = engine.train_batch(&vec![batch; steps])?;
+    let (snapshot_groups, snapshot_bytes) =
+        snapshot_figures(overlap, &engine.groups, shared_group(model));
+    let ledger = engine.ledger().clone();
+    Ok(Measured {
+        page_locked: (ledger.page_locked().1, ledger.engine_locked()),
+        ledger,
+        device_peak: be.memory_stats().map(|m| m.peak),
+        reduced_per_micro: report.reduced_bytes / steps as u64,
+        snapshot_groups,
+        snapshot_bytes,
+        upload_ring: be.memory_model().upload_ring,
+    })
+}
+
+/// `cfg` as a measured step runs it: the micro-batch given, at most
+/// [`MEASURED_MICRO_STEPS`] micro-steps, no device cap (the estimate reports the peak; the
+/// cap is compared with it afterwards), and nothing that writes files or reports.
+fn for_measuring(cfg: &ResolvedConfig, micro: usize) -> ResolvedConfig {
+    let mut c = cfg.clone();
+    c.gradient_accumulation_steps = c.gradient_accumulation_steps.min(MEASURED_MICRO_STEPS);
+    c.train_micro_batch_size_per_gpu = micro;
+    c.train_batch_size = micro * c.gradient_accumulation_steps * c.world_size;
+    c.device_memory_limit = None;
+    let m = &mut c.monitor;
+    (m.tensorboard, m.csv_monitor, m.comms_logger, m.flops_profiler) = (None, None, None, None);
+    c.wall_clock_breakdown = false;
+    c
+}
+
+/// The size-only stand-in for `cfg`'s device.
+fn size_only_device(cfg: &ResolvedConfig) -> Result<Arc<dyn Backend>> {
+    if crate::backend::memory_is_host_ram(cfg.device) {
+        return Ok(Arc::new(MetaBackend));
+    }
+    size_only_gpu(cfg)
+}
+
+#[cfg(feature = "cuda")]
+fn size_only_gpu(cfg: &ResolvedConfig) -> Result<Arc<dyn Backend>> {
+    use crate::backend::cuda::driver::{DeviceInfo, LARGE_SEGMENT_ROUND};
+    // Room for any peak: the estimate reports it, the budget decides whether it fits.
+    let unbounded = u64::MAX / 4 / LARGE_SEGMENT_ROUND as u64 * LARGE_SEGMENT_ROUND as u64;
+    let act = crate::engine::build::storage_dtype(&cfg.precision);
+    let be = crate::backend::cuda::meta(act, DeviceInfo::h100_sizes_only(Some(unbounded)))?;
+    Ok(be)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn size_only_gpu(_cfg: &ResolvedConfig) -> Result<Arc<dyn Backend>> {
+    Err(crate::Error::Unavailable {
+        what: "pricing a GPU",
+        why: "the estimate runs the CUDA backend on a size-only device, and this build has no \
+              CUDA backend: build with `--features cuda` (no GPU is needed), or price the CPU \
+              with `device = \"cpu\"`"
+            .into(),
+    })
+}
