@@ -2,8 +2,10 @@
 //! `MetaBackend` with `MetaComm` (one simulated rank standing for rank 0 of the real run) hold
 //! the same bytes, every location and category of the ledger equal, for GPT-2 and Llama
 //! (LoRA and frozen variants too) over stages 0-3, one and two ranks, offload, activation
-//! checkpointing, overlap, hpZ, MiCS, gradient accumulation and every precision; and a 7B
-//! Llama at stage 3 on 64 ranks runs a step in seconds without model-sized memory.
+//! checkpointing, overlap, hpZ, MiCS, gradient accumulation and every precision, NVMe (the
+//! optimizer's tiles and stage 3's parameter shards) included; and a 7B Llama at stage 3 on 64
+//! ranks, and a 13B on one rank with everything on NVMe, run a step in seconds without
+//! model-sized memory or a file.
 
 mod common;
 
@@ -136,9 +138,18 @@ static ALONE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 /// Compares the two ledgers; a difference or a failed meta run is a failure line.
 fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
     let _shared = ALONE.read().unwrap_or_else(|e| e.into_inner());
-    let what = describe(which, cfg);
     let want = real(which, cfg);
-    match meta(which, cfg) {
+    compare(&describe(which, cfg), &want, meta(which, cfg), failures);
+}
+
+/// Each (location, category) peak of the real run against the meta run's.
+fn compare(
+    what: &str,
+    want: &Peaks,
+    got: ferrozero_runtime::Result<Peaks>,
+    failures: &mut Vec<String>,
+) {
+    match got {
         Err(e) => failures.push(format!("{what}: meta run failed: {e}")),
         Ok(got) => {
             for (w, g) in want.iter().zip(&got) {
@@ -383,27 +394,6 @@ fn lamb_meta_ledgers_equal_the_cpu_ledgers() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// NVMe is not priced by a size-only run yet: refused by name, before any file is made.
-#[test]
-fn a_meta_run_with_nvme_offload_is_refused_clearly() {
-    let scratch = common::scratch::Scratch::new();
-    for param in [false, true] {
-        let mut cfg = make(
-            ZeroStage::Stage3,
-            2,
-            Precision::Bf16,
-            Offload::Optimizer,
-            Ckpt::Off,
-        );
-        match param {
-            true => cfg.zero.offload_param.target = OffloadTarget::Nvme(scratch.dir()),
-            false => cfg.zero.offload_optimizer.target = OffloadTarget::Nvme(scratch.dir()),
-        }
-        let e = meta(Which::Gpt2, &cfg).expect_err("refused");
-        assert!(e.to_string().contains("does not price NVMe"), "{e}");
-    }
-}
-
 /// ZeRO++'s quantized gathers and reductions (packed words through the all-to-all), and the
 /// communication logger's decorator over the meta communicator, its splits included (MiCS).
 #[test]
@@ -443,4 +433,218 @@ fn zeropp_and_logged_meta_ledgers_equal_the_cpu_ledgers() {
         check(which, &logged, &mut failures);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The NVMe configurations of the sweep: optimizer tiles on NVMe (stages 1-3), parameter
+/// shards on NVMe (stage 3; optimizer in memory, on the host, or on NVMe too), the pool
+/// locked or not, few or many swap buffers, read-ahead on and off.
+fn nvme_configs(dir: &std::path::Path) -> Vec<ResolvedConfig> {
+    let mut out = Vec::new();
+    for world in [1, 2] {
+        for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
+            for (pin, count) in [(false, 4), (true, 2)] {
+                let mut cfg = make(stage, world, Precision::Bf16, Offload::None, Ckpt::Off);
+                cfg.zero.offload_optimizer.target = OffloadTarget::Nvme(dir.to_path_buf());
+                (
+                    cfg.zero.offload_optimizer.pin_memory,
+                    cfg.zero.offload_optimizer.buffer_count,
+                ) = (pin, count);
+                // Small tiles: a group's state spans several, the last one short.
+                cfg.zero.sub_group_size = if pin { 1000 } else { 1 << 20 };
+                out.push(cfg);
+            }
+        }
+        for (opt, count, max_in_cpu, ckpt) in [
+            (OffloadTarget::None, 2, 1_000_000_000, Ckpt::Off),
+            (OffloadTarget::Cpu, 5, 0, Ckpt::Device),
+            (
+                OffloadTarget::Nvme(dir.to_path_buf()),
+                3,
+                1_000_000_000,
+                Ckpt::Cpu,
+            ),
+        ] {
+            let mut cfg = make(
+                ZeroStage::Stage3,
+                world,
+                Precision::Bf16,
+                Offload::None,
+                ckpt,
+            );
+            cfg.zero.offload_optimizer.target = opt;
+            cfg.zero.offload_param.target = OffloadTarget::Nvme(dir.to_path_buf());
+            cfg.zero.offload_param.buffer_count = count;
+            cfg.zero.offload_param.max_in_cpu = max_in_cpu;
+            cfg.zero.offload_param.pin_memory = count == 5;
+            out.push(cfg);
+        }
+    }
+    out
+}
+
+/// `cfg` with every NVMe path at `dir`.
+fn nvme_at(cfg: &ResolvedConfig, dir: &std::path::Path) -> ResolvedConfig {
+    let mut c = cfg.clone();
+    for t in [
+        &mut c.zero.offload_optimizer.target,
+        &mut c.zero.offload_param.target,
+    ] {
+        if let OffloadTarget::Nvme(p) = t {
+            *p = dir.to_path_buf();
+        }
+    }
+    c
+}
+
+/// NVMe in the meta run: the CPU engine with real swap files against the meta engine with a
+/// swap path that does not exist, which it must not create; every ledger peak equal (the
+/// NVMe bytes, the tiles' host pool, the shards' host buffers as they are read ahead).
+#[test]
+fn nvme_meta_ledgers_equal_the_cpu_ledgers_and_touch_no_file() {
+    let scratch = common::scratch::Scratch::new();
+    let absent = scratch.dir().join("never-made");
+    let mut failures = Vec::new();
+    let mut runs = 0;
+    for which in [Which::Llama, Which::Gpt2] {
+        for cfg in nvme_configs(&scratch.dir()) {
+            for overlap in [false, true] {
+                let mut cfg = cfg.clone();
+                cfg.zero.overlap_comm = overlap;
+                let what = describe(which, &cfg);
+                let want = {
+                    let _shared = ALONE.read().unwrap_or_else(|e| e.into_inner());
+                    real(which, &nvme_at(&cfg, &scratch.dir()))
+                };
+                assert!(
+                    want.iter().any(|p| p.0 == Location::Nvme && p.2 > 0),
+                    "{what}: nothing on NVMe"
+                );
+                compare(
+                    &what,
+                    &want,
+                    meta(which, &nvme_at(&cfg, &absent)),
+                    &mut failures,
+                );
+                assert!(
+                    !absent.exists(),
+                    "{what}: the meta run made {}",
+                    absent.display()
+                );
+                runs += 1;
+            }
+        }
+    }
+    assert!(runs >= 48, "swept only {runs} configurations");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A meta run keeps the config's checks: the NVMe optimizer still needs Adam and bf16 or
+/// fp16 parameters, and refuses before anything else.
+#[test]
+fn a_meta_run_checks_nvme_configs_as_a_real_one() {
+    let scratch = common::scratch::Scratch::new();
+    let absent = scratch.dir();
+    let mut cfg = make(
+        ZeroStage::Stage3,
+        2,
+        Precision::F32,
+        Offload::None,
+        Ckpt::Off,
+    );
+    cfg.zero.offload_optimizer.target = OffloadTarget::Nvme(absent.clone());
+    let e = meta(Which::Gpt2, &cfg).expect_err("f32 refused");
+    assert!(e.to_string().contains("bf16 or fp16"), "{e}");
+    let mut sgd = make(
+        ZeroStage::Stage2,
+        1,
+        Precision::Bf16,
+        Offload::None,
+        Ckpt::Off,
+    );
+    sgd.zero.offload_optimizer.target = OffloadTarget::Nvme(absent.clone());
+    sgd.optimizer = ferrozero_config::resolved::OptimizerConfig::Sgd {
+        lr: 1e-2,
+        momentum: 0.9,
+        dampening: 0.0,
+        weight_decay: 0.0,
+        nesterov: false,
+    };
+    let e = meta(Which::Gpt2, &sgd).expect_err("SGD refused");
+    assert!(e.to_string().contains("Adam"), "{e}");
+    let mut small = make(
+        ZeroStage::Stage3,
+        1,
+        Precision::Bf16,
+        Offload::None,
+        Ckpt::Off,
+    );
+    small.zero.offload_param.target = OffloadTarget::Nvme(absent.clone());
+    small.zero.offload_param.buffer_size = 8;
+    let e = meta(Which::Gpt2, &small).expect_err("small buffers refused");
+    assert!(e.to_string().contains("raise buffer_size"), "{e}");
+    assert!(!absent.exists());
+}
+
+/// Elements of every group a single rank holds at stage 3 (shards of one rank are whole
+/// groups): the parameters and the optimizer's owned ranges.
+fn group_elements(model: &Model) -> u64 {
+    shard_elements(model, 1)
+}
+
+/// A 13B Llama at one rank with `configs/llama13b_40gb_nvme.toml`'s settings (stage 3, bf16,
+/// optimizer and parameters on NVMe, checkpointing), one micro-batch of 1 x 4096: the meta
+/// engine builds and steps in under 3 s without model-sized memory and without creating its
+/// swap directory, and its NVMe holds the closed form: f32 master weights and two moments
+/// (12 bytes per parameter) and the bf16 parameter shards (2 bytes per parameter).
+#[test]
+fn llama_13b_on_nvme_steps_in_seconds_without_a_file_or_its_bytes() {
+    let _alone = ALONE.write().unwrap_or_else(|e| e.into_inner());
+    let scratch = common::scratch::Scratch::new();
+    let absent = scratch.dir().join("local_nvme");
+    let model = llama::build(&llama::LlamaConfig::preset("llama-13b").unwrap()).unwrap();
+    let n = group_elements(&model);
+    let mut cfg = config(ZeroStage::Stage3, 1, 1, 1, Precision::Bf16);
+    let z = &mut cfg.zero;
+    (z.overlap_comm, z.sub_group_size, z.reduce_bucket_size) = (true, 100_000_000, 50_000_000);
+    (z.prefetch_bucket_size, z.param_persistence_threshold) = (45_000_000, 100_000);
+    (z.max_live_parameters, z.max_reuse_distance) = (100_000_000, 100_000_000);
+    z.offload_param.target = OffloadTarget::Nvme(absent.clone());
+    (z.offload_param.pin_memory, z.offload_param.buffer_count) = (true, 5);
+    (z.offload_param.buffer_size, z.offload_param.max_in_cpu) = (400_000_000, 1_000_000_000);
+    z.offload_optimizer.target = OffloadTarget::Nvme(absent.clone());
+    (
+        z.offload_optimizer.pin_memory,
+        z.offload_optimizer.buffer_count,
+    ) = (true, 4);
+    cfg.activation_checkpointing = Some(checkpointing(false));
+    let before = rss();
+    let start = Instant::now();
+    let comm = MetaComm::new(0, 1, cfg.comms.backend).unwrap();
+    let mut e =
+        Engine::with_backend(model, cfg.clone(), Box::new(comm), Arc::new(MetaBackend)).unwrap();
+    let built = start.elapsed();
+    e.train_batch(&[toy::batch(32000, 4096, 0, 1)]).unwrap();
+    let took = start.elapsed();
+    let grew = rss().saturating_sub(before);
+    eprintln!(
+        "13B on NVMe, 1 rank: built {built:?}, built and stepped {took:?}, RSS +{} MiB",
+        grew >> 20
+    );
+    assert!(!absent.exists(), "the meta run made {}", absent.display());
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert!(grew < 256 << 20, "RSS grew {grew} bytes");
+    assert_eq!(e.global_steps(), 1);
+    let l = e.ledger();
+    eprintln!("ledger: {:?}", peaks(l));
+    assert!(n > 12_000_000_000, "a 13B's parameters: {n}");
+    assert_eq!(l.peak(Location::Nvme, Category::OptimizerState), 12 * n);
+    assert_eq!(l.peak(Location::Nvme, Category::Parameters), 2 * n);
+    assert_eq!(l.peak_total(Location::Nvme), 14 * n);
+    // The tiles' pool: four buffers of one 1e8-parameter tile each, rounded to pages.
+    let pool = 4 * (12 * 100_000_000u64).next_multiple_of(4096);
+    assert_eq!(l.peak(Location::Host, Category::CommBuffers), pool);
+    // Shards were read into host buffers ahead of their gathers, at most five at once.
+    assert!(l.peak(Location::Host, Category::Prefetch) > 0);
+    assert_eq!(l.current(Location::Host, Category::Prefetch), 0);
+    assert!(l.peak(Location::Device, Category::Activations) > 4096 * 5120 * 4);
 }

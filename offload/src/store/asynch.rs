@@ -6,6 +6,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use super::iobuf::{IoDst, IoSrc};
 use super::Inner;
 use crate::{Error, Result};
 
@@ -57,15 +58,12 @@ impl Workers {
 
     pub(super) fn submit_write<B>(&self, key: &str, buf: B, len: usize) -> Pending<B>
     where
-        B: AsRef<[u8]> + Send + 'static,
+        B: IoSrc + Send + 'static,
     {
         let key = key.to_string();
         self.send(
             move |inner: &Inner, buf: B| {
-                let r = match buf.as_ref().get(..len) {
-                    Some(data) => inner.write(&key, data),
-                    None => Err(too_short("submit_write", &key, buf.as_ref().len(), len)),
-                };
+                let r = inner.write_from(&key, &buf, len, "submit_write");
                 (buf, r)
             },
             buf,
@@ -74,27 +72,16 @@ impl Workers {
 
     pub(super) fn submit_read<B>(&self, key: &str, buf: B, len: usize) -> Pending<B>
     where
-        B: AsMut<[u8]> + Send + 'static,
+        B: IoDst + Send + 'static,
     {
         let key = key.to_string();
         self.send(
             move |inner: &Inner, mut buf: B| {
-                let have = buf.as_mut().len();
-                let r = match buf.as_mut().get_mut(..len) {
-                    Some(dst) => inner.read(&key, dst),
-                    None => Err(too_short("submit_read", &key, have, len)),
-                };
+                let r = inner.read_into(&key, &mut buf, len, "submit_read");
                 (buf, r)
             },
             buf,
         )
-    }
-}
-
-fn too_short(op: &'static str, key: &str, have: usize, len: usize) -> Error {
-    Error::Length {
-        op,
-        detail: format!("tensor {key:?}: buffer of {have} bytes for {len} bytes"),
     }
 }
 

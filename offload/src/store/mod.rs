@@ -18,6 +18,7 @@
 mod asynch;
 mod dir;
 mod engine;
+mod iobuf;
 mod lane;
 mod ring;
 mod settings;
@@ -33,6 +34,7 @@ use std::sync::{Arc, RwLock};
 pub use asynch::Pending;
 pub use dir::LOCK_FILE;
 pub use engine::Engine;
+pub use iobuf::{IoDst, IoSrc};
 pub use settings::{AioSettings, EngineChoice, Overlap, Submit};
 
 use crate::{Error, Result};
@@ -219,6 +221,19 @@ impl NvmeStore {
         self.inner.read(key, dst)
     }
 
+    /// Writes `len` bytes of `src` under `key`: [`NvmeStore::write`] for any [`IoSrc`], a
+    /// size-only one included (which only a meta store accepts).
+    pub fn write_from(&self, key: &str, src: &(impl IoSrc + ?Sized), len: usize) -> Result<()> {
+        self.inner
+            .write_from(key, src, len, "NvmeStore::write_from")
+    }
+
+    /// Reads `key`'s `len` bytes into `dst`: [`NvmeStore::read`] for any [`IoDst`], a
+    /// size-only one included (which only a meta store accepts, leaving it as it is).
+    pub fn read_into(&self, key: &str, dst: &mut (impl IoDst + ?Sized), len: usize) -> Result<()> {
+        self.inner.read_into(key, dst, len, "NvmeStore::read_into")
+    }
+
     /// Removes `key` and its file.
     pub fn remove(&self, key: &str) -> Result<()> {
         self.inner.remove(key)
@@ -228,7 +243,7 @@ impl NvmeStore {
     /// from [`Pending::wait`].
     pub fn submit_write<B>(&self, key: &str, buf: B, len: usize) -> Pending<B>
     where
-        B: AsRef<[u8]> + Send + 'static,
+        B: IoSrc + Send + 'static,
     {
         self.workers.submit_write(key, buf, len)
     }
@@ -236,7 +251,7 @@ impl NvmeStore {
     /// Starts reading `key` into `buf[..len]` on a background thread.
     pub fn submit_read<B>(&self, key: &str, buf: B, len: usize) -> Pending<B>
     where
-        B: AsMut<[u8]> + Send + 'static,
+        B: IoDst + Send + 'static,
     {
         self.workers.submit_read(key, buf, len)
     }
@@ -278,13 +293,18 @@ impl Inner {
                 Vec::new()
             }
         };
+        self.record(key, data.len(), crcs);
+        Ok(())
+    }
+
+    /// Enters `key` as written: `len` bytes with their blocks' checksums.
+    fn record(&self, key: &str, len: usize, crcs: Vec<u32>) {
         let entry = Entry {
-            len: data.len(),
+            len,
             crcs: Arc::new(crcs),
         };
         self.index_mut().insert(key.to_string(), entry);
-        self.moved[1].fetch_add(data.len() as u64, Ordering::Relaxed);
-        Ok(())
+        self.moved[1].fetch_add(len as u64, Ordering::Relaxed);
     }
 
     /// Writes `data` to `key`'s file; returns its blocks' checksums.
@@ -312,24 +332,7 @@ impl Inner {
     }
 
     fn read(&self, key: &str, dst: &mut [u8]) -> Result<()> {
-        let entry = self
-            .index()
-            .get(key)
-            .cloned()
-            .ok_or_else(|| Error::Invalid {
-                op: "NvmeStore::read",
-                detail: format!("no tensor {key:?} in {}", self.dir.display()),
-            })?;
-        if dst.len() != entry.len {
-            return Err(Error::Length {
-                op: "NvmeStore::read",
-                detail: format!(
-                    "tensor {key:?} holds {} bytes, buffer is {}",
-                    entry.len,
-                    dst.len()
-                ),
-            });
-        }
+        let entry = self.entry(key, dst.len())?;
         let n = dst.len() as u64;
         if let Medium::Files { direct, lanes, .. } = &self.medium {
             let (file, path) = self.open_file(key, false, *direct)?;
@@ -344,6 +347,32 @@ impl Inner {
         }
         self.moved[0].fetch_add(n, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// A read of `key` that moves nothing (a size-only buffer): its length checked, counted.
+    fn read_len(&self, key: &str, len: usize) -> Result<()> {
+        self.entry(key, len)?;
+        self.moved[0].fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// `key`'s entry, which must hold `len` bytes.
+    fn entry(&self, key: &str, len: usize) -> Result<Entry> {
+        let entry = self
+            .index()
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::Invalid {
+                op: "NvmeStore::read",
+                detail: format!("no tensor {key:?} in {}", self.dir.display()),
+            })?;
+        if len != entry.len {
+            return Err(Error::Length {
+                op: "NvmeStore::read",
+                detail: format!("tensor {key:?} holds {} bytes, buffer is {len}", entry.len),
+            });
+        }
+        Ok(entry)
     }
 
     fn remove(&self, key: &str) -> Result<()> {

@@ -5,7 +5,11 @@
 //! complete when recorded. Layers size what they save from [`MemoryOps::memory_model`], which
 //! is the CPU's, so a meta run holds what a CPU run holds, buffer for buffer.
 
+use std::path::Path;
+
 use ferrozero_offload::optim::LambHyper;
+use ferrozero_offload::pool::{BufferPool, Pinning};
+use ferrozero_offload::store::{AioSettings, NvmeStore};
 
 use super::{
     Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ElementwiseOps, Epilogue,
@@ -96,10 +100,10 @@ meta_ops! {
         fn adopt(host: FlatBuf) -> Result<Storage> => meta(host.dtype(), host.len());
         fn host_zeros(dtype: DType, len: usize) -> Result<Storage> => meta(dtype, len);
         fn host_backend() -> &dyn Backend => &MetaBackend;
-        fn nvme_offload() -> Result<()> => Err(Error::Unavailable {
-            what: "offload to NVMe in a size-only run",
-            why: "the meta run does not price NVMe yet: its swap files would need real bytes".into(),
-        });
+        fn nvme_store(dir: &Path, settings: &AioSettings) -> Result<NvmeStore> =>
+            Ok(NvmeStore::meta(settings)?);
+        fn host_pool(count: usize, size: usize, pinning: Pinning) -> Result<BufferPool> =>
+            Ok(BufferPool::new(count, size, Pinning::Pageable)?);
         fn memory_model() -> MemoryModel => MemoryModel::for_device(super::Device::Cpu, DType::F32);
     }
     impl MatmulOps {
@@ -236,9 +240,30 @@ mod tests {
         want(be.copy(src.view()).unwrap(), DType::F16, 6);
         assert_eq!(be.memory_model(), CpuBackend.memory_model());
         assert_eq!(be.host_backend().name(), "meta");
-        assert!(CpuBackend.nvme_offload().is_ok());
-        let e = be.nvme_offload().unwrap_err();
-        assert!(e.to_string().contains("does not price NVMe"), "{e}");
+    }
+
+    /// NVMe on the size-only device: a store with no directory (the one named is not made)
+    /// and a pool that is never locked, whatever the config's `pin_memory` asks.
+    #[test]
+    fn nvme_is_a_meta_store_and_an_unlocked_pool() {
+        let dir = std::env::temp_dir().join(format!("fz-meta-nvme-{}", std::process::id()));
+        let store = MetaBackend
+            .nvme_store(&dir, &AioSettings::default())
+            .unwrap();
+        assert!(store.is_meta());
+        store.write("t", &[0u8; 3]).unwrap();
+        assert!(!dir.exists(), "{} was made", dir.display());
+        let pool = MetaBackend.host_pool(2, 1 << 30, Pinning::Locked).unwrap();
+        assert_eq!(pool.pinning(), Pinning::Pageable);
+        assert_eq!((pool.buffer_count(), pool.buffer_size()), (2, 1 << 30));
+        let real = CpuBackend.host_pool(1, 4096, Pinning::Pageable).unwrap();
+        assert_eq!(real.pinning(), Pinning::Pageable);
+        let real = CpuBackend
+            .nvme_store(&dir, &AioSettings::default())
+            .unwrap();
+        assert!(!real.is_meta() && dir.exists());
+        drop(real);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

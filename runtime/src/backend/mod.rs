@@ -221,10 +221,28 @@ pub trait MemoryOps {
     fn host_backend(&self) -> &dyn Backend {
         &CpuBackend
     }
-    /// Whether a run on this device can keep state on NVMe (`offload_optimizer` or
-    /// `offload_param` with `device = "nvme"`); an error says why not.
-    fn nvme_offload(&self) -> Result<()> {
-        Ok(())
+    /// The NVMe store a run on this device swaps through (`offload_optimizer` or
+    /// `offload_param` with `device = "nvme"`): the directory `dir`, taken and opened; a
+    /// size-only device's store has no directory and no files and keeps only lengths.
+    fn nvme_store(
+        &self,
+        dir: &std::path::Path,
+        settings: &ferrozero_offload::store::AioSettings,
+    ) -> Result<ferrozero_offload::store::NvmeStore> {
+        Ok(ferrozero_offload::store::NvmeStore::open(dir, settings)?)
+    }
+    /// `count` host buffers of `size` bytes that NVMe tiles move through, locked in RAM when
+    /// `pinning` asks; a size-only device never locks them (they are mapped and never
+    /// touched, so they cost no memory).
+    fn host_pool(
+        &self,
+        count: usize,
+        size: usize,
+        pinning: ferrozero_offload::pool::Pinning,
+    ) -> Result<ferrozero_offload::pool::BufferPool> {
+        Ok(ferrozero_offload::pool::BufferPool::new(
+            count, size, pinning,
+        )?)
     }
     /// Page-locks host memory `b` for fast copies to and from this device, when the device
     /// has a bus to cross and its driver agrees (best effort: `None` otherwise, and copies

@@ -63,7 +63,7 @@ pub(super) fn assemble(
     if let Some(n) = &nvme {
         ledger.alloc(Location::Host, Category::CommBuffers, n.pool_bytes());
     }
-    let mut param_swap = open_param_swap(&cfg, comm.world.as_ref(), &*be)?;
+    let mut param_swap = open_param_swap(&cfg, comm.world.as_ref(), &be)?;
     let plan = GroupPlan {
         stage: stage.as_ref(),
         cfg: &cfg,
@@ -157,12 +157,11 @@ pub(super) fn assemble(
 fn open_param_swap(
     cfg: &ResolvedConfig,
     comm: &dyn Communicator,
-    be: &dyn Backend,
+    be: &Arc<dyn Backend>,
 ) -> Result<Swap> {
     match &cfg.zero.offload_param.target {
         ferrozero_config::resolved::OffloadTarget::Nvme(dir) => {
-            be.nvme_offload()?;
-            ParamSwap::open(cfg, dir, comm.rank()).map(Swap::Nvme)
+            ParamSwap::open(cfg, be.clone(), dir, comm.rank()).map(Swap::Nvme)
         }
         _ => Ok(Swap::Off),
     }
@@ -181,7 +180,6 @@ fn open_nvme(
     else {
         return Ok(None);
     };
-    be.nvme_offload()?;
     let largest = rules::largest_owned(model, stage, shards.world_size(), shards.rank());
-    NvmeOffload::open(cfg, dir, rank, largest).map(Some)
+    NvmeOffload::open(cfg, be, (dir, rank), largest).map(Some)
 }

@@ -12,7 +12,7 @@ use super::stage::{Extent, Stage};
 use crate::backend::Backend;
 use crate::nn::{init, ParamSpec};
 use crate::tensor::in_flight::HostPin;
-use crate::tensor::{DType, FlatBuf, Storage};
+use crate::tensor::{DType, Storage};
 use ferrozero_offload::tiled::NvmeAdam;
 
 /// The storage dtype of parameters and gradients for a precision.
@@ -171,8 +171,8 @@ impl GroupPlan<'_> {
                 let shard = match swap {
                     Some(swap) => {
                         swap.check_fits(index, r.len())?;
-                        let mut b = FlatBuf::zeros(dtype, r.len());
-                        b.store_f32(0, &initial.values(r));
+                        let mut b = swap.buffer(dtype, r.len())?;
+                        b.write_f32_with(0, r.len(), || initial.values(r))?;
                         Shard::Nvme(SwapSlot::create(swap, format!("p{index}"), b)?)
                     }
                     None => Shard::Memory(store(param_location(self.cfg), r)?),
@@ -228,13 +228,15 @@ impl GroupPlan<'_> {
         let opt_loc = optimizer_location(self.cfg);
         let (master, nvme_adam) = match self.nvme {
             Some(n) => {
-                let a = NvmeAdam::create(
-                    &n.store,
-                    &n.pool,
-                    &format!("g{index}"),
-                    &initial.values(owned.clone()),
-                    n.tile,
-                )?;
+                // Values are made a tile at a time, when the store asks (a size-only
+                // store never does).
+                let fill = |r: std::ops::Range<usize>, out: &mut [f32]| {
+                    let start = owned.start;
+                    out.copy_from_slice(&initial.values(start + r.start..start + r.end));
+                    Ok(())
+                };
+                let key = format!("g{index}");
+                let a = NvmeAdam::create_with(&n.store, &n.pool, &key, owned.len(), n.tile, fill)?;
                 (None, Some(a))
             }
             // `bf16_master_weights_and_grads`: the bf16 parameters are the master weights.
@@ -267,8 +269,12 @@ impl GroupPlan<'_> {
             state,
             if self.moments > 1 { state_len } else { 0 },
         )?;
-        // The ledger counts the moments where they live (NVMe included) at their full size.
-        let master_bytes = master.as_ref().map_or(0, Storage::bytes);
+        // The ledger counts the moments where they live (NVMe included) at their full size,
+        // and the f32 master weights wherever they are: NVMe tiles hold them beside m and v.
+        let master_bytes = match &nvme_adam {
+            Some(a) => (a.len() * DType::F32.size()) as u64,
+            None => master.as_ref().map_or(0, Storage::bytes),
+        };
         let opt_bytes = master_bytes + (owned.len() * self.moments * state.size()) as u64;
         ledger.alloc(opt_loc, Category::OptimizerState, opt_bytes);
         Ok(Group {

@@ -134,7 +134,7 @@ fn load_group(
         ) => {
             let mut b = slot.read_copy(&swap.store)?;
             write(&mut b)?;
-            slot.write_sync(swap, b)
+            slot.write_sync(swap, crate::tensor::Storage::Host(b))
         }
         (
             ParamStore::Partitioned {

@@ -9,6 +9,8 @@ use ferrozero_config::resolved::{AioConfig, OptimizerConfig, Precision, Resolved
 use ferrozero_offload::pool::{BufferPool, Pinning};
 use ferrozero_offload::store::{AioSettings, NvmeStore, Overlap, Submit};
 
+use crate::backend::Backend;
+
 use crate::{Error, Result};
 
 /// The rank's swap store and the host buffers its tiles move through.
@@ -42,9 +44,15 @@ pub(super) fn aio_settings(a: &AioConfig) -> AioSettings {
 }
 
 impl NvmeOffload {
-    /// Opens `dir/rank{rank}` for a config whose optimizer state goes to NVMe. `largest` is
-    /// the largest owned range of any group, so a tile never exceeds what a group needs.
-    pub fn open(cfg: &ResolvedConfig, dir: &Path, rank: usize, largest: usize) -> Result<Self> {
+    /// Opens `dir/rank{rank}` for a config whose optimizer state goes to NVMe, the store and
+    /// the pool as the compute device `be` provides them. `largest` is the largest owned
+    /// range of any group, so a tile never exceeds what a group needs.
+    pub fn open(
+        cfg: &ResolvedConfig,
+        be: &dyn Backend,
+        (dir, rank): (&Path, usize),
+        largest: usize,
+    ) -> Result<Self> {
         if !matches!(cfg.optimizer, OptimizerConfig::Adam { .. }) {
             return Err(Error::Config(
                 "offload_optimizer.device = \"nvme\" supports Adam and AdamW".into(),
@@ -64,8 +72,8 @@ impl NvmeOffload {
         } else {
             Pinning::Pageable
         };
-        let pool = BufferPool::new(count, bytes, pinning)?;
-        let store = NvmeStore::open(&dir.join(format!("rank{rank}")), &aio_settings(&cfg.aio))?;
+        let pool = be.host_pool(count, bytes, pinning)?;
+        let store = be.nvme_store(&dir.join(format!("rank{rank}")), &aio_settings(&cfg.aio))?;
         Ok(Self { store, pool, tile })
     }
 

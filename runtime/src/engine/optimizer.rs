@@ -6,16 +6,14 @@
 //! through the offload crate's pipelined tile driver.
 
 use ferrozero_config::resolved::OptimizerConfig;
-use ferrozero_offload::optim::{
-    AdamHyper, LambHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay,
-};
+use ferrozero_offload::optim::{AdamHyper, LambHyper, LionHyper, SgdHyper, WeightDecay};
 
 use super::group::{owned_lp, Group, OwnedState};
 use super::nvme::NvmeOffload;
 use super::offload_copies::{self, Inbound, Landing, UploadWindow};
 use super::partition::chunks;
 use crate::backend::{Backend, GradView, StepTensor, UpdateRule};
-use crate::tensor::{FlatBuf, ViewMut};
+use crate::tensor::{DType, ViewMut};
 use crate::{Error, Result};
 use std::ops::Range;
 
@@ -165,7 +163,8 @@ impl Optimizer {
     }
 
     /// The step for a group whose master weights and moments live on NVMe: the gradient of
-    /// the owned range in f32, the tile driver, the low-precision copy written in place.
+    /// the owned range in f32, the tile driver, the low-precision copy written in place (the
+    /// storage lends them to the host; size-only storage has nothing to step).
     fn step_nvme(&self, g: &mut Group, n: &NvmeOffload, sv: &StepValues) -> Result<()> {
         let hp = self.adam_hyper(sv)?;
         let Group {
@@ -179,26 +178,18 @@ impl Optimizer {
         else {
             return Ok(());
         };
-        let mut grads = crate::tensor::spare::take_f32(owned.len());
-        grad.read_f32(owned.start - *grad_offset, &mut grads)?;
         let (lp, off) = owned_lp(params, owned)?;
-        let r = off..off + owned.len();
-        let lp_host = lp.host_mut().ok_or_else(|| {
-            Error::Config("NVMe optimizer state needs the parameters in host memory".into())
-        })?;
-        let out = match lp_host {
-            FlatBuf::Bf16(b) => LowPrecision::Bf16(&mut b[r]),
-            FlatBuf::F16(b) => LowPrecision::F16(&mut b[r]),
-            FlatBuf::F32(_) => {
-                return Err(Error::Config(
-                    "NVMe optimizer state needs bf16 or fp16 parameters".into(),
-                ))
-            }
-        };
-        let res = state.adam_step(&n.store, &n.pool, &hp, sv.step, sv.grad_scale, &grads, out);
-        crate::tensor::spare::give_f32(grads);
-        res?;
-        Ok(())
+        if lp.dtype() == DType::F32 {
+            return Err(Error::Config(
+                "NVMe optimizer state needs bf16 or fp16 parameters".into(),
+            ));
+        }
+        let grads = owned.start - *grad_offset..owned.end - *grad_offset;
+        let lp_range = off..off + owned.len();
+        grad.with_host_update(grads, (lp, lp_range), |grads, out| {
+            let (store, pool) = (&n.store, &n.pool);
+            Ok(state.adam_step(store, pool, &hp, sv.step, sv.grad_scale, grads, out)?)
+        })
     }
 
     fn adam_hyper(&self, sv: &StepValues) -> Result<AdamHyper> {

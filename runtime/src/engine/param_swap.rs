@@ -11,11 +11,13 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use ferrozero_config::resolved::ResolvedConfig;
-use ferrozero_offload::store::{NvmeStore, Pending};
+use ferrozero_offload::store::{IoDst, IoSrc, NvmeStore, Pending};
 
 use super::nvme::aio_settings;
+use crate::backend::Backend;
 use crate::tensor::{DType, FlatBuf, Storage};
 use crate::{Error, Result};
 
@@ -24,21 +26,45 @@ pub struct ShardBytes(pub FlatBuf);
 
 impl AsRef<[u8]> for ShardBytes {
     fn as_ref(&self) -> &[u8] {
-        match &self.0 {
-            FlatBuf::F32(v) => bytemuck::cast_slice(v),
-            FlatBuf::Bf16(v) => bytemuck::cast_slice(v),
-            FlatBuf::F16(v) => bytemuck::cast_slice(v),
-        }
+        flat_bytes(&self.0)
     }
 }
 
 impl AsMut<[u8]> for ShardBytes {
     fn as_mut(&mut self) -> &mut [u8] {
-        match &mut self.0 {
-            FlatBuf::F32(v) => bytemuck::cast_slice_mut(v),
-            FlatBuf::Bf16(v) => bytemuck::cast_slice_mut(v),
-            FlatBuf::F16(v) => bytemuck::cast_slice_mut(v),
-        }
+        flat_bytes_mut(&mut self.0)
+    }
+}
+
+fn flat_bytes(b: &FlatBuf) -> &[u8] {
+    match b {
+        FlatBuf::F32(v) => bytemuck::cast_slice(v),
+        FlatBuf::Bf16(v) => bytemuck::cast_slice(v),
+        FlatBuf::F16(v) => bytemuck::cast_slice(v),
+    }
+}
+
+fn flat_bytes_mut(b: &mut FlatBuf) -> &mut [u8] {
+    match b {
+        FlatBuf::F32(v) => bytemuck::cast_slice_mut(v),
+        FlatBuf::Bf16(v) => bytemuck::cast_slice_mut(v),
+        FlatBuf::F16(v) => bytemuck::cast_slice_mut(v),
+    }
+}
+
+/// A swapped shard's buffer as the store reads and writes it: the bytes of host memory, or
+/// none for size-only storage (which only the size-only device's store accepts).
+pub struct SwapBuf(pub Storage);
+
+impl IoSrc for SwapBuf {
+    fn io_bytes(&self) -> Option<&[u8]> {
+        self.0.host().map(flat_bytes)
+    }
+}
+
+impl IoDst for SwapBuf {
+    fn io_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        self.0.host_mut().map(flat_bytes_mut)
     }
 }
 
@@ -53,14 +79,22 @@ pub struct ParamSwap {
     /// Elements that shards read ahead of use may bring the host copy to
     /// (`offload_param.max_in_cpu`); a shard needed now is always brought in.
     pub max_in_cpu: usize,
-    spare: HashMap<(DType, usize), Vec<FlatBuf>>,
+    spare: HashMap<(DType, usize), Vec<Storage>>,
+    /// The compute device, whose host memory the shard buffers are.
+    be: Arc<dyn Backend>,
 }
 
 impl ParamSwap {
-    /// Opens `dir/params/rank{rank}` for a config whose parameters go to NVMe.
-    pub fn open(cfg: &ResolvedConfig, dir: &Path, rank: usize) -> Result<Self> {
+    /// Opens `dir/params/rank{rank}` for a config whose parameters go to NVMe, the store and
+    /// the shard buffers as the compute device `be` provides them.
+    pub fn open(
+        cfg: &ResolvedConfig,
+        be: Arc<dyn Backend>,
+        dir: &Path,
+        rank: usize,
+    ) -> Result<Self> {
         let off = &cfg.zero.offload_param;
-        let store = NvmeStore::open(
+        let store = be.nvme_store(
             &dir.join("params").join(format!("rank{rank}")),
             &aio_settings(&cfg.aio),
         )?;
@@ -70,6 +104,7 @@ impl ParamSwap {
             buffer_size: off.buffer_size,
             max_in_cpu: off.max_in_cpu,
             spare: HashMap::new(),
+            be,
         })
     }
 
@@ -87,15 +122,15 @@ impl ParamSwap {
 
     /// A buffer for a shard, recycled when one of that shape was returned. Contents are
     /// unspecified: callers read into it or overwrite it entirely.
-    pub fn buffer(&mut self, dtype: DType, len: usize) -> FlatBuf {
-        self.spare
-            .get_mut(&(dtype, len))
-            .and_then(Vec::pop)
-            .unwrap_or_else(|| FlatBuf::zeros(dtype, len))
+    pub fn buffer(&mut self, dtype: DType, len: usize) -> Result<Storage> {
+        match self.spare.get_mut(&(dtype, len)).and_then(Vec::pop) {
+            Some(b) => Ok(b),
+            None => self.be.host_zeros(dtype, len),
+        }
     }
 
     /// Returns a buffer for reuse; the spares never exceed `buffer_count`.
-    pub fn recycle(&mut self, b: FlatBuf) {
+    pub fn recycle(&mut self, b: Storage) {
         let held: usize = self.spare.values().map(Vec::len).sum();
         if held < self.buffer_count {
             self.spare.entry((b.dtype(), b.len())).or_default().push(b);
@@ -108,12 +143,12 @@ enum SlotState {
     /// Only in the swap file.
     Out,
     /// A read is in flight.
-    Reading(Pending<ShardBytes>),
+    Reading(Pending<SwapBuf>),
     /// In memory (and, except between an update and its write, also in the file). Always
     /// host memory: the swap files are read and written from it.
     In(Storage),
     /// An updated shard is being written; it is in memory until the write completes.
-    Writing(Pending<ShardBytes>),
+    Writing(Pending<SwapBuf>),
 }
 
 /// One group's NVMe-resident parameter shard.
@@ -145,7 +180,7 @@ impl std::fmt::Debug for SwapSlot {
 
 impl SwapSlot {
     /// Writes the initial shard and leaves it swapped out.
-    pub fn create(swap: &mut ParamSwap, key: String, shard: FlatBuf) -> Result<Self> {
+    pub fn create(swap: &mut ParamSwap, key: String, shard: Storage) -> Result<Self> {
         let mut slot = SwapSlot {
             key,
             dtype: shard.dtype(),
@@ -199,12 +234,16 @@ impl SwapSlot {
         !matches!(self.state, SlotState::Out)
     }
 
-    /// Starts reading the shard ahead of use; no-op unless it is swapped out.
+    /// Starts reading the shard ahead of use; no-op unless it is swapped out. A read ahead
+    /// that gets no buffer is not started: the shard's use asks again and reports it.
     pub fn start_read(&mut self, swap: &mut ParamSwap) {
         if let SlotState::Out = self.state {
-            let buf = ShardBytes(swap.buffer(self.dtype, self.len));
+            let Ok(buf) = swap.buffer(self.dtype, self.len) else {
+                return;
+            };
             let n = self.bytes() as usize;
-            self.state = SlotState::Reading(swap.store.submit_read(&self.key, buf, n));
+            let read = swap.store.submit_read(&self.key, SwapBuf(buf), n);
+            self.state = SlotState::Reading(read);
         }
     }
 
@@ -218,11 +257,15 @@ impl SwapSlot {
         self.finish_write(swap)?;
         let buf = match self.take() {
             SlotState::In(b) => b,
-            SlotState::Reading(p) => Storage::Host(p.wait()?.0),
+            SlotState::Reading(p) => p.wait()?.0,
             _ => {
-                let mut b = ShardBytes(swap.buffer(self.dtype, self.len));
-                swap.store.read(&self.key, b.as_mut())?;
-                Storage::Host(b.0)
+                let mut b = SwapBuf(swap.buffer(self.dtype, self.len)?);
+                let n = self.bytes() as usize;
+                if let Err(e) = swap.store.read_into(&self.key, &mut b, n) {
+                    swap.recycle(b.0);
+                    return Err(e.into());
+                }
+                b.0
             }
         };
         self.state = SlotState::In(buf);
@@ -237,7 +280,7 @@ impl SwapSlot {
     pub fn overwrite(&mut self, swap: &mut ParamSwap) -> Result<&mut Storage> {
         self.finish_write(swap)?;
         if let SlotState::Out = self.state {
-            self.state = SlotState::In(Storage::Host(swap.buffer(self.dtype, self.len)));
+            self.state = SlotState::In(swap.buffer(self.dtype, self.len)?);
         }
         self.swap_in(swap)
     }
@@ -245,8 +288,7 @@ impl SwapSlot {
     /// Drops the in-memory copy (the file holds the same bytes); the buffer is recycled.
     pub fn release(&mut self, swap: &mut ParamSwap) {
         match self.take() {
-            SlotState::In(Storage::Host(b)) => swap.recycle(b),
-            SlotState::In(_) => {}
+            SlotState::In(b) => swap.recycle(b),
             other => self.state = other,
         }
     }
@@ -256,9 +298,7 @@ impl SwapSlot {
         match self.take() {
             SlotState::In(b) => {
                 let n = self.bytes() as usize;
-                let p = swap
-                    .store
-                    .submit_write(&self.key, ShardBytes(b.into_host()?), n);
+                let p = swap.store.submit_write(&self.key, SwapBuf(b), n);
                 self.state = SlotState::Writing(p);
             }
             other => self.state = other,
@@ -281,14 +321,14 @@ impl SwapSlot {
         self.finish_write(swap)?;
         match self.take() {
             SlotState::Reading(p) => swap.recycle(p.wait()?.0),
-            SlotState::In(b) => swap.recycle(b.into_host()?),
+            SlotState::In(b) => swap.recycle(b),
             other => self.state = other,
         }
         Ok(())
     }
 
     /// Replaces the stored shard with `shard` (checkpoint load, `set_parameters`).
-    pub fn write_sync(&mut self, swap: &mut ParamSwap, shard: FlatBuf) -> Result<()> {
+    pub fn write_sync(&mut self, swap: &mut ParamSwap, shard: Storage) -> Result<()> {
         self.settle(swap)?;
         if shard.len() != self.len || shard.dtype() != self.dtype {
             return Err(Error::Invalid(format!(
@@ -300,9 +340,9 @@ impl SwapSlot {
                 self.dtype
             )));
         }
-        let b = ShardBytes(shard);
-        swap.store.write(&self.key, b.as_ref())?;
+        let b = SwapBuf(shard);
+        let written = swap.store.write_from(&self.key, &b, self.bytes() as usize);
         swap.recycle(b.0);
-        Ok(())
+        Ok(written?)
     }
 }

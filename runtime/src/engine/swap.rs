@@ -46,7 +46,7 @@ pub(super) fn edit_shard(
         ) => {
             let mut b = slot.read_copy(&swap.store)?;
             edit(&mut b)?;
-            slot.write_sync(swap, b)
+            slot.write_sync(swap, crate::tensor::Storage::Host(b))
         }
         (
             ParamStore::Partitioned {

@@ -20,6 +20,9 @@ use crate::tensor::in_flight::HostPin;
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::Result;
 use ferrozero_offload::optim::LambHyper;
+use ferrozero_offload::pool::{BufferPool, Pinning};
+use ferrozero_offload::store::{AioSettings, NvmeStore};
+use std::path::Path;
 
 /// Forwards every operation to `inner`; while recording, each one starts and ends with a
 /// wait on a compute-stream event so that the time taken is the operation's own on every
@@ -96,7 +99,8 @@ profiled! {
         fn pin_host(b: &mut FlatBuf) -> Option<HostPin>;
         fn host_zeros(dtype: DType, len: usize) -> Result<Storage>;
         fn host_backend() -> &dyn Backend;
-        fn nvme_offload() -> Result<()>;
+        fn nvme_store(dir: &Path, settings: &AioSettings) -> Result<NvmeStore>;
+        fn host_pool(count: usize, size: usize, pinning: Pinning) -> Result<BufferPool>;
         fn memory_model() -> MemoryModel;
         fn activity() -> Option<DeviceActivity>;
     }

@@ -8,6 +8,7 @@
 
 mod flat;
 mod host;
+mod host_update;
 pub mod in_flight;
 pub mod meta;
 pub mod quant;

@@ -488,7 +488,7 @@ pub(crate) fn copy_view(src: View<'_>, dst: ViewMut<'_>) -> Result<()> {
     Ok(())
 }
 
-fn check_span(op: &'static str, offset: usize, n: usize, len: usize) -> Result<()> {
+pub(super) fn check_span(op: &'static str, offset: usize, n: usize, len: usize) -> Result<()> {
     if offset.checked_add(n).is_some_and(|end| end <= len) {
         return Ok(());
     }
