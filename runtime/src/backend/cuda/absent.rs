@@ -118,6 +118,8 @@ no_value! {
         pub fn unstage(&self, _b: FlatBuf);
         /// Copies into an equal-length view of the same dtype on the same device.
         pub fn copy_to(self, _dst: CudaViewMut<'_>) -> Result<()>;
+        /// Whether this view's device holds no bytes.
+        pub fn sizes_only(&self) -> bool;
     }
     impl CudaViewMut<'a> {
         /// Elements.

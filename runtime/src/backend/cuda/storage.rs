@@ -299,6 +299,11 @@ pub(crate) struct RawView {
 }
 
 impl<'a> CudaView<'a> {
+    /// Whether this view's device holds no bytes (`DeviceInfo::sizes_only`).
+    pub fn sizes_only(&self) -> bool {
+        self.device().info().sizes_only
+    }
+
     /// The device address of the first element.
     pub(crate) fn ptr(&self) -> DevPtr {
         self.ptr
