@@ -211,7 +211,8 @@ impl Storage {
     }
 
     /// Writes the host f32 values `values()` makes, `len` of them, into `self[offset..]` as
-    /// [`Storage::write_f32`] does; size-only storage never calls `values` (generating a
+    /// [`Storage::write_f32`] does; size-only storage, and a size-only device's, never calls
+    /// `values` (generating a
     /// model's initial values is what a size-only run must not spend its time on).
     pub fn write_f32_with(
         &mut self,
@@ -220,8 +221,11 @@ impl Storage {
         values: impl FnOnce() -> Vec<f32>,
     ) -> Result<()> {
         check_span("write_f32", offset, len, self.len())?;
-        if let Storage::Meta(_) = self {
-            return Ok(());
+        match self {
+            Storage::Meta(_) => return Ok(()),
+            // A size-only device issues the upload and reads no value.
+            Storage::Cuda(c) if c.view().sizes_only() => return c.write_unvalued(offset, len),
+            _ => {}
         }
         let v = values();
         check_span("write_f32 values", 0, v.len(), len)?;
