@@ -149,16 +149,23 @@ fn make_config(c: Case) -> ResolvedConfig {
 /// traced from before the engine is built; a rank's error is kept with what its device saw.
 fn run(which: Which, cfg: &ResolvedConfig, open: Open) -> Vec<Seen> {
     let (act, world) = (act_dtype(cfg), cfg.world_size);
-    run_ranks(world, Duration::from_secs(600), |comm| rank_run(which, cfg, open(act)?, comm))
-        .expect("the ranks ran")
+    run_ranks(world, Duration::from_secs(600), |comm| {
+        rank_run(which, cfg, open(act)?, comm)
+    })
+    .expect("the ranks ran")
 }
 
 /// [`run`] on the size-only device with a [`MetaComm`]: rank 0 alone, standing for the world.
 fn run_size_only(which: Which, cfg: &ResolvedConfig) -> Vec<Seen> {
     let act = act_dtype(cfg);
     let comm = MetaComm::new(0, cfg.world_size, cfg.comms.backend).expect("a meta communicator");
-    vec![rank_run(which, cfg, size_only(act).expect("the size-only device"), Box::new(comm))
-        .expect("the size-only rank ran")]
+    vec![rank_run(
+        which,
+        cfg,
+        size_only(act).expect("the size-only device"),
+        Box::new(comm),
+    )
+    .expect("the size-only rank ran")]
 }
 
 /// One rank's two optimizer steps on `dev`, traced from before the engine is built.

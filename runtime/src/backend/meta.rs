@@ -9,10 +9,9 @@ use ferrozero_offload::optim::LambHyper;
 
 use super::{
     Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ClipRule, ElementwiseOps,
-    Epilogue,
-    GradView, HeadLoss, HeadShape, MatmulOps, MatmulShape, MemoryModel, MemoryOps, NormOps,
-    OptimizerOps, Rope, Rotation, RowView, StepStatus, Stream, StreamEvent, StreamOps, TokenOps,
-    UpdateRule,
+    Epilogue, GradView, HeadLoss, HeadShape, MatmulOps, MatmulShape, MemoryModel, MemoryOps,
+    NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, Stream, StreamEvent, StreamOps,
+    TokenOps, UpdateRule,
 };
 use crate::tensor::meta::MetaBuf;
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
@@ -70,7 +69,11 @@ pub(crate) fn status(losses: &[View<'_>], grads: &[GradView<'_>]) -> StepStatus 
 /// [`status`] of a whole step (`OptimizerOps::whole_step`), with the scale applied as the
 /// host decides it from those sums (`ClipRule::decide`, NaN for a skipped step): what a
 /// device that computed the scale itself would report.
-pub(crate) fn whole_status(clip: ClipRule, losses: &[View<'_>], grads: &[GradView<'_>]) -> StepStatus {
+pub(crate) fn whole_status(
+    clip: ClipRule,
+    losses: &[View<'_>],
+    grads: &[GradView<'_>],
+) -> StepStatus {
     let mut st = status(losses, grads);
     st.grad_scale = Some(clip.decide(&st.sum_squares).unwrap_or(f32::NAN));
     st

@@ -16,8 +16,6 @@
 use std::cell::RefCell;
 use std::collections::VecDeque;
 
-
-
 use super::storage::copy_view;
 use super::{BufRef, DType, FlatBuf, View, ViewMut};
 

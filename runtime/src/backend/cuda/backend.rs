@@ -94,7 +94,9 @@ impl CudaBackend {
     /// no copy (there are no bytes). Only a size-only device's host holds such buffers.
     fn upload_meta(&self, m: MetaBuf) -> Result<Storage> {
         if !self.sizes_only() {
-            return Err(crate::tensor::meta::mixed_meta("upload to a device that holds bytes"));
+            return Err(crate::tensor::meta::mixed_meta(
+                "upload to a device that holds bytes",
+            ));
         }
         Ok(Storage::Cuda(CudaBuf::uninit(&self.dev, m.dtype, m.len)?))
     }
