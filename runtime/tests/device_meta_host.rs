@@ -223,7 +223,10 @@ fn host_side_runs_allocate_on_the_device_as_the_emulator() {
     for (what, cfg, overlap) in cases {
         let (e, m) = both(&cfg, overlap);
         eprintln!("{what}: emulator {e:?}\n  size-only {m:?}");
-        let same = e.stats == m.stats && e.host == m.host && e.skipped == m.skipped;
+        let same = e.stats == m.stats
+            && e.host == m.host
+            && e.skipped == m.skipped
+            && e.rolled_back == m.rolled_back;
         let locked = m.locked >= e.locked && m.locked - e.locked < 64 << 10;
         if !(same && locked) {
             failures.push(format!("{what}: emulator {e:?}, size-only {m:?}"));
