@@ -25,6 +25,12 @@ use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::llama;
 use ferrozero_runtime::tensor::DType;
 
+/// One test at a time: the 7B test reads the whole process's resident memory.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The process's resident bytes (`VmRSS`).
 fn rss() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
@@ -40,6 +46,7 @@ fn rss() -> u64 {
 /// parameter at one rank), the device at least the bf16 parameters and within its 80 GiB.
 #[test]
 fn llama_7b_offloaded_to_a_size_only_host_steps_in_seconds() {
+    let _one = serial();
     let shape = llama::LlamaConfig::preset("llama-7b").unwrap();
     let model = llama::build(&shape).unwrap();
     let params: u64 = model.num_params() as u64;
@@ -180,6 +187,7 @@ fn both(cfg: &ResolvedConfig, overlap: Option<OptimizerOverlap>) -> (Held, Held)
 /// sharing a page with a registered one, the size-only host counts every shard.
 #[test]
 fn host_side_runs_allocate_on_the_device_as_the_emulator() {
+    let _one = serial();
     let offload = |stage, params: bool, cpu_ckpt: bool| {
         let mut c = config(stage, 1, 2, 2, Precision::Bf16);
         c.zero.offload_optimizer.target = OffloadTarget::Cpu;
