@@ -5,10 +5,9 @@
 
 mod common;
 
-use common::runs::{train_steps, Run, D, LAYERS, T, V};
-use common::{config, toy};
+use common::runs::{train_steps, Run};
+use common::config;
 use ferrozero_config::resolved::{CommDataType, Precision, ResolvedConfig, ZeroStage};
-use ferrozero_runtime::engine::estimate::estimate;
 
 const STEPS: usize = 20;
 

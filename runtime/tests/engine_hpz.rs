@@ -16,8 +16,8 @@ use common::runs::{train, D, LAYERS, T, V};
 use common::{config, toy};
 use ferrozero_config::resolved::{Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
-use ferrozero_runtime::comm::{BufMut, BufRef, CommBackend, Communicator, ReduceOp};
 use ferrozero_runtime::engine::estimate::estimate;
+use ferrozero_runtime::comm::{BufMut, BufRef, CommBackend, Communicator, ReduceOp};
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::partition::GroupLayout;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
@@ -116,7 +116,7 @@ fn the_fused_head_gets_no_secondary_partition_and_the_bits_stay() {
         }
         bytes.push(h_bytes);
         if fused {
-            // The estimator replays `train_batch`: it keeps no secondary copy of the head either.
+            // The estimator runs `train_batch`: it keeps no secondary copy of the head either.
             let model = llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap();
             let est = estimate(&model, &cfg, cfg.train_micro_batch_size_per_gpu, T).unwrap();
             assert_eq!(

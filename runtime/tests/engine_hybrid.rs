@@ -13,7 +13,6 @@ use common::{config, toy};
 use ferrozero_config::resolved::{Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
-use ferrozero_runtime::engine::estimate::estimate;
 use ferrozero_runtime::engine::partition::GroupLayout;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::Result;

@@ -268,13 +268,16 @@ fn median_norm(world: usize, precision: Precision) -> f64 {
 }
 
 /// The snapshot bytes of about half the groups, in the order backward finishes them (the
-/// last units first), as the estimate prices them; and how many groups that is.
+/// last units first), as rank 0's engine counts them; and how many groups that is.
 fn half_the_snapshots(cfg: &ResolvedConfig, model: fn() -> Model) -> (u64, usize) {
-    let m = model();
-    let e = ferrozero_runtime::engine::estimate::estimate(&m, cfg, 2, 5).unwrap();
-    let units = m.units.len();
+    let units = model().units.len();
+    let groups = run_ranks(cfg.world_size, Duration::from_secs(60), |comm| {
+        Ok(Engine::new(model(), cfg.clone(), comm)?.snapshot_group_bytes())
+    })
+    .expect("building the engines")
+    .swap_remove(0);
     let take = units.div_ceil(2);
-    let bytes: u64 = e.snapshot_group_bytes[units - take..units].iter().sum();
+    let bytes: u64 = groups[units - take..units].iter().sum();
     (bytes, take)
 }
 

@@ -15,7 +15,6 @@ use ferrozero_offload::optim::{
 };
 use ferrozero_runtime::backend::{cpu, UpdateRule};
 use ferrozero_runtime::comm::local::run_ranks;
-use ferrozero_runtime::engine::estimate::estimate;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::tensor::{BufMut, BufRef, View, ViewMut};

@@ -12,10 +12,10 @@ use ferrozero_offload::pool::{BufferPool, Pinning};
 use ferrozero_offload::store::{AioSettings, NvmeStore};
 
 use super::{
-    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ElementwiseOps, Epilogue,
-    GradView, HeadLoss, HeadShape, MatmulOps, MatmulShape, MemoryModel, MemoryOps, NormOps,
-    OptimizerOps, Rope, Rotation, RowView, StepStatus, Stream, StreamEvent, StreamOps, TokenOps,
-    UpdateRule,
+    Accumulate, AttentionGrads, AttentionOps, AttentionShape, Backend, ClipRule, ElementwiseOps,
+    Epilogue, GradView, HeadLoss, HeadShape, MatmulOps, MatmulShape, MemoryModel, MemoryOps,
+    NormOps, OptimizerOps, Rope, Rotation, RowView, StepStatus, Stream, StreamEvent, StreamOps,
+    TokenOps, UpdateRule,
 };
 use crate::tensor::meta::MetaBuf;
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
@@ -60,14 +60,34 @@ const COSTLIEST_SUM_SQUARES: f64 = 1e30;
 /// The status the value-dependent branches of a step decide on, each taken its costlier way:
 /// every gradient finite, because an overflow skips the update (no optimizer work, no
 /// write-back); a norm over any clipping bound, because a speculative optimizer overlap then
-/// restores the groups it stepped and steps them again. Losses read as zero.
-fn status(losses: &[View<'_>], grads: &[GradView<'_>]) -> StepStatus {
+/// restores the groups it stepped and steps them again. Losses read as zero. A size-only
+/// CUDA device reads its status back as this too, so both size-only runs branch alike.
+pub(crate) fn status(losses: &[View<'_>], grads: &[GradView<'_>]) -> StepStatus {
     StepStatus {
         losses: vec![0.0; losses.len()],
         sum_squares: vec![COSTLIEST_SUM_SQUARES; grads.len()],
         grad_scale: None,
     }
 }
+
+/// [`status`] of a whole step (`OptimizerOps::whole_step`), with the scale applied as the
+/// host decides it from those sums (`ClipRule::decide`, NaN for a skipped step): what a
+/// device that computed the scale itself would report.
+// Only a size-only CUDA device reports a whole step's status this way.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn whole_status(
+    clip: ClipRule,
+    losses: &[View<'_>],
+    grads: &[GradView<'_>],
+) -> StepStatus {
+    let mut st = status(losses, grads);
+    st.grad_scale = Some(clip.decide(&st.sum_squares).unwrap_or(f32::NAN));
+    st
+}
+
+/// LAMB's partial norms of a run (`OptimizerOps::lamb_moments`) on a size-only device: zero,
+/// so the trust ratio is 1 (no value to divide by).
+pub(crate) const LAMB_PARTIALS: (f64, f64) = (0.0, 0.0);
 
 /// One impl per trait, one line per operation: its signature and what it does (an
 /// expression over the arguments). The body cannot name `self`, so every operation is a
@@ -198,7 +218,7 @@ meta_ops! {
             Ok(status(losses, grads));
         fn lamb_moments(hp: &LambHyper, grad_scale: f32, pg: (View<'_>, GradView<'_>),
             m: ViewMut<'_>, v: ViewMut<'_>) -> Result<(f64, f64)> =>
-            lens("lamb_moments", pg.0.len(), &[pg.1.len(), m.len(), v.len()]).map(|()| (0.0, 0.0));
+            lens("lamb_moments", pg.0.len(), &[pg.1.len(), m.len(), v.len()]).map(|()| LAMB_PARTIALS);
         fn lamb_apply(hsc: (&LambHyper, u64, f32), params: ViewMut<'_>,
             mv: (View<'_>, View<'_>), lp: Option<ViewMut<'_>>) -> Result<()> =>
             lens("lamb_apply", params.len(), &[mv.0.len(), mv.1.len()]);
@@ -293,6 +313,24 @@ mod tests {
             .unwrap();
         assert_eq!(st.losses, vec![0.0, 0.0]);
         assert!(st.sum_squares.iter().all(|s| s.is_finite() && *s >= 1e30));
+        let clip = ClipRule {
+            loss_scale: 1.0,
+            clipping: 1.0,
+        };
+        let whole = whole_status(clip, &[a.view()], &[GradView::exact(b.view())]);
+        assert_eq!(whole.sum_squares, st.sum_squares);
+        let scale = whole.grad_scale.unwrap();
+        assert_eq!(Some(scale), clip.decide(&st.sum_squares));
+        assert!(scale > 0.0 && scale < 1e-10, "clipping binds: {scale}");
+        let free = whole_status(
+            ClipRule {
+                clipping: 0.0,
+                ..clip
+            },
+            &[],
+            &[GradView::exact(b.view())],
+        );
+        assert_eq!(free.grad_scale, Some(1.0));
         let e = be.record(Stream::Compute).unwrap();
         assert!(e.is_complete().unwrap());
         be.wait_event(Stream::HostToDevice, &e).unwrap();

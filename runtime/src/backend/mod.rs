@@ -251,6 +251,16 @@ pub trait MemoryOps {
         let _ = b;
         None
     }
+    /// [`MemoryOps::pin_host`] for a size-only host buffer ([`MemoryOps::host_zeros`] of a
+    /// size-only device): nothing to register, but the bytes are counted as registered, so a
+    /// size-only run prices the page-locked memory the real one would hold.
+    fn pin_meta_host(
+        &self,
+        b: &crate::tensor::meta::MetaBuf,
+    ) -> Option<crate::tensor::in_flight::HostPin> {
+        let _ = b;
+        None
+    }
     /// Caps the bytes this device's own allocator may hand out (`device_memory_limit`). The
     /// CPU has no device allocator: the engine's ledger enforces the cap there (and on every
     /// device besides).

@@ -174,6 +174,12 @@ impl Engine {
         &self.opt.overlap
     }
 
+    /// Each group's optimizer snapshot bytes, were a speculative overlap to take it, in the
+    /// order of the engine's groups (what a bound on the snapshots is planned from).
+    pub fn snapshot_group_bytes(&self) -> Vec<u64> {
+        super::optimizer_overlap::snapshot_figures(&self.opt.overlap, &self.groups, None).0
+    }
+
     /// Keeps zeroed accumulators and adds every micro-step's gradient into them even at one
     /// micro-step per step, as before gradients moved into place: the reference the moved
     /// path is compared with, bit for bit. Takes effect from the next micro-step; a gradient

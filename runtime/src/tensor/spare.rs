@@ -16,8 +16,6 @@
 use std::cell::RefCell;
 use std::collections::VecDeque;
 
-use half::{bf16, f16};
-
 use super::storage::copy_view;
 use super::{BufRef, DType, FlatBuf, View, ViewMut};
 
@@ -48,10 +46,14 @@ pub fn reuse(dtype: DType, len: usize) -> Option<FlatBuf> {
 
 /// A buffer of `len` elements with unspecified contents (the caller overwrites every one).
 pub fn take(dtype: DType, len: usize) -> FlatBuf {
+    use half::vec::HalfBitsVecExt;
+    // Zeros as bits: `calloc` maps fresh pages without writing them (a half-precision zero
+    // is not one the allocator knows to map lazily), so a buffer a size-only device stages
+    // through and never writes costs no resident memory.
     reuse(dtype, len).unwrap_or_else(|| match dtype {
         DType::F32 => FlatBuf::F32(vec![0.0; len]),
-        DType::Bf16 => FlatBuf::Bf16(vec![bf16::ZERO; len]),
-        DType::F16 => FlatBuf::F16(vec![f16::ZERO; len]),
+        DType::Bf16 => FlatBuf::Bf16(vec![0u16; len].reinterpret_into()),
+        DType::F16 => FlatBuf::F16(vec![0u16; len].reinterpret_into()),
     })
 }
 

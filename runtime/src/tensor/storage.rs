@@ -211,7 +211,8 @@ impl Storage {
     }
 
     /// Writes the host f32 values `values()` makes, `len` of them, into `self[offset..]` as
-    /// [`Storage::write_f32`] does; size-only storage never calls `values` (generating a
+    /// [`Storage::write_f32`] does; size-only storage, and a size-only device's, never calls
+    /// `values` (generating a
     /// model's initial values is what a size-only run must not spend its time on).
     pub fn write_f32_with(
         &mut self,
@@ -220,8 +221,11 @@ impl Storage {
         values: impl FnOnce() -> Vec<f32>,
     ) -> Result<()> {
         check_span("write_f32", offset, len, self.len())?;
-        if let Storage::Meta(_) = self {
-            return Ok(());
+        match self {
+            Storage::Meta(_) => return Ok(()),
+            // A size-only device issues the upload and reads no value.
+            Storage::Cuda(c) if c.view().sizes_only() => return c.write_unvalued(offset, len),
+            _ => {}
         }
         let v = values();
         check_span("write_f32 values", 0, v.len(), len)?;
@@ -337,7 +341,9 @@ impl Storage {
                 d.accumulate_ref(offset, s, scratch);
                 Ok(())
             }
-            (Storage::Meta(_), View::Meta(_)) => Ok(()),
+            // A size-only host accumulator takes what came down from a size-only device (its
+            // staging memory, never written): nothing to add.
+            (Storage::Meta(_), View::Meta(_) | View::Host(_)) => Ok(()),
             (Storage::Meta(_), _) | (_, View::Meta(_)) => Err(mixed_meta("accumulate")),
             _ => Err(mixed("accumulate")),
         }
@@ -447,7 +453,8 @@ impl Storage {
     ) -> Option<super::in_flight::HostPin> {
         match self {
             Storage::Host(b) => be.pin_host(b),
-            Storage::Cuda(_) | Storage::Meta(_) => None,
+            Storage::Meta(m) => be.pin_meta_host(m),
+            Storage::Cuda(_) => None,
         }
     }
 
@@ -476,6 +483,10 @@ pub(crate) fn copy_view(src: View<'_>, dst: ViewMut<'_>) -> Result<()> {
         (View::Host(BufRef::F16(a)), ViewMut::Host(BufMut::F16(b))) => b.copy_from_slice(a),
         (View::Cuda(a), ViewMut::Cuda(b)) => return a.copy_to(b),
         (View::Meta(a), ViewMut::Meta(b)) if a == b => {}
+        // A size-only device's host side and its device (or its staging memory) meet: the
+        // copy moves nothing, as that device's own copies move nothing.
+        (View::Meta(a), d) if meets_size_only(&d.as_view()) => same_shape(&a, d.dtype(), d.len())?,
+        (v, ViewMut::Meta(a)) if meets_size_only(&v) => same_shape(&a, v.dtype(), v.len())?,
         (View::Meta(_), _) | (_, ViewMut::Meta(_)) => return Err(mixed_meta("copy")),
         (s, d) => {
             return Err(Error::Invalid(format!(
@@ -486,6 +497,29 @@ pub(crate) fn copy_view(src: View<'_>, dst: ViewMut<'_>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether `v` is what a size-only host buffer may be copied to or from without a value
+/// moving: memory of a size-only device, or host memory (the staging such a device copies
+/// through, which it never writes).
+fn meets_size_only(v: &View<'_>) -> bool {
+    match v {
+        View::Cuda(c) => c.sizes_only(),
+        View::Host(_) => true,
+        View::Meta(_) => false,
+    }
+}
+
+/// Fails unless a copy between `m` and `dtype` x `len` elements is between equal shapes.
+fn same_shape(m: &super::meta::MetaBuf, dtype: super::DType, len: usize) -> Result<()> {
+    if (m.dtype, m.len) == (dtype, len) {
+        return Ok(());
+    }
+    Err(Error::Shape {
+        op: "copy",
+        expected: format!("{} {:?} elements", m.len, m.dtype),
+        got: format!("{len} {dtype:?}"),
+    })
 }
 
 pub(super) fn check_span(op: &'static str, offset: usize, n: usize, len: usize) -> Result<()> {

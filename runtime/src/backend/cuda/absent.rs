@@ -73,6 +73,8 @@ no_value! {
         pub fn write_host(&mut self, _offset: usize, _src: BufRef<'_>) -> Result<()>;
         /// Writes host f32 values at `offset`, rounding to the dtype.
         pub fn write_f32(&mut self, _offset: usize, _src: &[f32]) -> Result<()>;
+        /// A write of `len` values a size-only device never reads.
+        pub(crate) fn write_unvalued(&mut self, _offset: usize, _len: usize) -> Result<()>;
         /// Reads values at `offset` into host f32.
         pub fn read_f32(&self, _offset: usize, _dst: &mut [f32]) -> Result<()>;
         /// Converts into `dst`'s dtype.
@@ -118,6 +120,8 @@ no_value! {
         pub fn unstage(&self, _b: FlatBuf);
         /// Copies into an equal-length view of the same dtype on the same device.
         pub fn copy_to(self, _dst: CudaViewMut<'_>) -> Result<()>;
+        /// Whether this view's device holds no bytes.
+        pub fn sizes_only(&self) -> bool;
     }
     impl CudaViewMut<'a> {
         /// Elements.

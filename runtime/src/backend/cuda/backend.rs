@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use super::device::CudaDevice;
 use super::storage::{CudaBuf, CudaIds, CudaView, CudaViewMut};
-use crate::backend::{Backend, MemoryOps};
+use crate::backend::{Backend, CpuBackend, MemoryOps, MetaBackend};
+use crate::tensor::meta::MetaBuf;
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
 
@@ -79,6 +80,25 @@ impl CudaBackend {
     /// The device.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.dev
+    }
+
+    /// Whether the device holds no bytes (`DeviceInfo::sizes_only`): its host side then holds
+    /// none either, and the values it would read back are the size-only backend's.
+    pub(crate) fn sizes_only(&self) -> bool {
+        self.dev.info().sizes_only
+    }
+}
+
+impl CudaBackend {
+    /// A size-only host buffer uploaded: the device buffer an upload of its length allocates,
+    /// no copy (there are no bytes). Only a size-only device's host holds such buffers.
+    fn upload_meta(&self, m: MetaBuf) -> Result<Storage> {
+        if !self.sizes_only() {
+            return Err(crate::tensor::meta::mixed_meta(
+                "upload to a device that holds bytes",
+            ));
+        }
+        Ok(Storage::Cuda(CudaBuf::uninit(&self.dev, m.dtype, m.len)?))
     }
 }
 
@@ -210,8 +230,35 @@ impl MemoryOps for CudaBackend {
         self.upload(host.as_ref())
     }
 
+    fn adopt_storage(&self, s: Storage) -> Result<Storage> {
+        match s {
+            Storage::Host(host) => self.adopt(host),
+            // A size-only host buffer is uploaded as a host one would be, its bytes aside.
+            Storage::Meta(m) => self.upload_meta(m),
+            device => Ok(device),
+        }
+    }
+
+    fn host_zeros(&self, dtype: DType, len: usize) -> Result<Storage> {
+        match self.sizes_only() {
+            true => MetaBackend.host_zeros(dtype, len),
+            false => Ok(Storage::Host(FlatBuf::zeros(dtype, len))),
+        }
+    }
+
+    fn host_backend(&self) -> &dyn Backend {
+        match self.sizes_only() {
+            true => &MetaBackend,
+            false => &CpuBackend,
+        }
+    }
+
     fn pin_host(&self, b: &mut FlatBuf) -> Option<crate::tensor::in_flight::HostPin> {
         super::pinned::pin(&self.dev, b)
+    }
+
+    fn pin_meta_host(&self, b: &MetaBuf) -> Option<crate::tensor::in_flight::HostPin> {
+        super::pinned::pin_meta(&self.dev, b)
     }
 
     fn set_memory_limit(&self, limit: Option<u64>) -> Result<()> {

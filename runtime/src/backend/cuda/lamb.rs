@@ -91,6 +91,9 @@ impl CudaBackend {
         self.dev.launch("lamb_moments", cfg, &mut args)?;
         let mut host = vec![0.0f32; 4 * chunks];
         out.as_view().download(BufMut::F32(&mut host))?;
+        if self.sizes_only() {
+            return Ok(crate::backend::meta::LAMB_PARTIALS);
+        }
         let pairs: &[f64] = bytemuck::cast_slice(&host);
         Ok(pairs
             .chunks_exact(2)

@@ -342,6 +342,9 @@ impl OptimizerOps for CudaBackend {
             .launch("clip_grad_scale", LaunchConfig::linear(1, 1), &mut args)?;
         self.launch_update(rule, step, scale, tensors)?;
         let (mut st, tail) = block.read()?;
+        if self.sizes_only() {
+            return Ok(crate::backend::meta::whole_status(clip, losses, grads));
+        }
         st.grad_scale = Some(f32::from_le_bytes(tail[..4].try_into().unwrap_or_default()));
         Ok(st)
     }

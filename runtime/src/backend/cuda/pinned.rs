@@ -158,6 +158,18 @@ pub(crate) fn pin(dev: &Arc<super::device::CudaDevice>, b: &mut FlatBuf) -> Opti
     Some(HostPin::new(len as u64, Box::new(release)))
 }
 
+/// [`pin`] for a size-only host buffer: nothing registered (there are no bytes), its bytes
+/// counted as [`pin`] counts a registration the driver accepts.
+pub(crate) fn pin_meta(
+    dev: &Arc<super::device::CudaDevice>,
+    b: &crate::tensor::meta::MetaBuf,
+) -> Option<HostPin> {
+    if !dev.info().sizes_only || b.bytes() == 0 {
+        return None;
+    }
+    Some(HostPin::new(b.bytes() as u64, Box::new(|| {})))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

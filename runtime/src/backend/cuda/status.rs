@@ -74,7 +74,12 @@ impl CudaBackend {
         losses: &[View<'_>],
         grads: &[GradView<'_>],
     ) -> Result<StepStatus> {
-        Ok(self.status_block(losses, grads, 0)?.read()?.0)
+        let st = self.status_block(losses, grads, 0)?.read()?.0;
+        // A size-only device read back zeros: its status is the size-only backend's.
+        Ok(match self.sizes_only() {
+            true => crate::backend::meta::status(losses, grads),
+            false => st,
+        })
     }
 
     /// Starts the status of `losses` and `grads` (host views are read at once) in one block
@@ -106,6 +111,8 @@ impl CudaBackend {
                         None => super::host_order::sum_squares(h),
                     }
                 }
+                // A size-only host's gradient: its slot is the size-only status's.
+                View::Meta(_) if self.sizes_only() => {}
                 View::Cuda(_) | View::Meta(_) => {
                     let v = self.dev_in(OP, "a gradient", g.values)?;
                     sum_squares_as_into(&self.dev, v, round, at(8 * i))?;

@@ -202,6 +202,16 @@ impl CudaBuf {
         }
     }
 
+    /// [`CudaBuf::write_f32`] of `len` values a size-only device never reads: the same copy,
+    /// issued from zero pages the allocator maps without writing (no value generated,
+    /// rounded or touched: a size-only run's initial values cost nothing).
+    pub(crate) fn write_unvalued(&mut self, offset: usize, len: usize) -> Result<()> {
+        let zeros = vec![0u8; len * self.dtype.size()];
+        self.view_mut()
+            .range(offset..offset + len)?
+            .upload_bytes(&zeros)
+    }
+
     /// Reads values at `offset` into host f32 (an explicit download).
     pub fn read_f32(&self, offset: usize, dst: &mut [f32]) -> Result<()> {
         let host = self.view().range(offset..offset + dst.len())?.to_host()?;
@@ -299,6 +309,11 @@ pub(crate) struct RawView {
 }
 
 impl<'a> CudaView<'a> {
+    /// Whether this view's device holds no bytes (`DeviceInfo::sizes_only`).
+    pub fn sizes_only(&self) -> bool {
+        self.device().info().sizes_only
+    }
+
     /// The device address of the first element.
     pub(crate) fn ptr(&self) -> DevPtr {
         self.ptr
@@ -542,10 +557,15 @@ impl<'a> CudaViewMut<'a> {
             (self.len, self.dtype),
             (src.len(), src.dtype()),
         )?;
+        self.upload_bytes(src.bytes())
+    }
+
+    /// Copies `bytes`, as many as the view holds, into it.
+    fn upload_bytes(self, bytes: &[u8]) -> Result<()> {
         if self.len == 0 {
             return Ok(());
         }
-        self.dev.driver().copy_htod(src.bytes(), self.ptr, STREAM)
+        self.dev.driver().copy_htod(bytes, self.ptr, STREAM)
     }
 }
 
