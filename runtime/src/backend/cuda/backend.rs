@@ -253,6 +253,31 @@ impl MemoryOps for CudaBackend {
         }
     }
 
+    fn nvme_store(
+        &self,
+        dir: &std::path::Path,
+        settings: &ferrozero_offload::store::AioSettings,
+    ) -> Result<ferrozero_offload::store::NvmeStore> {
+        match self.sizes_only() {
+            true => MetaBackend.nvme_store(dir, settings),
+            false => Ok(ferrozero_offload::store::NvmeStore::open(dir, settings)?),
+        }
+    }
+
+    fn host_pool(
+        &self,
+        count: usize,
+        size: usize,
+        pinning: ferrozero_offload::pool::Pinning,
+    ) -> Result<ferrozero_offload::pool::BufferPool> {
+        match self.sizes_only() {
+            true => MetaBackend.host_pool(count, size, pinning),
+            false => Ok(ferrozero_offload::pool::BufferPool::new(
+                count, size, pinning,
+            )?),
+        }
+    }
+
     fn pin_host(&self, b: &mut FlatBuf) -> Option<crate::tensor::in_flight::HostPin> {
         super::pinned::pin(&self.dev, b)
     }
