@@ -25,7 +25,7 @@ use clap::Parser;
 use ferrozero::config::{parse, Config, Format};
 use ferrozero::engine::{Engine, EngineBuilder};
 use ferrozero::runtime::backend::Rope;
-use ferrozero::runtime::backend::{rng, Accumulate, MemoryModel};
+use ferrozero::runtime::backend::{rng, Accumulate};
 use ferrozero::runtime::comm::local::run_ranks;
 use ferrozero::runtime::nn::gradcheck::{self, Options, Report};
 use ferrozero::runtime::nn::linear::{Linear, WeightLayout};
@@ -252,14 +252,6 @@ impl Module for ResidualMlp {
         self.fc1()
             .backward_input(be, dpre.view(), p.get(0), dx.view_mut(), Accumulate::Add)?;
         Tensor::new(dy.shape.clone(), dx)
-    }
-
-    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        m.act_bytes(batch * seq * self.width) + m.act_bytes(batch * seq * self.inner)
-    }
-
-    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        m.act_bytes(batch * seq * self.width)
     }
 }
 

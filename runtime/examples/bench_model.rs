@@ -130,6 +130,9 @@ struct State {
     v: Buffers,
 }
 
+/// Bytes the units saved for backward in the last forward, as measured by their saved state.
+static SAVED_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn step(
     be: &dyn Backend,
     model: &Model,
@@ -158,6 +161,8 @@ fn step(
         };
         x = unit.module.forward(&mut ctx, &Params::new(p), &x)?;
     }
+    let saved = slots.iter().flatten().map(|s| s.bytes()).sum();
+    SAVED_BYTES.store(saved, std::sync::atomic::Ordering::Relaxed);
     let loss = x.to_vec_f32()?[0] / batch.valid_targets() as f32;
     let mut gy = Tensor::scalar(1.0 / batch.valid_targets() as f32);
     for (u, unit) in model.units.iter().enumerate().rev() {
@@ -258,12 +263,7 @@ fn main() {
     };
     let total: f64 = times.iter().sum();
     times.sort_by(f64::total_cmp);
-    let mem = be.memory_model();
-    let saved: usize = model
-        .units
-        .iter()
-        .map(|u| u.module.saved_bytes(args.batch, args.seq, &mem))
-        .sum();
+    let saved = SAVED_BYTES.load(std::sync::atomic::Ordering::Relaxed);
     println!(
         "{{\"bench\": \"ferrozero_train_step\", \"what\": \"forward, backward, AdamW, zero grads (layers and optimizer, no engine)\", \"preset\": \"{}\", \"params\": {}, \"threads\": {}, \"micro_batch\": {}, \"seq\": {}, \"steps\": {}, \"tokens_per_s\": {:.1}, \"step_s_median\": {:.4}, \"loss\": {:.4}, \"saved_activation_bytes\": {}, \"cpu_s_per_step\": {}}}",
         args.preset, model.num_params(), args.threads, args.batch, args.seq, args.steps,

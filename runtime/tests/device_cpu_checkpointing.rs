@@ -145,7 +145,10 @@ fn cpu_checkpoints_change_no_bit_and_leave_the_device() {
             kept.peak
         );
         for (what, c, run) in [("device", cfg(stage, false), &kept), ("host", c, &moved)] {
-            let est = estimate(&model(), &c, MICRO, SEQ).unwrap().device.peak_bytes;
+            let est = estimate(&model(), &c, MICRO, SEQ)
+                .unwrap()
+                .device
+                .peak_bytes;
             let off = (est as f64 - run.peak as f64).abs() / run.peak as f64;
             eprintln!(
                 "{stage:?} {what} checkpoints: estimate {est} peak {}",

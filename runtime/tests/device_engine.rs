@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::{config, toy};
 use device_common::Dev;
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
-use ferrozero_runtime::backend::{Accumulate, Backend, Epilogue, MemoryModel, Rope};
+use ferrozero_runtime::backend::{Accumulate, Backend, Epilogue, Rope};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
@@ -127,14 +127,6 @@ impl Module for Mlp {
         let mut dx = be.copy(dy.view())?;
         lin(H, INNER).backward_input(be, dpre.view(), p.get(0), dx.view_mut(), Accumulate::Add)?;
         Tensor::new(dy.shape.clone(), dx)
-    }
-
-    fn saved_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
-        m.act_bytes(b * s * H) + m.act_bytes(b * s * INNER)
-    }
-
-    fn output_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
-        m.act_bytes(b * s * H)
     }
 }
 

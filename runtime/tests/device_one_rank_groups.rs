@@ -104,7 +104,10 @@ fn a_one_rank_shard_group_uploads_ahead_like_one_rank() {
     // group's, not the world's.
     let flat = train(&cfg(ZeroStage::Stage3, 0));
     assert!(flat.gathered > 0, "plain stage 3 at two ranks gathers");
-    let est = estimate(&model(), &c, MICRO, SEQ).unwrap().device.peak_bytes;
+    let est = estimate(&model(), &c, MICRO, SEQ)
+        .unwrap()
+        .device
+        .peak_bytes;
     let off = (est as f64 - got.peak as f64).abs() / got.peak as f64;
     assert!(
         off <= 0.05,

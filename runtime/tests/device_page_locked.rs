@@ -139,7 +139,9 @@ fn checkpoint_and_snapshot_staging_are_priced() {
     let mut plain = cfg(false);
     plain.train_micro_batch_size_per_gpu = CKPT_ROWS;
     plain.train_batch_size = CKPT_ROWS;
-    let without = estimate(&model(), &plain, CKPT_ROWS, T).unwrap().page_locked;
+    let without = estimate(&model(), &plain, CKPT_ROWS, T)
+        .unwrap()
+        .page_locked;
     assert!(
         est.staging >= without.staging + 2 * (CKPT_ROWS * T * 2048 * 2) as u64,
         "with checkpoints and snapshots {est:?}, without {without:?}"

@@ -5,8 +5,8 @@
 
 mod common;
 
-use common::runs::{train_steps, Run};
 use common::config;
+use common::runs::{train_steps, Run};
 use ferrozero_config::resolved::{CommDataType, Precision, ResolvedConfig, ZeroStage};
 
 const STEPS: usize = 20;
@@ -67,7 +67,6 @@ fn fp32_on_an_fp32_run_changes_no_bit() {
     assert_eq!(plain.losses, named.losses);
     assert_eq!(plain.reduced, named.reduced);
 }
-
 
 #[test]
 fn one_rank_reduces_nothing() {

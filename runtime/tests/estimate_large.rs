@@ -119,16 +119,19 @@ fn suggestion_is_the_first_single_change_that_fits() {
     assert!(budget.fits(&s.estimate));
     // Checkpointing alone leaves 16 B/param of model state (> 100 GiB): not enough, so the
     // first single change that fits is a higher stage, and the lowest one that fits.
-    assert!(budget.fits(&estimate(
-        &shape.model,
-        &{
-            let mut c = cfg.clone();
-            c.zero.stage = ZeroStage::Stage3;
-            c
-        },
-        1,
-        256
-    ).unwrap()));
+    assert!(budget.fits(
+        &estimate(
+            &shape.model,
+            &{
+                let mut c = cfg.clone();
+                c.zero.stage = ZeroStage::Stage3;
+                c
+            },
+            1,
+            256
+        )
+        .unwrap()
+    ));
     assert_eq!(s.changes.len(), 1, "{:?}", s.changes);
     let Change::Stage(st) = s.changes[0] else {
         panic!("expected a stage change, got {:?}", s.changes);

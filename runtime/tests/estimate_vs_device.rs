@@ -104,7 +104,10 @@ fn make_config(stage: ZeroStage, world: usize, offload: Offload, ckpt: bool) -> 
 }
 
 fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
-    let est = estimate(&build(which), cfg, MICRO, SEQ).unwrap().device.peak_bytes;
+    let est = estimate(&build(which), cfg, MICRO, SEQ)
+        .unwrap()
+        .device
+        .peak_bytes;
     let got = measure(which, cfg);
     let off = (est as f64 - got as f64).abs() / (got as f64).max(1.0);
     let what = format!(
@@ -169,10 +172,12 @@ fn cpu_figures_would_misprice_the_device() {
     cpu.device = Device::Cpu;
     let got = measure(Which::Gpt2, &gpu);
     let (est_gpu, est_cpu) = (
-        estimate(&build(Which::Gpt2), &gpu, MICRO, SEQ).unwrap()
+        estimate(&build(Which::Gpt2), &gpu, MICRO, SEQ)
+            .unwrap()
             .device
             .peak_bytes,
-        estimate(&build(Which::Gpt2), &cpu, MICRO, SEQ).unwrap()
+        estimate(&build(Which::Gpt2), &cpu, MICRO, SEQ)
+            .unwrap()
             .device
             .peak_bytes,
     );

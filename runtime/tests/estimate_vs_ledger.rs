@@ -316,7 +316,8 @@ fn one_micro_step_per_step_matches_the_ledger() {
         ),
         MICRO,
         SEQ,
-    ).unwrap()
+    )
+    .unwrap()
     .device
     .category(Category::Gradients) as usize
         / 2;
@@ -551,7 +552,8 @@ fn optimizer_bytes(cfg: &ResolvedConfig, at: Location) -> u64 {
 /// reduction peak).
 fn staging_priced(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
     let comm = |c: &ResolvedConfig| {
-        estimate(&build(which), c, MICRO, SEQ).unwrap()
+        estimate(&build(which), c, MICRO, SEQ)
+            .unwrap()
             .device
             .category(Category::CommBuffers)
     };

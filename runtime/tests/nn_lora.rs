@@ -9,7 +9,7 @@ mod nn_common;
 use std::any::Any;
 
 use device_common::{assert_close, get, Dev, Tol};
-use ferrozero_runtime::backend::{self, Accumulate, MemoryModel};
+use ferrozero_runtime::backend::{self, Accumulate};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::gradcheck::{self, Options};
 use ferrozero_runtime::nn::layers::{AdapterSpec, Adapters, Dense, Draw, Lora};
@@ -128,14 +128,6 @@ impl Module for LoraLinear {
         let mut shape = dy.shape.clone();
         *shape.last_mut().unwrap() = D_IN;
         Tensor::new(shape, dx)
-    }
-
-    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        m.act_bytes(batch * seq * D_IN)
-    }
-
-    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        m.act_bytes(batch * seq * D_OUT)
     }
 }
 

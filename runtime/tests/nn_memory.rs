@@ -1,80 +1,14 @@
-//! Memory accounting, deterministic init and execution, configs, and error paths.
+//! Deterministic init and execution, configs, and error paths.
 
 mod nn_common;
 
-use ferrozero_runtime::backend::{self, Device, MemoryModel};
+use ferrozero_runtime::backend::{self, Device};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::{init, BatchIds, Ctx, Init, Params, Saved};
 use ferrozero_runtime::tensor::Tensor;
 use ferrozero_runtime::Error;
 use nn_common::{batch, step, Weights};
-
-fn models() -> Vec<ferrozero_runtime::nn::Model> {
-    let mut g = Gpt2Config::preset("tiny").unwrap();
-    g.n_layer = 1;
-    let mut l = LlamaConfig::preset("tiny").unwrap();
-    l.tie_word_embeddings = true;
-    vec![gpt2::build(&g).unwrap(), llama::build(&l).unwrap()]
-}
-
-#[test]
-fn saved_and_output_bytes_match_what_forward_keeps() {
-    for model in models() {
-        let b = batch(3, 5, 60, 1);
-        let w = Weights::init(&model, 1);
-        let s = step(&model, &w, &b, 0, 1.0).unwrap();
-        for (u, unit) in model.units.iter().enumerate() {
-            assert_eq!(
-                unit.module.saved_bytes(3, 5, &MemoryModel::cpu()),
-                s.saved[u],
-                "saved bytes of {}",
-                unit.name
-            );
-            assert_eq!(
-                unit.module.output_bytes(3, 5, &MemoryModel::cpu()),
-                s.outputs[u],
-                "output bytes of {}",
-                unit.name
-            );
-        }
-    }
-}
-
-/// On the CUDA backend (the emulated device, bf16 activations) each layer's `saved_bytes`
-/// under the backend's own memory model is what its forward keeps there (flash attention's
-/// log-sum-exp, the chunked head's, bf16 buffers): the estimator's figures and the run's are
-/// one description. Exact sizes: the allocator's rounding is priced separately.
-#[cfg(feature = "cuda")]
-#[test]
-fn saved_bytes_match_the_device_under_its_memory_model() {
-    use ferrozero_runtime::tensor::DType;
-    let be = backend::cuda::emulated(DType::Bf16).unwrap();
-    let m = MemoryModel {
-        block: 1,
-        ..backend::MemoryOps::memory_model(&*be)
-    };
-    assert_eq!(m.act, DType::Bf16);
-    for model in models() {
-        let b = batch(3, 5, 60, 1);
-        let w = Weights::init(&model, 1);
-        let s = nn_common::step_on(&*be, &model, &w, &b, 0, 1.0).unwrap();
-        for (u, unit) in model.units.iter().enumerate() {
-            assert_eq!(
-                unit.module.saved_bytes(3, 5, &m),
-                s.saved[u],
-                "{}",
-                unit.name
-            );
-            assert_eq!(
-                unit.module.output_bytes(3, 5, &m),
-                s.outputs[u],
-                "{}",
-                unit.name
-            );
-        }
-    }
-}
 
 #[test]
 fn init_is_deterministic_thread_independent_and_has_the_right_moments() {

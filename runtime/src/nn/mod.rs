@@ -14,8 +14,7 @@ pub(crate) mod saved;
 pub mod weights;
 
 pub use module::{
-    Batch, BatchIds, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Saved, Transients, Unit,
-    IGNORE_INDEX,
+    Batch, BatchIds, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Saved, Unit, IGNORE_INDEX,
 };
 
 use crate::backend::Backend;

@@ -14,7 +14,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use crate::backend::{Backend, MemoryModel};
+use crate::backend::Backend;
 use crate::tensor::{IdBuf, Ids, Storage, Tensor, View, ViewMut};
 use crate::{Error, Result};
 
@@ -280,15 +280,6 @@ impl Ctx<'_> {
     }
 }
 
-/// Peak bytes of a module's buffers that live only during one forward or backward call.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Transients {
-    /// During forward.
-    pub forward: usize,
-    /// During backward.
-    pub backward: usize,
-}
-
 /// A layer or block with explicit forward and backward.
 ///
 /// Data flow between the units of a [`Model`]: the first unit receives an empty tensor and
@@ -332,35 +323,6 @@ pub trait Module: Send + Sync {
         let out = self.forward(ctx, params, input)?;
         let grad_input = self.backward(ctx, params, grads, grad_output)?;
         Ok((out, grad_input))
-    }
-
-    /// The most bytes [`Module::forward_backward`] holds at once besides its input, its
-    /// output and the input gradient it returns, on a device described by `m`. The default
-    /// prices forward then backward: the saved state beside the larger of the two calls'
-    /// transients.
-    fn forward_backward_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        let t = self.transient_bytes(batch, seq, m);
-        self.saved_bytes(batch, seq, m) + t.forward.max(t.backward)
-    }
-
-    /// Bytes of saved activations for one micro-batch of `batch` rows of `seq` tokens on a
-    /// device described by `m` (used by the estimator; must match what forward actually saves
-    /// on that device: price each saved buffer with `m`'s `bytes`, `act_bytes`,
-    /// `attention_saved` and `head_saved`).
-    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize;
-
-    /// Bytes of this module's output for one micro-batch (the unit boundary activation) on a
-    /// device described by `m`.
-    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize;
-
-    /// The most bytes forward and backward hold at once besides the saved state and the
-    /// tensors between units (input, output, their gradients): buffers that live only during
-    /// the call, on a device described by `m`. The estimator prices them where the device's
-    /// own count sees them ([`MemoryModel::counts_transients`]). A module that does not say
-    /// is priced without any.
-    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
-        let _ = (batch, seq, m);
-        Transients::default()
     }
 
     /// Query heads × head dim of the causal self-attention this module runs (0: none), the

@@ -5,8 +5,6 @@
 use std::sync::Arc;
 
 use super::record::Recorder;
-use crate::backend::MemoryModel;
-use crate::nn::module::Transients;
 use crate::nn::{Ctx, Grads, Module, ParamSpec, Params};
 use crate::tensor::Tensor;
 use crate::Result;
@@ -49,22 +47,6 @@ impl Module for Scoped {
         let _scope = self.rec.enter(&self.name);
         self.inner
             .forward_backward(ctx, params, grads, input, grad_output)
-    }
-
-    fn forward_backward_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        self.inner.forward_backward_bytes(batch, seq, m)
-    }
-
-    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        self.inner.saved_bytes(batch, seq, m)
-    }
-
-    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        self.inner.output_bytes(batch, seq, m)
-    }
-
-    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
-        self.inner.transient_bytes(batch, seq, m)
     }
 
     fn attention_width(&self) -> usize {

@@ -6,12 +6,11 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ferrozero_runtime::backend::MemoryModel;
 use ferrozero_runtime::nn::module::SavedState;
 use ferrozero_runtime::nn::{
     Batch, Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit, IGNORE_INDEX,
 };
-use ferrozero_runtime::tensor::{DType, Tensor};
+use ferrozero_runtime::tensor::Tensor;
 use ferrozero_runtime::{Error, Result};
 
 struct Keep(Vec<Vec<f32>>);
@@ -84,12 +83,6 @@ impl Module for Embed {
         }
         Ok(Tensor::default())
     }
-    fn saved_bytes(&self, _b: usize, _s: usize, _m: &MemoryModel) -> usize {
-        0
-    }
-    fn output_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
-        m.bytes(DType::F32, b * s * self.dim)
-    }
 }
 
 /// y = x + tanh(x W + b).
@@ -157,12 +150,6 @@ impl Module for Residual {
         }
         Tensor::from_f32(shape, dx)
     }
-    fn saved_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
-        2 * m.bytes(DType::F32, b * s * self.dim)
-    }
-    fn output_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
-        m.bytes(DType::F32, b * s * self.dim)
-    }
 }
 
 /// logits = y wte^T (wte shared, index 0 after no own params); returns the summed token CE.
@@ -227,12 +214,6 @@ impl Module for Head {
             }
         }
         Tensor::from_f32(vec![n, d], dy)
-    }
-    fn saved_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
-        m.bytes(DType::F32, b * s * self.dim) + m.bytes(DType::F32, b * s * self.vocab)
-    }
-    fn output_bytes(&self, _b: usize, _s: usize, m: &MemoryModel) -> usize {
-        m.bytes(DType::F32, 1)
     }
 }
 
@@ -332,11 +313,5 @@ impl Module for NanAt {
             g.require(1)?.host()?[0] = f32::NAN;
         }
         Ok(dx)
-    }
-    fn saved_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
-        self.inner.saved_bytes(b, s, m)
-    }
-    fn output_bytes(&self, b: usize, s: usize, m: &MemoryModel) -> usize {
-        self.inner.output_bytes(b, s, m)
     }
 }

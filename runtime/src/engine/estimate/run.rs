@@ -93,7 +93,12 @@ fn for_measuring(cfg: &ResolvedConfig, micro: usize) -> ResolvedConfig {
     c.train_batch_size = micro * c.gradient_accumulation_steps * c.world_size;
     c.device_memory_limit = None;
     let m = &mut c.monitor;
-    (m.tensorboard, m.csv_monitor, m.comms_logger, m.flops_profiler) = (None, None, None, None);
+    (
+        m.tensorboard,
+        m.csv_monitor,
+        m.comms_logger,
+        m.flops_profiler,
+    ) = (None, None, None, None);
     c.wall_clock_breakdown = false;
     c
 }

@@ -224,7 +224,8 @@ mod tests {
             1,
             2048,
             &OptimizerOverlap::Speculative(why, Some(kept)),
-        ).unwrap();
+        )
+        .unwrap();
         assert_eq!(bounded.snapshot_host_bytes, kept);
         assert!(bounded.host_total_bytes() <= room);
     }

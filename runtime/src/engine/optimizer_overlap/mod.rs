@@ -36,8 +36,8 @@ use crate::nn::Model;
 use crate::{Error, Result};
 
 pub use host::{overlap_on_host, HostNeed};
-use snapshot::Snapshot;
 pub(super) use snapshot::snapshot_plan;
+use snapshot::Snapshot;
 pub(super) use speculate::Overlapped;
 use speculate::{Outcome, Watch};
 
@@ -155,7 +155,12 @@ pub(in crate::engine) fn snapshot_figures(
         return (bytes, 0);
     };
     let plan = snapshot_plan(&bytes, shared, *budget);
-    let taken = bytes.iter().zip(plan).filter(|(_, p)| *p).map(|(b, _)| b).sum();
+    let taken = bytes
+        .iter()
+        .zip(plan)
+        .filter(|(_, p)| *p)
+        .map(|(b, _)| b)
+        .sum();
     (bytes, taken)
 }
 

@@ -4,7 +4,6 @@
 
 use super::lora::Draw;
 use super::Dense;
-use crate::backend::MemoryModel;
 use crate::backend::{Accumulate, AttentionGrads, AttentionShape, AttnDropout, Backend};
 use crate::backend::{Rope, Rotation, RowView};
 use crate::nn::saved::saved_struct;
@@ -166,19 +165,5 @@ impl Attention {
             d.backward_params(be, (p, gr), (x, dy.view()), drop)?;
         }
         Ok(())
-    }
-
-    /// Bytes of the projections' outputs (or their gradients) over `rows` rows.
-    pub(crate) fn qkv_bytes(&self, rows: usize, m: &MemoryModel) -> usize {
-        self.qkv
-            .iter()
-            .map(|d| m.act_bytes(rows * d.lin.d_out))
-            .sum()
-    }
-
-    /// Bytes forward keeps.
-    pub(crate) fn saved_bytes(&self, s: AttentionShape, m: &MemoryModel) -> usize {
-        let rows = s.batch * s.seq;
-        self.qkv_bytes(rows, m) + m.act_bytes(rows * self.width()) + m.attention_saved(s)
     }
 }

@@ -6,9 +6,9 @@ use super::lora::Draw;
 use super::mlp::MlpActs;
 use super::norm::NormStats;
 use super::{reuse, Attention, Mlp, Norm, ParamList};
-use crate::backend::{rng, Accumulate, AttentionShape, MemoryModel};
+use crate::backend::{rng, Accumulate, AttentionShape};
 use crate::nn::saved::{saved_struct, take, Held};
-use crate::nn::{act, check_rows, Ctx, Grads, Module, ParamSpec, Params, Transients};
+use crate::nn::{act, check_rows, Ctx, Grads, Module, ParamSpec, Params};
 use crate::tensor::{Storage, Tensor, View, ViewMut};
 use crate::Result;
 
@@ -234,40 +234,6 @@ impl Module for Block {
         let dx = self.attn_backward(ctx, (p, gr), &s, (dx2.view(), dn2))?;
         (dx2, *s).hand_back(be);
         Tensor::new(grad_output.shape.clone(), dx)
-    }
-
-    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        let n = batch * seq;
-        // x, n1, x2, n2; both norms' statistics; attention's and the MLP's activations.
-        4 * m.act_bytes(n * self.width)
-            + self.norm1.stats_bytes(n, m)
-            + self.norm2.stats_bytes(n, m)
-            + self.attn.saved_bytes(self.attn.shape(batch, seq), m)
-            + self.mlp.saved_bytes(n, m)
-    }
-
-    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        m.act_bytes(batch * seq * self.width)
-    }
-
-    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
-        let (n, qw) = (batch * seq, self.attn.width());
-        let stream = m.act_bytes(n * self.width);
-        // Around attention's backward: dx2, the q/k/v gradients and dn1 (the input gradient
-        // returned is priced by the caller; the core's output gradient becomes it when their
-        // widths agree, else it is held too).
-        let datt = if qw == self.width {
-            0
-        } else {
-            m.act_bytes(n * qw)
-        };
-        let attn = m.attention_transient(self.attn.shape(batch, seq));
-        let around_attn = 2 * stream + self.attn.qkv_bytes(n, m) + attn + datt;
-        Transients {
-            // With dropout, o's output waits for the norm that adds it to x.
-            forward: if self.resid_pdrop > 0.0 { stream } else { 0 },
-            backward: self.mlp.backward_bytes(n, stream, m).max(around_attn),
-        }
     }
 
     fn attention_width(&self) -> usize {

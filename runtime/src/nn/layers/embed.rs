@@ -2,11 +2,9 @@
 //! table's rows when the architecture has one (GPT-2), then embedding dropout when it has that.
 
 use super::ParamList;
-use crate::backend::{rng, Accumulate, MemoryModel};
+use crate::backend::{rng, Accumulate};
 use crate::nn::saved::{saved_struct, take};
-use crate::nn::{
-    act, check_rows, check_tokens, Ctx, Grads, Init, Module, ParamSpec, Params, Transients,
-};
+use crate::nn::{act, check_rows, check_tokens, Ctx, Grads, Init, Module, ParamSpec, Params};
 use crate::tensor::{Tensor, ViewMut};
 use crate::{Error, Result};
 
@@ -143,24 +141,5 @@ impl Module for TokenEmbed {
             be.position_backward(g, b, t, dpos)?;
         }
         Ok(Tensor::default())
-    }
-
-    fn saved_bytes(&self, _batch: usize, _seq: usize, _m: &MemoryModel) -> usize {
-        0
-    }
-
-    fn output_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        m.act_bytes(batch * seq * self.dim)
-    }
-
-    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
-        // With dropout, backward masks a copy of the incoming gradient.
-        let copy = self
-            .dropout
-            .map_or(0, |_| m.act_bytes(batch * seq * self.dim));
-        Transients {
-            forward: 0,
-            backward: copy,
-        }
     }
 }

@@ -4,13 +4,11 @@
 
 use super::norm::NormStats;
 use super::{Norm, ParamList};
-use crate::backend::{Backend, HeadShape, MemoryModel};
+use crate::backend::{Backend, HeadShape};
 use crate::nn::linear::{Linear, WeightLayout};
 use crate::nn::saved::{saved_struct, take, Held};
-use crate::nn::{
-    act, check_rows, check_tokens, Ctx, Grads, Init, Module, ParamSpec, Params, Transients,
-};
-use crate::tensor::{DType, Storage, Tensor, View};
+use crate::nn::{act, check_rows, check_tokens, Ctx, Grads, Init, Module, ParamSpec, Params};
+use crate::tensor::{Storage, Tensor, View};
 use crate::Result;
 
 saved_struct!(
@@ -176,36 +174,6 @@ impl Module for LmHead {
         self.norm.backward(be, (p, gr), x, dy, dx.view_mut())?;
         (dnormed, (stats, normed)).hand_back(be);
         Ok((Tensor::new(vec![1], loss)?, Tensor::new(vec![b, t, d], dx)?))
-    }
-
-    fn forward_backward_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        let n = batch * seq;
-        // The norm's output and its gradient, its statistics, the fused loss's own buffers.
-        2 * m.act_bytes(n * self.dim)
-            + self.norm.stats_bytes(n, m)
-            + m.head_fused_transient(self.head_shape(n))
-    }
-
-    fn saved_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> usize {
-        let n = batch * seq;
-        // The input and the norm's output, its statistics, the loss's own state.
-        2 * m.act_bytes(n * self.dim)
-            + self.norm.stats_bytes(n, m)
-            + m.head_saved(self.head_shape(n))
-    }
-
-    fn output_bytes(&self, _batch: usize, _seq: usize, m: &MemoryModel) -> usize {
-        m.bytes(DType::F32, 1)
-    }
-
-    fn transient_bytes(&self, batch: usize, seq: usize, m: &MemoryModel) -> Transients {
-        let n = batch * seq;
-        let (forward, backward) = m.head_transient(self.head_shape(n));
-        // Backward also holds the norm's output gradient beside the loss's own buffers.
-        Transients {
-            forward,
-            backward: backward + m.act_bytes(n * self.dim),
-        }
     }
 
     fn predict(

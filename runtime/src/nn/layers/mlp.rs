@@ -4,7 +4,7 @@
 
 use super::lora::Draw;
 use super::Dense;
-use crate::backend::{Accumulate, Backend, MemoryModel};
+use crate::backend::{Accumulate, Backend};
 use crate::nn::saved::{saved_struct, Held};
 use crate::nn::{act, Grads, Params};
 use crate::tensor::{Storage, View};
@@ -155,28 +155,5 @@ impl Mlp {
         }
         inner.hand_back(be);
         Ok(dx)
-    }
-
-    /// Bytes forward keeps for `rows` rows.
-    pub(crate) fn saved_bytes(&self, rows: usize, m: &MemoryModel) -> usize {
-        let count = if matches!(self, Mlp::Gelu { .. }) {
-            2
-        } else {
-            3
-        };
-        count * m.act_bytes(rows * self.inner())
-    }
-
-    /// The most bytes backward holds at once for `rows` rows (`out`: the bytes of the input
-    /// gradient it returns): GELU's dh beside the plain product it is the GELU gradient of
-    /// (a device's default; cuBLASLt's DGELU_BGRAD epilogue needs no product), then beside
-    /// that input gradient; SwiGLU's dact, dgate and dup, then dgate and dup beside the input
-    /// gradient.
-    pub(crate) fn backward_bytes(&self, rows: usize, out: usize, m: &MemoryModel) -> usize {
-        let inner = m.act_bytes(rows * self.inner());
-        match self {
-            Mlp::Gelu { .. } => inner + inner.max(out),
-            Mlp::SwiGlu { .. } => (3 * inner).max(2 * inner + out),
-        }
     }
 }

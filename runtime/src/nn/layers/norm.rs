@@ -1,10 +1,10 @@
 //! The normalisations over the residual stream: LayerNorm (GPT-2) and RMSNorm (Llama), each
 //! plain or fused with the residual connection before it and the gradient around it.
 
-use crate::backend::{Backend, MemoryModel};
+use crate::backend::Backend;
 use crate::nn::saved::saved_struct;
 use crate::nn::{stats, Grads, Params};
-use crate::tensor::{DType, Storage, View, ViewMut};
+use crate::tensor::{Storage, View, ViewMut};
 use crate::Result;
 
 /// A norm over the last dimension: LayerNorm when it has a bias (a shift), else RMSNorm.
@@ -30,11 +30,6 @@ impl Norm {
         let mean = self.bias.map(|_| stats(be, rows)).transpose()?;
         let rstd = stats(be, rows)?;
         Ok(NormStats { mean, rstd })
-    }
-
-    /// Bytes of [`Norm::stats`] for `rows` rows on a device described by `m`.
-    pub(crate) fn stats_bytes(&self, rows: usize, m: &MemoryModel) -> usize {
-        (1 + usize::from(self.bias.is_some())) * m.bytes(DType::F32, rows)
     }
 
     /// `y = norm(x)`, its statistics written to `st`.
