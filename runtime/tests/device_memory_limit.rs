@@ -103,7 +103,9 @@ fn initialize_refuses_from_the_estimate() {
         loaded.config.device_memory_limit.map(|b| b.bytes()),
         Some(2000)
     );
-    let r = EngineBuilder::new(toy::model(VOCAB, 64, SEQ, 3))
+    // A model the size-only device can run (the toy computes with host loops).
+    let gpt2 = ferrozero_runtime::nn::gpt2::Gpt2Config::preset("tiny").unwrap();
+    let r = EngineBuilder::new(ferrozero_runtime::nn::gpt2::build(&gpt2).unwrap())
         .config(loaded.config)
         .sequence_length(SEQ)
         .build();

@@ -712,6 +712,39 @@ pub fn open(device: Device, act: DType, rank: usize) -> Result<Arc<dyn Backend>>
     }
 }
 
+/// The size-only stand-in for `device` (activations in `act` where the device keeps them so),
+/// with no memory limit: the CPU as [`MetaBackend`], a GPU as the real CUDA backend over the
+/// size-only driver (an H100's description), so its caching allocator rounds and caches as on
+/// the card. What the estimator runs the training step on.
+pub fn size_only(device: Device, act: DType) -> Result<Arc<dyn Backend>> {
+    if memory_is_host_ram(device) {
+        return Ok(Arc::new(MetaBackend));
+    }
+    size_only_gpu(act)
+}
+
+#[cfg(feature = "cuda")]
+fn size_only_gpu(act: DType) -> Result<Arc<dyn Backend>> {
+    use cuda::driver::{DeviceInfo, LARGE_SEGMENT_ROUND};
+    let round = LARGE_SEGMENT_ROUND as u64;
+    let unbounded = u64::MAX / 4 / round * round;
+    Ok(cuda::meta(
+        act,
+        DeviceInfo::h100_sizes_only(Some(unbounded)),
+    )?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn size_only_gpu(_act: DType) -> Result<Arc<dyn Backend>> {
+    Err(crate::Error::Unavailable {
+        what: "pricing a GPU",
+        why: "the estimate runs the CUDA backend on a size-only device, and this build has no \
+              CUDA backend: build with `--features cuda` (no GPU is needed), or price the CPU \
+              with `device = \"cpu\"`"
+            .into(),
+    })
+}
+
 /// Whether `device`'s memory is the host's RAM: the CPU, or `Auto` where no GPU is usable.
 /// The pre-flight check counts a rank's device working set against RAM only then.
 pub fn memory_is_host_ram(device: Device) -> bool {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use ferrozero_config::resolved::ResolvedConfig;
 
-use crate::backend::{Backend, MetaBackend};
+use crate::backend::Backend;
 use crate::comm::meta::MetaComm;
 use crate::engine::ledger::Ledger;
 use crate::engine::optimizer_overlap::{shared_group, snapshot_figures, OptimizerOverlap};
@@ -103,31 +103,9 @@ fn for_measuring(cfg: &ResolvedConfig, micro: usize) -> ResolvedConfig {
     c
 }
 
-/// The size-only stand-in for `cfg`'s device.
+/// The size-only stand-in for `cfg`'s device, with room for any peak (the estimate reports
+/// it; the budget decides whether it fits).
 fn size_only_device(cfg: &ResolvedConfig) -> Result<Arc<dyn Backend>> {
-    if crate::backend::memory_is_host_ram(cfg.device) {
-        return Ok(Arc::new(MetaBackend));
-    }
-    size_only_gpu(cfg)
-}
-
-#[cfg(feature = "cuda")]
-fn size_only_gpu(cfg: &ResolvedConfig) -> Result<Arc<dyn Backend>> {
-    use crate::backend::cuda::driver::{DeviceInfo, LARGE_SEGMENT_ROUND};
-    // Room for any peak: the estimate reports it, the budget decides whether it fits.
-    let unbounded = u64::MAX / 4 / LARGE_SEGMENT_ROUND as u64 * LARGE_SEGMENT_ROUND as u64;
     let act = crate::engine::build::storage_dtype(&cfg.precision);
-    let be = crate::backend::cuda::meta(act, DeviceInfo::h100_sizes_only(Some(unbounded)))?;
-    Ok(be)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn size_only_gpu(_cfg: &ResolvedConfig) -> Result<Arc<dyn Backend>> {
-    Err(crate::Error::Unavailable {
-        what: "pricing a GPU",
-        why: "the estimate runs the CUDA backend on a size-only device, and this build has no \
-              CUDA backend: build with `--features cuda` (no GPU is needed), or price the CPU \
-              with `device = \"cpu\"`"
-            .into(),
-    })
+    crate::backend::size_only(cfg.device, act)
 }

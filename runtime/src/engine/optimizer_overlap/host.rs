@@ -247,17 +247,17 @@ mod tests {
     #[test]
     fn a_small_model_stays_speculative() {
         let model = preset("tiny-gpt2").unwrap().model;
-        let (got, need, e) = decided(&model, 64, HOST_128G);
+        let (got, need, e) = decided(&model, 32, HOST_128G);
         assert!(e.snapshot_host_bytes > 0);
         assert_eq!(got, OptimizerOverlap::decide(&offload_config()), "{got:?}");
         // Within the room left beside the margin every snapshot is kept; short of it, fewer.
         let at = need.with_snapshots * HOST_MARGIN_DIVISOR / (HOST_MARGIN_DIVISOR - 1) + 1;
-        let (full, ..) = decided(&model, 64, at);
+        let (full, ..) = decided(&model, 32, at);
         assert!(
             matches!(full, OptimizerOverlap::Speculative(_, None)),
             "{full:?}"
         );
-        let (short, ..) = decided(&model, 64, need.with_snapshots);
+        let (short, ..) = decided(&model, 32, need.with_snapshots);
         assert!(
             matches!(
                 short,
@@ -284,8 +284,8 @@ mod tests {
         let model = preset("tiny-gpt2").unwrap().model;
         let off = OptimizerOverlap::Off("test".into());
         let cfg = offload_config();
-        let e = crate::engine::estimate::estimate_with_overlap(&model, &cfg, 1, 64, &off).unwrap();
-        let spec = estimate(&model, &cfg, 1, 64).unwrap();
+        let e = crate::engine::estimate::estimate_with_overlap(&model, &cfg, 1, 32, &off).unwrap();
+        let spec = estimate(&model, &cfg, 1, 32).unwrap();
         assert_eq!(e.snapshot_host_bytes, 0);
         assert_eq!(
             spec.host.peak_bytes - e.host.peak_bytes,
