@@ -120,9 +120,9 @@ pub struct ActivationFigures {
 }
 
 impl Estimate {
-    /// Peak host bytes including swap buffers: what the host must really provide per rank.
+    /// Peak host bytes, swap buffers included: what the host must really provide per rank.
     pub fn host_total_bytes(&self) -> u64 {
-        self.host.peak_bytes + self.swap_buffer_bytes
+        self.host.peak_bytes
     }
 }
 
@@ -176,9 +176,10 @@ pub fn estimate_with_overlap(
         device.peak_bytes = peak;
     }
     let host = Placement::from_ledger(ledger, Location::Host);
-    let swap_buffer_bytes = swap_buffers(cfg);
+    let swap_buffer_bytes = swap_buffers(model, cfg);
     let pinned_state = pinned_state(cfg, &host, m.snapshot_bytes);
-    let other_host = host.peak_bytes.saturating_sub(pinned_state);
+    let pinned = pinned_state + swap_buffer_bytes;
+    let other_host = host.peak_bytes.saturating_sub(pinned);
     Ok(Estimate {
         num_params: model.num_params() as u64,
         world_size: cfg.world_size,
@@ -188,7 +189,7 @@ pub fn estimate_with_overlap(
         device,
         host,
         nvme: Placement::from_ledger(ledger, Location::Nvme),
-        pinned_host_bytes: pinned_state + swap_buffer_bytes,
+        pinned_host_bytes: pinned,
         mlocked_host_bytes: mlocked_bytes(model, cfg),
         other_host_bytes: other_host,
         snapshot_host_bytes: m.snapshot_bytes,
@@ -202,10 +203,14 @@ pub fn estimate_with_overlap(
 
 /// `Estimate::mlocked_host_bytes`, by the engine's rule (`rules::mlocked_bytes`).
 fn mlocked_bytes(model: &Model, cfg: &ResolvedConfig) -> u64 {
+    super::rules::mlocked_bytes(cfg, largest_owned(model, cfg))
+}
+
+/// The largest range of any group rank 0 owns, which sizes the NVMe tiles.
+fn largest_owned(model: &Model, cfg: &ResolvedConfig) -> usize {
     let world = super::partition::shard_world(cfg.world_size.max(1), cfg.zero.mics_shard_size);
     let stage = super::stage::for_stage(cfg.zero.stage);
-    let largest = super::rules::largest_owned(model, &*stage, world, 0);
-    super::rules::mlocked_bytes(cfg, largest)
+    super::rules::largest_owned(model, &*stage, world, 0)
 }
 
 /// The device `cfg` runs on, described without opening it: its `device` key, activations in
@@ -237,16 +242,13 @@ fn pinned_state(cfg: &ResolvedConfig, host: &Placement, snapshots: u64) -> u64 {
     b
 }
 
-/// Pinned staging for optimizer state swapped to NVMe, sized as DeepSpeed sizes it:
-/// `buffer_count` sub-groups of f32 state. (Parameter shards swapped from NVMe occupy host
-/// buffers that the ledger itself counts, as `Prefetch` on the host, so they are in the
-/// replayed host peak rather than here.)
-fn swap_buffers(cfg: &ResolvedConfig) -> u64 {
-    let z = &cfg.zero;
-    let nvme = |o: &ferrozero_config::resolved::Offload| matches!(o.target, OffloadTarget::Nvme(_));
-    let mut b = 0u64;
-    if nvme(&z.offload_optimizer) {
-        b += z.offload_optimizer.buffer_count as u64 * z.sub_group_size as u64 * 4;
+/// The NVMe optimizer's tile pool (`rules::nvme_pool`: `buffer_count` tiles of f32 master
+/// weights and both moments), which the engine's ledger counts as host communication
+/// buffers: 0 unless the optimizer state is on NVMe.
+fn swap_buffers(model: &Model, cfg: &ResolvedConfig) -> u64 {
+    if !matches!(cfg.zero.offload_optimizer.target, OffloadTarget::Nvme(_)) {
+        return 0;
     }
-    b
+    let (count, bytes, _) = super::rules::nvme_pool(cfg, largest_owned(model, cfg));
+    (count as u64).saturating_mul(bytes as u64)
 }
