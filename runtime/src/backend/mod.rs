@@ -726,7 +726,7 @@ pub fn size_only(device: Device, act: DType) -> Result<Arc<dyn Backend>> {
 #[cfg(feature = "cuda")]
 fn size_only_gpu(act: DType) -> Result<Arc<dyn Backend>> {
     use cuda::driver::{DeviceInfo, LARGE_SEGMENT_ROUND};
-    let round = LARGE_SEGMENT_ROUND as u64;
+    let round = LARGE_SEGMENT_ROUND;
     let unbounded = u64::MAX / 4 / round * round;
     Ok(cuda::meta(
         act,
