@@ -5,9 +5,8 @@ use std::path::PathBuf;
 use schemars::JsonSchema;
 use serde::Serialize;
 
-use crate::diagnostic::DiagnosticKind;
 use crate::parse::Node;
-use crate::reader::{off, to_choice, to_f64, to_str, to_uint, Cx, Report, Support, TableReader};
+use crate::reader::{off, to_choice, to_f64, to_str, to_uint, Cx, Support, TableReader};
 
 /// Where offloaded state lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, JsonSchema)]
@@ -141,15 +140,7 @@ fn warn_ignored(cx: &mut Cx<'_>, t: &TableReader<'_>, s: &OffloadSection) {
     };
     for key in foreign {
         let path = t.key_path(key);
-        if let Some(span) = cx.span_of(&path) {
-            cx.warn(Report {
-                kind: DiagnosticKind::Unsupported,
-                path: &path,
-                span: &span,
-                message: "not supported by ferrozero; ignored".into(),
-                help: Some(format!("`{key}` applies to `{other}` only")),
-            });
-        }
+        cx.ignored_if_set(&path, format!("`{key}` applies to `{other}` only"));
     }
     let here = |key: &str| !foreign.contains(&key);
     let checks: [(&str, bool, &str); 4] = [
@@ -176,15 +167,8 @@ fn warn_ignored(cx: &mut Cx<'_>, t: &TableReader<'_>, s: &OffloadSection) {
     ];
     for (key, ignored, why) in checks {
         let path = t.key_path(key);
-        let span = cx.span_of(&path).filter(|_| ignored && here(key));
-        if let Some(span) = span {
-            cx.warn(Report {
-                kind: DiagnosticKind::Unsupported,
-                path: &path,
-                span: &span,
-                message: "not supported by ferrozero; ignored".into(),
-                help: Some(why.into()),
-            });
+        if ignored && here(key) {
+            cx.ignored_if_set(&path, why);
         }
     }
 }

@@ -122,18 +122,10 @@ pub(crate) fn read_fp16(cx: &mut Cx<'_>, path: &str, node: &Node) -> Option<Fp16
     };
     if f.auto_cast {
         let path = t.key_path("auto_cast");
-        if let Some(span) = cx.span_of(&path) {
-            cx.warn(crate::reader::Report {
-                kind: crate::diagnostic::DiagnosticKind::Unsupported,
-                path: &path,
-                span: &span,
-                message: "not supported by ferrozero; ignored".into(),
-                help: Some(
-                    "ferrozero's layers run in the precision the config selects; there is no autocast"
-                        .into(),
-                ),
-            });
-        }
+        cx.ignored_if_set(
+            &path,
+            "ferrozero's layers run in the precision the config selects; there is no autocast",
+        );
     }
     t.finish(cx, FP16_SUPPORT);
     Some(f)

@@ -161,14 +161,8 @@ pub(crate) fn read_activation(
         ),
     ] {
         let path = t.key_path(key);
-        if let Some(span) = cx.span_of(&path).filter(|_| ignored) {
-            cx.warn(Report {
-                kind: DiagnosticKind::Unsupported,
-                path: &path,
-                span: &span,
-                message: "not supported by ferrozero; ignored".into(),
-                help: Some(why.into()),
-            });
+        if ignored {
+            cx.ignored_if_set(&path, why);
         }
     }
     t.finish(cx, &[]);

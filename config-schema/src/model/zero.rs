@@ -214,17 +214,12 @@ fn ignore_loco(cx: &mut Cx<'_>, t: &mut TableReader<'_>) {
         return;
     }
     let path = t.key_path("zeropp_loco_param");
-    cx.warn(Report {
-        kind: DiagnosticKind::Unsupported,
-        path: &path,
-        span: &e.key_span,
-        message: "not supported by ferrozero; ignored".into(),
-        help: Some(
-            "LoCo's settings apply only to the quantized gradient reduction \
-             (`zero_quantized_gradients`), which is off"
-                .into(),
-        ),
-    });
+    cx.ignored(
+        &path,
+        &e.key_span,
+        "LoCo's settings apply only to the quantized gradient reduction \
+         (`zero_quantized_gradients`), which is off",
+    );
 }
 
 fn read_fields(cx: &mut Cx<'_>, t: &mut TableReader<'_>) -> ZeroOptimization {
@@ -361,16 +356,9 @@ fn warn_fixed_behaviour(cx: &mut Cx<'_>, t: &TableReader<'_>, z: &ZeroOptimizati
             })
             .map(|k| t.key_path(k))
             .find(|p| cx.span_of(p).is_some());
-        let Some((path, span)) = path.and_then(|p| cx.span_of(&p).map(|s| (p, s))) else {
-            continue;
-        };
-        cx.warn(Report {
-            kind: DiagnosticKind::Unsupported,
-            path: &path,
-            span: &span,
-            message: "not supported by ferrozero; ignored".into(),
-            help: Some(why.into()),
-        });
+        if let Some(path) = path {
+            cx.ignored_if_set(&path, why);
+        }
     }
 }
 

@@ -70,6 +70,24 @@ impl<'s> Cx<'s> {
         self.push(Severity::Warning, r)
     }
 
+    /// Warns that the key at `path` (spanning `span`) is accepted but ignored, saying `why`.
+    pub(crate) fn ignored(&mut self, path: &str, span: &Range<usize>, why: impl Into<String>) {
+        self.warn(Report {
+            kind: DiagnosticKind::Unsupported,
+            path,
+            span,
+            message: "not supported by ferrozero; ignored".into(),
+            help: Some(why.into()),
+        });
+    }
+
+    /// [`Cx::ignored`] for a key read earlier, when the config set it.
+    pub(crate) fn ignored_if_set(&mut self, path: &str, why: impl Into<String>) {
+        if let Some(span) = self.span_of(path) {
+            self.ignored(path, &span, why);
+        }
+    }
+
     /// The value span of a key read earlier, by canonical dotted path.
     pub(crate) fn span_of(&self, path: &str) -> Option<Range<usize>> {
         self.spans.get(path).cloned()
