@@ -472,20 +472,6 @@ impl Driver for CudaDriver {
             .map_err(|e| cu_err("cuMemsetD8Async", e))
     }
 
-    fn copy_htod(&self, src: &[u8], dst: DevPtr, s: StreamKind) -> Result<()> {
-        // SAFETY: `src` stays borrowed until the stream has finished the copy (synchronized
-        // below).
-        unsafe { self.copy_htod_async(src.as_ptr(), src.len(), dst, s) }?;
-        self.synchronize(s)
-    }
-
-    fn copy_dtoh(&self, src: DevPtr, dst: &mut [u8], s: StreamKind) -> Result<()> {
-        // SAFETY: `dst` stays borrowed until the stream has finished the copy (synchronized
-        // below).
-        unsafe { self.copy_dtoh_async(src, dst.as_mut_ptr(), dst.len(), s) }?;
-        self.synchronize(s)
-    }
-
     fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, s: StreamKind) -> Result<()> {
         self.table().check_copy(src, dst, bytes as u64)?;
         if bytes == 0 {
@@ -591,17 +577,7 @@ impl Driver for CudaDriver {
         params: &mut [*mut c_void],
         s: StreamKind,
     ) -> Result<()> {
-        let Some((_, name)) = self.kernels.get(k.index()) else {
-            return Err(Error::Device {
-                op: "cuLaunchKernel".into(),
-                detail: format!(
-                    "CUDA_ERROR_INVALID_HANDLE: kernel handle {} is not from this device ({} \
-                     kernels)",
-                    k.0,
-                    self.kernels.len()
-                ),
-            });
-        };
+        let (_, name) = k.entry(&self.kernels)?;
         cfg.validate(name, self.info.max_dyn_smem_per_block)?;
         let func = self.function(k.index())?;
         self.bind()?;
