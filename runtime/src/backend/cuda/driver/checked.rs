@@ -127,33 +127,20 @@ impl<W: Work> Driver for Checked<W> {
         Ok(())
     }
 
-    unsafe fn copy_htod_async(
-        &self,
-        src: *const u8,
-        len: usize,
-        dst: DevPtr,
-        s: StreamKind,
-    ) -> Result<()> {
-        let _mem = self
-            .checks
-            .host_copy(("cuMemcpyHtoDAsync", "destination"), dst, len, s)?;
-        // SAFETY: the caller guarantees `src..src + len` is readable; the destination is checked.
-        unsafe { self.work.copy(src, dst.0 as *mut u8, len) };
+    unsafe fn copy_htod_async(&self, src: *const [u8], dst: DevPtr, s: StreamKind) -> Result<()> {
+        let op = ("cuMemcpyHtoDAsync", "destination");
+        let _mem = self.checks.host_copy(op, dst, src.len(), s)?;
+        // SAFETY: the caller guarantees `src` is readable; the destination is checked.
+        unsafe { self.work.copy(src.cast(), dst.0 as *mut u8, src.len()) };
         Ok(())
     }
 
-    unsafe fn copy_dtoh_async(
-        &self,
-        src: DevPtr,
-        dst: *mut u8,
-        len: usize,
-        s: StreamKind,
-    ) -> Result<()> {
+    unsafe fn copy_dtoh_async(&self, src: DevPtr, dst: *mut [u8], s: StreamKind) -> Result<()> {
         let _mem = self
             .checks
-            .host_copy(("cuMemcpyDtoHAsync", "source"), src, len, s)?;
-        // SAFETY: the caller guarantees `dst..dst + len` is writable; the source is checked.
-        unsafe { self.work.copy(src.0 as *const u8, dst, len) };
+            .host_copy(("cuMemcpyDtoHAsync", "source"), src, dst.len(), s)?;
+        // SAFETY: the caller guarantees `dst` is writable; the source is checked.
+        unsafe { self.work.copy(src.0 as *const u8, dst.cast(), dst.len()) };
         Ok(())
     }
 

@@ -412,7 +412,7 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn copy_htod(&self, src: &[u8], dst: DevPtr, s: StreamKind) -> Result<()> {
         // SAFETY: `src` stays borrowed until the stream has finished the copy (synchronized
         // below).
-        unsafe { self.copy_htod_async(src.as_ptr(), src.len(), dst, s) }?;
+        unsafe { self.copy_htod_async(src, dst, s) }?;
         self.synchronize(s)
     }
 
@@ -421,41 +421,29 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn copy_dtoh(&self, src: DevPtr, dst: &mut [u8], s: StreamKind) -> Result<()> {
         // SAFETY: `dst` stays borrowed, and untouched, until the stream has finished the copy
         // (synchronized below).
-        unsafe { self.copy_dtoh_async(src, dst.as_mut_ptr(), dst.len(), s) }?;
+        unsafe { self.copy_dtoh_async(src, dst, s) }?;
         self.synchronize(s)
     }
 
     /// Copies `bytes` bytes from `src` to `dst` on stream `s` (the ranges must not overlap).
     fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, s: StreamKind) -> Result<()>;
 
-    /// Queues a copy of `len` bytes from host memory `src` to `dst` on stream `s` and returns at
-    /// once: the way to overlap uploads from page-locked memory with compute.
+    /// Queues a copy of the host bytes `src` to `dst` on stream `s` and returns at once: the
+    /// way to overlap uploads from page-locked memory with compute.
     ///
     /// # Safety
-    /// `src..src + len` must stay valid and unchanged until the stream has passed this copy
-    /// (synchronize it, or wait for an event recorded after it). For the copy to be truly
-    /// asynchronous, the memory should be page-locked.
-    unsafe fn copy_htod_async(
-        &self,
-        src: *const u8,
-        len: usize,
-        dst: DevPtr,
-        s: StreamKind,
-    ) -> Result<()>;
+    /// `src` must stay valid and unchanged until the stream has passed this copy (synchronize
+    /// it, or wait for an event recorded after it). For the copy to be truly asynchronous, the
+    /// memory should be page-locked.
+    unsafe fn copy_htod_async(&self, src: *const [u8], dst: DevPtr, s: StreamKind) -> Result<()>;
 
-    /// Queues a copy of `len` bytes from `src` into host memory `dst` on stream `s` and returns
-    /// at once.
+    /// Queues a copy of `dst.len()` bytes from `src` into the host bytes `dst` on stream `s`
+    /// and returns at once.
     ///
     /// # Safety
-    /// `dst..dst + len` must stay valid, and must not be read or written, until the stream has
-    /// passed this copy.
-    unsafe fn copy_dtoh_async(
-        &self,
-        src: DevPtr,
-        dst: *mut u8,
-        len: usize,
-        s: StreamKind,
-    ) -> Result<()>;
+    /// `dst` must stay valid, and must not be read or written, until the stream has passed this
+    /// copy.
+    unsafe fn copy_dtoh_async(&self, src: DevPtr, dst: *mut [u8], s: StreamKind) -> Result<()>;
 
     /// The kernel called `name` in the registry; compiles (or reads from the disk cache) and
     /// loads its source on the first use of any of its kernels, once per process.

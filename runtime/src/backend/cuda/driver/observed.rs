@@ -228,36 +228,20 @@ impl Driver for Observed {
         self.inner.copy_dtod(src, dst, bytes, s)
     }
 
-    unsafe fn copy_htod_async(
-        &self,
-        src: *const u8,
-        len: usize,
-        dst: DevPtr,
-        s: StreamKind,
-    ) -> Result<()> {
-        self.copy(len, false);
-        self.note(Some(s), || TraceOp::CopyHtoD {
-            bytes: len,
-            wait: false,
-        });
+    unsafe fn copy_htod_async(&self, src: *const [u8], dst: DevPtr, s: StreamKind) -> Result<()> {
+        let bytes = src.len();
+        self.copy(bytes, false);
+        self.note(Some(s), || TraceOp::CopyHtoD { bytes, wait: false });
         // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.copy_htod_async(src, len, dst, s) }
+        unsafe { self.inner.copy_htod_async(src, dst, s) }
     }
 
-    unsafe fn copy_dtoh_async(
-        &self,
-        src: DevPtr,
-        dst: *mut u8,
-        len: usize,
-        s: StreamKind,
-    ) -> Result<()> {
-        self.copy(len, false);
-        self.note(Some(s), || TraceOp::CopyDtoH {
-            bytes: len,
-            wait: false,
-        });
+    unsafe fn copy_dtoh_async(&self, src: DevPtr, dst: *mut [u8], s: StreamKind) -> Result<()> {
+        let bytes = dst.len();
+        self.copy(bytes, false);
+        self.note(Some(s), || TraceOp::CopyDtoH { bytes, wait: false });
         // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.copy_dtoh_async(src, dst, len, s) }
+        unsafe { self.inner.copy_dtoh_async(src, dst, s) }
     }
 
     fn kernel(&self, name: &str) -> Result<Kernel> {
@@ -353,7 +337,7 @@ mod tests {
         d.copy_htod(&host, p, StreamKind::Compute).unwrap();
         d.start_trace();
         // SAFETY: `host` outlives the copy (the stream is synchronized below).
-        unsafe { d.copy_htod_async(host.as_ptr(), 1024, p, StreamKind::HostToDevice) }.unwrap();
+        unsafe { d.copy_htod_async(&host[..], p, StreamKind::HostToDevice) }.unwrap();
         let e = d.event_create().unwrap();
         d.event_record(e, StreamKind::HostToDevice).unwrap();
         d.stream_wait_event(StreamKind::Compute, e).unwrap();
