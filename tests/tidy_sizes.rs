@@ -27,11 +27,6 @@ const FNS_ALLOWED: &[(&str, &str, &str)] = &[
         "validate",
         "cuBLASLt's refusals one after another, in the order cuBLASLt checks them",
     ),
-    (
-        "runtime/src/backend/cuda/driver/gemm/reference.rs",
-        "reference",
-        "not split yet: the emulator's documented GEMM, epilogues included, in one pass",
-    ),
 ];
 
 #[test]

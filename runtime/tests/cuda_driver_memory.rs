@@ -93,13 +93,13 @@ fn memory_is_aligned_and_round_trips(d: &Arc<dyn Driver>) {
 
     // Asynchronous forms, ordered across streams with an event.
     let src = vec![9u8; 64];
-    unsafe { d.copy_htod_async(src.as_ptr(), 64, q, StreamKind::HostToDevice) }.unwrap();
+    unsafe { d.copy_htod_async(&src[..], q, StreamKind::HostToDevice) }.unwrap();
     let uploaded = d.event_create().unwrap();
     d.event_record(uploaded, StreamKind::HostToDevice).unwrap();
     d.stream_wait_event(StreamKind::DeviceToHost, uploaded)
         .unwrap();
     let mut dst = vec![0u8; 64];
-    unsafe { d.copy_dtoh_async(q, dst.as_mut_ptr(), 64, StreamKind::DeviceToHost) }.unwrap();
+    unsafe { d.copy_dtoh_async(q, &mut dst[..], StreamKind::DeviceToHost) }.unwrap();
     d.synchronize(StreamKind::DeviceToHost).unwrap();
     assert_eq!(dst, src);
     d.event_destroy(uploaded).unwrap();

@@ -613,7 +613,7 @@ fn refusals(d: &dyn Driver) -> Vec<(String, String)> {
         // An upload on the copy stream, then the compute stream touching the same bytes
         // without an event between: the order check refuses it.
         // SAFETY: `host` outlives the (synchronous, or never performed) copy.
-        unsafe { d.copy_htod_async(host.as_ptr(), 8, p, StreamKind::HostToDevice) }
+        unsafe { d.copy_htod_async(&host[..8], p, StreamKind::HostToDevice) }
             .and_then(|()| d.memset_zero(p, 8, s)),
         // SAFETY: `p` is freed once; every use after is refused.
         unsafe { d.free(p) }.and_then(|()| d.memset_zero(p, 8, s)),
@@ -667,7 +667,7 @@ fn size_only_driver_keeps_its_promises() {
     let mut host = vec![0xABu8; 1000];
     a.copy_dtoh(p, &mut host, StreamKind::Compute).unwrap();
     // SAFETY: `host` outlives the copy, which the size-only device never performs.
-    unsafe { a.copy_dtoh_async(p, host.as_mut_ptr(), 1000, StreamKind::DeviceToHost) }.unwrap();
+    unsafe { a.copy_dtoh_async(p, &mut host[..], StreamKind::DeviceToHost) }.unwrap();
     assert!(
         host.iter().all(|&x| x == 0xAB),
         "a download wrote the host buffer"

@@ -224,6 +224,18 @@ impl LionConsts {
     }
 }
 
+/// Lion's update direction: the sign of `c`, 0 for 0 and NaN (unlike `f32::signum`).
+#[inline(always)]
+pub(super) fn sign(c: f32) -> f32 {
+    if c > 0.0 {
+        1.0
+    } else if c < 0.0 {
+        -1.0
+    } else {
+        0.0
+    }
+}
+
 /// Mirrors `reference::lion_step`.
 impl OneState for LionConsts {
     #[inline(always)]
@@ -232,14 +244,7 @@ impl OneState for LionConsts {
         let mut p = p;
         p -= self.lr_wd * p;
         let c = self.b1 * m + self.omb1 * g;
-        let sign = if c > 0.0 {
-            1.0
-        } else if c < 0.0 {
-            -1.0
-        } else {
-            0.0
-        };
-        p -= self.lr * sign;
+        p -= self.lr * sign(c);
         (p, self.b2 * m + self.omb2 * g)
     }
 }

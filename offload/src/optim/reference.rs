@@ -6,7 +6,9 @@
 
 use half::{bf16, f16};
 
-use super::{adam_terms, check, AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay};
+use super::{
+    adam_terms, check, kernels, AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay,
+};
 use crate::Result;
 
 pub(super) fn write_lp(lp: &mut LowPrecision<'_>, i: usize, p: f32) {
@@ -109,14 +111,7 @@ pub fn lion_step(
         let mut p = params[i];
         p -= hp.lr * hp.weight_decay * p;
         let c = hp.beta1 * m[i] + (1.0 - hp.beta1) * g;
-        let sign = if c > 0.0 {
-            1.0
-        } else if c < 0.0 {
-            -1.0
-        } else {
-            0.0
-        };
-        p -= hp.lr * sign;
+        p -= hp.lr * kernels::sign(c);
         m[i] = hp.beta2 * m[i] + (1.0 - hp.beta2) * g;
         params[i] = p;
         write_lp(&mut lp_out, i, p);

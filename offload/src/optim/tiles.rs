@@ -40,6 +40,46 @@ fn split<T: Tile>(tile: T, f: &(impl Fn(T) + Sync)) {
     rayon::join(|| split(l, f), || split(r, f));
 }
 
+/// A slice of a tile, or its low-precision copy: what splits where the tile does.
+trait Part: Sized {
+    fn cut(self, mid: usize) -> (Self, Self);
+}
+
+impl Part for &mut [f32] {
+    fn cut(self, mid: usize) -> (Self, Self) {
+        self.split_at_mut(mid)
+    }
+}
+
+impl Part for &[f32] {
+    fn cut(self, mid: usize) -> (Self, Self) {
+        self.split_at(mid)
+    }
+}
+
+impl Part for LowPrecision<'_> {
+    fn cut(self, mid: usize) -> (Self, Self) {
+        self.split_at(mid)
+    }
+}
+
+/// A tile type over its fields (the first one's length is the tile's), each cut at `mid`.
+macro_rules! tile {
+    ($t:ident { $first:ident $(, $f:ident)* }) => {
+        impl Tile for $t<'_> {
+            fn len(&self) -> usize {
+                self.$first.len()
+            }
+
+            fn split_at(self, mid: usize) -> (Self, Self) {
+                let $first = self.$first.cut(mid);
+                $(let $f = self.$f.cut(mid);)*
+                ($t { $first: $first.0 $(, $f: $f.0)* }, $t { $first: $first.1 $(, $f: $f.1)* })
+            }
+        }
+    };
+}
+
 /// Adam's slices.
 pub(super) struct AdamTile<'a> {
     pub p: &'a mut [f32],
@@ -47,35 +87,6 @@ pub(super) struct AdamTile<'a> {
     pub m: &'a mut [f32],
     pub v: &'a mut [f32],
     pub lp: LowPrecision<'a>,
-}
-
-impl Tile for AdamTile<'_> {
-    fn len(&self) -> usize {
-        self.p.len()
-    }
-
-    fn split_at(self, mid: usize) -> (Self, Self) {
-        let (p0, p1) = self.p.split_at_mut(mid);
-        let (g0, g1) = self.g.split_at(mid);
-        let (m0, m1) = self.m.split_at_mut(mid);
-        let (v0, v1) = self.v.split_at_mut(mid);
-        let (l0, l1) = self.lp.split_at(mid);
-        let a = AdamTile {
-            p: p0,
-            g: g0,
-            m: m0,
-            v: v0,
-            lp: l0,
-        };
-        let b = AdamTile {
-            p: p1,
-            g: g1,
-            m: m1,
-            v: v1,
-            lp: l1,
-        };
-        (a, b)
-    }
 }
 
 /// Slices of an optimizer with one state buffer `s`: SGD's momentum, Lion's moment.
@@ -86,32 +97,6 @@ pub(super) struct StateTile<'a> {
     pub lp: LowPrecision<'a>,
 }
 
-impl Tile for StateTile<'_> {
-    fn len(&self) -> usize {
-        self.p.len()
-    }
-
-    fn split_at(self, mid: usize) -> (Self, Self) {
-        let (p0, p1) = self.p.split_at_mut(mid);
-        let (g0, g1) = self.g.split_at(mid);
-        let (s0, s1) = self.s.split_at_mut(mid);
-        let (l0, l1) = self.lp.split_at(mid);
-        let a = StateTile {
-            p: p0,
-            g: g0,
-            s: s0,
-            lp: l0,
-        };
-        let b = StateTile {
-            p: p1,
-            g: g1,
-            s: s1,
-            lp: l1,
-        };
-        (a, b)
-    }
-}
-
 /// LAMB's second pass: the weights and the two moments it reads.
 pub(super) struct LambTile<'a> {
     pub p: &'a mut [f32],
@@ -120,28 +105,6 @@ pub(super) struct LambTile<'a> {
     pub lp: LowPrecision<'a>,
 }
 
-impl Tile for LambTile<'_> {
-    fn len(&self) -> usize {
-        self.p.len()
-    }
-
-    fn split_at(self, mid: usize) -> (Self, Self) {
-        let (p0, p1) = self.p.split_at_mut(mid);
-        let (m0, m1) = self.m.split_at(mid);
-        let (v0, v1) = self.v.split_at(mid);
-        let (l0, l1) = self.lp.split_at(mid);
-        let a = LambTile {
-            p: p0,
-            m: m0,
-            v: v0,
-            lp: l0,
-        };
-        let b = LambTile {
-            p: p1,
-            m: m1,
-            v: v1,
-            lp: l1,
-        };
-        (a, b)
-    }
-}
+tile!(AdamTile { p, g, m, v, lp });
+tile!(StateTile { p, g, s, lp });
+tile!(LambTile { p, m, v, lp });

@@ -119,26 +119,7 @@ impl Communicator for HybridComm {
         self.shard.deterministic() && self.replica.deterministic()
     }
 
-    /// Sums (or averages, or maxes) over the whole world: inside the group, then across.
-    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.all_reduce_view(ViewMut::Host(buf), op)
-    }
-
-    /// Reduce-scatter inside the group, then all-reduce of the shard across groups: every
-    /// rank holding shard `r` gets the world's sum of it.
-    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.reduce_scatter_view(View::Host(input), ViewMut::Host(output), op)
-    }
-
-    /// Inside the group only: every group holds the same shards.
-    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.all_gather_view(View::Host(input), ViewMut::Host(output))
-    }
-
-    /// `root` is a position in the shard group; group 0's root's buffer reaches every rank.
-    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.broadcast_view(ViewMut::Host(buf), root)
-    }
+    crate::comm::host_by_views!();
 
     /// Every rank of the world: once a rank passed the replica barrier, every group's
     /// members have entered their shard barrier.
@@ -147,12 +128,15 @@ impl Communicator for HybridComm {
         self.replica.barrier()
     }
 
+    /// Sums (or averages, or maxes) over the whole world: inside the group, then across.
     fn all_reduce_view(&self, mut buf: ViewMut<'_>, op: ReduceOp) -> Result<()> {
         self.shard.all_reduce_view(buf.reborrow(), op)?;
         self.count(buf.len(), buf.dtype().size());
         self.replica.all_reduce_view(buf, op)
     }
 
+    /// Reduce-scatter inside the group, then all-reduce of the shard across groups: every
+    /// rank holding shard `r` gets the world's sum of it.
     fn reduce_scatter_view(
         &self,
         input: View<'_>,
@@ -165,6 +149,7 @@ impl Communicator for HybridComm {
         self.replica.all_reduce_view(output, op)
     }
 
+    /// Inside the group only: every group holds the same shards.
     fn all_gather_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
         self.shard.all_gather_view(input, output)
     }
@@ -178,6 +163,7 @@ impl Communicator for HybridComm {
         self.shard.all_to_all_view(input, output)
     }
 
+    /// `root` is a position in the shard group; group 0's root's buffer reaches every rank.
     fn broadcast_view(&self, mut buf: ViewMut<'_>, root: usize) -> Result<()> {
         self.shard.broadcast_view(buf.reborrow(), root)?;
         self.count(buf.len(), buf.dtype().size());

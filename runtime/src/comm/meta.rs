@@ -6,7 +6,8 @@
 //! strided groups, are [`Communicator::split_blocks`] and [`Communicator::split_strided`],
 //! computed here exactly; a general [`Communicator::split`] is refused.
 
-use super::{BufMut, BufRef, CommBackend, Communicator, ReduceOp};
+use super::local::desc::OpKind;
+use super::{CommBackend, Communicator, ReduceOp};
 use crate::tensor::{View, ViewMut};
 use crate::{Error, Result};
 
@@ -34,33 +35,21 @@ impl MetaComm {
         })
     }
 
-    fn check(&self, op: &'static str, (input, output): (usize, usize), want: usize) -> Result<()> {
-        if output == want {
+    /// The lengths a collective's buffers must have, as every transport checks them
+    /// (`local::desc::OpKind::output_len`).
+    fn lens(&self, op: OpKind, input: usize, output: usize) -> Result<()> {
+        let want = op.output_len(input, self.world);
+        if want == Some(output) {
             return Ok(());
         }
         Err(Error::Shape {
-            op,
-            expected: format!("{want} output elements at world size {}", self.world),
+            op: op.name(),
+            expected: match want {
+                Some(n) => format!("{n} output elements at world size {}", self.world),
+                None => format!("an input divisible by world size {}", self.world),
+            },
             got: format!("{output} for an input of {input}"),
         })
-    }
-
-    fn reduce_scatter_lens(&self, input: usize, output: usize) -> Result<()> {
-        if !input.is_multiple_of(self.world) {
-            return self.check("reduce_scatter", (input, output), usize::MAX);
-        }
-        self.check("reduce_scatter", (input, output), input / self.world)
-    }
-
-    fn all_gather_lens(&self, input: usize, output: usize) -> Result<()> {
-        self.check("all_gather", (input, output), input * self.world)
-    }
-
-    fn all_to_all_lens(&self, input: usize, output: usize) -> Result<()> {
-        if !input.is_multiple_of(self.world) {
-            return self.check("all_to_all", (input, output), usize::MAX);
-        }
-        self.check("all_to_all", (input, output), input)
     }
 
     fn group(&self, rank: usize, world: usize) -> Box<dyn Communicator> {
@@ -92,21 +81,7 @@ impl Communicator for MetaComm {
     fn backend(&self) -> CommBackend {
         self.backend
     }
-    fn all_reduce(&self, _buf: BufMut<'_>, _op: ReduceOp) -> Result<()> {
-        Ok(())
-    }
-    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, _op: ReduceOp) -> Result<()> {
-        self.reduce_scatter_lens(input.len(), output.len())
-    }
-    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.all_gather_lens(input.len(), output.len())
-    }
-    fn broadcast(&self, _buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.check_root(root)
-    }
-    fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.all_to_all_lens(input.len(), output.len())
-    }
+    crate::comm::host_by_views!(all_to_all);
     fn barrier(&self) -> Result<()> {
         Ok(())
     }
@@ -114,16 +89,22 @@ impl Communicator for MetaComm {
         Ok(())
     }
     fn reduce_scatter_view(&self, input: View<'_>, output: ViewMut<'_>, _: ReduceOp) -> Result<()> {
-        self.reduce_scatter_lens(input.len(), output.len())
+        self.lens(OpKind::ReduceScatter, input.len(), output.len())
     }
     fn all_gather_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
-        self.all_gather_lens(input.len(), output.len())
+        self.lens(OpKind::AllGather, input.len(), output.len())
     }
     fn all_to_all_view(&self, input: View<'_>, output: ViewMut<'_>) -> Result<()> {
-        self.all_to_all_lens(input.len(), output.len())
+        self.lens(OpKind::AllToAll, input.len(), output.len())
     }
     fn broadcast_view(&self, _buf: ViewMut<'_>, root: usize) -> Result<()> {
-        self.check_root(root)
+        if root < self.world {
+            return Ok(());
+        }
+        Err(Error::Invalid(format!(
+            "broadcast root {root} is not a rank of {}",
+            self.world
+        )))
     }
     fn duplicate(&self) -> Result<Box<dyn Communicator>> {
         Ok(Box::new(*self))
@@ -142,18 +123,6 @@ impl Communicator for MetaComm {
     fn split_strided(&self, g: usize) -> Result<Box<dyn Communicator>> {
         self.check_groups(g)?;
         Ok(self.group(self.rank / g, self.world / g))
-    }
-}
-
-impl MetaComm {
-    fn check_root(&self, root: usize) -> Result<()> {
-        if root < self.world {
-            return Ok(());
-        }
-        Err(Error::Invalid(format!(
-            "broadcast root {root} is not a rank of {}",
-            self.world
-        )))
     }
 }
 

@@ -173,6 +173,75 @@ pub fn all_to_all_by_gather<C: Communicator + ?Sized>(
     Ok(())
 }
 
+/// A collective's failure on `rank`, timed from `start`: the one error every transport
+/// reports.
+pub(crate) fn failure(
+    rank: usize,
+    op: &'static str,
+    peer: Option<usize>,
+    start: std::time::Instant,
+    reason: String,
+) -> crate::Error {
+    crate::Error::Comm {
+        op,
+        rank,
+        peer,
+        elapsed: start.elapsed(),
+        reason,
+    }
+}
+
+/// The host collectives of a communicator whose view collectives are its own, each handing
+/// its host buffers to the `_view` form (the trait's defaults go the other way, so that a
+/// transport of host memory writes the host forms alone); `all_to_all` too when named.
+macro_rules! host_by_views {
+    () => {
+        fn all_reduce(
+            &self,
+            buf: $crate::tensor::BufMut<'_>,
+            op: $crate::comm::ReduceOp,
+        ) -> $crate::Result<()> {
+            self.all_reduce_view($crate::tensor::ViewMut::Host(buf), op)
+        }
+
+        fn reduce_scatter(
+            &self,
+            input: $crate::tensor::BufRef<'_>,
+            output: $crate::tensor::BufMut<'_>,
+            op: $crate::comm::ReduceOp,
+        ) -> $crate::Result<()> {
+            use $crate::tensor::{View, ViewMut};
+            self.reduce_scatter_view(View::Host(input), ViewMut::Host(output), op)
+        }
+
+        fn all_gather(
+            &self,
+            input: $crate::tensor::BufRef<'_>,
+            output: $crate::tensor::BufMut<'_>,
+        ) -> $crate::Result<()> {
+            use $crate::tensor::{View, ViewMut};
+            self.all_gather_view(View::Host(input), ViewMut::Host(output))
+        }
+
+        fn broadcast(&self, buf: $crate::tensor::BufMut<'_>, root: usize) -> $crate::Result<()> {
+            self.broadcast_view($crate::tensor::ViewMut::Host(buf), root)
+        }
+    };
+    (all_to_all) => {
+        $crate::comm::host_by_views!();
+
+        fn all_to_all(
+            &self,
+            input: $crate::tensor::BufRef<'_>,
+            output: $crate::tensor::BufMut<'_>,
+        ) -> $crate::Result<()> {
+            use $crate::tensor::{View, ViewMut};
+            self.all_to_all_view(View::Host(input), ViewMut::Host(output))
+        }
+    };
+}
+pub(crate) use host_by_views;
+
 pub mod hybrid;
 pub mod local;
 pub mod logger;

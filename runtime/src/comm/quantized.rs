@@ -8,7 +8,7 @@
 
 use super::Communicator;
 use crate::tensor::quant::{Packed, QuantFormat, WIRE_DTYPE};
-use crate::tensor::{DType, Storage};
+use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::Result;
 
 /// qwZ's all-gather: every rank's `shard` (`shard_len` elements) quantized in
@@ -32,7 +32,7 @@ pub fn all_gather_quantized(
     let mut mine = shard.uninit_like(WIRE_DTYPE, w)?;
     shard.quantize_into(0..shard_len, fmt, &mut mine, 0)?;
     let mut all = shard.uninit_like(WIRE_DTYPE, w * world)?;
-    gather_words(comm, &mine, &mut all, w, bucket)?;
+    bucketed(comm, true, (&mine, &mut all), w, bucket)?;
     for r in 0..world {
         all.dequantize_into(r * w, fmt, full, r * shard_len, shard_len)?;
     }
@@ -48,33 +48,6 @@ pub fn all_gather_staging_bytes(world: usize, shard_len: usize) -> u64 {
     }
     .words();
     ((world + 1) * w * WIRE_DTYPE.size()) as u64
-}
-
-/// All-gathers `w` words per rank from `mine` into `all`, at most `bucket` words per
-/// collective.
-fn gather_words(
-    comm: &dyn Communicator,
-    mine: &Storage,
-    all: &mut Storage,
-    w: usize,
-    bucket: usize,
-) -> Result<()> {
-    let world = comm.world_size();
-    let k = (bucket / world.max(1)).max(1);
-    if k >= w {
-        return comm.all_gather_view(mine.range(0..w)?, all.range_mut(0..w * world)?);
-    }
-    let mut out = mine.uninit_like(WIRE_DTYPE, k * world)?;
-    let mut start = 0;
-    while start < w {
-        let n = k.min(w - start);
-        comm.all_gather_view(mine.range(start..start + n)?, out.range_mut(0..n * world)?)?;
-        for r in 0..world {
-            out.copy_to(r * n, all, r * w + start, n)?;
-        }
-        start += n;
-    }
-    Ok(())
 }
 
 /// qgZ's reduction: `input` (`world * shard_len` elements) is this rank's gradient; slot `r`
@@ -98,7 +71,7 @@ pub fn reduce_scatter_quantized(
         input.quantize_into(r * s..(r + 1) * s, fmt, &mut send, r * w)?;
     }
     let mut recv = input.uninit_like(WIRE_DTYPE, w * world)?;
-    exchange_words(comm, &send, &mut recv, w, bucket)?;
+    bucketed(comm, false, (&send, &mut recv), w, bucket)?;
     let f32_out = out.dtype() == DType::F32;
     let mut acc = if f32_out {
         None
@@ -132,31 +105,47 @@ pub fn reduce_staging_bytes(world: usize, shard_len: usize, out: DType) -> u64 {
     (2 * world * w * WIRE_DTYPE.size() + sums * shard_len * 4) as u64
 }
 
-/// All-to-alls `w` words per slot from `send` into `recv`, at most `bucket` words per
-/// collective (each collective carries the same range of every slot).
-fn exchange_words(
+/// Moves `w` words per slot from `src` into `dst`'s `world` slots through `comm`: an
+/// all-gather of `src`'s one slot, or (not `gather`) an all-to-all of its `world` slots; at
+/// most `bucket` words per collective, each carrying the same range of every slot.
+fn bucketed(
     comm: &dyn Communicator,
-    send: &Storage,
-    recv: &mut Storage,
+    gather: bool,
+    (src, dst): (&Storage, &mut Storage),
     w: usize,
     bucket: usize,
 ) -> Result<()> {
     let world = comm.world_size();
+    let run = |i: View<'_>, o: ViewMut<'_>| match gather {
+        true => comm.all_gather_view(i, o),
+        false => comm.all_to_all_view(i, o),
+    };
     let k = (bucket / world.max(1)).max(1);
     if k >= w {
-        return comm.all_to_all_view(send.range(0..w * world)?, recv.range_mut(0..w * world)?);
+        let slots = if gather { 1 } else { world };
+        return run(src.range(0..w * slots)?, dst.range_mut(0..w * world)?);
     }
-    let mut a = send.uninit_like(WIRE_DTYPE, k * world)?;
-    let mut b = send.uninit_like(WIRE_DTYPE, k * world)?;
+    // An all-to-all's slots are gathered into one buffer; an all-gather sends its range as is.
+    let mut sent = match gather {
+        true => None,
+        false => Some(src.uninit_like(WIRE_DTYPE, k * world)?),
+    };
+    let mut got = src.uninit_like(WIRE_DTYPE, k * world)?;
     let mut start = 0;
     while start < w {
         let n = k.min(w - start);
+        let input = match &mut sent {
+            None => src.range(start..start + n)?,
+            Some(a) => {
+                for r in 0..world {
+                    src.copy_to(r * w + start, a, r * n, n)?;
+                }
+                a.range(0..n * world)?
+            }
+        };
+        run(input, got.range_mut(0..n * world)?)?;
         for r in 0..world {
-            send.copy_to(r * w + start, &mut a, r * n, n)?;
-        }
-        comm.all_to_all_view(a.range(0..n * world)?, b.range_mut(0..n * world)?)?;
-        for r in 0..world {
-            b.copy_to(r * n, recv, r * w + start, n)?;
+            got.copy_to(r * n, dst, r * w + start, n)?;
         }
         start += n;
     }

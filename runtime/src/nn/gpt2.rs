@@ -13,7 +13,6 @@
 //! each residual branch and on the attention probabilities; masks derive from
 //! `ctx.rng_seed` and `ctx.rng_row` only.
 
-use crate::nn::hf::{self, Architecture, ModelConfig};
 use std::sync::Arc;
 
 use crate::nn::layers::{decoder, Adapters, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
@@ -75,24 +74,7 @@ impl Gpt2Config {
         })
     }
 
-    /// Parses a Hugging Face `GPT2LMHeadModel` `config.json` (see [`crate::nn::hf`]: keys
-    /// that would change the math and are not implemented are refused).
-    pub fn from_json(text: &str) -> Result<Self> {
-        Self::parse(text, "config.json")
-    }
-
-    /// Reads and parses a `config.json` file.
-    pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
-        Self::parse(&hf::read_text(path)?, &path.display().to_string())
-    }
-
-    fn parse(text: &str, origin: &str) -> Result<Self> {
-        let pick = |c| match c {
-            ModelConfig::Gpt2(c) => Some(c),
-            _ => None,
-        };
-        hf::read_as(text, origin, Architecture::Gpt2, pick)
-    }
+    crate::nn::hf::config_readers!(Gpt2, "GPT2LMHeadModel");
 
     /// Checks that the sizes are usable.
     pub fn validate(&self) -> Result<()> {

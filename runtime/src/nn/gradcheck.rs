@@ -114,17 +114,22 @@ fn upload_tensor(be: &dyn Backend, shape: &[usize], data: &[f32]) -> Result<Tens
 }
 
 impl Probe<'_> {
-    fn objective(&self, params: &[Vec<f32>], input: &Tensor) -> Result<f64> {
-        let mut saved: Saved = None;
-        let mut ctx = Ctx {
+    /// A training call's context over `saved`: every call of the check runs the same rows.
+    fn ctx<'s>(&'s self, saved: &'s mut Saved) -> Ctx<'s> {
+        Ctx {
             be: self.be,
             batch: self.batch,
             ids: self.ids,
             training: true,
             rng_seed: self.seed,
             rng_row: 0,
-            saved: &mut saved,
-        };
+            saved,
+        }
+    }
+
+    fn objective(&self, params: &[Vec<f32>], input: &Tensor) -> Result<f64> {
+        let mut saved: Saved = None;
+        let mut ctx = self.ctx(&mut saved);
         let stores = upload_all(self.be, params)?;
         let p = Params::new(stores.iter().map(Storage::view).collect());
         let out = self.module.forward(&mut ctx, &p, input)?.to_vec_f32()?;
@@ -180,17 +185,17 @@ pub fn check_on(
     let ids = BatchIds::new(be, batch)?;
     let x_host = input.to_vec_f32()?;
     let x_dev = upload_tensor(be, &input.shape, &x_host)?;
+    let mut probe = Probe {
+        be,
+        module,
+        batch,
+        ids: &ids,
+        seed: opts.seed,
+        proj: Vec::new(),
+    };
     let mut saved: Saved = None;
     let out = {
-        let mut ctx = Ctx {
-            be,
-            batch,
-            ids: &ids,
-            training: true,
-            rng_seed: opts.seed,
-            rng_row: 0,
-            saved: &mut saved,
-        };
+        let mut ctx = probe.ctx(&mut saved);
         let stores = upload_all(be, params)?;
         module.forward(
             &mut ctx,
@@ -213,15 +218,7 @@ pub fn check_on(
         upload_tensor(be, &out.shape, &r32)?
     };
     let (grads, dx) = {
-        let mut ctx = Ctx {
-            be,
-            batch,
-            ids: &ids,
-            training: true,
-            rng_seed: opts.seed,
-            rng_row: 0,
-            saved: &mut saved,
-        };
+        let mut ctx = probe.ctx(&mut saved);
         let stores = upload_all(be, params)?;
         let p = Params::new(stores.iter().map(Storage::view).collect());
         let mut gstores = params
@@ -244,14 +241,7 @@ pub fn check_on(
             got: format!("{}", dx.len()),
         });
     }
-    let probe = Probe {
-        be,
-        module,
-        batch,
-        ids: &ids,
-        seed: opts.seed,
-        proj,
-    };
+    probe.proj = proj;
     let specs = module.param_specs();
     let mut reports = Vec::new();
     for i in 0..params.len() {

@@ -17,7 +17,6 @@
 //! architecture's `config.json` into a [`LlamaConfig`].
 
 use crate::backend::Rope;
-use crate::nn::hf::{self, Architecture, ModelConfig};
 use std::sync::Arc;
 
 use crate::nn::layers::{decoder, Adapters, Attention, Block, LmHead, Mlp, ParamList, TokenEmbed};
@@ -94,24 +93,7 @@ impl LlamaConfig {
         })
     }
 
-    /// Parses a Hugging Face `LlamaForCausalLM` `config.json` (see [`crate::nn::hf`]: keys that
-    /// would change the math and are not implemented are refused).
-    pub fn from_json(text: &str) -> Result<Self> {
-        Self::parse(text, "config.json")
-    }
-
-    /// Reads and parses a `config.json` file.
-    pub fn from_json_file(path: &std::path::Path) -> Result<Self> {
-        Self::parse(&hf::read_text(path)?, &path.display().to_string())
-    }
-
-    fn parse(text: &str, origin: &str) -> Result<Self> {
-        let pick = |c| match c {
-            ModelConfig::Llama(c) => Some(c),
-            _ => None,
-        };
-        hf::read_as(text, origin, Architecture::Llama, pick)
-    }
+    crate::nn::hf::config_readers!(Llama, "LlamaForCausalLM");
 
     /// Key/value heads.
     pub fn kv_heads(&self) -> usize {

@@ -55,29 +55,23 @@ struct Figures {
     percent: f64,
 }
 
-impl From<&ModuleRow> for Figures {
-    fn from(r: &ModuleRow) -> Self {
-        Figures {
-            calls: r.calls,
-            flops: r.flops,
-            seconds: r.seconds,
-            tflops: r.tflops_per_s,
-            percent: r.percent_of_step,
+/// A table row's figures, alike for a module's row and a family's.
+macro_rules! figures_of {
+    ($($row:ty),*) => {$(
+        impl From<&$row> for Figures {
+            fn from(r: &$row) -> Self {
+                Figures {
+                    calls: r.calls,
+                    flops: r.flops,
+                    seconds: r.seconds,
+                    tflops: r.tflops_per_s,
+                    percent: r.percent_of_step,
+                }
+            }
         }
-    }
+    )*};
 }
-
-impl From<&FamilyRow> for Figures {
-    fn from(r: &FamilyRow) -> Self {
-        Figures {
-            calls: r.calls,
-            flops: r.flops,
-            seconds: r.seconds,
-            tflops: r.tflops_per_s,
-            percent: r.percent_of_step,
-        }
-    }
-}
+figures_of!(ModuleRow, FamilyRow);
 
 /// Whether level `depth` is printed under `module_depth` (`None`: every level).
 fn shown(cfg: &FlopsProfilerConfig, depth: usize) -> bool {

@@ -27,11 +27,10 @@ impl CudaView<'_> {
         if self.is_empty() {
             return Ok(HostCopy::new(host, None, dev.clone()));
         }
-        let bytes = host.as_mut().bytes_mut();
-        let (dst, len) = (bytes.as_mut_ptr(), bytes.len());
+        let dst: *mut [u8] = host.as_mut().bytes_mut();
         // SAFETY: the buffer moves into the `HostCopy`, which keeps it allocated and unread
         // until the event recorded after the copy has completed.
-        let queued = unsafe { dev.driver().copy_dtoh_async(self.ptr(), dst, len, kind(s)) };
+        let queued = unsafe { dev.driver().copy_dtoh_async(self.ptr(), dst, kind(s)) };
         match queued.and_then(|()| record_on(dev, s)) {
             Ok(e) => Ok(HostCopy::new(host, Some(e), dev.clone())),
             Err(e) => {
@@ -81,10 +80,7 @@ impl CudaViewMut<'_> {
             wait_for_stream(dev, s, Stream::Compute)?;
         }
         // SAFETY: the caller keeps `src` as it is until the event has completed.
-        unsafe {
-            dev.driver()
-                .copy_htod_async(bytes.as_ptr(), bytes.len(), self.ptr(), kind(s))?
-        };
+        unsafe { dev.driver().copy_htod_async(bytes, self.ptr(), kind(s))? };
         record_on(dev, s).map(Some).inspect_err(|_| {
             // The copy is queued without an event to wait for: the stream is the only one.
             let _ = dev.driver().synchronize(kind(s));

@@ -84,6 +84,56 @@ fn out_of_range(op: &'static str, r: &Range<usize>, len: usize) -> Error {
     }
 }
 
+/// What the buffer and its views share: their shape; and the views, their address, their
+/// device and their sub-ranges.
+macro_rules! shape {
+    ($($t:ty),*) => {$(
+        impl $t {
+            /// Elements.
+            pub fn len(&self) -> usize {
+                self.len
+            }
+
+            /// Whether empty.
+            pub fn is_empty(&self) -> bool {
+                self.len == 0
+            }
+
+            /// Element type.
+            pub fn dtype(&self) -> DType {
+                self.dtype
+            }
+        }
+    )*};
+    (views $($v:ident),*) => {$(
+        impl<'a> $v<'a> {
+            /// The device address of the first element.
+            pub(crate) fn ptr(&self) -> DevPtr {
+                self.ptr
+            }
+
+            /// The device.
+            pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
+                self.dev
+            }
+
+            /// Elements `range`.
+            pub fn range(self, range: Range<usize>) -> Result<$v<'a>> {
+                if range.start > range.end || range.end > self.len {
+                    return Err(out_of_range("device view range", &range, self.len));
+                }
+                Ok($v {
+                    ptr: self.ptr.offset((range.start * self.dtype.size()) as u64),
+                    len: range.len(),
+                    ..self
+                })
+            }
+        }
+    )*};
+}
+shape!(CudaBuf, CudaView<'_>, CudaViewMut<'_>);
+shape!(views CudaView, CudaViewMut);
+
 impl CudaBuf {
     /// `len` uninitialised elements of `dtype` on `dev`.
     pub(crate) fn uninit(dev: &Arc<CudaDevice>, dtype: DType, len: usize) -> Result<Self> {
@@ -114,21 +164,6 @@ impl CudaBuf {
     /// The device it lives on.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.dev
-    }
-
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
     }
 
     /// The whole buffer, read-only.
@@ -314,11 +349,6 @@ impl<'a> CudaView<'a> {
         self.device().info().sizes_only
     }
 
-    /// The device address of the first element.
-    pub(crate) fn ptr(&self) -> DevPtr {
-        self.ptr
-    }
-
     /// This view as plain integers (see [`RawView`]).
     pub(crate) fn raw(&self) -> RawView {
         RawView {
@@ -343,38 +373,6 @@ impl<'a> CudaView<'a> {
             // SAFETY: the caller guarantees the borrowed `Arc` outlives `'a`.
             dev: unsafe { &*(raw.dev as *const Arc<CudaDevice>) },
         }
-    }
-
-    /// The device.
-    pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
-        self.dev
-    }
-
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// Elements `range`.
-    pub fn range(self, range: Range<usize>) -> Result<CudaView<'a>> {
-        if range.start > range.end || range.end > self.len {
-            return Err(out_of_range("device view range", &range, self.len));
-        }
-        Ok(CudaView {
-            ptr: self.ptr.offset((range.start * self.dtype.size()) as u64),
-            len: range.len(),
-            ..self
-        })
     }
 
     /// A copy in host memory (an explicit download; waits for the device).
@@ -429,6 +427,18 @@ impl<'a> CudaView<'a> {
             .copy_dtoh(self.ptr, dst.bytes_mut(), STREAM)
     }
 
+    /// These elements as a mutable view: only for a caller holding the exclusive right to
+    /// write them (a mutable view it splits or reborrows, a rank given a disjoint range).
+    fn exclusive(self) -> CudaViewMut<'a> {
+        CudaViewMut {
+            ptr: self.ptr,
+            len: self.len,
+            dtype: self.dtype,
+            dev: self.dev,
+            _exclusive: PhantomData,
+        }
+    }
+
     /// Copies into an equal-length view of the same dtype on the same device.
     pub fn copy_to(self, dst: CudaViewMut<'_>) -> Result<()> {
         same_shape("device copy", (self.len, self.dtype), (dst.len, dst.dtype))?;
@@ -448,60 +458,18 @@ impl<'a> CudaView<'a> {
 }
 
 impl<'a> CudaViewMut<'a> {
-    /// The device address of the first element.
-    pub(crate) fn ptr(&self) -> DevPtr {
-        self.ptr
-    }
-
     /// The mutable view `raw` describes.
     ///
     /// # Safety
     /// As [`CudaView::from_raw`], and the caller must be the only one writing the elements it
     /// touches through the result (the local communicator gives each rank disjoint ranges).
     pub(crate) unsafe fn from_raw(raw: RawView) -> CudaViewMut<'a> {
-        CudaViewMut {
-            ptr: DevPtr(raw.ptr),
-            len: raw.len,
-            dtype: raw.dtype,
-            // SAFETY: the caller guarantees the borrowed `Arc` outlives `'a`.
-            dev: unsafe { &*(raw.dev as *const Arc<CudaDevice>) },
-            _exclusive: PhantomData,
-        }
+        // SAFETY: the caller's contract, which includes the exclusive right to write.
+        unsafe { CudaView::from_raw(raw) }.exclusive()
     }
 
-    /// The device.
-    pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
-        self.dev
-    }
-
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// A shorter-lived borrow.
-    pub fn reborrow(&mut self) -> CudaViewMut<'_> {
-        CudaViewMut {
-            ptr: self.ptr,
-            len: self.len,
-            dtype: self.dtype,
-            dev: self.dev,
-            _exclusive: PhantomData,
-        }
-    }
-
-    /// Read-only.
-    pub fn as_view(&self) -> CudaView<'_> {
+    /// The same elements, read-only, for as long as this view's borrow.
+    fn shared(&self) -> CudaView<'a> {
         CudaView {
             ptr: self.ptr,
             len: self.len,
@@ -510,16 +478,14 @@ impl<'a> CudaViewMut<'a> {
         }
     }
 
-    /// Elements `range`.
-    pub fn range(self, range: Range<usize>) -> Result<CudaViewMut<'a>> {
-        if range.start > range.end || range.end > self.len {
-            return Err(out_of_range("device view range", &range, self.len));
-        }
-        Ok(CudaViewMut {
-            ptr: self.ptr.offset((range.start * self.dtype.size()) as u64),
-            len: range.len(),
-            ..self
-        })
+    /// A shorter-lived borrow.
+    pub fn reborrow(&mut self) -> CudaViewMut<'_> {
+        self.shared().exclusive()
+    }
+
+    /// Read-only.
+    pub fn as_view(&self) -> CudaView<'_> {
+        self.shared()
     }
 
     /// Two disjoint halves (the caller checked `mid <= len`).
@@ -529,7 +495,7 @@ impl<'a> CudaViewMut<'a> {
         (
             CudaViewMut {
                 len: mid,
-                ..self.reborrow_static()
+                ..self.shared().exclusive()
             },
             CudaViewMut {
                 ptr: tail,
@@ -537,16 +503,6 @@ impl<'a> CudaViewMut<'a> {
                 ..self
             },
         )
-    }
-
-    fn reborrow_static(&self) -> CudaViewMut<'a> {
-        CudaViewMut {
-            ptr: self.ptr,
-            len: self.len,
-            dtype: self.dtype,
-            dev: self.dev,
-            _exclusive: PhantomData,
-        }
     }
 
     /// Overwrites the elements with host values of the same dtype and length (an explicit

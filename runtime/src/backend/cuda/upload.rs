@@ -83,10 +83,9 @@ impl UploadRing {
         // `at..at + len` lies in the ring (`reserve`) and no queued copy reads it any more.
         let region = &mut mem[at..at + src.len()];
         region.copy_from_slice(src);
-        let host = region.as_ptr();
         // SAFETY: the region stays allocated and unwritten until the event recorded below has
         // completed (`reserve` waits for it; dropping the ring waits for every one).
-        unsafe { self.driver.copy_htod_async(host, src.len(), dst, s) }?;
+        unsafe { self.driver.copy_htod_async(region, dst, s) }?;
         let e = match ring.idle.pop() {
             Some(e) => e,
             None => self.driver.event_create()?,

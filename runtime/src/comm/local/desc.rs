@@ -39,6 +39,18 @@ impl OpKind {
             OpKind::Split => "split",
         }
     }
+
+    /// The output length a rank's `input` elements call for at `world` ranks, the rule
+    /// every transport checks: `None` where no output fits (a reduce-scatter's or an
+    /// all-to-all's input that does not split into equal slots).
+    pub(crate) fn output_len(self, input: usize, world: usize) -> Option<usize> {
+        match self {
+            OpKind::ReduceScatter => input.checked_div(world).filter(|m| m * world == input),
+            OpKind::AllGather => input.checked_mul(world),
+            OpKind::AllToAll => (world > 0 && input.is_multiple_of(world)).then_some(input),
+            _ => Some(input),
+        }
+    }
 }
 
 /// One rank's announcement. Buffer addresses are kept as integers so that the descriptor
@@ -137,9 +149,9 @@ pub(crate) struct Mismatch {
 /// Checks one rank's own arguments (lengths that must relate, dtypes that must agree).
 fn check_own(d: &Desc, n: usize) -> Option<String> {
     let expected_out = match d.op {
-        OpKind::ReduceScatter => d.len_in.checked_div(n).filter(|m| m * n == d.len_in),
-        OpKind::AllGather => d.len_in.checked_mul(n),
-        OpKind::AllToAll => (n > 0 && d.len_in.is_multiple_of(n)).then_some(d.len_in),
+        OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
+            d.op.output_len(d.len_in, n)
+        }
         _ => Some(d.len_out),
     };
     if (d.src_dev == 0) != (d.dst_dev == 0) {

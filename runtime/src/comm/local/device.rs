@@ -32,21 +32,17 @@ pub(super) fn parts(v: &CudaView<'_>) -> (usize, DType, usize, usize) {
     (r.ptr as usize, r.dtype, r.len, r.dev)
 }
 
-fn raw_in(d: &Desc) -> RawView {
+/// A rank's input, or with `out` its output, as [`RawView`].
+fn raw(d: &Desc, out: bool) -> RawView {
+    let (ptr, len, dtype, dev) = match out {
+        false => (d.src, d.len_in, d.dtype, d.src_dev),
+        true => (d.dst, d.len_out, d.dtype_out, d.dst_dev),
+    };
     RawView {
-        ptr: d.src as u64,
-        len: d.len_in,
-        dtype: d.dtype,
-        dev: d.src_dev,
-    }
-}
-
-fn raw_out(d: &Desc) -> RawView {
-    RawView {
-        ptr: d.dst as u64,
-        len: d.len_out,
-        dtype: d.dtype_out,
-        dev: d.dst_dev,
+        ptr: ptr as u64,
+        len,
+        dtype,
+        dev,
     }
 }
 
@@ -56,7 +52,7 @@ fn raw_out(d: &Desc) -> RawView {
 /// Only between the entry and release barriers of the collective `d` was announced for.
 unsafe fn input<'a>(d: &Desc) -> CudaView<'a> {
     // SAFETY: the announcing rank keeps the view borrowed until the release barrier.
-    unsafe { CudaView::from_raw(raw_in(d)) }
+    unsafe { CudaView::from_raw(raw(d, false)) }
 }
 
 /// A rank's output (or in-place buffer) as a mutable view.
@@ -64,10 +60,9 @@ unsafe fn input<'a>(d: &Desc) -> CudaView<'a> {
 /// # Safety
 /// As [`input`]; the caller writes only the elements its rank owns in this collective.
 unsafe fn output<'a>(d: &Desc, in_place: bool) -> CudaViewMut<'a> {
-    let raw = if in_place { raw_in(d) } else { raw_out(d) };
     // SAFETY: the announcing rank keeps the view borrowed until the release barrier, and the
     // data phase gives every element to one writer.
-    unsafe { CudaViewMut::from_raw(raw) }
+    unsafe { CudaViewMut::from_raw(raw(d, !in_place)) }
 }
 
 /// The device handle a descriptor's field points to (0: none).

@@ -130,13 +130,7 @@ impl LocalComm {
     }
 
     fn error(&self, op: OpKind, peer: Option<usize>, start: Instant, reason: String) -> Error {
-        Error::Comm {
-            op: op.name(),
-            rank: self.rank,
-            peer,
-            elapsed: start.elapsed(),
-            reason,
-        }
+        crate::comm::failure(self.rank, op.name(), peer, start, reason)
     }
 
     /// The error this rank reports for a broken group.

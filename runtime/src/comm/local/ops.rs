@@ -160,21 +160,7 @@ impl Communicator for LocalComm {
         crate::comm::CommBackend::Local
     }
 
-    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.all_reduce_view(ViewMut::Host(buf), op)
-    }
-
-    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.reduce_scatter_view(View::Host(input), ViewMut::Host(output), op)
-    }
-
-    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.all_gather_view(View::Host(input), ViewMut::Host(output))
-    }
-
-    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.broadcast_view(ViewMut::Host(buf), root)
-    }
+    crate::comm::host_by_views!();
 
     fn all_to_all(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<()> {
         let mut d = self.next_desc(OpKind::AllToAll);

@@ -153,7 +153,13 @@ impl MpiComm {
                     self.timeout
                 );
                 self.break_with(&reason);
-                return Err(self.error(op.name(), None, start, reason));
+                return Err(crate::comm::failure(
+                    self.rank,
+                    op.name(),
+                    None,
+                    start,
+                    reason,
+                ));
             }
             let waited = now.duration_since(waiting);
             if waited < spin {
@@ -170,7 +176,8 @@ impl MpiComm {
     /// Entry of every collective: all-gathers the descriptors and checks them.
     pub(super) fn check_in(&self, mut desc: Desc, start: Instant) -> Result<()> {
         if let Some(reason) = self.broken.borrow().clone() {
-            return Err(self.error(
+            return Err(crate::comm::failure(
+                self.rank,
                 desc.op.name(),
                 None,
                 start,
@@ -192,7 +199,13 @@ impl MpiComm {
         if let Err(m) = verify(&descs) {
             let reason = format!("mismatched collectives: {}", m.reason);
             self.break_with(&reason);
-            return Err(self.error(desc.op.name(), Some(m.rank), start, reason));
+            return Err(crate::comm::failure(
+                self.rank,
+                desc.op.name(),
+                Some(m.rank),
+                start,
+                reason,
+            ));
         }
         Ok(())
     }

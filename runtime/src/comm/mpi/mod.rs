@@ -240,22 +240,6 @@ impl MpiComm {
         ))
     }
 
-    fn error(
-        &self,
-        op: &'static str,
-        peer: Option<usize>,
-        start: Instant,
-        reason: String,
-    ) -> Error {
-        Error::Comm {
-            op,
-            rank: self.rank,
-            peer,
-            elapsed: start.elapsed(),
-            reason,
-        }
-    }
-
     /// Records that the ranks are out of step, so later calls fail fast.
     fn break_with(&self, reason: &str) {
         self.broken
@@ -277,7 +261,8 @@ impl MpiComm {
     /// Converts a split color or key to MPI's `int`.
     fn c_int(&self, what: &str, v: usize, start: Instant) -> Result<i32> {
         i32::try_from(v).map_err(|_| {
-            self.error(
+            crate::comm::failure(
+                self.rank,
                 "split",
                 None,
                 start,
@@ -296,7 +281,8 @@ impl MpiComm {
         self.check_in(exchange::Desc::split(color, key), start)?;
         match self.comm.split_by_color_with_key(Color::with_value(c), k) {
             Some(sub) => Ok(self.child(sub)),
-            None => Err(self.error(
+            None => Err(crate::comm::failure(
+                self.rank,
                 "split",
                 None,
                 start,

@@ -52,7 +52,7 @@ use device::Marks;
 use run::{poll_until, Pending};
 
 use super::store::TcpStore;
-use super::{BufMut, BufRef, CommBackend, Communicator, ReduceOp};
+use super::{BufMut, CommBackend, Communicator, ReduceOp};
 use crate::tensor::staging::{read_host, write_host};
 use crate::tensor::{View, ViewMut};
 use crate::{Error, Result};
@@ -179,7 +179,8 @@ impl NcclComm {
         if ok {
             return Ok(());
         }
-        Err(self.error(
+        Err(crate::comm::failure(
+            self.rank,
             op,
             None,
             Instant::now(),
@@ -208,25 +209,7 @@ impl Communicator for NcclComm {
         self.opts.deterministic
     }
 
-    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.all_reduce_view(ViewMut::Host(buf), op)
-    }
-
-    fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()> {
-        self.reduce_scatter_view(View::Host(input), ViewMut::Host(output), op)
-    }
-
-    fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.all_gather_view(View::Host(input), ViewMut::Host(output))
-    }
-
-    fn all_to_all(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<()> {
-        self.all_to_all_view(View::Host(input), ViewMut::Host(output))
-    }
-
-    fn broadcast(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
-        self.broadcast_view(ViewMut::Host(buf), root)
-    }
+    crate::comm::host_by_views!(all_to_all);
 
     /// Device buffers go to NCCL as they are; the rank-ordered sum runs on the host, so
     /// with `deterministic` they are staged through host memory.
@@ -267,7 +250,13 @@ impl Communicator for NcclComm {
     fn broadcast_view(&self, buf: ViewMut<'_>, root: usize) -> Result<()> {
         if root >= self.world {
             let why = format!("broadcast root {root} is not a rank of {}", self.world);
-            return Err(self.error("broadcast", None, Instant::now(), why));
+            return Err(crate::comm::failure(
+                self.rank,
+                "broadcast",
+                None,
+                Instant::now(),
+                why,
+            ));
         }
         self.run(NcclOp::Broadcast { buf, root })
     }
@@ -294,7 +283,9 @@ impl Communicator for NcclComm {
         self.settle()?;
         let start = Instant::now();
         if let Some(reason) = self.broken.borrow().clone() {
-            return Err(self.error("split", None, start, reason));
+            return Err(crate::comm::failure(
+                self.rank, "split", None, start, reason,
+            ));
         }
         let n = self.children.get();
         self.children.set(n + 1);
@@ -304,7 +295,7 @@ impl Communicator for NcclComm {
             .handle
             .borrow_mut()
             .split(color, key, rank, world)
-            .map_err(|e| self.error("split", None, start, e.to_string()))?;
+            .map_err(|e| crate::comm::failure(self.rank, "split", None, start, e.to_string()))?;
         let board = self.board.child(n, color, rank, world);
         Ok(Box::new(Self::ready(
             handle,

@@ -133,28 +133,33 @@ impl NcclLib for RealNccl {
         self.ctx
             .bind_to_thread()
             .map_err(|e| unavailable(format!("binding the GPU context: {e:?}")))?;
-        let stream = self
-            .ctx
-            .new_stream()
-            .map_err(|e| unavailable(format!("creating NCCL's stream: {e:?}")))?;
         let uid = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        let mut config = nonblocking_config();
-        let mut comm = MaybeUninit::<sys::ncclComm_t>::uninit();
         let (w, r) = (to_int(world)?, to_int(rank)?);
-        // SAFETY: valid pointers; the config outlives the call (NCCL copies it).
-        check("ncclCommInitRankConfig", unsafe {
-            sys::ncclCommInitRankConfig(comm.as_mut_ptr(), w, uid, r, &mut config)
-        })?;
-        // SAFETY: set by the call above (non-blocking: valid, initialisation in progress).
-        let comm = unsafe { comm.assume_init() };
-        Ok(Box::new(RealHandle::new(
-            Arc::clone(&self.ctx),
-            stream,
-            comm,
-        )))
+        new_handle(&self.ctx, "ncclCommInitRankConfig", |comm, config| {
+            // SAFETY: valid pointers; the config outlives the call (NCCL copies it).
+            unsafe { sys::ncclCommInitRankConfig(comm, w, uid, r, config) }
+        })
     }
+}
+
+/// A communicator on a stream of its own, made by NCCL's `op` (`create`, handed the handle
+/// to set and the non-blocking configuration).
+fn new_handle(
+    ctx: &Arc<CudaContext>,
+    op: &str,
+    create: impl FnOnce(*mut sys::ncclComm_t, &mut sys::ncclConfig_t) -> sys::ncclResult_t,
+) -> Result<Box<dyn NcclHandle>> {
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| unavailable(format!("creating NCCL's stream: {e:?}")))?;
+    let mut config = nonblocking_config();
+    let mut comm = MaybeUninit::<sys::ncclComm_t>::uninit();
+    check(op, create(comm.as_mut_ptr(), &mut config))?;
+    // SAFETY: set by the call above (non-blocking: valid, initialisation in progress).
+    let comm = unsafe { comm.assume_init() };
+    Ok(Box::new(RealHandle::new(Arc::clone(ctx), stream, comm)))
 }
 
 fn to_int(v: usize) -> Result<c_int> {
@@ -586,29 +591,11 @@ impl NcclHandle for RealHandle {
         _world: usize,
     ) -> Result<Box<dyn NcclHandle>> {
         self.bind()?;
-        let stream = self
-            .ctx
-            .new_stream()
-            .map_err(|e| unavailable(format!("creating NCCL's stream: {e:?}")))?;
-        let mut config = nonblocking_config();
-        let mut comm = MaybeUninit::<sys::ncclComm_t>::uninit();
-        // SAFETY: a live parent and valid pointers.
-        check("ncclCommSplit", unsafe {
-            sys::ncclCommSplit(
-                self.comm,
-                to_int(color)?,
-                to_int(key)?,
-                comm.as_mut_ptr(),
-                &mut config,
-            )
-        })?;
-        // SAFETY: set by the call above.
-        let comm = unsafe { comm.assume_init() };
-        Ok(Box::new(RealHandle::new(
-            Arc::clone(&self.ctx),
-            stream,
-            comm,
-        )))
+        let (c, k) = (to_int(color)?, to_int(key)?);
+        new_handle(&self.ctx, "ncclCommSplit", |comm, config| {
+            // SAFETY: a live parent and valid pointers.
+            unsafe { sys::ncclCommSplit(self.comm, c, k, comm, config) }
+        })
     }
 }
 

@@ -37,7 +37,7 @@ impl NcclComm {
         let name = op.name();
         let start = Instant::now();
         if let Some(reason) = self.broken.borrow().clone() {
-            return Err(self.error(name, None, start, reason));
+            return Err(crate::comm::failure(self.rank, name, None, start, reason));
         }
         let seq = self.seq.get() + 1;
         self.seq.set(seq);
@@ -122,23 +122,7 @@ impl NcclComm {
             ),
         };
         *self.broken.borrow_mut() = Some(format!("communicator aborted after {op}: {why}"));
-        self.error(op, verdict.culprit, start, why)
-    }
-
-    pub(super) fn error(
-        &self,
-        op: &'static str,
-        peer: Option<usize>,
-        start: Instant,
-        reason: String,
-    ) -> Error {
-        Error::Comm {
-            op,
-            rank: self.rank,
-            peer,
-            elapsed: start.elapsed(),
-            reason,
-        }
+        crate::comm::failure(self.rank, op, verdict.culprit, start, why)
     }
 }
 

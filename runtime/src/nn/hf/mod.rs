@@ -190,6 +190,36 @@ pub(crate) fn read_text(path: &Path) -> Result<String> {
     })
 }
 
+/// `from_json` and `from_json_file` of a model family's config: read through [`read_as`] as
+/// its `$variant` of [`ModelConfig`] (and [`Architecture`], when the file names none).
+macro_rules! config_readers {
+    ($variant:ident, $class:literal) => {
+        #[doc = concat!("Parses a Hugging Face `", $class, "` `config.json` (see [`crate::nn::hf`]: ")]
+        /// keys that would change the math and are not implemented are refused).
+        pub fn from_json(text: &str) -> $crate::Result<Self> {
+            Self::parse(text, "config.json")
+        }
+
+        /// Reads and parses a `config.json` file.
+        pub fn from_json_file(path: &std::path::Path) -> $crate::Result<Self> {
+            Self::parse(
+                &$crate::nn::hf::read_text(path)?,
+                &path.display().to_string(),
+            )
+        }
+
+        fn parse(text: &str, origin: &str) -> $crate::Result<Self> {
+            use $crate::nn::hf::{Architecture, ModelConfig};
+            let pick = |c| match c {
+                ModelConfig::$variant(c) => Some(c),
+                _ => None,
+            };
+            $crate::nn::hf::read_as(text, origin, Architecture::$variant, pick)
+        }
+    };
+}
+pub(crate) use config_readers;
+
 /// Parses `text` (`origin` names it in errors) as the architecture it names, or as `default`
 /// when it names none (`architectures` and `model_type` may be absent); `pick` takes the
 /// config of `default`'s family and refuses another.

@@ -157,29 +157,18 @@ impl Checks {
         Ok(mem)
     }
 
-    /// An upload's checks of its device range; the table comes back locked for the copy.
-    pub fn copy_htod(
+    /// An upload's or a download's checks of its device range (`op` and what the range is
+    /// to it); the table comes back locked for the copy.
+    pub fn host_copy(
         &self,
-        dst: DevPtr,
+        (op, what): (&str, &str),
+        p: DevPtr,
         len: usize,
         s: StreamKind,
     ) -> Result<MutexGuard<'_, AllocTable>> {
-        order::host_copy(self.id, s, span(dst, len))?;
+        order::host_copy(self.id, s, span(p, len))?;
         let mem = self.memory();
-        mem.check("cuMemcpyHtoDAsync", "destination", dst, len as u64)?;
-        Ok(mem)
-    }
-
-    /// A download's checks of its device range; the table comes back locked for the copy.
-    pub fn copy_dtoh(
-        &self,
-        src: DevPtr,
-        len: usize,
-        s: StreamKind,
-    ) -> Result<MutexGuard<'_, AllocTable>> {
-        order::host_copy(self.id, s, span(src, len))?;
-        let mem = self.memory();
-        mem.check("cuMemcpyDtoHAsync", "source", src, len as u64)?;
+        mem.check(op, what, p, len as u64)?;
         Ok(mem)
     }
 
@@ -220,17 +209,7 @@ impl Checks {
         params: &[*mut c_void],
         s: StreamKind,
     ) -> Result<(&str, &CString)> {
-        let Some((_, name, cname)) = self.kernels.get(k.index()) else {
-            return Err(Error::Device {
-                op: "cuLaunchKernel".into(),
-                detail: format!(
-                    "CUDA_ERROR_INVALID_HANDLE: kernel handle {} is not from this device ({} \
-                     kernels)",
-                    k.0,
-                    self.kernels.len()
-                ),
-            });
-        };
+        let (_, name, cname) = k.entry(&self.kernels)?;
         cfg.validate(name, self.info.max_dyn_smem_per_block)?;
         // SAFETY: the caller's contract: `params` matches the kernel's parameters.
         order::issue(self.id, s, &unsafe { self.reach(name, params) })?;

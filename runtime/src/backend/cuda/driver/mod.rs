@@ -16,8 +16,9 @@
 //! Every driver checks every copy, memset, free and GEMM operand range against its table of
 //! live allocations (`table.rs`) before anything runs, and rejects bad launch configurations
 //! and GEMM descriptions with the same validation code, so an error reads the same on all;
-//! the emulator and the size-only driver share all of it (`checks.rs`). Only what a kernel
-//! does with its pointers is beyond checking.
+//! the emulator and the size-only driver share all of it (`checks.rs`), and are one type,
+//! [`Checked`] (`checked.rs`), differing only in their [`Work`]. Only what a kernel does with
+//! its pointers is beyond checking.
 //! - [`Allocator`] (`alloc.rs`): the stream-ordered caching allocator every device buffer comes
 //!   from, with live/peak counters and the device-memory limit.
 //! - [`nvrtc`]: compilation of kernel sources to CUBIN (or PTX) with a disk cache.
@@ -34,6 +35,7 @@
 //! backend's business (through [`DeviceBuffer`]).
 
 mod alloc;
+mod checked;
 mod checks;
 mod cublaslt;
 mod emu;
@@ -54,9 +56,10 @@ pub use alloc::{
     Allocator, AllocatorStats, DeviceBuffer, LARGE_SEGMENT_ROUND, MIN_BLOCK, SMALL_MAX,
     SMALL_SEGMENT,
 };
-pub use emu::{EmuDriver, EmuOptions, EMU_DEFAULT_TOTAL_MEMORY};
+pub use checked::{Checked, Work};
+pub use emu::{EmuDriver, EmuOptions, Emulated, EMU_DEFAULT_TOTAL_MEMORY};
 pub use gemm::{Batch, Epilogue, Gemm, Op};
-pub use meta::{MetaDriver, H100_MEMORY};
+pub use meta::{MetaDriver, SizeOnly, H100_MEMORY};
 pub use observed::{Observed, TraceOp, Traced};
 pub use real::{device_count, CudaDriver};
 pub use registry::{build_builtin_emulator, builtin_programs};
@@ -204,6 +207,19 @@ impl Kernel {
     /// The index in the driver's kernel table.
     pub fn index(self) -> usize {
         self.0 as usize
+    }
+
+    /// This handle's entry in a driver's kernel table, or the refusal of a handle from
+    /// another device, in the same words from every driver.
+    pub(crate) fn entry<T>(self, table: &[T]) -> Result<&T> {
+        table.get(self.index()).ok_or_else(|| Error::Device {
+            op: "cuLaunchKernel".into(),
+            detail: format!(
+                "CUDA_ERROR_INVALID_HANDLE: kernel handle {} is not from this device ({} kernels)",
+                self.0,
+                table.len()
+            ),
+        })
     }
 }
 
@@ -391,45 +407,43 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// Sets `bytes` bytes at `p` to zero, in order on stream `s`.
     fn memset_zero(&self, p: DevPtr, bytes: usize, s: StreamKind) -> Result<()>;
 
-    /// Copies `src` to `dst` on stream `s`; `src` may be reused when this returns (the real
-    /// driver synchronizes the stream after queueing the copy).
-    fn copy_htod(&self, src: &[u8], dst: DevPtr, s: StreamKind) -> Result<()>;
+    /// Copies `src` to `dst` on stream `s`; `src` may be reused when this returns (by
+    /// default the copy is queued, then the stream synchronized).
+    fn copy_htod(&self, src: &[u8], dst: DevPtr, s: StreamKind) -> Result<()> {
+        // SAFETY: `src` stays borrowed until the stream has finished the copy (synchronized
+        // below).
+        unsafe { self.copy_htod_async(src, dst, s) }?;
+        self.synchronize(s)
+    }
 
     /// Copies `dst.len()` bytes from `src` into `dst` on stream `s`; the data is present when
-    /// this returns (the real driver synchronizes the stream).
-    fn copy_dtoh(&self, src: DevPtr, dst: &mut [u8], s: StreamKind) -> Result<()>;
+    /// this returns (by default the copy is queued, then the stream synchronized).
+    fn copy_dtoh(&self, src: DevPtr, dst: &mut [u8], s: StreamKind) -> Result<()> {
+        // SAFETY: `dst` stays borrowed, and untouched, until the stream has finished the copy
+        // (synchronized below).
+        unsafe { self.copy_dtoh_async(src, dst, s) }?;
+        self.synchronize(s)
+    }
 
     /// Copies `bytes` bytes from `src` to `dst` on stream `s` (the ranges must not overlap).
     fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, s: StreamKind) -> Result<()>;
 
-    /// Queues a copy of `len` bytes from host memory `src` to `dst` on stream `s` and returns at
-    /// once: the way to overlap uploads from page-locked memory with compute.
+    /// Queues a copy of the host bytes `src` to `dst` on stream `s` and returns at once: the
+    /// way to overlap uploads from page-locked memory with compute.
     ///
     /// # Safety
-    /// `src..src + len` must stay valid and unchanged until the stream has passed this copy
-    /// (synchronize it, or wait for an event recorded after it). For the copy to be truly
-    /// asynchronous, the memory should be page-locked.
-    unsafe fn copy_htod_async(
-        &self,
-        src: *const u8,
-        len: usize,
-        dst: DevPtr,
-        s: StreamKind,
-    ) -> Result<()>;
+    /// `src` must stay valid and unchanged until the stream has passed this copy (synchronize
+    /// it, or wait for an event recorded after it). For the copy to be truly asynchronous, the
+    /// memory should be page-locked.
+    unsafe fn copy_htod_async(&self, src: *const [u8], dst: DevPtr, s: StreamKind) -> Result<()>;
 
-    /// Queues a copy of `len` bytes from `src` into host memory `dst` on stream `s` and returns
-    /// at once.
+    /// Queues a copy of `dst.len()` bytes from `src` into the host bytes `dst` on stream `s`
+    /// and returns at once.
     ///
     /// # Safety
-    /// `dst..dst + len` must stay valid, and must not be read or written, until the stream has
-    /// passed this copy.
-    unsafe fn copy_dtoh_async(
-        &self,
-        src: DevPtr,
-        dst: *mut u8,
-        len: usize,
-        s: StreamKind,
-    ) -> Result<()>;
+    /// `dst` must stay valid, and must not be read or written, until the stream has passed this
+    /// copy.
+    unsafe fn copy_dtoh_async(&self, src: DevPtr, dst: *mut [u8], s: StreamKind) -> Result<()>;
 
     /// The kernel called `name` in the registry; compiles (or reads from the disk cache) and
     /// loads its source on the first use of any of its kernels, once per process.

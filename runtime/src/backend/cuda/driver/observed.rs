@@ -162,13 +162,37 @@ impl Observed {
     }
 }
 
-impl Driver for Observed {
-    fn info(&self) -> &DeviceInfo {
-        self.inner.info()
-    }
+/// Methods the observer passes on unchanged: nothing in them is counted or traced.
+macro_rules! forward {
+    (
+        $(fn $f:ident(&self $(, $a:ident: $t:ty)*) $(-> $r:ty)?;)*
+        $(unsafe fn $u:ident(&self $(, $b:ident: $bt:ty)*) $(-> $ur:ty)?;)*
+    ) => {
+        $(fn $f(&self $(, $a: $t)*) $(-> $r)? {
+            self.inner.$f($($a),*)
+        })*
+        $(unsafe fn $u(&self $(, $b: $bt)*) $(-> $ur)? {
+            // SAFETY: the caller's contract, passed on unchanged.
+            unsafe { self.inner.$u($($b),*) }
+        })*
+    };
+}
 
-    fn malloc(&self, bytes: usize) -> Result<DevPtr> {
-        self.inner.malloc(bytes)
+impl Driver for Observed {
+    forward! {
+        fn info(&self) -> &DeviceInfo;
+        fn malloc(&self, bytes: usize) -> Result<DevPtr>;
+        fn event_create(&self) -> Result<Event>;
+        fn event_query(&self, e: Event) -> Result<bool>;
+        fn event_destroy(&self, e: Event) -> Result<()>;
+        fn allocated(&self) -> u64;
+        fn check_live(&self, op: &str, what: &str, p: DevPtr, bytes: u64) -> Result<()>;
+        fn check_event_live(&self, op: &str, e: Event) -> Result<()>;
+        fn peer_id(&self) -> u64;
+        fn native_stream(&self, s: StreamKind) -> Option<u64>;
+        fn note_buffer(&self, p: DevPtr, bytes: u64);
+        unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()>;
+        unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
     }
 
     unsafe fn free(&self, p: DevPtr) -> Result<()> {
@@ -204,36 +228,20 @@ impl Driver for Observed {
         self.inner.copy_dtod(src, dst, bytes, s)
     }
 
-    unsafe fn copy_htod_async(
-        &self,
-        src: *const u8,
-        len: usize,
-        dst: DevPtr,
-        s: StreamKind,
-    ) -> Result<()> {
-        self.copy(len, false);
-        self.note(Some(s), || TraceOp::CopyHtoD {
-            bytes: len,
-            wait: false,
-        });
+    unsafe fn copy_htod_async(&self, src: *const [u8], dst: DevPtr, s: StreamKind) -> Result<()> {
+        let bytes = src.len();
+        self.copy(bytes, false);
+        self.note(Some(s), || TraceOp::CopyHtoD { bytes, wait: false });
         // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.copy_htod_async(src, len, dst, s) }
+        unsafe { self.inner.copy_htod_async(src, dst, s) }
     }
 
-    unsafe fn copy_dtoh_async(
-        &self,
-        src: DevPtr,
-        dst: *mut u8,
-        len: usize,
-        s: StreamKind,
-    ) -> Result<()> {
-        self.copy(len, false);
-        self.note(Some(s), || TraceOp::CopyDtoH {
-            bytes: len,
-            wait: false,
-        });
+    unsafe fn copy_dtoh_async(&self, src: DevPtr, dst: *mut [u8], s: StreamKind) -> Result<()> {
+        let bytes = dst.len();
+        self.copy(bytes, false);
+        self.note(Some(s), || TraceOp::CopyDtoH { bytes, wait: false });
         // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.copy_dtoh_async(src, dst, len, s) }
+        unsafe { self.inner.copy_dtoh_async(src, dst, s) }
     }
 
     fn kernel(&self, name: &str) -> Result<Kernel> {
@@ -278,10 +286,6 @@ impl Driver for Observed {
         self.inner.synchronize(s)
     }
 
-    fn event_create(&self) -> Result<Event> {
-        self.inner.event_create()
-    }
-
     fn event_record(&self, e: Event, s: StreamKind) -> Result<()> {
         self.note(Some(s), || TraceOp::Record(e));
         self.inner.event_record(e, s)
@@ -292,36 +296,10 @@ impl Driver for Observed {
         self.inner.stream_wait_event(s, e)
     }
 
-    fn event_query(&self, e: Event) -> Result<bool> {
-        self.inner.event_query(e)
-    }
-
     fn event_synchronize(&self, e: Event) -> Result<()> {
         Self::bump(&self.counts.host_syncs, 1);
         self.note(None, || TraceOp::HostWaitEvent(e));
         self.inner.event_synchronize(e)
-    }
-
-    fn event_destroy(&self, e: Event) -> Result<()> {
-        self.inner.event_destroy(e)
-    }
-
-    fn allocated(&self) -> u64 {
-        self.inner.allocated()
-    }
-
-    unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
-        // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.host_register(ptr, len) }
-    }
-
-    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
-        // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.host_unregister(ptr) }
-    }
-
-    fn check_live(&self, op: &str, what: &str, p: DevPtr, bytes: u64) -> Result<()> {
-        self.inner.check_live(op, what, p, bytes)
     }
 
     unsafe fn copy_unified(
@@ -338,26 +316,10 @@ impl Driver for Observed {
         unsafe { self.inner.copy_unified(src, dst, bytes, s, owners) }
     }
 
-    fn check_event_live(&self, op: &str, e: Event) -> Result<()> {
-        self.inner.check_event_live(op, e)
-    }
-
     unsafe fn stream_wait_unified(&self, s: StreamKind, owner: u64, e: Event) -> Result<()> {
         self.note(Some(s), || TraceOp::Wait(e));
         // SAFETY: the caller's contract, passed on unchanged.
         unsafe { self.inner.stream_wait_unified(s, owner, e) }
-    }
-
-    fn peer_id(&self) -> u64 {
-        self.inner.peer_id()
-    }
-
-    fn native_stream(&self, s: StreamKind) -> Option<u64> {
-        self.inner.native_stream(s)
-    }
-
-    fn note_buffer(&self, p: DevPtr, bytes: u64) {
-        self.inner.note_buffer(p, bytes)
     }
 }
 
@@ -375,7 +337,7 @@ mod tests {
         d.copy_htod(&host, p, StreamKind::Compute).unwrap();
         d.start_trace();
         // SAFETY: `host` outlives the copy (the stream is synchronized below).
-        unsafe { d.copy_htod_async(host.as_ptr(), 1024, p, StreamKind::HostToDevice) }.unwrap();
+        unsafe { d.copy_htod_async(&host[..], p, StreamKind::HostToDevice) }.unwrap();
         let e = d.event_create().unwrap();
         d.event_record(e, StreamKind::HostToDevice).unwrap();
         d.stream_wait_event(StreamKind::Compute, e).unwrap();

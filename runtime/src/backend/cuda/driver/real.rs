@@ -256,6 +256,23 @@ impl CudaDriver {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Queues `copy`, an upload or a download (`op`) of `len` bytes at device address `p`
+    /// (`what` it is to the call), once the range is checked.
+    fn host_copy(
+        &self,
+        (op, what): (&str, &str),
+        p: DevPtr,
+        len: usize,
+        copy: impl FnOnce() -> cusys::CUresult,
+    ) -> Result<()> {
+        self.table().check(op, what, p, len as u64)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        copy().result().map_err(|e| cu_err(op, e))
+    }
+
     fn check_event(&self, op: &str, e: Event) -> Result<cusys::CUevent> {
         if self
             .events
@@ -472,20 +489,6 @@ impl Driver for CudaDriver {
             .map_err(|e| cu_err("cuMemsetD8Async", e))
     }
 
-    fn copy_htod(&self, src: &[u8], dst: DevPtr, s: StreamKind) -> Result<()> {
-        // SAFETY: `src` stays borrowed until the stream has finished the copy (synchronized
-        // below).
-        unsafe { self.copy_htod_async(src.as_ptr(), src.len(), dst, s) }?;
-        self.synchronize(s)
-    }
-
-    fn copy_dtoh(&self, src: DevPtr, dst: &mut [u8], s: StreamKind) -> Result<()> {
-        // SAFETY: `dst` stays borrowed until the stream has finished the copy (synchronized
-        // below).
-        unsafe { self.copy_dtoh_async(src, dst.as_mut_ptr(), dst.len(), s) }?;
-        self.synchronize(s)
-    }
-
     fn copy_dtod(&self, src: DevPtr, dst: DevPtr, bytes: usize, s: StreamKind) -> Result<()> {
         self.table().check_copy(src, dst, bytes as u64)?;
         if bytes == 0 {
@@ -518,44 +521,22 @@ impl Driver for CudaDriver {
             .map_err(|e| cu_err("cuMemcpyAsync", e))
     }
 
-    unsafe fn copy_htod_async(
-        &self,
-        src: *const u8,
-        len: usize,
-        dst: DevPtr,
-        s: StreamKind,
-    ) -> Result<()> {
-        self.table()
-            .check("cuMemcpyHtoDAsync", "destination", dst, len as u64)?;
-        if len == 0 {
-            return Ok(());
-        }
-        self.bind()?;
-        // SAFETY: the destination is checked; the caller keeps the source valid until the
-        // stream passes the copy.
-        unsafe { cusys::cuMemcpyHtoDAsync_v2(dst.0, src as *const c_void, len, self.cu_stream(s)) }
-            .result()
-            .map_err(|e| cu_err("cuMemcpyHtoDAsync", e))
+    unsafe fn copy_htod_async(&self, src: *const [u8], dst: DevPtr, s: StreamKind) -> Result<()> {
+        let cs = self.cu_stream(s);
+        self.host_copy(("cuMemcpyHtoDAsync", "destination"), dst, src.len(), || {
+            // SAFETY: the destination is checked; the caller keeps the source valid until the
+            // stream passes the copy.
+            unsafe { cusys::cuMemcpyHtoDAsync_v2(dst.0, src.cast(), src.len(), cs) }
+        })
     }
 
-    unsafe fn copy_dtoh_async(
-        &self,
-        src: DevPtr,
-        dst: *mut u8,
-        len: usize,
-        s: StreamKind,
-    ) -> Result<()> {
-        self.table()
-            .check("cuMemcpyDtoHAsync", "source", src, len as u64)?;
-        if len == 0 {
-            return Ok(());
-        }
-        self.bind()?;
-        // SAFETY: the source is checked; the caller keeps the destination valid and untouched
-        // until the stream passes the copy.
-        unsafe { cusys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src.0, len, self.cu_stream(s)) }
-            .result()
-            .map_err(|e| cu_err("cuMemcpyDtoHAsync", e))
+    unsafe fn copy_dtoh_async(&self, src: DevPtr, dst: *mut [u8], s: StreamKind) -> Result<()> {
+        let cs = self.cu_stream(s);
+        self.host_copy(("cuMemcpyDtoHAsync", "source"), src, dst.len(), || {
+            // SAFETY: the source is checked; the caller keeps the destination valid and
+            // untouched until the stream passes the copy.
+            unsafe { cusys::cuMemcpyDtoHAsync_v2(dst.cast(), src.0, dst.len(), cs) }
+        })
     }
 
     unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
@@ -591,17 +572,7 @@ impl Driver for CudaDriver {
         params: &mut [*mut c_void],
         s: StreamKind,
     ) -> Result<()> {
-        let Some((_, name)) = self.kernels.get(k.index()) else {
-            return Err(Error::Device {
-                op: "cuLaunchKernel".into(),
-                detail: format!(
-                    "CUDA_ERROR_INVALID_HANDLE: kernel handle {} is not from this device ({} \
-                     kernels)",
-                    k.0,
-                    self.kernels.len()
-                ),
-            });
-        };
+        let (_, name) = k.entry(&self.kernels)?;
         cfg.validate(name, self.info.max_dyn_smem_per_block)?;
         let func = self.function(k.index())?;
         self.bind()?;

@@ -49,26 +49,8 @@ impl Gemm {
             let d = DevPtr(self.d.unwrap_or(self.c).0 + p * sc * self.c_type.size() as u64);
             // op(A) row-major (m x k) and op(B) column-major (k x n) in f32, so every dot
             // product reads two contiguous slices.
-            let mut opa = vec![0f32; m * k];
-            for i in 0..m {
-                for l in 0..k {
-                    let idx = match self.transa {
-                        Op::N => i as u64 + l as u64 * self.lda,
-                        Op::T => l as u64 + i as u64 * self.lda,
-                    };
-                    opa[i * k + l] = unsafe { load(a, idx, self.a_type) };
-                }
-            }
-            let mut opb = vec![0f32; k * n];
-            for j in 0..n {
-                for l in 0..k {
-                    let idx = match self.transb {
-                        Op::N => l as u64 + j as u64 * self.ldb,
-                        Op::T => j as u64 + l as u64 * self.ldb,
-                    };
-                    opb[j * k + l] = unsafe { load(b, idx, self.b_type) };
-                }
-            }
+            let opa = unsafe { rows_of(a, self.a_type, self.transa == Op::T, self.lda, (m, k)) };
+            let opb = unsafe { rows_of(b, self.b_type, self.transb == Op::N, self.ldb, (n, k)) };
             match self.epilogue {
                 Epilogue::BiasGradA { bias_grad } => {
                     for i in 0..m {
@@ -180,6 +162,33 @@ fn gelu_tanh_grad(x: f32) -> f32 {
     let t = (SQRT_2_OVER_PI * (x + C * x * x * x)).tanh();
     let du = SQRT_2_OVER_PI * (1.0 + 3.0 * C * x * x);
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+}
+
+/// `rows` rows of `k` values each, in f32, of a column-major matrix at `x` with leading
+/// dimension `ld`: its rows, or with `columns` its columns (a transposed op(A), op(B) as
+/// stored), so that every dot product reads two contiguous slices.
+///
+/// # Safety
+/// Every element read is valid memory of type `t`.
+unsafe fn rows_of(
+    x: DevPtr,
+    t: DType,
+    columns: bool,
+    ld: u64,
+    (rows, k): (usize, usize),
+) -> Vec<f32> {
+    let mut out = vec![0f32; rows * k];
+    for r in 0..rows {
+        for l in 0..k {
+            let idx = match columns {
+                false => r as u64 + l as u64 * ld,
+                true => l as u64 + r as u64 * ld,
+            };
+            // SAFETY: the caller's contract.
+            out[r * k + l] = unsafe { load(x, idx, t) };
+        }
+    }
+    out
 }
 
 /// Element `idx` of type `t` at `p`, widened to f32.
