@@ -19,6 +19,7 @@
 
 mod activity;
 mod attention_ops;
+mod check;
 mod cpu;
 pub mod cuda;
 pub mod memory;

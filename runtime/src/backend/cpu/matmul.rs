@@ -7,10 +7,12 @@ use std::borrow::Cow;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::CpuBackend;
+use super::{expect_len, CpuBackend};
 use crate::backend::{Accumulate, Epilogue, MatmulOps, MatmulShape, Operand, Transpose};
 use crate::tensor::{BufRef, View, ViewMut};
-use crate::{Error, Result};
+use crate::Result;
+
+const OP: &str = "matmul";
 
 /// Below this many multiply-adds a product runs on one thread.
 const PARALLEL_FLOPS: usize = 1 << 18;
@@ -134,17 +136,6 @@ unsafe fn gemm_one(
     }
 }
 
-fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op: "matmul",
-        expected: format!("{what} with {want} elements"),
-        got: format!("{got}"),
-    })
-}
-
 /// A matrix operand as host f32, widening bf16/f16 exactly (every half value is an f32).
 fn operand<'a>(what: &str, v: View<'a>) -> Result<Cow<'a, [f32]>> {
     use half::slice::HalfFloatSliceExt;
@@ -178,9 +169,7 @@ impl CpuBackend {
         acc: Accumulate,
         alpha: f32,
     ) -> Result<()> {
-        check_len("A", a.len(), s.m * s.k)?;
-        check_len("B", b.len(), s.k * s.n)?;
-        check_len("C", c.len(), s.m * s.n)?;
+        crate::backend::check::matmul(s, a.len(), b.len(), c.len())?;
         if s.m == 0 || s.n == 0 {
             return Ok(());
         }
@@ -213,7 +202,7 @@ impl CpuBackend {
     /// Fills every row of `c` with `bias`, so that an accumulating product adds `A·B` to it.
     fn broadcast_bias(&self, bias: View<'_>, c: &mut [f32], n: usize) -> Result<()> {
         let bias = super::f32_in("matmul", "bias", bias)?;
-        check_len("bias", bias.len(), n)?;
+        expect_len(OP, "bias", bias.len(), n)?;
         c.par_chunks_mut(n.max(1))
             .for_each(|r| r.copy_from_slice(bias));
         Ok(())
@@ -238,13 +227,13 @@ impl MatmulOps for CpuBackend {
                 self.matmul_host_scaled(s, (&a, &b), c, Accumulate::Add, alpha)
             }
             Epilogue::Bias(bias) => {
-                check_len("C", c.len(), s.m * s.n)?;
+                expect_len(OP, "C", c.len(), s.m * s.n)?;
                 self.broadcast_bias(bias, c, s.n)?;
                 self.matmul_host(s, &a, &b, c, Accumulate::Add)
             }
             Epilogue::BiasGelu { bias, pre } => {
                 let pre = super::f32_out("matmul", "pre-activation", pre)?;
-                check_len("pre-activation", pre.len(), s.m * s.n)?;
+                expect_len(OP, "pre-activation", pre.len(), s.m * s.n)?;
                 self.broadcast_bias(bias, pre, s.n)?;
                 self.matmul_host(s, &a, &b, pre, Accumulate::Add)?;
                 use crate::backend::ElementwiseOps;
@@ -252,7 +241,7 @@ impl MatmulOps for CpuBackend {
             }
             Epilogue::AccumulateBiasGrad { of, bias_grad } => {
                 let len = s.bias_grad_len(of)?;
-                check_len("bias gradient", bias_grad.len(), len)?;
+                expect_len(OP, "bias gradient", bias_grad.len(), len)?;
                 self.matmul_host(s, &a, &b, c, Accumulate::Add)?;
                 // The same column sums of the same operand as a separate `sum_rows` call.
                 let grad: &[f32] = if of == Operand::A { &a } else { &b };
@@ -263,8 +252,8 @@ impl MatmulOps for CpuBackend {
                 self.gelu_backward_bias_grad(s, &a, &b, c, pre, bias_grad)
             }
             Epilogue::Residual { residual, bias } => {
-                check_len("C", c.len(), s.m * s.n)?;
-                check_len("residual", residual.len(), s.m * s.n)?;
+                expect_len(OP, "C", c.len(), s.m * s.n)?;
+                expect_len(OP, "residual", residual.len(), s.m * s.n)?;
                 use crate::backend::ElementwiseOps;
                 match bias {
                     Some(bias) => {
@@ -295,8 +284,8 @@ impl CpuBackend {
         bias_grad: ViewMut<'_>,
     ) -> Result<()> {
         use crate::backend::{ElementwiseOps, MemoryOps};
-        check_len("pre-activation", pre.len(), s.m * s.n)?;
-        check_len("bias gradient", bias_grad.len(), s.n)?;
+        expect_len(OP, "pre-activation", pre.len(), s.m * s.n)?;
+        expect_len(OP, "bias gradient", bias_grad.len(), s.n)?;
         let mut scratch = self.buffer_uninit(crate::tensor::DType::F32, s.m * s.n)?;
         let product = super::f32_out("matmul", "product", scratch.view_mut())?;
         self.matmul_host(s, a, b, product, Accumulate::Overwrite)?;

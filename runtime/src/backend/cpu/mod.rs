@@ -11,6 +11,7 @@ mod rope;
 mod simd;
 mod token;
 
+use super::check::expect_len;
 use super::{Backend, MemoryOps};
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Storage, View, ViewMut};
 use crate::{Error, Result};
@@ -96,18 +97,6 @@ fn f32_in<'a>(op: &'static str, what: &str, v: View<'a>) -> Result<&'a [f32]> {
 /// The host f32 elements of an output view.
 fn f32_out<'a>(op: &'static str, what: &str, v: ViewMut<'a>) -> Result<&'a mut [f32]> {
     v.host_f32().ok_or_else(|| foreign(op, what))
-}
-
-/// Fails unless `got == want`.
-fn expect_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op,
-        expected: format!("{what} with {want} elements"),
-        got: format!("{got}"),
-    })
 }
 
 /// Rows per rayon task so that each task does at least ~32k elements of work: below that,

@@ -256,14 +256,6 @@ fn dims(op: &'static str, s: &AttentionShape) -> Result<Dims> {
     })
 }
 
-/// `[rows, q_heads * head_dim]` contiguous (O, dO).
-fn out_view(s: &AttentionShape) -> RowView {
-    RowView {
-        stride: s.q_heads * s.head_dim,
-        offset: 0,
-    }
-}
-
 /// The grid of `pass`: a block per tile of rows of every (sequence, head).
 fn grid(l: &Launch, d: &Dims, heads: i32) -> Result<LaunchConfig> {
     let tiles = (d.seq as usize).div_ceil(l.rows);
@@ -314,26 +306,6 @@ fn softmax_scale(head_dim: usize) -> f32 {
     1.0 / (head_dim as f32).sqrt()
 }
 
-/// Fails unless the three gradient views of one fused buffer share a stride and their head
-/// columns do not overlap (they are written concurrently).
-fn check_fused_disjoint(s: &AttentionShape, q: RowView, k: RowView, v: RowView) -> Result<()> {
-    let cols = |r: RowView, heads: usize| (r.offset, r.offset + heads * s.head_dim);
-    let spans = [cols(q, s.q_heads), cols(k, s.kv_heads), cols(v, s.kv_heads)];
-    let same_stride = q.stride == k.stride && k.stride == v.stride;
-    let overlap = |a: (usize, usize), b: (usize, usize)| a.0 < b.1 && b.0 < a.1;
-    if same_stride
-        && !overlap(spans[0], spans[1])
-        && !overlap(spans[0], spans[2])
-        && !overlap(spans[1], spans[2])
-    {
-        return Ok(());
-    }
-    Err(Error::Invalid(format!(
-        "attention backward: fused dq/dk/dv views must share one stride and hold disjoint \
-         columns, got q {q:?}, k {k:?}, v {v:?}"
-    )))
-}
-
 impl AttentionOps for CudaBackend {
     fn attention_forward(
         &self,
@@ -357,10 +329,8 @@ impl AttentionOps for CudaBackend {
             &[("k", kd.dtype()), ("v", vd.dtype()), ("out", out.dtype())],
         )?;
         let d = dims(OP, &s)?;
-        s.check_view(OP, "q", qd.len(), q.1, s.q_heads)?;
-        s.check_view(OP, "k", kd.len(), k.1, s.kv_heads)?;
-        s.check_view(OP, "v", vd.len(), v.1, s.kv_heads)?;
-        s.check_view(OP, "out", out.len(), out_view(&s), s.q_heads)?;
+        s.check_qkv(OP, [qd.len(), kd.len(), vd.len()], (q.1, k.1, v.1))?;
+        s.check_view(OP, "out", out.len(), s.out_view(), s.q_heads)?;
         let lse = CudaBuf::uninit(&self.dev, DType::F32, s.batch * s.q_heads * s.seq)?;
         if lse.is_empty() {
             return Ok(Storage::Cuda(lse));
@@ -416,19 +386,14 @@ impl AttentionOps for CudaBackend {
             lse.len(),
             s.batch * s.q_heads * s.seq,
         )?;
-        s.check_view(OP, "q", qd.len(), q.1, s.q_heads)?;
-        s.check_view(OP, "k", kd.len(), k.1, s.kv_heads)?;
-        s.check_view(OP, "v", vd.len(), v.1, s.kv_heads)?;
-        s.check_view(OP, "out", od.len(), out_view(&s), s.q_heads)?;
-        s.check_view(OP, "dout", dod.len(), out_view(&s), s.q_heads)?;
+        s.check_qkv(OP, [qd.len(), kd.len(), vd.len()], (q.1, k.1, v.1))?;
+        s.check_view(OP, "out", od.len(), s.out_view(), s.q_heads)?;
+        s.check_view(OP, "dout", dod.len(), s.out_view(), s.q_heads)?;
+        grads.check(OP, &s, (q.1, k.1, v.1))?;
         let (dq, dk, dv): (DevPtr, DevPtr, DevPtr) = match grads {
             AttentionGrads::Fused(buf) => {
                 let buf = self.dev_out(OP, "dqkv", buf)?;
                 expect_dtype(OP, dt, &[("dqkv", buf.dtype())])?;
-                s.check_view(OP, "dq", buf.len(), q.1, s.q_heads)?;
-                s.check_view(OP, "dk", buf.len(), k.1, s.kv_heads)?;
-                s.check_view(OP, "dv", buf.len(), v.1, s.kv_heads)?;
-                check_fused_disjoint(&s, q.1, k.1, v.1)?;
                 (buf.ptr(), buf.ptr(), buf.ptr())
             }
             AttentionGrads::Split { dq, dk, dv } => {
@@ -442,9 +407,6 @@ impl AttentionOps for CudaBackend {
                     dt,
                     &[("dq", dq.dtype()), ("dk", dk.dtype()), ("dv", dv.dtype())],
                 )?;
-                s.check_view(OP, "dq", dq.len(), q.1, s.q_heads)?;
-                s.check_view(OP, "dk", dk.len(), k.1, s.kv_heads)?;
-                s.check_view(OP, "dv", dv.len(), v.1, s.kv_heads)?;
                 (dq.ptr(), dk.ptr(), dv.ptr())
             }
         };

@@ -146,17 +146,7 @@ impl CudaBackend {
     }
 }
 
-/// Fails unless `got == want`.
-pub(crate) fn expect_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op,
-        expected: format!("{what} with {want} elements"),
-        got: format!("{got}"),
-    })
-}
+pub(crate) use crate::backend::check::expect_len;
 
 /// Fails unless every view has the dtype `want`.
 pub(crate) fn expect_dtype(op: &'static str, want: DType, got: &[(&str, DType)]) -> Result<()> {

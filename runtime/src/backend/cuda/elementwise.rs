@@ -4,9 +4,9 @@ use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::driver::LaunchConfig;
 use super::launch::Args;
 use super::storage::by_dtype;
-use crate::backend::ElementwiseOps;
+use crate::backend::{check, ElementwiseOps};
 use crate::tensor::{DType, View, ViewMut};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Rows per partial sum of a column reduction: fixed, so the summation order (and the result)
 /// depends only on the shape.
@@ -30,8 +30,7 @@ impl ElementwiseOps for CudaBackend {
             self.dev_in(OP, "dy", dy)?,
             self.dev_out(OP, "dx", dx)?,
         );
-        expect_len(OP, "dy", dy.len(), x.len())?;
-        expect_len(OP, "dx", dx.len(), x.len())?;
+        check::same_len(OP, x.len(), &[("dy", dy.len()), ("dx", dx.len())])?;
         expect_dtype(OP, x.dtype(), &[("dy", dy.dtype()), ("dx", dx.dtype())])?;
         let mut args = Args::new()
             .ptr(x.ptr())
@@ -50,8 +49,7 @@ impl ElementwiseOps for CudaBackend {
             self.dev_in(OP, "up", up)?,
             self.dev_out(OP, "y", y)?,
         );
-        expect_len(OP, "up", u.len(), g.len())?;
-        expect_len(OP, "y", y.len(), g.len())?;
+        check::same_len(OP, g.len(), &[("up", u.len()), ("y", y.len())])?;
         expect_dtype(OP, g.dtype(), &[("up", u.dtype()), ("y", y.dtype())])?;
         let mut args = Args::new()
             .ptr(g.ptr())
@@ -81,14 +79,13 @@ impl ElementwiseOps for CudaBackend {
             self.dev_out(OP, "dgate", dgate)?,
             self.dev_out(OP, "dup", dup)?,
         );
-        for (what, len) in [
+        let lens = [
             ("up", u.len()),
             ("dy", dy.len()),
             ("dgate", dg.len()),
             ("dup", du.len()),
-        ] {
-            expect_len(OP, what, len, g.len())?;
-        }
+        ];
+        check::same_len(OP, g.len(), &lens)?;
         expect_dtype(
             OP,
             g.dtype(),
@@ -145,13 +142,7 @@ impl ElementwiseOps for CudaBackend {
         let (m, acc) = (self.dev_in(OP, "m", m)?, self.dev_out(OP, "acc", acc)?);
         expect_len(OP, "acc", acc.len(), cols)?;
         expect_dtype(OP, DType::F32, &[("acc", acc.dtype())])?;
-        if cols == 0 || !m.len().is_multiple_of(cols) {
-            return Err(Error::Shape {
-                op: OP,
-                expected: format!("whole rows of {cols}"),
-                got: format!("{} elements", m.len()),
-            });
-        }
+        check::whole_rows(OP, m.len(), cols)?;
         let rows = m.len() / cols;
         if rows == 0 {
             return Ok(());

@@ -106,9 +106,7 @@ impl MatmulOps for CudaBackend {
     ) -> Result<()> {
         let (a, b) = (self.dev_in(OP, "A", a)?, self.dev_in(OP, "B", b)?);
         let c = self.dev_out(OP, "C", c)?;
-        expect_len(OP, "A", a.len(), s.m * s.k)?;
-        expect_len(OP, "B", b.len(), s.k * s.n)?;
-        expect_len(OP, "C", c.len(), s.m * s.n)?;
+        crate::backend::check::matmul(s, a.len(), b.len(), c.len())?;
         expect_dtype(OP, a.dtype(), &[("B", b.dtype())])?;
         // Before the empty-product exits: a bias gradient can be due when dW has no elements.
         if let Epilogue::AccumulateBiasGrad { of, bias_grad } = epilogue {
