@@ -24,72 +24,29 @@ use crate::{Error, Result};
 /// that holds its head dim, zero-padded.
 const PADDED_DIMS: [usize; 4] = [32, 64, 96, 128];
 
-const FORWARD: [[&str; 3]; 4] = [
-    [
-        "attention_forward_d32_f32",
-        "attention_forward_d32_bf16",
-        "attention_forward_d32_f16",
-    ],
-    [
-        "attention_forward_d64_f32",
-        "attention_forward_d64_bf16",
-        "attention_forward_d64_f16",
-    ],
-    [
-        "attention_forward_d96_f32",
-        "attention_forward_d96_bf16",
-        "attention_forward_d96_f16",
-    ],
-    [
-        "attention_forward_d128_f32",
-        "attention_forward_d128_bf16",
-        "attention_forward_d128_f16",
-    ],
-];
-const DKDV: [[&str; 3]; 4] = [
-    [
-        "attention_bwd_dkdv_d32_f32",
-        "attention_bwd_dkdv_d32_bf16",
-        "attention_bwd_dkdv_d32_f16",
-    ],
-    [
-        "attention_bwd_dkdv_d64_f32",
-        "attention_bwd_dkdv_d64_bf16",
-        "attention_bwd_dkdv_d64_f16",
-    ],
-    [
-        "attention_bwd_dkdv_d96_f32",
-        "attention_bwd_dkdv_d96_bf16",
-        "attention_bwd_dkdv_d96_f16",
-    ],
-    [
-        "attention_bwd_dkdv_d128_f32",
-        "attention_bwd_dkdv_d128_bf16",
-        "attention_bwd_dkdv_d128_f16",
-    ],
-];
-const DQ: [[&str; 3]; 4] = [
-    [
-        "attention_bwd_dq_d32_f32",
-        "attention_bwd_dq_d32_bf16",
-        "attention_bwd_dq_d32_f16",
-    ],
-    [
-        "attention_bwd_dq_d64_f32",
-        "attention_bwd_dq_d64_bf16",
-        "attention_bwd_dq_d64_f16",
-    ],
-    [
-        "attention_bwd_dq_d96_f32",
-        "attention_bwd_dq_d96_bf16",
-        "attention_bwd_dq_d96_f16",
-    ],
-    [
-        "attention_bwd_dq_d128_f32",
-        "attention_bwd_dq_d128_bf16",
-        "attention_bwd_dq_d128_f16",
-    ],
-];
+/// A kernel's names per padded head dim (rows, as `PADDED_DIMS`) and dtype (columns, as
+/// `dtype_index`).
+macro_rules! per_dim_and_dtype {
+    ($base:literal) => {
+        [
+            per_dim_and_dtype!($base, "_d32"),
+            per_dim_and_dtype!($base, "_d64"),
+            per_dim_and_dtype!($base, "_d96"),
+            per_dim_and_dtype!($base, "_d128"),
+        ]
+    };
+    ($base:literal, $d:literal) => {
+        [
+            concat!($base, $d, "_f32"),
+            concat!($base, $d, "_bf16"),
+            concat!($base, $d, "_f16"),
+        ]
+    };
+}
+
+const FORWARD: [[&str; 3]; 4] = per_dim_and_dtype!("attention_forward");
+const DKDV: [[&str; 3]; 4] = per_dim_and_dtype!("attention_bwd_dkdv");
+const DQ: [[&str; 3]; 4] = per_dim_and_dtype!("attention_bwd_dq");
 
 /// Tensor-core tiles per padded head dim, `attention.cu`'s `Cfg`: forward warps and key tile,
 /// dK/dV warps and query tile, dQ warps and key tile.
@@ -103,39 +60,23 @@ struct MmaCfg {
     qn: usize,
 }
 
+/// `attention.cu`'s `Cfg` values in its order: `fw, fn_, kw, km, qw, qn`.
+const fn mma_cfg([fw, fn_, kw, km, qw, qn]: [usize; 6]) -> MmaCfg {
+    MmaCfg {
+        fw,
+        fn_,
+        kw,
+        km,
+        qw,
+        qn,
+    }
+}
+
 const MMA_CFG: [MmaCfg; 4] = [
-    MmaCfg {
-        fw: 4,
-        fn_: 64,
-        kw: 4,
-        km: 64,
-        qw: 4,
-        qn: 64,
-    },
-    MmaCfg {
-        fw: 4,
-        fn_: 64,
-        kw: 4,
-        km: 32,
-        qw: 4,
-        qn: 64,
-    },
-    MmaCfg {
-        fw: 4,
-        fn_: 64,
-        kw: 4,
-        km: 32,
-        qw: 4,
-        qn: 32,
-    },
-    MmaCfg {
-        fw: 4,
-        fn_: 64,
-        kw: 4,
-        km: 32,
-        qw: 4,
-        qn: 32,
-    },
+    mma_cfg([4, 64, 4, 64, 4, 64]),
+    mma_cfg([4, 64, 4, 32, 4, 64]),
+    mma_cfg([4, 64, 4, 32, 4, 32]),
+    mma_cfg([4, 64, 4, 32, 4, 32]),
 ];
 
 /// The f32 (SIMT) kernels' tile: rows per block and per tile, threads, and the width of the
