@@ -200,15 +200,21 @@ pub trait AttentionOps {
     ) -> Result<()>;
     /// [`AttentionOps::rope`] on the queries and the keys of one attention call at once (one
     /// launch on a device): `q` holds `shape.q_heads` heads per row, `k` `shape.kv_heads`; the
-    /// same arithmetic as two `rope` calls, so the bits are theirs.
+    /// same arithmetic as two `rope` calls, so the bits are theirs (by default: those calls).
     fn rope_qk(
         &self,
         q: ViewMut<'_>,
         k: ViewMut<'_>,
-        shape: AttentionShape,
+        s: AttentionShape,
         rope: &Rope,
         direction: Rotation,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let (b, t, d) = (s.batch, s.seq, s.head_dim);
+        check_rope("q", q.len(), (b, t, d), s.q_heads)?;
+        check_rope("k", k.len(), (b, t, d), s.kv_heads)?;
+        self.rope(q, b, t, s.q_heads, d, rope, direction)?;
+        self.rope(k, b, t, s.kv_heads, d, rope, direction)
+    }
 }
 
 /// Destinations of attention's backward.

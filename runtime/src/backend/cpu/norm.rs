@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::simd::simd_kernel;
-use super::{expect_len, f32_in, f32_out, CpuBackend};
+use super::{f32_in, f32_out, CpuBackend};
 use crate::backend::{check, ElementwiseOps, NormOps};
 use crate::tensor::{View, ViewMut};
 use crate::Result;
@@ -345,37 +345,6 @@ impl NormOps for CpuBackend {
     ) -> Result<()> {
         let sum = self.residual_sum("residual rmsnorm", x, residual, sum)?;
         self.rmsnorm_forward(View::from(&*sum), gamma, eps, y, rstd)
-    }
-
-    fn layernorm_backward_residual(
-        &self,
-        x: View<'_>,
-        gamma: View<'_>,
-        (mean, rstd): (View<'_>, View<'_>),
-        dy: View<'_>,
-        dresidual: View<'_>,
-        mut dx: ViewMut<'_>,
-        dgamma: ViewMut<'_>,
-        dbeta: ViewMut<'_>,
-    ) -> Result<()> {
-        expect_len("layernorm backward", "dresidual", dresidual.len(), dx.len())?;
-        self.layernorm_backward(x, gamma, mean, rstd, dy, dx.reborrow(), dgamma, dbeta)?;
-        self.add_assign(dx, dresidual)
-    }
-
-    fn rmsnorm_backward_residual(
-        &self,
-        x: View<'_>,
-        gamma: View<'_>,
-        rstd: View<'_>,
-        dy: View<'_>,
-        dresidual: View<'_>,
-        mut dx: ViewMut<'_>,
-        dgamma: ViewMut<'_>,
-    ) -> Result<()> {
-        expect_len("rmsnorm backward", "dresidual", dresidual.len(), dx.len())?;
-        self.rmsnorm_backward(x, gamma, rstd, dy, dx.reborrow(), dgamma)?;
-        self.add_assign(dx, dresidual)
     }
 }
 

@@ -206,25 +206,6 @@ impl TokenOps for CpuBackend {
         r
     }
 
-    fn head_loss_fused(
-        &self,
-        shape: HeadShape,
-        x: View<'_>,
-        w: View<'_>,
-        targets: Ids<'_>,
-        g: f32,
-        dx: ViewMut<'_>,
-        dw: Option<ViewMut<'_>>,
-    ) -> Result<Storage> {
-        // Exactly forward then backward: the CPU's bits do not depend on the engine fusing.
-        let out = self.head_loss_forward(shape, x, w, targets, true)?;
-        let saved = out.saved.ok_or_else(|| {
-            Error::Invalid("head loss fused: forward kept no probabilities".into())
-        })?;
-        self.head_loss_backward(shape, x, w, targets, saved, g, dx, dw)?;
-        Ok(out.loss)
-    }
-
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>> {
         let x = f32_in("argmax", "x", x)?;
         Ok(x.chunks(width.max(1))

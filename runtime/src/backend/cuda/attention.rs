@@ -373,32 +373,22 @@ impl AttentionOps for CudaBackend {
         self.dev
             .launch(by_dtype!("attention_bwd_dot", dt), cfg, &mut args)?;
 
-        let l = launch_for(Pass::DkDv, dt, d.padded);
-        let cfg = grid(&l, &d, d.kv_heads)?;
-        let args = Args::new()
-            .ptr(qd.ptr())
-            .ptr(kd.ptr())
-            .ptr(vd.ptr())
-            .ptr(dod.ptr())
-            .ptr(lse.ptr())
-            .ptr(di.ptr())
-            .ptr(dk)
-            .ptr(dv);
-        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
-        self.dev.launch(l.name, cfg, &mut args)?;
-
-        let l = launch_for(Pass::Dq, dt, d.padded);
-        let cfg = grid(&l, &d, d.q_heads)?;
-        let args = Args::new()
-            .ptr(qd.ptr())
-            .ptr(kd.ptr())
-            .ptr(vd.ptr())
-            .ptr(dod.ptr())
-            .ptr(lse.ptr())
-            .ptr(di.ptr())
-            .ptr(dq);
-        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
-        self.dev.launch(l.name, cfg, &mut args)
+        // Both passes read Q, K, V, dO, the log-sum-exp and di, then write their gradients.
+        let inputs = [qd.ptr(), kd.ptr(), vd.ptr(), dod.ptr(), lse.ptr(), di.ptr()];
+        for (pass, heads, outs) in [
+            (Pass::DkDv, d.kv_heads, &[dk, dv][..]),
+            (Pass::Dq, d.q_heads, &[dq]),
+        ] {
+            let l = launch_for(pass, dt, d.padded);
+            let cfg = grid(&l, &d, heads)?;
+            let args = inputs
+                .iter()
+                .chain(outs)
+                .fold(Args::new(), |a, &p| a.ptr(p));
+            let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
+            self.dev.launch(l.name, cfg, &mut args)?;
+        }
+        Ok(())
     }
 
     fn rope(

@@ -308,6 +308,31 @@ pub(crate) struct RawView {
     pub dev: usize,
 }
 
+/// A view's device, length and dtype (the same fields in both kinds of view).
+macro_rules! view_accessors {
+    () => {
+        /// The device.
+        pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
+            self.dev
+        }
+
+        /// Elements.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Whether empty.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        /// Element type.
+        pub fn dtype(&self) -> DType {
+            self.dtype
+        }
+    };
+}
+
 impl<'a> CudaView<'a> {
     /// Whether this view's device holds no bytes (`DeviceInfo::sizes_only`).
     pub fn sizes_only(&self) -> bool {
@@ -345,25 +370,7 @@ impl<'a> CudaView<'a> {
         }
     }
 
-    /// The device.
-    pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
-        self.dev
-    }
-
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
+    view_accessors!();
 
     /// Elements `range`.
     pub fn range(self, range: Range<usize>) -> Result<CudaView<'a>> {
@@ -469,25 +476,7 @@ impl<'a> CudaViewMut<'a> {
         }
     }
 
-    /// The device.
-    pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
-        self.dev
-    }
-
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
+    view_accessors!();
 
     /// A shorter-lived borrow.
     pub fn reborrow(&mut self) -> CudaViewMut<'_> {

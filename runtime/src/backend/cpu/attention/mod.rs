@@ -297,19 +297,4 @@ impl AttentionOps for CpuBackend {
         super::rope::apply(x, batch, seq, heads, head_dim, rope, dir);
         Ok(())
     }
-
-    fn rope_qk(
-        &self,
-        q: ViewMut<'_>,
-        k: ViewMut<'_>,
-        s: AttentionShape,
-        rope: &Rope,
-        dir: Rotation,
-    ) -> Result<()> {
-        let (b, t, d) = (s.batch, s.seq, s.head_dim);
-        check_rope("q", q.len(), (b, t, d), s.q_heads)?;
-        check_rope("k", k.len(), (b, t, d), s.kv_heads)?;
-        self.rope(q, b, t, s.q_heads, d, rope, dir)?;
-        self.rope(k, b, t, s.kv_heads, d, rope, dir)
-    }
 }
