@@ -128,11 +128,11 @@ fn elementwise_and_products(d: &Dev) {
         "shape mismatch in swiglu backward: expected dup with 6 elements, got 5"
     );
     let s = MatmulShape {
+        ta: Transpose::No,
+        tb: Transpose::No,
         m: 2,
         n: 2,
         k: 3,
-        ta: Transpose::No,
-        tb: Transpose::No,
     };
     let (b, mut c) = (d.put(&[1.0; 5]), d.zeros(4));
     let r =

@@ -23,28 +23,34 @@ pub(crate) fn same_len(op: &'static str, want: usize, got: &[(&str, usize)]) -> 
         .try_for_each(|&(what, len)| expect_len(op, what, len, want))
 }
 
-/// Rows of `[rows, d]` data in `len` elements, after checking the width (a norm's parameter).
-fn rows_of(op: &'static str, len: usize, d: usize) -> Result<usize> {
-    if d == 0 || !len.is_multiple_of(d) {
+/// `len / by`, after checking that `by` divides `len` exactly (`expected` says what the
+/// elements had to be); `by` of zero is refused.
+pub(crate) fn exact_div(
+    op: &'static str,
+    len: usize,
+    by: usize,
+    expected: impl FnOnce() -> String,
+) -> Result<usize> {
+    if by == 0 || !len.is_multiple_of(by) {
         return Err(Error::Shape {
             op,
-            expected: format!("whole rows of the parameter width {d}"),
+            expected: expected(),
             got: format!("{len} elements"),
         });
     }
-    Ok(len / d)
+    Ok(len / by)
+}
+
+/// Rows of `[rows, d]` data in `len` elements, after checking the width (a norm's parameter).
+fn rows_of(op: &'static str, len: usize, d: usize) -> Result<usize> {
+    exact_div(op, len, d, || {
+        format!("whole rows of the parameter width {d}")
+    })
 }
 
 /// Fails unless `len` elements are whole rows of `cols` (a column sum's input).
 pub(crate) fn whole_rows(op: &'static str, len: usize, cols: usize) -> Result<()> {
-    if cols == 0 || !len.is_multiple_of(cols) {
-        return Err(Error::Shape {
-            op,
-            expected: format!("whole rows of {cols}"),
-            got: format!("{len} elements"),
-        });
-    }
-    Ok(())
+    exact_div(op, len, cols, || format!("whole rows of {cols}")).map(drop)
 }
 
 /// A norm forward's lengths `[x, gamma, y, rstd]` and LayerNorm's `[beta, mean]`: `x` whole

@@ -192,21 +192,13 @@ impl ElementwiseOps for CpuBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_values::same_bits;
     use super::*;
 
     /// Values across GELU's and the sigmoid's interesting range, both signs, with a tail that
     /// is not a multiple of any vector width.
     fn inputs(n: usize, salt: u32) -> Vec<f32> {
-        (0..n as u32)
-            .map(|i| {
-                let h = (i ^ salt).wrapping_mul(2_654_435_761).rotate_left(13);
-                (h as f32 / u32::MAX as f32 - 0.5) * 24.0
-            })
-            .collect()
-    }
-
-    fn same_bits(a: &[f32], b: &[f32]) -> bool {
-        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        super::super::test_values::hashed(n, salt, 13, 24.0)
     }
 
     #[test]

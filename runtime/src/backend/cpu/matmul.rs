@@ -59,7 +59,7 @@ pub(crate) unsafe fn gemm_raw(
     };
     if parts == 1 {
         // SAFETY: forwarded from the caller.
-        unsafe { gemm_one(m, n, k, dst, lhs, rhs, (acc, alpha)) };
+        unsafe { gemm_one((m, n, k), dst, lhs, rhs, (acc, alpha)) };
         return;
     }
     let step = long.div_ceil(parts).div_ceil(PART_ALIGN) * PART_ALIGN;
@@ -72,10 +72,10 @@ pub(crate) unsafe fn gemm_raw(
         unsafe {
             if m >= n {
                 let (d, l) = (d.0.offset(lo, 0), l.0.offset(lo, 0));
-                gemm_one(hi - lo, n, k, d, l, r.0, (acc, alpha));
+                gemm_one((hi - lo, n, k), d, l, r.0, (acc, alpha));
             } else {
                 let (d, r) = (d.0.offset(0, lo), r.0.offset(0, lo));
-                gemm_one(m, hi - lo, k, d, l.0, r, (acc, alpha));
+                gemm_one((m, hi - lo, k), d, l.0, r, (acc, alpha));
             }
         }
     });
@@ -101,9 +101,7 @@ impl StridedMat {
 
 /// One single-threaded product; see [`gemm_raw`] for the contract.
 unsafe fn gemm_one(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     dst: StridedMat,
     lhs: StridedMat,
     rhs: StridedMat,

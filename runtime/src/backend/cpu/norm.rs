@@ -371,19 +371,11 @@ impl CpuBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_values::same_bits;
     use super::*;
 
     fn inputs(n: usize, salt: u32) -> Vec<f32> {
-        (0..n as u32)
-            .map(|i| {
-                let h = (i ^ salt).wrapping_mul(2_654_435_761).rotate_left(11);
-                (h as f32 / u32::MAX as f32 - 0.5) * 6.0
-            })
-            .collect()
-    }
-
-    fn same_bits(a: &[f32], b: &[f32]) -> bool {
-        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        super::super::test_values::hashed(n, salt, 11, 6.0)
     }
 
     /// The row kernels (dispatched per CPU, row sums in their own loops) give the bits of

@@ -31,14 +31,7 @@ fn scatter_rows(ids: impl Iterator<Item = usize>, dout: &[f32], dim: usize, dtab
 
 /// The width of `[rows, dim]` data given its row count.
 fn width(op: &'static str, len: usize, rows: usize) -> Result<usize> {
-    if rows == 0 || !len.is_multiple_of(rows) {
-        return Err(Error::Shape {
-            op,
-            expected: format!("{rows} whole rows"),
-            got: format!("{len} elements"),
-        });
-    }
-    Ok(len / rows)
+    check::exact_div(op, len, rows, || format!("{rows} whole rows"))
 }
 
 impl TokenOps for CpuBackend {

@@ -15,7 +15,7 @@ use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
-use super::storage::{by_dtype, CudaBuf};
+use super::storage::{by_dtype, variant_names, CudaBuf, CudaView};
 use crate::backend::{AttentionGrads, AttentionOps, AttentionShape, Rope, Rotation, RowView};
 use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::{Error, Result};
@@ -29,17 +29,10 @@ const PADDED_DIMS: [usize; 4] = [32, 64, 96, 128];
 macro_rules! per_dim_and_dtype {
     ($base:literal) => {
         [
-            per_dim_and_dtype!($base, "_d32"),
-            per_dim_and_dtype!($base, "_d64"),
-            per_dim_and_dtype!($base, "_d96"),
-            per_dim_and_dtype!($base, "_d128"),
-        ]
-    };
-    ($base:literal, $d:literal) => {
-        [
-            concat!($base, $d, "_f32"),
-            concat!($base, $d, "_bf16"),
-            concat!($base, $d, "_f16"),
+            variant_names!($base: "_d32_f32", "_d32_bf16", "_d32_f16"),
+            variant_names!($base: "_d64_f32", "_d64_bf16", "_d64_f16"),
+            variant_names!($base: "_d96_f32", "_d96_bf16", "_d96_f16"),
+            variant_names!($base: "_d128_f32", "_d128_bf16", "_d128_f16"),
         ]
     };
 }
@@ -247,6 +240,29 @@ fn softmax_scale(head_dim: usize) -> f32 {
     1.0 / (head_dim as f32).sqrt()
 }
 
+impl CudaBackend {
+    /// Q, K and V on this device in one dtype, each checked against its view, and the
+    /// shape's sizes as the kernels take them.
+    fn qkv_in<'a>(
+        &self,
+        op: &'static str,
+        s: &AttentionShape,
+        q: (View<'a>, RowView),
+        k: (View<'a>, RowView),
+        v: (View<'a>, RowView),
+    ) -> Result<([CudaView<'a>; 3], Dims)> {
+        let (qd, kd, vd) = (
+            self.dev_in(op, "q", q.0)?,
+            self.dev_in(op, "k", k.0)?,
+            self.dev_in(op, "v", v.0)?,
+        );
+        expect_dtype(op, qd.dtype(), &[("k", kd.dtype()), ("v", vd.dtype())])?;
+        let d = dims(op, s)?;
+        s.check_qkv(op, [qd.len(), kd.len(), vd.len()], (q.1, k.1, v.1))?;
+        Ok(([qd, kd, vd], d))
+    }
+}
+
 impl AttentionOps for CudaBackend {
     fn attention_forward(
         &self,
@@ -257,20 +273,11 @@ impl AttentionOps for CudaBackend {
         out: ViewMut<'_>,
     ) -> Result<Storage> {
         const OP: &str = "attention";
-        let (qd, kd, vd) = (
-            self.dev_in(OP, "q", q.0)?,
-            self.dev_in(OP, "k", k.0)?,
-            self.dev_in(OP, "v", v.0)?,
-        );
+        let views = (q.1, k.1, v.1);
+        let ([qd, kd, vd], d) = self.qkv_in(OP, &s, q, k, v)?;
         let out = self.dev_out(OP, "out", out)?;
         let dt = qd.dtype();
-        expect_dtype(
-            OP,
-            dt,
-            &[("k", kd.dtype()), ("v", vd.dtype()), ("out", out.dtype())],
-        )?;
-        let d = dims(OP, &s)?;
-        s.check_qkv(OP, [qd.len(), kd.len(), vd.len()], (q.1, k.1, v.1))?;
+        expect_dtype(OP, dt, &[("out", out.dtype())])?;
         s.check_view(OP, "out", out.len(), s.out_view(), s.q_heads)?;
         let lse = CudaBuf::uninit(&self.dev, DType::F32, s.batch * s.q_heads * s.seq)?;
         if lse.is_empty() {
@@ -284,7 +291,7 @@ impl AttentionOps for CudaBackend {
             .ptr(vd.ptr())
             .ptr(out.ptr())
             .ptr(lse.view().ptr());
-        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
+        let mut args = view_args(args, views, &s, &d);
         self.dev.launch(l.name, cfg, &mut args)?;
         Ok(Storage::Cuda(lse))
     }
@@ -301,36 +308,18 @@ impl AttentionOps for CudaBackend {
         grads: AttentionGrads<'_>,
     ) -> Result<()> {
         const OP: &str = "attention backward";
-        let (qd, kd, vd) = (
-            self.dev_in(OP, "q", q.0)?,
-            self.dev_in(OP, "k", k.0)?,
-            self.dev_in(OP, "v", v.0)?,
-        );
+        let views = (q.1, k.1, v.1);
+        let ([qd, kd, vd], d) = self.qkv_in(OP, &s, q, k, v)?;
         let (od, dod) = (self.dev_in(OP, "out", out)?, self.dev_in(OP, "dout", dout)?);
         let lse = self.dev_in(OP, "the saved log-sum-exp", saved.view())?;
         let dt = qd.dtype();
-        expect_dtype(
-            OP,
-            dt,
-            &[
-                ("k", kd.dtype()),
-                ("v", vd.dtype()),
-                ("out", od.dtype()),
-                ("dout", dod.dtype()),
-            ],
-        )?;
+        expect_dtype(OP, dt, &[("out", od.dtype()), ("dout", dod.dtype())])?;
         expect_dtype(OP, DType::F32, &[("the saved log-sum-exp", lse.dtype())])?;
-        let d = dims(OP, &s)?;
-        expect_len(
-            OP,
-            "the saved log-sum-exp",
-            lse.len(),
-            s.batch * s.q_heads * s.seq,
-        )?;
-        s.check_qkv(OP, [qd.len(), kd.len(), vd.len()], (q.1, k.1, v.1))?;
+        let rows = s.batch * s.q_heads * s.seq;
+        expect_len(OP, "the saved log-sum-exp", lse.len(), rows)?;
         s.check_view(OP, "out", od.len(), s.out_view(), s.q_heads)?;
         s.check_view(OP, "dout", dod.len(), s.out_view(), s.q_heads)?;
-        grads.check(OP, &s, (q.1, k.1, v.1))?;
+        grads.check(OP, &s, views)?;
         let (dq, dk, dv): (DevPtr, DevPtr, DevPtr) = match grads {
             AttentionGrads::Fused(buf) => {
                 let buf = self.dev_out(OP, "dqkv", buf)?;
@@ -351,7 +340,6 @@ impl AttentionOps for CudaBackend {
                 (dq.ptr(), dk.ptr(), dv.ptr())
             }
         };
-        let rows = s.batch * s.q_heads * s.seq;
         if rows == 0 {
             return Ok(());
         }
@@ -385,7 +373,7 @@ impl AttentionOps for CudaBackend {
                 .iter()
                 .chain(outs)
                 .fold(Args::new(), |a, &p| a.ptr(p));
-            let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
+            let mut args = view_args(args, views, &s, &d);
             self.dev.launch(l.name, cfg, &mut args)?;
         }
         Ok(())

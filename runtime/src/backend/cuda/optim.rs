@@ -9,7 +9,7 @@ use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::kernels::params::OptTensor;
 use super::launch::Args;
-use super::storage::{CudaView, CudaViewMut};
+use super::storage::{variant_names, CudaView, CudaViewMut};
 use crate::backend::{ClipRule, GradView, OptimizerOps, StepStatus, StepTensor, UpdateRule};
 use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
@@ -54,18 +54,6 @@ const VARIANTS: [Variant; 4] = [
     Variant::Bf16State,
 ];
 
-/// A rule's kernel names in [`Variant`] order.
-macro_rules! variants {
-    ($rule:literal) => {
-        [
-            concat!($rule, "_multi_f32"),
-            concat!($rule, "_multi_bf16"),
-            concat!($rule, "_multi_f16"),
-            concat!($rule, "_bf16_state"),
-        ]
-    };
-}
-
 /// The kernel for values stored as `state` (the parameters' dtype; the moments' must match)
 /// with a copy of dtype `lp`; an error naming the dtypes for a pair no kernel steps.
 fn variant_of(state: DType, moments: &[(&str, DType)], lp: Option<DType>) -> Result<Variant> {
@@ -101,6 +89,13 @@ pub(super) fn grad_read(op: &'static str, g: &CudaView<'_>, grads: GradView<'_>)
             g.dtype()
         ))
     })
+}
+
+/// A rule's kernel names in [`Variant`] order.
+macro_rules! variants {
+    ($rule:literal) => {
+        variant_names!($rule: "_multi_f32", "_multi_bf16", "_multi_f16", "_bf16_state")
+    };
 }
 
 impl CudaBackend {

@@ -28,6 +28,34 @@ macro_rules! by_dtype {
 }
 pub(crate) use by_dtype;
 
+/// The names of a kernel's variants: `base` followed by each suffix.
+macro_rules! variant_names {
+    ($base:literal: $($suffix:literal),+) => {
+        [$(concat!($base, $suffix)),+]
+    };
+}
+pub(crate) use variant_names;
+
+/// Length and dtype, the same fields in buffers and both kinds of view.
+macro_rules! accessors {
+    () => {
+        /// Elements.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Whether empty.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        /// Element type.
+        pub fn dtype(&self) -> DType {
+            self.dtype
+        }
+    };
+}
+
 /// Owned device elements of one dtype.
 #[derive(Debug)]
 pub struct CudaBuf {
@@ -116,20 +144,7 @@ impl CudaBuf {
         &self.dev
     }
 
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
+    accessors!();
 
     /// The whole buffer, read-only.
     pub fn view(&self) -> CudaView<'_> {
@@ -308,31 +323,6 @@ pub(crate) struct RawView {
     pub dev: usize,
 }
 
-/// A view's device, length and dtype (the same fields in both kinds of view).
-macro_rules! view_accessors {
-    () => {
-        /// The device.
-        pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
-            self.dev
-        }
-
-        /// Elements.
-        pub fn len(&self) -> usize {
-            self.len
-        }
-
-        /// Whether empty.
-        pub fn is_empty(&self) -> bool {
-            self.len == 0
-        }
-
-        /// Element type.
-        pub fn dtype(&self) -> DType {
-            self.dtype
-        }
-    };
-}
-
 impl<'a> CudaView<'a> {
     /// Whether this view's device holds no bytes (`DeviceInfo::sizes_only`).
     pub fn sizes_only(&self) -> bool {
@@ -370,7 +360,12 @@ impl<'a> CudaView<'a> {
         }
     }
 
-    view_accessors!();
+    /// The device.
+    pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
+        self.dev
+    }
+
+    accessors!();
 
     /// Elements `range`.
     pub fn range(self, range: Range<usize>) -> Result<CudaView<'a>> {
@@ -476,7 +471,12 @@ impl<'a> CudaViewMut<'a> {
         }
     }
 
-    view_accessors!();
+    /// The device.
+    pub(crate) fn device(&self) -> &'a Arc<CudaDevice> {
+        self.dev
+    }
+
+    accessors!();
 
     /// A shorter-lived borrow.
     pub fn reborrow(&mut self) -> CudaViewMut<'_> {

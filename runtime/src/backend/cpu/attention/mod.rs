@@ -294,7 +294,7 @@ impl AttentionOps for CpuBackend {
     ) -> Result<()> {
         let x = f32_out("rope", "x", x)?;
         check_rope("x", x.len(), (batch, seq, head_dim), heads)?;
-        super::rope::apply(x, batch, seq, heads, head_dim, rope, dir);
+        super::rope::apply(x, (batch, seq, heads, head_dim), rope, dir);
         Ok(())
     }
 }
