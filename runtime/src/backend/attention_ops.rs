@@ -103,6 +103,48 @@ impl AttentionShape {
     }
 }
 
+impl AttentionShape {
+    /// `[rows, q_heads * head_dim]` packed: the layout of the output and its gradient.
+    pub(crate) fn out_view(&self) -> RowView {
+        RowView {
+            stride: self.q_heads * self.head_dim,
+            offset: 0,
+        }
+    }
+
+    /// [`AttentionShape::check_view`] of Q, K and V, of `lens` elements, against their views.
+    pub(crate) fn check_qkv(
+        &self,
+        op: &'static str,
+        [q, k, v]: [usize; 3],
+        (qv, kv, vv): (RowView, RowView, RowView),
+    ) -> crate::Result<()> {
+        self.check_view(op, "q", q, qv, self.q_heads)?;
+        self.check_view(op, "k", k, kv, self.kv_heads)?;
+        self.check_view(op, "v", v, vv, self.kv_heads)
+    }
+}
+
+/// Every backend's check of a rotary embedding's buffer: `len` elements are `batch * seq` rows
+/// of `heads` heads of an even `head_dim`.
+pub(crate) fn check_rope(
+    what: &str,
+    len: usize,
+    (batch, seq, head_dim): (usize, usize, usize),
+    heads: usize,
+) -> Result<()> {
+    if head_dim.is_multiple_of(2) && len == batch * seq * heads * head_dim {
+        return Ok(());
+    }
+    Err(crate::Error::Shape {
+        op: "rope",
+        expected: format!(
+            "{what}: {batch}x{seq} rows of {heads} heads of an even head_dim {head_dim}"
+        ),
+        got: format!("{len} elements"),
+    })
+}
+
 /// A strided `[batch * seq, heads * head_dim]` view inside a larger row (e.g. the q, k or v
 /// third of GPT-2's fused `c_attn` output).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,15 +200,21 @@ pub trait AttentionOps {
     ) -> Result<()>;
     /// [`AttentionOps::rope`] on the queries and the keys of one attention call at once (one
     /// launch on a device): `q` holds `shape.q_heads` heads per row, `k` `shape.kv_heads`; the
-    /// same arithmetic as two `rope` calls, so the bits are theirs.
+    /// same arithmetic as two `rope` calls, so the bits are theirs (by default: those calls).
     fn rope_qk(
         &self,
         q: ViewMut<'_>,
         k: ViewMut<'_>,
-        shape: AttentionShape,
+        s: AttentionShape,
         rope: &Rope,
         direction: Rotation,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let (b, t, d) = (s.batch, s.seq, s.head_dim);
+        check_rope("q", q.len(), (b, t, d), s.q_heads)?;
+        check_rope("k", k.len(), (b, t, d), s.kv_heads)?;
+        self.rope(q, b, t, s.q_heads, d, rope, direction)?;
+        self.rope(k, b, t, s.kv_heads, d, rope, direction)
+    }
 }
 
 /// Destinations of attention's backward.
@@ -183,4 +231,42 @@ pub enum AttentionGrads<'a> {
         /// dV.
         dv: ViewMut<'a>,
     },
+}
+
+impl AttentionGrads<'_> {
+    /// Every backend's check of the gradients' destinations against the views of Q, K and V:
+    /// each view inside its buffer, and in one fused buffer (written concurrently) a shared
+    /// stride and disjoint head columns.
+    pub(crate) fn check(
+        &self,
+        op: &'static str,
+        s: &AttentionShape,
+        (q, k, v): (RowView, RowView, RowView),
+    ) -> crate::Result<()> {
+        let lens = match self {
+            AttentionGrads::Fused(buf) => [buf.len(); 3],
+            AttentionGrads::Split { dq, dk, dv } => [dq.len(), dk.len(), dv.len()],
+        };
+        s.check_view(op, "dq", lens[0], q, s.q_heads)?;
+        s.check_view(op, "dk", lens[1], k, s.kv_heads)?;
+        s.check_view(op, "dv", lens[2], v, s.kv_heads)?;
+        if matches!(self, AttentionGrads::Split { .. }) {
+            return Ok(());
+        }
+        let cols = |r: RowView, heads: usize| (r.offset, r.offset + heads * s.head_dim);
+        let spans = [cols(q, s.q_heads), cols(k, s.kv_heads), cols(v, s.kv_heads)];
+        let same_stride = q.stride == k.stride && k.stride == v.stride;
+        let overlap = |a: (usize, usize), b: (usize, usize)| a.0 < b.1 && b.0 < a.1;
+        if same_stride
+            && !overlap(spans[0], spans[1])
+            && !overlap(spans[0], spans[2])
+            && !overlap(spans[1], spans[2])
+        {
+            return Ok(());
+        }
+        Err(crate::Error::Invalid(format!(
+            "{op}: fused dq/dk/dv views must share one stride and hold disjoint columns, got q \
+             {q:?}, k {k:?}, v {v:?}"
+        )))
+    }
 }

@@ -19,6 +19,7 @@
 
 mod activity;
 mod attention_ops;
+mod check;
 mod cpu;
 pub mod cuda;
 pub mod memory;
@@ -456,7 +457,7 @@ pub trait ElementwiseOps {
 
 /// Row-wise normalisations over the last dimension of `[rows, dim]` data; the per-row
 /// statistics are f32 whatever the activation dtype.
-pub trait NormOps {
+pub trait NormOps: ElementwiseOps {
     /// LayerNorm; writes `y`, the per-row `mean` and reciprocal std `rstd`.
     #[allow(clippy::too_many_arguments)]
     fn layernorm_forward(
@@ -535,18 +536,23 @@ pub trait NormOps {
     /// reached the same residual stream around the norm: `dx = LN's dx + dresidual`
     /// (overwritten; on a device LN's dx is rounded to the activation dtype before the add, as
     /// the separate `add_assign` would see it), `dgamma`/`dbeta` accumulated.
+    /// By default exactly the two calls it replaces.
     #[allow(clippy::too_many_arguments)]
     fn layernorm_backward_residual(
         &self,
         x: View<'_>,
         gamma: View<'_>,
-        stats: (View<'_>, View<'_>),
+        (mean, rstd): (View<'_>, View<'_>),
         dy: View<'_>,
         dresidual: View<'_>,
-        dx: ViewMut<'_>,
+        mut dx: ViewMut<'_>,
         dgamma: ViewMut<'_>,
         dbeta: ViewMut<'_>,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        check::expect_len("layernorm backward", "dresidual", dresidual.len(), dx.len())?;
+        self.layernorm_backward(x, gamma, mean, rstd, dy, dx.reborrow(), dgamma, dbeta)?;
+        self.add_assign(dx, dresidual)
+    }
     /// [`NormOps::rmsnorm_backward`] with `dx = RMSNorm's dx + dresidual`, as
     /// [`NormOps::layernorm_backward_residual`].
     #[allow(clippy::too_many_arguments)]
@@ -557,9 +563,13 @@ pub trait NormOps {
         rstd: View<'_>,
         dy: View<'_>,
         dresidual: View<'_>,
-        dx: ViewMut<'_>,
+        mut dx: ViewMut<'_>,
         dgamma: ViewMut<'_>,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        check::expect_len("rmsnorm backward", "dresidual", dresidual.len(), dx.len())?;
+        self.rmsnorm_backward(x, gamma, rstd, dy, dx.reborrow(), dgamma)?;
+        self.add_assign(dx, dresidual)
+    }
 }
 
 /// Direction of a rotary embedding.
@@ -659,7 +669,7 @@ pub trait TokenOps {
     /// training where `g = d(objective)/d(loss sum)` is known before the loss: returns the loss
     /// sum (a one-element f32 storage) and writes `dx` (overwritten) and `dw` (accumulated)
     /// as backward would; nothing is kept between. A device computes each chunk's logits
-    /// once and turns them into gradients at once (no recompute); the CPU runs exactly
+    /// once and turns them into gradients at once (no recompute); by default (the CPU) exactly
     /// forward then backward, so its bits equal theirs.
     #[allow(clippy::too_many_arguments)]
     fn head_loss_fused(
@@ -671,7 +681,14 @@ pub trait TokenOps {
         g: f32,
         dx: ViewMut<'_>,
         dw: Option<ViewMut<'_>>,
-    ) -> Result<Storage>;
+    ) -> Result<Storage> {
+        let out = self.head_loss_forward(shape, x, w, targets, true)?;
+        let saved = out.saved.ok_or_else(|| {
+            crate::Error::Invalid("head loss fused: forward kept no state for backward".into())
+        })?;
+        self.head_loss_backward(shape, x, w, targets, saved, g, dx, dw)?;
+        Ok(out.loss)
+    }
     /// Arg-max over the last dimension of `[rows, width]` (ties take the first index),
     /// returned in host memory.
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>>;

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use super::simd::simd_kernel;
 use super::{expect_len, f32_in, f32_out, math, CpuBackend};
 use crate::backend::rng;
-use crate::backend::ElementwiseOps;
+use crate::backend::{check, ElementwiseOps};
 use crate::tensor::{View, ViewMut};
 use crate::Result;
 
@@ -100,8 +100,7 @@ impl ElementwiseOps for CpuBackend {
             f32_in(OP, "dy", dy)?,
             f32_out(OP, "dx", dx)?,
         );
-        expect_len(OP, "dy", dy.len(), x.len())?;
-        expect_len(OP, "dx", dx.len(), x.len())?;
+        check::same_len(OP, x.len(), &[("dy", dy.len()), ("dx", dx.len())])?;
         dx.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK)))
             .for_each(|(dx, (x, dy))| gelu_grad_chunk(dx, x, dy));
@@ -112,8 +111,7 @@ impl ElementwiseOps for CpuBackend {
         const OP: &str = "swiglu";
         let (gate, up) = (f32_in(OP, "gate", gate)?, f32_in(OP, "up", up)?);
         let y = f32_out(OP, "y", y)?;
-        expect_len(OP, "up", up.len(), gate.len())?;
-        expect_len(OP, "y", y.len(), gate.len())?;
+        check::same_len(OP, gate.len(), &[("up", up.len()), ("y", y.len())])?;
         y.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
             .for_each(|(y, (g, u))| swiglu_chunk(y, g, u));
@@ -135,14 +133,13 @@ impl ElementwiseOps for CpuBackend {
             f32_in(OP, "dy", dy)?,
         );
         let (dgate, dup) = (f32_out(OP, "dgate", dgate)?, f32_out(OP, "dup", dup)?);
-        for (what, len) in [
+        let lens = [
             ("up", up.len()),
             ("dy", dy.len()),
             ("dgate", dgate.len()),
             ("dup", dup.len()),
-        ] {
-            expect_len(OP, what, len, gate.len())?;
-        }
+        ];
+        check::same_len(OP, gate.len(), &lens)?;
         dgate
             .par_chunks_mut(CHUNK)
             .zip(dup.par_chunks_mut(CHUNK))
@@ -183,13 +180,7 @@ impl ElementwiseOps for CpuBackend {
             f32_out("sum_rows", "acc", acc)?,
         );
         expect_len("sum_rows", "acc", acc.len(), cols)?;
-        if cols == 0 || !m.len().is_multiple_of(cols) {
-            return Err(crate::Error::Shape {
-                op: "sum_rows",
-                expected: format!("whole rows of {cols}"),
-                got: format!("{} elements", m.len()),
-            });
-        }
+        check::whole_rows("sum_rows", m.len(), cols)?;
         // Parallel over column blocks, serial over rows: a fixed summation order.
         const BLOCK: usize = 64;
         acc.par_chunks_mut(BLOCK)
@@ -201,21 +192,13 @@ impl ElementwiseOps for CpuBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_values::same_bits;
     use super::*;
 
     /// Values across GELU's and the sigmoid's interesting range, both signs, with a tail that
     /// is not a multiple of any vector width.
     fn inputs(n: usize, salt: u32) -> Vec<f32> {
-        (0..n as u32)
-            .map(|i| {
-                let h = (i ^ salt).wrapping_mul(2_654_435_761).rotate_left(13);
-                (h as f32 / u32::MAX as f32 - 0.5) * 24.0
-            })
-            .collect()
-    }
-
-    fn same_bits(a: &[f32], b: &[f32]) -> bool {
-        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        super::super::test_values::hashed(n, salt, 13, 24.0)
     }
 
     #[test]

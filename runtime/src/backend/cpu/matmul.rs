@@ -7,10 +7,12 @@ use std::borrow::Cow;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::CpuBackend;
+use super::{expect_len, CpuBackend};
 use crate::backend::{Accumulate, Epilogue, MatmulOps, MatmulShape, Operand, Transpose};
 use crate::tensor::{BufRef, View, ViewMut};
-use crate::{Error, Result};
+use crate::Result;
+
+const OP: &str = "matmul";
 
 /// Below this many multiply-adds a product runs on one thread.
 const PARALLEL_FLOPS: usize = 1 << 18;
@@ -57,7 +59,7 @@ pub(crate) unsafe fn gemm_raw(
     };
     if parts == 1 {
         // SAFETY: forwarded from the caller.
-        unsafe { gemm_one(m, n, k, dst, lhs, rhs, (acc, alpha)) };
+        unsafe { gemm_one((m, n, k), dst, lhs, rhs, (acc, alpha)) };
         return;
     }
     let step = long.div_ceil(parts).div_ceil(PART_ALIGN) * PART_ALIGN;
@@ -70,10 +72,10 @@ pub(crate) unsafe fn gemm_raw(
         unsafe {
             if m >= n {
                 let (d, l) = (d.0.offset(lo, 0), l.0.offset(lo, 0));
-                gemm_one(hi - lo, n, k, d, l, r.0, (acc, alpha));
+                gemm_one((hi - lo, n, k), d, l, r.0, (acc, alpha));
             } else {
                 let (d, r) = (d.0.offset(0, lo), r.0.offset(0, lo));
-                gemm_one(m, hi - lo, k, d, l.0, r, (acc, alpha));
+                gemm_one((m, hi - lo, k), d, l.0, r, (acc, alpha));
             }
         }
     });
@@ -99,9 +101,7 @@ impl StridedMat {
 
 /// One single-threaded product; see [`gemm_raw`] for the contract.
 unsafe fn gemm_one(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     dst: StridedMat,
     lhs: StridedMat,
     rhs: StridedMat,
@@ -132,17 +132,6 @@ unsafe fn gemm_one(
             Parallelism::None,
         )
     }
-}
-
-fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op: "matmul",
-        expected: format!("{what} with {want} elements"),
-        got: format!("{got}"),
-    })
 }
 
 /// A matrix operand as host f32, widening bf16/f16 exactly (every half value is an f32).
@@ -178,9 +167,7 @@ impl CpuBackend {
         acc: Accumulate,
         alpha: f32,
     ) -> Result<()> {
-        check_len("A", a.len(), s.m * s.k)?;
-        check_len("B", b.len(), s.k * s.n)?;
-        check_len("C", c.len(), s.m * s.n)?;
+        crate::backend::check::matmul(s, a.len(), b.len(), c.len())?;
         if s.m == 0 || s.n == 0 {
             return Ok(());
         }
@@ -213,7 +200,7 @@ impl CpuBackend {
     /// Fills every row of `c` with `bias`, so that an accumulating product adds `A·B` to it.
     fn broadcast_bias(&self, bias: View<'_>, c: &mut [f32], n: usize) -> Result<()> {
         let bias = super::f32_in("matmul", "bias", bias)?;
-        check_len("bias", bias.len(), n)?;
+        expect_len(OP, "bias", bias.len(), n)?;
         c.par_chunks_mut(n.max(1))
             .for_each(|r| r.copy_from_slice(bias));
         Ok(())
@@ -238,13 +225,13 @@ impl MatmulOps for CpuBackend {
                 self.matmul_host_scaled(s, (&a, &b), c, Accumulate::Add, alpha)
             }
             Epilogue::Bias(bias) => {
-                check_len("C", c.len(), s.m * s.n)?;
+                expect_len(OP, "C", c.len(), s.m * s.n)?;
                 self.broadcast_bias(bias, c, s.n)?;
                 self.matmul_host(s, &a, &b, c, Accumulate::Add)
             }
             Epilogue::BiasGelu { bias, pre } => {
                 let pre = super::f32_out("matmul", "pre-activation", pre)?;
-                check_len("pre-activation", pre.len(), s.m * s.n)?;
+                expect_len(OP, "pre-activation", pre.len(), s.m * s.n)?;
                 self.broadcast_bias(bias, pre, s.n)?;
                 self.matmul_host(s, &a, &b, pre, Accumulate::Add)?;
                 use crate::backend::ElementwiseOps;
@@ -252,7 +239,7 @@ impl MatmulOps for CpuBackend {
             }
             Epilogue::AccumulateBiasGrad { of, bias_grad } => {
                 let len = s.bias_grad_len(of)?;
-                check_len("bias gradient", bias_grad.len(), len)?;
+                expect_len(OP, "bias gradient", bias_grad.len(), len)?;
                 self.matmul_host(s, &a, &b, c, Accumulate::Add)?;
                 // The same column sums of the same operand as a separate `sum_rows` call.
                 let grad: &[f32] = if of == Operand::A { &a } else { &b };
@@ -263,8 +250,8 @@ impl MatmulOps for CpuBackend {
                 self.gelu_backward_bias_grad(s, &a, &b, c, pre, bias_grad)
             }
             Epilogue::Residual { residual, bias } => {
-                check_len("C", c.len(), s.m * s.n)?;
-                check_len("residual", residual.len(), s.m * s.n)?;
+                expect_len(OP, "C", c.len(), s.m * s.n)?;
+                expect_len(OP, "residual", residual.len(), s.m * s.n)?;
                 use crate::backend::ElementwiseOps;
                 match bias {
                     Some(bias) => {
@@ -295,8 +282,8 @@ impl CpuBackend {
         bias_grad: ViewMut<'_>,
     ) -> Result<()> {
         use crate::backend::{ElementwiseOps, MemoryOps};
-        check_len("pre-activation", pre.len(), s.m * s.n)?;
-        check_len("bias gradient", bias_grad.len(), s.n)?;
+        expect_len(OP, "pre-activation", pre.len(), s.m * s.n)?;
+        expect_len(OP, "bias gradient", bias_grad.len(), s.n)?;
         let mut scratch = self.buffer_uninit(crate::tensor::DType::F32, s.m * s.n)?;
         let product = super::f32_out("matmul", "product", scratch.view_mut())?;
         self.matmul_host(s, a, b, product, Accumulate::Overwrite)?;

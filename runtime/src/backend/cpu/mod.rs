@@ -11,6 +11,7 @@ mod rope;
 mod simd;
 mod token;
 
+use super::check::expect_len;
 use super::{Backend, MemoryOps};
 use crate::tensor::{BufRef, DType, FlatBuf, IdBuf, Storage, View, ViewMut};
 use crate::{Error, Result};
@@ -98,18 +99,6 @@ fn f32_out<'a>(op: &'static str, what: &str, v: ViewMut<'a>) -> Result<&'a mut [
     v.host_f32().ok_or_else(|| foreign(op, what))
 }
 
-/// Fails unless `got == want`.
-fn expect_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op,
-        expected: format!("{what} with {want} elements"),
-        got: format!("{got}"),
-    })
-}
-
 /// Rows per rayon task so that each task does at least ~32k elements of work: below that,
 /// scheduling costs more than it saves.
 fn rows_per_task(dim: usize) -> usize {
@@ -130,3 +119,23 @@ impl SendPtr {
 unsafe impl Send for SendPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SendPtr {}
+
+/// Inputs of the CPU kernels' unit tests.
+#[cfg(test)]
+mod test_values {
+    /// `n` hashed values spread over `[-spread/2, spread/2)` (`rot` varies the hash), with a
+    /// tail that is not a multiple of any vector width when `n` is not.
+    pub(super) fn hashed(n: usize, salt: u32, rot: u32, spread: f32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let h = (i ^ salt).wrapping_mul(2_654_435_761).rotate_left(rot);
+                (h as f32 / u32::MAX as f32 - 0.5) * spread
+            })
+            .collect()
+    }
+
+    /// Whether `a` and `b` hold the same bits.
+    pub(super) fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+}

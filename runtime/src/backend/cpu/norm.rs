@@ -4,10 +4,10 @@
 use rayon::prelude::*;
 
 use super::simd::simd_kernel;
-use super::{expect_len, f32_in, f32_out, CpuBackend};
-use crate::backend::{ElementwiseOps, NormOps};
+use super::{f32_in, f32_out, CpuBackend};
+use crate::backend::{check, ElementwiseOps, NormOps};
 use crate::tensor::{View, ViewMut};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Rows per block of the parameter-gradient reduction (fixed for determinism).
 const ROW_BLOCK: usize = 32;
@@ -204,18 +204,6 @@ impl CpuBackend {
     }
 }
 
-/// Rows of `[rows, d]` data in `len` elements, after checking the width.
-fn rows_of(op: &'static str, len: usize, d: usize) -> Result<usize> {
-    if d == 0 || !len.is_multiple_of(d) {
-        return Err(Error::Shape {
-            op,
-            expected: format!("whole rows of the parameter width {d}"),
-            got: format!("{len} elements"),
-        });
-    }
-    Ok(len / d)
-}
-
 impl NormOps for CpuBackend {
     fn layernorm_forward(
         &self,
@@ -238,11 +226,11 @@ impl NormOps for CpuBackend {
             f32_out(OP, "mean", mean)?,
             f32_out(OP, "rstd", rstd)?,
         );
-        let rows = rows_of(OP, x.len(), gamma.len())?;
-        expect_len(OP, "beta", beta.len(), gamma.len())?;
-        expect_len(OP, "y", y.len(), x.len())?;
-        expect_len(OP, "mean", mean.len(), rows)?;
-        expect_len(OP, "rstd", rstd.len(), rows)?;
+        check::norm_forward(
+            OP,
+            [x.len(), gamma.len(), y.len(), rstd.len()],
+            Some([beta.len(), mean.len()]),
+        )?;
         self.layernorm_forward_host(x, gamma, beta, eps, y, mean, rstd);
         Ok(())
     }
@@ -271,13 +259,15 @@ impl NormOps for CpuBackend {
             f32_out(OP, "dgamma", dgamma)?,
             f32_out(OP, "dbeta", dbeta)?,
         );
-        let rows = rows_of(OP, x.len(), gamma.len())?;
-        expect_len(OP, "dy", dy.len(), x.len())?;
-        expect_len(OP, "dx", dx.len(), x.len())?;
-        expect_len(OP, "mean", mean.len(), rows)?;
-        expect_len(OP, "rstd", rstd.len(), rows)?;
-        expect_len(OP, "dgamma", dgamma.len(), gamma.len())?;
-        expect_len(OP, "dbeta", dbeta.len(), gamma.len())?;
+        let lens = [
+            x.len(),
+            gamma.len(),
+            dy.len(),
+            dx.len(),
+            rstd.len(),
+            dgamma.len(),
+        ];
+        check::norm_backward(OP, lens, Some([mean.len(), dbeta.len()]))?;
         self.layernorm_backward_host(x, gamma, mean, rstd, dy, dx, dgamma, dbeta);
         Ok(())
     }
@@ -293,9 +283,7 @@ impl NormOps for CpuBackend {
         const OP: &str = "rmsnorm";
         let (x, gamma) = (f32_in(OP, "x", x)?, f32_in(OP, "gamma", gamma)?);
         let (y, rstd) = (f32_out(OP, "y", y)?, f32_out(OP, "rstd", rstd)?);
-        let rows = rows_of(OP, x.len(), gamma.len())?;
-        expect_len(OP, "y", y.len(), x.len())?;
-        expect_len(OP, "rstd", rstd.len(), rows)?;
+        check::norm_forward(OP, [x.len(), gamma.len(), y.len(), rstd.len()], None)?;
         self.rmsnorm_forward_host(x, gamma, eps, y, rstd);
         Ok(())
     }
@@ -317,11 +305,15 @@ impl NormOps for CpuBackend {
             f32_in(OP, "dy", dy)?,
         );
         let (dx, dgamma) = (f32_out(OP, "dx", dx)?, f32_out(OP, "dgamma", dgamma)?);
-        let rows = rows_of(OP, x.len(), gamma.len())?;
-        expect_len(OP, "dy", dy.len(), x.len())?;
-        expect_len(OP, "dx", dx.len(), x.len())?;
-        expect_len(OP, "rstd", rstd.len(), rows)?;
-        expect_len(OP, "dgamma", dgamma.len(), gamma.len())?;
+        let lens = [
+            x.len(),
+            gamma.len(),
+            dy.len(),
+            dx.len(),
+            rstd.len(),
+            dgamma.len(),
+        ];
+        check::norm_backward(OP, lens, None)?;
         self.rmsnorm_backward_host(x, gamma, rstd, dy, dx, dgamma);
         Ok(())
     }
@@ -354,37 +346,6 @@ impl NormOps for CpuBackend {
         let sum = self.residual_sum("residual rmsnorm", x, residual, sum)?;
         self.rmsnorm_forward(View::from(&*sum), gamma, eps, y, rstd)
     }
-
-    fn layernorm_backward_residual(
-        &self,
-        x: View<'_>,
-        gamma: View<'_>,
-        (mean, rstd): (View<'_>, View<'_>),
-        dy: View<'_>,
-        dresidual: View<'_>,
-        mut dx: ViewMut<'_>,
-        dgamma: ViewMut<'_>,
-        dbeta: ViewMut<'_>,
-    ) -> Result<()> {
-        expect_len("layernorm backward", "dresidual", dresidual.len(), dx.len())?;
-        self.layernorm_backward(x, gamma, mean, rstd, dy, dx.reborrow(), dgamma, dbeta)?;
-        self.add_assign(dx, dresidual)
-    }
-
-    fn rmsnorm_backward_residual(
-        &self,
-        x: View<'_>,
-        gamma: View<'_>,
-        rstd: View<'_>,
-        dy: View<'_>,
-        dresidual: View<'_>,
-        mut dx: ViewMut<'_>,
-        dgamma: ViewMut<'_>,
-    ) -> Result<()> {
-        expect_len("rmsnorm backward", "dresidual", dresidual.len(), dx.len())?;
-        self.rmsnorm_backward(x, gamma, rstd, dy, dx.reborrow(), dgamma)?;
-        self.add_assign(dx, dresidual)
-    }
 }
 
 impl CpuBackend {
@@ -398,10 +359,8 @@ impl CpuBackend {
         sum: ViewMut<'a>,
     ) -> Result<&'a mut [f32]> {
         let (x, sum) = (f32_in(op, "x", x)?, f32_out(op, "sum", sum)?);
-        expect_len(op, "sum", sum.len(), x.len())?;
-        if let Some(r) = &residual {
-            expect_len(op, "residual", r.len(), x.len())?;
-        }
+        let r_len = residual.as_ref().map_or(x.len(), View::len);
+        check::same_len(op, x.len(), &[("sum", sum.len()), ("residual", r_len)])?;
         sum.copy_from_slice(x);
         if let Some(r) = residual {
             self.add_assign(ViewMut::from(&mut *sum), r)?;
@@ -412,19 +371,11 @@ impl CpuBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_values::same_bits;
     use super::*;
 
     fn inputs(n: usize, salt: u32) -> Vec<f32> {
-        (0..n as u32)
-            .map(|i| {
-                let h = (i ^ salt).wrapping_mul(2_654_435_761).rotate_left(11);
-                (h as f32 / u32::MAX as f32 - 0.5) * 6.0
-            })
-            .collect()
-    }
-
-    fn same_bits(a: &[f32], b: &[f32]) -> bool {
-        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        super::super::test_values::hashed(n, salt, 11, 6.0)
     }
 
     /// The row kernels (dispatched per CPU, row sums in their own loops) give the bits of

@@ -10,7 +10,7 @@ use super::{expect_len, f32_in, f32_out, foreign, CpuBackend};
 use crate::backend::status::{host_loss, host_sum_squares};
 use crate::backend::{GradView, OptimizerOps, StepStatus, UpdateRule};
 use crate::tensor::{round_as_accumulated, spare, BufMut, BufRef, DType, FlatBuf, View, ViewMut};
-use crate::{Error, Result};
+use crate::Result;
 
 const OP: &str = "optimizer step";
 
@@ -34,6 +34,32 @@ fn f32_grads(grads: GradView<'_>) -> Result<Cow<'_, [f32]>> {
             f32_in(OP, "gradients", grads.values).map(Cow::Borrowed)
         }
     }
+}
+
+/// The copy a step writes beside the f32 values: half precision in the same pass, or (the
+/// second element) an f32 copy made after it.
+type LpOut<'a> = (LowPrecision<'a>, Option<&'a mut [f32]>);
+
+/// `lp` as the step writes it (host memory only).
+fn low_precision<'a>(op: &'static str, lp: Option<ViewMut<'a>>) -> Result<LpOut<'a>> {
+    Ok(match lp {
+        None => (LowPrecision::None, None),
+        Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
+        Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
+        Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
+        Some(ViewMut::Cuda(_) | ViewMut::Meta(_)) => {
+            return Err(foreign(op, "the low-precision copy"))
+        }
+    })
+}
+
+/// The f32 copy of the updated values `p`, when one was asked for.
+fn f32_copy(op: &'static str, copy: Option<&mut [f32]>, p: &[f32]) -> Result<()> {
+    if let Some(b) = copy {
+        expect_len(op, "an f32 copy", b.len(), p.len())?;
+        b.copy_from_slice(p);
+    }
+    Ok(())
 }
 
 impl OptimizerOps for CpuBackend {
@@ -83,17 +109,7 @@ impl OptimizerOps for CpuBackend {
         );
         let g = f32_grads(grads)?;
         // An f32 copy is written after the update; half precision in the same pass.
-        let (lp_out, lp_f32) = match lp {
-            None => (LowPrecision::None, None),
-            Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
-            Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
-            Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
-            Some(ViewMut::Cuda(_) | ViewMut::Meta(_)) => {
-                return Err(Error::Invalid(format!(
-                "{OP}: the low-precision copy is in device memory; the CPU step writes host memory"
-            )))
-            }
-        };
+        let (lp_out, lp_f32) = low_precision(OP, lp)?;
         let r = match rule {
             UpdateRule::Adam(hp) => optim::adam_step(hp, step, grad_scale, p, &g, m, v, lp_out),
             UpdateRule::Sgd(hp) => optim::sgd_step(hp, step, grad_scale, p, &g, m, lp_out),
@@ -103,17 +119,7 @@ impl OptimizerOps for CpuBackend {
             spare::give_f32(w);
         }
         r?;
-        if let Some(b) = lp_f32 {
-            if b.len() != p.len() {
-                return Err(Error::Shape {
-                    op: OP,
-                    expected: format!("an f32 copy of {} elements", p.len()),
-                    got: format!("{}", b.len()),
-                });
-            }
-            b.copy_from_slice(p);
-        }
-        Ok(())
+        f32_copy(OP, lp_f32, p)
     }
 
     fn lamb_moments(
@@ -151,20 +157,8 @@ impl OptimizerOps for CpuBackend {
             f32_in(OP, "f32 first moment", m)?,
             f32_in(OP, "f32 second moment", v)?,
         );
-        let (lp_out, lp_f32) = match lp {
-            None => (LowPrecision::None, None),
-            Some(ViewMut::Host(BufMut::Bf16(b))) => (LowPrecision::Bf16(b), None),
-            Some(ViewMut::Host(BufMut::F16(b))) => (LowPrecision::F16(b), None),
-            Some(ViewMut::Host(BufMut::F32(b))) => (LowPrecision::None, Some(b)),
-            Some(ViewMut::Cuda(_) | ViewMut::Meta(_)) => {
-                return Err(foreign(OP, "the low-precision copy"))
-            }
-        };
+        let (lp_out, lp_f32) = low_precision(OP, lp)?;
         optim::lamb_apply(hp, step, coeff, p, m, v, lp_out)?;
-        if let Some(b) = lp_f32 {
-            expect_len(OP, "an f32 copy", b.len(), p.len())?;
-            b.copy_from_slice(p);
-        }
-        Ok(())
+        f32_copy(OP, lp_f32, p)
     }
 }

@@ -5,15 +5,14 @@ use rayon::prelude::*;
 use crate::backend::{Rope, Rotation};
 
 /// Rotates every head of every row by its position's angles; `Inverse` undoes `Forward`.
+/// `x` holds `batch * seq` rows of `heads` heads of `head_dim`.
 pub(super) fn apply(
     x: &mut [f32],
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
+    shape: (usize, usize, usize, usize),
     rope: &Rope,
     dir: Rotation,
 ) {
+    let (batch, seq, heads, head_dim) = shape;
     let half = head_dim / 2;
     let mut table = rope.angles(seq, head_dim);
     if dir == Rotation::Inverse {

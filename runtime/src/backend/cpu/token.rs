@@ -6,7 +6,7 @@ use rayon::prelude::*;
 use super::simd::simd_kernel;
 use super::{expect_len, f32_in, f32_out, math, CpuBackend};
 use crate::backend::IGNORE_INDEX;
-use crate::backend::{Accumulate, HeadLoss, HeadShape, MatmulShape, TokenOps, Transpose};
+use crate::backend::{check, Accumulate, HeadLoss, HeadShape, MatmulShape, TokenOps, Transpose};
 use crate::tensor::{spare, FlatBuf, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
 
@@ -17,20 +17,6 @@ fn host_ids<'a>(op: &'static str, ids: Ids<'a>) -> Result<&'a [i32]> {
         Ids::Cuda(_) => Err(Error::Invalid(format!(
             "{op}: the indices are in device memory; the CPU backend reads host indices"
         ))),
-    }
-}
-
-/// Fails on the first token id outside `0..rows`.
-fn check_ids(tokens: &[i32], rows: usize) -> Result<()> {
-    match tokens
-        .iter()
-        .enumerate()
-        .find(|(_, &t)| t < 0 || t as usize >= rows)
-    {
-        Some((pos, &t)) => Err(Error::Invalid(format!(
-            "token id {t} at position {pos} is outside the embedding table of {rows} rows"
-        ))),
-        None => Ok(()),
     }
 }
 
@@ -45,14 +31,7 @@ fn scatter_rows(ids: impl Iterator<Item = usize>, dout: &[f32], dim: usize, dtab
 
 /// The width of `[rows, dim]` data given its row count.
 fn width(op: &'static str, len: usize, rows: usize) -> Result<usize> {
-    if rows == 0 || !len.is_multiple_of(rows) {
-        return Err(Error::Shape {
-            op,
-            expected: format!("{rows} whole rows"),
-            got: format!("{len} elements"),
-        });
-    }
-    Ok(len / rows)
+    check::exact_div(op, len, rows, || format!("{rows} whole rows"))
 }
 
 impl TokenOps for CpuBackend {
@@ -69,7 +48,7 @@ impl TokenOps for CpuBackend {
         let (table, out) = (f32_in(OP, "table", table)?, f32_out(OP, "out", out)?);
         expect_len(OP, "out", out.len(), tokens.len() * dim)?;
         let rows = table.len() / dim.max(1);
-        check_ids(tokens, rows)?;
+        check::token_ids(tokens, rows)?;
         out.par_chunks_mut(dim.max(1))
             .zip(tokens.par_iter())
             .for_each(|(o, &t)| {
@@ -93,7 +72,7 @@ impl TokenOps for CpuBackend {
         let tokens = host_ids(OP, tokens)?;
         let (dout, dtable) = (f32_in(OP, "dout", dout)?, f32_out(OP, "dtable", dtable)?);
         expect_len(OP, "dout", dout.len(), tokens.len() * dim)?;
-        check_ids(tokens, dtable.len() / dim.max(1))?;
+        check::token_ids(tokens, dtable.len() / dim.max(1))?;
         scatter_rows(tokens.iter().map(|&t| t as usize), dout, dim, dtable);
         Ok(())
     }
@@ -108,12 +87,7 @@ impl TokenOps for CpuBackend {
         const OP: &str = "position embedding";
         let (table, out) = (f32_in(OP, "table", table)?, f32_out(OP, "out", out)?);
         let dim = width(OP, out.len(), batch * seq)?;
-        if table.len() < seq * dim {
-            return Err(Error::Invalid(format!(
-                "{OP}: sequence length {seq} exceeds the table's {} positions",
-                table.len() / dim.max(1)
-            )));
-        }
+        check::positions(OP, table.len(), seq, dim)?;
         out.par_chunks_mut(dim.max(1))
             .enumerate()
             .for_each(|(r, o)| {
@@ -133,12 +107,7 @@ impl TokenOps for CpuBackend {
         const OP: &str = "position embedding backward";
         let (dout, dtable) = (f32_in(OP, "dout", dout)?, f32_out(OP, "dtable", dtable)?);
         let dim = width(OP, dout.len(), batch * seq)?;
-        if dtable.len() < seq * dim {
-            return Err(Error::Invalid(format!(
-                "{OP}: sequence length {seq} exceeds the table's {} positions",
-                dtable.len() / dim.max(1)
-            )));
-        }
+        check::positions(OP, dtable.len(), seq, dim)?;
         scatter_rows((0..batch * seq).map(|i| i % seq), dout, dim, dtable);
         Ok(())
     }
@@ -205,10 +174,7 @@ impl TokenOps for CpuBackend {
             shape.rows * shape.vocab,
         )?;
         expect_len(OP, "targets", targets.len(), shape.rows)?;
-        expect_len(OP, "dx", dx.len(), shape.rows * shape.dim)?;
-        if let Some(dw) = &dw {
-            expect_len(OP, "dweight", dw.len(), shape.vocab * shape.dim)?;
-        }
+        check::head_grads(OP, shape, dx.len(), dw.as_ref().map(|d| d.len()))?;
         self.cross_entropy_backward(&mut dlogits, shape.vocab, targets, g);
         // dW += dlogitsᵀ · x ([vocab, dim]), then dx = dlogits · W.
         let dw_shape = MatmulShape {
@@ -231,25 +197,6 @@ impl TokenOps for CpuBackend {
         let r = self.matmul_host(dx_shape, &dlogits, w, dx, Accumulate::Overwrite);
         spare::give_f32(dlogits);
         r
-    }
-
-    fn head_loss_fused(
-        &self,
-        shape: HeadShape,
-        x: View<'_>,
-        w: View<'_>,
-        targets: Ids<'_>,
-        g: f32,
-        dx: ViewMut<'_>,
-        dw: Option<ViewMut<'_>>,
-    ) -> Result<Storage> {
-        // Exactly forward then backward: the CPU's bits do not depend on the engine fusing.
-        let out = self.head_loss_forward(shape, x, w, targets, true)?;
-        let saved = out.saved.ok_or_else(|| {
-            Error::Invalid("head loss fused: forward kept no probabilities".into())
-        })?;
-        self.head_loss_backward(shape, x, w, targets, saved, g, dx, dw)?;
-        Ok(out.loss)
     }
 
     fn argmax_rows(&self, x: View<'_>, width: usize) -> Result<Vec<u32>> {
@@ -303,14 +250,7 @@ impl CpuBackend {
         vocab: usize,
         targets: &[i32],
     ) -> Result<f64> {
-        if let Some(&t) = targets
-            .iter()
-            .find(|&&t| t != IGNORE_INDEX && (t < 0 || t as usize >= vocab))
-        {
-            return Err(Error::Invalid(format!(
-                "target id {t} is outside the vocabulary of {vocab} (use {IGNORE_INDEX} to ignore a position)"
-            )));
-        }
+        check::target_ids(targets, vocab)?;
         let losses: Vec<f64> = logits
             .par_chunks_mut(vocab)
             .zip(targets.par_iter())

@@ -15,7 +15,7 @@ use super::backend::{expect_dtype, expect_len, CudaBackend};
 use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
-use super::storage::{by_dtype, CudaBuf};
+use super::storage::{by_dtype, variant_names, CudaBuf, CudaView};
 use crate::backend::{AttentionGrads, AttentionOps, AttentionShape, Rope, Rotation, RowView};
 use crate::tensor::{DType, Storage, View, ViewMut};
 use crate::{Error, Result};
@@ -24,72 +24,22 @@ use crate::{Error, Result};
 /// that holds its head dim, zero-padded.
 const PADDED_DIMS: [usize; 4] = [32, 64, 96, 128];
 
-const FORWARD: [[&str; 3]; 4] = [
-    [
-        "attention_forward_d32_f32",
-        "attention_forward_d32_bf16",
-        "attention_forward_d32_f16",
-    ],
-    [
-        "attention_forward_d64_f32",
-        "attention_forward_d64_bf16",
-        "attention_forward_d64_f16",
-    ],
-    [
-        "attention_forward_d96_f32",
-        "attention_forward_d96_bf16",
-        "attention_forward_d96_f16",
-    ],
-    [
-        "attention_forward_d128_f32",
-        "attention_forward_d128_bf16",
-        "attention_forward_d128_f16",
-    ],
-];
-const DKDV: [[&str; 3]; 4] = [
-    [
-        "attention_bwd_dkdv_d32_f32",
-        "attention_bwd_dkdv_d32_bf16",
-        "attention_bwd_dkdv_d32_f16",
-    ],
-    [
-        "attention_bwd_dkdv_d64_f32",
-        "attention_bwd_dkdv_d64_bf16",
-        "attention_bwd_dkdv_d64_f16",
-    ],
-    [
-        "attention_bwd_dkdv_d96_f32",
-        "attention_bwd_dkdv_d96_bf16",
-        "attention_bwd_dkdv_d96_f16",
-    ],
-    [
-        "attention_bwd_dkdv_d128_f32",
-        "attention_bwd_dkdv_d128_bf16",
-        "attention_bwd_dkdv_d128_f16",
-    ],
-];
-const DQ: [[&str; 3]; 4] = [
-    [
-        "attention_bwd_dq_d32_f32",
-        "attention_bwd_dq_d32_bf16",
-        "attention_bwd_dq_d32_f16",
-    ],
-    [
-        "attention_bwd_dq_d64_f32",
-        "attention_bwd_dq_d64_bf16",
-        "attention_bwd_dq_d64_f16",
-    ],
-    [
-        "attention_bwd_dq_d96_f32",
-        "attention_bwd_dq_d96_bf16",
-        "attention_bwd_dq_d96_f16",
-    ],
-    [
-        "attention_bwd_dq_d128_f32",
-        "attention_bwd_dq_d128_bf16",
-        "attention_bwd_dq_d128_f16",
-    ],
-];
+/// A kernel's names per padded head dim (rows, as `PADDED_DIMS`) and dtype (columns, as
+/// `dtype_index`).
+macro_rules! per_dim_and_dtype {
+    ($base:literal) => {
+        [
+            variant_names!($base: "_d32_f32", "_d32_bf16", "_d32_f16"),
+            variant_names!($base: "_d64_f32", "_d64_bf16", "_d64_f16"),
+            variant_names!($base: "_d96_f32", "_d96_bf16", "_d96_f16"),
+            variant_names!($base: "_d128_f32", "_d128_bf16", "_d128_f16"),
+        ]
+    };
+}
+
+const FORWARD: [[&str; 3]; 4] = per_dim_and_dtype!("attention_forward");
+const DKDV: [[&str; 3]; 4] = per_dim_and_dtype!("attention_bwd_dkdv");
+const DQ: [[&str; 3]; 4] = per_dim_and_dtype!("attention_bwd_dq");
 
 /// Tensor-core tiles per padded head dim, `attention.cu`'s `Cfg`: forward warps and key tile,
 /// dK/dV warps and query tile, dQ warps and key tile.
@@ -103,39 +53,23 @@ struct MmaCfg {
     qn: usize,
 }
 
+/// `attention.cu`'s `Cfg` values in its order: `fw, fn_, kw, km, qw, qn`.
+const fn mma_cfg([fw, fn_, kw, km, qw, qn]: [usize; 6]) -> MmaCfg {
+    MmaCfg {
+        fw,
+        fn_,
+        kw,
+        km,
+        qw,
+        qn,
+    }
+}
+
 const MMA_CFG: [MmaCfg; 4] = [
-    MmaCfg {
-        fw: 4,
-        fn_: 64,
-        kw: 4,
-        km: 64,
-        qw: 4,
-        qn: 64,
-    },
-    MmaCfg {
-        fw: 4,
-        fn_: 64,
-        kw: 4,
-        km: 32,
-        qw: 4,
-        qn: 64,
-    },
-    MmaCfg {
-        fw: 4,
-        fn_: 64,
-        kw: 4,
-        km: 32,
-        qw: 4,
-        qn: 32,
-    },
-    MmaCfg {
-        fw: 4,
-        fn_: 64,
-        kw: 4,
-        km: 32,
-        qw: 4,
-        qn: 32,
-    },
+    mma_cfg([4, 64, 4, 64, 4, 64]),
+    mma_cfg([4, 64, 4, 32, 4, 64]),
+    mma_cfg([4, 64, 4, 32, 4, 32]),
+    mma_cfg([4, 64, 4, 32, 4, 32]),
 ];
 
 /// The f32 (SIMT) kernels' tile: rows per block and per tile, threads, and the width of the
@@ -256,14 +190,6 @@ fn dims(op: &'static str, s: &AttentionShape) -> Result<Dims> {
     })
 }
 
-/// `[rows, q_heads * head_dim]` contiguous (O, dO).
-fn out_view(s: &AttentionShape) -> RowView {
-    RowView {
-        stride: s.q_heads * s.head_dim,
-        offset: 0,
-    }
-}
-
 /// The grid of `pass`: a block per tile of rows of every (sequence, head).
 fn grid(l: &Launch, d: &Dims, heads: i32) -> Result<LaunchConfig> {
     let tiles = (d.seq as usize).div_ceil(l.rows);
@@ -314,24 +240,27 @@ fn softmax_scale(head_dim: usize) -> f32 {
     1.0 / (head_dim as f32).sqrt()
 }
 
-/// Fails unless the three gradient views of one fused buffer share a stride and their head
-/// columns do not overlap (they are written concurrently).
-fn check_fused_disjoint(s: &AttentionShape, q: RowView, k: RowView, v: RowView) -> Result<()> {
-    let cols = |r: RowView, heads: usize| (r.offset, r.offset + heads * s.head_dim);
-    let spans = [cols(q, s.q_heads), cols(k, s.kv_heads), cols(v, s.kv_heads)];
-    let same_stride = q.stride == k.stride && k.stride == v.stride;
-    let overlap = |a: (usize, usize), b: (usize, usize)| a.0 < b.1 && b.0 < a.1;
-    if same_stride
-        && !overlap(spans[0], spans[1])
-        && !overlap(spans[0], spans[2])
-        && !overlap(spans[1], spans[2])
-    {
-        return Ok(());
+impl CudaBackend {
+    /// Q, K and V on this device in one dtype, each checked against its view, and the
+    /// shape's sizes as the kernels take them.
+    fn qkv_in<'a>(
+        &self,
+        op: &'static str,
+        s: &AttentionShape,
+        q: (View<'a>, RowView),
+        k: (View<'a>, RowView),
+        v: (View<'a>, RowView),
+    ) -> Result<([CudaView<'a>; 3], Dims)> {
+        let (qd, kd, vd) = (
+            self.dev_in(op, "q", q.0)?,
+            self.dev_in(op, "k", k.0)?,
+            self.dev_in(op, "v", v.0)?,
+        );
+        expect_dtype(op, qd.dtype(), &[("k", kd.dtype()), ("v", vd.dtype())])?;
+        let d = dims(op, s)?;
+        s.check_qkv(op, [qd.len(), kd.len(), vd.len()], (q.1, k.1, v.1))?;
+        Ok(([qd, kd, vd], d))
     }
-    Err(Error::Invalid(format!(
-        "attention backward: fused dq/dk/dv views must share one stride and hold disjoint \
-         columns, got q {q:?}, k {k:?}, v {v:?}"
-    )))
 }
 
 impl AttentionOps for CudaBackend {
@@ -344,23 +273,12 @@ impl AttentionOps for CudaBackend {
         out: ViewMut<'_>,
     ) -> Result<Storage> {
         const OP: &str = "attention";
-        let (qd, kd, vd) = (
-            self.dev_in(OP, "q", q.0)?,
-            self.dev_in(OP, "k", k.0)?,
-            self.dev_in(OP, "v", v.0)?,
-        );
+        let views = (q.1, k.1, v.1);
+        let ([qd, kd, vd], d) = self.qkv_in(OP, &s, q, k, v)?;
         let out = self.dev_out(OP, "out", out)?;
         let dt = qd.dtype();
-        expect_dtype(
-            OP,
-            dt,
-            &[("k", kd.dtype()), ("v", vd.dtype()), ("out", out.dtype())],
-        )?;
-        let d = dims(OP, &s)?;
-        s.check_view(OP, "q", qd.len(), q.1, s.q_heads)?;
-        s.check_view(OP, "k", kd.len(), k.1, s.kv_heads)?;
-        s.check_view(OP, "v", vd.len(), v.1, s.kv_heads)?;
-        s.check_view(OP, "out", out.len(), out_view(&s), s.q_heads)?;
+        expect_dtype(OP, dt, &[("out", out.dtype())])?;
+        s.check_view(OP, "out", out.len(), s.out_view(), s.q_heads)?;
         let lse = CudaBuf::uninit(&self.dev, DType::F32, s.batch * s.q_heads * s.seq)?;
         if lse.is_empty() {
             return Ok(Storage::Cuda(lse));
@@ -373,7 +291,7 @@ impl AttentionOps for CudaBackend {
             .ptr(vd.ptr())
             .ptr(out.ptr())
             .ptr(lse.view().ptr());
-        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
+        let mut args = view_args(args, views, &s, &d);
         self.dev.launch(l.name, cfg, &mut args)?;
         Ok(Storage::Cuda(lse))
     }
@@ -390,45 +308,22 @@ impl AttentionOps for CudaBackend {
         grads: AttentionGrads<'_>,
     ) -> Result<()> {
         const OP: &str = "attention backward";
-        let (qd, kd, vd) = (
-            self.dev_in(OP, "q", q.0)?,
-            self.dev_in(OP, "k", k.0)?,
-            self.dev_in(OP, "v", v.0)?,
-        );
+        let views = (q.1, k.1, v.1);
+        let ([qd, kd, vd], d) = self.qkv_in(OP, &s, q, k, v)?;
         let (od, dod) = (self.dev_in(OP, "out", out)?, self.dev_in(OP, "dout", dout)?);
         let lse = self.dev_in(OP, "the saved log-sum-exp", saved.view())?;
         let dt = qd.dtype();
-        expect_dtype(
-            OP,
-            dt,
-            &[
-                ("k", kd.dtype()),
-                ("v", vd.dtype()),
-                ("out", od.dtype()),
-                ("dout", dod.dtype()),
-            ],
-        )?;
+        expect_dtype(OP, dt, &[("out", od.dtype()), ("dout", dod.dtype())])?;
         expect_dtype(OP, DType::F32, &[("the saved log-sum-exp", lse.dtype())])?;
-        let d = dims(OP, &s)?;
-        expect_len(
-            OP,
-            "the saved log-sum-exp",
-            lse.len(),
-            s.batch * s.q_heads * s.seq,
-        )?;
-        s.check_view(OP, "q", qd.len(), q.1, s.q_heads)?;
-        s.check_view(OP, "k", kd.len(), k.1, s.kv_heads)?;
-        s.check_view(OP, "v", vd.len(), v.1, s.kv_heads)?;
-        s.check_view(OP, "out", od.len(), out_view(&s), s.q_heads)?;
-        s.check_view(OP, "dout", dod.len(), out_view(&s), s.q_heads)?;
+        let rows = s.batch * s.q_heads * s.seq;
+        expect_len(OP, "the saved log-sum-exp", lse.len(), rows)?;
+        s.check_view(OP, "out", od.len(), s.out_view(), s.q_heads)?;
+        s.check_view(OP, "dout", dod.len(), s.out_view(), s.q_heads)?;
+        grads.check(OP, &s, views)?;
         let (dq, dk, dv): (DevPtr, DevPtr, DevPtr) = match grads {
             AttentionGrads::Fused(buf) => {
                 let buf = self.dev_out(OP, "dqkv", buf)?;
                 expect_dtype(OP, dt, &[("dqkv", buf.dtype())])?;
-                s.check_view(OP, "dq", buf.len(), q.1, s.q_heads)?;
-                s.check_view(OP, "dk", buf.len(), k.1, s.kv_heads)?;
-                s.check_view(OP, "dv", buf.len(), v.1, s.kv_heads)?;
-                check_fused_disjoint(&s, q.1, k.1, v.1)?;
                 (buf.ptr(), buf.ptr(), buf.ptr())
             }
             AttentionGrads::Split { dq, dk, dv } => {
@@ -442,13 +337,9 @@ impl AttentionOps for CudaBackend {
                     dt,
                     &[("dq", dq.dtype()), ("dk", dk.dtype()), ("dv", dv.dtype())],
                 )?;
-                s.check_view(OP, "dq", dq.len(), q.1, s.q_heads)?;
-                s.check_view(OP, "dk", dk.len(), k.1, s.kv_heads)?;
-                s.check_view(OP, "dv", dv.len(), v.1, s.kv_heads)?;
                 (dq.ptr(), dk.ptr(), dv.ptr())
             }
         };
-        let rows = s.batch * s.q_heads * s.seq;
         if rows == 0 {
             return Ok(());
         }
@@ -470,32 +361,22 @@ impl AttentionOps for CudaBackend {
         self.dev
             .launch(by_dtype!("attention_bwd_dot", dt), cfg, &mut args)?;
 
-        let l = launch_for(Pass::DkDv, dt, d.padded);
-        let cfg = grid(&l, &d, d.kv_heads)?;
-        let args = Args::new()
-            .ptr(qd.ptr())
-            .ptr(kd.ptr())
-            .ptr(vd.ptr())
-            .ptr(dod.ptr())
-            .ptr(lse.ptr())
-            .ptr(di.ptr())
-            .ptr(dk)
-            .ptr(dv);
-        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
-        self.dev.launch(l.name, cfg, &mut args)?;
-
-        let l = launch_for(Pass::Dq, dt, d.padded);
-        let cfg = grid(&l, &d, d.q_heads)?;
-        let args = Args::new()
-            .ptr(qd.ptr())
-            .ptr(kd.ptr())
-            .ptr(vd.ptr())
-            .ptr(dod.ptr())
-            .ptr(lse.ptr())
-            .ptr(di.ptr())
-            .ptr(dq);
-        let mut args = view_args(args, (q.1, k.1, v.1), &s, &d);
-        self.dev.launch(l.name, cfg, &mut args)
+        // Both passes read Q, K, V, dO, the log-sum-exp and di, then write their gradients.
+        let inputs = [qd.ptr(), kd.ptr(), vd.ptr(), dod.ptr(), lse.ptr(), di.ptr()];
+        for (pass, heads, outs) in [
+            (Pass::DkDv, d.kv_heads, &[dk, dv][..]),
+            (Pass::Dq, d.q_heads, &[dq]),
+        ] {
+            let l = launch_for(pass, dt, d.padded);
+            let cfg = grid(&l, &d, heads)?;
+            let args = inputs
+                .iter()
+                .chain(outs)
+                .fold(Args::new(), |a, &p| a.ptr(p));
+            let mut args = view_args(args, views, &s, &d);
+            self.dev.launch(l.name, cfg, &mut args)?;
+        }
+        Ok(())
     }
 
     fn rope(

@@ -146,17 +146,7 @@ impl CudaBackend {
     }
 }
 
-/// Fails unless `got == want`.
-pub(crate) fn expect_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op,
-        expected: format!("{what} with {want} elements"),
-        got: format!("{got}"),
-    })
-}
+pub(crate) use crate::backend::check::expect_len;
 
 /// Fails unless every view has the dtype `want`.
 pub(crate) fn expect_dtype(op: &'static str, want: DType, got: &[(&str, DType)]) -> Result<()> {
@@ -239,11 +229,9 @@ impl MemoryOps for CudaBackend {
         }
     }
 
+    // The host beside the device is the host backend's: size-only beside a size-only device.
     fn host_zeros(&self, dtype: DType, len: usize) -> Result<Storage> {
-        match self.sizes_only() {
-            true => MetaBackend.host_zeros(dtype, len),
-            false => Ok(Storage::Host(FlatBuf::zeros(dtype, len))),
-        }
+        self.host_backend().host_zeros(dtype, len)
     }
 
     fn host_backend(&self) -> &dyn Backend {
@@ -258,10 +246,7 @@ impl MemoryOps for CudaBackend {
         dir: &std::path::Path,
         settings: &ferrozero_offload::store::AioSettings,
     ) -> Result<ferrozero_offload::store::NvmeStore> {
-        match self.sizes_only() {
-            true => MetaBackend.nvme_store(dir, settings),
-            false => Ok(ferrozero_offload::store::NvmeStore::open(dir, settings)?),
-        }
+        self.host_backend().nvme_store(dir, settings)
     }
 
     fn host_pool(
@@ -270,12 +255,7 @@ impl MemoryOps for CudaBackend {
         size: usize,
         pinning: ferrozero_offload::pool::Pinning,
     ) -> Result<ferrozero_offload::pool::BufferPool> {
-        match self.sizes_only() {
-            true => MetaBackend.host_pool(count, size, pinning),
-            false => Ok(ferrozero_offload::pool::BufferPool::new(
-                count, size, pinning,
-            )?),
-        }
+        self.host_backend().host_pool(count, size, pinning)
     }
 
     fn pin_host(&self, b: &mut FlatBuf) -> Option<crate::tensor::in_flight::HostPin> {

@@ -24,6 +24,15 @@ type RopeKey = (usize, usize, [u32; 6]);
 /// Threads per block for grid-stride kernels.
 pub(crate) const BLOCK: u32 = 256;
 
+/// A warp per row, `BLOCK / 32` rows per block.
+pub(crate) fn warp_rows(rows: usize) -> LaunchConfig {
+    let warps = (BLOCK / 32) as usize;
+    LaunchConfig::linear(
+        rows.div_ceil(warps).clamp(1, i32::MAX as usize) as u32,
+        BLOCK,
+    )
+}
+
 /// An opened device.
 #[derive(Debug)]
 pub struct CudaDevice {

@@ -1,26 +1,32 @@
 //! Pointwise kernels (`elementwise.cu`) and bias-gradient column sums (`reduce.cu`).
 
 use super::backend::{expect_dtype, expect_len, CudaBackend};
-use super::driver::LaunchConfig;
+use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
 use super::storage::by_dtype;
-use crate::backend::ElementwiseOps;
+use crate::backend::{check, ElementwiseOps};
 use crate::tensor::{DType, View, ViewMut};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Rows per partial sum of a column reduction: fixed, so the summation order (and the result)
 /// depends only on the shape.
 const ROWS_PER_CHUNK: usize = 32;
+
+impl CudaBackend {
+    /// A pointwise kernel over `n` elements: its pointers, then the count.
+    fn pointwise(&self, name: &'static str, ptrs: &[DevPtr], n: usize) -> Result<()> {
+        let mut args = ptrs.iter().fold(Args::new(), |a, &p| a.ptr(p)).len(n);
+        self.dev.launch(name, self.dev.grid_for(n), &mut args)
+    }
+}
 
 impl ElementwiseOps for CudaBackend {
     fn gelu_forward(&self, x: View<'_>, y: ViewMut<'_>) -> Result<()> {
         let (x, y) = (self.dev_in("gelu", "x", x)?, self.dev_out("gelu", "y", y)?);
         expect_len("gelu", "y", y.len(), x.len())?;
         expect_dtype("gelu", x.dtype(), &[("y", y.dtype())])?;
-        let mut args = Args::new().ptr(x.ptr()).ptr(y.ptr()).len(x.len());
-        let cfg = self.dev.grid_for(x.len());
-        self.dev
-            .launch(by_dtype!("gelu_forward", x.dtype()), cfg, &mut args)
+        let name = by_dtype!("gelu_forward", x.dtype());
+        self.pointwise(name, &[x.ptr(), y.ptr()], x.len())
     }
 
     fn gelu_backward(&self, x: View<'_>, dy: View<'_>, dx: ViewMut<'_>) -> Result<()> {
@@ -30,17 +36,10 @@ impl ElementwiseOps for CudaBackend {
             self.dev_in(OP, "dy", dy)?,
             self.dev_out(OP, "dx", dx)?,
         );
-        expect_len(OP, "dy", dy.len(), x.len())?;
-        expect_len(OP, "dx", dx.len(), x.len())?;
+        check::same_len(OP, x.len(), &[("dy", dy.len()), ("dx", dx.len())])?;
         expect_dtype(OP, x.dtype(), &[("dy", dy.dtype()), ("dx", dx.dtype())])?;
-        let mut args = Args::new()
-            .ptr(x.ptr())
-            .ptr(dy.ptr())
-            .ptr(dx.ptr())
-            .len(x.len());
-        let cfg = self.dev.grid_for(x.len());
-        self.dev
-            .launch(by_dtype!("gelu_backward", x.dtype()), cfg, &mut args)
+        let name = by_dtype!("gelu_backward", x.dtype());
+        self.pointwise(name, &[x.ptr(), dy.ptr(), dx.ptr()], x.len())
     }
 
     fn swiglu_forward(&self, gate: View<'_>, up: View<'_>, y: ViewMut<'_>) -> Result<()> {
@@ -50,17 +49,10 @@ impl ElementwiseOps for CudaBackend {
             self.dev_in(OP, "up", up)?,
             self.dev_out(OP, "y", y)?,
         );
-        expect_len(OP, "up", u.len(), g.len())?;
-        expect_len(OP, "y", y.len(), g.len())?;
+        check::same_len(OP, g.len(), &[("up", u.len()), ("y", y.len())])?;
         expect_dtype(OP, g.dtype(), &[("up", u.dtype()), ("y", y.dtype())])?;
-        let mut args = Args::new()
-            .ptr(g.ptr())
-            .ptr(u.ptr())
-            .ptr(y.ptr())
-            .len(g.len());
-        let cfg = self.dev.grid_for(g.len());
-        self.dev
-            .launch(by_dtype!("swiglu_forward", g.dtype()), cfg, &mut args)
+        let name = by_dtype!("swiglu_forward", g.dtype());
+        self.pointwise(name, &[g.ptr(), u.ptr(), y.ptr()], g.len())
     }
 
     fn swiglu_backward(
@@ -81,14 +73,13 @@ impl ElementwiseOps for CudaBackend {
             self.dev_out(OP, "dgate", dgate)?,
             self.dev_out(OP, "dup", dup)?,
         );
-        for (what, len) in [
+        let lens = [
             ("up", u.len()),
             ("dy", dy.len()),
             ("dgate", dg.len()),
             ("dup", du.len()),
-        ] {
-            expect_len(OP, what, len, g.len())?;
-        }
+        ];
+        check::same_len(OP, g.len(), &lens)?;
         expect_dtype(
             OP,
             g.dtype(),
@@ -99,16 +90,8 @@ impl ElementwiseOps for CudaBackend {
                 ("dup", du.dtype()),
             ],
         )?;
-        let mut args = Args::new()
-            .ptr(g.ptr())
-            .ptr(u.ptr())
-            .ptr(dy.ptr())
-            .ptr(dg.ptr())
-            .ptr(du.ptr())
-            .len(g.len());
-        let cfg = self.dev.grid_for(g.len());
-        self.dev
-            .launch(by_dtype!("swiglu_backward", g.dtype()), cfg, &mut args)
+        let ptrs = [g.ptr(), u.ptr(), dy.ptr(), dg.ptr(), du.ptr()];
+        self.pointwise(by_dtype!("swiglu_backward", g.dtype()), &ptrs, g.len())
     }
 
     fn add_assign(&self, dst: ViewMut<'_>, src: View<'_>) -> Result<()> {
@@ -118,10 +101,8 @@ impl ElementwiseOps for CudaBackend {
         );
         expect_len("add", "src", s.len(), d.len())?;
         expect_dtype("add", d.dtype(), &[("src", s.dtype())])?;
-        let mut args = Args::new().ptr(d.ptr()).ptr(s.ptr()).len(d.len());
-        let cfg = self.dev.grid_for(d.len());
-        self.dev
-            .launch(by_dtype!("add_assign", d.dtype()), cfg, &mut args)
+        let name = by_dtype!("add_assign", d.dtype());
+        self.pointwise(name, &[d.ptr(), s.ptr()], d.len())
     }
 
     fn dropout(&self, seed: u64, offset: u64, p: f32, x: ViewMut<'_>) -> Result<()> {
@@ -145,13 +126,7 @@ impl ElementwiseOps for CudaBackend {
         let (m, acc) = (self.dev_in(OP, "m", m)?, self.dev_out(OP, "acc", acc)?);
         expect_len(OP, "acc", acc.len(), cols)?;
         expect_dtype(OP, DType::F32, &[("acc", acc.dtype())])?;
-        if cols == 0 || !m.len().is_multiple_of(cols) {
-            return Err(Error::Shape {
-                op: OP,
-                expected: format!("whole rows of {cols}"),
-                got: format!("{} elements", m.len()),
-            });
-        }
+        check::whole_rows(OP, m.len(), cols)?;
         let rows = m.len() / cols;
         if rows == 0 {
             return Ok(());

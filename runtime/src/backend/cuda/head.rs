@@ -27,7 +27,7 @@ use super::launch::Args;
 use super::matmul::RowStrides;
 use super::storage::CudaIds;
 use super::storage::{by_dtype, CudaBuf, CudaView, CudaViewMut};
-use super::token::{block_rows, check_targets};
+use super::token::block_rows;
 use crate::backend::{HeadShape, MatmulShape, MemoryOps, Transpose};
 use crate::tensor::DType;
 use crate::{Error, Result};
@@ -266,7 +266,7 @@ impl CudaBackend {
         (mut dx, mut dw): (CudaViewMut<'_>, Option<CudaViewMut<'_>>),
     ) -> Result<CudaBuf> {
         let p = self.head_plan(s)?;
-        check_targets(h.t.host(), s.vocab)?;
+        crate::backend::check::target_ids(h.t.host(), s.vocab)?;
         let act = h.x.dtype();
         let losses = CudaBuf::uninit(&self.dev, DType::F32, s.rows)?;
         let mut logits = CudaBuf::uninit(&self.dev, act, p.chunk * p.ld)?;

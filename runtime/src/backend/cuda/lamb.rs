@@ -13,6 +13,7 @@ use super::device::BLOCK;
 use super::driver::LaunchConfig;
 use super::kernels::params::OptTensor;
 use super::launch::Args;
+use super::storage::by_dtype;
 use crate::backend::{GradView, MemoryOps};
 use crate::tensor::{BufMut, DType, View, ViewMut};
 use crate::Result;
@@ -34,13 +35,7 @@ impl CudaBackend {
         }
         let p = self.dev_in(OP, "parameters", params)?;
         let g = self.dev_in(OP, "gradients", grads.values)?;
-        let round = grads.checked_round(OP)?;
-        let g_read = OptTensor::grad_read_of(g.dtype(), round).ok_or_else(|| {
-            crate::Error::Invalid(format!(
-                "{OP}: no kernel reads {:?} gradients as {round:?}",
-                g.dtype()
-            ))
-        })?;
+        let g_read = super::optim::grad_read(OP, &g, grads)?;
         let (m, v) = (
             self.dev_out(OP, "first moment", m)?,
             self.dev_out(OP, "second moment", v)?,
@@ -150,11 +145,7 @@ impl CudaBackend {
             .i32(i32::from(hp.eps_inside_sqrt))
             .f32(hp.weight_decay)
             .f32(scale);
-        let name = match lp_dtype {
-            DType::F32 => "lamb_apply_f32",
-            DType::Bf16 => "lamb_apply_bf16",
-            DType::F16 => "lamb_apply_f16",
-        };
+        let name = by_dtype!("lamb_apply", lp_dtype);
         let sms = self.dev.info().multiprocessors.max(1) as usize;
         let cfg = LaunchConfig::linear(chunks.min(8 * sms).max(1) as u32, BLOCK);
         self.dev.launch(name, cfg, &mut args)?;

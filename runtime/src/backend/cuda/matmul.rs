@@ -42,18 +42,8 @@ impl RowStrides {
     }
 }
 
-/// cuBLASLt's description of `C (=|+=) op(A) · op(B)` for densely packed row-major operands.
-fn gemm(
-    s: MatmulShape,
-    a: CudaView<'_>,
-    b: CudaView<'_>,
-    c: super::driver::DevPtr,
-    c_type: crate::tensor::DType,
-) -> Gemm {
-    gemm_strided(s, a, b, c, c_type, RowStrides::packed(s))
-}
-
-/// [`gemm`] with the operands' row strides given: a row-major operand stored `[r, c]` with
+/// cuBLASLt's description of `C (=|+=) op(A) · op(B)` for row-major operands with the given
+/// row strides (`RowStrides::packed` for dense ones): a row-major operand stored `[r, c]` with
 /// row stride `ld` is the column-major `[c, r]` with leading dimension `ld`, whether used as
 /// stored (`Op::N`) or transposed back (`Op::T`). Our B becomes cuBLASLt's A, our A its B.
 fn gemm_strided(
@@ -106,9 +96,7 @@ impl MatmulOps for CudaBackend {
     ) -> Result<()> {
         let (a, b) = (self.dev_in(OP, "A", a)?, self.dev_in(OP, "B", b)?);
         let c = self.dev_out(OP, "C", c)?;
-        expect_len(OP, "A", a.len(), s.m * s.k)?;
-        expect_len(OP, "B", b.len(), s.k * s.n)?;
-        expect_len(OP, "C", c.len(), s.m * s.n)?;
+        crate::backend::check::matmul(s, a.len(), b.len(), c.len())?;
         expect_dtype(OP, a.dtype(), &[("B", b.dtype())])?;
         // Before the empty-product exits: a bias gradient can be due when dW has no elements.
         if let Epilogue::AccumulateBiasGrad { of, bias_grad } = epilogue {
@@ -124,7 +112,7 @@ impl MatmulOps for CudaBackend {
                 _ => self.fill_product_of_nothing(c, epilogue),
             };
         }
-        let mut g = gemm(s, a, b, c.ptr(), c.dtype());
+        let mut g = gemm_strided(s, a, b, c.ptr(), c.dtype(), RowStrides::packed(s));
         match epilogue {
             Epilogue::AccumulateBiasGrad { of, bias_grad } => {
                 return self.accumulate_bias_grad(s, (a, b, c), of, bias_grad);
@@ -291,7 +279,7 @@ impl CudaBackend {
         let operand = if of == Operand::A { a } else { b };
         if c.dtype() == DType::F32 && s.m > 0 && s.n > 0 && s.k > 0 {
             let scratch = CudaBuf::uninit(&self.dev, DType::F32, len)?;
-            let mut g = gemm(s, a, b, c.ptr(), c.dtype());
+            let mut g = gemm_strided(s, a, b, c.ptr(), c.dtype(), RowStrides::packed(s));
             g.beta = 1.0;
             let bias_grad = scratch.view().ptr();
             g.epilogue = match of {

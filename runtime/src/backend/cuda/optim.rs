@@ -9,7 +9,7 @@ use super::device::BLOCK;
 use super::driver::{DevPtr, LaunchConfig};
 use super::kernels::params::OptTensor;
 use super::launch::Args;
-use super::storage::{CudaView, CudaViewMut};
+use super::storage::{variant_names, CudaView, CudaViewMut};
 use crate::backend::{ClipRule, GradView, OptimizerOps, StepStatus, StepTensor, UpdateRule};
 use crate::tensor::{DType, View, ViewMut};
 use crate::Result;
@@ -79,6 +79,25 @@ fn variant_of(state: DType, moments: &[(&str, DType)], lp: Option<DType>) -> Res
     }
 }
 
+/// How the kernels read gradients `g` as `grads` asks (`OptTensor::grad_dtype`), or an error
+/// naming a reading no kernel has.
+pub(super) fn grad_read(op: &'static str, g: &CudaView<'_>, grads: GradView<'_>) -> Result<i64> {
+    let round = grads.checked_round(op)?;
+    OptTensor::grad_read_of(g.dtype(), round).ok_or_else(|| {
+        crate::Error::Invalid(format!(
+            "{op}: no kernel reads {:?} gradients as {round:?}",
+            g.dtype()
+        ))
+    })
+}
+
+/// A rule's kernel names in [`Variant`] order.
+macro_rules! variants {
+    ($rule:literal) => {
+        variant_names!($rule: "_multi_f32", "_multi_bf16", "_multi_f16", "_bf16_state")
+    };
+}
+
 impl CudaBackend {
     /// `t`'s views on this device, their lengths and dtypes checked.
     fn dev_tensor<'a>(&self, rule: &UpdateRule, t: StepTensor<'a>) -> Result<DevTensor<'a>> {
@@ -86,13 +105,7 @@ impl CudaBackend {
             self.dev_out(OP, "parameters", t.params)?,
             self.dev_in(OP, "gradients", t.grads.values)?,
         );
-        let round = t.grads.checked_round(OP)?;
-        let g_read = OptTensor::grad_read_of(g.dtype(), round).ok_or_else(|| {
-            crate::Error::Invalid(format!(
-                "{OP}: no kernel reads {:?} gradients as {round:?}",
-                g.dtype()
-            ))
-        })?;
+        let g_read = grad_read(OP, &g, t.grads)?;
         let (m, v) = (
             self.dev_out(OP, "first moment", t.m)?,
             self.dev_out(OP, "second moment", t.v)?,
@@ -197,15 +210,7 @@ impl CudaBackend {
                     .i32(i32::from(hp.decay == WeightDecay::Decoupled))
                     .f32(step_size)
                     .f32(bc2_sqrt);
-                (
-                    [
-                        "adam_multi_f32",
-                        "adam_multi_bf16",
-                        "adam_multi_f16",
-                        "adam_bf16_state",
-                    ],
-                    args,
-                )
+                (variants!("adam"), args)
             }
             UpdateRule::Sgd(hp) => {
                 let args = head
@@ -215,15 +220,7 @@ impl CudaBackend {
                     .f32(hp.weight_decay)
                     .i32(i32::from(hp.nesterov))
                     .i32(i32::from(step <= 1));
-                (
-                    [
-                        "sgd_multi_f32",
-                        "sgd_multi_bf16",
-                        "sgd_multi_f16",
-                        "sgd_bf16_state",
-                    ],
-                    args,
-                )
+                (variants!("sgd"), args)
             }
             UpdateRule::Lion(hp) => {
                 let args = head
@@ -231,15 +228,7 @@ impl CudaBackend {
                     .f32(hp.beta1)
                     .f32(hp.beta2)
                     .f32(hp.weight_decay);
-                (
-                    [
-                        "lion_multi_f32",
-                        "lion_multi_bf16",
-                        "lion_multi_f16",
-                        "lion_bf16_state",
-                    ],
-                    args,
-                )
+                (variants!("lion"), args)
             }
         };
         self.dev

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use super::driver::LaunchConfig;
+use super::driver::{DevPtr, LaunchConfig};
 use super::launch::Args;
 use super::storage::{by_dtype, CudaBuf};
 use crate::tensor::quant::{Packed, QuantFormat};
@@ -32,12 +32,7 @@ impl CudaBuf {
         let end = out.len();
         let y = out.view_mut().range(word_offset..end)?.ptr();
         let dev = self.device().clone();
-        let mut args = Args::new()
-            .ptr(x)
-            .len(n)
-            .i32(block_arg(fmt)?)
-            .i32(fmt.bits as i32)
-            .ptr(y);
+        let mut args = args(x, n, fmt, y)?;
         let cfg = LaunchConfig::linear(blocks as u32, QUANT_THREADS);
         dev.launch(by_dtype!("quantize", self.dtype()), cfg, &mut args)
     }
@@ -58,19 +53,22 @@ impl CudaBuf {
         let src = self.view().range(word_offset..self.len())?.ptr();
         let y = dst.view_mut().range(offset..offset + len)?.ptr();
         let dev = self.device().clone();
-        let mut args = Args::new()
-            .ptr(src)
-            .len(len)
-            .i32(block_arg(fmt)?)
-            .i32(fmt.bits as i32)
-            .ptr(y);
+        let mut args = args(src, len, fmt, y)?;
         let name = by_dtype!("dequantize", dst.dtype());
         dev.launch(name, dev.grid_for(len), &mut args)
     }
 }
 
-/// The block length as the kernels' `int`.
-fn block_arg(fmt: QuantFormat) -> Result<i32> {
-    i32::try_from(fmt.block)
-        .map_err(|_| crate::Error::Invalid(format!("quantization block of {} elements", fmt.block)))
+/// Both kernels' parameters: the source, its element count, the format (the block length as
+/// the kernels' `int`) and the destination.
+fn args(src: DevPtr, n: usize, fmt: QuantFormat, dst: DevPtr) -> Result<Args> {
+    let block = i32::try_from(fmt.block).map_err(|_| {
+        crate::Error::Invalid(format!("quantization block of {} elements", fmt.block))
+    })?;
+    Ok(Args::new()
+        .ptr(src)
+        .len(n)
+        .i32(block)
+        .i32(fmt.bits as i32)
+        .ptr(dst))
 }

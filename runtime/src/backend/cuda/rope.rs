@@ -6,9 +6,10 @@ use super::device::BLOCK;
 use super::driver::LaunchConfig;
 use super::launch::Args;
 use super::storage::by_dtype;
+use crate::backend::attention_ops::check_rope;
 use crate::backend::{Rope, Rotation};
 use crate::tensor::ViewMut;
-use crate::{Error, Result};
+use crate::Result;
 
 /// The `[seq][head_dim / 2][2]` cos/sin table for `+θ`: [`Rope::angles`], the table
 /// `backend/cpu/rope.rs` rotates by, flattened.
@@ -17,25 +18,6 @@ fn rope_table(seq: usize, head_dim: usize, rope: &Rope) -> Vec<f32> {
         .into_iter()
         .flat_map(|(c, s)| [c, s])
         .collect()
-}
-
-/// A buffer's length against `batch * seq` rows of `heads` heads of an even `head_dim`.
-fn check_shape(
-    what: &str,
-    len: usize,
-    (batch, seq, head_dim): (usize, usize, usize),
-    heads: usize,
-) -> Result<()> {
-    if head_dim.is_multiple_of(2) && len == batch * seq * heads * head_dim {
-        return Ok(());
-    }
-    Err(Error::Shape {
-        op: "rope",
-        expected: format!(
-            "{what}: {batch}x{seq} rows of {heads} heads of an even head_dim {head_dim}"
-        ),
-        got: format!("{len} elements"),
-    })
 }
 
 impl CudaBackend {
@@ -51,11 +33,11 @@ impl CudaBackend {
         let (batch, seq, head_dim) = rows;
         let what = if k.is_some() { "q" } else { "x" };
         let x = self.dev_out("rope", what, x)?;
-        check_shape(what, x.len(), rows, heads)?;
+        check_rope(what, x.len(), rows, heads)?;
         let (k_ptr, k_heads) = match k {
             Some((k, k_heads)) => {
                 let k = self.dev_out("rope", "k", k)?;
-                check_shape("k", k.len(), rows, k_heads)?;
+                check_rope("k", k.len(), rows, k_heads)?;
                 expect_dtype("rope", x.dtype(), &[("k", k.dtype())])?;
                 (Some(k.ptr()), k_heads)
             }

@@ -28,6 +28,14 @@ macro_rules! by_dtype {
 }
 pub(crate) use by_dtype;
 
+/// The names of a kernel's variants: `base` followed by each suffix.
+macro_rules! variant_names {
+    ($base:literal: $($suffix:literal),+) => {
+        [$(concat!($base, $suffix)),+]
+    };
+}
+pub(crate) use variant_names;
+
 /// Owned device elements of one dtype.
 #[derive(Debug)]
 pub struct CudaBuf {

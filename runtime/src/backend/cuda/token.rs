@@ -6,49 +6,14 @@
 use std::collections::BTreeMap;
 
 use super::backend::{expect_dtype, expect_len, CudaBackend};
-use super::device::{BLOCK, STREAM};
+use super::device::{warp_rows, BLOCK, STREAM};
 use super::driver::LaunchConfig;
 use super::head::HeadIn;
 use super::launch::Args;
 use super::storage::{by_dtype, CudaViewMut};
-use crate::backend::IGNORE_INDEX;
-use crate::backend::{Accumulate, HeadLoss, HeadShape, TokenOps};
+use crate::backend::{check, Accumulate, HeadLoss, HeadShape, TokenOps};
 use crate::tensor::{DType, Ids, Storage, View, ViewMut};
 use crate::{Error, Result};
-
-fn check_tokens(tokens: &[i32], rows: usize) -> Result<()> {
-    match tokens
-        .iter()
-        .enumerate()
-        .find(|(_, &t)| t < 0 || t as usize >= rows)
-    {
-        Some((pos, &t)) => Err(Error::Invalid(format!(
-            "token id {t} at position {pos} is outside the embedding table of {rows} rows"
-        ))),
-        None => Ok(()),
-    }
-}
-
-pub(super) fn check_targets(targets: &[i32], vocab: usize) -> Result<()> {
-    match targets
-        .iter()
-        .find(|&&t| t != IGNORE_INDEX && (t < 0 || t as usize >= vocab))
-    {
-        Some(&t) => Err(Error::Invalid(format!(
-            "target id {t} is outside the vocabulary of {vocab} (use {IGNORE_INDEX} to ignore a position)"
-        ))),
-        None => Ok(()),
-    }
-}
-
-/// A warp per row.
-fn warp_rows(rows: usize) -> LaunchConfig {
-    let warps = (BLOCK / 32) as usize;
-    LaunchConfig::linear(
-        rows.div_ceil(warps).clamp(1, i32::MAX as usize) as u32,
-        BLOCK,
-    )
-}
 
 /// A block per row, wide for wide rows.
 pub(super) fn block_rows(rows: usize, cols: usize) -> LaunchConfig {
@@ -74,7 +39,7 @@ impl TokenOps for CudaBackend {
         expect_len(OP, "out", out.len(), ids.len() * dim)?;
         expect_dtype(OP, table.dtype(), &[("out", out.dtype())])?;
         let vocab = table.len() / dim.max(1);
-        check_tokens(ids.host(), vocab)?;
+        check::token_ids(ids.host(), vocab)?;
         if ids.is_empty() {
             return Ok(());
         }
@@ -111,7 +76,7 @@ impl TokenOps for CudaBackend {
         expect_len(OP, "dout", dout.len(), ids.len() * dim)?;
         expect_dtype(OP, DType::F32, &[("dtable", dtable.dtype())])?;
         let vocab = dtable.len() / dim.max(1);
-        check_tokens(ids.host(), vocab)?;
+        check::token_ids(ids.host(), vocab)?;
         if ids.is_empty() {
             return Ok(());
         }
@@ -169,12 +134,7 @@ impl TokenOps for CudaBackend {
         let dim = out.len() / rows;
         expect_len(OP, "out", out.len(), rows * dim)?;
         expect_dtype(OP, table.dtype(), &[("out", out.dtype())])?;
-        if table.len() < seq * dim {
-            return Err(Error::Invalid(format!(
-                "{OP}: sequence length {seq} exceeds the table's {} positions",
-                table.len() / dim.max(1)
-            )));
-        }
+        check::positions(OP, table.len(), seq, dim)?;
         let mut args = Args::new()
             .ptr(table.ptr())
             .ptr(out.ptr())
@@ -207,12 +167,7 @@ impl TokenOps for CudaBackend {
         let dim = dout.len() / rows;
         expect_len(OP, "dout", dout.len(), rows * dim)?;
         expect_dtype(OP, DType::F32, &[("dtable", dtable.dtype())])?;
-        if dtable.len() < seq * dim {
-            return Err(Error::Invalid(format!(
-                "{OP}: sequence length {seq} exceeds the table's {} positions",
-                dtable.len() / dim.max(1)
-            )));
-        }
+        check::positions(OP, dtable.len(), seq, dim)?;
         let pack = 16 / dout.dtype().size();
         let threads = seq * dim.div_ceil(pack);
         let mut args = Args::new()
@@ -235,7 +190,7 @@ impl TokenOps for CudaBackend {
         keep: bool,
     ) -> Result<HeadLoss> {
         let h = self.head_in("head loss", s, targets, x, w)?;
-        check_targets(h.t.host(), s.vocab)?;
+        check::target_ids(h.t.host(), s.vocab)?;
         let (loss, lse) = self.head_forward(s, h, keep)?;
         Ok(HeadLoss {
             loss: Storage::Cuda(loss),
@@ -333,10 +288,7 @@ impl CudaBackend {
     ) -> Result<(CudaViewMut<'a>, Option<CudaViewMut<'a>>)> {
         let dx = self.dev_out(op, "dx", dx)?;
         let dw = dw.map(|d| self.dev_out(op, "dweight", d)).transpose()?;
-        expect_len(op, "dx", dx.len(), s.rows * s.dim)?;
-        if let Some(dw) = &dw {
-            expect_len(op, "dweight", dw.len(), s.vocab * s.dim)?;
-        }
+        check::head_grads(op, s, dx.len(), dw.as_ref().map(|d| d.len()))?;
         Ok((dx, dw))
     }
 }

@@ -59,14 +59,13 @@ pub(super) fn attention_backward(
     );
     let probs = f32_in(OP, "saved probabilities", saved.view())?;
     let dout = f32_in(OP, "dout", dout)?;
-    s.check_heads("attention")?;
+    s.check_heads(OP)?;
     check_saved(&s, probs)?;
-    let ov = RowView {
-        stride: s.q_heads * s.head_dim,
-        offset: 0,
-    };
-    s.check_view("attention", "dout", dout.len(), ov, s.q_heads)?;
-    let (dq, dk, dv) = grad_pointers(&s, q.1, k.1, v.1, grads)?;
+    s.check_qkv(OP, [q.0.len(), k.0.len(), v.0.len()], (q.1, k.1, v.1))?;
+    let ov = s.out_view();
+    s.check_view(OP, "dout", dout.len(), ov, s.q_heads)?;
+    grads.check(OP, &s, (q.1, k.1, v.1))?;
+    let (dq, dk, dv) = grad_pointers(grads)?;
     let cx = Backward {
         s,
         q,
@@ -99,25 +98,12 @@ fn check_saved(s: &AttentionShape, probs: &[f32]) -> Result<()> {
     Ok(())
 }
 
-/// dQ, dK and dV as pointers after checking each view against its buffer: three views of one
+/// dQ, dK and dV as pointers (checked against their views by the caller): three views of one
 /// fused buffer, or three buffers.
-fn grad_pointers(
-    s: &AttentionShape,
-    qv: RowView,
-    kv: RowView,
-    vv: RowView,
-    grads: AttentionGrads<'_>,
-) -> Result<(SendPtr, SendPtr, SendPtr)> {
+fn grad_pointers(grads: AttentionGrads<'_>) -> Result<(SendPtr, SendPtr, SendPtr)> {
     match grads {
         AttentionGrads::Fused(buf) => {
             let buf = f32_out(OP, "dqkv", buf)?;
-            for (n, view, heads) in [
-                ("dq", qv, s.q_heads),
-                ("dk", kv, s.kv_heads),
-                ("dv", vv, s.kv_heads),
-            ] {
-                s.check_view("attention", n, buf.len(), view, heads)?;
-            }
             let p = SendPtr(buf.as_mut_ptr());
             Ok((p, p, p))
         }
@@ -127,9 +113,6 @@ fn grad_pointers(
                 f32_out(OP, "dk", dk)?,
                 f32_out(OP, "dv", dv)?,
             );
-            s.check_view("attention", "dq", dq.len(), qv, s.q_heads)?;
-            s.check_view("attention", "dk", dk.len(), kv, s.kv_heads)?;
-            s.check_view("attention", "dv", dv.len(), vv, s.kv_heads)?;
             Ok((
                 SendPtr(dq.as_mut_ptr()),
                 SendPtr(dk.as_mut_ptr()),

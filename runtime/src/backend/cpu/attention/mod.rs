@@ -12,11 +12,12 @@ use rayon::prelude::*;
 
 use super::simd::simd_kernel;
 use super::{f32_in, f32_out, gemm_raw, math, CpuBackend, SendPtr, StridedMat};
+use crate::backend::attention_ops::check_rope;
 use crate::backend::{
     Accumulate, AttentionGrads, AttentionOps, AttentionShape, AttnDropout, Rope, Rotation, RowView,
 };
 use crate::tensor::{FlatBuf, Storage, View, ViewMut};
-use crate::{Error, Result};
+use crate::Result;
 
 /// A host f32 operand with its row view.
 fn operand<'a>(
@@ -232,16 +233,10 @@ impl AttentionOps for CpuBackend {
             operand(OP, "v", v)?,
         );
         let out = f32_out(OP, "out", out)?;
-        s.check_heads("attention")?;
-        s.check_view("attention", "q", q.0.len(), q.1, s.q_heads)?;
-        s.check_view("attention", "k", k.0.len(), k.1, s.kv_heads)?;
-        s.check_view("attention", "v", v.0.len(), v.1, s.kv_heads)?;
-        let (t, hq, d) = (s.seq, s.q_heads, s.head_dim);
-        let ov = RowView {
-            stride: hq * d,
-            offset: 0,
-        };
-        s.check_view("attention", "out", out.len(), ov, hq)?;
+        s.check_heads(OP)?;
+        s.check_qkv(OP, [q.0.len(), k.0.len(), v.0.len()], (q.1, k.1, v.1))?;
+        let (t, hq, ov) = (s.seq, s.q_heads, s.out_view());
+        s.check_view(OP, "out", out.len(), ov, hq)?;
         let tt = t * t;
         // The CPU keeps the probabilities for backward: the per-head products are small and
         // recomputing them would cost more than the memory.
@@ -298,38 +293,8 @@ impl AttentionOps for CpuBackend {
         dir: Rotation,
     ) -> Result<()> {
         let x = f32_out("rope", "x", x)?;
-        if !head_dim.is_multiple_of(2) || x.len() != batch * seq * heads * head_dim {
-            return Err(Error::Shape {
-                op: "rope",
-                expected: format!(
-                    "{batch}x{seq} rows of {heads} heads of an even head_dim {head_dim}"
-                ),
-                got: format!("{} elements", x.len()),
-            });
-        }
-        super::rope::apply(x, batch, seq, heads, head_dim, rope, dir);
+        check_rope("x", x.len(), (batch, seq, head_dim), heads)?;
+        super::rope::apply(x, (batch, seq, heads, head_dim), rope, dir);
         Ok(())
-    }
-
-    fn rope_qk(
-        &self,
-        q: ViewMut<'_>,
-        k: ViewMut<'_>,
-        s: AttentionShape,
-        rope: &Rope,
-        dir: Rotation,
-    ) -> Result<()> {
-        let (b, t, d) = (s.batch, s.seq, s.head_dim);
-        for (what, len, heads) in [("q", q.len(), s.q_heads), ("k", k.len(), s.kv_heads)] {
-            if len != b * t * heads * d {
-                return Err(Error::Shape {
-                    op: "rope",
-                    expected: format!("{what}: {b}x{t} rows of {heads} heads of {d}"),
-                    got: format!("{len} elements"),
-                });
-            }
-        }
-        self.rope(q, b, t, s.q_heads, d, rope, dir)?;
-        self.rope(k, b, t, s.kv_heads, d, rope, dir)
     }
 }

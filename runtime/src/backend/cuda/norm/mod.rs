@@ -6,11 +6,9 @@
 mod launch;
 
 use super::backend::CudaBackend;
-use super::device::BLOCK;
-use super::driver::LaunchConfig;
 use crate::backend::NormOps;
 use crate::tensor::{View, ViewMut};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Rows per chunk of the parameter-gradient reduction: the CPU backend's `ROW_BLOCK`, so the
 /// summation order is the CPU's.
@@ -20,27 +18,6 @@ const ROWS_PER_CHUNK: usize = 32;
 /// every chunk's partial in order, so small blocks put GPT-2's 2 x 768 of those serial sums on
 /// 24 multiprocessors instead of 3.
 const FINALIZE_BLOCK: u32 = 64;
-
-/// Rows of `[rows, d]` data in `len` elements, after checking the width.
-fn rows_of(op: &'static str, len: usize, d: usize) -> Result<usize> {
-    if d == 0 || !len.is_multiple_of(d) {
-        return Err(Error::Shape {
-            op,
-            expected: format!("whole rows of the parameter width {d}"),
-            got: format!("{len} elements"),
-        });
-    }
-    Ok(len / d)
-}
-
-/// A warp per row.
-fn row_grid(rows: usize) -> LaunchConfig {
-    let warps = (BLOCK / 32) as usize;
-    LaunchConfig::linear(
-        rows.div_ceil(warps).clamp(1, i32::MAX as usize) as u32,
-        BLOCK,
-    )
-}
 
 impl NormOps for CudaBackend {
     fn layernorm_forward(
@@ -53,8 +30,8 @@ impl NormOps for CudaBackend {
         mean: ViewMut<'_>,
         rstd: ViewMut<'_>,
     ) -> Result<()> {
-        let input = (x, None, None);
-        self.layernorm_fwd("layernorm", input, gamma, beta, eps, y, mean, rstd)
+        let ln = Some((beta, mean));
+        self.norm_fwd("layernorm", (x, None, None), gamma, ln, eps, y, rstd)
     }
 
     fn layernorm_backward(
@@ -68,8 +45,16 @@ impl NormOps for CudaBackend {
         dgamma: ViewMut<'_>,
         dbeta: ViewMut<'_>,
     ) -> Result<()> {
-        let (op, stats) = ("layernorm backward", (mean, rstd));
-        self.layernorm_bwd(op, x, gamma, stats, (dy, None), dx, dgamma, dbeta)
+        let ln = Some((mean, dbeta));
+        self.norm_bwd(
+            "layernorm backward",
+            x,
+            (gamma, rstd),
+            ln,
+            (dy, None),
+            dx,
+            dgamma,
+        )
     }
 
     fn rmsnorm_forward(
@@ -80,7 +65,7 @@ impl NormOps for CudaBackend {
         y: ViewMut<'_>,
         rstd: ViewMut<'_>,
     ) -> Result<()> {
-        self.rmsnorm_fwd("rmsnorm", (x, None, None), gamma, eps, y, rstd)
+        self.norm_fwd("rmsnorm", (x, None, None), gamma, None, eps, y, rstd)
     }
 
     fn rmsnorm_backward(
@@ -92,7 +77,15 @@ impl NormOps for CudaBackend {
         dx: ViewMut<'_>,
         dgamma: ViewMut<'_>,
     ) -> Result<()> {
-        self.rmsnorm_bwd("rmsnorm backward", x, gamma, rstd, (dy, None), dx, dgamma)
+        self.norm_bwd(
+            "rmsnorm backward",
+            x,
+            (gamma, rstd),
+            None,
+            (dy, None),
+            dx,
+            dgamma,
+        )
     }
 
     fn residual_layernorm_forward(
@@ -107,7 +100,7 @@ impl NormOps for CudaBackend {
         (mean, rstd): (ViewMut<'_>, ViewMut<'_>),
     ) -> Result<()> {
         let (op, input) = ("residual layernorm", (x, residual, Some(sum)));
-        self.layernorm_fwd(op, input, gamma, beta, eps, y, mean, rstd)
+        self.norm_fwd(op, input, gamma, Some((beta, mean)), eps, y, rstd)
     }
 
     fn residual_rmsnorm_forward(
@@ -121,22 +114,22 @@ impl NormOps for CudaBackend {
         rstd: ViewMut<'_>,
     ) -> Result<()> {
         let (op, input) = ("residual rmsnorm", (x, residual, Some(sum)));
-        self.rmsnorm_fwd(op, input, gamma, eps, y, rstd)
+        self.norm_fwd(op, input, gamma, None, eps, y, rstd)
     }
 
     fn layernorm_backward_residual(
         &self,
         x: View<'_>,
         gamma: View<'_>,
-        stats: (View<'_>, View<'_>),
+        (mean, rstd): (View<'_>, View<'_>),
         dy: View<'_>,
         dresidual: View<'_>,
         dx: ViewMut<'_>,
         dgamma: ViewMut<'_>,
         dbeta: ViewMut<'_>,
     ) -> Result<()> {
-        let (op, dys) = ("layernorm backward", (dy, Some(dresidual)));
-        self.layernorm_bwd(op, x, gamma, stats, dys, dx, dgamma, dbeta)
+        let (dys, ln) = ((dy, Some(dresidual)), Some((mean, dbeta)));
+        self.norm_bwd("layernorm backward", x, (gamma, rstd), ln, dys, dx, dgamma)
     }
 
     fn rmsnorm_backward_residual(
@@ -150,6 +143,6 @@ impl NormOps for CudaBackend {
         dgamma: ViewMut<'_>,
     ) -> Result<()> {
         let dys = (dy, Some(dresidual));
-        self.rmsnorm_bwd("rmsnorm backward", x, gamma, rstd, dys, dx, dgamma)
+        self.norm_bwd("rmsnorm backward", x, (gamma, rstd), None, dys, dx, dgamma)
     }
 }

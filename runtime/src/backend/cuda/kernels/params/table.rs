@@ -30,36 +30,36 @@ const LION: &[Param] = &[
     p("grad_scale", In(F32)),
 ];
 
-/// Flash attention's forward (`attention_forward_d*`, one per head size).
+/// Flash attention's forward (`attention_forward_dDP_*`, every padded head dim alike).
 #[rustfmt::skip]
-const ATTN_FORWARD: &[Param] = &[
-        p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
-        p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
-        p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
-        p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
+const ATTENTION_FORWARD: &[Param] = &[
+    p("q", In(T)), p("k", In(T)), p("v", In(T)), p("out", Out(T)), p("lse", Out(F32)),
+    p("q_stride", LongLong), p("q_off", LongLong), p("k_stride", LongLong),
+    p("k_off", LongLong), p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int),
+    p("seq", Int), p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+    p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
 ];
 
-/// Attention backward's key and value gradients (`attention_bwd_dkdv_d*`).
+/// Attention backward's dK/dV pass (`attention_bwd_dkdv_dDP_*`).
 #[rustfmt::skip]
-const ATTN_DKDV: &[Param] = &[
-        p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
-        p("di", In(F32)), p("dk", Out(T)), p("dv", Out(T)), p("q_stride", LongLong),
-        p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
-        p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
-        p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
+const ATTENTION_DKDV: &[Param] = &[
+    p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
+    p("di", In(F32)), p("dk", Out(T)), p("dv", Out(T)), p("q_stride", LongLong),
+    p("q_off", LongLong), p("k_stride", LongLong), p("k_off", LongLong),
+    p("v_stride", LongLong), p("v_off", LongLong), p("batch", Int), p("seq", Int),
+    p("q_heads", Int), p("kv_heads", Int), p("head_dim", Int), p("scale", Float),
+    p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
 ];
 
-/// Attention backward's query gradient (`attention_bwd_dq_d*`).
+/// Attention backward's dQ pass (`attention_bwd_dq_dDP_*`).
 #[rustfmt::skip]
-const ATTN_DQ: &[Param] = &[
-        p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
-        p("di", In(F32)), p("dq", Out(T)), p("q_stride", LongLong), p("q_off", LongLong),
-        p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
-        p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
-        p("head_dim", Int), p("scale", Float),
-        p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
+const ATTENTION_DQ: &[Param] = &[
+    p("q", In(T)), p("k", In(T)), p("v", In(T)), p("dout", In(T)), p("lse", In(F32)),
+    p("di", In(F32)), p("dq", Out(T)), p("q_stride", LongLong), p("q_off", LongLong),
+    p("k_stride", LongLong), p("k_off", LongLong), p("v_stride", LongLong),
+    p("v_off", LongLong), p("batch", Int), p("seq", Int), p("q_heads", Int), p("kv_heads", Int),
+    p("head_dim", Int), p("scale", Float),
+    p("seed", ULongLong), p("offset", ULongLong), p("p", Float),
 ];
 
 /// Every kernel's parameters (one entry per family of dtype variants).
@@ -216,22 +216,22 @@ pub const TABLE: &[Family] = &[
         p("sums", In(F64)), p("n", Int), p("rule", In(F64)), p("grad_scale", Out(F32)),
     ]),
     // attention.cu
-    per_dtype("attention_forward_d32", ATTN_FORWARD),
-    per_dtype("attention_forward_d64", ATTN_FORWARD),
-    per_dtype("attention_forward_d96", ATTN_FORWARD),
-    per_dtype("attention_forward_d128", ATTN_FORWARD),
+    per_dtype("attention_forward_d32", ATTENTION_FORWARD),
+    per_dtype("attention_forward_d64", ATTENTION_FORWARD),
+    per_dtype("attention_forward_d96", ATTENTION_FORWARD),
+    per_dtype("attention_forward_d128", ATTENTION_FORWARD),
     per_dtype("attention_bwd_dot", &[
         p("out", In(T)), p("dout", In(T)), p("di", Out(F32)), p("batch", Int), p("seq", Int),
         p("q_heads", Int), p("head_dim", Int),
     ]),
-    per_dtype("attention_bwd_dkdv_d32", ATTN_DKDV),
-    per_dtype("attention_bwd_dkdv_d64", ATTN_DKDV),
-    per_dtype("attention_bwd_dkdv_d96", ATTN_DKDV),
-    per_dtype("attention_bwd_dkdv_d128", ATTN_DKDV),
-    per_dtype("attention_bwd_dq_d32", ATTN_DQ),
-    per_dtype("attention_bwd_dq_d64", ATTN_DQ),
-    per_dtype("attention_bwd_dq_d96", ATTN_DQ),
-    per_dtype("attention_bwd_dq_d128", ATTN_DQ),
+    per_dtype("attention_bwd_dkdv_d32", ATTENTION_DKDV),
+    per_dtype("attention_bwd_dkdv_d64", ATTENTION_DKDV),
+    per_dtype("attention_bwd_dkdv_d96", ATTENTION_DKDV),
+    per_dtype("attention_bwd_dkdv_d128", ATTENTION_DKDV),
+    per_dtype("attention_bwd_dq_d32", ATTENTION_DQ),
+    per_dtype("attention_bwd_dq_d64", ATTENTION_DQ),
+    per_dtype("attention_bwd_dq_d96", ATTENTION_DQ),
+    per_dtype("attention_bwd_dq_d128", ATTENTION_DQ),
     // quant.cu
     per_dtype("quantize", &[
         p("x", In(T)), p("n", LongLong), p("block", Int), p("bits", Int), p("out", Out(U8)),
