@@ -1,14 +1,11 @@
-//! What a device keeps in memory for training, described without opening the device.
-//!
-//! Layers price what they save for backward ([`crate::nn::Module::saved_bytes`]) through a
-//! [`MemoryModel`], and each backend reports its own ([`super::MemoryOps::memory_model`]), so
-//! the estimator and a real run read one description: the activation dtype, what attention
-//! and the loss head keep (the CPU: probabilities and full logits; a flash-style GPU: per-row
-//! log-sum-exp), whether layers read parameters widened to f32 (a working copy per gathered
-//! group), and the allocator's block rounding. A struct rather than a trait because the
-//! estimator must describe a GPU on a machine that has none
-//! ([`MemoryModel::for_device`]): the figures are data about the device kind, not behaviour
-//! of an open device.
+//! What a device keeps in memory for training, described without opening the device: the
+//! activation dtype, what attention and the loss head keep (the CPU: probabilities and full
+//! logits; a flash-style GPU: per-row log-sum-exp), whether layers read parameters widened to
+//! f32, and the allocator's block rounding. Each backend reports its own
+//! ([`super::MemoryOps::memory_model`]); the size-only CPU stand-in sizes the state it saves
+//! from it, the CUDA head its logits chunks, and an estimate's report names it. A struct rather
+//! than a trait because a report must describe a GPU on a machine that has none
+//! ([`MemoryModel::for_device`]).
 
 use super::{AttentionShape, Device, HeadShape};
 use crate::tensor::DType;
@@ -59,11 +56,6 @@ pub struct MemoryModel {
     /// Every device buffer occupies a multiple of this many bytes (the caching allocator's
     /// smallest block; 1 where allocations are exact).
     pub block: u64,
-    /// The device's own count of its memory sees every buffer, also those a layer or the
-    /// engine holds only during one call (a caching allocator's live bytes), so an estimate
-    /// of its peak prices them ([`crate::nn::Module::transient_bytes`]). The CPU's count is
-    /// the engine's ledger, which sees only what outlives a call.
-    pub counts_transients: bool,
     /// Bytes of the page-locked ring small uploads go through (0: the device page-locks no
     /// host memory: the CPU, where every view is host memory already).
     pub upload_ring: u64,
@@ -92,11 +84,7 @@ impl std::fmt::Display for MemoryModel {
             f,
             "{:?} activations, {attention}, {head}, {work}, {}-byte blocks",
             self.act, self.block
-        )?;
-        if self.counts_transients {
-            f.write_str(", transient buffers counted")?;
-        }
-        Ok(())
+        )
     }
 }
 
@@ -109,7 +97,6 @@ impl MemoryModel {
             attention: AttentionState::Probabilities,
             head: HeadState::Probabilities,
             block: 1,
-            counts_transients: false,
             upload_ring: 0,
         }
     }
@@ -124,7 +111,6 @@ impl MemoryModel {
             attention: AttentionState::LogSumExp,
             head: HeadState::LogSumExp,
             block: CUDA_BLOCK,
-            counts_transients: true,
             upload_ring: UPLOAD_RING_BYTES,
         }
     }
@@ -197,45 +183,6 @@ impl MemoryModel {
         }
     }
 
-    /// Bytes of the chunked head's logits buffer: [`MemoryModel::head_chunk_rows`] padded rows.
-    fn head_chunk_bytes(&self, s: HeadShape) -> usize {
-        self.act_bytes(self.head_chunk_rows(s) * self.head_ld(s))
-    }
-
-    /// Bytes the loss head's operation holds only while it runs, as `(forward, backward)`:
-    /// a chunked head's chunk of logits, and in forward the per-row losses and an error flag.
-    /// (A head keeping probabilities computes them into its saved state.)
-    pub fn head_transient(&self, s: HeadShape) -> (usize, usize) {
-        match self.head {
-            HeadState::Probabilities => (0, 0),
-            HeadState::LogSumExp => {
-                let logits = self.head_chunk_bytes(s);
-                let fwd = logits + self.bytes(DType::F32, s.rows) + self.bytes(DType::F32, 1);
-                (fwd, logits)
-            }
-        }
-    }
-
-    /// Bytes [`crate::backend::TokenOps::head_loss_fused`] holds while it runs besides its
-    /// input, weight and outputs: a chunked head's chunk of logits (turned into gradients in
-    /// place), the per-row losses and an error flag; the CPU's forward-then-backward keeps
-    /// its probabilities meanwhile.
-    pub fn head_fused_transient(&self, s: HeadShape) -> usize {
-        match self.head {
-            HeadState::Probabilities => self.head_saved(s),
-            HeadState::LogSumExp => self.head_transient(s).0,
-        }
-    }
-
-    /// Bytes attention's backward holds while it runs: flash-style backward's per-row
-    /// `rowsum(dO * O)`; the probabilities' backward works in the saved buffer.
-    pub fn attention_transient(&self, s: AttentionShape) -> usize {
-        match self.attention {
-            AttentionState::Probabilities => 0,
-            AttentionState::LogSumExp => self.bytes(DType::F32, s.batch * s.q_heads * s.seq),
-        }
-    }
-
     /// Bytes the loss head keeps for backward beyond its input and weight (one buffer).
     pub fn head_saved(&self, s: HeadShape) -> usize {
         let per_row = match self.head {
@@ -299,11 +246,7 @@ mod tests {
         assert_eq!(gpu.head_ld(HeadShape { vocab: 128, ..gpt2 }), 128);
         // 256 MiB of bf16 rows of 50304: 2668 rows (50257 would allow 2670).
         assert_eq!(gpu.head_chunk_rows(gpt2), 2668);
-        let (fwd, bwd) = gpu.head_transient(gpt2);
-        assert_eq!(bwd, gpu.act_bytes(2668 * 50304));
-        assert!(bwd <= LOGIT_CHUNK_BYTES);
-        assert_eq!(gpu.head_fused_transient(gpt2), fwd);
-        assert_eq!(cpu.head_fused_transient(gpt2), cpu.head_saved(gpt2));
+        assert!(gpu.act_bytes(2668 * 50304) <= LOGIT_CHUNK_BYTES);
     }
 
     #[test]
