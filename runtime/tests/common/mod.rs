@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod ledgers;
+pub mod models;
 pub mod runs;
 pub mod scratch;
 pub mod tiny;
@@ -109,5 +111,20 @@ pub fn parity_config(stage: ZeroStage, world: usize, micro: usize) -> ResolvedCo
 pub fn checkpointing(cpu: bool) -> ActivationCheckpointing {
     ActivationCheckpointing {
         cpu_checkpointing: cpu,
+    }
+}
+
+/// LAMB at `lr` with the hyperparameters every LAMB test uses: betas (0.9, 0.999), eps 1e-8
+/// outside the root, weight decay 0.01, bias correction, trust ratio clamped to [0.01, 10].
+pub fn lamb(lr: f64) -> OptimizerConfig {
+    OptimizerConfig::Lamb {
+        lr,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        eps_inside_sqrt: false,
+        weight_decay: 0.01,
+        bias_correction: true,
+        max_coeff: 10.0,
+        min_coeff: 0.01,
     }
 }
