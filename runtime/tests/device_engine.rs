@@ -8,13 +8,12 @@ mod common;
 mod device_common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{config, toy};
+use common::config;
+use common::runs::{losses, rank0, toy_batches, toy_steps};
 use device_common::Dev;
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::{Accumulate, Backend, Epilogue, Rope};
-use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::linear::{Linear, WeightLayout};
@@ -207,26 +206,14 @@ fn train_on(
     cfg: &ResolvedConfig,
     steps: usize,
 ) -> (Vec<NamedTensor>, Vec<f64>) {
-    let world = cfg.world_size;
-    let (micro, gas) = (
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-    );
-    let out = run_ranks(world, Duration::from_secs(120), |comm| {
+    rank0(cfg.world_size, |comm| {
         let rank = comm.rank();
         let be = backends[rank % backends.len()].clone();
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be)?;
-        let mut losses = Vec::new();
-        for s in 0..steps {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        Ok((e.parameters()?, losses))
+        let reports = toy_steps(&mut e, cfg, (V, T), steps, rank)?;
+        Ok((e.parameters()?, losses(&reports)))
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 use common::runs::named_bits as bits;
@@ -362,19 +349,12 @@ test_device!(overlapped_offload_changes_no_bit);
 
 /// Rank 0's gradient norm per step.
 fn grad_norms(be: &Arc<dyn Backend>, cfg: &ResolvedConfig, steps: usize) -> Vec<f64> {
-    let out = run_ranks(1, Duration::from_secs(120), |comm| {
+    rank0(1, |comm| {
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
-        (0..steps)
-            .map(|s| {
-                let batches: Vec<_> = (0..2)
-                    .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
-                    .collect();
-                e.train_batch(&batches).map(|r| r.grad_norm)
-            })
-            .collect::<Result<Vec<f64>>>()
+        let reports = toy_steps(&mut e, cfg, (V, T), steps, 0)?;
+        Ok(reports.iter().map(|r| r.grad_norm).collect())
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 /// The speculative overlap (offloaded optimizer, `overlap_comm`, clipping at a threshold that
@@ -425,20 +405,15 @@ fn checkpoint_resumes_exactly(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage3, 1);
     let (whole, _) = train(&d.be, &cfg, 4);
     let dir = tempfile::tempdir().unwrap();
-    let step = |e: &mut Engine, s: usize| {
-        let batches: Vec<_> = (0..2)
-            .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
-            .collect();
-        e.train_batch(&batches).map(|_| ())
-    };
-    run_ranks(1, Duration::from_secs(120), |comm| {
+    let step = |e: &mut Engine, s: usize| e.train_batch(&toy_batches(&cfg, (V, T), s, 0)).map(|_| ());
+    rank0(1, |comm| {
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, d.be.clone())?;
         step(&mut e, 0)?;
         step(&mut e, 1)?;
         e.save_checkpoint(dir.path(), "two", 2).map(|_| ())
     })
     .expect("save failed");
-    let resumed = run_ranks(1, Duration::from_secs(120), |comm| {
+    let resumed = rank0(1, |comm| {
         let mut f = Engine::with_backend(model(), cfg.clone(), comm, d.be.clone())?;
         f.load_checkpoint(dir.path(), &Tag::Latest)?;
         step(&mut f, 2)?;
@@ -447,7 +422,7 @@ fn checkpoint_resumes_exactly(d: &Dev) {
     })
     .expect("resume failed");
     assert!(
-        bits(&whole) == bits(&resumed[0]),
+        bits(&whole) == bits(&resumed),
         "{}: resumed run differs",
         d.name
     );
@@ -456,21 +431,16 @@ test_device!(checkpoint_resumes_exactly);
 
 /// Two steps of stage 3 on `be` (one rank); the allocator's and the ledger's peaks.
 fn capped_run(be: &Arc<dyn Backend>, cfg: &ResolvedConfig) -> Result<(Option<u64>, u64)> {
-    let out = run_ranks(1, Duration::from_secs(120), |comm| {
+    rank0(1, |comm| {
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
-        for s in 0..2 {
-            let batches: Vec<_> = (0..2)
-                .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
-                .collect();
-            let r = e.train_batch(&batches)?;
+        for r in toy_steps(&mut e, cfg, (V, T), 2, 0)? {
             assert_eq!(r.memory.device_memory_limit, cfg.device_memory_limit);
         }
         Ok((
             e.backend().memory_stats().map(|m| m.peak),
             e.peak_device_bytes(),
         ))
-    });
-    out.map(|mut v| v.remove(0))
+    })
 }
 
 /// `device_memory_limit` on the device: at the run's own peaks both the allocator and the

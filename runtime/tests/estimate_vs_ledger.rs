@@ -17,9 +17,9 @@ use std::time::Duration;
 
 use common::ledgers::{Ckpt, Offload, Sweep, SEQ, STAGES};
 use common::models::{batches, build, Which, MICRO};
-use common::{config, lamb};
+use common::{comms_logger, config, lamb};
 use ferrozero_config::resolved::{
-    CommDataType, CommsLoggerConfig, LossScaling, OffloadTarget, Precision, ResolvedConfig,
+    CommDataType, LossScaling, OffloadTarget, Precision, ResolvedConfig,
     ZeroStage,
 };
 use ferrozero_runtime::comm::local::run_ranks;
@@ -233,12 +233,7 @@ fn zeropp_and_logged_communication_match_the_cpu_ledger() {
         let at = (ZeroStage::Stage3, 4);
         let mut logged = s.config(at, Precision::Bf16, Offload::None, Ckpt::Off);
         logged.zero.mics_shard_size = 2;
-        logged.monitor.comms_logger = Some(CommsLoggerConfig {
-            verbose: false,
-            prof_all: true,
-            prof_ops: Vec::new(),
-            debug: false,
-        });
+        logged.monitor.comms_logger = Some(comms_logger());
         s.check(which, &logged);
     }
     s.finish(26);

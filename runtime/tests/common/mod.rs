@@ -128,3 +128,13 @@ pub fn lamb(lr: f64) -> OptimizerConfig {
         min_coeff: 0.01,
     }
 }
+
+/// The communication logger profiling every operation, quietly.
+pub fn comms_logger() -> CommsLoggerConfig {
+    CommsLoggerConfig {
+        verbose: false,
+        prof_all: true,
+        prof_ops: Vec::new(),
+        debug: false,
+    }
+}

@@ -6,8 +6,6 @@ use ferrozero_runtime::nn::freeze::Freeze;
 use ferrozero_runtime::nn::peft::{self, LoraConfig};
 use ferrozero_runtime::nn::{gpt2, llama, Batch, Model};
 
-use super::toy;
-
 /// Rows per micro-batch.
 pub const MICRO: usize = 2;
 /// The token ids fed: below every model's vocabulary.
@@ -69,15 +67,10 @@ fn lora_llama(dropout: &str) -> Model {
         .unwrap()
 }
 
-/// Rank `rank`'s micro-batches of step `step` under `cfg`, rows of `seq` tokens: micro-batch
-/// `m` starts at row `((step * gas + m) * world + rank) * micro` of the toy stream, so no two
-/// ranks or micro-steps read the same rows.
+/// Rank `rank`'s micro-batches of step `step` under `cfg`, rows of `seq` tokens below
+/// [`VOCAB`] ([`super::runs::toy_batches`]).
 pub fn batches(cfg: &ResolvedConfig, seq: usize, step: usize, rank: usize) -> Vec<Batch> {
-    let (world, gas) = (cfg.world_size, cfg.gradient_accumulation_steps);
-    let micro = cfg.train_micro_batch_size_per_gpu;
-    (0..gas)
-        .map(|m| toy::batch(VOCAB, seq, ((step * gas + m) * world + rank) * micro, micro))
-        .collect()
+    super::runs::toy_batches(cfg, (VOCAB, seq), step, rank)
 }
 
 /// This process's resident memory (`VmRSS`), in bytes.
