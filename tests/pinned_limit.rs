@@ -5,6 +5,9 @@
 //! low, raised to the hard limit without bothering anyone. `train_gpt` runs under util-linux
 //! `prlimit` (and, as root, `setpriv` dropping CAP_IPC_LOCK, which would lift the limit).
 
+mod train_common;
+use train_common::run_output;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -86,8 +89,8 @@ fn run_with(memlock: &str, config: PathBuf) -> Option<(bool, String)> {
         cmd.arg(tool("setpriv")?)
             .args(["--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock"]);
     }
-    let out = cmd
-        .arg(example())
+    let ran = run_output(
+        cmd.arg(example())
         .args(["--config"])
         .arg(config)
         .args([
@@ -101,15 +104,9 @@ fn run_with(memlock: &str, config: PathBuf) -> Option<(bool, String)> {
             "8",
         ])
         .arg("--no-progress")
-        .env("NO_COLOR", "1")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        .env("NO_COLOR", "1"),
     );
-    Some((out.status.success(), text))
+    Some(ran)
 }
 
 #[test]

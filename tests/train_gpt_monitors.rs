@@ -2,6 +2,9 @@
 //! through the main job unchanged and produces all three: an event file and the CSV files
 //! under `output_path/job_name`, one row per step, and DeepSpeed's communication summary.
 
+mod train_common;
+use train_common::run_output;
+
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -38,7 +41,8 @@ fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
     });
     let path = dir.join("ds_config.json");
     std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
-    let out = Command::new(example())
+    let (ok, text) = run_output(
+        Command::new(example())
         .args(["--config", path.to_str().unwrap()])
         .args([
             "--steps",
@@ -50,15 +54,9 @@ fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
             "--no-progress",
         ])
         .args(["--ranks", "2", "--device", "cpu"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
-    assert!(out.status.success(), "{text}");
+    assert!(ok, "{text}");
     assert!(!text.contains("not supported"), "{text}");
 
     let events: Vec<_> = std::fs::read_dir(dir.join("tb/gpt"))

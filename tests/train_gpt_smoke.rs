@@ -1,6 +1,9 @@
 //! The main job runs end to end at a small size: trains, checkpoints, resumes from the
 //! checkpoint in a new process, and reports held-out accuracy.
 
+mod train_common;
+use train_common::run_output;
+
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -14,17 +17,12 @@ fn example() -> Option<PathBuf> {
 
 fn run(args: &[&str]) -> String {
     let exe = example().expect("cargo test builds examples/train_gpt next to the tests");
-    let out = Command::new(exe)
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (ok, text) = run_output(
+        Command::new(exe)
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
-    assert!(out.status.success(), "train_gpt {args:?} failed:\n{text}");
+    assert!(ok, "train_gpt {args:?} failed:\n{text}");
     text
 }
 

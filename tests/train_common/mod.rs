@@ -67,12 +67,14 @@ pub fn model_dir(dir: &Path) {
 
 /// Runs `ferrozero train` in `cwd` (a scratch directory: nothing is read from it).
 pub fn train(cwd: &Path, args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
-        .arg("train")
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrozero"));
+    run_output(cmd.arg("train").args(args).current_dir(cwd))
+}
+
+/// Runs `cmd` to its end: whether it succeeded, and its standard output then its standard
+/// error as one text (what a user sees).
+pub fn run_output(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),

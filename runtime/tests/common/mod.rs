@@ -138,3 +138,39 @@ pub fn comms_logger() -> CommsLoggerConfig {
         debug: false,
     }
 }
+
+/// AdamW, Adam with L2 decay, SGD with momentum (`dampening`, `nesterov` as told) and Lion,
+/// at the learning rates the optimizer-state tests step them with.
+pub fn update_rules(
+    dampening: f32,
+    nesterov: bool,
+) -> Vec<ferrozero_runtime::backend::UpdateRule> {
+    use ferrozero_offload::optim::{AdamHyper, LionHyper, SgdHyper, WeightDecay};
+    use ferrozero_runtime::backend::UpdateRule;
+    let adam = |decay| AdamHyper {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        decay,
+        bias_correction: true,
+    };
+    vec![
+        UpdateRule::Adam(adam(WeightDecay::Decoupled)),
+        UpdateRule::Adam(adam(WeightDecay::L2)),
+        UpdateRule::Sgd(SgdHyper {
+            lr: 1e-2,
+            momentum: 0.9,
+            dampening,
+            weight_decay: 0.01,
+            nesterov,
+        }),
+        UpdateRule::Lion(LionHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.99,
+            weight_decay: 0.1,
+        }),
+    ]
+}

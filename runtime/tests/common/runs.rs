@@ -102,7 +102,7 @@ pub fn rank0<T: Send>(
     world: usize,
     f: impl Fn(Box<dyn Communicator>) -> Result<T> + Sync,
 ) -> Result<T> {
-    let out = run_ranks(world, Duration::from_secs(120), f)?;
+    let out = run_ranks(world, Duration::from_secs(300), f)?;
     Ok(out.into_iter().next().unwrap())
 }
 
