@@ -91,20 +91,20 @@ fn run_with(memlock: &str, config: PathBuf) -> Option<(bool, String)> {
     }
     let ran = run_output(
         cmd.arg(example())
-        .args(["--config"])
-        .arg(config)
-        .args([
-            "--ranks",
-            "1",
-            "--steps",
-            "1",
-            "--digits",
-            "2",
-            "--eval-rows",
-            "8",
-        ])
-        .arg("--no-progress")
-        .env("NO_COLOR", "1"),
+            .args(["--config"])
+            .arg(config)
+            .args([
+                "--ranks",
+                "1",
+                "--steps",
+                "1",
+                "--digits",
+                "2",
+                "--eval-rows",
+                "8",
+            ])
+            .arg("--no-progress")
+            .env("NO_COLOR", "1"),
     );
     Some(ran)
 }

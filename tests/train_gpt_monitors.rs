@@ -43,18 +43,18 @@ fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
     std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
     let (ok, text) = run_output(
         Command::new(example())
-        .args(["--config", path.to_str().unwrap()])
-        .args([
-            "--steps",
-            "4",
-            "--digits",
-            "2",
-            "--eval-rows",
-            "16",
-            "--no-progress",
-        ])
-        .args(["--ranks", "2", "--device", "cpu"])
-        .current_dir(env!("CARGO_MANIFEST_DIR")),
+            .args(["--config", path.to_str().unwrap()])
+            .args([
+                "--steps",
+                "4",
+                "--digits",
+                "2",
+                "--eval-rows",
+                "16",
+                "--no-progress",
+            ])
+            .args(["--ranks", "2", "--device", "cpu"])
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
     assert!(ok, "{text}");
     assert!(!text.contains("not supported"), "{text}");

@@ -32,12 +32,12 @@ fn run(dir: &Path, config: &Value, extra: &[&str]) -> (bool, String, Vec<Value>)
     let _ = std::fs::remove_file(&metrics);
     let (ok, text) = run_output(
         Command::new(example())
-        .args(["--config", path.to_str().unwrap()])
-        .args(["--steps", "4", "--digits", "2", "--eval-rows", "16"])
-        .args(["--no-progress", "--device", "cpu", "--bench-json"])
-        .args(["--metrics", metrics.to_str().unwrap()])
-        .args(extra)
-        .current_dir(env!("CARGO_MANIFEST_DIR")),
+            .args(["--config", path.to_str().unwrap()])
+            .args(["--steps", "4", "--digits", "2", "--eval-rows", "16"])
+            .args(["--no-progress", "--device", "cpu", "--bench-json"])
+            .args(["--metrics", metrics.to_str().unwrap()])
+            .args(extra)
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
     let lines = std::fs::read_to_string(&metrics)
         .unwrap_or_default()

@@ -7,9 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::{config, toy};
-use ferrozero_config::resolved::{
-    LossScaling, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
-};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::Engine;
@@ -22,14 +20,8 @@ const WORLD: usize = 2;
 const K: u64 = 3;
 
 fn fp16() -> Precision {
-    Precision::Fp16(LossScaling::Dynamic {
-        // High enough to overflow at first, so the scaler's state moves.
-        initial_scale_power: 24,
-        loss_scale_window: 2,
-        hysteresis: 2,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    })
+    // High enough to overflow at first, so the scaler's state moves.
+    Precision::Fp16(common::dynamic_scaling(24, 2, 2))
 }
 
 fn micro_batches(cfg: &ResolvedConfig, step: u64, rank: usize) -> Vec<Batch> {

@@ -405,7 +405,8 @@ fn checkpoint_resumes_exactly(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage3, 1);
     let (whole, _) = train(&d.be, &cfg, 4);
     let dir = tempfile::tempdir().unwrap();
-    let step = |e: &mut Engine, s: usize| e.train_batch(&toy_batches(&cfg, (V, T), s, 0)).map(|_| ());
+    let step =
+        |e: &mut Engine, s: usize| e.train_batch(&toy_batches(&cfg, (V, T), s, 0)).map(|_| ());
     rank0(1, |comm| {
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, d.be.clone())?;
         step(&mut e, 0)?;

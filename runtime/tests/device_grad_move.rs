@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::tiny::{self, VOCAB};
 use common::{config, toy};
 use device_common::Dev;
-use ferrozero_config::resolved::{LossScaling, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
@@ -151,13 +151,7 @@ test_device!(moved_gradient_steps_as_accumulated);
 /// only its rounding to the accumulator's dtype overflows): skipped steps halve the scale
 /// until they fit, identically on both paths.
 fn fp16_overflow(be: &Arc<dyn Backend>, name: &str) {
-    let precision = Precision::Fp16(LossScaling::Dynamic {
-        initial_scale_power: 20,
-        loss_scale_window: 1000,
-        hysteresis: 1,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    });
+    let precision = Precision::Fp16(common::dynamic_scaling(20, 1000, 1));
     for (stage, world) in [(ZeroStage::Stage0, 1), (ZeroStage::Stage2, 2)] {
         let what = format!("{name} fp16 stage {} x{world}", stage.number());
         let run = same(

@@ -12,9 +12,7 @@ use std::time::Duration;
 
 use common::models::{batches, build, resident, serial, Which, MICRO};
 use common::{checkpointing, config};
-use ferrozero_config::resolved::{
-    LossScaling, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
-};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::cuda::driver::{
     self, AllocatorStats, DeviceInfo, Driver, LaunchConfig, MetaDriver, StreamKind, TraceOp,
     Traced, EMU_DEFAULT_TOTAL_MEMORY,
@@ -96,13 +94,7 @@ fn make_config(c: Case) -> ResolvedConfig {
     // A scale of 2^8 keeps the tiny models' fp16 gradients finite on the emulator: no step
     // is skipped, so both devices take the same path.
     let precision = match c.fp16 {
-        true => Precision::Fp16(LossScaling::Dynamic {
-            initial_scale_power: 8,
-            loss_scale_window: 1000,
-            hysteresis: 2,
-            consecutive_hysteresis: false,
-            min_loss_scale: 1.0,
-        }),
+        true => Precision::Fp16(common::dynamic_scaling(8, 1000, 2)),
         false => Precision::Bf16,
     };
     let mut cfg = config(c.stage, c.world, MICRO, GAS, precision);

@@ -10,12 +10,10 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::scratch::Scratch;
 use common::runs::{rank0, toy_batches, toy_steps};
+use common::scratch::Scratch;
 use common::{checkpointing, config, lamb, tiny};
-use ferrozero_config::resolved::{
-    OffloadTarget, Precision, ResolvedConfig, ZeroStage,
-};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::ledger::{Category, Location};
@@ -299,7 +297,9 @@ fn resumes_at_another_world_size(build: fn() -> Model) {
         e.load_checkpoint(&dir, &Tag::Latest)?;
         let p = e.parameters()?;
         // The third step's global batch, rank 0's rows and rank 1's in one micro-batch.
-        let loss = e.train_batch(&toy_batches(&cfg1, (tiny::VOCAB, T), 2, 0))?.loss;
+        let loss = e
+            .train_batch(&toy_batches(&cfg1, (tiny::VOCAB, T), 2, 0))?
+            .loss;
         Ok((p, loss))
     })
     .unwrap();

@@ -7,12 +7,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::scratch::Scratch;
 use common::runs::toy_batches;
+use common::scratch::Scratch;
 use common::{config, lamb, toy};
-use ferrozero_config::resolved::{
-    Bf16State, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
-};
+use ferrozero_config::resolved::{Bf16State, OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;

@@ -202,13 +202,7 @@ fn a_global_value_makes_the_overlap_speculative_or_keeps_the_step_after_backward
     let mut dynamic = overlapped(&base(
         ZeroStage::Stage2,
         1,
-        Precision::Fp16(LossScaling::Dynamic {
-            initial_scale_power: 8,
-            loss_scale_window: 100,
-            hysteresis: 2,
-            consecutive_hysteresis: false,
-            min_loss_scale: 1.0,
-        }),
+        Precision::Fp16(common::dynamic_scaling(8, 100, 2)),
     ));
     dynamic.gradient_clipping = 0.0;
     let OptimizerOverlap::Speculative(why, None) = OptimizerOverlap::decide(&dynamic) else {

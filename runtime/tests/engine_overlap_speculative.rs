@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{config, toy};
 use ferrozero_config::resolved::{
-    LossScaling, OffloadTarget, Precision, ResolvedConfig, SchedulerConfig, WarmupType, ZeroStage,
+    OffloadTarget, Precision, ResolvedConfig, SchedulerConfig, WarmupType, ZeroStage,
 };
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
@@ -157,13 +157,7 @@ fn clipped_steps_are_bitwise_those_of_the_step_after_backward() {
 
 /// fp16 with a dynamic loss scale from 2^8 that halves at the first overflow.
 fn dynamic_scale() -> Precision {
-    Precision::Fp16(LossScaling::Dynamic {
-        initial_scale_power: 8,
-        loss_scale_window: 100,
-        hysteresis: 1,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    })
+    Precision::Fp16(common::dynamic_scaling(8, 100, 1))
 }
 
 #[test]

@@ -11,9 +11,7 @@ mod common;
 
 use common::runs::{train_logged as train, Logged as Run, D, LAYERS, T, V};
 use common::{comms_logger, config, tiny, toy};
-use ferrozero_config::resolved::{
-    OffloadTarget, Precision, ResolvedConfig, ZeroStage,
-};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::logger::OpSummary;
 use ferrozero_runtime::engine::partition::GroupLayout;
 use ferrozero_runtime::engine::NamedTensor;

@@ -19,8 +19,7 @@ use common::ledgers::{Ckpt, Offload, Sweep, SEQ, STAGES};
 use common::models::{batches, build, Which, MICRO};
 use common::{comms_logger, config, lamb};
 use ferrozero_config::resolved::{
-    CommDataType, LossScaling, OffloadTarget, Precision, ResolvedConfig,
-    ZeroStage,
+    CommDataType, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
 };
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::estimate::estimate;
@@ -43,8 +42,7 @@ fn sweep(which: Which, precisions: &[Precision]) {
                 ] {
                     let stage3_only = !matches!(offload, Offload::None | Offload::Optimizer);
                     let nvme = offload == Offload::ParamsOnNvme;
-                    if stage3_only && stage != ZeroStage::Stage3 || nvme && *p != Precision::Bf16
-                    {
+                    if stage3_only && stage != ZeroStage::Stage3 || nvme && *p != Precision::Bf16 {
                         continue;
                     }
                     for ckpt in [Ckpt::Off, Ckpt::Device, Ckpt::Cpu] {
@@ -83,13 +81,7 @@ fn gpt2_frozen_below_the_backward_floor_matches_the_cpu_ledger_in_every_mode() {
 }
 
 fn fp16() -> Precision {
-    Precision::Fp16(LossScaling::Dynamic {
-        initial_scale_power: 16,
-        loss_scale_window: 1000,
-        hysteresis: 2,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    })
+    Precision::Fp16(common::dynamic_scaling(16, 1000, 2))
 }
 
 /// `cfg` with one micro-step per step.

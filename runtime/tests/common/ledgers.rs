@@ -42,7 +42,10 @@ pub fn peaks(l: &Ledger) -> Peaks {
         peak_bytes: l.peak_total(loc),
         by_category: Category::ALL.iter().map(|&c| (c, l.peak(loc, c))).collect(),
     };
-    LOCATIONS.iter().flat_map(|&loc| placed(loc, &by(loc))).collect()
+    LOCATIONS
+        .iter()
+        .flat_map(|&loc| placed(loc, &by(loc)))
+        .collect()
 }
 
 /// An estimate's [`Peaks`], in the order of [`peaks`].
@@ -199,7 +202,9 @@ impl Sweep {
         // Each engine owns and locks its swap directory: a fresh one per run.
         let swaps = swaps_nvme(cfg);
         let absent = swaps.then(|| self.dir().join("never-made"));
-        let sized = absent.as_ref().map_or_else(|| cfg.clone(), |a| nvme_at(cfg, a));
+        let sized = absent
+            .as_ref()
+            .map_or_else(|| cfg.clone(), |a| nvme_at(cfg, a));
         let want = match swaps {
             true => real(which, &nvme_at(cfg, &self.dir())),
             false => real(which, cfg),
@@ -212,7 +217,11 @@ impl Sweep {
         let est = estimate(&build(which), &sized, MICRO, SEQ);
         self.compare(&what, "estimate", &want, est.map(|e| estimated(&e)));
         if let Some(a) = absent {
-            assert!(!a.exists(), "{what}: the size-only run made {}", a.display());
+            assert!(
+                !a.exists(),
+                "{what}: the size-only run made {}",
+                a.display()
+            );
         }
         self.runs += 1;
     }
@@ -248,7 +257,11 @@ impl Sweep {
     pub fn finish(self, at_least: usize) {
         eprintln!("compared {} configurations", self.runs);
         assert!(self.failures.is_empty(), "{}", self.failures.join("\n"));
-        assert!(self.runs >= at_least, "swept only {} configurations", self.runs);
+        assert!(
+            self.runs >= at_least,
+            "swept only {} configurations",
+            self.runs
+        );
     }
 }
 

@@ -141,10 +141,7 @@ pub fn comms_logger() -> CommsLoggerConfig {
 
 /// AdamW, Adam with L2 decay, SGD with momentum (`dampening`, `nesterov` as told) and Lion,
 /// at the learning rates the optimizer-state tests step them with.
-pub fn update_rules(
-    dampening: f32,
-    nesterov: bool,
-) -> Vec<ferrozero_runtime::backend::UpdateRule> {
+pub fn update_rules(dampening: f32, nesterov: bool) -> Vec<ferrozero_runtime::backend::UpdateRule> {
     use ferrozero_offload::optim::{AdamHyper, LionHyper, SgdHyper, WeightDecay};
     use ferrozero_runtime::backend::UpdateRule;
     let adam = |decay| AdamHyper {
@@ -173,4 +170,16 @@ pub fn update_rules(
             weight_decay: 0.1,
         }),
     ]
+}
+
+/// DeepSpeed's dynamic loss scale from `2^initial_scale_power`, doubled after `window` clean
+/// steps, halved after `hysteresis` overflows, down to a scale of 1.
+pub fn dynamic_scaling(initial_scale_power: u32, window: u64, hysteresis: u32) -> LossScaling {
+    LossScaling::Dynamic {
+        initial_scale_power,
+        loss_scale_window: window,
+        hysteresis,
+        consecutive_hysteresis: false,
+        min_loss_scale: 1.0,
+    }
 }

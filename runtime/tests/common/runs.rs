@@ -7,10 +7,10 @@ use std::time::Duration;
 use super::toy;
 use ferrozero_config::resolved::ResolvedConfig;
 use ferrozero_runtime::comm::local::run_ranks;
-use ferrozero_runtime::engine::ledger::{Category, Location};
-use ferrozero_runtime::comm::Communicator;
-use ferrozero_runtime::engine::{Engine, NamedTensor, StepReport};
 use ferrozero_runtime::comm::logger::OpSummary;
+use ferrozero_runtime::comm::Communicator;
+use ferrozero_runtime::engine::ledger::{Category, Location};
+use ferrozero_runtime::engine::{Engine, NamedTensor, StepReport};
 use ferrozero_runtime::nn::{Batch, Model};
 use ferrozero_runtime::Result;
 
