@@ -6,26 +6,10 @@
 //! `prlimit` (and, as root, `setpriv` dropping CAP_IPC_LOCK, which would lift the limit).
 
 mod train_common;
-use train_common::run_output;
+use train_common::{run_output, train_gpt};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("train_gpt");
-    assert!(
-        p.exists(),
-        "cargo test builds examples/train_gpt next to the tests"
-    );
-    p
-}
 
 fn tool(name: &str) -> Option<PathBuf> {
     ["/usr/bin", "/bin", "/usr/sbin", "/sbin"]
@@ -90,7 +74,7 @@ fn run_with(memlock: &str, config: PathBuf) -> Option<(bool, String)> {
             .args(["--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock"]);
     }
     let ran = run_output(
-        cmd.arg(example())
+        cmd.arg(train_gpt())
             .args(["--config"])
             .arg(config)
             .args([

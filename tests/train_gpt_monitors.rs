@@ -3,26 +3,10 @@
 //! under `output_path/job_name`, one row per step, and DeepSpeed's communication summary.
 
 mod train_common;
-use train_common::run_output;
+use train_common::{run_output, train_gpt};
 
 use std::path::PathBuf;
 use std::process::Command;
-
-/// `target/<profile>/examples/train_gpt`, built by `cargo test` next to this test binary.
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/train_gpt");
-    assert!(
-        p.exists(),
-        "cargo test builds examples/train_gpt next to the tests"
-    );
-    p
-}
 
 #[test]
 fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
@@ -42,7 +26,7 @@ fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
     let path = dir.join("ds_config.json");
     std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
     let (ok, text) = run_output(
-        Command::new(example())
+        Command::new(train_gpt())
             .args(["--config", path.to_str().unwrap()])
             .args([
                 "--steps",
@@ -104,7 +88,7 @@ fn ctrl_c_flushes_the_monitor_files_before_the_process_ends() {
     });
     let path = dir.join("ds_config.json");
     std::fs::write(&path, config.to_string()).unwrap();
-    let mut child = Command::new(example())
+    let mut child = Command::new(train_gpt())
         .args(["--config", path.to_str().unwrap()])
         .args(["--steps", "1000000", "--digits", "2", "--no-progress"])
         .args(["--ranks", "1", "--device", "cpu"])

@@ -4,25 +4,12 @@
 //! the CPU without `--peak-tflops`).
 
 mod train_common;
-use train_common::run_output;
+use train_common::{run_output, train_gpt};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
-
-/// `target/<profile>/examples/train_gpt`, built by `cargo test` next to this test binary.
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/train_gpt");
-    assert!(p.exists(), "cargo test builds examples/train_gpt");
-    p
-}
 
 /// Four steps of the addition model on the CPU; (success, stdout and stderr, metric lines).
 fn run(dir: &Path, config: &Value, extra: &[&str]) -> (bool, String, Vec<Value>) {
@@ -31,7 +18,7 @@ fn run(dir: &Path, config: &Value, extra: &[&str]) -> (bool, String, Vec<Value>)
     let metrics = dir.join("metrics.jsonl");
     let _ = std::fs::remove_file(&metrics);
     let (ok, text) = run_output(
-        Command::new(example())
+        Command::new(train_gpt())
             .args(["--config", path.to_str().unwrap()])
             .args(["--steps", "4", "--digits", "2", "--eval-rows", "16"])
             .args(["--no-progress", "--device", "cpu", "--bench-json"])

@@ -82,12 +82,7 @@ fn check(cfg: ResolvedConfig, what: &str) {
 
 #[test]
 fn resume_is_bit_exact_in_every_stage_and_offload_target_fp16() {
-    for stage in [
-        ZeroStage::Stage0,
-        ZeroStage::Stage1,
-        ZeroStage::Stage2,
-        ZeroStage::Stage3,
-    ] {
+    for stage in common::STAGES {
         // NVMe-resident optimizer state is refused by checkpoints (see the test below).
         for offload in [OffloadTarget::None, OffloadTarget::Cpu] {
             let mut cfg = config(stage, WORLD, 2, 2, fp16());

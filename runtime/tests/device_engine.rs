@@ -276,12 +276,7 @@ fn stages_are_bitwise_identical(d: &Dev) {
                 .collect(),
         };
         let mut reference = None;
-        for stage in [
-            ZeroStage::Stage0,
-            ZeroStage::Stage1,
-            ZeroStage::Stage2,
-            ZeroStage::Stage3,
-        ] {
+        for stage in common::STAGES {
             for overlap in [false, true] {
                 // At 4 ranks overlap is covered by stage 3 alone (the emulator is slow).
                 if world == 4 && overlap && stage != ZeroStage::Stage3 {

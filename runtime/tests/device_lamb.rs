@@ -105,12 +105,7 @@ test_device!(lamb_offloaded_trains_bitwise_across_stages);
 /// two ranks, and the same bits as the offloaded run (whose passes are the CPU's).
 fn lamb_in_device_memory_equals_offloaded(d: &Dev) {
     let mut reference = None;
-    for stage in [
-        ZeroStage::Stage0,
-        ZeroStage::Stage1,
-        ZeroStage::Stage2,
-        ZeroStage::Stage3,
-    ] {
+    for stage in common::STAGES {
         let off = cfg_for(d, stage, 2);
         let mut in_place = off.clone();
         in_place.zero.offload_optimizer.target = OffloadTarget::None;

@@ -20,13 +20,6 @@ const V: usize = 11;
 const D: usize = 6;
 const T: usize = 5;
 const LAYERS: usize = 2;
-const STAGES: [ZeroStage; 4] = [
-    ZeroStage::Stage0,
-    ZeroStage::Stage1,
-    ZeroStage::Stage2,
-    ZeroStage::Stage3,
-];
-
 fn lamb_config(stage: ZeroStage, world: usize, precision: Precision) -> ResolvedConfig {
     let mut cfg = config(stage, world, 2, 2, precision);
     cfg.optimizer = lamb(2e-2);
@@ -45,7 +38,7 @@ use common::runs::named_bits as bits;
 /// first run.
 fn check_stages_identical(world: usize, precision: Precision) {
     let mut reference = None;
-    for stage in STAGES {
+    for stage in common::STAGES {
         for (overlap, offload) in [(false, false), (true, false), (false, true), (true, true)] {
             let mut cfg = lamb_config(stage, world, precision.clone());
             cfg.zero.overlap_comm = overlap;

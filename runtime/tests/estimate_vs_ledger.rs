@@ -15,9 +15,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::ledgers::{Ckpt, Offload, Sweep, SEQ, STAGES};
+use common::ledgers::{Ckpt, Offload, Sweep, SEQ};
 use common::models::{batches, build, Which, MICRO};
-use common::{comms_logger, config, lamb};
+use common::{comms_logger, config, lamb, STAGES};
 use ferrozero_config::resolved::{
     CommDataType, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
 };

@@ -13,6 +13,18 @@ pub fn repo(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
 }
 
+/// `target/<profile>/examples/train_gpt`, built by `cargo test` next to the test binaries.
+pub fn train_gpt() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap();
+    let p = p.join("examples").join("train_gpt");
+    assert!(
+        p.exists(),
+        "cargo test builds examples/train_gpt next to the tests"
+    );
+    p
+}
+
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {

@@ -23,14 +23,6 @@ use ferrozero_runtime::engine::Engine;
 /// Tokens per row.
 pub const SEQ: usize = 8;
 
-/// Stages 0-3.
-pub const STAGES: [ZeroStage; 4] = [
-    ZeroStage::Stage0,
-    ZeroStage::Stage1,
-    ZeroStage::Stage2,
-    ZeroStage::Stage3,
-];
-
 const LOCATIONS: [Location; 3] = [Location::Device, Location::Host, Location::Nvme];
 
 /// Every (location, category) peak and every location's total peak (category `None`).

@@ -13,6 +13,14 @@ use std::time::Duration;
 
 use ferrozero_config::resolved::*;
 
+/// ZeRO stages 0-3.
+pub const STAGES: [ZeroStage; 4] = [
+    ZeroStage::Stage0,
+    ZeroStage::Stage1,
+    ZeroStage::Stage2,
+    ZeroStage::Stage3,
+];
+
 /// A resolved config for tests: AdamW, no scheduler, clipping on, f32 unless told.
 pub fn config(
     stage: ZeroStage,
@@ -182,4 +190,18 @@ pub fn dynamic_scaling(initial_scale_power: u32, window: u64, hysteresis: u32) -
         consecutive_hysteresis: false,
         min_loss_scale: 1.0,
     }
+}
+
+/// Two micro-steps of two rows at `stage` on `world` ranks in `precision`, clipping at `clip`,
+/// and a warmup schedule (a learning rate that changes every step).
+pub fn warmup(stage: ZeroStage, world: usize, precision: Precision, clip: f64) -> ResolvedConfig {
+    let mut cfg = config(stage, world, 2, 2, precision);
+    cfg.gradient_clipping = clip;
+    cfg.scheduler = Some(SchedulerConfig::WarmupLR {
+        warmup_min_lr: 1e-3,
+        warmup_max_lr: 3e-2,
+        warmup_num_steps: 3,
+        warmup_type: WarmupType::Linear,
+    });
+    cfg
 }
