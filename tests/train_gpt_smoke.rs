@@ -4,7 +4,6 @@
 mod train_common;
 use train_common::{run_output, train_gpt};
 
-use std::path::PathBuf;
 use std::process::Command;
 
 fn run(args: &[&str]) -> String {

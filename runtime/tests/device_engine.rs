@@ -12,15 +12,15 @@ use std::sync::Arc;
 use common::config;
 use common::runs::{losses, rank0, toy_batches, toy_steps};
 use device_common::Dev;
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::{Accumulate, Backend, Epilogue, Rope};
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::linear::{Linear, WeightLayout};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::module::SavedState;
-use ferrozero_runtime::nn::{Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit};
-use ferrozero_runtime::tensor::{DType, Storage, Tensor};
+use ferrozero_runtime::nn::{Ctx, Grads, Init, Model, Module, ParamSpec, Params};
+use ferrozero_runtime::tensor::{Storage, Tensor};
 use ferrozero_runtime::{Error, Result};
 
 const V: usize = 23;
@@ -147,42 +147,23 @@ fn model() -> Model {
         sliding_window: None,
         attention_dropout: 0.0,
     };
-    let mut units = vec![Unit {
-        name: "embed".into(),
-        module: std::sync::Arc::new(llama::embed(&ends)),
-        uses_shared: vec![0],
-    }];
-    for i in 0..2 {
-        units.push(Unit {
-            name: format!("mlp.{i}"),
-            module: std::sync::Arc::new(Mlp {
-                name: format!("mlp.{i}"),
-            }),
-            uses_shared: vec![],
-        });
-    }
-    units.push(Unit {
-        name: "head".into(),
-        module: std::sync::Arc::new(llama::head(&ends)),
-        uses_shared: vec![0],
+    let blocks = (0..2).map(|i| {
+        let name = format!("mlp.{i}");
+        let block: Arc<dyn Module> = Arc::new(Mlp { name: name.clone() });
+        (name, block)
     });
-    Model {
-        shared: vec![ParamSpec {
-            name: "model.embed_tokens.weight".into(),
-            shape: vec![V, H],
-            init: Init::Normal { std: 0.3 },
-        }],
-        units,
-        frozen: Default::default(),
-    }
+    let table = ParamSpec {
+        name: "model.embed_tokens.weight".into(),
+        shape: vec![V, H],
+        init: Init::Normal { std: 0.3 },
+    };
+    let (embed, head) = (llama::embed(&ends), llama::head(&ends));
+    common::toy::tied(Arc::new(embed), blocks.collect(), Arc::new(head), table)
 }
 
 /// A config for `d`: its activation dtype decides the precision (bf16 storage for a bf16 device).
 fn cfg_for(d: &Dev, stage: ZeroStage, world: usize) -> ResolvedConfig {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let mut c = config(stage, world, 2, 2, precision);
     if let ferrozero_config::resolved::OptimizerConfig::Adam { lr, .. } = &mut c.optimizer {
         *lr = 3e-3;
@@ -223,14 +204,7 @@ fn engine_matches_cpu(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage2, 1);
     let (p_dev, l_dev) = train(&d.be, &cfg, 4);
     let (p_cpu, l_cpu) = train(&ferrozero_runtime::backend::cpu(), &cfg, 4);
-    let rel = d.tol().rel.max(1e-4);
-    for (a, b) in l_dev.iter().zip(&l_cpu) {
-        assert!(
-            (a - b).abs() <= rel * b.abs(),
-            "{}: losses {l_dev:?} vs CPU {l_cpu:?}",
-            d.name
-        );
-    }
+    device_common::assert_losses_close(d, &l_dev, &l_cpu);
     assert!(l_dev[3] < l_dev[0], "{}: the loss falls: {l_dev:?}", d.name);
     // An Adam step moves a parameter by about lr whatever the gradient's size, so where a tiny
     // gradient's sign differs between devices (bf16 activations round every product) the
@@ -245,6 +219,7 @@ fn engine_matches_cpu(d: &Dev) {
         }
     }
     let mean = total / n as f64;
+    let rel = d.tol().rel.max(1e-4);
     let bound = 4.0 * 2.0 * 3e-3 + 0.01;
     assert!(
         worst <= bound,

@@ -21,7 +21,6 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::Model;
-use ferrozero_runtime::tensor::DType;
 
 const SEQ: usize = 8;
 
@@ -111,10 +110,7 @@ fn same(
 }
 
 fn moved_gradient_steps_as_accumulated(d: &Dev) {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let cases = [
         (ZeroStage::Stage0, 1),
         (ZeroStage::Stage3, 1),
@@ -178,7 +174,7 @@ fn fp16_overflow_cpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn fp16_overflow_cuda_emu_f16() {
-    match ferrozero_runtime::backend::cuda::emulated(DType::F16) {
+    match ferrozero_runtime::backend::cuda::emulated(ferrozero_runtime::tensor::DType::F16) {
         Ok(be) => fp16_overflow(&(be as Arc<dyn Backend>), "cuda_emu_f16"),
         Err(e) => ferrozero_runtime::backend::cuda::emu::skip_unless_required(&format!(
             "cuda_emu_f16: {e}"
@@ -190,10 +186,7 @@ fn fp16_overflow_cuda_emu_f16() {
 /// loop allows it): the moved gradient becomes an accumulator holding the same values and the
 /// second is added into it, exactly as the run keeping accumulators does.
 fn second_micro_step_before_the_step(d: &Dev) {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let c = cfg(ZeroStage::Stage0, 1, precision);
     let run = |accumulate: bool| {
         let out = run_ranks(1, Duration::from_secs(300), |comm| {

@@ -14,7 +14,7 @@ use common::{config, lamb};
 use device_common::Dev;
 use device_common::{get, rand};
 use ferrozero_config::resolved::ZeroStage;
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig};
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
 use ferrozero_offload::optim::{lamb_coeff, LambHyper, SUM_BLOCK};
 use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::backend::GradView;
@@ -31,10 +31,7 @@ fn model() -> Model {
 
 /// LAMB with the state offloaded to the host; bf16 parameters on a bf16 device.
 fn cfg_for(d: &Dev, stage: ZeroStage, world: usize) -> ResolvedConfig {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let mut c = config(stage, world, 2, 2, precision);
     c.optimizer = lamb(1e-2);
     c.zero.offload_optimizer.target = OffloadTarget::Cpu;
@@ -90,14 +87,7 @@ fn lamb_offloaded_trains_bitwise_across_stages(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage2, 1);
     let (_, l_dev) = train(&d.be, &cfg, 3).unwrap();
     let (_, l_cpu) = train(&ferrozero_runtime::backend::cpu(), &cfg, 3).unwrap();
-    let rel = d.tol().rel.max(1e-4);
-    for (a, b) in l_dev.iter().zip(&l_cpu) {
-        assert!(
-            (a - b).abs() <= rel * b.abs(),
-            "{}: losses {l_dev:?} vs CPU {l_cpu:?}",
-            d.name
-        );
-    }
+    device_common::assert_losses_close(d, &l_dev, &l_cpu);
 }
 test_device!(lamb_offloaded_trains_bitwise_across_stages);
 

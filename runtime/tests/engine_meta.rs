@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::ledgers::{meta, peaks};
 use common::models::{resident as rss, serial, Which, MICRO};
 use common::{checkpointing, config, toy};
-use ferrozero_config::resolved::{OffloadTarget, Precision, ZeroStage};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::MetaBackend;
 use ferrozero_runtime::comm::meta::MetaComm;
 use ferrozero_runtime::engine::ledger::{Category, Location};
@@ -32,6 +32,29 @@ fn shard_elements(model: &Model, world: usize) -> u64 {
         .sum()
 }
 
+/// Builds `model` on the meta device as rank 0 of `cfg`'s world and steps it once on one
+/// micro-batch of 1 x `seq`: under 3 s, the process's memory growing less than 256 MiB.
+fn step_in_seconds(what: &str, model: Model, cfg: &ResolvedConfig, seq: usize) -> Engine {
+    let before = rss();
+    let start = Instant::now();
+    let comm = MetaComm::new(0, cfg.world_size, cfg.comms.backend).unwrap();
+    let be = Arc::new(MetaBackend);
+    let mut e = Engine::with_backend(model, cfg.clone(), Box::new(comm), be).unwrap();
+    let built = start.elapsed();
+    e.train_batch(&[toy::batch(32000, seq, 0, 1)]).unwrap();
+    let took = start.elapsed();
+    let grew = rss().saturating_sub(before);
+    eprintln!(
+        "{what}: built {built:?}, built and stepped {took:?}, RSS +{} MiB",
+        grew >> 20
+    );
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert!(grew < 256 << 20, "RSS grew {grew} bytes");
+    assert_eq!(e.global_steps(), 1);
+    eprintln!("ledger: {:?}", peaks(e.ledger()));
+    e
+}
+
 /// A 7B Llama at stage 3 on 64 ranks, one micro-batch of 1 x 512: the meta engine builds and
 /// steps in under 3 s without model-sized memory, and holds the closed form's state: bf16
 /// parameter shards, f32 master weights and two f32 moments of the rank's shard.
@@ -44,30 +67,13 @@ fn llama_7b_stage_3_on_64_ranks_steps_in_seconds_without_its_bytes() {
     cfg.zero.reduce_bucket_size = 500_000_000;
     cfg.zero.allgather_bucket_size = 500_000_000;
     cfg.zero.sub_group_size = 1_000_000_000;
-    let before = rss();
-    let start = Instant::now();
-    let comm = MetaComm::new(0, 64, cfg.comms.backend).unwrap();
-    let mut e =
-        Engine::with_backend(model, cfg.clone(), Box::new(comm), Arc::new(MetaBackend)).unwrap();
-    let built = start.elapsed();
-    let batch = toy::batch(32000, 512, 0, 1);
-    e.train_batch(&[batch]).unwrap();
-    let took = start.elapsed();
-    let grew = rss().saturating_sub(before);
-    eprintln!(
-        "7B stage 3, 64 ranks: built {built:?}, built and stepped {took:?}, RSS +{} MiB",
-        grew >> 20
-    );
-    assert!(took < Duration::from_secs(3), "took {took:?}");
-    assert!(grew < 256 << 20, "RSS grew {grew} bytes");
+    let e = step_in_seconds("7B stage 3, 64 ranks", model, &cfg, 512);
     let l = e.ledger();
     assert!(shard > 6_000_000_000 / 64, "a 7B's shard: {shard}");
     assert!(l.peak(Location::Device, Category::Parameters) >= 2 * shard);
     // The step ran: a gathered unit, its activations and reductions were held.
-    assert_eq!(e.global_steps(), 1);
     assert!(l.peak(Location::Device, Category::Activations) > 512 * 4096 * 4);
     assert!(l.peak(Location::Device, Category::CommBuffers) > 0);
-    eprintln!("ledger: {:?}", peaks(l));
     assert_eq!(
         l.peak(Location::Device, Category::OptimizerState),
         12 * shard
@@ -138,25 +144,9 @@ fn llama_13b_on_nvme_steps_in_seconds_without_a_file_or_its_bytes() {
         z.offload_optimizer.buffer_count,
     ) = (true, 4);
     cfg.activation_checkpointing = Some(checkpointing(false));
-    let before = rss();
-    let start = Instant::now();
-    let comm = MetaComm::new(0, 1, cfg.comms.backend).unwrap();
-    let mut e =
-        Engine::with_backend(model, cfg.clone(), Box::new(comm), Arc::new(MetaBackend)).unwrap();
-    let built = start.elapsed();
-    e.train_batch(&[toy::batch(32000, 4096, 0, 1)]).unwrap();
-    let took = start.elapsed();
-    let grew = rss().saturating_sub(before);
-    eprintln!(
-        "13B on NVMe, 1 rank: built {built:?}, built and stepped {took:?}, RSS +{} MiB",
-        grew >> 20
-    );
+    let e = step_in_seconds("13B on NVMe, 1 rank", model, &cfg, 4096);
     assert!(!absent.exists(), "the meta run made {}", absent.display());
-    assert!(took < Duration::from_secs(3), "took {took:?}");
-    assert!(grew < 256 << 20, "RSS grew {grew} bytes");
-    assert_eq!(e.global_steps(), 1);
     let l = e.ledger();
-    eprintln!("ledger: {:?}", peaks(l));
     assert!(n > 12_000_000_000, "a 13B's parameters: {n}");
     assert_eq!(l.peak(Location::Nvme, Category::OptimizerState), 12 * n);
     assert_eq!(l.peak(Location::Nvme, Category::Parameters), 2 * n);

@@ -15,7 +15,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::ledgers::{Ckpt, Offload, Sweep, SEQ};
+use common::ledgers::{one_and_two_ranks, Ckpt, Offload, Sweep, SEQ};
 use common::models::{batches, build, Which, MICRO};
 use common::{comms_logger, config, lamb, STAGES};
 use ferrozero_config::resolved::{
@@ -31,24 +31,22 @@ use ferrozero_runtime::engine::Engine;
 /// overlap (and the opposite stage-3 reuse rule).
 fn sweep(which: Which, precisions: &[Precision]) {
     let mut s = Sweep::new();
-    for stage in STAGES {
-        for world in [1, 2] {
-            for p in precisions {
-                for offload in [
-                    Offload::None,
-                    Offload::Optimizer,
-                    Offload::OptimizerAndParams,
-                    Offload::ParamsOnNvme,
-                ] {
-                    let stage3_only = !matches!(offload, Offload::None | Offload::Optimizer);
-                    let nvme = offload == Offload::ParamsOnNvme;
-                    if stage3_only && stage != ZeroStage::Stage3 || nvme && *p != Precision::Bf16 {
-                        continue;
-                    }
-                    for ckpt in [Ckpt::Off, Ckpt::Device, Ckpt::Cpu] {
-                        let cfg = s.config((stage, world), p.clone(), offload, ckpt);
-                        s.check_overlapped(which, &cfg);
-                    }
+    for (stage, world) in one_and_two_ranks(&STAGES) {
+        for p in precisions {
+            for offload in [
+                Offload::None,
+                Offload::Optimizer,
+                Offload::OptimizerAndParams,
+                Offload::ParamsOnNvme,
+            ] {
+                let stage3_only = !matches!(offload, Offload::None | Offload::Optimizer);
+                let nvme = offload == Offload::ParamsOnNvme;
+                if stage3_only && stage != ZeroStage::Stage3 || nvme && *p != Precision::Bf16 {
+                    continue;
+                }
+                for ckpt in [Ckpt::Off, Ckpt::Device, Ckpt::Cpu] {
+                    let cfg = s.config((stage, world), p.clone(), offload, ckpt);
+                    s.check_overlapped(which, &cfg);
                 }
             }
         }
@@ -100,19 +98,17 @@ fn one_micro_step(mut cfg: ResolvedConfig) -> ResolvedConfig {
 fn precisions_and_single_micro_steps_match_the_cpu_ledger() {
     let mut s = Sweep::new();
     for which in [Which::Gpt2, Which::Llama] {
-        for stage in STAGES {
-            for world in [1, 2] {
-                let cfg = s.config((stage, world), fp16(), Offload::Optimizer, Ckpt::Off);
-                s.check(which, &cfg);
-                s.check(which, &one_micro_step(cfg));
-                for p in [Precision::F32, Precision::Bf16] {
-                    for offload in [Offload::None, Offload::Optimizer] {
-                        let c = s.config((stage, world), p.clone(), offload, Ckpt::Off);
-                        let mut cfg = one_micro_step(c);
-                        s.check(which, &cfg);
-                        cfg.zero.overlap_comm = true;
-                        s.check(which, &cfg);
-                    }
+        for (stage, world) in one_and_two_ranks(&STAGES) {
+            let cfg = s.config((stage, world), fp16(), Offload::Optimizer, Ckpt::Off);
+            s.check(which, &cfg);
+            s.check(which, &one_micro_step(cfg));
+            for p in [Precision::F32, Precision::Bf16] {
+                for offload in [Offload::None, Offload::Optimizer] {
+                    let c = s.config((stage, world), p.clone(), offload, Ckpt::Off);
+                    let mut cfg = one_micro_step(c);
+                    s.check(which, &cfg);
+                    cfg.zero.overlap_comm = true;
+                    s.check(which, &cfg);
                 }
             }
         }
@@ -173,13 +169,11 @@ fn hpz_and_mics_match_the_cpu_ledger() {
 #[test]
 fn lamb_matches_the_cpu_ledger() {
     let mut s = Sweep::new();
-    for stage in STAGES {
-        for world in [1, 2] {
-            for offload in [Offload::None, Offload::Optimizer] {
-                let mut cfg = s.config((stage, world), Precision::Bf16, offload, Ckpt::Off);
-                cfg.optimizer = lamb(2e-2);
-                s.check(Which::Llama, &cfg);
-            }
+    for (stage, world) in one_and_two_ranks(&STAGES) {
+        for offload in [Offload::None, Offload::Optimizer] {
+            let mut cfg = s.config((stage, world), Precision::Bf16, offload, Ckpt::Off);
+            cfg.optimizer = lamb(2e-2);
+            s.check(Which::Llama, &cfg);
         }
     }
     s.finish(16);
@@ -303,22 +297,22 @@ fn large_buckets_and_persistence_threshold_match_the_cpu_ledger() {
 #[test]
 fn f32_gradient_accumulators_match_the_cpu_ledger() {
     let mut s = Sweep::new();
-    for stage in [ZeroStage::Stage0, ZeroStage::Stage2, ZeroStage::Stage3] {
-        for world in [1, 2] {
-            for offload in [
-                Offload::None,
-                Offload::Optimizer,
-                Offload::OptimizerAndParams,
-            ] {
-                if offload == Offload::OptimizerAndParams && stage != ZeroStage::Stage3 {
-                    continue;
-                }
-                let mut cfg = s.config((stage, world), Precision::Bf16, offload, Ckpt::Off);
-                cfg.grad_accum_f32 = true;
-                s.check(Which::Llama, &cfg);
-                cfg.zero.overlap_comm = true;
-                s.check(Which::Llama, &cfg);
+    for (stage, world) in
+        one_and_two_ranks(&[ZeroStage::Stage0, ZeroStage::Stage2, ZeroStage::Stage3])
+    {
+        for offload in [
+            Offload::None,
+            Offload::Optimizer,
+            Offload::OptimizerAndParams,
+        ] {
+            if offload == Offload::OptimizerAndParams && stage != ZeroStage::Stage3 {
+                continue;
             }
+            let mut cfg = s.config((stage, world), Precision::Bf16, offload, Ckpt::Off);
+            cfg.grad_accum_f32 = true;
+            s.check(Which::Llama, &cfg);
+            cfg.zero.overlap_comm = true;
+            s.check(Which::Llama, &cfg);
         }
     }
     s.finish(28);
@@ -330,30 +324,30 @@ fn f32_gradient_accumulators_match_the_cpu_ledger() {
 #[test]
 fn bf16_optimizer_states_match_the_cpu_ledger() {
     let mut s = Sweep::new();
-    for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
-        for world in [1, 2] {
-            for offload in [Offload::None, Offload::Optimizer] {
-                let mut cfg = s.config((stage, world), Precision::Bf16, offload, Ckpt::Off);
-                cfg.zero.overlap_comm = world > 1;
-                cfg.bf16_state.master_weights_and_grads = true;
-                cfg.bf16_state.optimizer_states = true;
-                s.check(Which::Gpt2, &cfg);
-                let opt = |c: &ResolvedConfig| {
-                    let e = estimate(&build(Which::Gpt2), c, MICRO, SEQ).unwrap();
-                    let at = match offload {
-                        Offload::None => &e.device,
-                        _ => &e.host,
-                    };
-                    at.category(Category::OptimizerState)
+    for (stage, world) in
+        one_and_two_ranks(&[ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3])
+    {
+        for offload in [Offload::None, Offload::Optimizer] {
+            let mut cfg = s.config((stage, world), Precision::Bf16, offload, Ckpt::Off);
+            cfg.zero.overlap_comm = world > 1;
+            cfg.bf16_state.master_weights_and_grads = true;
+            cfg.bf16_state.optimizer_states = true;
+            s.check(Which::Gpt2, &cfg);
+            let opt = |c: &ResolvedConfig| {
+                let e = estimate(&build(Which::Gpt2), c, MICRO, SEQ).unwrap();
+                let at = match offload {
+                    Offload::None => &e.device,
+                    _ => &e.host,
                 };
-                // The state alone (no optimizer overlap's snapshots of it): a third.
-                let mut plain = cfg.clone();
-                plain.zero.overlap_comm = false;
-                let mut f32_state = plain.clone();
-                f32_state.bf16_state = Default::default();
-                let (bf16, full) = (opt(&plain), opt(&f32_state));
-                assert_eq!(bf16 * 3, full, "stage {stage:?} world {world} {offload:?}");
-            }
+                at.category(Category::OptimizerState)
+            };
+            // The state alone (no optimizer overlap's snapshots of it): a third.
+            let mut plain = cfg.clone();
+            plain.zero.overlap_comm = false;
+            let mut f32_state = plain.clone();
+            f32_state.bf16_state = Default::default();
+            let (bf16, full) = (opt(&plain), opt(&f32_state));
+            assert_eq!(bf16 * 3, full, "stage {stage:?} world {world} {offload:?}");
         }
     }
     s.finish(12);

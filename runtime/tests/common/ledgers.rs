@@ -101,6 +101,14 @@ pub fn describe(which: Which, cfg: &ResolvedConfig) -> String {
     )
 }
 
+/// Each of `stages` at one rank and at two, stages outermost: the `(stage, world)` pairs
+/// [`Sweep::config`] takes.
+pub fn one_and_two_ranks(stages: &[ZeroStage]) -> Vec<(ZeroStage, usize)> {
+    (stages.iter())
+        .flat_map(|&stage| [(stage, 1), (stage, 2)])
+        .collect()
+}
+
 /// Where optimizer state and parameters live.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Offload {
