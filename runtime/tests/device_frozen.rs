@@ -14,16 +14,10 @@ use device_common::Dev;
 use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
-use ferrozero_runtime::nn::freeze::Freeze;
 use ferrozero_runtime::nn::Model;
 
 const T: usize = 8;
 const STEPS: usize = 2;
-
-fn part_frozen() -> Model {
-    let f = Freeze::new(&["*.attn.*", "transformer.w?e.weight"]).unwrap();
-    tiny::gpt2_model(2).freeze(f).unwrap()
-}
 
 fn lora() -> Model {
     tiny::gpt2_lora(r#""all-linear""#, "[]")
@@ -104,7 +98,7 @@ fn frozen_training(d: &Dev) {
         ("stage 3", cfg_for(d, ZeroStage::Stage3)),
         ("stage 3 with offload", offloaded(d)),
     ];
-    check(d, part_frozen, others);
+    check(d, tiny::gpt2_part_frozen, others);
 }
 test_device!(frozen_training);
 

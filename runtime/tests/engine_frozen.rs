@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use common::runs::{rank0, toy_batches, toy_steps};
 use common::scratch::Scratch;
+use common::tiny::gpt2_part_frozen;
 use common::{checkpointing, config, lamb, tiny};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
@@ -23,13 +24,6 @@ use ferrozero_runtime::nn::{gpt2, Model};
 
 const T: usize = 8;
 const STEPS: usize = 3;
-
-/// GPT-2 with every attention block's weights, the tied table and the positions frozen:
-/// units mixed (attention frozen, the MLP and norms train) and a frozen shared group.
-fn gpt2_part_frozen() -> Model {
-    let f = Freeze::new(&["*.attn.*", "transformer.w?e.weight"]).unwrap();
-    tiny::gpt2_model(2).freeze(f).unwrap()
-}
 
 /// Llama (untied) training only its last block's MLP and the final norm.
 fn llama_last_mlp() -> Model {
