@@ -9,7 +9,7 @@ use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::weights::{self, Naming};
 use ferrozero_runtime::nn::{Batch, BatchIds, Ctx, Params, Saved};
 use ferrozero_runtime::tensor::{Tensor, View};
-use nn_common::{step, Weights};
+use nn_common::{golden, step, Weights};
 
 fn fixture() -> Vec<weights::NamedTensor> {
     let path =
@@ -52,24 +52,7 @@ fn load_model() -> (
 ) {
     let f = fixture();
     let model = gpt2::build(&config()).expect("model builds");
-    let mut w = Weights::zeros(&model);
-    for (u, unit) in model.units.iter().enumerate() {
-        for (i, spec) in unit.module.param_specs().iter().enumerate() {
-            w.units[u][i].copy_from_slice(get(&f, &spec.name));
-        }
-    }
-    w.shared[0].copy_from_slice(get(&f, "transformer.wte.weight"));
-    let tokens = get(&f, "golden.tokens").iter().map(|&v| v as u32).collect();
-    let targets = get(&f, "golden.targets")
-        .iter()
-        .map(|&v| v as i32)
-        .collect();
-    let batch = Batch {
-        batch: 2,
-        seq: 9,
-        tokens,
-        targets,
-    };
+    let (w, batch) = golden(&model, &f, (2, 9));
     (model, w, batch, f)
 }
 

@@ -7,8 +7,7 @@ use std::path::Path;
 
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::weights::{self, Naming};
-use ferrozero_runtime::nn::Batch;
-use nn_common::{step, Weights};
+use nn_common::{golden, step};
 
 fn get<'a>(f: &'a [weights::NamedTensor], name: &str) -> &'a [f32] {
     &f.iter()
@@ -30,23 +29,7 @@ fn llama_loss_and_every_gradient_match_pytorch() {
     )
     .expect("valid config");
     let model = llama::build(&cfg).expect("model builds");
-    let mut w = Weights::zeros(&model);
-    for (u, unit) in model.units.iter().enumerate() {
-        for (i, spec) in unit.module.param_specs().iter().enumerate() {
-            w.units[u][i].copy_from_slice(get(&f, &spec.name));
-        }
-    }
-    let tokens = get(&f, "golden.tokens").iter().map(|&v| v as u32).collect();
-    let targets = get(&f, "golden.targets")
-        .iter()
-        .map(|&v| v as i32)
-        .collect();
-    let batch = Batch {
-        batch: 2,
-        seq: 7,
-        tokens,
-        targets,
-    };
+    let (w, batch) = golden(&model, &f, (2, 7));
     let out = step(&model, &w, &batch, 0, 1.0).expect("step runs");
     let want = get(&f, "golden.loss")[0];
     assert!(

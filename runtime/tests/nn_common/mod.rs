@@ -3,11 +3,37 @@
 #![allow(dead_code)]
 
 use ferrozero_runtime::backend::Backend;
+use ferrozero_runtime::nn::weights::NamedTensor;
 use ferrozero_runtime::nn::{
     init, Batch, BatchIds, Ctx, Grads, Model, Params, Saved, IGNORE_INDEX,
 };
 use ferrozero_runtime::tensor::{DType, FlatBuf, Storage, Tensor};
 use ferrozero_runtime::Result;
+
+/// `model`'s weights and a batch of `(rows, seq)` tokens from a PyTorch fixture `f`: every
+/// parameter by its Hugging Face name (the shared ones too) and `golden.tokens`/`golden.targets`.
+pub fn golden(model: &Model, f: &[NamedTensor], (rows, seq): (usize, usize)) -> (Weights, Batch) {
+    let get = |name: &str| {
+        let t = f.iter().find(|t| t.name == name);
+        &t.unwrap_or_else(|| panic!("fixture lacks {name}")).data
+    };
+    let mut w = Weights::zeros(model);
+    for (u, unit) in model.units.iter().enumerate() {
+        for (i, spec) in unit.module.param_specs().iter().enumerate() {
+            w.units[u][i].copy_from_slice(get(&spec.name));
+        }
+    }
+    for (i, spec) in model.shared.iter().enumerate() {
+        w.shared[i].copy_from_slice(get(&spec.name));
+    }
+    let batch = Batch {
+        batch: rows,
+        seq,
+        tokens: get("golden.tokens").iter().map(|&v| v as u32).collect(),
+        targets: get("golden.targets").iter().map(|&v| v as i32).collect(),
+    };
+    (w, batch)
+}
 
 /// Flat per-parameter buffers, as the engine would own them.
 #[derive(Debug, Clone, PartialEq)]
