@@ -5,24 +5,11 @@
 //! low, raised to the hard limit without bothering anyone. `train_gpt` runs under util-linux
 //! `prlimit` (and, as root, `setpriv` dropping CAP_IPC_LOCK, which would lift the limit).
 
+mod train_common;
+use train_common::{run_output, train_gpt};
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("train_gpt");
-    assert!(
-        p.exists(),
-        "cargo test builds examples/train_gpt next to the tests"
-    );
-    p
-}
 
 fn tool(name: &str) -> Option<PathBuf> {
     ["/usr/bin", "/bin", "/usr/sbin", "/sbin"]
@@ -86,30 +73,24 @@ fn run_with(memlock: &str, config: PathBuf) -> Option<(bool, String)> {
         cmd.arg(tool("setpriv")?)
             .args(["--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock"]);
     }
-    let out = cmd
-        .arg(example())
-        .args(["--config"])
-        .arg(config)
-        .args([
-            "--ranks",
-            "1",
-            "--steps",
-            "1",
-            "--digits",
-            "2",
-            "--eval-rows",
-            "8",
-        ])
-        .arg("--no-progress")
-        .env("NO_COLOR", "1")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let ran = run_output(
+        cmd.arg(train_gpt())
+            .args(["--config"])
+            .arg(config)
+            .args([
+                "--ranks",
+                "1",
+                "--steps",
+                "1",
+                "--digits",
+                "2",
+                "--eval-rows",
+                "8",
+            ])
+            .arg("--no-progress")
+            .env("NO_COLOR", "1"),
     );
-    Some((out.status.success(), text))
+    Some(ran)
 }
 
 #[test]

@@ -2,24 +2,10 @@
 //! through the main job unchanged and produces all three: an event file and the CSV files
 //! under `output_path/job_name`, one row per step, and DeepSpeed's communication summary.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod train_common;
+use train_common::{run_output, train_gpt};
 
-/// `target/<profile>/examples/train_gpt`, built by `cargo test` next to this test binary.
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/train_gpt");
-    assert!(
-        p.exists(),
-        "cargo test builds examples/train_gpt next to the tests"
-    );
-    p
-}
+use std::process::Command;
 
 #[test]
 fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
@@ -38,27 +24,22 @@ fn train_gpt_writes_tensorboard_csv_and_the_comms_summary() {
     });
     let path = dir.join("ds_config.json");
     std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
-    let out = Command::new(example())
-        .args(["--config", path.to_str().unwrap()])
-        .args([
-            "--steps",
-            "4",
-            "--digits",
-            "2",
-            "--eval-rows",
-            "16",
-            "--no-progress",
-        ])
-        .args(["--ranks", "2", "--device", "cpu"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (ok, text) = run_output(
+        Command::new(train_gpt())
+            .args(["--config", path.to_str().unwrap()])
+            .args([
+                "--steps",
+                "4",
+                "--digits",
+                "2",
+                "--eval-rows",
+                "16",
+                "--no-progress",
+            ])
+            .args(["--ranks", "2", "--device", "cpu"])
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
-    assert!(out.status.success(), "{text}");
+    assert!(ok, "{text}");
     assert!(!text.contains("not supported"), "{text}");
 
     let events: Vec<_> = std::fs::read_dir(dir.join("tb/gpt"))
@@ -106,7 +87,7 @@ fn ctrl_c_flushes_the_monitor_files_before_the_process_ends() {
     });
     let path = dir.join("ds_config.json");
     std::fs::write(&path, config.to_string()).unwrap();
-    let mut child = Command::new(example())
+    let mut child = Command::new(train_gpt())
         .args(["--config", path.to_str().unwrap()])
         .args(["--steps", "1000000", "--digits", "2", "--no-progress"])
         .args(["--ranks", "1", "--device", "cpu"])

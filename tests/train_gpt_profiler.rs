@@ -3,23 +3,13 @@
 //! and every step line and the benchmark line carry `mfu` when a peak is known (`null` on
 //! the CPU without `--peak-tflops`).
 
+mod train_common;
+use train_common::{run_output, train_gpt};
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
-
-/// `target/<profile>/examples/train_gpt`, built by `cargo test` next to this test binary.
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/train_gpt");
-    assert!(p.exists(), "cargo test builds examples/train_gpt");
-    p
-}
 
 /// Four steps of the addition model on the CPU; (success, stdout and stderr, metric lines).
 fn run(dir: &Path, config: &Value, extra: &[&str]) -> (bool, String, Vec<Value>) {
@@ -27,19 +17,14 @@ fn run(dir: &Path, config: &Value, extra: &[&str]) -> (bool, String, Vec<Value>)
     std::fs::write(&path, config.to_string()).unwrap();
     let metrics = dir.join("metrics.jsonl");
     let _ = std::fs::remove_file(&metrics);
-    let out = Command::new(example())
-        .args(["--config", path.to_str().unwrap()])
-        .args(["--steps", "4", "--digits", "2", "--eval-rows", "16"])
-        .args(["--no-progress", "--device", "cpu", "--bench-json"])
-        .args(["--metrics", metrics.to_str().unwrap()])
-        .args(extra)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (ok, text) = run_output(
+        Command::new(train_gpt())
+            .args(["--config", path.to_str().unwrap()])
+            .args(["--steps", "4", "--digits", "2", "--eval-rows", "16"])
+            .args(["--no-progress", "--device", "cpu", "--bench-json"])
+            .args(["--metrics", metrics.to_str().unwrap()])
+            .args(extra)
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
     let lines = std::fs::read_to_string(&metrics)
         .unwrap_or_default()
@@ -47,7 +32,7 @@ fn run(dir: &Path, config: &Value, extra: &[&str]) -> (bool, String, Vec<Value>)
         .map(|l| serde_json::from_str(l).unwrap())
         .filter(|v: &Value| v.get("loss").is_some())
         .collect();
-    (out.status.success(), text, lines)
+    (ok, text, lines)
 }
 
 /// A directory of this test's own, removed when it ends, pass or fail.

@@ -1,30 +1,19 @@
 //! The main job runs end to end at a small size: trains, checkpoints, resumes from the
 //! checkpoint in a new process, and reports held-out accuracy.
 
-use std::path::PathBuf;
+mod train_common;
+use train_common::{run_output, train_gpt};
+
 use std::process::Command;
 
-/// `target/<profile>/examples/train_gpt`, built by `cargo test` next to this test binary.
-fn example() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?;
-    let p = dir.join("examples").join("train_gpt");
-    p.exists().then_some(p)
-}
-
 fn run(args: &[&str]) -> String {
-    let exe = example().expect("cargo test builds examples/train_gpt next to the tests");
-    let out = Command::new(exe)
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let exe = train_gpt();
+    let (ok, text) = run_output(
+        Command::new(exe)
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
-    assert!(out.status.success(), "train_gpt {args:?} failed:\n{text}");
+    assert!(ok, "train_gpt {args:?} failed:\n{text}");
     text
 }
 
@@ -149,7 +138,7 @@ fn token_files_shuffling_and_init_from_consolidated_weights() {
 
 #[test]
 fn bad_config_is_a_clear_error() {
-    let exe = example().expect("example built");
+    let exe = train_gpt();
     let out = Command::new(exe)
         .args(["--config", "does/not/exist.toml", "--steps", "1"])
         .output()
@@ -166,7 +155,7 @@ fn bad_config_is_a_clear_error() {
 #[cfg(feature = "cuda")]
 #[test]
 fn trains_on_the_emulated_gpu_like_the_cpu() {
-    let exe = example().expect("cargo test builds examples/train_gpt next to the tests");
+    let exe = train_gpt();
     let dir = std::env::temp_dir().join(format!("fz-smoke-gpu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let losses = |device: &str| -> Vec<f64> {
@@ -228,7 +217,7 @@ fn trains_on_the_emulated_gpu_like_the_cpu() {
 /// device peak at or under it.
 #[test]
 fn device_memory_limit_flag_refuses_or_holds() {
-    let exe = example().expect("cargo test builds examples/train_gpt next to the tests");
+    let exe = train_gpt();
     let out = Command::new(&exe)
         .args([
             "--steps",
@@ -277,7 +266,7 @@ fn device_memory_limit_flag_refuses_or_holds() {
 fn runs_outside_the_repository_on_the_built_in_config() {
     let dir = std::env::temp_dir().join(format!("fz-smoke-cwd-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let out = Command::new(example().expect("example built"))
+    let out = Command::new(train_gpt())
         .args([
             "--digits",
             "2",

@@ -11,7 +11,9 @@ use std::path::Path;
 use ferrozero::runtime::nn::weights::{self, NamedTensor, Naming};
 use train_common::{metrics, model_dir, repo, s, train, TempDir};
 
-fn tensors(path: &Path) -> BTreeMap<String, NamedTensor> {
+type Tensors = BTreeMap<String, NamedTensor>;
+
+fn tensors(path: &Path) -> Tensors {
     (weights::load(path, Naming::Exact).unwrap().into_iter())
         .map(|t| (t.name.clone(), t))
         .collect()
@@ -39,15 +41,28 @@ fn setup(tmp: &TempDir) -> (std::path::PathBuf, Vec<String>) {
     (model, args)
 }
 
+/// `common` followed by `more`.
+fn args<'a>(common: &'a [String], more: &[&'a str]) -> Vec<&'a str> {
+    let common = common.iter().map(String::as_str);
+    common.chain(more.iter().copied()).collect()
+}
+
 fn run(tmp: &TempDir, common: &[String], more: &[&str]) -> String {
-    let args: Vec<&str> = common
-        .iter()
-        .map(String::as_str)
-        .chain(more.iter().copied())
-        .collect();
-    let (ok, text) = train(&tmp.0, &args);
+    let (ok, text) = train(&tmp.0, &args(common, more));
     assert!(ok, "{text}");
     text
+}
+
+/// Runs with `more`, writing to `out`; the base model's weights and the written ones.
+fn run_weights(
+    tmp: &TempDir,
+    common: &[String],
+    (model, out): (&Path, &Path),
+    more: &[&str],
+) -> (Tensors, Tensors) {
+    run(tmp, common, &[more, &["--output", s(out)]].concat());
+    let weights = |dir: &Path| tensors(&dir.join("model.safetensors"));
+    (weights(model), weights(out))
 }
 
 #[test]
@@ -114,20 +129,8 @@ fn lora_trains_writes_a_peft_directory_resumes_from_it_and_merges() {
         assert_eq!(bits(&back[name].data), bits(&t.data), "{name}");
     }
     // Merged: W + (alpha / r) B A in GPT-2's [in, out] layout, and no adapter tensors.
-    let flags = [
-        "--peft",
-        s(&out),
-        "--steps",
-        "0",
-        "--merge",
-        "--output",
-        s(&merged),
-    ];
-    run(&tmp, &common, &flags);
-    let (base, got) = (
-        tensors(&model.join("model.safetensors")),
-        tensors(&merged.join("model.safetensors")),
-    );
+    let flags = ["--peft", s(&out), "--steps", "0", "--merge"];
+    let (base, got) = run_weights(&tmp, &common, (&model, &merged), &flags);
     assert!(got.keys().all(|k| !k.contains("lora_")), "{:?}", got.keys());
     let w = "transformer.h.1.attn.c_attn";
     let (a, b) = (
@@ -181,25 +184,6 @@ fn lora_trains_writes_a_peft_directory_resumes_from_it_and_merges() {
     let wrong: Vec<String> = (wrong.iter())
         .map(|a| a.replace(s(&model), s(&merged)))
         .collect();
-    let flags = [
-        "--peft",
-        s(&cfg),
-        "--config",
-        s(&ds),
-        "--steps",
-        "23",
-        "--resume",
-        s(&ck),
-    ];
-    let args: Vec<&str> = wrong.iter().map(String::as_str).chain(flags).collect();
-    let (ok, text) = train(&tmp.0, &args);
-    assert!(!ok, "{text}");
-    assert!(
-        text.contains("frozen parameters are not the ones"),
-        "{text}"
-    );
-    // The two-rank stage-3 checkpoint resumes on one rank and trains on.
-    let m2 = tmp.0.join("m2.jsonl");
     let resume = [
         "--peft",
         s(&cfg),
@@ -210,6 +194,14 @@ fn lora_trains_writes_a_peft_directory_resumes_from_it_and_merges() {
         "--resume",
         s(&ck),
     ];
+    let (ok, text) = train(&tmp.0, &args(&wrong, &resume));
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("frozen parameters are not the ones"),
+        "{text}"
+    );
+    // The two-rank stage-3 checkpoint resumes on one rank and trains on.
+    let m2 = tmp.0.join("m2.jsonl");
     run(
         &tmp,
         &common,
@@ -238,20 +230,8 @@ fn freeze_rules_leave_frozen_weights_as_they_were() {
     let tmp = TempDir::new("freeze");
     let (model, common) = setup(&tmp);
     let out = tmp.0.join("out");
-    let flags = [
-        "--freeze",
-        "*",
-        "!transformer.h.1.*",
-        "--steps",
-        "5",
-        "--output",
-        s(&out),
-    ];
-    run(&tmp, &common, &flags);
-    let (before, after) = (
-        tensors(&model.join("model.safetensors")),
-        tensors(&out.join("model.safetensors")),
-    );
+    let flags = ["--freeze", "*", "!transformer.h.1.*", "--steps", "5"];
+    let (before, after) = run_weights(&tmp, &common, (&model, &out), &flags);
     for (name, t) in &after {
         let same = before[name].data == t.data;
         assert_eq!(same, !name.starts_with("transformer.h.1."), "{name}");
@@ -290,12 +270,7 @@ fn lora_and_freeze_mistakes_are_clear_errors() {
         (&["--freeze", "*"], &["nothing would train"]),
     ];
     for (flags, want) in cases {
-        let args: Vec<&str> = common
-            .iter()
-            .map(String::as_str)
-            .chain(flags.iter().copied())
-            .collect();
-        let (ok, text) = train(&tmp.0, &args);
+        let (ok, text) = train(&tmp.0, &args(&common, flags));
         assert!(!ok, "{flags:?} ran");
         for w in want {
             assert!(text.contains(w), "{flags:?}: `{w}` not in: {text}");

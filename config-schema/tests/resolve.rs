@@ -264,37 +264,40 @@ fn a_deepspeed_lamb_section_resolves_with_fused_lambs_meanings_and_defaults() {
         hidden_size: None,
         micro_batch_hint: None,
     };
+    let optimizer = |src: &str| {
+        let c = parse(src, Format::Json, "ds.json").unwrap().config;
+        c.resolve(&ctx).unwrap().optimizer
+    };
+    let defaults = OptimizerConfig::Lamb {
+        lr: 1e-3,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        eps_inside_sqrt: false,
+        weight_decay: 0.0,
+        bias_correction: true,
+        max_coeff: 10.0,
+        min_coeff: 0.01,
+    };
+    let src = r#"{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb"}}"#;
+    assert_eq!(optimizer(src), defaults);
+    // Every key given (`lr` and `min_coeff` at their defaults' values), `amsgrad` false.
     let src = r#"{"train_micro_batch_size_per_gpu": 2,
       "optimizer": {"type": "lamb", "params": {"lr": 1e-3, "betas": [0.8, 0.99], "eps": 1e-6,
         "eps_inside_sqrt": true, "weight_decay": 0.01, "bias_correction": false,
         "max_coeff": 0.3, "min_coeff": 0.01, "amsgrad": false}}}"#;
-    let c = parse(src, Format::Json, "ds.json").unwrap().config;
-    assert_eq!(
-        c.resolve(&ctx).unwrap().optimizer,
-        OptimizerConfig::Lamb {
-            lr: 1e-3,
-            betas: (0.8, 0.99),
-            eps: 1e-6,
-            eps_inside_sqrt: true,
-            weight_decay: 0.01,
-            bias_correction: false,
-            max_coeff: 0.3,
-            min_coeff: 0.01,
-        }
-    );
-    let src = r#"{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Lamb"}}"#;
-    let c = parse(src, Format::Json, "ds.json").unwrap().config;
-    assert_eq!(
-        c.resolve(&ctx).unwrap().optimizer,
-        OptimizerConfig::Lamb {
-            lr: 1e-3,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            eps_inside_sqrt: false,
-            weight_decay: 0.0,
-            bias_correction: true,
-            max_coeff: 10.0,
-            min_coeff: 0.01,
-        }
-    );
+    let mut want = defaults;
+    if let OptimizerConfig::Lamb {
+        betas,
+        eps,
+        eps_inside_sqrt,
+        weight_decay,
+        bias_correction,
+        max_coeff,
+        ..
+    } = &mut want
+    {
+        (*betas, *eps, *eps_inside_sqrt) = ((0.8, 0.99), 1e-6, true);
+        (*weight_decay, *bias_correction, *max_coeff) = (0.01, false, 0.3);
+    }
+    assert_eq!(optimizer(src), want);
 }

@@ -59,12 +59,7 @@ fn world_4_stage_3_loads_at_worlds_1_2_3_in_every_stage() {
     let original = state(src.path(), "w4");
     let reference = CheckpointReader::open(src.path(), &Tag::Latest).unwrap();
     for world in [1, 2, 3] {
-        for stage in [
-            ZeroStage::Stage0,
-            ZeroStage::Stage1,
-            ZeroStage::Stage2,
-            ZeroStage::Stage3,
-        ] {
+        for stage in common::STAGES {
             let what = format!("world {world} {stage:?}");
             let out = tempfile::tempdir().unwrap();
             let cfg = config(stage, world, 1, 1, Precision::Bf16);

@@ -7,9 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::{config, toy};
-use ferrozero_config::resolved::{
-    LossScaling, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
-};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::Engine;
@@ -22,14 +20,8 @@ const WORLD: usize = 2;
 const K: u64 = 3;
 
 fn fp16() -> Precision {
-    Precision::Fp16(LossScaling::Dynamic {
-        // High enough to overflow at first, so the scaler's state moves.
-        initial_scale_power: 24,
-        loss_scale_window: 2,
-        hysteresis: 2,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    })
+    // High enough to overflow at first, so the scaler's state moves.
+    Precision::Fp16(common::dynamic_scaling(24, 2, 2))
 }
 
 fn micro_batches(cfg: &ResolvedConfig, step: u64, rank: usize) -> Vec<Batch> {
@@ -90,12 +82,7 @@ fn check(cfg: ResolvedConfig, what: &str) {
 
 #[test]
 fn resume_is_bit_exact_in_every_stage_and_offload_target_fp16() {
-    for stage in [
-        ZeroStage::Stage0,
-        ZeroStage::Stage1,
-        ZeroStage::Stage2,
-        ZeroStage::Stage3,
-    ] {
+    for stage in common::STAGES {
         // NVMe-resident optimizer state is refused by checkpoints (see the test below).
         for offload in [OffloadTarget::None, OffloadTarget::Cpu] {
             let mut cfg = config(stage, WORLD, 2, 2, fp16());

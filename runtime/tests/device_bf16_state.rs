@@ -11,14 +11,12 @@ mod common;
 mod device_common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{config, toy};
+use common::config;
+use common::runs::{losses, rank0, toy_steps};
 use device_common::{rand, Dev};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
-use ferrozero_offload::optim::{AdamHyper, LionHyper, SgdHyper, WeightDecay};
 use ferrozero_runtime::backend::{Backend, GradView, StepTensor, UpdateRule};
-use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::Model;
@@ -29,32 +27,7 @@ use ferrozero_runtime::tensor::{DType, FlatBuf, Storage};
 const N: usize = 70_001;
 
 fn rules() -> Vec<UpdateRule> {
-    let adam = |decay| AdamHyper {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        decay,
-        bias_correction: true,
-    };
-    vec![
-        UpdateRule::Adam(adam(WeightDecay::Decoupled)),
-        UpdateRule::Adam(adam(WeightDecay::L2)),
-        UpdateRule::Sgd(SgdHyper {
-            lr: 1e-2,
-            momentum: 0.9,
-            dampening: 0.1,
-            weight_decay: 0.01,
-            nesterov: false,
-        }),
-        UpdateRule::Lion(LionHyper {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.99,
-            weight_decay: 0.1,
-        }),
-    ]
+    common::update_rules(0.1, false)
 }
 
 fn put(d: &Dev, dtype: DType, vals: &[f32]) -> Storage {
@@ -219,17 +192,10 @@ fn cfg_world(stage: ZeroStage, world: usize) -> ResolvedConfig {
 type Run = (Vec<f64>, Vec<Vec<u32>>, (u64, u64));
 
 fn train(be: &Arc<dyn Backend>, cfg: &ResolvedConfig) -> Run {
-    let world = cfg.world_size;
-    let out = run_ranks(world, Duration::from_secs(300), |comm| {
+    rank0(cfg.world_size, |comm| {
         let rank = comm.rank();
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
-        let mut losses = Vec::new();
-        for s in 0..4 {
-            let batches: Vec<_> = (0..2)
-                .map(|m| toy::batch(V, T, ((s * 2 + m) * world + rank) * 2, 2))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
+        let losses = losses(&toy_steps(&mut e, cfg, (V, T), 4, rank)?);
         let bits = e
             .parameters()?
             .iter()
@@ -238,8 +204,7 @@ fn train(be: &Arc<dyn Backend>, cfg: &ResolvedConfig) -> Run {
         let opt = |at| e.ledger().peak(at, Category::OptimizerState);
         Ok((losses, bits, (opt(Location::Device), opt(Location::Host))))
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 /// Stages 1-3, with and without overlapped communication, and with the state and the

@@ -88,11 +88,7 @@ fn train(cfg: &ResolvedConfig) -> Run {
         e.train_batch(&batches(1))?;
         let trace = obs.take_trace();
         e.train_batch(&batches(2))?;
-        let bits = e
-            .parameters()?
-            .into_iter()
-            .map(|t| (t.name, t.data.iter().map(|x| x.to_bits()).collect()))
-            .collect();
+        let bits = common::runs::named_bits(&e.parameters()?);
         Ok(Run {
             bits,
             peak: e.backend().memory_stats().map_or(0, |m| m.peak),

@@ -8,20 +8,19 @@ mod common;
 mod device_common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{config, toy};
+use common::config;
+use common::runs::{losses, rank0, toy_batches, toy_steps};
 use device_common::Dev;
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::{Accumulate, Backend, Epilogue, Rope};
-use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::linear::{Linear, WeightLayout};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::module::SavedState;
-use ferrozero_runtime::nn::{Ctx, Grads, Init, Model, Module, ParamSpec, Params, Unit};
-use ferrozero_runtime::tensor::{DType, Storage, Tensor};
+use ferrozero_runtime::nn::{Ctx, Grads, Init, Model, Module, ParamSpec, Params};
+use ferrozero_runtime::tensor::{Storage, Tensor};
 use ferrozero_runtime::{Error, Result};
 
 const V: usize = 23;
@@ -148,42 +147,23 @@ fn model() -> Model {
         sliding_window: None,
         attention_dropout: 0.0,
     };
-    let mut units = vec![Unit {
-        name: "embed".into(),
-        module: std::sync::Arc::new(llama::embed(&ends)),
-        uses_shared: vec![0],
-    }];
-    for i in 0..2 {
-        units.push(Unit {
-            name: format!("mlp.{i}"),
-            module: std::sync::Arc::new(Mlp {
-                name: format!("mlp.{i}"),
-            }),
-            uses_shared: vec![],
-        });
-    }
-    units.push(Unit {
-        name: "head".into(),
-        module: std::sync::Arc::new(llama::head(&ends)),
-        uses_shared: vec![0],
+    let blocks = (0..2).map(|i| {
+        let name = format!("mlp.{i}");
+        let block: Arc<dyn Module> = Arc::new(Mlp { name: name.clone() });
+        (name, block)
     });
-    Model {
-        shared: vec![ParamSpec {
-            name: "model.embed_tokens.weight".into(),
-            shape: vec![V, H],
-            init: Init::Normal { std: 0.3 },
-        }],
-        units,
-        frozen: Default::default(),
-    }
+    let table = ParamSpec {
+        name: "model.embed_tokens.weight".into(),
+        shape: vec![V, H],
+        init: Init::Normal { std: 0.3 },
+    };
+    let (embed, head) = (llama::embed(&ends), llama::head(&ends));
+    common::toy::tied(Arc::new(embed), blocks.collect(), Arc::new(head), table)
 }
 
 /// A config for `d`: its activation dtype decides the precision (bf16 storage for a bf16 device).
 fn cfg_for(d: &Dev, stage: ZeroStage, world: usize) -> ResolvedConfig {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let mut c = config(stage, world, 2, 2, precision);
     if let ferrozero_config::resolved::OptimizerConfig::Adam { lr, .. } = &mut c.optimizer {
         *lr = 3e-3;
@@ -207,26 +187,14 @@ fn train_on(
     cfg: &ResolvedConfig,
     steps: usize,
 ) -> (Vec<NamedTensor>, Vec<f64>) {
-    let world = cfg.world_size;
-    let (micro, gas) = (
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-    );
-    let out = run_ranks(world, Duration::from_secs(120), |comm| {
+    rank0(cfg.world_size, |comm| {
         let rank = comm.rank();
         let be = backends[rank % backends.len()].clone();
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be)?;
-        let mut losses = Vec::new();
-        for s in 0..steps {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        Ok((e.parameters()?, losses))
+        let reports = toy_steps(&mut e, cfg, (V, T), steps, rank)?;
+        Ok((e.parameters()?, losses(&reports)))
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 use common::runs::named_bits as bits;
@@ -236,14 +204,7 @@ fn engine_matches_cpu(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage2, 1);
     let (p_dev, l_dev) = train(&d.be, &cfg, 4);
     let (p_cpu, l_cpu) = train(&ferrozero_runtime::backend::cpu(), &cfg, 4);
-    let rel = d.tol().rel.max(1e-4);
-    for (a, b) in l_dev.iter().zip(&l_cpu) {
-        assert!(
-            (a - b).abs() <= rel * b.abs(),
-            "{}: losses {l_dev:?} vs CPU {l_cpu:?}",
-            d.name
-        );
-    }
+    device_common::assert_losses_close(d, &l_dev, &l_cpu);
     assert!(l_dev[3] < l_dev[0], "{}: the loss falls: {l_dev:?}", d.name);
     // An Adam step moves a parameter by about lr whatever the gradient's size, so where a tiny
     // gradient's sign differs between devices (bf16 activations round every product) the
@@ -258,6 +219,7 @@ fn engine_matches_cpu(d: &Dev) {
         }
     }
     let mean = total / n as f64;
+    let rel = d.tol().rel.max(1e-4);
     let bound = 4.0 * 2.0 * 3e-3 + 0.01;
     assert!(
         worst <= bound,
@@ -289,12 +251,7 @@ fn stages_are_bitwise_identical(d: &Dev) {
                 .collect(),
         };
         let mut reference = None;
-        for stage in [
-            ZeroStage::Stage0,
-            ZeroStage::Stage1,
-            ZeroStage::Stage2,
-            ZeroStage::Stage3,
-        ] {
+        for stage in common::STAGES {
             for overlap in [false, true] {
                 // At 4 ranks overlap is covered by stage 3 alone (the emulator is slow).
                 if world == 4 && overlap && stage != ZeroStage::Stage3 {
@@ -362,19 +319,12 @@ test_device!(overlapped_offload_changes_no_bit);
 
 /// Rank 0's gradient norm per step.
 fn grad_norms(be: &Arc<dyn Backend>, cfg: &ResolvedConfig, steps: usize) -> Vec<f64> {
-    let out = run_ranks(1, Duration::from_secs(120), |comm| {
+    rank0(1, |comm| {
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
-        (0..steps)
-            .map(|s| {
-                let batches: Vec<_> = (0..2)
-                    .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
-                    .collect();
-                e.train_batch(&batches).map(|r| r.grad_norm)
-            })
-            .collect::<Result<Vec<f64>>>()
+        let reports = toy_steps(&mut e, cfg, (V, T), steps, 0)?;
+        Ok(reports.iter().map(|r| r.grad_norm).collect())
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 /// The speculative overlap (offloaded optimizer, `overlap_comm`, clipping at a threshold that
@@ -425,20 +375,16 @@ fn checkpoint_resumes_exactly(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage3, 1);
     let (whole, _) = train(&d.be, &cfg, 4);
     let dir = tempfile::tempdir().unwrap();
-    let step = |e: &mut Engine, s: usize| {
-        let batches: Vec<_> = (0..2)
-            .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
-            .collect();
-        e.train_batch(&batches).map(|_| ())
-    };
-    run_ranks(1, Duration::from_secs(120), |comm| {
+    let step =
+        |e: &mut Engine, s: usize| e.train_batch(&toy_batches(&cfg, (V, T), s, 0)).map(|_| ());
+    rank0(1, |comm| {
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, d.be.clone())?;
         step(&mut e, 0)?;
         step(&mut e, 1)?;
         e.save_checkpoint(dir.path(), "two", 2).map(|_| ())
     })
     .expect("save failed");
-    let resumed = run_ranks(1, Duration::from_secs(120), |comm| {
+    let resumed = rank0(1, |comm| {
         let mut f = Engine::with_backend(model(), cfg.clone(), comm, d.be.clone())?;
         f.load_checkpoint(dir.path(), &Tag::Latest)?;
         step(&mut f, 2)?;
@@ -447,7 +393,7 @@ fn checkpoint_resumes_exactly(d: &Dev) {
     })
     .expect("resume failed");
     assert!(
-        bits(&whole) == bits(&resumed[0]),
+        bits(&whole) == bits(&resumed),
         "{}: resumed run differs",
         d.name
     );
@@ -456,21 +402,16 @@ test_device!(checkpoint_resumes_exactly);
 
 /// Two steps of stage 3 on `be` (one rank); the allocator's and the ledger's peaks.
 fn capped_run(be: &Arc<dyn Backend>, cfg: &ResolvedConfig) -> Result<(Option<u64>, u64)> {
-    let out = run_ranks(1, Duration::from_secs(120), |comm| {
+    rank0(1, |comm| {
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
-        for s in 0..2 {
-            let batches: Vec<_> = (0..2)
-                .map(|m| toy::batch(V, T, (s * 2 + m) * 2, 2))
-                .collect();
-            let r = e.train_batch(&batches)?;
+        for r in toy_steps(&mut e, cfg, (V, T), 2, 0)? {
             assert_eq!(r.memory.device_memory_limit, cfg.device_memory_limit);
         }
         Ok((
             e.backend().memory_stats().map(|m| m.peak),
             e.peak_device_bytes(),
         ))
-    });
-    out.map(|mut v| v.remove(0))
+    })
 }
 
 /// `device_memory_limit` on the device: at the run's own peaks both the allocator and the

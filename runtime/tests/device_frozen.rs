@@ -7,25 +7,17 @@ mod common;
 mod device_common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{config, tiny, toy};
+use common::runs::{losses, rank0, toy_steps};
+use common::{config, tiny};
 use device_common::Dev;
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::Backend;
-use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
-use ferrozero_runtime::nn::freeze::Freeze;
 use ferrozero_runtime::nn::Model;
-use ferrozero_runtime::tensor::DType;
 
 const T: usize = 8;
 const STEPS: usize = 2;
-
-fn part_frozen() -> Model {
-    let f = Freeze::new(&["*.attn.*", "transformer.w?e.weight"]).unwrap();
-    tiny::gpt2_model(2).freeze(f).unwrap()
-}
 
 fn lora() -> Model {
     tiny::gpt2_lora(r#""all-linear""#, "[]")
@@ -36,10 +28,7 @@ fn cfg_for(d: &Dev, stage: ZeroStage) -> ResolvedConfig {
 }
 
 fn cfg_world(d: &Dev, stage: ZeroStage, world: usize) -> ResolvedConfig {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     config(stage, world, 2, 2, precision)
 }
 
@@ -56,22 +45,14 @@ type Run = (Vec<f64>, Vec<NamedTensor>, Vec<NamedTensor>);
 
 /// Rank 0's run; every rank computes on `be` (ranks as threads on one device).
 fn train(be: &Arc<dyn Backend>, cfg: &ResolvedConfig, build: fn() -> Model) -> Run {
-    let world = cfg.world_size;
-    let out = run_ranks(world, Duration::from_secs(300), |comm| {
+    rank0(cfg.world_size, |comm| {
         let rank = comm.rank();
         let mut e = Engine::with_backend(build(), cfg.clone(), comm, be.clone())?;
         let before = e.parameters()?;
-        let mut losses = Vec::new();
-        for s in 0..STEPS {
-            let batches: Vec<_> = (0..2)
-                .map(|m| toy::batch(tiny::VOCAB, T, ((s * 2 + m) * world + rank) * 2, 2))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        Ok((losses, before, e.parameters()?))
+        let reports = toy_steps(&mut e, cfg, (tiny::VOCAB, T), STEPS, rank)?;
+        Ok((losses(&reports), before, e.parameters()?))
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 fn bits(p: &[NamedTensor]) -> Vec<Vec<u32>> {
@@ -108,11 +89,7 @@ fn check(d: &Dev, build: fn() -> Model, others: Vec<(&str, ResolvedConfig)>) {
     }
     let cpu = device_common::cpu();
     let (want, _, _) = train(&cpu.be, &cfg_for(d, ZeroStage::Stage0), build);
-    let rel = d.tol().rel.max(1e-4);
-    for (a, b) in losses.iter().zip(&want) {
-        let close = (a - b).abs() <= rel * b.abs();
-        assert!(close, "{}: {losses:?} vs CPU {want:?}", d.name);
-    }
+    device_common::assert_losses_close(d, &losses, &want);
 }
 
 fn frozen_training(d: &Dev) {
@@ -121,7 +98,7 @@ fn frozen_training(d: &Dev) {
         ("stage 3", cfg_for(d, ZeroStage::Stage3)),
         ("stage 3 with offload", offloaded(d)),
     ];
-    check(d, part_frozen, others);
+    check(d, tiny::gpt2_part_frozen, others);
 }
 test_device!(frozen_training);
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{config, tiny, toy};
 use device_common::Dev;
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::Engine;
@@ -22,10 +22,7 @@ const GAS: usize = 4;
 const WORLD: usize = 2;
 
 fn cfg(d: &Dev, stage: ZeroStage, f32_acc: bool) -> ResolvedConfig {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let mut c = config(stage, WORLD, 1, GAS, precision);
     c.grad_accum_f32 = f32_acc;
     c
@@ -73,13 +70,6 @@ fn f32_accumulation(d: &Dev) {
     assert_eq!(narrow == params, d.act() == DType::F32, "{}", d.name);
     let cpu = device_common::cpu();
     let (want, _) = train(&cpu.be, &cfg(d, ZeroStage::Stage0, true));
-    let rel = d.tol().rel.max(1e-4);
-    for (a, b) in losses.iter().zip(&want) {
-        assert!(
-            (a - b).abs() <= rel * b.abs(),
-            "{}: {losses:?} vs CPU {want:?}",
-            d.name
-        );
-    }
+    device_common::assert_losses_close(d, &losses, &want);
 }
 test_device!(f32_accumulation);

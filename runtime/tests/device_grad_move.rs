@@ -15,13 +15,12 @@ use std::time::Duration;
 use common::tiny::{self, VOCAB};
 use common::{config, toy};
 use device_common::Dev;
-use ferrozero_config::resolved::{LossScaling, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::Model;
-use ferrozero_runtime::tensor::DType;
 
 const SEQ: usize = 8;
 
@@ -111,10 +110,7 @@ fn same(
 }
 
 fn moved_gradient_steps_as_accumulated(d: &Dev) {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let cases = [
         (ZeroStage::Stage0, 1),
         (ZeroStage::Stage3, 1),
@@ -151,13 +147,7 @@ test_device!(moved_gradient_steps_as_accumulated);
 /// only its rounding to the accumulator's dtype overflows): skipped steps halve the scale
 /// until they fit, identically on both paths.
 fn fp16_overflow(be: &Arc<dyn Backend>, name: &str) {
-    let precision = Precision::Fp16(LossScaling::Dynamic {
-        initial_scale_power: 20,
-        loss_scale_window: 1000,
-        hysteresis: 1,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    });
+    let precision = Precision::Fp16(common::dynamic_scaling(20, 1000, 1));
     for (stage, world) in [(ZeroStage::Stage0, 1), (ZeroStage::Stage2, 2)] {
         let what = format!("{name} fp16 stage {} x{world}", stage.number());
         let run = same(
@@ -184,7 +174,7 @@ fn fp16_overflow_cpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn fp16_overflow_cuda_emu_f16() {
-    match ferrozero_runtime::backend::cuda::emulated(DType::F16) {
+    match ferrozero_runtime::backend::cuda::emulated(ferrozero_runtime::tensor::DType::F16) {
         Ok(be) => fp16_overflow(&(be as Arc<dyn Backend>), "cuda_emu_f16"),
         Err(e) => ferrozero_runtime::backend::cuda::emu::skip_unless_required(&format!(
             "cuda_emu_f16: {e}"
@@ -196,10 +186,7 @@ fn fp16_overflow_cuda_emu_f16() {
 /// loop allows it): the moved gradient becomes an accumulator holding the same values and the
 /// second is added into it, exactly as the run keeping accumulators does.
 fn second_micro_step_before_the_step(d: &Dev) {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let c = cfg(ZeroStage::Stage0, 1, precision);
     let run = |accumulate: bool| {
         let out = run_ranks(1, Duration::from_secs(300), |comm| {

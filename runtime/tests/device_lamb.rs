@@ -8,17 +8,16 @@ mod common;
 mod device_common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{config, toy};
+use common::runs::{losses, rank0, toy_steps};
+use common::{config, lamb};
 use device_common::Dev;
 use device_common::{get, rand};
 use ferrozero_config::resolved::ZeroStage;
-use ferrozero_config::resolved::{OffloadTarget, OptimizerConfig, Precision, ResolvedConfig};
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
 use ferrozero_offload::optim::{lamb_coeff, LambHyper, SUM_BLOCK};
 use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::backend::GradView;
-use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::{DType, FlatBuf};
@@ -32,21 +31,9 @@ fn model() -> Model {
 
 /// LAMB with the state offloaded to the host; bf16 parameters on a bf16 device.
 fn cfg_for(d: &Dev, stage: ZeroStage, world: usize) -> ResolvedConfig {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let mut c = config(stage, world, 2, 2, precision);
-    c.optimizer = OptimizerConfig::Lamb {
-        lr: 1e-2,
-        betas: (0.9, 0.999),
-        eps: 1e-8,
-        eps_inside_sqrt: false,
-        weight_decay: 0.01,
-        bias_correction: true,
-        max_coeff: 10.0,
-        min_coeff: 0.01,
-    };
+    c.optimizer = lamb(1e-2);
     c.zero.offload_optimizer.target = OffloadTarget::Cpu;
     c
 }
@@ -56,24 +43,12 @@ fn train(
     cfg: &ResolvedConfig,
     steps: usize,
 ) -> ferrozero_runtime::Result<(Vec<NamedTensor>, Vec<f64>)> {
-    let world = cfg.world_size;
-    let (micro, gas) = (
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-    );
-    let out = run_ranks(world, Duration::from_secs(120), |comm| {
+    rank0(cfg.world_size, |comm| {
         let rank = comm.rank();
         let mut e = Engine::with_backend(model(), cfg.clone(), comm, be.clone())?;
-        let mut losses = Vec::new();
-        for s in 0..steps {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        Ok((e.parameters()?, losses))
-    })?;
-    Ok(out.into_iter().next().unwrap())
+        let reports = toy_steps(&mut e, cfg, (V, T), steps, rank)?;
+        Ok((e.parameters()?, losses(&reports)))
+    })
 }
 
 use common::runs::named_bits as bits;
@@ -112,14 +87,7 @@ fn lamb_offloaded_trains_bitwise_across_stages(d: &Dev) {
     let cfg = cfg_for(d, ZeroStage::Stage2, 1);
     let (_, l_dev) = train(&d.be, &cfg, 3).unwrap();
     let (_, l_cpu) = train(&ferrozero_runtime::backend::cpu(), &cfg, 3).unwrap();
-    let rel = d.tol().rel.max(1e-4);
-    for (a, b) in l_dev.iter().zip(&l_cpu) {
-        assert!(
-            (a - b).abs() <= rel * b.abs(),
-            "{}: losses {l_dev:?} vs CPU {l_cpu:?}",
-            d.name
-        );
-    }
+    device_common::assert_losses_close(d, &l_dev, &l_cpu);
 }
 test_device!(lamb_offloaded_trains_bitwise_across_stages);
 
@@ -127,12 +95,7 @@ test_device!(lamb_offloaded_trains_bitwise_across_stages);
 /// two ranks, and the same bits as the offloaded run (whose passes are the CPU's).
 fn lamb_in_device_memory_equals_offloaded(d: &Dev) {
     let mut reference = None;
-    for stage in [
-        ZeroStage::Stage0,
-        ZeroStage::Stage1,
-        ZeroStage::Stage2,
-        ZeroStage::Stage3,
-    ] {
+    for stage in common::STAGES {
         let off = cfg_for(d, stage, 2);
         let mut in_place = off.clone();
         in_place.zero.offload_optimizer.target = OffloadTarget::None;

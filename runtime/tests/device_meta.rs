@@ -10,10 +10,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{checkpointing, config, toy};
-use ferrozero_config::resolved::{
-    LossScaling, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
-};
+use common::models::{batches, build, resident, serial, Which, MICRO};
+use common::{checkpointing, config};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::cuda::driver::{
     self, AllocatorStats, DeviceInfo, Driver, LaunchConfig, MetaDriver, StreamKind, TraceOp,
     Traced, EMU_DEFAULT_TOTAL_MEMORY,
@@ -25,40 +24,11 @@ use ferrozero_runtime::comm::meta::MetaComm;
 use ferrozero_runtime::comm::Communicator;
 use ferrozero_runtime::engine::ledger::{Category, Ledger, Location};
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::{gpt2, llama, Model};
 use ferrozero_runtime::tensor::DType;
 
-const MICRO: usize = 2;
 const SEQ: usize = 32;
-const VOCAB: usize = 64;
 const GAS: usize = 2;
 const STEPS: usize = 2;
-
-#[derive(Clone, Copy, Debug)]
-enum Which {
-    Gpt2,
-    Llama,
-    /// GPT-2 wide enough (width 256, vocabulary 4096) that its buffers pass the allocator's
-    /// 1 MiB small-block limit: large segments, splits and the cache's best fit are compared
-    /// too, where the tiny models fit one small segment.
-    Gpt2Wide,
-}
-
-fn build(which: Which) -> Model {
-    match which {
-        Which::Gpt2 => gpt2::build(&gpt2::Gpt2Config::preset("tiny").unwrap()).unwrap(),
-        Which::Llama => llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap(),
-        Which::Gpt2Wide => {
-            let cfg = gpt2::Gpt2Config {
-                n_embd: 256,
-                n_head: 4,
-                vocab_size: 4096,
-                ..gpt2::Gpt2Config::preset("tiny").unwrap()
-            };
-            gpt2::build(&cfg).unwrap()
-        }
-    }
-}
 
 /// The emulator as a device to run on.
 fn emulated(act: DType) -> ferrozero_runtime::Result<Arc<CudaBackend>> {
@@ -124,13 +94,7 @@ fn make_config(c: Case) -> ResolvedConfig {
     // A scale of 2^8 keeps the tiny models' fp16 gradients finite on the emulator: no step
     // is skipped, so both devices take the same path.
     let precision = match c.fp16 {
-        true => Precision::Fp16(LossScaling::Dynamic {
-            initial_scale_power: 8,
-            loss_scale_window: 1000,
-            hysteresis: 2,
-            consecutive_hysteresis: false,
-            min_loss_scale: 1.0,
-        }),
+        true => Precision::Fp16(common::dynamic_scaling(8, 1000, 2)),
         false => Precision::Bf16,
     };
     let mut cfg = config(c.stage, c.world, MICRO, GAS, precision);
@@ -175,17 +139,14 @@ fn rank_run(
     dev: Arc<CudaBackend>,
     comm: Box<dyn Communicator>,
 ) -> ferrozero_runtime::Result<Seen> {
-    let (rank, world) = (comm.rank(), cfg.world_size);
+    let rank = comm.rank();
     dev.device().observed().start_trace();
     let be: Arc<dyn Backend> = dev.clone();
     let (mut skipped, mut host) = (Vec::new(), vec![0; Category::ALL.len() + 2]);
     let steps = || -> ferrozero_runtime::Result<()> {
         let mut e = Engine::with_backend(build(which), cfg.clone(), comm, be)?;
         for s in 0..STEPS {
-            let batches: Vec<_> = (0..GAS)
-                .map(|m| toy::batch(VOCAB, SEQ, ((s * GAS + m) * world + rank) * MICRO, MICRO))
-                .collect();
-            skipped.push(e.train_batch(&batches)?.skipped);
+            skipped.push(e.train_batch(&batches(cfg, SEQ, s, rank))?.skipped);
         }
         host = host_peaks(e.ledger());
         Ok(())
@@ -210,8 +171,8 @@ fn act_dtype(cfg: &ResolvedConfig) -> DType {
     }
 }
 
-/// Where two traces first part, for the failure message.
-fn first_difference(a: &[Traced], b: &[Traced]) -> String {
+/// Where two traces (or sorted lists) first part, for the failure message.
+fn first_difference<T: PartialEq + std::fmt::Debug>(a: &[T], b: &[T]) -> String {
     let i = a.iter().zip(b).take_while(|(x, y)| x == y).count();
     format!(
         "lengths {} and {}; first difference at {i}: {:?} vs {:?}",
@@ -346,7 +307,7 @@ fn threaded_differences(e: &Seen, m: &Seen) -> Vec<String> {
     let mut diffs = differences(e, m);
     diffs.retain(|d| !d.starts_with("trace") && !d.starts_with("allocator"));
     if ue != um {
-        diffs.push(format!("operations: {}", first_text_difference(&ue, &um)));
+        diffs.push(format!("operations: {}", first_difference(&ue, &um)));
     }
     if without_peak(e) != without_peak(m) {
         diffs.push(format!("allocator {:?} vs {:?}", e.stats, m.stats));
@@ -356,18 +317,6 @@ fn threaded_differences(e: &Seen, m: &Seen) -> Vec<String> {
         e.stats.peak_live, m.stats.peak_live
     );
     diffs
-}
-
-/// Where two sorted lists first part.
-fn first_text_difference(a: &[String], b: &[String]) -> String {
-    let i = a.iter().zip(b).take_while(|(x, y)| x == y).count();
-    format!(
-        "lengths {} and {}; first difference at {i}: {:?} vs {:?}",
-        a.len(),
-        b.len(),
-        a.get(i),
-        b.get(i)
-    )
 }
 
 /// Every way two complete runs differ.
@@ -503,20 +452,6 @@ fn gpt2_wide_allocates_launches_and_copies_as_on_the_emulator() {
         compare(Which::Gpt2Wide, c, &mut failures);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
-/// One test at a time: the resident-memory test reads the whole process's.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    ONE.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The process's resident bytes (`VmRSS`).
-fn resident() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib << 10
 }
 
 /// 40 GiB of operands and result, more than this machine's memory, zeroed and multiplied on

@@ -11,6 +11,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::models::{resident as rss, serial};
 use common::{checkpointing, config, toy};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::cuda::driver::{AllocatorStats, EMU_DEFAULT_TOTAL_MEMORY};
@@ -24,20 +25,6 @@ use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::llama;
 use ferrozero_runtime::tensor::DType;
-
-/// One test at a time: the 7B test reads the whole process's resident memory.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    ONE.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The process's resident bytes (`VmRSS`).
-fn rss() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib << 10
-}
 
 /// Stage 3 at one rank, bf16, the optimizer offloaded to the CPU and `cpu_checkpointing`, one
 /// micro-batch of 1 x 4096 on the size-only H100: one `train_batch` in under 3 s with the

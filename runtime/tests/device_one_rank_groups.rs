@@ -78,11 +78,7 @@ fn train(cfg: &ResolvedConfig) -> Run {
         let gathered = e
             .comm_stats()
             .map_or(0, |s| s.bytes("all_gather_into_tensor"));
-        let bits = e
-            .parameters()?
-            .into_iter()
-            .map(|t| (t.name, t.data.iter().map(|x| x.to_bits()).collect()))
-            .collect();
+        let bits = common::runs::named_bits(&e.parameters()?);
         Ok(Run {
             bits,
             peak,

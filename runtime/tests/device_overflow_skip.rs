@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::tiny::{self, VOCAB};
 use common::{config, toy};
-use ferrozero_config::resolved::{LossScaling, Precision, ZeroStage};
+use ferrozero_config::resolved::{Precision, ZeroStage};
 use ferrozero_runtime::backend::{self, cuda, Backend};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::Engine;
@@ -31,13 +31,7 @@ fn run(be: impl Fn() -> Arc<dyn Backend> + Sync) -> Trail {
         1,
         1,
         1,
-        Precision::Fp16(LossScaling::Dynamic {
-            initial_scale_power: 24,
-            loss_scale_window: 1000,
-            hysteresis: 1,
-            consecutive_hysteresis: false,
-            min_loss_scale: 1.0,
-        }),
+        Precision::Fp16(common::dynamic_scaling(24, 1000, 1)),
     );
     cfg.zero.sub_group_size = 1_000_000_000;
     let out = run_ranks(1, Duration::from_secs(300), |comm| {

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::tiny::{gpt2_model, llama_model, VOCAB};
 use common::{config, toy};
-use ferrozero_config::resolved::{LossScaling, Precision, ZeroStage};
+use ferrozero_config::resolved::{Precision, ZeroStage};
 use ferrozero_runtime::backend::cuda::driver::{StreamKind, TraceOp, Traced};
 use ferrozero_runtime::backend::cuda::{self, CudaBackend};
 use ferrozero_runtime::backend::{Backend, DeviceActivity, MemoryOps};
@@ -390,13 +390,7 @@ fn one_micro_batch_per_step_moves_the_gradient() {
 
 /// DeepSpeed's dynamic loss scaling from a scale that does not overflow these gradients.
 fn fp16() -> Precision {
-    Precision::Fp16(LossScaling::Dynamic {
-        initial_scale_power: 8,
-        loss_scale_window: 1000,
-        hysteresis: 2,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    })
+    Precision::Fp16(common::dynamic_scaling(8, 1000, 2))
 }
 
 /// Copies and kernels a 2-rank step queues on the local communicator's collective stream,

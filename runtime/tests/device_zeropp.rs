@@ -8,15 +8,13 @@ mod common;
 mod device_common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use common::{config, tiny, toy};
+use common::runs::{losses, rank0, toy_steps};
+use common::{config, tiny};
 use device_common::Dev;
-use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
+use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::Backend;
-use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
-use ferrozero_runtime::tensor::DType;
 
 const T: usize = 8;
 const STEPS: usize = 2;
@@ -25,21 +23,13 @@ const STEPS: usize = 2;
 type Run = (Vec<f64>, Vec<NamedTensor>);
 
 fn train(be: &Arc<dyn Backend>, cfg: &ResolvedConfig) -> Run {
-    let world = cfg.world_size;
-    let out = run_ranks(world, Duration::from_secs(300), |comm| {
+    rank0(cfg.world_size, |comm| {
         let rank = comm.rank();
         let mut e = Engine::with_backend(tiny::gpt2_model(2), cfg.clone(), comm, be.clone())?;
-        let mut losses = Vec::new();
-        for s in 0..STEPS {
-            let batches: Vec<_> = (0..2)
-                .map(|m| toy::batch(tiny::VOCAB, T, ((s * 2 + m) * world + rank) * 2, 2))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        Ok((losses, e.parameters()?))
+        let reports = toy_steps(&mut e, cfg, (tiny::VOCAB, T), STEPS, rank)?;
+        Ok((losses(&reports), e.parameters()?))
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 fn bits(r: &Run) -> (Vec<u64>, Vec<Vec<u32>>) {
@@ -50,10 +40,7 @@ fn bits(r: &Run) -> (Vec<u64>, Vec<Vec<u32>>) {
 }
 
 fn quantized(d: &Dev, weights: bool, gradients: bool) -> ResolvedConfig {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let mut c = config(ZeroStage::Stage3, 2, 2, 2, precision);
     (c.zero.quantized_weights, c.zero.quantized_gradients) = (weights, gradients);
     c
@@ -86,15 +73,7 @@ fn zeropp_bitwise(d: &Dev) {
         }
         let cpu = device_common::cpu();
         let (on_cpu, _) = train(&cpu.be, &base);
-        let rel = d.tol().rel.max(1e-4);
-        for (a, b) in want.0.iter().zip(&on_cpu) {
-            assert!(
-                (a - b).abs() <= rel * b.abs(),
-                "{}: {:?} vs CPU {on_cpu:?}",
-                d.name,
-                want.0
-            );
-        }
+        device_common::assert_losses_close(d, &want.0, &on_cpu);
     }
 }
 test_device!(zeropp_bitwise);

@@ -6,11 +6,10 @@
 
 mod common;
 
-use std::time::Duration;
-
-use common::{config, toy};
+use common::config;
+use common::runs::{losses as losses_of, rank0, toy_steps};
 use ferrozero_config::resolved::{Precision, ZeroStage};
-use ferrozero_runtime::comm::local::run_ranks;
+use ferrozero_runtime::comm::Communicator;
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::{gpt2, llama, Model};
 
@@ -44,21 +43,13 @@ fn losses((p, attn): (f32, f32), stage: ZeroStage, world: usize) -> Vec<u64> {
 /// The losses of 3 steps of the model `build` makes, at `stage` on `world` ranks.
 fn train(build: impl Fn() -> Model + Sync, stage: ZeroStage, world: usize) -> Vec<u64> {
     let cfg = config(stage, world, 2, 2, Precision::F32);
-    let (micro, gas) = (2, 2);
-    let out = run_ranks(world, Duration::from_secs(60), |comm| {
+    let run = |comm: Box<dyn Communicator>| {
         let rank = comm.rank();
         let mut e = Engine::new(build(), cfg.clone(), comm)?;
-        let mut losses = Vec::new();
-        for s in 0..3 {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(61, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss.to_bits());
-        }
-        Ok(losses)
-    })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+        toy_steps(&mut e, &cfg, (61, T), 3, rank)
+    };
+    let reports = rank0(world, run).expect("training failed");
+    reports.iter().map(|r| r.loss.to_bits()).collect()
 }
 
 #[test]
@@ -95,20 +86,12 @@ fn llama_attention_dropout_is_stage_independent() {
 /// the engine's global order (micro-step, then rank, then row).
 fn split_losses(p: f32, (world, micro, gas): (usize, usize, usize)) -> Vec<f64> {
     let cfg = config(ZeroStage::Stage0, world, micro, gas, Precision::F32);
-    let out = run_ranks(world, Duration::from_secs(60), |comm| {
+    let run = |comm: Box<dyn Communicator>| {
         let rank = comm.rank();
         let mut e = Engine::new(gpt2_with_dropout(p, p), cfg.clone(), comm)?;
-        let mut losses = Vec::new();
-        for s in 0..3 {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(61, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        Ok(losses)
-    })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+        toy_steps(&mut e, &cfg, (61, T), 3, rank)
+    };
+    losses_of(&rank0(world, run).expect("training failed"))
 }
 
 /// The largest relative difference between two runs' per-step losses.

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{config, toy};
-use ferrozero_config::resolved::{Precision, ZeroStage};
+use ferrozero_config::resolved::Precision;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor};
 use ferrozero_runtime::nn::Batch;
@@ -60,12 +60,7 @@ fn by_hand(tok: usize, tgt: usize) -> (f64, Vec<f64>, Vec<f64>) {
 
 #[test]
 fn exact_loss_and_per_rank_gradient_shards() {
-    for stage in [
-        ZeroStage::Stage0,
-        ZeroStage::Stage1,
-        ZeroStage::Stage2,
-        ZeroStage::Stage3,
-    ] {
+    for stage in common::STAGES {
         let cfg = config(stage, 2, 1, 1, Precision::F32);
         let out = run_ranks(2, Duration::from_secs(10), |comm| {
             let rank = comm.rank();

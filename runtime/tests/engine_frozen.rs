@@ -10,11 +10,11 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use common::runs::{rank0, toy_batches, toy_steps};
 use common::scratch::Scratch;
-use common::{checkpointing, config, tiny, toy};
-use ferrozero_config::resolved::{
-    OffloadTarget, OptimizerConfig, Precision, ResolvedConfig, ZeroStage,
-};
+use common::tiny::gpt2_part_frozen;
+use common::{checkpointing, config, lamb, tiny};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::ledger::{Category, Location};
@@ -24,13 +24,6 @@ use ferrozero_runtime::nn::{gpt2, Model};
 
 const T: usize = 8;
 const STEPS: usize = 3;
-
-/// GPT-2 with every attention block's weights, the tied table and the positions frozen:
-/// units mixed (attention frozen, the MLP and norms train) and a frozen shared group.
-fn gpt2_part_frozen() -> Model {
-    let f = Freeze::new(&["*.attn.*", "transformer.w?e.weight"]).unwrap();
-    tiny::gpt2_model(2).freeze(f).unwrap()
-}
 
 /// Llama (untied) training only its last block's MLP and the final norm.
 fn llama_last_mlp() -> Model {
@@ -56,35 +49,18 @@ fn run(build: fn() -> Model, cfg: &ResolvedConfig) -> Run {
 }
 
 fn run_steps(build: fn() -> Model, cfg: &ResolvedConfig, steps: usize) -> Run {
-    let world = cfg.world_size;
-    let (micro, gas) = (2, 2);
-    let out = run_ranks(world, Duration::from_secs(120), |comm| {
+    rank0(cfg.world_size, |comm| {
         let rank = comm.rank();
         let mut e = Engine::new(build(), cfg.clone(), comm)?;
         let before = e.parameters()?;
-        let mut losses = Vec::new();
-        for s in 0..steps {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| {
-                    toy::batch(
-                        tiny::VOCAB,
-                        T,
-                        ((s * gas + m) * world + rank) * micro,
-                        micro,
-                    )
-                })
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss.to_bits());
-        }
-        let after = e.parameters()?;
+        let reports = toy_steps(&mut e, cfg, (tiny::VOCAB, T), steps, rank)?;
         Ok(Run {
-            losses,
+            losses: reports.iter().map(|r| r.loss.to_bits()).collect(),
             before,
-            after,
+            after: e.parameters()?,
         })
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 fn base(stage: ZeroStage, world: usize) -> ResolvedConfig {
@@ -144,16 +120,7 @@ fn part_frozen_models_train_to_the_same_bits_at_every_stage_and_offload() {
 #[test]
 fn lamb_over_frozen_models_is_the_same_at_every_stage() {
     let with_lamb = |mut c: ResolvedConfig| {
-        c.optimizer = OptimizerConfig::Lamb {
-            lr: 2e-2,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            eps_inside_sqrt: false,
-            weight_decay: 0.01,
-            bias_correction: true,
-            max_coeff: 10.0,
-            min_coeff: 0.01,
-        };
+        c.optimizer = lamb(2e-2);
         c
     };
     for build in [gpt2_part_frozen as fn() -> Model, gpt2_lora] {
@@ -307,9 +274,7 @@ fn resumes_at_another_world_size(build: fn() -> Model) {
         let mut e = Engine::new(build(), cfg2.clone(), comm)?;
         let (mut params, mut losses) = (Vec::new(), Vec::new());
         for s in 0..3 {
-            let b: Vec<_> = (0..2)
-                .map(|m| toy::batch(tiny::VOCAB, T, ((s * 2 + m) * 2 + rank) * 2, 2))
-                .collect();
+            let b = toy_batches(&cfg2, (tiny::VOCAB, T), s, rank);
             losses.push(e.train_batch(&b)?.loss);
             if s == 1 {
                 e.save_checkpoint(&dir, "frozen", 0)?;
@@ -325,10 +290,10 @@ fn resumes_at_another_world_size(build: fn() -> Model) {
         let mut e = Engine::new(build(), cfg1.clone(), comm)?;
         e.load_checkpoint(&dir, &Tag::Latest)?;
         let p = e.parameters()?;
-        let b: Vec<_> = (0..2)
-            .map(|m| toy::batch(tiny::VOCAB, T, (2 * 2 + m) * 4, 4))
-            .collect();
-        let loss = e.train_batch(&b)?.loss;
+        // The third step's global batch, rank 0's rows and rank 1's in one micro-batch.
+        let loss = e
+            .train_batch(&toy_batches(&cfg1, (tiny::VOCAB, T), 2, 0))?
+            .loss;
         Ok((p, loss))
     })
     .unwrap();

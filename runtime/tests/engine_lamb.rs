@@ -7,11 +7,10 @@ mod common;
 
 use std::time::Duration;
 
+use common::runs::toy_batches;
 use common::scratch::Scratch;
-use common::{config, toy};
-use ferrozero_config::resolved::{
-    Bf16State, OffloadTarget, OptimizerConfig, Precision, ResolvedConfig, ZeroStage,
-};
+use common::{config, lamb, toy};
+use ferrozero_config::resolved::{Bf16State, OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::checkpoint::Tag;
 use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
@@ -21,29 +20,9 @@ const V: usize = 11;
 const D: usize = 6;
 const T: usize = 5;
 const LAYERS: usize = 2;
-const STAGES: [ZeroStage; 4] = [
-    ZeroStage::Stage0,
-    ZeroStage::Stage1,
-    ZeroStage::Stage2,
-    ZeroStage::Stage3,
-];
-
-fn lamb() -> OptimizerConfig {
-    OptimizerConfig::Lamb {
-        lr: 2e-2,
-        betas: (0.9, 0.999),
-        eps: 1e-8,
-        eps_inside_sqrt: false,
-        weight_decay: 0.01,
-        bias_correction: true,
-        max_coeff: 10.0,
-        min_coeff: 0.01,
-    }
-}
-
 fn lamb_config(stage: ZeroStage, world: usize, precision: Precision) -> ResolvedConfig {
     let mut cfg = config(stage, world, 2, 2, precision);
-    cfg.optimizer = lamb();
+    cfg.optimizer = lamb(2e-2);
     cfg
 }
 
@@ -59,7 +38,7 @@ use common::runs::named_bits as bits;
 /// first run.
 fn check_stages_identical(world: usize, precision: Precision) {
     let mut reference = None;
-    for stage in STAGES {
+    for stage in common::STAGES {
         for (overlap, offload) in [(false, false), (true, false), (false, true), (true, true)] {
             let mut cfg = lamb_config(stage, world, precision.clone());
             cfg.zero.overlap_comm = overlap;
@@ -174,11 +153,10 @@ fn lamb_checkpoint_resumes_exactly_across_stages() {
     let load_cfg = lamb_config(ZeroStage::Stage3, 2, Precision::Bf16);
     let (whole, _) = train(&save_cfg, 4);
     let dir = tempfile::tempdir().unwrap();
+    // Both configs have the same world, micro-batch and accumulation: the same rows.
     let step = |e: &mut Engine, s: usize, rank: usize| {
-        let batches: Vec<_> = (0..2)
-            .map(|m| toy::batch(V, T, ((s * 2 + m) * 2 + rank) * 2, 2))
-            .collect();
-        e.train_batch(&batches).map(|_| ())
+        e.train_batch(&toy_batches(&save_cfg, (V, T), s, rank))
+            .map(|_| ())
     };
     run_ranks(2, Duration::from_secs(60), |comm| {
         let rank = comm.rank();

@@ -7,30 +7,18 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{config, toy};
+use common::runs::{train_logged, Logged as Run, D, LAYERS, T, V};
+use common::{comms_logger as logger, config, toy};
 use ferrozero_config::resolved::{
     CommsLoggerConfig, MonitorConfig, MonitorOutput, Precision, ResolvedConfig, ZeroStage,
 };
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::comm::logger::OpSummary;
 use ferrozero_runtime::engine::partition::GroupLayout;
-use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::Model;
 
-const V: usize = 11;
-const D: usize = 6;
-const T: usize = 5;
-const LAYERS: usize = 2;
 const STEPS: usize = 4;
-
-fn logger() -> CommsLoggerConfig {
-    CommsLoggerConfig {
-        verbose: false,
-        prof_all: true,
-        prof_ops: vec![],
-        debug: false,
-    }
-}
 
 fn monitors(dir: &Path) -> MonitorConfig {
     let out = |name: &str| {
@@ -47,38 +35,9 @@ fn monitors(dir: &Path) -> MonitorConfig {
     }
 }
 
-struct Run {
-    losses: Vec<f64>,
-    params: Vec<NamedTensor>,
-    comms: Option<Vec<OpSummary>>,
-}
-
-/// Trains `STEPS` steps on every rank; returns rank 0's losses, parameters and comm records.
+/// Trains `STEPS` steps on every rank; rank 0's losses, parameters and comm records.
 fn train(cfg: &ResolvedConfig) -> Run {
-    let world = cfg.world_size;
-    let (micro, gas) = (
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-    );
-    let out = run_ranks(world, Duration::from_secs(30), |comm| {
-        let rank = comm.rank();
-        let mut e = Engine::new(toy::model(V, D, T, LAYERS), cfg.clone(), comm)?;
-        let mut losses = Vec::new();
-        for s in 0..STEPS {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(V, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        let comms = e.comm_stats().map(|s| s.snapshot());
-        Ok(Run {
-            losses,
-            params: e.parameters()?,
-            comms,
-        })
-    })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    train_logged(cfg, || toy::model(V, D, T, LAYERS), V, STEPS)
 }
 
 fn bits(r: &Run) -> (Vec<u64>, Vec<Vec<u32>>) {

@@ -10,27 +10,18 @@ mod common;
 use std::time::Duration;
 
 use common::scratch::Scratch;
-use common::{config, toy};
+use common::toy;
 use ferrozero_config::resolved::{
-    LossScaling, OffloadTarget, Precision, ResolvedConfig, SchedulerConfig, WarmupType, ZeroStage,
+    LossScaling, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
 };
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::trace::Span;
 use ferrozero_runtime::engine::Engine;
 
-/// Stage, world and precision as given; gradient accumulation 2, no clipping, a warmup
-/// schedule (a learning rate that changes every step).
+/// Stage, world and precision as given; no clipping ([`common::warmup`]).
 fn base(stage: ZeroStage, world: usize, precision: Precision) -> ResolvedConfig {
-    let mut cfg = config(stage, world, 2, 2, precision);
-    cfg.gradient_clipping = 0.0;
-    cfg.scheduler = Some(SchedulerConfig::WarmupLR {
-        warmup_min_lr: 1e-3,
-        warmup_max_lr: 3e-2,
-        warmup_num_steps: 3,
-        warmup_type: WarmupType::Linear,
-    });
-    cfg
+    common::warmup(stage, world, precision, 0.0)
 }
 
 /// Each rank's parameter bits and (loss, grad norm) bits per step, and the overlap decision.
@@ -63,12 +54,7 @@ fn train(cfg: &ResolvedConfig, steps: usize) -> Run {
 #[test]
 fn overlapped_steps_are_bitwise_identical_to_steps_after_backward() {
     let scratch = Scratch::new();
-    for stage in [
-        ZeroStage::Stage0,
-        ZeroStage::Stage1,
-        ZeroStage::Stage2,
-        ZeroStage::Stage3,
-    ] {
+    for stage in common::STAGES {
         for world in [1, 2] {
             for precision in [Precision::Bf16, Precision::F32] {
                 // The reference: nothing offloaded, nothing overlapped.
@@ -202,13 +188,7 @@ fn a_global_value_makes_the_overlap_speculative_or_keeps_the_step_after_backward
     let mut dynamic = overlapped(&base(
         ZeroStage::Stage2,
         1,
-        Precision::Fp16(LossScaling::Dynamic {
-            initial_scale_power: 8,
-            loss_scale_window: 100,
-            hysteresis: 2,
-            consecutive_hysteresis: false,
-            min_loss_scale: 1.0,
-        }),
+        Precision::Fp16(common::dynamic_scaling(8, 100, 2)),
     ));
     dynamic.gradient_clipping = 0.0;
     let OptimizerOverlap::Speculative(why, None) = OptimizerOverlap::decide(&dynamic) else {

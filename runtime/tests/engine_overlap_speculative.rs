@@ -9,10 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{config, toy};
-use ferrozero_config::resolved::{
-    LossScaling, OffloadTarget, Precision, ResolvedConfig, SchedulerConfig, WarmupType, ZeroStage,
-};
+use common::toy;
+use common::warmup as base;
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::optimizer_overlap::OptimizerOverlap;
 use ferrozero_runtime::engine::trace::Span;
@@ -20,26 +19,6 @@ use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::nn::Model;
 
 const STEPS: usize = 6;
-
-const STAGES: [ZeroStage; 4] = [
-    ZeroStage::Stage0,
-    ZeroStage::Stage1,
-    ZeroStage::Stage2,
-    ZeroStage::Stage3,
-];
-
-/// Gradient accumulation 2 and a warmup schedule (a learning rate that changes every step).
-fn base(stage: ZeroStage, world: usize, precision: Precision, clip: f64) -> ResolvedConfig {
-    let mut cfg = config(stage, world, 2, 2, precision);
-    cfg.gradient_clipping = clip;
-    cfg.scheduler = Some(SchedulerConfig::WarmupLR {
-        warmup_min_lr: 1e-3,
-        warmup_max_lr: 3e-2,
-        warmup_num_steps: 3,
-        warmup_type: WarmupType::Linear,
-    });
-    cfg
-}
 
 /// The optimizer on the host, overlapped with backward (and in stage 3 the parameters on the
 /// host too, when `params`).
@@ -142,7 +121,7 @@ fn clipped_steps_are_bitwise_those_of_the_step_after_backward() {
     for world in [1, 2] {
         for precision in [Precision::Bf16, Precision::F32] {
             let clip = median_norm(world, precision.clone());
-            for stage in STAGES {
+            for stage in common::STAGES {
                 let cfg = base(stage, world, precision.clone(), clip);
                 let what = format!("{stage:?} world {world} {precision:?} clip {clip}");
                 let stood = same_bits(&cfg, plain, &what);
@@ -157,20 +136,14 @@ fn clipped_steps_are_bitwise_those_of_the_step_after_backward() {
 
 /// fp16 with a dynamic loss scale from 2^8 that halves at the first overflow.
 fn dynamic_scale() -> Precision {
-    Precision::Fp16(LossScaling::Dynamic {
-        initial_scale_power: 8,
-        loss_scale_window: 100,
-        hysteresis: 1,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    })
+    Precision::Fp16(common::dynamic_scaling(8, 100, 1))
 }
 
 #[test]
 fn an_fp16_overflow_step_is_skipped_and_the_lane_undone_exactly() {
     let dynamic = dynamic_scale();
     for world in [1, 2] {
-        for stage in STAGES {
+        for stage in common::STAGES {
             // With clipping (the usual config) and without (the scale alone speculates).
             for clip in [0.0, 1e6] {
                 let cfg = base(stage, world, dynamic.clone(), clip);
@@ -193,7 +166,7 @@ fn an_fp16_overflow_step_is_skipped_and_the_lane_undone_exactly() {
 fn bounded_snapshots_keep_the_bits() {
     let dynamic = dynamic_scale();
     for world in [1, 2] {
-        for stage in STAGES {
+        for stage in common::STAGES {
             let clip = median_norm(world, Precision::Bf16);
             let cases = [
                 (

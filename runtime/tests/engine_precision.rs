@@ -12,13 +12,7 @@ use ferrozero_runtime::engine::Engine;
 
 #[test]
 fn fp16_overflow_skips_steps_and_never_corrupts_parameters() {
-    let scaling = LossScaling::Dynamic {
-        initial_scale_power: 40,
-        loss_scale_window: 4,
-        hysteresis: 1,
-        consecutive_hysteresis: false,
-        min_loss_scale: 1.0,
-    };
+    let scaling = common::dynamic_scaling(40, 4, 1);
     for stage in [ZeroStage::Stage0, ZeroStage::Stage3] {
         let cfg = config(stage, 2, 2, 1, Precision::Fp16(scaling.clone()));
         let reports = run_ranks(2, Duration::from_secs(30), |comm| {

@@ -7,13 +7,6 @@ use common::config;
 use ferrozero_config::resolved::{Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::engine::NamedTensor;
 
-const STAGES: [ZeroStage; 4] = [
-    ZeroStage::Stage0,
-    ZeroStage::Stage1,
-    ZeroStage::Stage2,
-    ZeroStage::Stage3,
-];
-
 /// Rank 0's parameters and losses after `steps` steps of the toy model (`common::runs`).
 fn train(cfg: &ResolvedConfig, steps: usize) -> (Vec<NamedTensor>, Vec<f64>) {
     let r = common::runs::train_steps(cfg, steps);
@@ -24,7 +17,7 @@ use common::runs::named_bits as bits;
 
 fn check_stages_identical(world: usize, precision: Precision, ckpt: bool) {
     let mut reference = None;
-    for (stage, overlap) in STAGES.iter().flat_map(|&s| [(s, false), (s, true)]) {
+    for (stage, overlap) in common::STAGES.iter().flat_map(|&s| [(s, false), (s, true)]) {
         let mut cfg = config(stage, world, 2, 2, precision.clone());
         cfg.zero.overlap_comm = overlap;
         // Alternate the reuse rule so stage 3 runs both with and without keeping units gathered.

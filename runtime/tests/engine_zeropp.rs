@@ -9,53 +9,14 @@
 
 mod common;
 
-use std::time::Duration;
-
-use common::runs::{D, LAYERS, T, V};
-use common::{config, tiny, toy};
-use ferrozero_config::resolved::{
-    CommsLoggerConfig, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
-};
-use ferrozero_runtime::comm::local::run_ranks;
+use common::runs::{train_logged as train, Logged as Run, D, LAYERS, T, V};
+use common::{comms_logger, config, tiny, toy};
+use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::comm::logger::OpSummary;
 use ferrozero_runtime::engine::partition::GroupLayout;
-use ferrozero_runtime::engine::{Engine, NamedTensor};
+use ferrozero_runtime::engine::NamedTensor;
 use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::quant::{Packed, QuantFormat};
-
-/// What a run leaves on rank 0.
-struct Run {
-    losses: Vec<f64>,
-    params: Vec<NamedTensor>,
-    comms: Option<Vec<OpSummary>>,
-}
-
-fn train(cfg: &ResolvedConfig, build: fn() -> Model, vocab: usize, steps: usize) -> Run {
-    let world = cfg.world_size;
-    let (micro, gas) = (
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-    );
-    let out = run_ranks(world, Duration::from_secs(120), |comm| {
-        let rank = comm.rank();
-        let mut e = Engine::new(build(), cfg.clone(), comm)?;
-        let mut losses = Vec::new();
-        for s in 0..steps {
-            let batches: Vec<_> = (0..gas)
-                .map(|m| toy::batch(vocab, T, ((s * gas + m) * world + rank) * micro, micro))
-                .collect();
-            losses.push(e.train_batch(&batches)?.loss);
-        }
-        let comms = e.comm_stats().map(|s| s.snapshot());
-        Ok(Run {
-            losses,
-            params: e.parameters()?,
-            comms,
-        })
-    })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
-}
 
 fn toy_model() -> Model {
     toy::model(V, D, T, LAYERS)
@@ -212,12 +173,7 @@ fn logged(mode: Option<Mode>) -> Vec<OpSummary> {
     let mut cfg = stage3(2, mode);
     cfg.zero.allgather_bucket_size = 1 << 30;
     cfg.zero.reduce_bucket_size = 1 << 30;
-    cfg.monitor.comms_logger = Some(CommsLoggerConfig {
-        verbose: false,
-        prof_all: true,
-        prof_ops: vec![],
-        debug: false,
-    });
+    cfg.monitor.comms_logger = Some(comms_logger());
     toy_run(&cfg).comms.expect("the logger is on")
 }
 

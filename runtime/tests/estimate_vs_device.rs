@@ -11,6 +11,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::models::{build, Which, MICRO, VOCAB};
 use common::{checkpointing, config, toy};
 use ferrozero_config::resolved::{
     LossScaling, OffloadTarget, Precision, ResolvedConfig, ZeroStage,
@@ -21,47 +22,9 @@ use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::estimate::estimate;
 use ferrozero_runtime::engine::ledger::Category;
 use ferrozero_runtime::engine::Engine;
-use ferrozero_runtime::nn::{gpt2, llama, Model};
 use ferrozero_runtime::tensor::DType;
 
-const MICRO: usize = 2;
 const SEQ: usize = 32;
-const VOCAB: usize = 64;
-
-#[derive(Clone, Copy, Debug)]
-enum Which {
-    Gpt2,
-    Llama,
-    /// Llama with LoRA (dropout 0.1) on every linear layer, the base frozen.
-    LlamaLora,
-    /// GPT-2 with its embeddings and first block frozen: backward stops above them.
-    Gpt2BottomFrozen,
-}
-
-fn build(which: Which) -> Model {
-    match which {
-        Which::Gpt2 => gpt2::build(&gpt2::Gpt2Config::preset("tiny").unwrap()).unwrap(),
-        Which::Llama => llama::build(&llama::LlamaConfig::preset("tiny").unwrap()).unwrap(),
-        Which::Gpt2BottomFrozen => {
-            let f = ["transformer.w?e.weight", "transformer.h.0.*"];
-            let f = ferrozero_runtime::nn::freeze::Freeze::new(&f).unwrap();
-            build(Which::Gpt2).freeze(f).unwrap()
-        }
-        Which::LlamaLora => {
-            let cfg = llama::LlamaConfig::preset("tiny").unwrap();
-            let lora = ferrozero_runtime::nn::peft::LoraConfig::from_json(
-                r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
-                    "target_modules": "all-linear"}"#,
-                "test",
-            )
-            .unwrap();
-            let sites = llama::linear_sites(&cfg);
-            let plan = ferrozero_runtime::nn::peft::plan(&lora, &sites, "llama").unwrap();
-            let model = llama::build_with(&cfg, &plan.0).unwrap();
-            model.freeze(plan.1).unwrap()
-        }
-    }
-}
 
 /// The allocator's peak on rank 0 after one optimizer step of two micro-batches, each rank on
 /// its own fresh emulated device (so the peak is that rank's alone).
@@ -205,7 +168,7 @@ fn gpt2_frozen_below_the_backward_floor_is_the_allocators_within_5_percent() {
 /// Frozen parameters and the adapters' transient buffers priced as the allocator sees them.
 #[test]
 fn llama_lora_device_peak_is_the_allocators_within_5_percent() {
-    sweep(Which::LlamaLora);
+    sweep(Which::LlamaLoraDropout);
 }
 
 /// bf16 master weights and moments in the device's memory (`bf16_optimizer_states`): the

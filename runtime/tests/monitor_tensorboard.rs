@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{config, toy};
-use ferrozero_config::resolved::{LossScaling, MonitorOutput, Precision, ZeroStage};
+use ferrozero_config::resolved::{MonitorOutput, Precision, ZeroStage};
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::Engine;
 
@@ -46,13 +46,7 @@ fn tensorboard_reads_every_scalar_at_every_step() {
         2,
         2,
         1,
-        Precision::Fp16(LossScaling::Dynamic {
-            initial_scale_power: 8,
-            loss_scale_window: 2,
-            hysteresis: 1,
-            consecutive_hysteresis: false,
-            min_loss_scale: 1.0,
-        }),
+        Precision::Fp16(common::dynamic_scaling(8, 2, 1)),
     );
     cfg.monitor.tensorboard = Some(MonitorOutput {
         dir: dir.path().join("job"),

@@ -3,26 +3,11 @@
 
 mod nn_common;
 
-use std::path::Path;
-
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
-use ferrozero_runtime::nn::weights::{self, Naming};
+use ferrozero_runtime::nn::weights;
 use ferrozero_runtime::nn::{Batch, BatchIds, Ctx, Params, Saved};
 use ferrozero_runtime::tensor::{Tensor, View};
-use nn_common::{step, Weights};
-
-fn fixture() -> Vec<weights::NamedTensor> {
-    let path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2_tiny_golden.safetensors");
-    weights::load(&path, Naming::Exact).expect("fixture loads")
-}
-
-fn get<'a>(f: &'a [weights::NamedTensor], name: &str) -> &'a [f32] {
-    &f.iter()
-        .find(|t| t.name == name)
-        .unwrap_or_else(|| panic!("fixture lacks {name}"))
-        .data
-}
+use nn_common::{assert_close, assert_golden_step, fixture, get, golden, Weights};
 
 fn config() -> Gpt2Config {
     Gpt2Config::from_json(
@@ -33,59 +18,22 @@ fn config() -> Gpt2Config {
     .expect("valid config")
 }
 
-fn assert_close(name: &str, got: &[f32], want: &[f32], tol: f32) {
-    assert_eq!(got.len(), want.len(), "{name}: length");
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol * scale,
-            "{name}[{i}]: got {g}, want {w} (scale {scale})"
-        );
-    }
-}
-
 fn load_model() -> (
     ferrozero_runtime::nn::Model,
     Weights,
     Batch,
     Vec<weights::NamedTensor>,
 ) {
-    let f = fixture();
+    let f = fixture("gpt2_tiny_golden.safetensors");
     let model = gpt2::build(&config()).expect("model builds");
-    let mut w = Weights::zeros(&model);
-    for (u, unit) in model.units.iter().enumerate() {
-        for (i, spec) in unit.module.param_specs().iter().enumerate() {
-            w.units[u][i].copy_from_slice(get(&f, &spec.name));
-        }
-    }
-    w.shared[0].copy_from_slice(get(&f, "transformer.wte.weight"));
-    let tokens = get(&f, "golden.tokens").iter().map(|&v| v as u32).collect();
-    let targets = get(&f, "golden.targets")
-        .iter()
-        .map(|&v| v as i32)
-        .collect();
-    let batch = Batch {
-        batch: 2,
-        seq: 9,
-        tokens,
-        targets,
-    };
+    let (w, batch) = golden(&model, &f, (2, 9));
     (model, w, batch, f)
 }
 
 #[test]
 fn loss_and_every_gradient_match_pytorch() {
     let (model, w, batch, f) = load_model();
-    let out = step(&model, &w, &batch, 0, 1.0).expect("step runs");
-    let want = get(&f, "golden.loss")[0];
-    assert!(
-        (out.loss - want).abs() <= 1e-4 * want.abs(),
-        "loss {} vs {want}",
-        out.loss
-    );
-    for (name, g) in out.grads.named(&model) {
-        assert_close(&name, g, get(&f, &format!("grad.{name}")), 2e-4);
-    }
+    assert_golden_step(&model, &w, &batch, &f);
 }
 
 #[test]

@@ -10,18 +10,17 @@ use ferrozero_runtime::tensor::Tensor;
 use ferrozero_runtime::Error;
 use nn_common::{batch, step, Weights};
 
+/// A rayon pool of `threads` threads.
+fn pool(threads: usize) -> rayon::ThreadPool {
+    let b = rayon::ThreadPoolBuilder::new().num_threads(threads);
+    b.build().unwrap()
+}
+
 #[test]
 fn init_is_deterministic_thread_independent_and_has_the_right_moments() {
     let mut a = vec![0.0f32; 200_001];
     let mut b = a.clone();
-    let one = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .unwrap();
-    let two = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .unwrap();
+    let (one, two) = (pool(1), pool(2));
     one.install(|| init::fill(&Init::Normal { std: 0.02 }, 42, &mut a));
     two.install(|| init::fill(&Init::Normal { std: 0.02 }, 42, &mut b));
     assert_eq!(a, b);
@@ -54,14 +53,7 @@ fn forward_and_backward_are_bitwise_identical_across_thread_counts() {
     let model = gpt2::build(&cfg).unwrap();
     let w = Weights::init(&model, 3);
     let b = batch(4, 45, 256, 2);
-    let one = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .unwrap();
-    let two = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .unwrap();
+    let (one, two) = (pool(1), pool(2));
     let s1 = one.install(|| step(&model, &w, &b, 9, 0.5).unwrap());
     let s2 = two.install(|| step(&model, &w, &b, 9, 0.5).unwrap());
     assert_eq!(s1.loss.to_bits(), s2.loss.to_bits());

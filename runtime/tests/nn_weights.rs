@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::weights::{self, Naming};
+use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::tensor::DType;
 use nn_common::Weights;
 
@@ -101,40 +102,23 @@ fn half_precision_files_reload_and_resave_identically() {
     }
 }
 
+/// The shape of the units' parameter `name` in `model`.
+fn unit_shape(model: &Model, name: &str) -> Vec<usize> {
+    let specs = model.units.iter().flat_map(|u| u.module.param_specs());
+    let mut found = specs.filter(|s| s.name == name);
+    found.next().unwrap_or_else(|| panic!("{name}")).shape
+}
+
 #[test]
 fn hugging_face_names_and_layouts() {
     let gpt = gpt2::build(&Gpt2Config::preset("tiny").unwrap()).unwrap();
-    let specs: Vec<_> = gpt
-        .units
-        .iter()
-        .flat_map(|u| u.module.param_specs())
-        .collect();
-    let find = |n: &str| {
-        specs
-            .iter()
-            .find(|s| s.name == n)
-            .unwrap_or_else(|| panic!("{n}"))
-            .shape
-            .clone()
-    };
+    let find = |n: &str| unit_shape(&gpt, n);
     // GPT-2's Conv1D stores [in, out].
     assert_eq!(find("transformer.h.0.attn.c_attn.weight"), vec![16, 48]);
     assert_eq!(find("transformer.h.1.mlp.c_proj.weight"), vec![64, 16]);
     assert_eq!(gpt.shared[0].name, "transformer.wte.weight");
     let lla = llama::build(&LlamaConfig::preset("tiny").unwrap()).unwrap();
-    let specs: Vec<_> = lla
-        .units
-        .iter()
-        .flat_map(|u| u.module.param_specs())
-        .collect();
-    let find = |n: &str| {
-        specs
-            .iter()
-            .find(|s| s.name == n)
-            .unwrap_or_else(|| panic!("{n}"))
-            .shape
-            .clone()
-    };
+    let find = |n: &str| unit_shape(&lla, n);
     // nn.Linear stores [out, in]; tiny has 4 query heads and 2 kv heads of width 8.
     assert_eq!(find("model.layers.0.self_attn.k_proj.weight"), vec![16, 32]);
     assert_eq!(find("model.layers.1.mlp.down_proj.weight"), vec![32, 64]);

@@ -6,15 +6,11 @@
 
 mod common;
 
-use std::time::Duration;
-
+use common::runs::{losses, rank0, toy_steps};
 use common::{config, toy};
 use ferrozero_config::resolved::{OffloadTarget, Precision, ResolvedConfig, ZeroStage};
-use ferrozero_offload::optim::{
-    reference, AdamHyper, LionHyper, LowPrecision, SgdHyper, WeightDecay,
-};
+use ferrozero_offload::optim::{reference, LowPrecision};
 use ferrozero_runtime::backend::{cpu, UpdateRule};
-use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::ledger::{Category, Location};
 use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::tensor::{BufMut, BufRef, View, ViewMut};
@@ -36,32 +32,7 @@ fn bits(v: &[bf16]) -> Vec<u16> {
 }
 
 fn rules() -> Vec<UpdateRule> {
-    let adam = |decay| AdamHyper {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        decay,
-        bias_correction: true,
-    };
-    vec![
-        UpdateRule::Adam(adam(WeightDecay::Decoupled)),
-        UpdateRule::Adam(adam(WeightDecay::L2)),
-        UpdateRule::Sgd(SgdHyper {
-            lr: 1e-2,
-            momentum: 0.9,
-            dampening: 0.0,
-            weight_decay: 0.01,
-            nesterov: true,
-        }),
-        UpdateRule::Lion(LionHyper {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.99,
-            weight_decay: 0.1,
-        }),
-    ]
+    common::update_rules(0.0, true)
 }
 
 /// The reference: every value widened, the reference f32 update, every value rounded back
@@ -179,15 +150,10 @@ fn bf16_cfg(stage: ZeroStage, world: usize, states: bool) -> ResolvedConfig {
 
 /// Parameter bits, per-step losses and host optimizer-state bytes of rank 0.
 fn train(cfg: &ResolvedConfig) -> (Vec<u32>, Vec<f64>, u64) {
-    let world = cfg.world_size;
-    let out = run_ranks(world, Duration::from_secs(60), |comm| {
+    rank0(cfg.world_size, |comm| {
         let rank = comm.rank();
         let mut e = Engine::new(toy::model(11, 6, 5, 3), cfg.clone(), comm)?;
-        let mut losses = Vec::new();
-        for s in 0..6 {
-            let b = |i: usize| toy::batch(11, 5, ((s * 2 + i) * world + rank) * 2, 2);
-            losses.push(e.train_batch(&[b(0), b(1)])?.loss);
-        }
+        let losses = losses(&toy_steps(&mut e, cfg, (11, 5), 6, rank)?);
         let bits = e
             .parameters()?
             .iter()
@@ -196,8 +162,7 @@ fn train(cfg: &ResolvedConfig) -> (Vec<u32>, Vec<f64>, u64) {
         let opt = e.ledger().peak(Location::Host, Category::OptimizerState);
         Ok((bits, losses, opt))
     })
-    .expect("training failed");
-    out.into_iter().next().unwrap()
+    .expect("training failed")
 }
 
 #[test]

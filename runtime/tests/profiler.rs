@@ -13,9 +13,7 @@ use std::time::Duration;
 use common::config;
 use common::scratch::Scratch;
 use device_common::Dev;
-use ferrozero_config::resolved::{
-    FlopsProfilerConfig, MonitorOutput, Precision, ResolvedConfig, ZeroStage,
-};
+use ferrozero_config::resolved::{FlopsProfilerConfig, MonitorOutput, ResolvedConfig, ZeroStage};
 use ferrozero_runtime::backend::Backend;
 use ferrozero_runtime::comm::local::run_ranks;
 use ferrozero_runtime::engine::{Engine, NamedTensor, StepReport};
@@ -23,7 +21,6 @@ use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
 use ferrozero_runtime::nn::llama::{self, LlamaConfig};
 use ferrozero_runtime::nn::Model;
 use ferrozero_runtime::profiler::{model_flops_per_token, Family, FlopsProfile};
-use ferrozero_runtime::tensor::DType;
 
 const B: usize = 2;
 const T: usize = 7;
@@ -72,10 +69,7 @@ fn llama_flops(c: &LlamaConfig) -> u64 {
 }
 
 fn cfg_for(d: &Dev, profiler: Option<FlopsProfilerConfig>) -> ResolvedConfig {
-    let precision = match d.act() {
-        DType::Bf16 => Precision::Bf16,
-        _ => Precision::F32,
-    };
+    let precision = d.training_precision();
     let mut c = config(ZeroStage::Stage2, 1, B, 1, precision);
     c.monitor.flops_profiler = profiler;
     c

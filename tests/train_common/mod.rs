@@ -13,6 +13,18 @@ pub fn repo(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(p)
 }
 
+/// `target/<profile>/examples/train_gpt`, built by `cargo test` next to the test binaries.
+pub fn train_gpt() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().unwrap().parent().unwrap();
+    let p = p.join("examples").join("train_gpt");
+    assert!(
+        p.exists(),
+        "cargo test builds examples/train_gpt next to the tests"
+    );
+    p
+}
+
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {
@@ -67,12 +79,14 @@ pub fn model_dir(dir: &Path) {
 
 /// Runs `ferrozero train` in `cwd` (a scratch directory: nothing is read from it).
 pub fn train(cwd: &Path, args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrozero"))
-        .arg("train")
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrozero"));
+    run_output(cmd.arg("train").args(args).current_dir(cwd))
+}
+
+/// Runs `cmd` to its end: whether it succeeded, and its standard output then its standard
+/// error as one text (what a user sees).
+pub fn run_output(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),

@@ -90,3 +90,10 @@ pub fn small_llama(vocab: usize, seq: usize) -> Model {
     })
     .expect("a valid Llama")
 }
+
+/// GPT-2 with every attention block's weights, the tied table and the positions frozen:
+/// units mixed (attention frozen, the MLP and norms train) and a frozen shared group.
+pub fn gpt2_part_frozen() -> Model {
+    let f = ferrozero_runtime::nn::freeze::Freeze::new(&["*.attn.*", "transformer.w?e.weight"]);
+    gpt2_model(2).freeze(f.unwrap()).unwrap()
+}

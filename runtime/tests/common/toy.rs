@@ -5,6 +5,7 @@
 
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use ferrozero_runtime::nn::module::SavedState;
 use ferrozero_runtime::nn::{
@@ -219,32 +220,46 @@ impl Module for Head {
 
 /// The toy model: embed, `layers` residual units, head; `wte` tied.
 pub fn model(vocab: usize, dim: usize, seq: usize, layers: usize) -> Model {
-    let mut units = vec![Unit {
-        name: "embed".into(),
-        module: std::sync::Arc::new(Embed { vocab, dim, seq }),
-        uses_shared: vec![0],
-    }];
-    for i in 0..layers {
-        units.push(Unit {
-            name: format!("h.{i}"),
-            module: std::sync::Arc::new(Residual {
-                name: format!("h.{i}"),
-                dim,
-            }),
-            uses_shared: vec![],
+    let blocks = (0..layers).map(|i| {
+        let name = format!("h.{i}");
+        let block: Arc<dyn Module> = Arc::new(Residual {
+            name: name.clone(),
+            dim,
         });
-    }
-    units.push(Unit {
-        name: "head".into(),
-        module: std::sync::Arc::new(Head { vocab, dim }),
-        uses_shared: vec![0],
+        (name, block)
     });
+    let table = ParamSpec {
+        name: "wte".into(),
+        shape: vec![vocab, dim],
+        init: Init::Normal { std: 0.5 },
+    };
+    let embed = Arc::new(Embed { vocab, dim, seq });
+    tied(
+        embed,
+        blocks.collect(),
+        Arc::new(Head { vocab, dim }),
+        table,
+    )
+}
+
+/// A model of an embedding, `blocks` (named) and a head, the embedding and the head sharing
+/// `table` (the only shared parameter), nothing frozen.
+pub fn tied(
+    embed: Arc<dyn Module>,
+    blocks: Vec<(String, Arc<dyn Module>)>,
+    head: Arc<dyn Module>,
+    table: ParamSpec,
+) -> Model {
+    let unit = |name: String, module, uses_shared| Unit {
+        name,
+        module,
+        uses_shared,
+    };
+    let mut units = vec![unit("embed".into(), embed, vec![0])];
+    units.extend(blocks.into_iter().map(|(n, m)| unit(n, m, vec![])));
+    units.push(unit("head".into(), head, vec![0]));
     Model {
-        shared: vec![ParamSpec {
-            name: "wte".into(),
-            shape: vec![vocab, dim],
-            init: Init::Normal { std: 0.5 },
-        }],
+        shared: vec![table],
         units,
         frozen: Default::default(),
     }

@@ -31,6 +31,16 @@ impl Dev {
         self.be.act_dtype()
     }
 
+    /// The training precision the device's activations make: bf16 on a bf16 device, f32
+    /// elsewhere (an f16 device trains f32 parameters: fp16 needs its loss scale).
+    pub fn training_precision(&self) -> ferrozero_config::resolved::Precision {
+        use ferrozero_config::resolved::Precision;
+        match self.act() {
+            DType::Bf16 => Precision::Bf16,
+            _ => Precision::F32,
+        }
+    }
+
     /// Tolerance against the CPU for results in the activation dtype: f32 differs in
     /// summation order and in exp/tanh implementations (a few ulp per term); bf16 and f16
     /// round every stored result (2^-8 and 2^-11 relative).
@@ -93,6 +103,17 @@ pub fn rand(n: usize, seed: u64) -> Vec<f32> {
     (0..n)
         .map(|i| backend::rng::uniform_f32(seed, i as u64) * 2.0 - 1.0)
         .collect()
+}
+
+/// Asserts that a device's per-step training losses are the CPU's within the device's relative
+/// tolerance (at least 1e-4: a step's loss sums many rounded terms).
+pub fn assert_losses_close(d: &Dev, got: &[f64], cpu: &[f64]) {
+    let rel = d.tol().rel.max(1e-4);
+    assert_eq!(got.len(), cpu.len(), "{}: {got:?} vs CPU {cpu:?}", d.name);
+    for (a, b) in got.iter().zip(cpu) {
+        let close = (a - b).abs() <= rel * b.abs();
+        assert!(close, "{}: losses {got:?} vs CPU {cpu:?}", d.name);
+    }
 }
 
 /// [`Dev::tol`] for a sum of `k` terms: rounding errors in different summation orders grow

@@ -3,11 +3,73 @@
 #![allow(dead_code)]
 
 use ferrozero_runtime::backend::Backend;
+use ferrozero_runtime::nn::weights::{NamedTensor, Naming};
 use ferrozero_runtime::nn::{
     init, Batch, BatchIds, Ctx, Grads, Model, Params, Saved, IGNORE_INDEX,
 };
 use ferrozero_runtime::tensor::{DType, FlatBuf, Storage, Tensor};
 use ferrozero_runtime::Result;
+
+/// The safetensors fixture `tests/fixtures/<file>`, every tensor under its exact name.
+pub fn fixture(file: &str) -> Vec<NamedTensor> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    ferrozero_runtime::nn::weights::load(&path.join(file), Naming::Exact).expect("fixture loads")
+}
+
+/// The fixture's tensor `name`.
+pub fn get<'a>(f: &'a [NamedTensor], name: &str) -> &'a [f32] {
+    let t = f.iter().find(|t| t.name == name);
+    &t.unwrap_or_else(|| panic!("fixture lacks {name}")).data
+}
+
+/// `got` is `want` within `tol` of `want`'s largest magnitude (at least 1e-3).
+pub fn assert_close(name: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * scale,
+            "{name}[{i}]: got {g}, want {w} (scale {scale})"
+        );
+    }
+}
+
+/// One training step of `model` on the fixture's weights and batch: the loss is PyTorch's
+/// `golden.loss` within 1e-4 relative, every gradient its `grad.<name>` within 2e-4.
+pub fn assert_golden_step(model: &Model, w: &Weights, batch: &Batch, f: &[NamedTensor]) {
+    let out = step(model, w, batch, 0, 1.0).expect("step runs");
+    let want = get(f, "golden.loss")[0];
+    assert!(
+        (out.loss - want).abs() <= 1e-4 * want.abs(),
+        "loss {} vs {want}",
+        out.loss
+    );
+    for (name, g) in out.grads.named(model) {
+        assert_close(&name, g, get(f, &format!("grad.{name}")), 2e-4);
+    }
+}
+
+/// `model`'s weights and a batch of `(rows, seq)` tokens from a PyTorch fixture `f`: every
+/// parameter by its Hugging Face name (the shared ones too) and `golden.tokens`/`golden.targets`.
+pub fn golden(model: &Model, f: &[NamedTensor], (rows, seq): (usize, usize)) -> (Weights, Batch) {
+    let get = |name: &str| get(f, name);
+    let mut w = Weights::zeros(model);
+    for (u, unit) in model.units.iter().enumerate() {
+        for (i, spec) in unit.module.param_specs().iter().enumerate() {
+            w.units[u][i].copy_from_slice(get(&spec.name));
+        }
+    }
+    for (i, spec) in model.shared.iter().enumerate() {
+        w.shared[i].copy_from_slice(get(&spec.name));
+    }
+    let batch = Batch {
+        batch: rows,
+        seq,
+        tokens: get("golden.tokens").iter().map(|&v| v as u32).collect(),
+        targets: get("golden.targets").iter().map(|&v| v as i32).collect(),
+    };
+    (w, batch)
+}
 
 /// Flat per-parameter buffers, as the engine would own them.
 #[derive(Debug, Clone, PartialEq)]
