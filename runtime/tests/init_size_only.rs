@@ -122,8 +122,7 @@ fn a_run_that_does_not_fit_is_still_refused() {
 fn the_estimate_of_a_host_loop_model_errors_naming_the_unit() {
     let cfg = config(ZeroStage::Stage2, 1, 2, 1, Precision::F32);
     let err = estimate(&toy::model(V, 6, SEQ, 2), &cfg, 2, SEQ)
-        .err()
-        .expect("the size-only step refuses host loops");
+        .expect_err("the size-only step refuses host loops");
     let Error::SizeOnly(why) = &err else {
         panic!("not the size-only variant: {err}")
     };
