@@ -110,9 +110,27 @@ pub enum Error {
         /// That rank's error, as it printed it.
         cause: String,
     },
+    /// Size-only elements (the memory estimate's step holds no values) reached code that
+    /// needs values: a module computing with its own host loops, which runs on the CPU
+    /// backend only, so no size-only run, and hence no estimate, can price it. The text names
+    /// the unit and the operation.
+    #[error("cannot run on a size-only device: {0}")]
+    SizeOnly(String),
     /// An error from the offload crate.
     #[error(transparent)]
     Offload(#[from] ferrozero_offload::Error),
+}
+
+impl Error {
+    /// This error as raised inside unit `unit`: a [`Error::SizeOnly`] names the unit, so a
+    /// model the estimate cannot run is reported by the module that stops it; any other
+    /// error is unchanged.
+    pub fn in_unit(self, unit: &str) -> Self {
+        match self {
+            Error::SizeOnly(why) => Error::SizeOnly(format!("unit `{unit}`: {why}")),
+            e => e,
+        }
+    }
 }
 
 /// The runtime's result alias.

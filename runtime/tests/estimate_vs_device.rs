@@ -1,9 +1,11 @@
 //! The estimator against a device's own allocator: GPT-2 and Llama (small configs) trained on
 //! the CUDA backend over the CPU emulator of the device (bf16 activations), at stages 0-3,
-//! with optimizer offload, parameter offload and activation checkpointing on and off; the
-//! estimate's device peak is within 5% of the peak the caching allocator measured
-//! (`Backend::memory_stats`), and the engine's ledger agrees with the estimate's ledger
-//! figures on the device as it does on the CPU.
+//! with optimizer offload, parameter offload and activation checkpointing on and off, over two
+//! optimizer steps as the estimate measures them; the estimate's device peak is the peak the
+//! caching allocator measured (`Backend::memory_stats`), byte for byte, except where a comm
+//! worker issues device work beside the compute thread (`overlap_comm` at two ranks): there
+//! the emulator's own peak moves with the two threads' timing (a few allocator blocks between
+//! runs, `device_meta.rs`), and the estimate is held within 2%.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -25,19 +27,36 @@ use ferrozero_runtime::engine::Engine;
 use ferrozero_runtime::tensor::DType;
 
 const SEQ: usize = 32;
+/// Optimizer steps a run measures: the estimate's (the second step holds what the first
+/// leaves for it).
+const STEPS: usize = 2;
+/// Where a comm worker issues device work beside the compute thread, the local communicator's
+/// reduction scratch (`backend/cuda/peer.rs`, up to three blocks) and a chunked
+/// reduce-scatter's input, allocated on the worker's thread while the collective waits for the
+/// peer rank, land beside backward's buffers or not as the threads' timing falls; the size-only
+/// communicator waits for no one and allocates nothing. So the emulator's peak may sit above
+/// the estimate (never below) by 2% or by a few allocator blocks, whichever is more: 0 to 4
+/// blocks of 512 bytes were seen, up to 2.17% of these toy models' 77-94 KB peaks, a share
+/// that shrinks with the model.
+const THREADED: f64 = 0.02;
+/// The blocks of [`THREADED`]'s timing-dependent scratch a run may hold beyond 2%.
+const THREADED_BLOCKS: u64 = 8;
 
-/// The allocator's peak on rank 0 after one optimizer step of two micro-batches, each rank on
-/// its own fresh emulated device (so the peak is that rank's alone).
+
+/// The allocator's peak on rank 0 after [`STEPS`] optimizer steps of two micro-batches, each
+/// rank on its own fresh emulated device (so the peak is that rank's alone).
 fn measure(which: Which, cfg: &ResolvedConfig) -> u64 {
-    let world = cfg.world_size;
+    let (world, gas) = (cfg.world_size, cfg.gradient_accumulation_steps);
     let out = run_ranks(world, Duration::from_secs(300), |comm| {
         let rank = comm.rank();
         let be: Arc<dyn Backend> = backend::cuda::emulated(DType::Bf16)?;
         let mut e = Engine::with_backend(build(which), cfg.clone(), comm, be)?;
-        let batches: Vec<_> = (0..cfg.gradient_accumulation_steps)
-            .map(|m| toy::batch(VOCAB, SEQ, (m * world + rank) * MICRO, MICRO))
-            .collect();
-        e.train_batch(&batches)?;
+        for s in 0..STEPS {
+            let batches: Vec<_> = (0..gas)
+                .map(|m| toy::batch(VOCAB, SEQ, ((s * gas + m) * world + rank) * MICRO, MICRO))
+                .collect();
+            e.train_batch(&batches)?;
+        }
         let stats = e.backend().memory_stats();
         Ok(stats.map_or(0, |m| m.peak))
     })
@@ -84,8 +103,22 @@ fn check(which: Which, cfg: &ResolvedConfig, failures: &mut Vec<String>) {
     );
     // One row per configuration, for the record (`--nocapture` shows the table).
     eprintln!("| {what} | {est} | {got} | {:.2}% |", off * 100.0);
-    if off > 0.05 {
+    if !within(cfg, est, got) {
         failures.push(format!("{what}: estimate {est} vs allocator peak {got}"));
+    }
+}
+
+/// Whether the estimate `est` prices the emulator's peak `got` under `cfg`: exactly, unless a
+/// comm worker's timing moves that peak, and then only upward, by at most [`slack`].
+fn within(cfg: &ResolvedConfig, est: u64, got: u64) -> bool {
+    est <= got && got - est <= slack(cfg, got)
+}
+
+/// How far above the estimate a peak of `got` bytes may sit under `cfg` ([`THREADED`]).
+fn slack(cfg: &ResolvedConfig, got: u64) -> u64 {
+    match cfg.zero.overlap_comm && cfg.world_size > 1 {
+        true => ((THREADED * got as f64) as u64).max(THREADED_BLOCKS * 512),
+        false => 0,
     }
 }
 
@@ -145,37 +178,37 @@ fn cpu_figures_would_misprice_the_device() {
             .peak_bytes,
     );
     let off = |e: u64| (e as f64 - got as f64).abs() / got as f64;
-    assert!(off(est_gpu) <= 0.05, "{est_gpu} vs {got}");
+    assert_eq!(est_gpu, got, "the device's figures");
     assert!(off(est_cpu) > 0.05, "CPU figures {est_cpu} vs device {got}");
 }
 
 #[test]
-fn gpt2_device_peak_is_the_allocators_within_5_percent() {
+fn gpt2_device_peak_is_the_allocators() {
     sweep(Which::Gpt2);
 }
 
 #[test]
-fn llama_device_peak_is_the_allocators_within_5_percent() {
+fn llama_device_peak_is_the_allocators() {
     sweep(Which::Llama);
 }
 
 /// Units below the backward floor: their saved state lives only through their own forward.
 #[test]
-fn gpt2_frozen_below_the_backward_floor_is_the_allocators_within_5_percent() {
+fn gpt2_frozen_below_the_backward_floor_is_the_allocators() {
     sweep(Which::Gpt2BottomFrozen);
 }
 
 /// Frozen parameters and the adapters' transient buffers priced as the allocator sees them.
 #[test]
-fn llama_lora_device_peak_is_the_allocators_within_5_percent() {
+fn llama_lora_device_peak_is_the_allocators() {
     sweep(Which::LlamaLoraDropout);
 }
 
 /// bf16 master weights and moments in the device's memory (`bf16_optimizer_states`): the
-/// allocator's peak priced within 5%, and the bytes the allocator saved against f32 state
-/// (the f32 master weights, half of the moments) are the bytes the estimate saved.
+/// allocator's peak priced as the sweep prices it, and the bytes the allocator saved against
+/// f32 state (the f32 master weights, half of the moments) are the bytes the estimate saved.
 #[test]
-fn bf16_optimizer_states_on_the_device_are_priced_within_5_percent() {
+fn bf16_optimizer_states_on_the_device_are_priced() {
     let mut failures = Vec::new();
     for stage in [ZeroStage::Stage1, ZeroStage::Stage2, ZeroStage::Stage3] {
         for world in [1, 2] {
@@ -190,20 +223,23 @@ fn bf16_optimizer_states_on_the_device_are_priced_within_5_percent() {
             let opt = |e: &ferrozero_runtime::engine::estimate::Estimate| {
                 e.device.category(Category::OptimizerState)
             };
-            // A third, each entry rounded up to the allocator's blocks.
+            // A third (every entry's bytes a whole number of the allocator's blocks in both
+            // dtypes here).
             let (o16, o32) = (opt(&e16), opt(&e32));
-            assert!(
-                o16 * 3 >= o32 && o16 * 3 - o32 <= o32 / 20,
+            assert_eq!(
+                o16 * 3,
+                o32,
                 "stage {stage:?} world {world}: optimizer bytes {o16} vs f32 state {o32}"
             );
             let saved_est = e32.device.peak_bytes as f64 - e16.device.peak_bytes as f64;
-            let saved = measure(Which::Gpt2, &f32_state) as f64 - measure(Which::Gpt2, &cfg) as f64;
+            let (m32, m16) = (measure(Which::Gpt2, &f32_state), measure(Which::Gpt2, &cfg));
+            let saved = m32 as f64 - m16 as f64;
             eprintln!("stage {stage:?} world {world}: saved {saved} bytes, estimated {saved_est}");
             assert!(saved > 0.0, "stage {stage:?} world {world}: nothing saved");
-            // A difference of two peaks, each rounded to blocks: held to 5% of the f32
-            // state's optimizer bytes.
+            // A difference of two peaks: exact, or where a comm worker's timing moves them
+            // (two ranks overlap here), within both peaks' slack.
             assert!(
-                (saved - saved_est).abs() <= 0.05 * o32 as f64,
+                (saved - saved_est).abs() <= (slack(&cfg, m32) + slack(&cfg, m16)) as f64,
                 "stage {stage:?} world {world}: saved {saved}, estimated {saved_est}"
             );
         }
@@ -250,7 +286,8 @@ fn measure_staged(which: Which, cfg: &ResolvedConfig, act: DType) -> Staged {
     out.into_iter().next().unwrap()
 }
 
-/// The estimate's device peak and page-locked bytes against the run's, within 5%.
+/// The estimate's device peak and page-locked bytes against the run's: the same bytes (one
+/// rank, no comm worker).
 fn check_staged(which: Which, what: &str, cfg: &ResolvedConfig, run: &Staged) {
     let est = estimate(&build(which), cfg, MICRO, SEQ).unwrap();
     let off = |e: u64, got: u64| (e as f64 - got as f64).abs() / (got as f64).max(1.0);
@@ -262,16 +299,8 @@ fn check_staged(which: Which, what: &str, cfg: &ResolvedConfig, run: &Staged) {
         run.page_locked,
         off(locked, run.page_locked) * 100.0
     );
-    assert!(
-        off(peak, run.peak) <= 0.05,
-        "{which:?} {what}: device peak {peak} vs {}",
-        run.peak
-    );
-    assert!(
-        off(locked, run.page_locked) <= 0.05,
-        "{which:?} {what}: page-locked {locked} vs {}",
-        run.page_locked
-    );
+    assert_eq!(peak, run.peak, "{which:?} {what}: device peak");
+    assert_eq!(locked, run.page_locked, "{which:?} {what}: page-locked");
 }
 
 fn offloaded(stage: ZeroStage, precision: Precision) -> ResolvedConfig {
@@ -337,19 +366,19 @@ fn staged_sweep(which: Which) {
 }
 
 #[test]
-fn gpt2_staging_for_checkpoints_and_snapshots_is_priced_within_5_percent() {
+fn gpt2_staging_for_checkpoints_and_snapshots_is_priced() {
     staged_sweep(Which::Gpt2);
 }
 
 #[test]
-fn llama_staging_for_checkpoints_and_snapshots_is_priced_within_5_percent() {
+fn llama_staging_for_checkpoints_and_snapshots_is_priced() {
     staged_sweep(Which::Llama);
 }
 
 /// f32 accumulators in a bf16 run (`data_types.grad_accum_dtype = "fp32"`) priced as the
 /// emulated device's allocator sees them, its staging included.
 #[test]
-fn f32_gradient_accumulators_are_the_allocators_within_5_percent() {
+fn f32_gradient_accumulators_are_the_allocators() {
     let mut failures = Vec::new();
     for (stage, offload) in [
         (ZeroStage::Stage0, Offload::None),

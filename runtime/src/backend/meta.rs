@@ -59,9 +59,11 @@ const COSTLIEST_SUM_SQUARES: f64 = 1e30;
 
 /// The status the value-dependent branches of a step decide on, each taken its costlier way:
 /// every gradient finite, because an overflow skips the update (no optimizer work, no
-/// write-back); a norm over any clipping bound, because a speculative optimizer overlap then
-/// restores the groups it stepped and steps them again. Losses read as zero. A size-only
-/// CUDA device reads its status back as this too, so both size-only runs branch alike.
+/// write-back); a norm over any clipping bound, so clipping binds. (A speculative optimizer
+/// overlap's lane stops at the first group such a norm passes its bound, saving nothing: the
+/// estimator measures that overlap with a bound above this norm, where every planned group's
+/// snapshot is held.) Losses read as zero. A size-only CUDA device reads its status back as
+/// this too, so both size-only runs branch alike.
 pub(crate) fn status(losses: &[View<'_>], grads: &[GradView<'_>]) -> StepStatus {
     StepStatus {
         losses: vec![0.0; losses.len()],

@@ -120,20 +120,19 @@ impl EngineBuilder {
         // allows it, pinning turned off); a device run's page-locked and pageable host
         // memory must fit in the host's RAM.
         let seq = self.seq_len.unwrap_or(1);
-        let overlap = overlap_for_host(&self.model, &resolution.config, seq)?;
+        let (overlap, mut priced) = overlap_for_host(&self.model, &resolution.config, seq)?;
         let cfg = &mut resolution.config;
         let pinned = cfg.zero.offload_optimizer.pin_memory || cfg.zero.offload_param.pin_memory;
         let on_device = !memory_is_host_ram(cfg.device);
-        if pinned || on_device {
+        if priced && (pinned || on_device) {
             let mb = cfg.train_micro_batch_size_per_gpu;
-            let e = super::estimate::estimate_with_overlap(&self.model, cfg, mb, seq, &overlap)?;
-            check_locked_memory(cfg, &e)?;
-            if on_device {
-                let ram = self.host_ram.map(Ok).unwrap_or_else(HostRam::probe);
-                check_device_host_ram(cfg, &e, ram.ok())?;
+            let e = super::estimate::estimate_with_overlap(&self.model, cfg, mb, seq, &overlap);
+            match unless_size_only(e)? {
+                Some(e) => check_host(cfg, &e, on_device, self.host_ram)?,
+                None => priced = false,
             }
         }
-        if let Some(seq) = self.seq_len {
+        if let (Some(seq), true) = (self.seq_len, priced) {
             preflight(&self.model, &resolution.config, seq, &overlap)?;
         }
         if comm.rank() == 0 {
@@ -149,9 +148,44 @@ impl EngineBuilder {
     }
 }
 
+/// The estimate `r`, or `None` when the model cannot run on the size-only device the
+/// estimate runs the step on (a module computing with host loops, [`Error::SizeOnly`]):
+/// `initialize` then goes on without checking memory, and says so once. Any other error
+/// (a config the engine refuses, a step that does not fit) is returned.
+fn unless_size_only<T>(r: Result<T>) -> Result<Option<T>> {
+    match r {
+        Err(Error::SizeOnly(why)) => {
+            tracing::warn!(
+                "memory not checked: the estimate runs the model on a size-only device, which \
+                 it cannot run on ({why}); initialize goes on without the pre-flight's memory \
+                 checks"
+            );
+            Ok(None)
+        }
+        r => r.map(Some),
+    }
+}
+
+/// The host checks of a run that page-locks memory or runs on a device, from its estimate
+/// `e`: the locked-memory limit (raised, or pinning turned off where the config allows it)
+/// and, on a device, the host RAM its page-locked and pageable memory need.
+fn check_host(
+    cfg: &mut ferrozero_config::ResolvedConfig,
+    e: &super::estimate::Estimate,
+    on_device: bool,
+    ram: Option<HostRam>,
+) -> Result<()> {
+    check_locked_memory(cfg, e)?;
+    if on_device {
+        let ram = ram.map(Ok).unwrap_or_else(HostRam::probe);
+        check_device_host_ram(cfg, e, ram.ok())?;
+    }
+    Ok(())
+}
+
 /// Compares what this process's ranks need with what the machine has (RAM, locked memory,
 /// NVMe free space) and with `device_memory_limit`, and refuses with every shortfall and its
-/// numbers.
+/// numbers; goes on unchecked for a model the estimate cannot run ([`unless_size_only`]).
 fn preflight(
     model: &Model,
     cfg: &ferrozero_config::ResolvedConfig,
@@ -159,7 +193,10 @@ fn preflight(
     overlap: &OptimizerOverlap,
 ) -> Result<()> {
     let mb = cfg.train_micro_batch_size_per_gpu;
-    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, overlap)?;
+    let e = super::estimate::estimate_with_overlap(model, cfg, mb, seq, overlap);
+    let Some(e) = unless_size_only(e)? else {
+        return Ok(());
+    };
     super::estimate::check_device_cap(model, cfg, seq, &e)?;
     // Local ranks share this process's machine; other backends run one rank per process.
     let here = ranks_here(cfg);
@@ -181,23 +218,30 @@ fn preflight(
 /// snapshots do not fit in `MemAvailable` beside everything else the pre-flight counts
 /// (then bounded to the groups that fit, or off when none does, the reason giving the
 /// numbers). Where the host cannot be measured the config
-/// decides (the pre-flight, when asked for, refuses such a host anyway).
+/// decides (the pre-flight, when asked for, refuses such a host anyway). Second: false when
+/// the estimate could not run the model ([`unless_size_only`]; the config decided).
 fn overlap_for_host(
     model: &Model,
     cfg: &ferrozero_config::ResolvedConfig,
     seq: usize,
-) -> Result<OptimizerOverlap> {
+) -> Result<(OptimizerOverlap, bool)> {
     let decided = OptimizerOverlap::decide(cfg);
     if !matches!(decided, OptimizerOverlap::Speculative(..)) {
-        return Ok(decided);
+        return Ok((decided, true));
     }
     let mb = cfg.train_micro_batch_size_per_gpu;
     let ranks = (ranks_here(cfg), memory_is_host_ram(cfg.device));
     match ferrozero_offload::sys::mem_available() {
-        Ok(available) => Ok(overlap_on_host(model, cfg, (mb, seq), ranks, available)?.0),
+        Ok(available) => {
+            let on_host = overlap_on_host(model, cfg, (mb, seq), ranks, available);
+            Ok(match unless_size_only(on_host)? {
+                Some((o, _)) => (o, true),
+                None => (decided, false),
+            })
+        }
         Err(err) => {
             tracing::warn!("speculative optimizer overlap: host memory unknown ({err})");
-            Ok(decided)
+            Ok((decided, true))
         }
     }
 }

@@ -58,7 +58,7 @@ impl Engine {
             rng_row: row,
             saved: &mut acts.saved[unit],
         };
-        u.module.forward(&mut ctx, &params, input)
+        (u.module.forward(&mut ctx, &params, input)).map_err(|e| e.in_unit(&u.name))
     }
 
     fn track_saved(&mut self, unit: usize) {
@@ -280,7 +280,7 @@ impl Engine {
             rng_row: row,
             saved: &mut acts.saved[unit],
         };
-        let out = f(&*u.module, &mut ctx, &params, &mut grads);
+        let out = f(&*u.module, &mut ctx, &params, &mut grads).map_err(|e| e.in_unit(&u.name));
         drop(grads);
         self.acts.saved[unit] = None;
         out

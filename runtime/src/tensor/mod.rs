@@ -154,8 +154,12 @@ fn not_host_f32(s: &Storage) -> Error {
         Storage::Cuda(_) => "CUDA",
         Storage::Meta(_) => "meta",
     };
-    Error::Invalid(format!(
+    let why = format!(
         "expected a host f32 tensor, got {place} {:?} storage (copy it with to_vec_f32)",
         s.dtype()
-    ))
+    );
+    match s {
+        Storage::Meta(_) => Error::SizeOnly(why),
+        _ => Error::Invalid(why),
+    }
 }

@@ -40,10 +40,14 @@ fn out_of_range(op: &'static str, range: &Range<usize>, len: usize) -> Error {
 }
 
 fn not_host(dtype: DType, place: &str) -> Error {
-    Error::Invalid(format!(
+    let why = format!(
         "expected host f32 elements, got {place} {dtype:?} ones: a module with host loops runs \
          on the CPU backend only (use backend operations to run anywhere)"
-    ))
+    );
+    match place {
+        "meta" => Error::SizeOnly(why),
+        _ => Error::Invalid(why),
+    }
 }
 
 fn check_range(op: &'static str, range: &Range<usize>, len: usize) -> Result<()> {

@@ -24,6 +24,19 @@ use crate::Result;
 /// the step (accumulators, reduced gradients), so more add nothing but time.
 const MEASURED_MICRO_STEPS: usize = 2;
 
+/// Optimizer steps a measurement runs: the second one sees every buffer the first leaves for
+/// the next (the last groups' upload staging, which the upload window holds across the step
+/// boundary, and each snapshot's staging, kept until its next save); a run's later steps hold
+/// what its second does.
+const MEASURED_STEPS: usize = 2;
+
+/// The clipping threshold a speculative overlap is measured with: above the size-only norm
+/// (whose sums of squares pass any configured threshold), so the lane saves and steps every
+/// planned group and its snapshots hold their staging, as on a step whose speculation stands.
+/// With the configured threshold the lane would stop at its first group (the norm already
+/// passes it), saving nothing: the step would be priced without a single snapshot.
+const SPECULATION_STANDS: f64 = f32::MAX as f64;
+
 /// What one measured step held.
 pub(super) struct Measured {
     /// The engine's ledger after the step (its peaks by location and category).
@@ -51,7 +64,7 @@ pub(super) fn measure(
     (micro, seq): (usize, usize),
     overlap: &OptimizerOverlap,
 ) -> Result<Measured> {
-    let cfg = for_measuring(cfg, micro);
+    let cfg = for_measuring(cfg, micro, overlap);
     let be = size_only_device(&cfg)?;
     let comm = MetaComm::new(0, cfg.world_size, cfg.comms.backend)?;
     let steps = cfg.gradient_accumulation_steps;
@@ -68,10 +81,18 @@ pub(super) fn measure(
         tokens: vec![0; micro * seq],
         targets: vec![0; micro * seq],
     };
-    let report = engine.train_batch(&vec![batch; steps])?;
+    let batches = vec![batch; steps];
+    let mut report = engine.train_batch(&batches)?;
+    for _ in 1..MEASURED_STEPS {
+        report = engine.train_batch(&batches)?;
+    }
     let (snapshot_groups, snapshot_bytes) =
         snapshot_figures(overlap, &engine.groups, shared_group(model));
-    let ledger = engine.ledger().clone();
+    let mut ledger = engine.ledger().clone();
+    // The ledger samples the device's registrations at each forward and backward: what the
+    // last optimizer step registered (its staging, its snapshots') is sampled here, as the
+    // next step's forward would.
+    ledger.observe_device_locked(be.page_locked_bytes());
     Ok(Measured {
         page_locked: (ledger.page_locked().1, ledger.engine_locked()),
         ledger,
@@ -85,9 +106,13 @@ pub(super) fn measure(
 
 /// `cfg` as a measured step runs it: the micro-batch given, at most
 /// [`MEASURED_MICRO_STEPS`] micro-steps, no device cap (the estimate reports the peak; the
-/// cap is compared with it afterwards), and nothing that writes files or reports.
-fn for_measuring(cfg: &ResolvedConfig, micro: usize) -> ResolvedConfig {
+/// cap is compared with it afterwards), a speculative `overlap`'s clipping at
+/// [`SPECULATION_STANDS`], and nothing that writes files or reports.
+fn for_measuring(cfg: &ResolvedConfig, micro: usize, overlap: &OptimizerOverlap) -> ResolvedConfig {
     let mut c = cfg.clone();
+    if matches!(overlap, OptimizerOverlap::Speculative(..)) && c.gradient_clipping > 0.0 {
+        c.gradient_clipping = SPECULATION_STANDS;
+    }
     c.gradient_accumulation_steps = c.gradient_accumulation_steps.min(MEASURED_MICRO_STEPS);
     c.train_micro_batch_size_per_gpu = micro;
     c.train_batch_size = micro * c.gradient_accumulation_steps * c.world_size;
