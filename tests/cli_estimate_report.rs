@@ -177,7 +177,7 @@ fn estimate_prices_the_device_named_without_opening_it() {
         // Every page-locked figure is listed (the staging: 0 in this config, which offloads
         // nothing; the GPU's upload ring).
         let locked = &v["per_rank"]["page_locked_bytes"];
-        for k in ["parameters", "staging", "ring"] {
+        for k in ["parameters", "staging", "ring", "snapshots"] {
             assert!(
                 locked[k].is_u64(),
                 "{device}: page_locked_bytes.{k} in {locked}"

@@ -42,7 +42,6 @@ const THREADED: f64 = 0.02;
 /// The blocks of [`THREADED`]'s timing-dependent scratch a run may hold beyond 2%.
 const THREADED_BLOCKS: u64 = 8;
 
-
 /// The allocator's peak on rank 0 after [`STEPS`] optimizer steps of two micro-batches, each
 /// rank on its own fresh emulated device (so the peak is that rank's alone).
 fn measure(which: Which, cfg: &ResolvedConfig) -> u64 {

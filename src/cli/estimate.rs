@@ -435,11 +435,13 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
     if e.page_locked.total() > 0 {
         let p = &e.page_locked;
         println!(
-            "page-locked by the device: {} (parameter store {}, staging {}, upload ring {}); \
-             host RAM, not RLIMIT_MEMLOCK (the driver's registrations are not charged to it)",
+            "page-locked by the device: {} (parameter store {}, staging {} of which snapshots {}, \
+             upload ring {}); host RAM, not RLIMIT_MEMLOCK (the driver's registrations are not \
+             charged to it)",
             human(p.total()),
             human(p.parameters),
             human(p.staging),
+            human(p.snapshots),
             human(p.ring)
         );
     }

@@ -177,7 +177,7 @@ impl Engine {
     /// Each group's optimizer snapshot bytes, were a speculative overlap to take it, in the
     /// order of the engine's groups (what a bound on the snapshots is planned from).
     pub fn snapshot_group_bytes(&self) -> Vec<u64> {
-        super::optimizer_overlap::snapshot_figures(&self.opt.overlap, &self.groups, None).0
+        super::optimizer_overlap::snapshot_figures(&self.opt.overlap, &self.groups, None).groups
     }
 
     /// Keeps zeroed accumulators and adds every micro-step's gradient into them even at one

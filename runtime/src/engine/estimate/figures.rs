@@ -20,6 +20,9 @@ pub struct PageLockedFigures {
     pub staging: u64,
     /// The small-upload ring.
     pub ring: u64,
+    /// Of `staging`, the speculative overlap's snapshots of device values: host optimizer
+    /// state in the engine's ledger too.
+    pub snapshots: u64,
 }
 
 impl PageLockedFigures {
@@ -31,10 +34,12 @@ impl PageLockedFigures {
             return Self::default();
         }
         let ring = m.upload_ring.min(peak - parameters.min(peak));
+        let staging = peak.saturating_sub(parameters + ring);
         PageLockedFigures {
             parameters,
-            staging: peak.saturating_sub(parameters + ring),
+            staging,
             ring,
+            snapshots: m.snapshots.taken_locked.min(staging),
         }
     }
 
@@ -44,10 +49,10 @@ impl PageLockedFigures {
     }
 
     /// Of [`PageLockedFigures::total`], the bytes the engine's ledger already counts as host
-    /// memory: the parameter store. A host-memory total adds only the rest, so the store is
-    /// not counted twice. (Staging that holds host checkpoints or snapshots is counted in both,
-    /// which errs on the side of more host memory.)
+    /// memory: the parameter store and the snapshots' staging. A host-memory total adds only
+    /// the rest, so neither is counted twice. (Staging that holds host checkpoints is counted
+    /// in both, which errs on the side of more host memory.)
     pub fn in_host_ledger(&self) -> u64 {
-        self.parameters
+        self.parameters + self.snapshots
     }
 }

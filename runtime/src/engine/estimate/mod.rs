@@ -177,7 +177,7 @@ pub fn estimate_with_overlap(
     }
     let host = Placement::from_ledger(ledger, Location::Host);
     let swap_buffer_bytes = swap_buffers(model, cfg);
-    let pinned_state = pinned_state(cfg, &host, m.snapshot_bytes);
+    let pinned_state = pinned_state(cfg, &host, m.snapshots.taken);
     let pinned = pinned_state + swap_buffer_bytes;
     let other_host = host.peak_bytes.saturating_sub(pinned);
     Ok(Estimate {
@@ -192,9 +192,9 @@ pub fn estimate_with_overlap(
         pinned_host_bytes: pinned,
         mlocked_host_bytes: mlocked_bytes(model, cfg),
         other_host_bytes: other_host,
-        snapshot_host_bytes: m.snapshot_bytes,
+        snapshot_host_bytes: m.snapshots.taken,
         page_locked: PageLockedFigures::of(&m),
-        snapshot_group_bytes: m.snapshot_groups,
+        snapshot_group_bytes: m.snapshots.groups,
         swap_buffer_bytes,
         activations,
         reduced_bytes_per_step: m.reduced_per_micro * cfg.gradient_accumulation_steps as u64,

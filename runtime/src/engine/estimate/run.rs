@@ -15,7 +15,9 @@ use ferrozero_config::resolved::ResolvedConfig;
 use crate::backend::Backend;
 use crate::comm::meta::MetaComm;
 use crate::engine::ledger::Ledger;
-use crate::engine::optimizer_overlap::{shared_group, snapshot_figures, OptimizerOverlap};
+use crate::engine::optimizer_overlap::{
+    shared_group, snapshot_figures, OptimizerOverlap, SnapshotFigures,
+};
 use crate::engine::Engine;
 use crate::nn::{Batch, Model};
 use crate::Result;
@@ -46,10 +48,8 @@ pub(super) struct Measured {
     pub device_peak: Option<u64>,
     /// Bytes of gradients the rank handed to reductions, per micro-step.
     pub reduced_per_micro: u64,
-    /// Each group's snapshot bytes were it snapshotted, in the engine's group order.
-    pub snapshot_groups: Vec<u64>,
-    /// Host bytes of the snapshots the overlap takes (0 unless it is speculative).
-    pub snapshot_bytes: u64,
+    /// The snapshots the overlap takes, and each group's were it snapshotted.
+    pub snapshots: SnapshotFigures,
     /// Page-locked host bytes at the peak, and of them the engine's own registrations.
     pub page_locked: (u64, u64),
     /// The device's page-locked small-upload ring (0 where nothing is page-locked).
@@ -86,8 +86,7 @@ pub(super) fn measure(
     for _ in 1..MEASURED_STEPS {
         report = engine.train_batch(&batches)?;
     }
-    let (snapshot_groups, snapshot_bytes) =
-        snapshot_figures(overlap, &engine.groups, shared_group(model));
+    let snapshots = snapshot_figures(overlap, &engine.groups, shared_group(model));
     let mut ledger = engine.ledger().clone();
     // The ledger samples the device's registrations at each forward and backward: what the
     // last optimizer step registered (its staging, its snapshots') is sampled here, as the
@@ -98,8 +97,7 @@ pub(super) fn measure(
         ledger,
         device_peak: be.memory_stats().map(|m| m.peak),
         reduced_per_micro: report.reduced_bytes / steps as u64,
-        snapshot_groups,
-        snapshot_bytes,
+        snapshots,
         upload_ring: be.memory_model().upload_ring,
     })
 }

@@ -228,6 +228,13 @@ mod tests {
         .unwrap();
         assert_eq!(bounded.snapshot_host_bytes, kept);
         assert!(bounded.host_total_bytes() <= room);
+        // Of the 14 bytes a parameter's snapshot holds, its bf16 copy (2) is a device value,
+        // held in page-locked staging; the host's need counts those bytes once.
+        let locked = &bounded.page_locked;
+        assert_eq!(locked.snapshots, kept / 7);
+        let ram = HostRamNeed::of(&bounded, 1);
+        let once = bounded.host_total_bytes() + locked.total() - locked.parameters - kept / 7;
+        assert_eq!(ram.total(), once);
     }
 
     /// A host that cannot hold one group's snapshot beside the run turns the overlap off.

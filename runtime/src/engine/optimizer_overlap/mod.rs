@@ -142,26 +142,34 @@ pub fn shared_group(model: &Model) -> Option<usize> {
     (!model.shared.is_empty()).then_some(model.units.len())
 }
 
-/// Each group's snapshot bytes were it snapshotted, in `groups`' order, and the bytes of the
-/// snapshots `overlap` takes (0 unless it is speculative), by the plan the lane makes: what
-/// an estimate reports and a bounded speculation is planned from.
+/// The snapshots of a run, by the plan the lane makes: what an estimate reports and a
+/// bounded speculation is planned from.
+pub(in crate::engine) struct SnapshotFigures {
+    /// Each group's snapshot bytes were it snapshotted, in the engine's group order.
+    pub groups: Vec<u64>,
+    /// The bytes of the snapshots the overlap takes (0 unless it is speculative).
+    pub taken: u64,
+    /// Of `taken`, those held in the device's page-locked staging memory.
+    pub taken_locked: u64,
+}
+
+/// The [`SnapshotFigures`] of `groups` under `overlap` (`shared`: the tied group's index).
 pub(in crate::engine) fn snapshot_figures(
     overlap: &OptimizerOverlap,
     groups: &[Group],
     shared: Option<usize>,
-) -> (Vec<u64>, u64) {
+) -> SnapshotFigures {
     let bytes: Vec<u64> = groups.iter().map(Snapshot::bytes_of).collect();
-    let OptimizerOverlap::Speculative(_, budget) = overlap else {
-        return (bytes, 0);
+    let plan = match overlap {
+        OptimizerOverlap::Speculative(_, budget) => snapshot_plan(&bytes, shared, *budget),
+        _ => vec![false; bytes.len()],
     };
-    let plan = snapshot_plan(&bytes, shared, *budget);
-    let taken = bytes
-        .iter()
-        .zip(plan)
-        .filter(|(_, p)| *p)
-        .map(|(b, _)| b)
-        .sum();
-    (bytes, taken)
+    let taken = || groups.iter().zip(&plan).filter(|(_, &p)| p).map(|(g, _)| g);
+    SnapshotFigures {
+        taken: taken().map(Snapshot::bytes_of).sum(),
+        taken_locked: taken().map(Snapshot::locked_bytes_of).sum(),
+        groups: bytes,
+    }
 }
 
 /// A group on the optimizer lane: it comes back with its snapshot and what the lane did.

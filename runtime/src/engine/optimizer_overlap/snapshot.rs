@@ -16,7 +16,7 @@
 use crate::backend::{Backend, Stream};
 use crate::engine::group::{owned_params, Group, ParamStore};
 use crate::engine::ledger::{Category, Ledger, Location};
-use crate::tensor::in_flight::HostCopy;
+use crate::tensor::in_flight::{staging_page_locked, HostCopy};
 use crate::tensor::Storage;
 use crate::tensor::{DType, View, ViewMut};
 use crate::{Error, Result};
@@ -58,7 +58,7 @@ pub(in crate::engine) struct Snapshot {
 
 impl Snapshot {
     /// A snapshot shaped like `g`'s optimizer values, counted in the ledger as host optimizer
-    /// state (the estimator's replay counts the same bytes: [`snapshot_bytes`]).
+    /// state.
     pub(in crate::engine) fn for_group(g: &Group, ledger: &mut Ledger) -> Self {
         let n = g.owned.len();
         let (p_dtype, lp_dtype) = dtypes(g);
@@ -74,12 +74,21 @@ impl Snapshot {
     }
 
     /// The bytes a snapshot of `g` holds: the values updated, the moments and, beside
-    /// master weights, the rounded copy (as [`snapshot_bytes`] prices them).
+    /// master weights, the rounded copy.
     pub(in crate::engine) fn bytes_of(g: &Group) -> u64 {
-        let n = g.owned.len();
-        let (p_dtype, lp_dtype) = dtypes(g);
-        let lp = g.master.as_ref().map_or(0, |_| lp_dtype.size() * n);
-        ((p_dtype.size() * n) + g.m.bytes() as usize + g.v.bytes() as usize + lp) as u64
+        slots_of(g).iter().map(|&(_, b)| b).sum()
+    }
+
+    /// Of [`Snapshot::bytes_of`], the bytes the device's staging memory will hold page-locked:
+    /// the slots of device values large enough for the staging pool to register. The ledger
+    /// counts them as host optimizer state and the device as page-locked, so a host-memory
+    /// total subtracts them once.
+    pub(in crate::engine) fn locked_bytes_of(g: &Group) -> u64 {
+        slots_of(g)
+            .iter()
+            .filter(|&&(on_device, b)| on_device && staging_page_locked(b))
+            .map(|&(_, b)| b)
+            .sum()
     }
 
     /// Saves `g`'s current optimizer values; the device ones are on their way down when this
@@ -157,6 +166,28 @@ impl Snapshot {
     }
 }
 
+/// Each slot of `g`'s snapshot: whether its value lives in device memory (its copy then goes
+/// to the device's staging memory), and its bytes.
+fn slots_of(g: &Group) -> [(bool, u64); 4] {
+    let n = g.owned.len();
+    let (p_dtype, lp_dtype) = dtypes(g);
+    let stored = match &g.params {
+        ParamStore::Replicated(b) => Some(b),
+        ParamStore::Partitioned { shard, .. } => shard.resident(),
+    };
+    let on_device = |s: Option<&Storage>| s.is_some_and(|s| !s.is_host_side());
+    let lp = g.master.as_ref().map_or(0, |_| lp_dtype.size() * n) as u64;
+    [
+        (
+            on_device(g.master.as_ref().or(stored)),
+            (p_dtype.size() * n) as u64,
+        ),
+        (on_device(Some(&g.m)), g.m.bytes() as u64),
+        (on_device(Some(&g.v)), g.v.bytes() as u64),
+        (on_device(stored), lp),
+    ]
+}
+
 /// The dtypes of the values a step updates (the f32 master weights, or the parameters
 /// themselves) and of the stored parameters.
 fn dtypes(g: &Group) -> (DType, DType) {
@@ -172,8 +203,7 @@ fn dtypes(g: &Group) -> (DType, DType) {
 /// and the rank's budget (`None`: every group): in the order backward finishes them (the last
 /// unit first, the shared group last), as many as fit, and no later one. The first have the
 /// most of backward left to be stepped behind; the others are stepped after backward, when
-/// the norm is known, and need no snapshot. The engine and the estimator's replay both decide
-/// with this.
+/// the norm is known, and need no snapshot.
 pub(in crate::engine) fn snapshot_plan(
     bytes: &[u64],
     shared: Option<usize>,
