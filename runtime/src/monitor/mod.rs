@@ -18,7 +18,6 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use ferrozero_config::resolved::{MonitorOutput, Precision, ResolvedConfig};
 
-use crate::ledger::Category;
 use crate::report::StepReport;
 use crate::Result;
 use sinks::Sink;
@@ -104,10 +103,7 @@ impl Monitor {
         ];
         for (place, by_cat) in peaks {
             for &(c, bytes) in by_cat.iter() {
-                out.push(s(
-                    &format!("peak_{place}_{}_bytes", category(c)),
-                    bytes as f64,
-                ));
+                out.push(s(&format!("peak_{place}_{}_bytes", c.name()), bytes as f64));
             }
         }
         if let Some(p) = &r.flops_profile {
@@ -120,17 +116,6 @@ impl Monitor {
             }
         }
         out
-    }
-}
-
-fn category(c: Category) -> &'static str {
-    match c {
-        Category::Parameters => "parameters",
-        Category::Gradients => "gradients",
-        Category::OptimizerState => "optimizer_state",
-        Category::Activations => "activations",
-        Category::CommBuffers => "comm_buffers",
-        Category::Prefetch => "prefetch",
     }
 }
 
