@@ -32,6 +32,17 @@ pub fn init() {
         .try_init();
 }
 
+/// The exit code of a run that ended with `r`; an error is printed to stderr first.
+pub fn exit_code(r: Result<(), impl std::fmt::Display>) -> std::process::ExitCode {
+    r.map_or_else(
+        |e| {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        },
+        |()| std::process::ExitCode::SUCCESS,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::colour_allowed;
