@@ -45,8 +45,15 @@ pub fn exit_code(r: Result<(), impl std::fmt::Display>) -> std::process::ExitCod
 
 #[cfg(test)]
 mod tests {
-    use super::colour_allowed;
+    use super::{colour_allowed, exit_code};
     use std::ffi::OsStr;
+    use std::process::ExitCode;
+
+    #[test]
+    fn a_run_that_failed_exits_with_failure() {
+        assert_eq!(exit_code(Ok::<(), String>(())), ExitCode::SUCCESS);
+        assert_eq!(exit_code(Err("no such file")), ExitCode::FAILURE);
+    }
 
     #[test]
     fn colour_only_on_a_terminal_without_no_color() {
