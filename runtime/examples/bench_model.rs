@@ -156,15 +156,7 @@ fn step(
     let mut slots: Vec<Saved> = model.units.iter().map(|_| None).collect();
     let mut x = Tensor::default();
     for (u, unit) in model.units.iter().enumerate() {
-        let mut ctx = Ctx {
-            be,
-            batch,
-            ids: &ids,
-            training: true,
-            rng_seed: u as u64,
-            rng_row: 0,
-            saved: &mut slots[u],
-        };
+        let mut ctx = Ctx::new(be, (batch, &ids), true, (u as u64, 0), &mut slots[u]);
         x = unit.module.forward(&mut ctx, &w.params(unit, u), &x)?;
     }
     let saved = slots.iter().flatten().map(|s| s.bytes()).sum();
@@ -181,15 +173,7 @@ fn step(
         for _ in &unit.uses_shared {
             own.extend(shared.next().map(|v| ViewMut::from(&mut v[..])));
         }
-        let mut ctx = Ctx {
-            be,
-            batch,
-            ids: &ids,
-            training: true,
-            rng_seed: u as u64,
-            rng_row: 0,
-            saved: &mut slots[u],
-        };
+        let mut ctx = Ctx::new(be, (batch, &ids), true, (u as u64, 0), &mut slots[u]);
         gy = unit
             .module
             .backward(&mut ctx, &w.params(unit, u), &mut Grads::new(own), &gy)?;
