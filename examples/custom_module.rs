@@ -452,11 +452,5 @@ fn main() -> ExitCode {
     // The engine logs its summary (stage, placement, bytes per rank) through `tracing`.
     // Colour only on a terminal, and never with NO_COLOR set.
     ferrozero::logging::init();
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    ferrozero::logging::exit_code(run(&args))
 }

@@ -32,10 +32,28 @@ pub fn init() {
         .try_init();
 }
 
+/// The exit code of a run that ended with `r`; an error is printed to stderr first.
+pub fn exit_code(r: Result<(), impl std::fmt::Display>) -> std::process::ExitCode {
+    r.map_or_else(
+        |e| {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        },
+        |()| std::process::ExitCode::SUCCESS,
+    )
+}
+
 #[cfg(test)]
 mod tests {
-    use super::colour_allowed;
+    use super::{colour_allowed, exit_code};
     use std::ffi::OsStr;
+    use std::process::ExitCode;
+
+    #[test]
+    fn a_run_that_failed_exits_with_failure() {
+        assert_eq!(exit_code(Ok::<(), String>(())), ExitCode::SUCCESS);
+        assert_eq!(exit_code(Err("no such file")), ExitCode::FAILURE);
+    }
 
     #[test]
     fn colour_only_on_a_terminal_without_no_color() {

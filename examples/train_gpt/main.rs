@@ -116,13 +116,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     // Colour only on a terminal, and never with NO_COLOR set.
     ferrozero::logging::init();
-    match run::run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    ferrozero::logging::exit_code(run::run(&args))
 }
 
 /// A positive size for `--device-memory-limit`, parsed as the config key is.

@@ -13,7 +13,7 @@ use std::time::Instant;
 use ferrozero_offload::optim::{AdamHyper, WeightDecay};
 use ferrozero_runtime::backend::{Backend, UpdateRule};
 use ferrozero_runtime::nn::gpt2::{self, Gpt2Config};
-use ferrozero_runtime::nn::{init, Batch, BatchIds, Ctx, Grads, Model, Params, Saved};
+use ferrozero_runtime::nn::{init, Batch, BatchIds, Ctx, Grads, Model, Params, Saved, Unit};
 use ferrozero_runtime::tensor::{Tensor, View, ViewMut};
 
 struct Args {
@@ -122,6 +122,18 @@ fn train_step(
     Ok(loss)
 }
 
+impl Buffers {
+    /// Unit `u`'s parameters: its own, then the shared tables it uses.
+    fn params(&self, unit: &Unit, u: usize) -> Params<'_> {
+        let own = self.units[u].iter().map(|v| View::from(&v[..]));
+        let shared = unit
+            .uses_shared
+            .iter()
+            .map(|&s| View::from(&self.shared[s][..]));
+        Params::new(own.chain(shared).collect())
+    }
+}
+
 /// Weights, gradients and the two moments.
 struct State {
     w: Buffers,
@@ -144,34 +156,14 @@ fn step(
     let mut slots: Vec<Saved> = model.units.iter().map(|_| None).collect();
     let mut x = Tensor::default();
     for (u, unit) in model.units.iter().enumerate() {
-        let mut p: Vec<View<'_>> = w.units[u].iter().map(|v| View::from(&v[..])).collect();
-        p.extend(
-            unit.uses_shared
-                .iter()
-                .map(|&s| View::from(&w.shared[s][..])),
-        );
-        let mut ctx = Ctx {
-            be,
-            batch,
-            ids: &ids,
-            training: true,
-            rng_seed: u as u64,
-            rng_row: 0,
-            saved: &mut slots[u],
-        };
-        x = unit.module.forward(&mut ctx, &Params::new(p), &x)?;
+        let mut ctx = Ctx::new(be, (batch, &ids), true, (u as u64, 0), &mut slots[u]);
+        x = unit.module.forward(&mut ctx, &w.params(unit, u), &x)?;
     }
     let saved = slots.iter().flatten().map(|s| s.bytes()).sum();
     SAVED_BYTES.store(saved, std::sync::atomic::Ordering::Relaxed);
     let loss = x.to_vec_f32()?[0] / batch.valid_targets() as f32;
     let mut gy = Tensor::scalar(1.0 / batch.valid_targets() as f32);
     for (u, unit) in model.units.iter().enumerate().rev() {
-        let mut p: Vec<View<'_>> = w.units[u].iter().map(|v| View::from(&v[..])).collect();
-        p.extend(
-            unit.uses_shared
-                .iter()
-                .map(|&s| View::from(&w.shared[s][..])),
-        );
         let mut own: Vec<ViewMut<'_>> = g.units[u]
             .iter_mut()
             .map(|v| ViewMut::from(&mut v[..]))
@@ -181,18 +173,10 @@ fn step(
         for _ in &unit.uses_shared {
             own.extend(shared.next().map(|v| ViewMut::from(&mut v[..])));
         }
-        let mut ctx = Ctx {
-            be,
-            batch,
-            ids: &ids,
-            training: true,
-            rng_seed: u as u64,
-            rng_row: 0,
-            saved: &mut slots[u],
-        };
+        let mut ctx = Ctx::new(be, (batch, &ids), true, (u as u64, 0), &mut slots[u]);
         gy = unit
             .module
-            .backward(&mut ctx, &Params::new(p), &mut Grads::new(own), &gy)?;
+            .backward(&mut ctx, &w.params(unit, u), &mut Grads::new(own), &gy)?;
     }
     Ok(loss)
 }

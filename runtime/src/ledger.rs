@@ -53,6 +53,18 @@ impl Category {
         Category::CommBuffers,
         Category::Prefetch,
     ];
+
+    /// The snake-case name reports and metrics use (`optimizer_state`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Parameters => "parameters",
+            Category::Gradients => "gradients",
+            Category::OptimizerState => "optimizer_state",
+            Category::Activations => "activations",
+            Category::CommBuffers => "comm_buffers",
+            Category::Prefetch => "prefetch",
+        }
+    }
 }
 
 const LOCS: usize = 3;

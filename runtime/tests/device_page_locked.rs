@@ -128,8 +128,14 @@ fn checkpoint_and_snapshot_staging_are_priced() {
     eprintln!(
         "checkpoints and snapshots: registered {registered}, ledger {ledger}, estimate {est:?}"
     );
-    // What the two steps left registered, which the forward samples, is the estimate's.
-    assert_eq!(est.total(), ledger, "estimate {est:?}");
+    // What the two steps left registered, which the forward samples, is the estimate's, to
+    // one checkpoint: the lane's snapshots and the checkpoints take buffers from one staging
+    // pool on two threads, and whether a returned checkpoint buffer is reused or a new one
+    // registered follows their timing (seen: exact, and under load one checkpoint less).
+    assert!(
+        est.total().abs_diff(ledger) <= CKPT_BYTES,
+        "estimate {est:?} vs {ledger}"
+    );
     // The sampling forward then registers one checkpoint more: outside `train_batch` the
     // last unit's forward is not fused with its backward, so its input goes down too.
     assert_eq!(registered, ledger + CKPT_BYTES, "registered");

@@ -254,22 +254,11 @@ pub fn human(b: u64) -> String {
     }
 }
 
-fn cat_name(c: Category) -> &'static str {
-    match c {
-        Category::Parameters => "parameters",
-        Category::Gradients => "gradients",
-        Category::OptimizerState => "optimizer_state",
-        Category::Activations => "activations",
-        Category::CommBuffers => "comm_buffers",
-        Category::Prefetch => "prefetch",
-    }
-}
-
 fn placement_json(p: &Placement) -> Value {
     let m: serde_json::Map<String, Value> = p
         .by_category
         .iter()
-        .map(|&(c, b)| (cat_name(c).to_string(), json!(b)))
+        .map(|&(c, b)| (c.name().to_string(), json!(b)))
         .collect();
     Value::Object(m)
 }
@@ -411,7 +400,7 @@ fn print_table(args: &Args, p: &Plan, fits: bool, sug: &Option<Option<suggest::S
     for c in Category::ALL {
         println!(
             "  {:<15} {:>14} {:>14} {:>14}",
-            cat_name(c),
+            c.name(),
             human(e.device.category(c)),
             human(e.host.category(c)),
             human(e.nvme.category(c))

@@ -102,13 +102,7 @@ pub struct Args {
 /// Runs the subcommand.
 pub fn run(args: Args) -> ExitCode {
     ferrozero::logging::init();
-    match train_job(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    ferrozero::logging::exit_code(train_job(&args))
 }
 
 fn zero_config(args: &Args) -> std::result::Result<Config, String> {

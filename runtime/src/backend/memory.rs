@@ -140,11 +140,6 @@ impl MemoryModel {
         self.round((elems * dtype.size()) as u64) as usize
     }
 
-    /// Bytes of an activation buffer of `elems` elements.
-    pub fn act_bytes(&self, elems: usize) -> usize {
-        self.bytes(self.act, elems)
-    }
-
     /// `bytes` rounded up to the device's allocation block.
     pub fn round(&self, bytes: u64) -> u64 {
         bytes.div_ceil(self.block.max(1)) * self.block.max(1)
@@ -218,7 +213,7 @@ mod tests {
             vocab: 50,
         };
         assert_eq!(m.head_saved(head), 16 * 50 * 4);
-        assert_eq!(m.act_bytes(3), 12);
+        assert_eq!(m.bytes(m.act, 3), 12);
         assert_eq!(m.param_dtype(DType::Bf16), DType::F32);
     }
 
@@ -227,7 +222,7 @@ mod tests {
         let m = MemoryModel::cuda(DType::Bf16);
         // 2 x 4 x 8 f32 log-sum-exps: 256 bytes, one 512-byte block.
         assert_eq!(m.attention_saved(attn()), 512);
-        assert_eq!(m.act_bytes(300), 1024);
+        assert_eq!(m.bytes(m.act, 300), 1024);
         assert_eq!(m.param_dtype(DType::Bf16), DType::Bf16);
         assert_eq!(m.round(0), 0);
     }
@@ -246,7 +241,7 @@ mod tests {
         assert_eq!(gpu.head_ld(HeadShape { vocab: 128, ..gpt2 }), 128);
         // 256 MiB of bf16 rows of 50304: 2668 rows (50257 would allow 2670).
         assert_eq!(gpu.head_chunk_rows(gpt2), 2668);
-        assert!(gpu.act_bytes(2668 * 50304) <= LOGIT_CHUNK_BYTES);
+        assert!(gpu.bytes(gpu.act, 2668 * 50304) <= LOGIT_CHUNK_BYTES);
     }
 
     #[test]

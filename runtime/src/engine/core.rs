@@ -111,11 +111,6 @@ impl Engine {
         self.obs.comms.as_ref()
     }
 
-    /// The directories this rank's monitors write (empty when none is enabled here).
-    pub fn monitor_dirs(&self) -> &[std::path::PathBuf] {
-        self.obs.monitor.as_ref().map_or(&[], |m| m.dirs())
-    }
-
     /// The resolved configuration.
     pub fn config(&self) -> &ResolvedConfig {
         &self.cfg

@@ -38,7 +38,7 @@ impl Engine {
         input: &Tensor,
         training: bool,
     ) -> Result<Tensor> {
-        let (seed, row) = (self.unit_seed(unit), self.rng_row(batch));
+        let rng = (self.unit_seed(unit), self.rng_row(batch));
         let Self {
             model,
             groups,
@@ -49,16 +49,10 @@ impl Engine {
         } = self;
         let u = &model.units[unit];
         let params = unit_params(groups, &flow.places, unit)?;
-        let mut ctx = Ctx {
-            be: &**be,
-            batch,
-            ids,
-            training,
-            rng_seed: seed,
-            rng_row: row,
-            saved: &mut acts.saved[unit],
-        };
-        (u.module.forward(&mut ctx, &params, input)).map_err(|e| e.in_unit(&u.name))
+        let mut ctx = Ctx::new(&**be, (batch, ids), training, rng, &mut acts.saved[unit]);
+        u.module
+            .forward(&mut ctx, &params, input)
+            .map_err(|e| e.in_unit(&u.name))
     }
 
     fn track_saved(&mut self, unit: usize) {
@@ -256,7 +250,7 @@ impl Engine {
         (batch, ids): (&Batch, &BatchIds),
         f: impl FnOnce(&dyn Module, &mut Ctx<'_>, &Params<'_>, &mut Grads<'_>) -> Result<R>,
     ) -> Result<R> {
-        let (seed, row) = (self.unit_seed(unit), self.rng_row(batch));
+        let rng = (self.unit_seed(unit), self.rng_row(batch));
         // Frozen groups have no micro-step gradient (`ensure_micro` leaves them).
         for &g in self.params.places.groups(unit) {
             self.groups[g].ensure_micro(&*self.be, &mut self.ledger)?;
@@ -271,15 +265,7 @@ impl Engine {
         } = self;
         let u = &model.units[unit];
         let (params, mut grads) = unit_params_and_grads(groups, &flow.places, unit)?;
-        let mut ctx = Ctx {
-            be: &**be,
-            batch,
-            ids,
-            training: true,
-            rng_seed: seed,
-            rng_row: row,
-            saved: &mut acts.saved[unit],
-        };
+        let mut ctx = Ctx::new(&**be, (batch, ids), true, rng, &mut acts.saved[unit]);
         let out = f(&*u.module, &mut ctx, &params, &mut grads).map_err(|e| e.in_unit(&u.name));
         drop(grads);
         self.acts.saved[unit] = None;
@@ -362,15 +348,7 @@ impl Engine {
         let u = &model.units[unit];
         let params = unit_params(groups, &flow.places, unit)?;
         let mut saved = None;
-        let mut ctx = Ctx {
-            be: &**be,
-            batch,
-            ids,
-            training: false,
-            rng_seed: 0,
-            rng_row: 0,
-            saved: &mut saved,
-        };
+        let mut ctx = Ctx::new(&**be, (batch, ids), false, (0, 0), &mut saved);
         Ok((out, u.module.predict(&mut ctx, &params, x)?))
     }
 

@@ -13,12 +13,10 @@ mod sinks;
 pub mod tfevents;
 mod writer;
 
-use std::path::PathBuf;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use ferrozero_config::resolved::{MonitorOutput, Precision, ResolvedConfig};
 
-use crate::ledger::Category;
 use crate::report::StepReport;
 use crate::Result;
 use sinks::Sink;
@@ -30,7 +28,6 @@ pub struct Monitor {
     samples_per_step: u64,
     fp16: bool,
     last: Instant,
-    dirs: Vec<PathBuf>,
 }
 
 impl Monitor {
@@ -47,14 +44,11 @@ impl Monitor {
         };
         let now = wall_time();
         let mut sinks: Vec<Box<dyn Sink>> = Vec::new();
-        let mut dirs = Vec::new();
         if let Some(d) = dir(&m.tensorboard) {
             sinks.push(Box::new(sinks::TensorBoard::create(&d, now)?));
-            dirs.push(d);
         }
         if let Some(d) = dir(&m.csv_monitor) {
             sinks.push(Box::new(sinks::Csv::create(&d)?));
-            dirs.push(d);
         }
         if sinks.is_empty() {
             return Ok(None);
@@ -64,13 +58,7 @@ impl Monitor {
             samples_per_step: cfg.train_batch_size as u64,
             fp16: matches!(cfg.precision, Precision::Fp16(_)),
             last: Instant::now(),
-            dirs,
         }))
-    }
-
-    /// The directories written, TensorBoard's first.
-    pub fn dirs(&self) -> &[PathBuf] {
-        &self.dirs
     }
 
     /// Hands one step's scalars to the writer thread; reports an earlier write's failure.
@@ -104,10 +92,7 @@ impl Monitor {
         ];
         for (place, by_cat) in peaks {
             for &(c, bytes) in by_cat.iter() {
-                out.push(s(
-                    &format!("peak_{place}_{}_bytes", category(c)),
-                    bytes as f64,
-                ));
+                out.push(s(&format!("peak_{place}_{}_bytes", c.name()), bytes as f64));
             }
         }
         if let Some(p) = &r.flops_profile {
@@ -120,17 +105,6 @@ impl Monitor {
             }
         }
         out
-    }
-}
-
-fn category(c: Category) -> &'static str {
-    match c {
-        Category::Parameters => "parameters",
-        Category::Gradients => "gradients",
-        Category::OptimizerState => "optimizer_state",
-        Category::Activations => "activations",
-        Category::CommBuffers => "comm_buffers",
-        Category::Prefetch => "prefetch",
     }
 }
 

@@ -116,15 +116,7 @@ fn upload_tensor(be: &dyn Backend, shape: &[usize], data: &[f32]) -> Result<Tens
 impl Probe<'_> {
     /// A training call's context over `saved`: every call of the check runs the same rows.
     fn ctx<'s>(&'s self, saved: &'s mut Saved) -> Ctx<'s> {
-        Ctx {
-            be: self.be,
-            batch: self.batch,
-            ids: self.ids,
-            training: true,
-            rng_seed: self.seed,
-            rng_row: 0,
-            saved,
-        }
+        Ctx::new(self.be, (self.batch, self.ids), true, (self.seed, 0), saved)
     }
 
     fn objective(&self, params: &[Vec<f32>], input: &Tensor) -> Result<f64> {

@@ -254,6 +254,27 @@ pub struct Ctx<'a> {
     pub saved: &'a mut Saved,
 }
 
+impl<'a> Ctx<'a> {
+    /// A call on `be` for `(batch, ids)`, its randomness drawn from `(rng_seed, rng_row)`.
+    pub fn new(
+        be: &'a dyn Backend,
+        (batch, ids): (&'a Batch, &'a BatchIds),
+        training: bool,
+        (rng_seed, rng_row): (u64, u64),
+        saved: &'a mut Saved,
+    ) -> Self {
+        Ctx {
+            be,
+            batch,
+            ids,
+            training,
+            rng_seed,
+            rng_row,
+            saved,
+        }
+    }
+}
+
 impl Ctx<'_> {
     /// A zero-filled activation buffer of `len` elements on this call's device, in the
     /// backend's activation dtype: what a module allocates instead of `vec![0.0; len]`.

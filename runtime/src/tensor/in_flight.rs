@@ -200,29 +200,6 @@ impl View<'_> {
 }
 
 impl ViewMut<'_> {
-    /// Copies `src` (same dtype and length) into these elements: host memory into device
-    /// memory goes through staging memory on stream `s` and comes back with the copy in
-    /// flight (order the reader after [`HostCopy::event`]); any other pair is the plain copy,
-    /// complete on return (`None`).
-    pub fn copy_from_async(self, src: View<'_>, s: Stream) -> Result<Option<HostCopy>> {
-        match (src, self) {
-            (View::Host(h), ViewMut::Cuda(c)) => {
-                if (h.len(), h.dtype()) != (c.len(), c.dtype()) {
-                    return Err(crate::Error::Shape {
-                        op: "upload",
-                        expected: format!("{} {:?} elements", c.len(), c.dtype()),
-                        got: format!("{} {:?}", h.len(), h.dtype()),
-                    });
-                }
-                let mut copy = c.as_view().staging_copy();
-                copy.ready()?.bytes_mut().copy_from_slice(h.bytes());
-                copy.upload_async(ViewMut::Cuda(c), s)?;
-                Ok(Some(copy))
-            }
-            (src, dst) => super::storage::copy_view(src, dst).map(|()| None),
-        }
-    }
-
     /// Queues a copy of `src` (same dtype and length) into these elements on stream `s`
     /// straight from `src`'s memory (at the bus's speed when it is page-locked, see
     /// [`HostPin`]); the event after it, `None` when the copy was complete on return (any

@@ -100,7 +100,7 @@ mod tests {
 
     /// A download queued on the device-to-host stream lands in a registered staging buffer
     /// without the host waiting at issue; the same buffer goes up again on the host-to-device
-    /// stream; a host view needs no copy; mismatched shapes are refused by name.
+    /// stream; a host view needs no copy.
     #[test]
     fn copies_in_flight_go_on_the_copy_streams() {
         let drv = Arc::new(EmuDriver::new(EmuOptions::default()).unwrap());
@@ -143,17 +143,5 @@ mod tests {
             .download_async(Stream::DeviceToHost)
             .unwrap()
             .is_none());
-        let mut small = be.zeros(DType::F32, 2).unwrap();
-        let c = small
-            .view_mut()
-            .copy_from_async(View::Host(BufRef::F32(&host)), Stream::HostToDevice)
-            .unwrap();
-        drop(c);
-        assert_eq!(small.to_vec_f32().unwrap(), host);
-        let err = small
-            .view_mut()
-            .copy_from_async(View::Host(BufRef::F32(&vals[..3])), Stream::HostToDevice)
-            .unwrap_err();
-        assert!(err.to_string().contains("upload"), "{err}");
     }
 }

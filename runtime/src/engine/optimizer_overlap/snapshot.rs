@@ -182,8 +182,8 @@ fn slots_of(g: &Group) -> [(bool, u64); 4] {
             on_device(g.master.as_ref().or(stored)),
             (p_dtype.size() * n) as u64,
         ),
-        (on_device(Some(&g.m)), g.m.bytes() as u64),
-        (on_device(Some(&g.v)), g.v.bytes() as u64),
+        (on_device(Some(&g.m)), g.m.bytes()),
+        (on_device(Some(&g.v)), g.v.bytes()),
         (on_device(stored), lp),
     ]
 }

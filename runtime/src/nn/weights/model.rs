@@ -97,11 +97,6 @@ impl ModelWeights {
         &self.origin
     }
 
-    /// The `config.json` beside the weights, when there is one.
-    pub fn config_path(&self) -> Option<&Path> {
-        self.config.as_deref()
-    }
-
     /// Canonical names, sorted.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.names.keys().map(String::as_str)

@@ -21,225 +21,64 @@ pub struct KernelSource {
 /// The common prelude (`include_str!("prelude.cuh")`).
 pub const PRELUDE: &str = include_str!("prelude.cuh");
 
+/// A kernel list: `"base" *` stands for the base's `_f32`, `_bf16`, `_f16` variants, `["a", "b"] *`
+/// for every base's `_f32` variant, then every `_bf16`, then every `_f16` (the order the files
+/// define them in), and a plain `"name"` for itself.
+macro_rules! kernel_list {
+    (@out [$($out:expr,)*]) => { &[$($out),*] };
+    (@out [$($out:expr,)*] $base:literal * $(, $($rest:tt)*)?) => {
+        kernel_list!(@out [$($out,)* concat!($base, "_f32"), concat!($base, "_bf16"),
+            concat!($base, "_f16"),] $($($rest)*)?)
+    };
+    (@out [$($out:expr,)*] [$($base:literal),+] * $(, $($rest:tt)*)?) => {
+        kernel_list!(@out [$($out,)* $(concat!($base, "_f32"),)+ $(concat!($base, "_bf16"),)+
+            $(concat!($base, "_f16"),)+] $($($rest)*)?)
+    };
+    (@out [$($out:expr,)*] $name:literal $(, $($rest:tt)*)?) => {
+        kernel_list!(@out [$($out,)* $name,] $($($rest)*)?)
+    };
+    ($($items:tt)*) => { kernel_list!(@out [] $($items)*) };
+}
+
+/// One registry entry: the file, its text and its kernels.
+macro_rules! source {
+    ($file:literal: $($kernels:tt)*) => {
+        KernelSource { file: $file, code: include_str!($file), kernels: kernel_list!($($kernels)*) }
+    };
+}
+
 /// Every kernel source.
 pub const SOURCES: &[KernelSource] = &[
-    KernelSource {
-        file: "elementwise.cu",
-        code: include_str!("elementwise.cu"),
-        kernels: &[
-            "gelu_forward_f32",
-            "gelu_forward_bf16",
-            "gelu_forward_f16",
-            "gelu_backward_f32",
-            "gelu_backward_bf16",
-            "gelu_backward_f16",
-            "swiglu_forward_f32",
-            "swiglu_forward_bf16",
-            "swiglu_forward_f16",
-            "swiglu_backward_f32",
-            "swiglu_backward_bf16",
-            "swiglu_backward_f16",
-            "add_assign_f32",
-            "add_assign_bf16",
-            "add_assign_f16",
-            "dropout_f32",
-            "dropout_bf16",
-            "dropout_f16",
-            "fill_f32",
-            "fill_bf16",
-            "fill_f16",
-            "add_bias_rows_f32",
-            "add_bias_rows_bf16",
-            "add_bias_rows_f16",
-        ],
-    },
-    KernelSource {
-        file: "norm.cu",
-        code: include_str!("norm.cu"),
-        kernels: &[
-            "layernorm_forward_f32",
-            "layernorm_forward_bf16",
-            "layernorm_forward_f16",
-            "layernorm_backward_f32",
-            "layernorm_backward_bf16",
-            "layernorm_backward_f16",
-            "rmsnorm_forward_f32",
-            "rmsnorm_forward_bf16",
-            "rmsnorm_forward_f16",
-            "rmsnorm_backward_f32",
-            "rmsnorm_backward_bf16",
-            "rmsnorm_backward_f16",
-            "residual_layernorm_forward_f32",
-            "residual_rmsnorm_forward_f32",
-            "layernorm_backward_residual_f32",
-            "rmsnorm_backward_residual_f32",
-            "residual_layernorm_forward_bf16",
-            "residual_rmsnorm_forward_bf16",
-            "layernorm_backward_residual_bf16",
-            "rmsnorm_backward_residual_bf16",
-            "residual_layernorm_forward_f16",
-            "residual_rmsnorm_forward_f16",
-            "layernorm_backward_residual_f16",
-            "rmsnorm_backward_residual_f16",
-            "norm_dparams_finalize",
-        ],
-    },
-    KernelSource {
-        file: "embed.cu",
-        code: include_str!("embed.cu"),
-        kernels: &[
-            "embedding_forward_f32",
-            "embedding_forward_bf16",
-            "embedding_forward_f16",
-            "position_forward_f32",
-            "position_forward_bf16",
-            "position_forward_f16",
-            "embedding_backward_f32",
-            "embedding_backward_bf16",
-            "embedding_backward_f16",
-            "position_backward_f32",
-            "position_backward_bf16",
-            "position_backward_f16",
-        ],
-    },
-    KernelSource {
-        file: "loss.cu",
-        code: include_str!("loss.cu"),
-        kernels: &[
-            "cross_entropy_forward_f32",
-            "cross_entropy_forward_bf16",
-            "cross_entropy_forward_f16",
-            "cross_entropy_backward_f32",
-            "cross_entropy_backward_bf16",
-            "cross_entropy_backward_f16",
-            "cross_entropy_fused_f32",
-            "cross_entropy_fused_bf16",
-            "cross_entropy_fused_f16",
-            "cross_entropy_loss_sum",
-            "argmax_f32",
-            "argmax_bf16",
-            "argmax_f16",
-        ],
-    },
-    KernelSource {
-        file: "rope.cu",
-        code: include_str!("rope.cu"),
-        kernels: &[
-            "rope_f32",
-            "rope_bf16",
-            "rope_f16",
-            "rope_qk_f32",
-            "rope_qk_bf16",
-            "rope_qk_f16",
-        ],
-    },
-    KernelSource {
-        file: "reduce.cu",
-        code: include_str!("reduce.cu"),
-        kernels: &[
-            "cast_f32_to_bf16",
-            "cast_f32_to_f16",
-            "cast_bf16_to_f32",
-            "cast_f16_to_f32",
-            "cast_bf16_to_f16",
-            "cast_f16_to_bf16",
-            "max_assign_f32",
-            "div_f32",
-            "unscale_f32",
-            "unscale_bf16",
-            "unscale_f16",
-            "sum_squares_f32",
-            "sum_squares_bf16",
-            "sum_squares_f16",
-            "sum_squares_f32_as_bf16",
-            "sum_squares_f32_as_f16",
-            "sum_squares_finalize",
-            "colsum_partial_f32",
-            "colsum_partial_bf16",
-            "colsum_partial_f16",
-            "colsum_finalize",
-        ],
-    },
-    KernelSource {
-        file: "optim.cu",
-        code: include_str!("optim.cu"),
-        kernels: &[
-            "lamb_moments",
-            "adam_multi_f32",
-            "adam_multi_bf16",
-            "adam_multi_f16",
-            "sgd_multi_f32",
-            "sgd_multi_bf16",
-            "sgd_multi_f16",
-            "lion_multi_f32",
-            "lion_multi_bf16",
-            "lion_multi_f16",
-            "adam_bf16_state",
-            "sgd_bf16_state",
-            "lion_bf16_state",
-            "lamb_apply_f32",
-            "lamb_apply_bf16",
-            "lamb_apply_f16",
-            "clip_grad_scale",
-        ],
-    },
-    KernelSource {
-        file: "attention.cu",
-        code: include_str!("attention.cu"),
-        kernels: &[
-            "attention_forward_d32_f32",
-            "attention_forward_d32_bf16",
-            "attention_forward_d32_f16",
-            "attention_forward_d64_f32",
-            "attention_forward_d64_bf16",
-            "attention_forward_d64_f16",
-            "attention_forward_d96_f32",
-            "attention_forward_d96_bf16",
-            "attention_forward_d96_f16",
-            "attention_forward_d128_f32",
-            "attention_forward_d128_bf16",
-            "attention_forward_d128_f16",
-            "attention_bwd_dot_f32",
-            "attention_bwd_dot_bf16",
-            "attention_bwd_dot_f16",
-            "attention_bwd_dkdv_d32_f32",
-            "attention_bwd_dkdv_d32_bf16",
-            "attention_bwd_dkdv_d32_f16",
-            "attention_bwd_dkdv_d64_f32",
-            "attention_bwd_dkdv_d64_bf16",
-            "attention_bwd_dkdv_d64_f16",
-            "attention_bwd_dkdv_d96_f32",
-            "attention_bwd_dkdv_d96_bf16",
-            "attention_bwd_dkdv_d96_f16",
-            "attention_bwd_dkdv_d128_f32",
-            "attention_bwd_dkdv_d128_bf16",
-            "attention_bwd_dkdv_d128_f16",
-            "attention_bwd_dq_d32_f32",
-            "attention_bwd_dq_d32_bf16",
-            "attention_bwd_dq_d32_f16",
-            "attention_bwd_dq_d64_f32",
-            "attention_bwd_dq_d64_bf16",
-            "attention_bwd_dq_d64_f16",
-            "attention_bwd_dq_d96_f32",
-            "attention_bwd_dq_d96_bf16",
-            "attention_bwd_dq_d96_f16",
-            "attention_bwd_dq_d128_f32",
-            "attention_bwd_dq_d128_bf16",
-            "attention_bwd_dq_d128_f16",
-        ],
-    },
-    KernelSource {
-        file: "quant.cu",
-        code: include_str!("quant.cu"),
-        kernels: &[
-            "quantize_f32",
-            "quantize_bf16",
-            "quantize_f16",
-            "dequantize_f32",
-            "dequantize_bf16",
-            "dequantize_f16",
-        ],
-    },
+    source!("elementwise.cu":
+        "gelu_forward" *, "gelu_backward" *, "swiglu_forward" *, "swiglu_backward" *,
+        "add_assign" *, "dropout" *, "fill" *, "add_bias_rows" *),
+    source!("norm.cu":
+        "layernorm_forward" *, "layernorm_backward" *, "rmsnorm_forward" *, "rmsnorm_backward" *,
+        ["residual_layernorm_forward", "residual_rmsnorm_forward",
+            "layernorm_backward_residual", "rmsnorm_backward_residual"] *,
+        "norm_dparams_finalize"),
+    source!("embed.cu":
+        "embedding_forward" *, "position_forward" *, "embedding_backward" *,
+        "position_backward" *),
+    source!("loss.cu":
+        "cross_entropy_forward" *, "cross_entropy_backward" *, "cross_entropy_fused" *,
+        "cross_entropy_loss_sum", "argmax" *),
+    source!("rope.cu": "rope" *, "rope_qk" *),
+    source!("reduce.cu":
+        "cast_f32_to_bf16", "cast_f32_to_f16", "cast_bf16_to_f32", "cast_f16_to_f32",
+        "cast_bf16_to_f16", "cast_f16_to_bf16", "max_assign_f32", "div_f32", "unscale" *,
+        "sum_squares" *, "sum_squares_f32_as_bf16", "sum_squares_f32_as_f16",
+        "sum_squares_finalize", "colsum_partial" *, "colsum_finalize"),
+    source!("optim.cu":
+        "lamb_moments", "adam_multi" *, "sgd_multi" *, "lion_multi" *, "adam_bf16_state",
+        "sgd_bf16_state", "lion_bf16_state", "lamb_apply" *, "clip_grad_scale"),
+    source!("attention.cu":
+        "attention_forward_d32" *, "attention_forward_d64" *, "attention_forward_d96" *,
+        "attention_forward_d128" *, "attention_bwd_dot" *, "attention_bwd_dkdv_d32" *,
+        "attention_bwd_dkdv_d64" *, "attention_bwd_dkdv_d96" *, "attention_bwd_dkdv_d128" *,
+        "attention_bwd_dq_d32" *, "attention_bwd_dq_d64" *, "attention_bwd_dq_d96" *,
+        "attention_bwd_dq_d128" *),
+    source!("quant.cu": "quantize" *, "dequantize" *),
 ];
 
 /// The text handed to NVRTC or to the emulator's compiler: the prelude, a `#line 1 "<file>"`, the code.
