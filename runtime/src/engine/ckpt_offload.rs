@@ -19,7 +19,7 @@
 //!
 //! The ledger counts the same on every device (the CPU rehearses a GPU's budget): the input in
 //! host memory from its forward to its recompute, and on the device from its upload ahead to
-//! its recompute; the estimator's replay mirrors both.
+//! its recompute; the estimate reads both from a size-only run of this code.
 
 use super::ledger::{Category, Ledger, Location};
 use crate::backend::{Backend, Stream};

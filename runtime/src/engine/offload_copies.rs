@@ -82,8 +82,8 @@ impl Landing {
 
 /// The staging memory of the last [`rules::UPLOADS_IN_FLIGHT`] groups' parameter uploads,
 /// oldest first, shared by every thread that steps groups (the engine's and the optimizer
-/// lane's). The estimator's replay gives staging back at the same points
-/// (`estimate/replay/page_locked.rs`).
+/// lane's). The second step holds what the first leaves here, which is why the estimate
+/// measures two.
 #[derive(Debug, Default)]
 pub struct UploadWindow {
     held: Mutex<VecDeque<Copies>>,

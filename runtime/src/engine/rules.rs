@@ -1,9 +1,8 @@
 //! The engine's memory-shaping decisions as pure functions of the config and sizes.
 //!
-//! Invariant: the estimator's replay (`estimate/replay.rs`) and the engine (`core.rs`,
-//! `build.rs`, `overlap.rs`) call these same functions, never a copy, so the buffers the
-//! estimator prices are the buffers the engine makes. Each takes sizes rather than engine
-//! state, because the replay has only the layout arithmetic, no buffers.
+//! The engine (`core.rs`, `build.rs`, `overlap.rs`) and the estimate's report (the NVMe tile
+//! pool and the locked bytes) call these same functions, never a copy. Each takes sizes
+//! rather than engine state, so a caller needs only the layout arithmetic, no buffers.
 
 use ferrozero_config::resolved::{OffloadTarget, ResolvedConfig};
 
@@ -38,7 +37,7 @@ pub fn ckpt_location(cfg: &ResolvedConfig) -> Location {
 pub const CHECKPOINTS_AHEAD: usize = 1;
 
 /// The unit whose host checkpoint starts coming up to the device when unit `unit`'s backward
-/// starts (`Checkpoints::ahead`, and the replay's): [`CHECKPOINTS_AHEAD`] units below;
+/// starts (`Checkpoints::ahead`): [`CHECKPOINTS_AHEAD`] units below;
 /// `None` near the bottom or below `floor` ([`crate::nn::Model::backward_floor`]: no
 /// backward there, so no checkpoint was left).
 pub fn checkpoint_up_with(unit: usize, floor: usize) -> Option<usize> {
